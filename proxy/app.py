@@ -1,0 +1,127 @@
+"""The application factory: typed app state, resources opened in ``cleanup_ctx``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from proxy.config import Config
+from proxy.errors import ApiError, api_error_response, error_response
+from proxy.redis_store import RedisStore
+from proxy.store import Store
+from proxy.tokenizer import Tokenizer, encoding_for_model
+
+log = logging.getLogger("proxy.app")
+
+
+@dataclass(slots=True)
+class State:
+    """What handlers read. ``config`` is swapped whole on reload; nothing else mutates."""
+
+    config: Config
+    passthrough: bool
+    tokenizer: Tokenizer
+    store: Store | None = None
+    session: aiohttp.ClientSession | None = None
+    ready: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+STATE = web.AppKey("state", State)
+
+StoreFactory = Callable[[Config], Store]
+
+
+def default_store_factory(config: Config) -> Store:
+    assert config.redis.url is not None, "serve resolves the embedded store before building the app"
+    return RedisStore.from_url(
+        config.redis.url, pool_size=config.redis.pool_size, socket_timeout_s=config.redis.socket_timeout_s
+    )
+
+
+def encodings_in(config: Config) -> set[str]:
+    names = {encoding_for_model(pattern, model.encoding) for pattern, model in config.models.items()}
+    return names | {"o200k_base", "cl100k_base"}
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], object]
+) -> web.StreamResponse:
+    """Every error leaves in OpenAI's format; no stack trace ever reaches a client."""
+    try:
+        response = await handler(request)  # type: ignore[misc]
+        assert isinstance(response, web.StreamResponse)
+        return response
+    except ApiError as err:
+        return api_error_response(err)
+    except web.HTTPException as err:
+        if err.status == 404:
+            return error_response(
+                404,
+                f"Unknown endpoint {request.method} {request.path}: this proxy forwards only calls it "
+                "can bill.",
+                "invalid_request_error",
+                code="unknown_url",
+            )
+        if err.status == 405:
+            return error_response(
+                405,
+                f"Method {request.method} is not allowed on {request.path}.",
+                "invalid_request_error",
+                code="method_not_allowed",
+            )
+        if err.status == 413:
+            return error_response(
+                413, "The request body is too large.", "invalid_request_error", code="body_too_large"
+            )
+        return error_response(err.status, err.reason, "invalid_request_error")
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path})
+        return error_response(
+            500, "Internal proxy error; the call was not forwarded or was settled.", "server_error"
+        )
+
+
+def build_app(
+    config: Config,
+    *,
+    passthrough: bool = False,
+    tokenizer: Tokenizer | None = None,
+    store_factory: StoreFactory = default_store_factory,
+) -> web.Application:
+    from proxy.handlers import add_routes
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
+    state = State(
+        config=config,
+        passthrough=passthrough,
+        tokenizer=tokenizer if tokenizer is not None else Tokenizer.load(encodings_in(config)),
+    )
+    app[STATE] = state
+
+    async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        store = store_factory(config)
+        state.store = store
+        try:
+            await store.ping()
+            state.ready = True
+        except Exception as err:  # the readiness probe reports it; calls get 503
+            log.error("store unreachable at start", extra={"error": str(err)})
+        yield
+        await store.close()
+
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        state.session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+        yield
+        await state.session.close()
+
+    app.cleanup_ctx.append(store_ctx)
+    app.cleanup_ctx.append(session_ctx)
+    add_routes(app)
+    return app

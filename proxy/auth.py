@@ -1,0 +1,62 @@
+"""Authenticate a caller: proxy key -> tenant, tier and key name.
+
+Keys live in config as SHA-256 digests. The digest of the presented key is compared against
+every configured digest in constant time, so timing tells nothing about which prefix matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.config import Config
+from proxy.errors import Forbidden, Unauthorized
+
+PASSTHROUGH_TIER = "standard"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Identity:
+    tenant: str
+    tier: str
+    key_name: str
+    # Only in pass-through mode: the caller's own key, sent upstream as is.
+    upstream_key: str | None = None
+
+
+def presented_key(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    api_key = request.headers.get("x-api-key", "").strip()
+    return api_key or None
+
+
+def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> Identity:
+    key = presented_key(request)
+    if key is None:
+        raise Unauthorized(
+            "Missing API key: send your proxy key as 'Authorization: Bearer <key>'.",
+        )
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    if passthrough:
+        return Identity(
+            tenant=f"pt-{digest[:12]}", tier=PASSTHROUGH_TIER, key_name=f"pt-{digest[:12]}", upstream_key=key
+        )
+    match = None
+    for known, key_config in config.key_digests:
+        # No early exit: every digest is compared whatever matches.
+        if hmac.compare_digest(known, digest):
+            match = key_config
+    if match is None:
+        raise Unauthorized("Incorrect API key provided.")
+    if match.tier not in config.tiers:
+        raise Forbidden(
+            f"API key '{match.name}' has tier '{match.tier}', which is not configured; refusing the call.",
+            code="unknown_tier",
+        )
+    return Identity(tenant=match.tenant, tier=match.tier, key_name=match.name)

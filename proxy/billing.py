@@ -1,0 +1,202 @@
+"""Reserve before the call, settle after it: the two store steps of the billing path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from proxy.call import Call
+from proxy.config import Config
+from proxy.errors import BudgetExceeded
+from proxy.outcome import BilledUsage, Outcome
+from proxy.pricing import cost_micros
+from proxy.scopes import scopes_for
+from proxy.store import Refusal, Reservation, Store
+
+log = logging.getLogger("proxy.billing")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settlement:
+    outcome: Outcome
+    usage: BilledUsage
+    cost_micros: int
+    entry_id: str | None
+    finish_reasons: str
+
+
+def lease_ms(call: Call, config: Config) -> int:
+    return int((call.upstream.timeout_s + config.limits.lease_margin_s) * 1000)
+
+
+def _refusal_error(refusal: Refusal, config: Config) -> BudgetExceeded:
+    scope = refusal.scope
+    needed = refusal.amount
+    message = (
+        f"Budget exceeded: scope '{scope.name}', meter '{refusal.meter}', ceiling {refusal.ceiling}, "
+        f"used {refusal.used}, reserved {refusal.reserved}, this request needs {needed}."
+    )
+    headers = {
+        "x-should-retry": "false",
+        "x-billing-refused-meter": refusal.meter,
+        "x-billing-refused-scope": scope.name,
+    }
+    if scope.resets_at_s is not None:
+        headers["retry-after"] = str(max(1, scope.resets_at_s - int(time.time())))
+    return BudgetExceeded(message, headers=headers)
+
+
+async def reserve(store: Store, call: Call, config: Config) -> Reservation:
+    """Reserve the worst case against every scope, all or nothing; raise when it does not fit."""
+    tier = config.tiers.get(call.identity.tier)
+    scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC))
+    est = call.estimate
+    amounts = {
+        "requests": 1,
+        "input_tokens": est.input_tokens,
+        "output_tokens": est.output_tokens,
+        "total_tokens": est.input_tokens + est.output_tokens,
+        "cost_micros": cost_micros(
+            call.rates, input_tokens=est.input_tokens, output_tokens=est.output_tokens
+        ),
+        "concurrent": 1,
+    }
+    record = json.dumps(
+        {
+            "request_id": call.request_id,
+            "run_id": call.run_id,
+            "key": call.identity.key_name,
+            "endpoint": call.endpoint,
+            "model": call.model,
+            "upstream": call.upstream_name,
+            "stream": call.stream,
+            "time_ms": call.started_wall_ms,
+        },
+        separators=(",", ":"),
+    )
+    result = await store.reserve(
+        tenant=call.identity.tenant,
+        reservation_id=call.reservation_id,
+        run_id=call.run_id,
+        scopes=scopes,
+        amounts=amounts,
+        lease_ms=lease_ms(call, config),
+        record=record,
+    )
+    if isinstance(result, Refusal):
+        raise _refusal_error(result, config)
+    call.reservation = result
+    return result
+
+
+def entry_fields(
+    call: Call, outcome: Outcome, usage: BilledUsage, cost: int, finish_reasons: str
+) -> dict[str, str]:
+    now = time.monotonic()
+    ttft_ms = "" if call.first_token_at is None else str(int((call.first_token_at - call.started_at) * 1000))
+    overshoot = max(
+        0, usage.input_tokens + usage.output_tokens - call.reserved_input_tokens - call.reserved_output_tokens
+    )
+    return {
+        "request_id": call.request_id,
+        "reservation_id": call.reservation_id,
+        "time_ms": str(call.started_wall_ms),
+        "tenant": call.identity.tenant,
+        "key": call.identity.key_name,
+        "run_id": call.run_id,
+        "endpoint": call.endpoint,
+        "model": call.model,
+        "upstream": call.upstream_name,
+        "stream": "1" if call.stream else "0",
+        "outcome": outcome.label,
+        "finish_reasons": finish_reasons,
+        "input_tokens": str(usage.input_tokens),
+        "cached_input_tokens": str(usage.cached_input_tokens),
+        "output_tokens": str(usage.output_tokens),
+        "reasoning_tokens": str(usage.reasoning_tokens),
+        "total_tokens": str(usage.total_tokens),
+        "usage_source": usage.source,
+        "cost_micros": str(cost),
+        "reserved_input_tokens": str(call.reserved_input_tokens),
+        "reserved_output_tokens": str(call.reserved_output_tokens),
+        "overshoot_tokens": str(overshoot),
+        "clamped": "1" if call.clamped else "0",
+        "upstream_status": str(call.upstream_status),
+        "latency_ms": str(int((now - call.started_at) * 1000)),
+        "ttft_ms": ttft_ms,
+    }
+
+
+async def settle(
+    store: Store, call: Call, outcome: Outcome, usage: BilledUsage, finish_reasons: dict[int, str]
+) -> Settlement:
+    """Replace the reserve by the actual figures and append the ledger entry, exactly once.
+
+    Shielded: a handler cancelled mid-settle (client gone, shutdown) still settles.
+    """
+    reservation = call.reservation
+    assert reservation is not None, "settle without reserve"
+    cost = cost_micros(
+        call.rates,
+        input_tokens=usage.input_tokens,
+        cached_input_tokens=usage.cached_input_tokens,
+        output_tokens=usage.output_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+    )
+    reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
+    entry = entry_fields(call, outcome, usage, cost, reasons)
+    actual = {
+        "requests": 1,
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+        "cost_micros": cost,
+        "cached_input_tokens": usage.cached_input_tokens,
+        "reasoning_tokens": usage.reasoning_tokens,
+    }
+    task = asyncio.ensure_future(
+        store.settle(
+            tenant=reservation.tenant,
+            reservation_id=reservation.id,
+            run_id=reservation.run_id,
+            scope_keys=[s.key for s in reservation.scopes],
+            actual=actual,
+            entry=entry,
+        )
+    )
+    entry_id = await asyncio.shield(task)
+    log.info("call settled", extra={"entry": entry})
+    return Settlement(
+        outcome=outcome, usage=usage, cost_micros=cost, entry_id=entry_id, finish_reasons=reasons
+    )
+
+
+def billing_headers(call: Call, settlement: Settlement) -> dict[str, str]:
+    return {
+        "x-billing-outcome": settlement.outcome.label,
+        "x-billing-input-tokens": str(settlement.usage.input_tokens),
+        "x-billing-output-tokens": str(settlement.usage.output_tokens),
+        "x-billing-usage-source": settlement.usage.source,
+        "x-billing-cost-micros": str(settlement.cost_micros),
+        "x-billing-run-id": call.run_id,
+    }
+
+
+def billing_comment(call: Call, settlement: Settlement) -> bytes:
+    """An SSE comment SDKs ignore, carrying the tag a non-streaming call gets as headers."""
+    payload = {
+        "request_id": call.request_id,
+        "run_id": call.run_id,
+        "outcome": settlement.outcome.label,
+        "input_tokens": settlement.usage.input_tokens,
+        "cached_input_tokens": settlement.usage.cached_input_tokens,
+        "output_tokens": settlement.usage.output_tokens,
+        "reasoning_tokens": settlement.usage.reasoning_tokens,
+        "usage_source": settlement.usage.source,
+        "cost_micros": settlement.cost_micros,
+    }
+    return b": billing " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

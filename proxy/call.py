@@ -1,0 +1,134 @@
+"""One billed call: what is known before forwarding (the plan) and what happens to it after."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from proxy.auth import Identity
+from proxy.config import Config, PolicyConfig, UpstreamConfig
+from proxy.errors import BadRequest, NotFound
+from proxy.estimate import Estimate, estimate
+from proxy.payload import ChatBody, CompletionBody, EmbeddingBody, Endpoint
+from proxy.store import Reservation
+from proxy.tokenizer import Tokenizer, encoding_for_model
+
+SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_for(request: web.Request) -> str:
+    """Echo the client's request id when it is sane, else make one."""
+    sent = request.headers.get("x-request-id", "")
+    return sent if SANE_ID.fullmatch(sent) else f"req_{uuid.uuid4().hex}"
+
+
+def run_id_for(request: web.Request, request_id: str) -> str:
+    """The run a call belongs to; a call without ``X-Run-Id`` is a run of its own."""
+    sent = request.headers.get("x-run-id")
+    if sent is None:
+        return request_id
+    if not SANE_ID.fullmatch(sent):
+        raise BadRequest(
+            "Invalid X-Run-Id: use 1 to 128 letters, digits, '.', '_', ':' or '-'.", param="X-Run-Id"
+        )
+    return sent
+
+
+@dataclass(slots=True, kw_only=True)
+class Call:
+    request_id: str
+    reservation_id: str
+    identity: Identity
+    run_id: str
+    endpoint: Endpoint
+    model: str
+    model_pattern: str
+    upstream_name: str
+    upstream: UpstreamConfig
+    encoding: str
+    stream: bool
+    client_wants_usage: bool
+    json_mode: bool
+    policy: PolicyConfig
+    rates: dict[str, int] | None
+    estimate: Estimate
+    body: dict[str, Any]
+    started_at: float = field(default_factory=time.monotonic)
+    started_wall_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    reservation: Reservation | None = None
+    upstream_status: int = 0
+    first_token_at: float | None = None
+    clamped: bool = False
+
+    @property
+    def reserved_input_tokens(self) -> int:
+        return self.estimate.input_tokens
+
+    @property
+    def reserved_output_tokens(self) -> int:
+        return self.estimate.output_tokens
+
+
+def plan_call(
+    *,
+    request_id: str,
+    identity: Identity,
+    run_id: str,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    view: ChatBody | CompletionBody | EmbeddingBody,
+    config: Config,
+    tokenizer: Tokenizer,
+) -> Call:
+    """Route the model and estimate the worst case; set the fields the proxy must set."""
+    routed = config.route(view.model)
+    if routed is None:
+        raise NotFound(
+            f"The model '{view.model}' is not served by this proxy.", param="model", code="model_not_found"
+        )
+    pattern, model_config = routed
+    upstream = config.upstreams[model_config.upstream]
+    encoding = encoding_for_model(view.model, model_config.encoding)
+    est = estimate(
+        endpoint,
+        view,
+        encoding=encoding,
+        tokenizer=tokenizer,
+        model_max_output_tokens=model_config.max_output_tokens,
+        default_max_output_tokens=config.limits.default_max_output_tokens,
+    )
+    stream = bool(getattr(view, "stream", False))
+    client_wants_usage = False
+    if stream:
+        options = body.get("stream_options")
+        client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        # Real figures first: always ask the provider for the usage chunk.
+        body["stream_options"] = {**(options or {}), "include_usage": True}
+    json_mode = False
+    if isinstance(view, ChatBody) and view.response_format is not None:
+        json_mode = view.response_format.get("type") in ("json_object", "json_schema")
+    price = model_config.price_per_million
+    return Call(
+        request_id=request_id,
+        reservation_id=uuid.uuid4().hex,
+        identity=identity,
+        run_id=run_id,
+        endpoint=endpoint,
+        model=view.model,
+        model_pattern=pattern,
+        upstream_name=model_config.upstream,
+        upstream=upstream,
+        encoding=encoding,
+        stream=stream,
+        client_wants_usage=client_wants_usage,
+        json_mode=json_mode,
+        policy=config.policy_for(identity.tier),
+        rates=price.micros_per_million() if price else None,
+        estimate=est,
+        body=body,
+    )

@@ -1,0 +1,179 @@
+"""``llm-billing-proxy``: serve, check-config, ledger."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from aiohttp import web
+
+from proxy.config import Config, load_config, passthrough_config
+from proxy.errors import ConfigError, StoreError
+from proxy.logs import setup_logging
+from proxy.redis_server import RedisServerProcess
+
+log = logging.getLogger("proxy.cli")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-billing-proxy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("--config", type=Path, help="YAML config file")
+    serve.add_argument(
+        "--upstream",
+        help="zero-config: serve every model from this upstream URL, passing the caller's key through",
+    )
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--redis-url", default=None, help="use this Redis instead of the embedded one")
+
+    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("file", type=Path)
+
+    ledger = sub.add_parser("ledger", help="export ledger entries")
+    ledger.add_argument("--config", type=Path)
+    ledger.add_argument("--redis-url", default=None)
+    ledger.add_argument("--tenant", required=True)
+    ledger.add_argument("--run", default=None)
+    ledger.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
+    return parser
+
+
+def _config_for(args: argparse.Namespace) -> Config:
+    if getattr(args, "upstream", None):
+        if args.config:
+            raise ConfigError("give either --config or --upstream, not both")
+        return passthrough_config(
+            args.upstream, host=args.host or "127.0.0.1", port=args.port or 8080, redis_url=args.redis_url
+        )
+    if not args.config:
+        raise ConfigError("give --config FILE (or --upstream URL for a zero-config start)")
+    config = load_config(args.config)
+    updates: dict[str, object] = {}
+    if getattr(args, "host", None) or getattr(args, "port", None) is not None:
+        updates["listen"] = config.listen.model_copy(
+            update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        )
+    if args.redis_url:
+        updates["redis"] = config.redis.model_copy(update={"url": args.redis_url})
+    return config.model_copy(update=updates) if updates else config
+
+
+@contextmanager
+def store_url(config: Config, *, purpose: str) -> Iterator[Config]:
+    """The config with a Redis URL: the configured one, or an embedded child server."""
+    if config.redis.url is not None:
+        yield config
+        return
+    server = RedisServerProcess(config.redis.data_dir.resolve())
+    if server.answers_ping():  # another proxy on the same data directory is running it
+        yield config.model_copy(update={"redis": config.redis.model_copy(update={"url": server.url})})
+        return
+    server.start()
+    log.info(
+        "started embedded redis-server",
+        extra={
+            "binary": server.binary,
+            "socket": str(server.socket_path),
+            "data_dir": str(server.data_dir),
+            "for": purpose,
+        },
+    )
+    try:
+        yield config.model_copy(update={"redis": config.redis.model_copy(update={"url": server.url})})
+    finally:
+        server.stop()
+        log.info("stopped embedded redis-server")
+
+
+def serve(args: argparse.Namespace) -> int:
+    from proxy.app import build_app
+
+    config = _config_for(args)
+    setup_logging(config.log.level, config.log.format)
+    with store_url(config, purpose="serve") as config:
+        app = build_app(config, passthrough=bool(args.upstream))
+        log.info(
+            "listening",
+            extra={
+                "host": config.listen.host,
+                "port": config.listen.port,
+                "mode": "passthrough" if args.upstream else "config",
+            },
+        )
+        web.run_app(app, host=config.listen.host, port=config.listen.port, print=None, access_log=None)
+    return 0
+
+
+def check_config(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    print(
+        f"{args.file}: ok ({len(config.upstreams)} upstreams, {len(config.models)} models, "
+        f"{len(config.keys)} keys, {len(config.tiers)} tiers)"
+    )
+    return 0
+
+
+async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> None:
+    from proxy.redis_store import RedisStore
+
+    assert config.redis.url is not None
+    store = RedisStore.from_url(config.redis.url, cluster=config.redis.cluster)
+    try:
+        if run is not None:
+            rows = await store.run_ledger(tenant=tenant, run_id=run)
+        else:
+            rows = [{"id": i, **fields} for i, fields in await store.ledger(tenant=tenant)]
+    finally:
+        await store.close()
+    if fmt == "jsonl":
+        for row in rows:
+            sys.stdout.write(json.dumps(row, separators=(",", ":")) + "\n")
+        return
+    columns: list[str] = []
+    for row in rows:
+        columns += [c for c in row if c not in columns]
+    writer = csv.DictWriter(sys.stdout, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def ledger(args: argparse.Namespace) -> int:
+    if args.config:
+        config = load_config(args.config)
+    elif args.redis_url:
+        config = passthrough_config("http://unused.invalid", host="127.0.0.1", port=0, redis_url=None)
+    else:
+        raise ConfigError("give --config FILE or --redis-url URL")
+    if args.redis_url:
+        config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": args.redis_url})})
+    setup_logging("warning", "text")
+    with store_url(config, purpose="ledger") as config:
+        asyncio.run(_export(config, args.tenant, args.run, args.format))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {"serve": serve, "check-config": check_config, "ledger": ledger}
+    try:
+        return commands[args.command](args)
+    except ConfigError as err:
+        print(f"llm-billing-proxy: {err}", file=sys.stderr)
+        return 2
+    except StoreError as err:
+        print(f"llm-billing-proxy: store error: {err}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""Configuration: the one place that reads the YAML file and the environment.
+
+Everything here is a frozen pydantic model. ``load_config`` is called at start and on reload;
+the resulting ``Config`` is passed down explicitly. Secrets named by ``*_env`` fields are read
+from the environment here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from proxy.errors import ConfigError
+
+MICROS_PER_UNIT = 1_000_000
+METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")
+Period = Literal["minute", "hour", "day", "month"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ListenConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+
+class RedisConfig(_Frozen):
+    url: str | None = None
+    cluster: bool = False
+    # The embedded default keeps its data (AOF) here.
+    data_dir: Path = Path(".llm-billing-proxy/redis")
+    pool_size: int = Field(default=64, ge=1)
+    socket_timeout_s: float = Field(default=5.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^(redis|rediss|unix)://", value):
+            raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)")
+        return value
+
+
+class UpstreamConfig(_Frozen):
+    base_url: str
+    api_key_env: str | None = None
+    api_key: SecretStr | None = Field(default=None, exclude=True)
+    timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    # Pass the caller's own bearer key upstream (the zero-config ``--upstream`` mode).
+    passthrough_auth: bool = False
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError("invalid URL")
+        return value.rstrip("/")
+
+
+class PricePerMillion(_Frozen):
+    """Prices in the operator's currency per million tokens; stored exactly as decimals."""
+
+    input: Decimal = Field(ge=0)
+    output: Decimal = Field(ge=0)
+    cached_input: Decimal | None = Field(default=None, ge=0)
+    reasoning: Decimal | None = Field(default=None, ge=0)
+
+    def micros_per_million(self) -> dict[str, int]:
+        def micros(price: Decimal) -> int:
+            scaled = price * MICROS_PER_UNIT
+            if scaled != scaled.to_integral_value():
+                raise ValueError("prices are limited to 6 decimal places per million tokens")
+            return int(scaled)
+
+        return {
+            "input": micros(self.input),
+            "cached_input": micros(self.cached_input if self.cached_input is not None else self.input),
+            "output": micros(self.output),
+            "reasoning": micros(self.reasoning if self.reasoning is not None else self.output),
+        }
+
+    @model_validator(mode="after")
+    def _six_places(self) -> PricePerMillion:
+        self.micros_per_million()
+        return self
+
+
+class ModelConfig(_Frozen):
+    upstream: str
+    encoding: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    price_per_million: PricePerMillion | None = None
+
+
+class KeyConfig(_Frozen):
+    name: str
+    sha256: str | None = None
+    key_env: str | None = None
+    tenant: str
+    tier: str = "standard"
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+            raise ValueError("must be a 64-character hex SHA-256 digest")
+        return value.lower() if value else value
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
+            raise ValueError("tenant names use letters, digits, '.', '_' and '-' (at most 64)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KeyConfig:
+        if (self.sha256 is None) == (self.key_env is None):
+            raise ValueError("give exactly one of sha256 or key_env")
+        return self
+
+
+class PolicyConfig(_Frozen):
+    on_truncate: Literal["pass", "reject"] = "pass"
+    on_invalid_json: Literal["pass", "reject"] = "pass"
+    on_client_disconnect: Literal["drain", "cancel"] = "drain"
+
+
+class PolicyOverride(_Frozen):
+    on_truncate: Literal["pass", "reject"] | None = None
+    on_invalid_json: Literal["pass", "reject"] | None = None
+    on_client_disconnect: Literal["drain", "cancel"] | None = None
+
+
+class Ceilings(_Frozen):
+    """Ceilings of one scope; an absent field is unlimited (the meter still accumulates)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    requests: int | None = Field(default=None, ge=0)
+    input_tokens: int | None = Field(default=None, ge=0)
+    output_tokens: int | None = Field(default=None, ge=0)
+    total_tokens: int | None = Field(default=None, ge=0)
+    cost: Decimal | None = Field(default=None, ge=0, alias="cost_usd")
+    concurrent: int | None = Field(default=None, ge=0)
+
+    def as_meters(self) -> dict[str, int]:
+        """Ceilings keyed by meter name, integers only (cost in micro-units)."""
+        out: dict[str, int] = {}
+        for meter in ("requests", "input_tokens", "output_tokens", "total_tokens", "concurrent"):
+            value = getattr(self, meter)
+            if value is not None:
+                out[meter] = int(value)
+        if self.cost is not None:
+            out["cost_micros"] = int(self.cost * MICROS_PER_UNIT)
+        return out
+
+
+class WindowCeilings(Ceilings):
+    period: Period
+
+
+class TierConfig(_Frozen):
+    run: Ceilings = Ceilings()
+    windows: tuple[WindowCeilings, ...] = ()
+    tenant: tuple[WindowCeilings, ...] = ()
+    policy: PolicyOverride = PolicyOverride()
+    on_budget_short: Literal["refuse", "clamp"] = "refuse"
+    min_output_tokens: int = Field(default=1, ge=1)
+
+
+class LimitsConfig(_Frozen):
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Reserved for output when neither the request nor the model config caps it.
+    default_max_output_tokens: int = Field(default=4096, ge=1)
+    lease_margin_s: float = Field(default=30.0, gt=0)
+    reaper_interval_s: float = Field(default=5.0, gt=0)
+
+
+class LogConfig(_Frozen):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "text"] = "json"
+
+
+class Config(_Frozen):
+    listen: ListenConfig = ListenConfig()
+    log: LogConfig = LogConfig()
+    redis: RedisConfig = RedisConfig()
+    upstreams: dict[str, UpstreamConfig]
+    models: dict[str, ModelConfig] = Field(default_factory=lambda: {"*": ModelConfig(upstream="openai")})
+    keys: tuple[KeyConfig, ...] = ()
+    policy: PolicyConfig = PolicyConfig()
+    tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"standard": TierConfig()})
+    limits: LimitsConfig = LimitsConfig()
+    currency: str = "USD"
+    # Secrets resolved at load time: sha256 digests of keys given by env var.
+    key_digests: tuple[tuple[str, KeyConfig], ...] = Field(default=(), exclude=True)
+
+    @model_validator(mode="after")
+    def _references(self) -> Config:
+        for pattern, model in self.models.items():
+            if model.upstream not in self.upstreams:
+                raise ValueError(f"models.{pattern}.upstream: unknown upstream {model.upstream!r}")
+        names = [key.name for key in self.keys]
+        if len(names) != len(set(names)):
+            raise ValueError("keys: names must be unique")
+        return self
+
+    def route(self, model: str) -> tuple[str, ModelConfig] | None:
+        """The config entry for a model: an exact name first, then globs in file order."""
+        if model in self.models:
+            return model, self.models[model]
+        for pattern, entry in self.models.items():
+            if fnmatch.fnmatchcase(model, pattern):
+                return pattern, entry
+        return None
+
+    def policy_for(self, tier: str) -> PolicyConfig:
+        override = self.tiers[tier].policy if tier in self.tiers else PolicyOverride()
+        changes = {k: v for k, v in override.model_dump().items() if v is not None}
+        return self.policy.model_copy(update=changes) if changes else self.policy
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "config"
+        message = str(item["msg"]).removeprefix("Value error, ")
+        lines.append(f"{where}: {message}")
+    return "; ".join(lines)
+
+
+def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
+    """Validate a parsed YAML document and resolve the secrets it names from ``environ``."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("config: the top level must be a mapping")
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+    upstreams = {}
+    for name, upstream in config.upstreams.items():
+        key = environ.get(upstream.api_key_env) if upstream.api_key_env else None
+        upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
+    digests = []
+    for key_config in config.keys:
+        if key_config.key_env is not None:
+            plain = environ.get(key_config.key_env)
+            if not plain:
+                raise ConfigError(
+                    f"keys.{key_config.name}.key_env: environment variable {key_config.key_env} is not set"
+                )
+            digests.append((hashlib.sha256(plain.encode()).hexdigest(), key_config))
+        else:
+            assert key_config.sha256 is not None
+            digests.append((key_config.sha256, key_config))
+    return config.model_copy(update={"upstreams": upstreams, "key_digests": tuple(digests)})
+
+
+def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    return parse_config(raw, os.environ if environ is None else environ)
+
+
+def passthrough_config(upstream_url: str, *, host: str, port: int, redis_url: str | None) -> Config:
+    """Zero-config mode: every model goes to one upstream with the caller's own key."""
+    raw = {
+        "listen": {"host": host, "port": port},
+        "redis": {"url": redis_url},
+        "upstreams": {"default": {"base_url": upstream_url, "passthrough_auth": True}},
+        "models": {"*": {"upstream": "default"}},
+    }
+    return parse_config(raw, {})

@@ -1,0 +1,122 @@
+"""The proxy's exceptions, one small tree::
+
+    ProxyError
+    ├── ConfigError            invalid config file or flags (never reaches a client)
+    ├── StoreError             Redis unreachable or a script failed -> 503
+    └── ApiError               answered to the client in OpenAI's error format
+        ├── BadRequest         400 invalid_request_error
+        ├── Unauthorized       401 invalid_api_key
+        ├── Forbidden          403 permission_denied
+        ├── NotFound           404 not_found
+        ├── PayloadTooLarge    413
+        └── BudgetExceeded     429 insufficient_quota / budget_exceeded
+
+Upstream failures are not exceptions of ours: they are outcomes of a call (see ``outcome``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+class ProxyError(Exception):
+    """Base of every error raised by the proxy itself."""
+
+
+class ConfigError(ProxyError):
+    """The configuration is invalid; the message names the field."""
+
+
+class StoreError(ProxyError):
+    """The store could not be reached or refused a script."""
+
+
+class ApiError(ProxyError):
+    status = 400
+    error_type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+
+class BadRequest(ApiError):
+    status = 400
+
+
+class Unauthorized(ApiError):
+    status = 401
+    code = "invalid_api_key"
+
+
+class Forbidden(ApiError):
+    status = 403
+    error_type = "permission_denied"
+
+
+class NotFound(ApiError):
+    status = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+
+
+class BudgetExceeded(ApiError):
+    status = 429
+    error_type = "insufficient_quota"
+    code = "budget_exceeded"
+
+
+def error_body(message: str, error_type: str, *, param: str | None = None, code: str | None = None) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    ).encode()
+
+
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_body(message, error_type, param=param, code=code),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def api_error_response(err: ApiError) -> web.Response:
+    return error_response(
+        err.status, err.message, err.error_type, param=err.param, code=err.code, headers=err.headers
+    )
+
+
+def store_unavailable_response() -> web.Response:
+    return error_response(
+        503,
+        "The billing store is unavailable; the call was not forwarded.",
+        "service_unavailable",
+        code="store_unavailable",
+        headers={"x-should-retry": "true", "retry-after": "1"},
+    )

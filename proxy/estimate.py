@@ -1,0 +1,85 @@
+"""Estimate a request before it is forwarded: the worst case to reserve.
+
+Input is bounded from above (tiktoken, else UTF-8 bytes); output is the request's own cap, else
+the model's ``max_output_tokens``, else the endpoint's default, times ``n``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from proxy.payload import ChatBody, CompletionBody, EmbeddingBody, Endpoint, message_text
+from proxy.tokenizer import Tokenizer
+
+# Chat formats add a few tokens per message and for priming the reply.
+TOKENS_PER_MESSAGE = 4
+TOKENS_PER_REPLY = 3
+# OpenAI's legacy completions endpoint defaults max_tokens to 16.
+LEGACY_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    prompt_text: str
+    prompt_overhead_tokens: int
+    input_tokens: int  # upper bound, reserved
+    output_tokens: int  # worst case, reserved
+    output_cap_field: str | None  # which request field caps the output, if any
+
+
+def prompt_of(endpoint: Endpoint, view: ChatBody | CompletionBody | EmbeddingBody) -> tuple[str, int, int]:
+    """Text to count, fixed overhead in tokens, and tokens given directly as token ids."""
+    if isinstance(view, ChatBody):
+        text = message_text(view.messages)
+        if view.tools:
+            text += "\n" + json.dumps(view.tools, separators=(",", ":"))
+        return text, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
+    source = view.prompt if isinstance(view, CompletionBody) else view.input
+    if isinstance(source, str):
+        return source, 0, 0
+    texts = [s for s in source if isinstance(s, str)]
+    ids = sum(1 for s in source if isinstance(s, int))
+    ids += sum(len(s) for s in source if isinstance(s, list))
+    return "\n".join(texts), 0, ids
+
+
+def estimate(
+    endpoint: Endpoint,
+    view: ChatBody | CompletionBody | EmbeddingBody,
+    *,
+    encoding: str,
+    tokenizer: Tokenizer,
+    model_max_output_tokens: int | None,
+    default_max_output_tokens: int,
+) -> Estimate:
+    text, overhead, id_tokens = prompt_of(endpoint, view)
+    input_tokens = tokenizer.upper_bound(text, encoding) + overhead + id_tokens
+    if isinstance(view, EmbeddingBody):
+        return Estimate(
+            prompt_text=text,
+            prompt_overhead_tokens=overhead + id_tokens,
+            input_tokens=input_tokens,
+            output_tokens=0,
+            output_cap_field=None,
+        )
+    cap_field: str | None = None
+    cap: int | None = None
+    if isinstance(view, ChatBody) and view.max_completion_tokens is not None:
+        cap_field, cap = "max_completion_tokens", view.max_completion_tokens
+    elif view.max_tokens is not None:
+        cap_field, cap = "max_tokens", view.max_tokens
+    if cap is None:
+        if isinstance(view, CompletionBody):
+            cap = LEGACY_DEFAULT_MAX_TOKENS
+        else:
+            cap = model_max_output_tokens or default_max_output_tokens
+    elif model_max_output_tokens is not None:
+        cap = min(cap, model_max_output_tokens)
+    return Estimate(
+        prompt_text=text,
+        prompt_overhead_tokens=overhead + id_tokens,
+        input_tokens=input_tokens,
+        output_tokens=cap * (view.n or 1),
+        output_cap_field=cap_field,
+    )

@@ -1,0 +1,82 @@
+"""Send a reserved call to its upstream. Only upstreams from config; never the client's key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+
+from proxy.auth import Identity
+from proxy.call import Call
+from proxy.config import UpstreamConfig
+
+UPSTREAM_PATHS = {
+    "chat.completions": "/chat/completions",
+    "completions": "/completions",
+    "embeddings": "/embeddings",
+}
+
+FailureKind = Literal["connect", "timeout", "transport"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransportFailure:
+    """The upstream could not be reached or broke off before answering."""
+
+    kind: FailureKind
+    detail: str
+
+    @property
+    def went_out(self) -> bool:
+        # A refused connection never carried the request; anything later may have been billed.
+        return self.kind != "connect"
+
+
+def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    key = identity.upstream_key if upstream.passthrough_auth else None
+    if key is None and upstream.api_key is not None:
+        key = upstream.api_key.get_secret_value()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def timeout_for(call: Call) -> aiohttp.ClientTimeout:
+    up = call.upstream
+    if call.stream:
+        # A stream may legitimately run long; what must not happen is silence.
+        return aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s, sock_read=up.timeout_s)
+    return aiohttp.ClientTimeout(total=up.timeout_s, connect=up.connect_timeout_s)
+
+
+async def open_upstream(
+    session: aiohttp.ClientSession, call: Call
+) -> aiohttp.ClientResponse | TransportFailure:
+    url = call.upstream.base_url + UPSTREAM_PATHS[call.endpoint]
+    data = json.dumps(call.body, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        headers = upstream_headers(call.upstream, call.identity)
+        return await session.post(
+            url, data=data, headers=headers, timeout=timeout_for(call), allow_redirects=False
+        )
+    except aiohttp.ClientConnectorError as err:
+        return TransportFailure("connect", f"cannot connect to upstream: {err.os_error.strerror or err}")
+    except TimeoutError:
+        return TransportFailure("timeout", "upstream did not answer in time")
+    except aiohttp.ClientError as err:
+        return TransportFailure("transport", f"upstream connection failed: {type(err).__name__}")
+
+
+async def read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, refusing one larger than ``limit`` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    async for piece in response.content.iter_any():
+        size += len(piece)
+        if size > limit:
+            raise ValueError(f"upstream body exceeds {limit} bytes")
+        chunks.append(piece)
+    return b"".join(chunks)

@@ -1,0 +1,183 @@
+"""HTTP handlers. Thin: each billed call reads as authenticate, estimate, reserve, then the
+exchange (forward, observe, settle, record)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.app import STATE, State
+from proxy.auth import Identity, authenticate
+from proxy.billing import reserve
+from proxy.call import SANE_ID, plan_call, request_id_for, run_id_for
+from proxy.errors import (
+    ApiError,
+    NotFound,
+    StoreError,
+    api_error_response,
+    error_response,
+    store_unavailable_response,
+)
+from proxy.forward import upstream_headers
+from proxy.payload import Endpoint, parse_body
+from proxy.relay import Exchange, Services
+from proxy.scopes import run_key
+from proxy.store import ALL_METERS, Store
+
+
+def _services(state: State) -> Services:
+    assert state.store is not None and state.session is not None
+    return Services(store=state.store, session=state.session, tokenizer=state.tokenizer, config=state.config)
+
+
+async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE]
+    config = state.config
+    request_id = request_id_for(request)
+    try:
+        identity = authenticate(request, config, passthrough=state.passthrough)
+        run_id = run_id_for(request, request_id)
+        body, view = parse_body(await request.read(), endpoint)
+        call = plan_call(
+            request_id=request_id,
+            identity=identity,
+            run_id=run_id,
+            endpoint=endpoint,
+            body=body,
+            view=view,
+            config=config,
+            tokenizer=state.tokenizer,
+        )
+        if not state.ready or state.store is None:
+            raise StoreError("store not ready")
+        await reserve(state.store, call, config)
+    except ApiError as err:
+        response = api_error_response(err)
+        response.headers["x-request-id"] = request_id
+        return response
+    except StoreError:
+        response = store_unavailable_response()
+        response.headers["x-request-id"] = request_id
+        return response
+    return await Exchange(request, call, _services(state)).run()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await billed_call(request, "chat.completions")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await billed_call(request, "completions")
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await billed_call(request, "embeddings")
+
+
+async def list_models(request: web.Request) -> web.StreamResponse:
+    """Forwarded, not billed: listing models costs no tokens."""
+    state = request.app[STATE]
+    identity = authenticate(request, state.config, passthrough=state.passthrough)
+    routed = state.config.route("*") or next(iter(state.config.models.items()))
+    upstream = state.config.upstreams[routed[1].upstream]
+    assert state.session is not None
+    try:
+        async with state.session.get(
+            upstream.base_url + "/models",
+            headers=upstream_headers(upstream, identity),
+            timeout=aiohttp.ClientTimeout(total=upstream.timeout_s, connect=upstream.connect_timeout_s),
+        ) as resp:
+            body = await resp.read()
+            return web.Response(status=resp.status, body=body, content_type="application/json")
+    except (TimeoutError, aiohttp.ClientError):
+        return error_response(
+            502, "The upstream could not list models.", "upstream_error", code="upstream_error"
+        )
+
+
+def _caller(request: web.Request) -> tuple[State, Identity, Store]:
+    state = request.app[STATE]
+    identity = authenticate(request, state.config, passthrough=state.passthrough)
+    if not state.ready or state.store is None:
+        raise StoreError("store not ready")
+    return state, identity, state.store
+
+
+def _run_id(request: web.Request) -> str:
+    run_id = request.match_info["run_id"]
+    if not SANE_ID.fullmatch(run_id):
+        raise NotFound(f"No run '{run_id[:128]}' for this tenant.")
+    return run_id
+
+
+async def run_meters(request: web.Request) -> web.Response:
+    try:
+        state, identity, store = _caller(request)
+    except StoreError:
+        return store_unavailable_response()
+    run_id = _run_id(request)
+    meters = await store.meters(run_key(identity.tenant, run_id))
+    if all(m.used == 0 and m.reserved == 0 for m in meters.values()):
+        raise NotFound(f"No run '{run_id}' for this tenant.")
+    tier = state.config.tiers.get(identity.tier)
+    ceilings = tier.run.as_meters() if tier else {}
+    out: dict[str, Any] = {}
+    for meter in ALL_METERS:
+        state_ = meters[meter]
+        out[meter] = {"used": state_.used, "reserved": state_.reserved, "ceiling": ceilings.get(meter)}
+    out["concurrent"]["peak"] = meters["peak_concurrent"].used
+    summary = ", ".join(
+        f"{m} {out[m]['used']}/{out[m]['ceiling'] if out[m]['ceiling'] is not None else 'unlimited'}"
+        for m in ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros")
+    )
+    return web.json_response(
+        {
+            "object": "billing.run",
+            "run_id": run_id,
+            "tenant": identity.tenant,
+            "meters": out,
+            "summary": summary,
+        }
+    )
+
+
+async def run_ledger(request: web.Request) -> web.Response:
+    try:
+        _state, identity, store = _caller(request)
+    except StoreError:
+        return store_unavailable_response()
+    run_id = _run_id(request)
+    entries = await store.run_ledger(tenant=identity.tenant, run_id=run_id)
+    if not entries:
+        raise NotFound(f"No run '{run_id}' for this tenant.")
+    return web.json_response({"object": "list", "run_id": run_id, "data": entries})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.store is None:
+        return web.json_response({"status": "unavailable"}, status=503)
+    try:
+        await state.store.ping()
+    except StoreError as err:
+        state.ready = False
+        return web.json_response({"status": "unavailable", "store": str(err)[:200]}, status=503)
+    state.ready = True
+    return web.json_response({"status": "ready"})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/billing/runs/{run_id}", run_meters)
+    app.router.add_get("/v1/billing/runs/{run_id}/ledger", run_ledger)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)

@@ -1,0 +1,69 @@
+"""Structured logging: one JSON object per line (or plain text for a terminal).
+
+Fields passed with ``extra=`` become top-level keys. Anything that looks like a credential is
+redacted on the way out, whatever path logged it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from typing import Any
+
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+_SECRET = re.compile(r"(sk-[A-Za-z0-9_-]{6,}|Bearer\s+[^\s\"',]+)")
+_SECRET_FIELDS = {"authorization", "api_key", "x-api-key", "key_value", "upstream_key"}
+
+
+def redact(text: str) -> str:
+    return _SECRET.sub("[REDACTED]", text)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: "[REDACTED]" if str(k).lower() in _SECRET_FIELDS else _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        payload: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                payload[key] = value
+        if record.exc_info:
+            payload["exc"] = self.formatException(record.exc_info)
+        return json.dumps(_clean(payload), default=str, separators=(",", ":"))
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        extras = {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+        line = f"{record.levelname.lower():7} {record.name}: {record.getMessage()}"
+        if extras:
+            line += " " + json.dumps(_clean(extras), default=str, separators=(",", ":"))
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return redact(line)
+
+
+def setup_logging(level: str = "info", fmt: str = "json") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -1,0 +1,45 @@
+--[[ settle.lua: replace a reservation by the actual figures and append the ledger entry, once.
+
+KEYS[1]      reservation record (hash)          lbp:{tenant}:resv:<reservation id>
+KEYS[2]      lease index (zset)                 lbp:{tenant}:leases
+KEYS[3]      tenant ledger (stream)             lbp:{tenant}:ledger
+KEYS[4]      run ledger index (list of ids)     lbp:{tenant}:runlog:<run>
+KEYS[5..]    the scope hashes named in the reservation, in the same order
+ARGV[1]      reservation id
+ARGV[2..8]   actual figures: requests, input_tokens, output_tokens, total_tokens, cost_micros,
+             cached_input_tokens, reasoning_tokens
+ARGV[9..]    ledger entry as field, value pairs
+
+Idempotent by reservation id: when the record is gone the call was settled already and nothing
+changes (returns {0}). Otherwise returns {1, ledger entry id}. 'concurrent' is released here.
+]]
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {0}
+end
+local RESERVED = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
+local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros',
+  'cached_input_tokens', 'reasoning_tokens'}
+local amounts = {}
+local raw = redis.call('HGET', KEYS[1], 'amounts')
+for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = tonumber(v) end
+
+for s = 5, #KEYS do
+  local key = KEYS[s]
+  for m = 1, #RESERVED do
+    if amounts[m] ~= 0 then
+      redis.call('HINCRBY', key, 'resv:' .. RESERVED[m], -amounts[m])
+    end
+  end
+  for m = 1, #ACTUAL do
+    local v = tonumber(ARGV[1 + m])
+    if v ~= 0 then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
+  end
+end
+
+local fields = {}
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
+redis.call('RPUSH', KEYS[4], id)
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return {1, id}

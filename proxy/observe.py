@@ -1,0 +1,116 @@
+"""Observe an upstream answer: usage, finish reasons, refusals and the generated text.
+
+Fed with parsed JSON (a whole body, or one SSE chunk at a time). Keeps per choice only what a
+missing usage or a JSON policy needs: the text generated, never the raw response.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderUsage:
+    input_tokens: int
+    output_tokens: int
+    cached_input_tokens: int
+    reasoning_tokens: int
+
+
+def _count(value: Any) -> int | None:
+    # bool is an int in Python; a provider sending true is not a count.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def parse_usage(raw: Any) -> ProviderUsage | None:
+    """Provider usage, or None when absent or unusable. An explicit 0 is a real 0."""
+    if not isinstance(raw, dict):
+        return None
+    prompt = _count(raw.get("prompt_tokens", raw.get("input_tokens")))
+    completion = _count(raw.get("completion_tokens", raw.get("output_tokens", 0)))
+    if prompt is None or completion is None:
+        return None
+    prompt_details = raw.get("prompt_tokens_details") or raw.get("input_tokens_details") or {}
+    completion_details = raw.get("completion_tokens_details") or raw.get("output_tokens_details") or {}
+    cached = _count(prompt_details.get("cached_tokens", 0)) if isinstance(prompt_details, dict) else 0
+    reasoning = (
+        _count(completion_details.get("reasoning_tokens", 0)) if isinstance(completion_details, dict) else 0
+    )
+    return ProviderUsage(prompt, completion, cached or 0, reasoning or 0)
+
+
+@dataclass(slots=True)
+class Observation:
+    usage: ProviderUsage | None = None
+    usage_chunks: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    contents: dict[int, list[str]] = field(default_factory=dict)
+    refused: bool = False
+    first_token_at: float | None = None
+    chunks: int = 0
+    malformed: bool = False
+    error: bool = False
+    done: bool = False
+
+    def _text(self, index: int, piece: Any, *, content: bool = False) -> None:
+        if isinstance(piece, str) and piece:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.texts.setdefault(index, []).append(piece)
+            if content:
+                self.contents.setdefault(index, []).append(piece)
+
+    def _choice(self, choice: dict[str, Any], part: dict[str, Any] | None) -> None:
+        index = choice.get("index", 0)
+        if not isinstance(index, int):
+            index = 0
+        reason = choice.get("finish_reason")
+        if isinstance(reason, str):
+            self.finish_reasons[index] = reason
+        # legacy completions carry "text" on the choice itself
+        self._text(index, choice.get("text"), content=True)
+        if part is None:
+            return
+        self._text(index, part.get("content"), content=True)
+        refusal = part.get("refusal")
+        if refusal:
+            self.refused = True
+            self._text(index, refusal)
+        for call in part.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                self._text(index, function.get("name"))
+                self._text(index, function.get("arguments"))
+
+    def observe(self, obj: Any, *, streaming: bool) -> None:
+        """One SSE chunk or one whole body."""
+        if not isinstance(obj, dict):
+            self.malformed = True
+            return
+        self.chunks += 1
+        if obj.get("error") is not None:
+            self.error = True
+        if "usage" in obj and obj["usage"] is not None:
+            usage = parse_usage(obj["usage"])
+            if usage is not None:
+                self.usage = usage
+                self.usage_chunks += 1
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return
+        key = "delta" if streaming else "message"
+        for choice in choices:
+            if isinstance(choice, dict):
+                part = choice.get(key)
+                self._choice(choice, part if isinstance(part, dict) else None)
+
+    def content_of(self, index: int) -> str:
+        return "".join(self.contents.get(index, ()))
+
+    def all_text(self) -> str:
+        return "".join("".join(pieces) for pieces in self.texts.values())

@@ -1,0 +1,126 @@
+"""Decide a call's outcome tag and the usage it is charged with.
+
+Every forwarded call ends with exactly one outcome. Refused, truncated and rejected answers
+keep their tokens: the policy may refuse the text, never the bill.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from proxy.config import PolicyConfig
+from proxy.observe import Observation
+from proxy.tokenizer import Tokenizer, UsageSource
+
+OutcomeTag = Literal[
+    "ok",
+    "truncated",
+    "refused",
+    "rejected",
+    "client_disconnected",
+    "upstream_error",
+    "upstream_timeout",
+    "upstream_4xx",
+    "lease_expired",
+]
+REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    tag: OutcomeTag
+    reason: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"rejected:{self.reason}" if self.tag == "rejected" else self.tag
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BilledUsage:
+    input_tokens: int
+    cached_input_tokens: int
+    output_tokens: int
+    reasoning_tokens: int
+    source: UsageSource
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+def _json_problem(text: str) -> str | None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"{err.msg} at line {err.lineno} column {err.colno}"
+    return None
+
+
+def classify_answer(obs: Observation, policy: PolicyConfig, *, json_mode: bool) -> Outcome:
+    """The outcome of an answer that arrived in full."""
+    reasons = obs.finish_reasons.values()
+    truncated = "length" in reasons
+    if obs.refused or any(r in REFUSAL_REASONS for r in reasons):
+        return Outcome("refused")
+    if json_mode and policy.on_invalid_json == "reject":
+        for index in sorted(obs.finish_reasons) or [0]:
+            if obs.finish_reasons.get(index) == "tool_calls":
+                continue
+            problem = _json_problem(obs.content_of(index))
+            if problem is not None:
+                if obs.finish_reasons.get(index) == "length":
+                    return Outcome("rejected", "parse-json-truncated")
+                return Outcome("rejected", f"parse-json: {problem}")
+    if truncated:
+        if policy.on_truncate == "reject":
+            return Outcome("rejected", "output-truncated")
+        return Outcome("truncated")
+    return Outcome("ok")
+
+
+def estimated_usage(
+    obs: Observation, *, prompt_text: str, prompt_overhead_tokens: int, encoding: str, tokenizer: Tokenizer
+) -> BilledUsage:
+    """Count what was sent and what came back, when the provider said nothing."""
+    input_tokens, source = tokenizer.count(prompt_text, encoding)
+    output_tokens, out_source = tokenizer.count(obs.all_text(), encoding)
+    if out_source == "chars":
+        source = "chars"
+    return BilledUsage(
+        input_tokens=input_tokens + prompt_overhead_tokens,
+        cached_input_tokens=0,
+        output_tokens=output_tokens,
+        reasoning_tokens=0,
+        source=source,
+    )
+
+
+def provider_usage(obs: Observation) -> BilledUsage | None:
+    if obs.usage is None:
+        return None
+    u = obs.usage
+    return BilledUsage(
+        input_tokens=u.input_tokens,
+        cached_input_tokens=u.cached_input_tokens,
+        output_tokens=u.output_tokens,
+        reasoning_tokens=u.reasoning_tokens,
+        source="provider",
+    )
+
+
+def reserve_usage(input_tokens: int, output_tokens: int) -> BilledUsage:
+    return BilledUsage(
+        input_tokens=input_tokens,
+        cached_input_tokens=0,
+        output_tokens=output_tokens,
+        reasoning_tokens=0,
+        source="reserve",
+    )
+
+
+ZERO_USAGE = BilledUsage(
+    input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="provider"
+)

@@ -1,0 +1,100 @@
+"""Parse and validate a client's request body before anything is reserved or forwarded.
+
+Only the fields the proxy reads are validated (strictly: no "5" for 5, no 1e30 for an int);
+every other field passes through to the upstream unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from proxy.errors import BadRequest
+
+Endpoint = Literal["chat.completions", "completions", "embeddings"]
+MAX_TOKENS_LIMIT = 10_000_000
+
+_TokenCount = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    model: str = Field(min_length=1, max_length=256)
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = _TokenCount
+    max_completion_tokens: int | None = _TokenCount
+    n: int | None = Field(default=None, ge=1, le=128)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = _TokenCount
+    n: int | None = Field(default=None, ge=1, le=128)
+
+
+class EmbeddingBody(_Body):
+    input: str | list[str] | list[int] | list[list[int]]
+
+
+RequestView = ChatBody | CompletionBody | EmbeddingBody
+
+BODY_MODELS: dict[Endpoint, type[_Body]] = {
+    "chat.completions": ChatBody,
+    "completions": CompletionBody,
+    "embeddings": EmbeddingBody,
+}
+
+
+def _describe(err: ValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    return f"Invalid request body: {param or 'body'}: {first['msg']}", param
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestView]:
+    """The body as a dict (to forward) and its validated view (to read)."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadRequest(f"The request body is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    try:
+        view: Any = BODY_MODELS[endpoint].model_validate(data)
+    except ValidationError as err:
+        message, param = _describe(err)
+        raise BadRequest(message, param=param) from None
+    return data, view
+
+
+def message_text(messages: list[dict[str, Any]]) -> str:
+    """All text a chat request sends: contents, names, refusals and tool-call arguments."""
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+        for name in ("name", "refusal"):
+            if isinstance(message.get(name), str):
+                parts.append(message[name])
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))
+    return "\n".join(parts)

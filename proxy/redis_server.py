@@ -1,0 +1,149 @@
+"""Launch a private Redis-compatible server as a child process.
+
+Used by ``serve`` when no ``redis.url`` is configured (the embedded default) and by the tests
+for their throwaway servers. It runs the real ``redis-server`` (or ``valkey-server``) binary:
+there is no in-process substitute for the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from proxy.errors import ConfigError
+
+BINARIES = ("redis-server", "valkey-server")
+INSTALL_HINT = (
+    "no redis-server or valkey-server binary found on PATH; install one "
+    "(Debian/Ubuntu: apt-get install redis-server) or set redis.url in the config"
+)
+
+
+def find_server_binary() -> str:
+    for name in BINARIES:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise ConfigError(INSTALL_HINT)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServerProcess:
+    """One redis-server child: on a unix socket by default, or a loopback TCP port."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        appendonly: bool = True,
+        extra_args: tuple[str, ...] = (),
+        binary: str | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.appendonly = appendonly
+        self.extra_args = extra_args
+        self.binary = binary or find_server_binary()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.data_dir / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        if self.port is not None:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.socket_path}?db=0"
+
+    def _args(self) -> list[str]:
+        args = [
+            self.binary,
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+            "--daemonize",
+            "no",
+        ]
+        if self.port is not None:
+            args += ["--port", str(self.port), "--bind", "127.0.0.1"]
+        else:
+            args += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        return args + list(self.extra_args)
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        self.process = subprocess.Popen(
+            self._args(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                log = self.data_dir / "redis.log"
+                detail = log.read_text(errors="replace")[-500:] if log.exists() else ""
+                raise ConfigError(f"redis-server exited at start (code {self.process.returncode}): {detail}")
+            if self.answers_ping():
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise ConfigError(f"redis-server did not answer within {timeout_s}s")
+
+    def answers_ping(self) -> bool:
+        try:
+            if self.port is not None:
+                conn = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+            else:
+                if not self.socket_path.exists():
+                    return False
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(0.5)
+                conn.connect(str(self.socket_path))
+            with conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop gracefully (SIGTERM makes redis flush its AOF)."""
+        self._signal(signal.SIGTERM, timeout_s)
+
+    def kill(self) -> None:
+        """Kill -9, as a crash would."""
+        self._signal(signal.SIGKILL, 5.0)
+
+    def _signal(self, sig: signal.Signals, timeout_s: float) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, sig)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,213 @@
+"""The Redis backend of the store: Lua scripts by SHA, one hash tag per tenant.
+
+Works unchanged against a single server or a Redis Cluster, because every script touches only
+keys of one tenant (see ``store.key_prefix``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
+
+from proxy.errors import StoreError
+from proxy.store import (
+    ACTUAL_METERS,
+    ALL_METERS,
+    RESERVED_METERS,
+    ExpiredLease,
+    MeterState,
+    Refusal,
+    Reservation,
+    Scope,
+    key_prefix,
+)
+
+SCRIPT_NAMES = ("reserve", "settle", "renew", "expired")
+
+
+def _load_scripts() -> dict[str, tuple[str, str]]:
+    scripts = {}
+    for name in SCRIPT_NAMES:
+        source = resources.files("proxy").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")
+        scripts[name] = (source, hashlib.sha1(source.encode()).hexdigest())
+    return scripts
+
+
+class RedisStore:
+    def __init__(self, client: aioredis.Redis | RedisCluster) -> None:
+        self._client = client
+        self._scripts = _load_scripts()
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, cluster: bool = False, pool_size: int = 64, socket_timeout_s: float = 5.0
+    ) -> RedisStore:
+        client: aioredis.Redis | RedisCluster
+        if cluster:
+            client = RedisCluster.from_url(
+                url, decode_responses=True, max_connections=pool_size, socket_timeout=socket_timeout_s
+            )
+        else:
+            client = aioredis.Redis.from_url(
+                url,
+                decode_responses=True,
+                max_connections=pool_size,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+            )
+        return cls(client)
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        return self._client
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def ping(self) -> None:
+        try:
+            await self._client.ping()
+        except RedisError as err:
+            raise StoreError(f"ping: {err}") from err
+
+    async def load_scripts(self) -> None:
+        try:
+            for source, _sha in self._scripts.values():
+                await self._client.script_load(source)
+        except RedisError as err:
+            raise StoreError(f"script load: {err}") from err
+
+    async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        source, sha = self._scripts[name]
+        try:
+            try:
+                return await self._client.evalsha(sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return await self._client.eval(source, len(keys), *keys, *args)
+        except RedisError as err:
+            raise StoreError(f"{name}: {err}") from err
+
+    async def reserve(
+        self,
+        *,
+        tenant: str,
+        reservation_id: str,
+        run_id: str,
+        scopes: Sequence[Scope],
+        amounts: Mapping[str, int],
+        lease_ms: int,
+        record: str,
+    ) -> Reservation | Refusal:
+        prefix = key_prefix(tenant)
+        keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases", *(s.key for s in scopes)]
+        args: list[Any] = [reservation_id, lease_ms, record]
+        args += [amounts.get(m, 0) for m in RESERVED_METERS]
+        for scope in scopes:
+            args.append(scope.ttl_s)
+            args += [scope.ceilings.get(m, -1) for m in RESERVED_METERS]
+        result = await self._script("reserve", keys, args)
+        if int(result[0]) == 1:
+            return Reservation(
+                id=reservation_id,
+                tenant=tenant,
+                run_id=run_id,
+                scopes=tuple(scopes),
+                amounts=dict(amounts),
+                lease_ms=lease_ms,
+            )
+        _, index, meter, ceiling, used, reserved, amount = result
+        return Refusal(
+            scope=scopes[int(index) - 1],
+            meter=str(meter),
+            ceiling=int(ceiling),
+            used=int(used),
+            reserved=int(reserved),
+            amount=int(amount),
+        )
+
+    async def settle(
+        self,
+        *,
+        tenant: str,
+        reservation_id: str,
+        run_id: str,
+        scope_keys: Sequence[str],
+        actual: Mapping[str, int],
+        entry: Mapping[str, str],
+    ) -> str | None:
+        prefix = key_prefix(tenant)
+        keys = [
+            f"{prefix}resv:{reservation_id}",
+            f"{prefix}leases",
+            f"{prefix}ledger",
+            f"{prefix}runlog:{run_id}",
+            *scope_keys,
+        ]
+        args: list[Any] = [reservation_id, *(actual.get(m, 0) for m in ACTUAL_METERS)]
+        for name, value in entry.items():
+            args += [name, value]
+        result = await self._script("settle", keys, args)
+        return str(result[1]) if int(result[0]) == 1 else None
+
+    async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool:
+        prefix = key_prefix(tenant)
+        keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases"]
+        return int(await self._script("renew", keys, [reservation_id, lease_ms])) == 1
+
+    async def expired_leases(self, *, tenant: str, limit: int) -> list[ExpiredLease]:
+        prefix = key_prefix(tenant)
+        flat = await self._script("expired", [f"{prefix}leases"], [f"{prefix}resv:", limit])
+        out = []
+        for i in range(0, len(flat), 4):
+            res_id, scopes, amounts, record = flat[i : i + 4]
+            values = [int(v) for v in str(amounts).split()]
+            out.append(
+                ExpiredLease(
+                    id=str(res_id),
+                    tenant=tenant,
+                    scope_keys=tuple(str(scopes).split("\n")),
+                    amounts=dict(zip(RESERVED_METERS, values, strict=True)),
+                    record=str(record),
+                )
+            )
+        return out
+
+    async def meters(self, key: str) -> dict[str, MeterState]:
+        try:
+            raw: Any = await self._client.hgetall(key)
+        except RedisError as err:
+            raise StoreError(f"meters: {err}") from err
+        out = {}
+        for meter in ALL_METERS:
+            out[meter] = MeterState(int(raw.get(f"used:{meter}", 0)), int(raw.get(f"resv:{meter}", 0)))
+        out["peak_concurrent"] = MeterState(int(raw.get("peak:concurrent", 0)), 0)
+        return out
+
+    async def run_ledger(self, *, tenant: str, run_id: str) -> list[dict[str, str]]:
+        prefix = key_prefix(tenant)
+        try:
+            ids: Any = await self._client.lrange(f"{prefix}runlog:{run_id}", 0, -1)
+            if not ids:
+                return []
+            pipe = self._client.pipeline(transaction=False)
+            for entry_id in ids:
+                pipe.xrange(f"{prefix}ledger", entry_id, entry_id)
+            found = await pipe.execute()
+        except RedisError as err:
+            raise StoreError(f"run ledger: {err}") from err
+        return [{"id": rows[0][0], **rows[0][1]} for rows in found if rows]
+
+    async def ledger(
+        self, *, tenant: str, start: str = "-", count: int | None = None
+    ) -> list[tuple[str, dict[str, str]]]:
+        try:
+            rows: Any = await self._client.xrange(f"{key_prefix(tenant)}ledger", start, "+", count=count)
+        except RedisError as err:
+            raise StoreError(f"ledger: {err}") from err
+        return [(str(i), dict(fields)) for i, fields in rows]

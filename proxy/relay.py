@@ -1,0 +1,348 @@
+"""Forward a reserved call, observe the answer, settle it and answer the client.
+
+The steps after ``reserve``: forward, observe, settle, record. Streams are relayed event by
+event as they arrive; only chunks the client must not see (usage it did not ask for) are
+rewritten or dropped, every other event is passed on byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.billing import Settlement, billing_comment, billing_headers, settle
+from proxy.call import Call
+from proxy.config import Config
+from proxy.errors import error_body, error_response
+from proxy.forward import TransportFailure, open_upstream, read_limited
+from proxy.observe import Observation, parse_usage
+from proxy.outcome import (
+    ZERO_USAGE,
+    BilledUsage,
+    Outcome,
+    OutcomeTag,
+    classify_answer,
+    estimated_usage,
+    provider_usage,
+    reserve_usage,
+)
+from proxy.store import Store
+from proxy.tokenizer import Tokenizer
+
+CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError)
+UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Services:
+    store: Store
+    session: aiohttp.ClientSession
+    tokenizer: Tokenizer
+    config: Config
+
+
+class Exchange:
+    """One call from forward to settle; settles exactly once whatever happens."""
+
+    def __init__(self, request: web.Request, call: Call, services: Services) -> None:
+        self.request = request
+        self.call = call
+        self.services = services
+        self.obs = Observation()
+        self.settlement: Settlement | None = None
+        self._renewed_at = time.monotonic()
+
+    # -- usage helpers -------------------------------------------------------------------
+
+    def _reserve_usage(self) -> BilledUsage:
+        return reserve_usage(self.call.reserved_input_tokens, self.call.reserved_output_tokens)
+
+    def _estimated_usage(self) -> BilledUsage:
+        est = self.call.estimate
+        return estimated_usage(
+            self.obs,
+            prompt_text=est.prompt_text,
+            prompt_overhead_tokens=est.prompt_overhead_tokens,
+            encoding=self.call.encoding,
+            tokenizer=self.services.tokenizer,
+        )
+
+    def _usage(self, *, complete: bool) -> BilledUsage:
+        """Provider figures first; else count a complete answer; else the reserve."""
+        found = provider_usage(self.obs)
+        if found is not None:
+            return found
+        return self._estimated_usage() if complete else self._reserve_usage()
+
+    async def _settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+        if self.settlement is None:
+            self.call.first_token_at = self.obs.first_token_at
+            self.settlement = await settle(
+                self.services.store, self.call, outcome, usage, self.obs.finish_reasons
+            )
+        return self.settlement
+
+    def _headers(self, settlement: Settlement) -> dict[str, str]:
+        return {"x-request-id": self.call.request_id, **billing_headers(self.call, settlement)}
+
+    # -- the exchange ---------------------------------------------------------------------
+
+    async def run(self) -> web.StreamResponse:
+        try:
+            upstream = await open_upstream(self.services.session, self.call)
+            if isinstance(upstream, TransportFailure):
+                return await self._transport_failure(upstream)
+            try:
+                self.call.upstream_status = upstream.status
+                if upstream.status >= 400:
+                    return await self._upstream_error(upstream)
+                if self.call.stream and upstream.content_type == "text/event-stream":
+                    return await self._relay_stream(upstream)
+                return await self._relay_body(upstream)
+            finally:
+                upstream.close()
+        finally:
+            if self.settlement is None:
+                # Cancelled (shutdown) or an unexpected error: the call went out, so it is
+                # charged at its reserve unless the provider already told us its usage.
+                await self._settle(Outcome("client_disconnected"), self._usage(complete=False))
+
+    async def _transport_failure(self, failure: TransportFailure) -> web.Response:
+        tag: OutcomeTag = "upstream_timeout" if failure.kind == "timeout" else "upstream_error"
+        usage = (
+            self._reserve_usage()
+            if failure.went_out
+            else BilledUsage(
+                input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
+            )
+        )
+        settlement = await self._settle(Outcome(tag), usage)
+        status = 504 if failure.kind == "timeout" else 502
+        return error_response(
+            status, failure.detail, "upstream_error", code=tag, headers=self._headers(settlement)
+        )
+
+    async def _upstream_error(self, upstream: aiohttp.ClientResponse) -> web.Response:
+        status = upstream.status
+        tag: OutcomeTag = "upstream_4xx" if status < 500 else "upstream_error"
+        parsed: Any = None
+        try:
+            raw = await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes)
+            parsed = json.loads(raw)
+        except (TimeoutError, ValueError, *UPSTREAM_BROKEN):
+            raw = b""
+        explicit_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+        usage = provider_usage_of(parsed)
+        if usage is None:
+            # The provider refused the request (4xx) or said in its own format that it failed:
+            # nothing was billed. A bare 5xx (a gateway's HTML page) may hide spent tokens.
+            usage = ZERO_USAGE if status < 500 or explicit_error else self._reserve_usage()
+        settlement = await self._settle(Outcome(tag), usage)
+        headers = self._headers(settlement)
+        if explicit_error:
+            return web.Response(status=status, body=raw, content_type="application/json", headers=headers)
+        snippet = raw[:200].decode("utf-8", "replace").strip() or "no body"
+        error_type = "invalid_request_error" if status < 500 else "upstream_error"
+        return error_response(
+            status, f"Upstream returned HTTP {status}: {snippet}", error_type, code=tag, headers=headers
+        )
+
+    async def _relay_body(self, upstream: aiohttp.ClientResponse) -> web.Response:
+        call = self.call
+        try:
+            raw = await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes)
+            parsed = json.loads(raw)
+        except TimeoutError:
+            settlement = await self._settle(Outcome("upstream_timeout"), self._usage(complete=False))
+            return error_response(
+                504,
+                "The upstream did not finish its answer in time.",
+                "upstream_error",
+                code="upstream_timeout",
+                headers=self._headers(settlement),
+            )
+        except (ValueError, *UPSTREAM_BROKEN):
+            settlement = await self._settle(Outcome("upstream_error"), self._usage(complete=False))
+            return error_response(
+                502,
+                "The upstream sent a broken or non-JSON answer.",
+                "upstream_error",
+                code="upstream_error",
+                headers=self._headers(settlement),
+            )
+        self.obs.observe(parsed, streaming=False)
+        if self.obs.malformed:
+            settlement = await self._settle(Outcome("upstream_error"), self._usage(complete=False))
+            return error_response(
+                502,
+                "The upstream answer is not a JSON object.",
+                "upstream_error",
+                code="upstream_error",
+                headers=self._headers(settlement),
+            )
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            outcome = Outcome("client_disconnected")
+        else:
+            outcome = classify_answer(self.obs, call.policy, json_mode=call.json_mode)
+        settlement = await self._settle(outcome, self._usage(complete=True))
+        headers = self._headers(settlement)
+        if outcome.tag == "rejected":
+            headers["x-should-retry"] = "false"
+            return error_response(
+                422,
+                self._rejection_message(settlement),
+                "output_rejected",
+                code="output_rejected",
+                headers=headers,
+            )
+        return web.Response(
+            status=upstream.status, body=raw, content_type="application/json", headers=headers
+        )
+
+    def _rejection_message(self, settlement: Settlement) -> str:
+        return (
+            f"The answer was rejected by the proxy's policy ({settlement.outcome.reason}). "
+            f"It was billed: {settlement.usage.input_tokens} input tokens, "
+            f"{settlement.usage.output_tokens} output tokens. Retrying will be billed again."
+        )
+
+    # -- streaming ------------------------------------------------------------------------
+
+    async def _relay_stream(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        call = self.call
+        response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "x-request-id": call.request_id,
+            },
+        )
+        await response.prepare(self.request)
+        client_gone = False
+        failure: Outcome | None = None
+        buffer = bytearray()
+        try:
+            async for piece in upstream.content.iter_any():
+                if b"\r" in piece:
+                    piece = piece.replace(b"\r\n", b"\n")
+                buffer += piece
+                while True:
+                    end = buffer.find(b"\n\n")
+                    if end < 0:
+                        break
+                    event = bytes(buffer[:end])
+                    del buffer[: end + 2]
+                    out = self._event(event)
+                    if out is None or client_gone:
+                        continue
+                    try:
+                        await response.write(out)
+                    except CLIENT_GONE:
+                        client_gone = True
+                if client_gone and call.policy.on_client_disconnect == "cancel":
+                    break
+                await self._maybe_renew()
+        except TimeoutError:
+            failure = Outcome("upstream_timeout")
+        except UPSTREAM_BROKEN:
+            failure = Outcome("upstream_error")
+        if buffer.strip() and failure is None and not client_gone:
+            failure = Outcome("upstream_error")  # the stream ended inside an event
+
+        if client_gone:
+            cancelled = not self.obs.done and call.policy.on_client_disconnect == "cancel"
+            usage = self._estimated_usage() if cancelled else self._usage(complete=self.obs.done)
+            await self._settle(Outcome("client_disconnected"), usage)
+            return response
+        if failure is None and (self.obs.malformed or self.obs.error or not self.obs.done):
+            failure = Outcome("upstream_error")
+        if failure is not None:
+            settlement = await self._settle(failure, self._usage(complete=False))
+            tail = billing_comment(call, settlement)
+            if (not self.obs.done and failure.tag != "upstream_error") or self._broken_transport(failure):
+                tail += self._error_event(
+                    f"The upstream stream failed ({failure.tag}).", "upstream_error", failure.tag
+                )
+            elif self.obs.done:
+                tail += b"data: [DONE]\n\n"
+            await self._write_tail(response, tail)
+            return response
+
+        outcome = classify_answer(self.obs, call.policy, json_mode=call.json_mode)
+        settlement = await self._settle(outcome, self._usage(complete=True))
+        tail = billing_comment(call, settlement)
+        if outcome.tag == "rejected":
+            message = self._rejection_message(settlement)
+            tail += self._error_event(message, "output_rejected", "output_rejected")
+        else:
+            tail += b"data: [DONE]\n\n"
+        await self._write_tail(response, tail)
+        return response
+
+    def _broken_transport(self, failure: Outcome) -> bool:
+        return failure.tag == "upstream_error" and not self.obs.done and not self.obs.malformed
+
+    @staticmethod
+    def _error_event(message: str, error_type: str, code: str) -> bytes:
+        return b"event: error\ndata: " + error_body(message, error_type, code=code) + b"\n\n"
+
+    async def _write_tail(self, response: web.StreamResponse, tail: bytes) -> None:
+        try:
+            await response.write(tail)
+            await response.write_eof()
+        except CLIENT_GONE:
+            pass
+
+    def _event(self, event: bytes) -> bytes | None:
+        """Observe one SSE event; return the bytes the client gets, or None to drop it."""
+        if event.startswith(b"data: ") and b"\n" not in event:
+            data = event[6:]
+        elif b"data:" in event:
+            lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)
+        else:
+            return event + b"\n\n"  # comments (keep-alives) and field-only events pass through
+        if data == b"[DONE]":
+            self.obs.done = True
+            return None  # written after the billing comment
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            self.obs.malformed = True
+            return event + b"\n\n"
+        self.obs.observe(obj, streaming=True)
+        if self.call.client_wants_usage or b'"usage"' not in data or not isinstance(obj, dict):
+            return event + b"\n\n"
+        if obj.get("choices") == [] and obj.get("usage") is not None:
+            return None  # the usage-only chunk the client did not ask for
+        obj.pop("usage", None)
+        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    async def _maybe_renew(self) -> None:
+        reservation = self.call.reservation
+        if reservation is None:
+            return
+        now = time.monotonic()
+        if (now - self._renewed_at) * 1000 < reservation.lease_ms / 3:
+            return
+        self._renewed_at = now
+        await self.services.store.renew(
+            tenant=reservation.tenant, reservation_id=reservation.id, lease_ms=reservation.lease_ms
+        )
+
+
+def provider_usage_of(parsed: Any) -> BilledUsage | None:
+    if not isinstance(parsed, dict):
+        return None
+    usage = parse_usage(parsed.get("usage"))
+    if usage is None:
+        return None
+    obs = Observation(usage=usage)
+    return provider_usage(obs)

@@ -1,0 +1,63 @@
+"""Which budget scopes a call reserves against: its run, its key's windows, its tenant's windows.
+
+Window counters are keyed by the window's start (UTC), so a new window needs no reset step and
+a config change never resets usage: a reload only changes the ceilings passed to the scripts.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from proxy.auth import Identity
+from proxy.config import TierConfig, WindowCeilings
+from proxy.store import Scope, key_prefix
+
+# Window keys outlive their window so reports can still read them.
+WINDOW_RETENTION_S = 7 * 24 * 3600
+
+
+def window_bounds(period: str, now: datetime) -> tuple[datetime, datetime]:
+    now = now.astimezone(UTC)
+    if period == "minute":
+        start = now.replace(second=0, microsecond=0)
+        return start, start + timedelta(minutes=1)
+    if period == "hour":
+        start = now.replace(minute=0, second=0, microsecond=0)
+        return start, start + timedelta(hours=1)
+    if period == "day":
+        start = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        return start, start + timedelta(days=1)
+    start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = (start + timedelta(days=32)).replace(day=1)
+    return start, end
+
+
+def run_key(tenant: str, run_id: str) -> str:
+    return f"{key_prefix(tenant)}run:{run_id}"
+
+
+def window_key(tenant: str, owner: str, period: str, start: datetime) -> str:
+    return f"{key_prefix(tenant)}{owner}:{period}:{start:%Y%m%dT%H%M}"
+
+
+def _window_scope(tenant: str, owner: str, name: str, window: WindowCeilings, now: datetime) -> Scope:
+    start, end = window_bounds(window.period, now)
+    ttl = int((end - now).total_seconds()) + WINDOW_RETENTION_S
+    return Scope(
+        name=f"{name}:{window.period}",
+        key=window_key(tenant, owner, window.period, start),
+        ceilings=window.as_meters(),
+        ttl_s=ttl,
+        resets_at_s=int(end.timestamp()),
+    )
+
+
+def scopes_for(identity: Identity, run_id: str, tier: TierConfig | None, now: datetime) -> list[Scope]:
+    tenant = identity.tenant
+    run = Scope(name="run", key=run_key(tenant, run_id), ceilings=tier.run.as_meters() if tier else {})
+    if tier is None:
+        return [run]
+    scopes = [run]
+    scopes += [_window_scope(tenant, f"key:{identity.key_name}", "key", w, now) for w in tier.windows]
+    scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tier.tenant]
+    return scopes

@@ -1,0 +1,117 @@
+"""The store interface: what the billing path needs from a backend, and the shapes it trades.
+
+One backend exists (``redis_store.RedisStore``, single node or Cluster); the handlers and the
+billing path only see this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Meters a reservation holds, in the order the Lua scripts expect them.
+RESERVED_METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")
+# Meters a settlement adds, in the order the Lua scripts expect them.
+ACTUAL_METERS = (
+    "requests",
+    "input_tokens",
+    "output_tokens",
+    "total_tokens",
+    "cost_micros",
+    "cached_input_tokens",
+    "reasoning_tokens",
+)
+ALL_METERS = (*ACTUAL_METERS, "concurrent")
+
+
+def key_prefix(tenant: str) -> str:
+    """Every key of a tenant shares this hash tag, so a Redis Cluster keeps them in one slot."""
+    return f"lbp:{{{tenant}}}:"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scope:
+    """One budget scope: a meters hash, its ceilings (absent = unlimited) and its key's TTL."""
+
+    name: str  # "run", "key:minute", "tenant:month"...
+    key: str
+    ceilings: Mapping[str, int] = field(default_factory=dict)
+    ttl_s: int = 0
+    resets_at_s: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refusal:
+    scope: Scope
+    meter: str
+    ceiling: int
+    used: int
+    reserved: int
+    amount: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reservation:
+    id: str
+    tenant: str
+    run_id: str
+    scopes: tuple[Scope, ...]
+    amounts: Mapping[str, int]
+    lease_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpiredLease:
+    id: str
+    tenant: str
+    scope_keys: tuple[str, ...]
+    amounts: Mapping[str, int]
+    record: str
+
+
+@dataclass(frozen=True, slots=True)
+class MeterState:
+    used: int
+    reserved: int
+
+
+class Store(Protocol):
+    async def ping(self) -> None: ...
+
+    async def reserve(
+        self,
+        *,
+        tenant: str,
+        reservation_id: str,
+        run_id: str,
+        scopes: Sequence[Scope],
+        amounts: Mapping[str, int],
+        lease_ms: int,
+        record: str,
+    ) -> Reservation | Refusal: ...
+
+    async def settle(
+        self,
+        *,
+        tenant: str,
+        reservation_id: str,
+        run_id: str,
+        scope_keys: Sequence[str],
+        actual: Mapping[str, int],
+        entry: Mapping[str, str],
+    ) -> str | None: ...
+
+    async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool: ...
+
+    async def expired_leases(self, *, tenant: str, limit: int) -> list[ExpiredLease]: ...
+
+    async def meters(self, key: str) -> dict[str, MeterState]: ...
+
+    async def run_ledger(self, *, tenant: str, run_id: str) -> list[dict[str, str]]: ...
+
+    async def ledger(
+        self, *, tenant: str, start: str = "-", count: int | None = None
+    ) -> list[tuple[str, dict[str, str]]]: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,128 @@
+"""Shared fixtures: a real redis-server, the fake upstream, and a proxy built per test."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.config import Config, parse_config
+from proxy.redis_server import RedisServerProcess, free_port
+from proxy.tokenizer import Tokenizer
+from tests.fake_upstream import FakeUpstream
+
+KEY_A = "sk-proxy-team-a"
+KEY_B = "sk-proxy-team-b"
+UPSTREAM_KEY = "sk-upstream-secret"
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServerProcess]:
+    server = RedisServerProcess(tmp_path_factory.mktemp("redis"), port=free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisServerProcess) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeUpstream]:
+    upstream = FakeUpstream(api_key=UPSTREAM_KEY)
+    await upstream.start()
+    yield upstream
+    await upstream.close()
+
+
+def base_config(upstream_url: str, redis_url: str, **overrides: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "redis": {"url": redis_url},
+        "upstreams": {
+            "openai": {
+                "base_url": upstream_url,
+                "api_key_env": "TEST_UPSTREAM_KEY",
+                "timeout_s": 5,
+                "connect_timeout_s": 2,
+            }
+        },
+        "models": {
+            "gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 1000},
+            "*": {"upstream": "openai"},
+        },
+        "keys": [
+            {"name": "a-ci", "sha256": digest(KEY_A), "tenant": "team-a", "tier": "standard"},
+            {"name": "b-dev", "sha256": digest(KEY_B), "tenant": "team-b", "tier": "standard"},
+        ],
+    }
+    for key, value in overrides.items():
+        raw[key] = value
+    return raw
+
+
+@dataclass
+class Proxy:
+    url: str
+    app: web.Application
+    config: Config
+    runner: web.AppRunner
+
+    def client(self, key: str = KEY_A, **kwargs: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kwargs)
+
+
+ProxyFactory = Callable[..., Awaitable[Proxy]]
+
+
+@pytest.fixture
+async def make_proxy(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> AsyncIterator[ProxyFactory]:
+    runners: list[web.AppRunner] = []
+
+    async def factory(
+        tokenizer: Tokenizer | None = None, passthrough: bool = False, **overrides: Any
+    ) -> Proxy:
+        raw = base_config(fake.base_url, redis_server.url, **overrides)
+        config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+        app = build_app(config, passthrough=passthrough, tokenizer=tokenizer or Tokenizer({}))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = runner.addresses[0][1]
+        return Proxy(url=f"http://127.0.0.1:{port}", app=app, config=config, runner=runner)
+
+    yield factory
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def proxy(make_proxy: ProxyFactory) -> Proxy:
+    return await make_proxy()
+
+
+def tmp_data_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "data"
+    path.mkdir()
+    return path
