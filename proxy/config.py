@@ -45,6 +45,8 @@ class ListenConfig(_Frozen):
 
 class RedisConfig(_Frozen):
     url: str | None = None
+    # Read the URL from this environment variable when set there (containers: REDIS_URL).
+    url_env: str | None = None
     cluster: bool = False
     # The embedded default keeps its data (AOF) here.
     data_dir: Path = Path(".llm-billing-proxy/redis")
@@ -261,6 +263,12 @@ def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 
+    redis = config.redis
+    if redis.url_env and environ.get(redis.url_env):
+        try:
+            redis = RedisConfig.model_validate({**redis.model_dump(), "url": environ[redis.url_env]})
+        except ValidationError as err:
+            raise ConfigError(f"redis.url_env ({redis.url_env}): " + _format_validation_error(err)) from None
     upstreams = {}
     for name, upstream in config.upstreams.items():
         key = environ.get(upstream.api_key_env) if upstream.api_key_env else None
@@ -277,7 +285,7 @@ def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
         else:
             assert key_config.sha256 is not None
             digests.append((key_config.sha256, key_config))
-    return config.model_copy(update={"upstreams": upstreams, "key_digests": tuple(digests)})
+    return config.model_copy(update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests)})
 
 
 def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
