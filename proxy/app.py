@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from proxy.config import Config
 from proxy.errors import ApiError, api_error_response, error_response
+from proxy.reaper import run_reaper
 from proxy.redis_store import RedisStore
+from proxy.reload import ConfigReloader
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
@@ -28,10 +34,13 @@ class State:
     store: Store | None = None
     session: aiohttp.ClientSession | None = None
     ready: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
+    # Tenants this process has registered for the reapers (one SADD per tenant per process).
+    registered_tenants: set[str] = field(default_factory=set)
+    leases_reaped: int = 0
 
 
 STATE = web.AppKey("state", State)
+RELOAD_POLL_S = 2.0
 
 StoreFactory = Callable[[Config], Store]
 
@@ -93,6 +102,8 @@ def build_app(
     passthrough: bool = False,
     tokenizer: Tokenizer | None = None,
     store_factory: StoreFactory = default_store_factory,
+    config_path: Path | None = None,
+    run_reaper_task: bool = True,
 ) -> web.Application:
     from proxy.handlers import add_routes
 
@@ -121,7 +132,39 @@ def build_app(
         yield
         await state.session.close()
 
+    async def reaper_ctx(app: web.Application) -> AsyncIterator[None]:
+        assert state.store is not None
+
+        def count(n: int) -> None:
+            state.leases_reaped += n
+
+        task = asyncio.create_task(run_reaper(state.store, config.limits.reaper_interval_s, count))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
+        assert config_path is not None
+
+        def apply(new: Config) -> None:
+            state.config = new
+
+        reloader = ConfigReloader(config_path, lambda: state.config, apply)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+        task = asyncio.create_task(reloader.watch(RELOAD_POLL_S))
+        yield
+        loop.remove_signal_handler(signal.SIGHUP)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(session_ctx)
+    if run_reaper_task:
+        app.cleanup_ctx.append(reaper_ctx)
+    if config_path is not None:
+        app.cleanup_ctx.append(reload_ctx)
     add_routes(app)
     return app

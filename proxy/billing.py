@@ -6,16 +6,16 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from proxy.call import Call
-from proxy.config import Config
-from proxy.errors import BudgetExceeded
+from proxy.config import Config, TierConfig
+from proxy.errors import BadRequest, BudgetExceeded
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros
 from proxy.scopes import scopes_for
-from proxy.store import Refusal, Reservation, Store
+from proxy.store import Clamp, Refusal, Reservation, Store
 
 log = logging.getLogger("proxy.billing")
 
@@ -27,13 +27,14 @@ class Settlement:
     cost_micros: int
     entry_id: str | None
     finish_reasons: str
+    actual: dict[str, int]
 
 
 def lease_ms(call: Call, config: Config) -> int:
     return int((call.upstream.timeout_s + config.limits.lease_margin_s) * 1000)
 
 
-def _refusal_error(refusal: Refusal, config: Config) -> BudgetExceeded:
+def _refusal_error(refusal: Refusal) -> BudgetExceeded:
     scope = refusal.scope
     needed = refusal.amount
     message = (
@@ -50,10 +51,42 @@ def _refusal_error(refusal: Refusal, config: Config) -> BudgetExceeded:
     return BudgetExceeded(message, headers=headers)
 
 
+def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
+    if tier is None or tier.on_budget_short != "clamp" or call.endpoint == "embeddings":
+        return None
+    rates = call.rates or {"input": 0, "output": 0}
+    return Clamp(
+        min_output_tokens=tier.min_output_tokens,
+        choices=call.choices,
+        input_cost_exact=call.estimate.input_tokens * rates["input"],
+        output_rate=rates["output"],
+    )
+
+
+def _apply_clamp(call: Call, reservation: Reservation) -> None:
+    """Lower the request's own output cap to what the budget affords."""
+    per_choice = reservation.clamped_output_per_choice
+    field = call.estimate.output_cap_field
+    if field is None:
+        field = "max_completion_tokens" if call.endpoint == "chat.completions" else "max_tokens"
+    call.body[field] = per_choice
+    call.clamped = True
+    call.estimate = replace(
+        call.estimate, output_tokens=reservation.amounts["output_tokens"], output_cap_field=field
+    )
+
+
 async def reserve(store: Store, call: Call, config: Config) -> Reservation:
     """Reserve the worst case against every scope, all or nothing; raise when it does not fit."""
     tier = config.tiers.get(call.identity.tier)
     scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC))
+    if call.rates is None and any("cost_micros" in s.ceilings for s in scopes):
+        raise BadRequest(
+            f"The model '{call.model}' has no price in the config, and your tier limits cost; "
+            "refusing rather than pricing it at 0.",
+            param="model",
+            code="model_not_priced",
+        )
     est = call.estimate
     amounts = {
         "requests": 1,
@@ -86,9 +119,12 @@ async def reserve(store: Store, call: Call, config: Config) -> Reservation:
         amounts=amounts,
         lease_ms=lease_ms(call, config),
         record=record,
+        clamp=_clamp_for(call, tier),
     )
     if isinstance(result, Refusal):
-        raise _refusal_error(result, config)
+        raise _refusal_error(result)
+    if result.clamped_output_per_choice:
+        _apply_clamp(call, result)
     call.reservation = result
     return result
 
@@ -171,12 +207,29 @@ async def settle(
     entry_id = await asyncio.shield(task)
     log.info("call settled", extra={"entry": entry})
     return Settlement(
-        outcome=outcome, usage=usage, cost_micros=cost, entry_id=entry_id, finish_reasons=reasons
+        outcome=outcome,
+        usage=usage,
+        cost_micros=cost,
+        entry_id=entry_id,
+        finish_reasons=reasons,
+        actual=actual,
     )
+
+
+def budget_headers(call: Call, settlement: Settlement) -> dict[str, str]:
+    """Room left on the tightest limited meter, after this call's real figures replaced its reserve."""
+    reservation = call.reservation
+    if reservation is None or reservation.tightest_meter is None:
+        return {}
+    meter = reservation.tightest_meter
+    actual = settlement.actual.get(meter, 0) if meter != "concurrent" else 0
+    refund = reservation.amounts.get(meter, 0) - actual
+    return {f"x-budget-remaining-{meter.replace('_', '-')}": str(reservation.tightest_remaining + refund)}
 
 
 def billing_headers(call: Call, settlement: Settlement) -> dict[str, str]:
     return {
+        **budget_headers(call, settlement),
         "x-billing-outcome": settlement.outcome.label,
         "x-billing-input-tokens": str(settlement.usage.input_tokens),
         "x-billing-output-tokens": str(settlement.usage.output_tokens),

@@ -58,6 +58,7 @@ class Call:
     rates: dict[str, int] | None
     estimate: Estimate
     body: dict[str, Any]
+    choices: int = 1
     started_at: float = field(default_factory=time.monotonic)
     started_wall_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     reservation: Reservation | None = None
@@ -131,4 +132,5 @@ def plan_call(
         rates=price.micros_per_million() if price else None,
         estimate=est,
         body=body,
+        choices=getattr(view, "n", None) or 1,
     )

@@ -101,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     config = _config_for(args)
     setup_logging(config.log.level, config.log.format)
     with store_url(config, purpose="serve") as config:
-        app = build_app(config, passthrough=bool(args.upstream))
+        app = build_app(config, passthrough=bool(args.upstream), config_path=args.config)
         log.info(
             "listening",
             extra={

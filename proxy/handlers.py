@@ -3,6 +3,8 @@ exchange (forward, observe, settle, record)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -23,8 +25,8 @@ from proxy.errors import (
 from proxy.forward import upstream_headers
 from proxy.payload import Endpoint, parse_body
 from proxy.relay import Exchange, Services
-from proxy.scopes import run_key
-from proxy.store import ALL_METERS, Store
+from proxy.scopes import run_key, scopes_for
+from proxy.store import ALL_METERS, MeterState, Store
 
 
 def _services(state: State) -> Services:
@@ -52,6 +54,9 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         )
         if not state.ready or state.store is None:
             raise StoreError("store not ready")
+        if identity.tenant not in state.registered_tenants:
+            await state.store.register_tenant(identity.tenant)
+            state.registered_tenants.add(identity.tenant)
         await reserve(state.store, call, config)
     except ApiError as err:
         response = api_error_response(err)
@@ -122,12 +127,7 @@ async def run_meters(request: web.Request) -> web.Response:
     if all(m.used == 0 and m.reserved == 0 for m in meters.values()):
         raise NotFound(f"No run '{run_id}' for this tenant.")
     tier = state.config.tiers.get(identity.tier)
-    ceilings = tier.run.as_meters() if tier else {}
-    out: dict[str, Any] = {}
-    for meter in ALL_METERS:
-        state_ = meters[meter]
-        out[meter] = {"used": state_.used, "reserved": state_.reserved, "ceiling": ceilings.get(meter)}
-    out["concurrent"]["peak"] = meters["peak_concurrent"].used
+    out = _meter_view(meters, tier.run.as_meters() if tier else {})
     summary = ", ".join(
         f"{m} {out[m]['used']}/{out[m]['ceiling'] if out[m]['ceiling'] is not None else 'unlimited'}"
         for m in ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros")
@@ -139,6 +139,43 @@ async def run_meters(request: web.Request) -> web.Response:
             "tenant": identity.tenant,
             "meters": out,
             "summary": summary,
+        }
+    )
+
+
+def _meter_view(meters: dict[str, MeterState], ceilings: Mapping[str, int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for meter in ALL_METERS:
+        state_ = meters[meter]
+        out[meter] = {"used": state_.used, "reserved": state_.reserved, "ceiling": ceilings.get(meter)}
+    out["concurrent"]["peak"] = meters["peak_concurrent"].used
+    return out
+
+
+async def key_self(request: web.Request) -> web.Response:
+    """The caller's key and tenant windows: used / reserved / ceiling per meter."""
+    try:
+        state, identity, store = _caller(request)
+    except StoreError:
+        return store_unavailable_response()
+    tier = state.config.tiers.get(identity.tier)
+    windows = []
+    for scope in scopes_for(identity, "-", tier, datetime.now(UTC))[1:]:
+        meters = await store.meters(scope.key)
+        windows.append(
+            {
+                "scope": scope.name,
+                "resets_at": scope.resets_at_s,
+                "meters": _meter_view(meters, scope.ceilings),
+            }
+        )
+    return web.json_response(
+        {
+            "object": "billing.key",
+            "key": identity.key_name,
+            "tenant": identity.tenant,
+            "tier": identity.tier,
+            "windows": windows,
         }
     )
 
@@ -179,5 +216,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/billing/runs/{run_id}", run_meters)
     app.router.add_get("/v1/billing/runs/{run_id}/ledger", run_ledger)
+    app.router.add_get("/v1/billing/keys/self", key_self)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -20,6 +20,8 @@ from proxy.store import (
     ACTUAL_METERS,
     ALL_METERS,
     RESERVED_METERS,
+    TENANTS_KEY,
+    Clamp,
     ExpiredLease,
     MeterState,
     Refusal,
@@ -37,6 +39,17 @@ def _load_scripts() -> dict[str, tuple[str, str]]:
         source = resources.files("proxy").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")
         scripts[name] = (source, hashlib.sha1(source.encode()).hexdigest())
     return scripts
+
+
+def clamped_amounts(amounts: Mapping[str, int], per_choice: int, clamp: Clamp) -> dict[str, int]:
+    """The amounts reserve.lua reserved after clamping (the same arithmetic, in integers)."""
+    out = dict(amounts)
+    out["output_tokens"] = per_choice * clamp.choices
+    out["total_tokens"] = out["input_tokens"] + out["output_tokens"]
+    if amounts.get("cost_micros", 0) > 0 or clamp.output_rate > 0:
+        exact = clamp.input_cost_exact + out["output_tokens"] * clamp.output_rate
+        out["cost_micros"] = -(-exact // 1_000_000)
+    return out
 
 
 class RedisStore:
@@ -103,23 +116,35 @@ class RedisStore:
         amounts: Mapping[str, int],
         lease_ms: int,
         record: str,
+        clamp: Clamp | None = None,
     ) -> Reservation | Refusal:
         prefix = key_prefix(tenant)
         keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases", *(s.key for s in scopes)]
         args: list[Any] = [reservation_id, lease_ms, record]
         args += [amounts.get(m, 0) for m in RESERVED_METERS]
+        if clamp is None:
+            args += [0, 1, 0, 0]
+        else:
+            args += [clamp.min_output_tokens, clamp.choices, clamp.input_cost_exact, clamp.output_rate]
         for scope in scopes:
             args.append(scope.ttl_s)
             args += [scope.ceilings.get(m, -1) for m in RESERVED_METERS]
         result = await self._script("reserve", keys, args)
         if int(result[0]) == 1:
+            _, per_choice, meter, remaining, _scope = result
+            reserved = dict(amounts)
+            if int(per_choice) and clamp is not None:
+                reserved = clamped_amounts(amounts, int(per_choice), clamp)
             return Reservation(
                 id=reservation_id,
                 tenant=tenant,
                 run_id=run_id,
                 scopes=tuple(scopes),
-                amounts=dict(amounts),
+                amounts=reserved,
                 lease_ms=lease_ms,
+                clamped_output_per_choice=int(per_choice),
+                tightest_meter=str(meter) or None,
+                tightest_remaining=int(remaining),
             )
         _, index, meter, ceiling, used, reserved, amount = result
         return Refusal(
@@ -188,6 +213,19 @@ class RedisStore:
             out[meter] = MeterState(int(raw.get(f"used:{meter}", 0)), int(raw.get(f"resv:{meter}", 0)))
         out["peak_concurrent"] = MeterState(int(raw.get("peak:concurrent", 0)), 0)
         return out
+
+    async def register_tenant(self, tenant: str) -> None:
+        try:
+            await self._client.sadd(TENANTS_KEY, tenant)
+        except RedisError as err:
+            raise StoreError(f"register tenant: {err}") from err
+
+    async def tenants(self) -> set[str]:
+        try:
+            members: Any = await self._client.smembers(TENANTS_KEY)
+        except RedisError as err:
+            raise StoreError(f"tenants: {err}") from err
+        return {str(m) for m in members}
 
     async def run_ledger(self, *, tenant: str, run_id: str) -> list[dict[str, str]]:
         prefix = key_prefix(tenant)

@@ -25,6 +25,10 @@ ACTUAL_METERS = (
 ALL_METERS = (*ACTUAL_METERS, "concurrent")
 
 
+# The one key outside any tenant's slot: which tenants exist, for the lease reapers.
+TENANTS_KEY = "lbp:tenants"
+
+
 def key_prefix(tenant: str) -> str:
     """Every key of a tenant shares this hash tag, so a Redis Cluster keeps them in one slot."""
     return f"lbp:{{{tenant}}}:"
@@ -52,6 +56,16 @@ class Refusal:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Clamp:
+    """Lower the output reserve to what the budget affords instead of refusing."""
+
+    min_output_tokens: int  # per choice
+    choices: int
+    input_cost_exact: int  # input tokens * micro-units per million input tokens
+    output_rate: int  # micro-units per million output tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reservation:
     id: str
     tenant: str
@@ -59,6 +73,10 @@ class Reservation:
     scopes: tuple[Scope, ...]
     amounts: Mapping[str, int]
     lease_ms: int
+    clamped_output_per_choice: int = 0
+    # The limited meter with the least room left (after this reserve), if any is limited.
+    tightest_meter: str | None = None
+    tightest_remaining: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +107,7 @@ class Store(Protocol):
         amounts: Mapping[str, int],
         lease_ms: int,
         record: str,
+        clamp: Clamp | None = None,
     ) -> Reservation | Refusal: ...
 
     async def settle(
@@ -113,5 +132,9 @@ class Store(Protocol):
     async def ledger(
         self, *, tenant: str, start: str = "-", count: int | None = None
     ) -> list[tuple[str, dict[str, str]]]: ...
+
+    async def register_tenant(self, tenant: str) -> None: ...
+
+    async def tenants(self) -> set[str]: ...
 
     async def close(self) -> None: ...

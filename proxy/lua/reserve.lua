@@ -7,37 +7,97 @@ ARGV[1]      reservation id
 ARGV[2]      lease length in ms
 ARGV[3]      record: opaque JSON kept for the reaper
 ARGV[4..9]   amounts for the meters, in METERS order
+ARGV[10]     clamp: smallest output per choice worth keeping (0 = never clamp, refuse instead)
+ARGV[11]     clamp: choices (n); the output reserve is per-choice cap * n
+ARGV[12]     clamp: exact input cost (input tokens * micro-units per million input tokens)
+ARGV[13]     clamp: micro-units per million output tokens
 then per scope (KEYS[3+i]):  ttl_s (0 = none), then 6 ceilings in METERS order (-1 = unlimited)
 
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
-Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent.
-Returns {1, now_ms} on success, or {0, scope index (1-based), meter, ceiling, used, reserved, amount}.
+Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>.
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
+Returns on success {1, clamped output per choice (0 = not clamped), tightest meter, its
+remaining after this reserve (-1 = nothing limited), tightest scope index}; on refusal
+{0, scope index (1-based), meter, ceiling, used, reserved, amount}.
 ]]
 local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
 local NM = #METERS
+local OUTPUT, TOTAL, COST, INPUT = 3, 4, 5, 2
 local nscopes = #KEYS - 2
+local base = 14
+local stride = 1 + NM
+
 local amounts = {}
 for m = 1, NM do amounts[m] = tonumber(ARGV[3 + m]) end
 
-local base = 4 + NM
-local stride = 1 + NM
+local state = {}   -- state[s][m] = {ceiling, used, reserved} for limited meters
 for s = 1, nscopes do
-  local key = KEYS[2 + s]
+  state[s] = {}
   local off = base + (s - 1) * stride
   for m = 1, NM do
     local ceiling = tonumber(ARGV[off + m])
-    if ceiling >= 0 and amounts[m] > 0 then
-      local vals = redis.call('HMGET', key, 'used:' .. METERS[m], 'resv:' .. METERS[m])
-      local used = tonumber(vals[1]) or 0
-      local resv = tonumber(vals[2]) or 0
-      if used + resv + amounts[m] > ceiling then
-        return {0, s, METERS[m], ceiling, used, resv, amounts[m]}
-      end
+    if ceiling >= 0 then
+      local vals = redis.call('HMGET', KEYS[2 + s], 'used:' .. METERS[m], 'resv:' .. METERS[m])
+      state[s][m] = {ceiling, tonumber(vals[1]) or 0, tonumber(vals[2]) or 0}
     end
   end
 end
 
+local function check(amt)
+  for s = 1, nscopes do
+    for m = 1, NM do
+      local st = state[s][m]
+      if st and amt[m] > 0 and st[2] + st[3] + amt[m] > st[1] then
+        return {0, s, METERS[m], st[1], st[2], st[3], amt[m]}
+      end
+    end
+  end
+  return nil
+end
+
+local clamped = 0
+local refusal = check(amounts)
+local clamp_min = tonumber(ARGV[10])
+if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] == 'total_tokens'
+    or refusal[3] == 'cost_micros') then
+  -- The largest output the tightest scope can still pay for.
+  local n = tonumber(ARGV[11])
+  local input_cost = tonumber(ARGV[12])
+  local out_rate = tonumber(ARGV[13])
+  local k = amounts[OUTPUT]
+  for s = 1, nscopes do
+    local st = state[s]
+    if st[OUTPUT] then k = math.min(k, st[OUTPUT][1] - st[OUTPUT][2] - st[OUTPUT][3]) end
+    if st[TOTAL] then k = math.min(k, st[TOTAL][1] - st[TOTAL][2] - st[TOTAL][3] - amounts[INPUT]) end
+    if st[COST] and out_rate > 0 then
+      local room = (st[COST][1] - st[COST][2] - st[COST][3]) * 1000000 - input_cost
+      k = math.min(k, math.floor(room / out_rate))
+    end
+  end
+  local per_choice = math.floor(k / n)
+  if per_choice >= clamp_min and per_choice * n < amounts[OUTPUT] then
+    local trial = {}
+    for m = 1, NM do trial[m] = amounts[m] end
+    trial[OUTPUT] = per_choice * n
+    trial[TOTAL] = amounts[INPUT] + trial[OUTPUT]
+    if amounts[COST] > 0 or out_rate > 0 then
+      trial[COST] = math.ceil((input_cost + trial[OUTPUT] * out_rate) / 1000000)
+    end
+    -- Exact integer recheck of every ceiling: rounding in k can never overspend.
+    if not check(trial) then
+      amounts = trial
+      clamped = per_choice
+      refusal = nil
+    end
+  end
+end
+
+if refusal then
+  redis.call('HINCRBY', KEYS[2 + refusal[2]], 'refused:' .. refusal[3], 1)
+  return refusal
+end
+
+local tight_meter, tight_left, tight_ratio, tight_scope = '', -1, 2, 0
 for s = 1, nscopes do
   local key = KEYS[2 + s]
   for m = 1, NM do
@@ -46,6 +106,15 @@ for s = 1, nscopes do
       if METERS[m] == 'concurrent' then
         local peak = tonumber(redis.call('HGET', key, 'peak:concurrent')) or 0
         if now > peak then redis.call('HSET', key, 'peak:concurrent', now) end
+      end
+    end
+    local st = state[s][m]
+    if st then
+      local left = st[1] - st[2] - st[3] - amounts[m]
+      local ratio = 0
+      if st[1] > 0 then ratio = left / st[1] end
+      if ratio < tight_ratio then
+        tight_meter, tight_left, tight_ratio, tight_scope = METERS[m], left, ratio, s
       end
     end
   end
@@ -58,8 +127,8 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local scopes = {}
 for s = 1, nscopes do scopes[s] = KEYS[2 + s] end
 local amt = {}
-for m = 1, NM do amt[m] = ARGV[3 + m] end
+for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', table.concat(amt, ' '),
   'record', ARGV[3], 'reserved_at_ms', now_ms)
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
-return {1, now_ms}
+return {1, clamped, tight_meter, tight_left, tight_scope}

@@ -1,0 +1,109 @@
+"""Settle reservations whose lease ran out (their proxy died or lost its store mid-call).
+
+Every instance runs one. An expired reservation is settled at its reserve with outcome
+``lease_expired``: the call went out and nobody can say what it spent. Settlement is idempotent
+by reservation id, so reapers racing each other (or a late real settle) charge it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from proxy.errors import StoreError
+from proxy.store import ExpiredLease, Store
+
+log = logging.getLogger("proxy.reaper")
+BATCH = 100
+
+
+def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], str]:
+    """Actual figures, ledger entry and run id for a lease settled at its reserve."""
+    try:
+        record = json.loads(lease.record)
+    except ValueError:
+        record = {}
+    amounts = lease.amounts
+    actual = {
+        "requests": amounts.get("requests", 1),
+        "input_tokens": amounts.get("input_tokens", 0),
+        "output_tokens": amounts.get("output_tokens", 0),
+        "total_tokens": amounts.get("total_tokens", 0),
+        "cost_micros": amounts.get("cost_micros", 0),
+        "cached_input_tokens": 0,
+        "reasoning_tokens": 0,
+    }
+    run_id = str(record.get("run_id", lease.id))
+    entry = {
+        "request_id": str(record.get("request_id", "")),
+        "reservation_id": lease.id,
+        "time_ms": str(record.get("time_ms", "")),
+        "tenant": lease.tenant,
+        "key": str(record.get("key", "")),
+        "run_id": run_id,
+        "endpoint": str(record.get("endpoint", "")),
+        "model": str(record.get("model", "")),
+        "upstream": str(record.get("upstream", "")),
+        "stream": "1" if record.get("stream") else "0",
+        "outcome": "lease_expired",
+        "finish_reasons": "",
+        "input_tokens": str(actual["input_tokens"]),
+        "cached_input_tokens": "0",
+        "output_tokens": str(actual["output_tokens"]),
+        "reasoning_tokens": "0",
+        "total_tokens": str(actual["total_tokens"]),
+        "usage_source": "reserve",
+        "cost_micros": str(actual["cost_micros"]),
+        "reserved_input_tokens": str(actual["input_tokens"]),
+        "reserved_output_tokens": str(actual["output_tokens"]),
+        "overshoot_tokens": "0",
+        "clamped": "0",
+        "upstream_status": "0",
+        "latency_ms": "",
+        "ttft_ms": "",
+    }
+    return actual, entry, run_id
+
+
+async def reap_tenant(store: Store, tenant: str) -> int:
+    """Settle every expired lease of one tenant; returns how many this call settled."""
+    settled = 0
+    while True:
+        leases = await store.expired_leases(tenant=tenant, limit=BATCH)
+        for lease in leases:
+            actual, entry, run_id = lease_entry(lease)
+            entry_id = await store.settle(
+                tenant=tenant,
+                reservation_id=lease.id,
+                run_id=run_id,
+                scope_keys=lease.scope_keys,
+                actual=actual,
+                entry=entry,
+            )
+            if entry_id is not None:
+                settled += 1
+                log.warning("lease expired, settled at reserve", extra={"entry": entry})
+        if len(leases) < BATCH:
+            return settled
+
+
+async def reap_all(store: Store) -> int:
+    settled = 0
+    for tenant in sorted(await store.tenants()):
+        settled += await reap_tenant(store, tenant)
+    return settled
+
+
+async def run_reaper(store: Store, interval_s: float, on_settled: Callable[[int], None]) -> None:
+    """Loop until cancelled; a store outage only delays reaping."""
+    while True:
+        try:
+            for tenant in sorted(await store.tenants()):
+                count = await reap_tenant(store, tenant)
+                if count:
+                    on_settled(count)
+        except StoreError as err:
+            log.error("reaper could not reach the store", extra={"error": str(err)})
+        await asyncio.sleep(interval_s)
