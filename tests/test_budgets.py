@@ -1,0 +1,277 @@
+"""Budgets end to end: ceilings, refusals before any upstream call, refunds, overshoot, clamp,
+cost with cached and reasoning tokens, and hot reload of prices and ceilings."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+import yaml
+
+from proxy.app import STATE
+from proxy.redis_server import RedisServerProcess
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, base_config, digest
+from tests.fake_upstream import FakeUpstream
+
+MSGS: list[Any] = [{"role": "user", "content": "hi"}]
+# Reserve of one call with MSGS and max_tokens=10, no tokenizer: input = 2 bytes + 4 + 3 = 9.
+INPUT_RESERVE = 9
+# The fake bills 1 word + 3 = 4 prompt tokens and min(8, max_tokens) completion tokens.
+FAKE_PROMPT = 4
+
+
+def tiers(**standard: Any) -> dict[str, Any]:
+    return {"standard": standard}
+
+
+async def call(proxy: Proxy, run: str, max_tokens: int = 10, **extra: Any) -> Any:
+    client = proxy.client()
+    return await client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini",
+        messages=MSGS,
+        max_tokens=max_tokens,
+        extra_headers={"X-Run-Id": run},
+        **extra,
+    )
+
+
+async def meters(proxy: Proxy, run: str) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{proxy.url}/v1/billing/runs/{run}", headers={"Authorization": f"Bearer {KEY_A}"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        body: dict[str, Any] = await r.json()
+        return body
+
+
+async def test_landing_exactly_on_the_ceiling_is_allowed(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(tiers=tiers(run={"total_tokens": INPUT_RESERVE + 10}))
+    response = await call(proxy, "exact")
+    assert response.headers["x-billing-outcome"] == "ok"
+    assert len(fake.bill) == 1
+
+
+async def test_one_unit_over_is_refused_before_any_upstream_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(tiers=tiers(run={"total_tokens": INPUT_RESERVE + 10 - 1}))
+    with pytest.raises(openai.RateLimitError) as caught:
+        await call(proxy, "over")
+    err = caught.value
+    assert err.status_code == 429
+    assert err.response.headers["x-should-retry"] == "false"
+    assert err.response.headers["x-billing-refused-meter"] == "total_tokens"
+    body = err.response.json()["error"]
+    assert body["type"] == "insufficient_quota" and body["code"] == "budget_exceeded"
+    assert "scope 'run'" in body["message"] and "ceiling 18" in body["message"]
+    assert "needs 19" in body["message"]
+    assert fake.bill == [] and fake.received == []
+
+
+async def test_requests_ceiling_and_refund_of_unused_reserve(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(tiers=tiers(run={"requests": 2}))
+    for _ in range(2):
+        response = await call(proxy, "r2")
+        assert response.headers["x-budget-remaining-requests"] in {"1", "0"}
+    with pytest.raises(openai.RateLimitError):
+        await call(proxy, "r2")
+    assert len(fake.bill) == 2
+    state = (await meters(proxy, "r2"))["meters"]
+    assert state["requests"] == {"used": 2, "reserved": 0, "ceiling": 2}
+    # The reserve was 9 + 10 per call; the real figures replaced it.
+    assert state["input_tokens"]["used"] == 2 * FAKE_PROMPT
+    assert state["output_tokens"]["used"] == 2 * 8
+    assert all(m["reserved"] == 0 for m in state.values())
+    assert (await meters(proxy, "r2"))["summary"].startswith("requests 2/2")
+
+
+async def test_actual_above_reserve_is_charged_in_full_as_overshoot(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy()
+    response = await call(proxy, "big", extra_body={"fake": {"usage": {"prompt_tokens": 500}}})
+    assert response.headers["x-billing-input-tokens"] == "500"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"{proxy.url}/v1/billing/runs/big/ledger", headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as r,
+    ):
+        (entry,) = (await r.json())["data"]
+    assert entry["input_tokens"] == "500"
+    assert int(entry["overshoot_tokens"]) == 500 + 8 - (INPUT_RESERVE + 10)
+    assert (await meters(proxy, "big"))["meters"]["input_tokens"]["used"] == 500
+
+
+PRICES = {"input": "1.0", "cached_input": "0.5", "output": "2.0", "reasoning": "3.0"}
+
+
+async def test_cost_prices_cached_and_reasoning_tokens(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    models = {"gpt-4o-mini": {"upstream": "openai", "price_per_million": PRICES}}
+    proxy = await make_proxy(models=models, tiers=tiers(run={"cost_usd": 1}))
+    details = {
+        "prompt_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 3},
+        "completion_tokens_details": {"reasoning_tokens": 5},
+    }
+    response = await call(proxy, "cost", extra_body={"fake": {"usage": details}})
+    # 7 input at 1.0 + 3 cached at 0.5 + 3 output at 2.0 + 5 reasoning at 3.0, per million tokens,
+    # in micro-units: 7 + 1.5 + 6 + 15 = 29.5, rounded up once.
+    assert response.headers["x-billing-cost-micros"] == "30"
+    state = (await meters(proxy, "cost"))["meters"]
+    assert state["cost_micros"] == {"used": 30, "reserved": 0, "ceiling": 1_000_000}
+
+
+async def test_model_without_price_is_refused_when_the_tier_limits_cost(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(tiers=tiers(run={"cost_usd": 1}))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await call(proxy, "unpriced")
+    assert caught.value.code == "model_not_priced"
+    assert fake.received == []
+
+
+async def test_unknown_tier_is_refused(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tiers={"gold": {}})
+    with pytest.raises(openai.PermissionDeniedError):
+        await call(proxy, "tierless")
+    assert fake.received == []
+
+
+async def test_clamp_lowers_max_tokens_to_what_the_budget_affords(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(
+        tiers=tiers(run={"output_tokens": 6}, on_budget_short="clamp", min_output_tokens=2)
+    )
+    response = await call(proxy, "clamp", max_tokens=100)
+    assert fake.received[-1].body["max_tokens"] == 6
+    assert response.headers["x-billing-outcome"] == "truncated"  # the fake honours the lowered cap
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"{proxy.url}/v1/billing/runs/clamp/ledger", headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as r,
+    ):
+        (entry,) = (await r.json())["data"]
+    assert entry["clamped"] == "1" and entry["reserved_output_tokens"] == "6"
+    # Spent: nothing is left worth min_output_tokens, so the next call is refused.
+    with pytest.raises(openai.RateLimitError):
+        await call(proxy, "clamp", max_tokens=100)
+
+
+async def test_without_clamp_the_same_request_is_refused(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(tiers=tiers(run={"output_tokens": 6}))
+    with pytest.raises(openai.RateLimitError):
+        await call(proxy, "noclamp", max_tokens=100)
+    assert fake.received == []
+
+
+async def test_clamp_by_cost_never_overspends(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    models = {"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "3"}}}
+    # 9 input micro-units reserved; 30 micro-units affords 7 output tokens (9 + 21 = 30).
+    proxy = await make_proxy(
+        models=models, tiers=tiers(run={"cost_usd": "0.00003"}, on_budget_short="clamp", min_output_tokens=1)
+    )
+    await call(proxy, "costclamp", max_tokens=100)
+    assert fake.received[-1].body["max_tokens"] == 7
+    state = (await meters(proxy, "costclamp"))["meters"]
+    assert state["cost_micros"]["used"] <= 30
+
+
+async def test_key_window_refusal_has_retry_after(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tiers=tiers(windows=[{"period": "minute", "requests": 1}]))
+    await call(proxy, "w1")
+    with pytest.raises(openai.RateLimitError) as caught:
+        await call(proxy, "w2")
+    headers = caught.value.response.headers
+    assert 1 <= int(headers["retry-after"]) <= 60
+    assert headers["x-billing-refused-scope"] == "key:minute"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{proxy.url}/v1/billing/keys/self", headers={"Authorization": f"Bearer {KEY_A}"}) as r,
+    ):
+        body = await r.json()
+    (window,) = body["windows"]
+    assert window["scope"] == "key:minute"
+    assert window["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": 1}
+
+
+async def test_tenant_window_is_shared_by_all_keys_of_the_tenant(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    keys = [
+        {"name": "a1", "sha256": digest("sk-a1"), "tenant": "team-a", "tier": "standard"},
+        {"name": "a2", "sha256": digest("sk-a2"), "tenant": "team-a", "tier": "standard"},
+    ]
+    proxy = await make_proxy(keys=keys, tiers=tiers(tenant=[{"period": "month", "requests": 1}]))
+    await proxy.client("sk-a1").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=5)
+    with pytest.raises(openai.RateLimitError):
+        await proxy.client("sk-a2").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=5)
+    assert len(fake.bill) == 1
+
+
+async def test_reload_applies_new_prices_and_ceilings_and_keeps_usage(
+    fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    from proxy.app import build_app
+    from proxy.config import load_config
+    from proxy.tokenizer import Tokenizer
+
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["models"] = {
+        "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "1"}}
+    }
+    raw["tiers"] = tiers(run={"requests": 3})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
+    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    proxy = Proxy(
+        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
+    )
+    try:
+        first = await call(proxy, "reload")
+        assert first.headers["x-billing-cost-micros"] == "12"  # 4 input + 8 output at 1 per token
+
+        raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "2", "output": "2"}
+        raw["tiers"] = tiers(run={"requests": 2})
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(100):
+            if app[STATE].config.tiers["standard"].run.requests == 2:
+                break
+            await asyncio.sleep(0.02)
+        second = await call(proxy, "reload")
+        assert second.headers["x-billing-cost-micros"] == "24"
+        # Usage survived the reload: 2 used against the new ceiling of 2.
+        with pytest.raises(openai.RateLimitError):
+            await call(proxy, "reload")
+
+        path.write_text("tiers: [this is not valid")
+        os.kill(os.getpid(), signal.SIGHUP)
+        await asyncio.sleep(0.1)
+        assert app[STATE].config.tiers["standard"].run.requests == 2  # the old config stays
+    finally:
+        await runner.cleanup()
