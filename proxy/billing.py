@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from proxy.call import Call
 from proxy.config import Config, TierConfig
-from proxy.errors import BadRequest, BudgetExceeded
+from proxy.errors import BadRequest, BudgetExceeded, StoreError
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros
 from proxy.scopes import scopes_for
@@ -204,8 +204,18 @@ async def settle(
             entry=entry,
         )
     )
-    entry_id = await asyncio.shield(task)
-    log.info("call settled", extra={"entry": entry})
+    try:
+        entry_id = await asyncio.shield(task)
+    except StoreError as err:
+        # The answer is not held back: the reservation stays open and its lease expires, so a
+        # reaper settles it at the reserve. Charged, never lost; at worst charged high.
+        log.error(
+            "settle failed; the lease reaper will settle at reserve",
+            extra={"entry": entry, "error": str(err)},
+        )
+        entry_id = None
+    else:
+        log.info("call settled", extra={"entry": entry})
     return Settlement(
         outcome=outcome,
         usage=usage,

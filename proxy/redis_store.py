@@ -53,8 +53,11 @@ def clamped_amounts(amounts: Mapping[str, int], per_choice: int, clamp: Clamp) -
 
 
 class RedisStore:
-    def __init__(self, client: aioredis.Redis | RedisCluster) -> None:
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, *, pool: aioredis.ConnectionPool | None = None
+    ) -> None:
         self._client = client
+        self._pool = pool
         self._scripts = _load_scripts()
 
     @classmethod
@@ -67,13 +70,16 @@ class RedisStore:
                 url, decode_responses=True, max_connections=pool_size, socket_timeout=socket_timeout_s
             )
         else:
-            client = aioredis.Redis.from_url(
+            # A blocking pool: a burst waits for a free connection instead of failing a settle.
+            pool = aioredis.BlockingConnectionPool.from_url(
                 url,
                 decode_responses=True,
                 max_connections=pool_size,
+                timeout=socket_timeout_s,
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
             )
+            return cls(aioredis.Redis(connection_pool=pool), pool=pool)
         return cls(client)
 
     @property
@@ -82,6 +88,8 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._client.aclose()
+        if self._pool is not None:
+            await self._pool.disconnect()
 
     async def ping(self) -> None:
         try:
