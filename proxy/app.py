@@ -48,7 +48,10 @@ StoreFactory = Callable[[Config], Store]
 def default_store_factory(config: Config) -> Store:
     assert config.redis.url is not None, "serve resolves the embedded store before building the app"
     return RedisStore.from_url(
-        config.redis.url, pool_size=config.redis.pool_size, socket_timeout_s=config.redis.socket_timeout_s
+        config.redis.url,
+        cluster=config.redis.cluster,
+        pool_size=config.redis.pool_size,
+        socket_timeout_s=config.redis.socket_timeout_s,
     )
 
 

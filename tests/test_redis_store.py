@@ -1,0 +1,214 @@
+"""The store's Lua scripts against a single Redis and, unchanged, a 3-master Redis Cluster."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+
+import openai
+import pytest
+
+from proxy.auth import Identity
+from proxy.config import TierConfig
+from proxy.reaper import reap_tenant
+from proxy.redis_server import RedisServerProcess
+from proxy.redis_store import RedisStore
+from proxy.scopes import scopes_for, window_bounds
+from proxy.store import Clamp, Refusal, Reservation, Scope
+from tests.cluster import RedisClusterProcesses
+from tests.conftest import ProxyFactory
+from tests.fake_upstream import FakeUpstream
+
+AMOUNTS = {
+    "requests": 1,
+    "input_tokens": 10,
+    "output_tokens": 20,
+    "total_tokens": 30,
+    "cost_micros": 0,
+    "concurrent": 1,
+}
+ACTUAL = {
+    "requests": 1,
+    "input_tokens": 8,
+    "output_tokens": 5,
+    "total_tokens": 13,
+    "cost_micros": 0,
+    "cached_input_tokens": 2,
+    "reasoning_tokens": 1,
+}
+IDENTITY = Identity(tenant="team-a", tier="standard", key_name="a-ci")
+TIER = TierConfig.model_validate(
+    {
+        "run": {"requests": 3, "total_tokens": 100},
+        "windows": [{"period": "minute", "requests": 2}],
+        "tenant": [{"period": "month", "total_tokens": 1000}],
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
+    nodes = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture(params=["single", "cluster"])
+async def store(
+    request: pytest.FixtureRequest, redis_server: RedisServerProcess, redis_client: object
+) -> AsyncIterator[RedisStore]:
+    if request.param == "cluster":
+        nodes: RedisClusterProcesses = request.getfixturevalue("cluster")
+        store = RedisStore.from_url(nodes.url, cluster=True)
+        await store.client.flushall()
+    else:
+        store = RedisStore.from_url(redis_server.url)
+    yield store
+    await store.close()
+
+
+async def reserve(store: RedisStore, rid: str, scopes: list[Scope], **kw: object) -> Reservation | Refusal:
+    return await store.reserve(
+        tenant="team-a",
+        reservation_id=rid,
+        run_id="run1",
+        scopes=scopes,
+        amounts=dict(AMOUNTS),
+        lease_ms=60_000,
+        record="{}",
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+async def settle(store: RedisStore, res: Reservation, actual: dict[str, int] = ACTUAL) -> str | None:
+    return await store.settle(
+        tenant="team-a",
+        reservation_id=res.id,
+        run_id="run1",
+        scope_keys=[s.key for s in res.scopes],
+        actual=actual,
+        entry={"request_id": res.id, "outcome": "ok"},
+    )
+
+
+async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
+    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
+    scopes = scopes_for(IDENTITY, "run1", TIER, now)
+    assert [s.name for s in scopes] == ["run", "key:minute", "tenant:month"]
+    res = await reserve(store, "r1", scopes)
+    assert isinstance(res, Reservation)
+    assert res.tightest_meter == "requests" and res.tightest_remaining == 1  # the minute window
+    for scope in scopes:
+        state = await store.meters(scope.key)
+        assert state["total_tokens"].reserved == 30 and state["concurrent"].reserved == 1
+    entry_id = await settle(store, res)
+    assert entry_id is not None
+    assert await settle(store, res) is None  # idempotent: a second settle changes nothing
+    for scope in scopes:
+        state = await store.meters(scope.key)
+        assert state["total_tokens"].used == 13 and state["total_tokens"].reserved == 0
+        assert state["cached_input_tokens"].used == 2 and state["reasoning_tokens"].used == 1
+        assert state["concurrent"].reserved == 0 and state["peak_concurrent"].used == 1
+    (entry,) = await store.run_ledger(tenant="team-a", run_id="run1")
+    assert entry["outcome"] == "ok" and entry["id"] == entry_id
+
+
+async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store: RedisStore) -> None:
+    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
+    scopes = scopes_for(IDENTITY, "run1", TIER, now)
+    for rid in ("a", "b"):
+        assert isinstance(await reserve(store, rid, scopes), Reservation)
+    refused = await reserve(store, "c", scopes)
+    assert isinstance(refused, Refusal)
+    assert refused.scope.name == "key:minute" and refused.meter == "requests"
+    assert (refused.ceiling, refused.used, refused.reserved, refused.amount) == (2, 0, 2, 1)
+    run = await store.meters(scopes[0].key)
+    assert run["requests"].reserved == 2  # the refused call reserved nothing anywhere
+
+
+async def test_a_new_window_needs_no_reset(store: RedisStore) -> None:
+    minute = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
+    first = scopes_for(IDENTITY, "run1", TIER, minute)
+    for rid in ("a", "b"):
+        await reserve(store, rid, first)
+    assert isinstance(await reserve(store, "c", first), Refusal)
+    later = scopes_for(IDENTITY, "run1", TIER, minute + timedelta(minutes=1))
+    assert later[1].key != first[1].key and later[2].key == first[2].key
+    assert isinstance(await reserve(store, "c", later), Reservation)
+
+
+def test_window_bounds_are_calendar_windows() -> None:
+    now = datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC)
+    assert window_bounds("minute", now)[1] == datetime(2027, 1, 1, tzinfo=UTC)
+    assert window_bounds("day", now) == (datetime(2026, 12, 31, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC))
+    assert window_bounds("month", now) == (
+        datetime(2026, 12, 1, tzinfo=UTC),
+        datetime(2027, 1, 1, tzinfo=UTC),
+    )
+    assert window_bounds("hour", now)[0] == datetime(2026, 12, 31, 23, tzinfo=UTC)
+
+
+async def test_clamp_in_the_script(store: RedisStore) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:clamp", ceilings={"output_tokens": 12})
+    clamp = Clamp(min_output_tokens=4, choices=2, input_cost_exact=0, output_rate=0)
+    res = await reserve(store, "c1", [scope], clamp=clamp)
+    assert isinstance(res, Reservation)
+    assert res.clamped_output_per_choice == 6 and res.amounts["output_tokens"] == 12
+    assert res.amounts["total_tokens"] == 22
+    refused = await reserve(store, "c2", [scope], clamp=clamp)  # nothing left worth 4 per choice
+    assert isinstance(refused, Refusal)
+
+
+async def test_expired_leases_are_reaped_once_and_renew_extends(store: RedisStore) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:run1")
+    short = await store.reserve(
+        tenant="team-a",
+        reservation_id="short",
+        run_id="run1",
+        scopes=[scope],
+        amounts=dict(AMOUNTS),
+        lease_ms=1,
+        record='{"run_id": "run1"}',
+    )
+    long = await reserve(store, "long", [scope])
+    assert isinstance(short, Reservation) and isinstance(long, Reservation)
+    assert await store.renew(tenant="team-a", reservation_id="long", lease_ms=60_000)
+    await store.register_tenant("team-a")
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    assert await reap_tenant(store, "team-a") == 1
+    assert await reap_tenant(store, "team-a") == 0
+    (entry,) = await store.run_ledger(tenant="team-a", run_id="run1")
+    assert entry["outcome"] == "lease_expired" and entry["total_tokens"] == "30"
+    assert not await store.renew(tenant="team-a", reservation_id="short", lease_ms=1000)
+    assert await settle(store, long) is not None
+
+
+async def test_the_proxy_bills_through_a_redis_cluster(
+    cluster: RedisClusterProcesses, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(
+        redis={"url": cluster.url, "cluster": True}, tiers={"standard": {"run": {"requests": 1}}}
+    )
+    client = proxy.client()
+    stream = await client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        extra_headers={"X-Run-Id": "on-cluster"},
+    )
+    async for _chunk in stream:
+        pass
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Run-Id": "on-cluster"},
+        )
+    store = RedisStore.from_url(cluster.url, cluster=True)
+    try:
+        (entry,) = await store.run_ledger(tenant="team-a", run_id="on-cluster")
+    finally:
+        await store.close()
+    assert entry["outcome"] == "ok" and int(entry["output_tokens"]) == fake.bill[0].completion_tokens
