@@ -6,15 +6,17 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy.config import Config
 from proxy.errors import ApiError, api_error_response, error_response
+from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
 from proxy.redis_store import RedisStore
 from proxy.reload import ConfigReloader
@@ -31,6 +33,7 @@ class State:
     config: Config
     passthrough: bool
     tokenizer: Tokenizer
+    metrics: Metrics
     store: Store | None = None
     session: aiohttp.ClientSession | None = None
     ready: bool = False
@@ -53,6 +56,15 @@ def default_store_factory(config: Config) -> Store:
         pool_size=config.redis.pool_size,
         socket_timeout_s=config.redis.socket_timeout_s,
     )
+
+
+def metrics_handler(metrics: Metrics) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    return handler
 
 
 def encodings_in(config: Config) -> set[str]:
@@ -107,6 +119,7 @@ def build_app(
     store_factory: StoreFactory = default_store_factory,
     config_path: Path | None = None,
     run_reaper_task: bool = True,
+    registry: CollectorRegistry | None = None,
 ) -> web.Application:
     from proxy.handlers import add_routes
 
@@ -115,6 +128,7 @@ def build_app(
         config=config,
         passthrough=passthrough,
         tokenizer=tokenizer if tokenizer is not None else Tokenizer.load(encodings_in(config)),
+        metrics=Metrics(registry if registry is not None else CollectorRegistry(), currency=config.currency),
     )
     app[STATE] = state
 
@@ -140,6 +154,7 @@ def build_app(
 
         def count(n: int) -> None:
             state.leases_reaped += n
+            state.metrics.leases_expired.inc(n)
 
         task = asyncio.create_task(run_reaper(state.store, config.limits.reaper_interval_s, count))
         yield
@@ -163,11 +178,25 @@ def build_app(
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+    async def metrics_site_ctx(app: web.Application) -> AsyncIterator[None]:
+        listen = config.metrics.listen
+        assert listen is not None
+        metrics_app = web.Application()
+        metrics_app.router.add_get("/metrics", metrics_handler(state.metrics))
+        runner = web.AppRunner(metrics_app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, listen.host, listen.port).start()
+        log.info("metrics listening", extra={"host": listen.host, "port": listen.port})
+        yield
+        await runner.cleanup()
+
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(session_ctx)
     if run_reaper_task:
         app.cleanup_ctx.append(reaper_ctx)
     if config_path is not None:
         app.cleanup_ctx.append(reload_ctx)
+    if config.metrics.listen is not None:
+        app.cleanup_ctx.append(metrics_site_ctx)
     add_routes(app)
     return app

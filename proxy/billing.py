@@ -28,6 +28,7 @@ class Settlement:
     entry_id: str | None
     finish_reasons: str
     actual: dict[str, int]
+    overshoot_tokens: int
 
 
 def lease_ms(call: Call, config: Config) -> int:
@@ -214,8 +215,6 @@ async def settle(
             extra={"entry": entry, "error": str(err)},
         )
         entry_id = None
-    else:
-        log.info("call settled", extra={"entry": entry})
     return Settlement(
         outcome=outcome,
         usage=usage,
@@ -223,6 +222,7 @@ async def settle(
         entry_id=entry_id,
         finish_reasons=reasons,
         actual=actual,
+        overshoot_tokens=int(entry["overshoot_tokens"]),
     )
 
 

@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from decimal import Decimal
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -113,6 +114,12 @@ class ModelConfig(_Frozen):
     price_per_million: PricePerMillion | None = None
 
 
+def _check_digest(value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        raise ValueError("must be a 64-character hex SHA-256 digest")
+    return value.lower() if value else value
+
+
 class KeyConfig(_Frozen):
     name: str
     sha256: str | None = None
@@ -123,9 +130,7 @@ class KeyConfig(_Frozen):
     @field_validator("sha256")
     @classmethod
     def _hex_digest(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", value):
-            raise ValueError("must be a 64-character hex SHA-256 digest")
-        return value.lower() if value else value
+        return _check_digest(value)
 
     @field_validator("tenant")
     @classmethod
@@ -139,6 +144,31 @@ class KeyConfig(_Frozen):
         if (self.sha256 is None) == (self.key_env is None):
             raise ValueError("give exactly one of sha256 or key_env")
         return self
+
+
+class AdminKeyConfig(_Frozen):
+    """A key for operator-only endpoints (``/metrics`` on the main port)."""
+
+    name: str
+    sha256: str | None = None
+    key_env: str | None = None
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        return _check_digest(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AdminKeyConfig:
+        if (self.sha256 is None) == (self.key_env is None):
+            raise ValueError("give exactly one of sha256 or key_env")
+        return self
+
+
+class MetricsConfig(_Frozen):
+    # A separate address for Prometheus (no auth there: bind it where only scrapers reach).
+    # On the main port /metrics needs an admin key.
+    listen: ListenConfig | None = None
 
 
 class PolicyConfig(_Frozen):
@@ -211,12 +241,15 @@ class Config(_Frozen):
     upstreams: dict[str, UpstreamConfig]
     models: dict[str, ModelConfig] = Field(default_factory=lambda: {"*": ModelConfig(upstream="openai")})
     keys: tuple[KeyConfig, ...] = ()
+    admin_keys: tuple[AdminKeyConfig, ...] = ()
+    metrics: MetricsConfig = MetricsConfig()
     policy: PolicyConfig = PolicyConfig()
     tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"standard": TierConfig()})
     limits: LimitsConfig = LimitsConfig()
     currency: str = "USD"
     # Secrets resolved at load time: sha256 digests of keys given by env var.
     key_digests: tuple[tuple[str, KeyConfig], ...] = Field(default=(), exclude=True)
+    admin_digests: tuple[str, ...] = Field(default=(), exclude=True)
 
     @model_validator(mode="after")
     def _references(self) -> Config:
@@ -227,6 +260,10 @@ class Config(_Frozen):
         if len(names) != len(set(names)):
             raise ValueError("keys: names must be unique")
         return self
+
+    @cached_property
+    def tenants(self) -> frozenset[str]:
+        return frozenset(key.tenant for key in self.keys)
 
     def route(self, model: str) -> tuple[str, ModelConfig] | None:
         """The config entry for a model: an exact name first, then globs in file order."""
@@ -273,19 +310,21 @@ def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
     for name, upstream in config.upstreams.items():
         key = environ.get(upstream.api_key_env) if upstream.api_key_env else None
         upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
-    digests = []
-    for key_config in config.keys:
-        if key_config.key_env is not None:
-            plain = environ.get(key_config.key_env)
-            if not plain:
-                raise ConfigError(
-                    f"keys.{key_config.name}.key_env: environment variable {key_config.key_env} is not set"
-                )
-            digests.append((hashlib.sha256(plain.encode()).hexdigest(), key_config))
-        else:
-            assert key_config.sha256 is not None
-            digests.append((key_config.sha256, key_config))
-    return config.model_copy(update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests)})
+    digests = [(_digest("keys", key, environ), key) for key in config.keys]
+    admin = tuple(_digest("admin_keys", key, environ) for key in config.admin_keys)
+    return config.model_copy(
+        update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests), "admin_digests": admin}
+    )
+
+
+def _digest(section: str, key: KeyConfig | AdminKeyConfig, environ: Mapping[str, str]) -> str:
+    if key.key_env is None:
+        assert key.sha256 is not None
+        return key.sha256
+    plain = environ.get(key.key_env)
+    if not plain:
+        raise ConfigError(f"{section}.{key.name}.key_env: environment variable {key.key_env} is not set")
+    return hashlib.sha256(plain.encode()).hexdigest()
 
 
 def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:

@@ -3,6 +3,8 @@ exchange (forward, observe, settle, record)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -10,28 +12,38 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.app import STATE, State
-from proxy.auth import Identity, authenticate
+from proxy.app import STATE, State, metrics_handler
+from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing import reserve
 from proxy.call import SANE_ID, plan_call, request_id_for, run_id_for
+from proxy.config import Config
 from proxy.errors import (
     ApiError,
+    BudgetExceeded,
     NotFound,
     StoreError,
+    Unauthorized,
     api_error_response,
     error_response,
     store_unavailable_response,
 )
 from proxy.forward import upstream_headers
 from proxy.payload import Endpoint, parse_body
+from proxy.record import record_refusal
 from proxy.relay import Exchange, Services
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 
 
-def _services(state: State) -> Services:
+def _services(state: State, config: Config) -> Services:
     assert state.store is not None and state.session is not None
-    return Services(store=state.store, session=state.session, tokenizer=state.tokenizer, config=state.config)
+    return Services(
+        store=state.store,
+        session=state.session,
+        tokenizer=state.tokenizer,
+        config=config,
+        metrics=state.metrics,
+    )
 
 
 async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -58,15 +70,21 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             await state.store.register_tenant(identity.tenant)
             state.registered_tenants.add(identity.tenant)
         await reserve(state.store, call, config)
+    except BudgetExceeded as err:
+        record_refusal(state.metrics, config, identity.tenant, err)
+        response = api_error_response(err)
+        response.headers["x-request-id"] = request_id
+        return response
     except ApiError as err:
         response = api_error_response(err)
         response.headers["x-request-id"] = request_id
         return response
     except StoreError:
+        state.metrics.store_errors.labels("reserve").inc()
         response = store_unavailable_response()
         response.headers["x-request-id"] = request_id
         return response
-    return await Exchange(request, call, _services(state)).run()
+    return await Exchange(request, call, _services(state, config)).run()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -192,6 +210,19 @@ async def run_ledger(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "run_id": run_id, "data": entries})
 
 
+async def metrics(request: web.Request) -> web.StreamResponse:
+    """Prometheus on the main port: operators only, since it names every tenant's spend."""
+    state = request.app[STATE]
+    key = presented_key(request)
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() if key else ""
+    allowed = False
+    for known in state.config.admin_digests:
+        allowed |= hmac.compare_digest(known, digest)
+    if not allowed:
+        raise Unauthorized("/metrics needs an admin key (admin_keys in the config), or use metrics.listen.")
+    return await metrics_handler(state.metrics)(request)
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -217,5 +248,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/billing/runs/{run_id}", run_meters)
     app.router.add_get("/v1/billing/runs/{run_id}/ledger", run_ledger)
     app.router.add_get("/v1/billing/keys/self", key_self)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -20,6 +20,7 @@ from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import error_body, error_response
 from proxy.forward import TransportFailure, open_upstream, read_limited
+from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation, parse_usage
 from proxy.outcome import (
     ZERO_USAGE,
@@ -31,6 +32,7 @@ from proxy.outcome import (
     provider_usage,
     reserve_usage,
 )
+from proxy.record import record_call
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
@@ -44,6 +46,7 @@ class Services:
     session: aiohttp.ClientSession
     tokenizer: Tokenizer
     config: Config
+    metrics: Metrics
 
 
 class Exchange:
@@ -56,6 +59,8 @@ class Exchange:
         self.obs = Observation()
         self.settlement: Settlement | None = None
         self._renewed_at = time.monotonic()
+        # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
+        self._upstream_s = 0.0
 
     # -- usage helpers -------------------------------------------------------------------
 
@@ -85,6 +90,10 @@ class Exchange:
             self.settlement = await settle(
                 self.services.store, self.call, outcome, usage, self.obs.finish_reasons
             )
+            overhead = time.monotonic() - self.call.started_at - self._upstream_s
+            if self.settlement.entry_id is None:
+                self.services.metrics.store_errors.labels("settle").inc()
+            record_call(self.services.metrics, self.services.config, self.call, self.settlement, overhead)
         return self.settlement
 
     def _headers(self, settlement: Settlement) -> dict[str, str]:
@@ -93,8 +102,13 @@ class Exchange:
     # -- the exchange ---------------------------------------------------------------------
 
     async def run(self) -> web.StreamResponse:
+        tenant = tenant_label(self.call.identity.tenant, self.services.config)
+        inflight = self.services.metrics.inflight.labels(tenant)
+        inflight.inc()
         try:
+            started = time.monotonic()
             upstream = await open_upstream(self.services.session, self.call)
+            self._upstream_s += time.monotonic() - started
             if isinstance(upstream, TransportFailure):
                 return await self._transport_failure(upstream)
             try:
@@ -107,6 +121,7 @@ class Exchange:
             finally:
                 upstream.close()
         finally:
+            inflight.dec()
             if self.settlement is None:
                 # Cancelled (shutdown) or an unexpected error: the call went out, so it is
                 # charged at its reserve unless the provider already told us its usage.
@@ -228,8 +243,15 @@ class Exchange:
         client_gone = False
         failure: Outcome | None = None
         buffer = bytearray()
+        pieces = upstream.content.iter_any().__aiter__()
         try:
-            async for piece in upstream.content.iter_any():
+            while True:
+                waited = time.monotonic()
+                try:
+                    piece = await pieces.__anext__()
+                except StopAsyncIteration:
+                    break
+                self._upstream_s += time.monotonic() - waited
                 if b"\r" in piece:
                     piece = piece.replace(b"\r\n", b"\n")
                 buffer += piece

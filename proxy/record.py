@@ -1,0 +1,75 @@
+"""Record a settled call: metrics and the one JSON log line per call."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from proxy.billing import Settlement
+from proxy.call import Call
+from proxy.config import Config
+from proxy.errors import BudgetExceeded
+from proxy.metrics import Metrics, model_label, tenant_label
+
+log = logging.getLogger("proxy.call")
+
+
+def record_call(
+    metrics: Metrics, config: Config, call: Call, settlement: Settlement, overhead_s: float
+) -> None:
+    tenant = tenant_label(call.identity.tenant, config)
+    model = model_label(call.model, config)
+    usage = settlement.usage
+    metrics.requests.labels(tenant, model, call.endpoint, settlement.outcome.tag).inc()
+    # cached_input is the part of input served from cache; reasoning the part of output spent
+    # thinking: the same fields as the ledger entry.
+    for kind, count in (
+        ("input", usage.input_tokens),
+        ("cached_input", usage.cached_input_tokens),
+        ("output", usage.output_tokens),
+        ("reasoning", usage.reasoning_tokens),
+    ):
+        if count:
+            metrics.tokens.labels(tenant, model, kind, usage.source).inc(count)
+    if settlement.cost_micros:
+        metrics.cost.labels(tenant, model).inc(settlement.cost_micros / 1_000_000)
+    if settlement.overshoot_tokens:
+        metrics.overshoot.labels(tenant, model).inc(settlement.overshoot_tokens)
+    if call.clamped:
+        metrics.clamped.labels(tenant).inc()
+    if usage.source == "provider" and usage.input_tokens > 0:
+        metrics.reserve_error.observe(call.reserved_input_tokens / usage.input_tokens)
+    elapsed = time.monotonic() - call.started_at
+    metrics.duration.labels(call.endpoint).observe(elapsed)
+    if call.first_token_at is not None:
+        metrics.ttft.labels(model).observe(call.first_token_at - call.started_at)
+    metrics.overhead.observe(overhead_s)
+    log.info(
+        "call",
+        extra={
+            "request_id": call.request_id,
+            "tenant": call.identity.tenant,
+            "key_name": call.identity.key_name,
+            "run_id": call.run_id,
+            "endpoint": call.endpoint,
+            "model": call.model,
+            "stream": call.stream,
+            "outcome": settlement.outcome.label,
+            "input_tokens": usage.input_tokens,
+            "cached_input_tokens": usage.cached_input_tokens,
+            "output_tokens": usage.output_tokens,
+            "reasoning_tokens": usage.reasoning_tokens,
+            "usage_source": usage.source,
+            "cost_micros": settlement.cost_micros,
+            "status": call.upstream_status,
+            "latency_ms": int(elapsed * 1000),
+            "settled": settlement.entry_id is not None,
+        },
+    )
+
+
+def record_refusal(metrics: Metrics, config: Config, tenant: str, err: BudgetExceeded) -> None:
+    scope = err.headers.get("x-billing-refused-scope", "")
+    meter = err.headers.get("x-billing-refused-meter", "")
+    metrics.budget_refusals.labels(tenant_label(tenant, config), scope, meter).inc()
+    log.info("budget refusal", extra={"tenant": tenant, "scope": scope, "meter": meter})
