@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy.config import Config
-from proxy.errors import ApiError, api_error_response, error_response
+from proxy.errors import ApiError, StoreError, api_error_response, error_response
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
 from proxy.redis_store import RedisStore
@@ -137,8 +137,12 @@ def build_app(
         state.store = store
         try:
             await store.ping()
+            await store.load_scripts()
             state.ready = True
-        except Exception as err:  # the readiness probe reports it; calls get 503
+            warning = await store.persistence_warning()
+            if warning:
+                log.warning(warning)
+        except StoreError as err:  # the readiness probe reports it; calls get 503
             log.error("store unreachable at start", extra={"error": str(err)})
         yield
         await store.close()

@@ -110,7 +110,15 @@ def serve(args: argparse.Namespace) -> int:
                 "mode": "passthrough" if args.upstream else "config",
             },
         )
-        web.run_app(app, host=config.listen.host, port=config.listen.port, print=None, access_log=None)
+        web.run_app(
+            app,
+            host=config.listen.host,
+            port=config.listen.port,
+            print=None,
+            access_log=None,
+            shutdown_timeout=config.shutdown_grace_s,
+        )
+        log.info("stopped")
     return 0
 
 

@@ -247,6 +247,8 @@ class Config(_Frozen):
     tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"standard": TierConfig()})
     limits: LimitsConfig = LimitsConfig()
     currency: str = "USD"
+    # On SIGTERM: in-flight calls get this long to finish; the rest are ended and settled.
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
     # Secrets resolved at load time: sha256 digests of keys given by env var.
     key_digests: tuple[tuple[str, KeyConfig], ...] = Field(default=(), exclude=True)
     admin_digests: tuple[str, ...] = Field(default=(), exclude=True)

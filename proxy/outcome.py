@@ -24,6 +24,7 @@ OutcomeTag = Literal[
     "upstream_timeout",
     "upstream_4xx",
     "lease_expired",
+    "shutdown",
 ]
 REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
 

@@ -104,6 +104,20 @@ class RedisStore:
         except RedisError as err:
             raise StoreError(f"script load: {err}") from err
 
+    async def persistence_warning(self) -> str | None:
+        """Say so when the server keeps nothing on disk: the ledger lives there."""
+        try:
+            found: Any = await self._client.config_get("appendonly")
+            saves: Any = await self._client.config_get("save")
+        except RedisError as err:
+            return f"could not read the persistence settings ({err})"
+        if isinstance(self._client, RedisCluster):  # one answer per node
+            found = next(iter(found.values()), {}) if found and "appendonly" not in found else found
+            saves = next(iter(saves.values()), {}) if saves and "save" not in saves else saves
+        if found.get("appendonly") != "yes" and not saves.get("save"):
+            return "the Redis server keeps nothing on disk (no AOF, no RDB): a restart loses the ledger"
+        return None
+
     async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         source, sha = self._scripts[name]
         try:

@@ -7,6 +7,7 @@ rewritten or dropped, every other event is passed on byte for byte.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -120,12 +121,17 @@ class Exchange:
                 return await self._relay_body(upstream)
             finally:
                 upstream.close()
+        except asyncio.CancelledError:
+            # The server is shutting down past its grace period: the call went out, so it is
+            # charged at its reserve unless the provider already told us its usage.
+            if self.settlement is None:
+                await self._settle(Outcome("shutdown"), self._usage(complete=False))
+            raise
         finally:
             inflight.dec()
             if self.settlement is None:
-                # Cancelled (shutdown) or an unexpected error: the call went out, so it is
-                # charged at its reserve unless the provider already told us its usage.
-                await self._settle(Outcome("client_disconnected"), self._usage(complete=False))
+                # An unexpected error after the call went out: charged, never dropped.
+                await self._settle(Outcome("upstream_error"), self._usage(complete=False))
 
     async def _transport_failure(self, failure: TransportFailure) -> web.Response:
         tag: OutcomeTag = "upstream_timeout" if failure.kind == "timeout" else "upstream_error"

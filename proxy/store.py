@@ -97,6 +97,10 @@ class MeterState:
 class Store(Protocol):
     async def ping(self) -> None: ...
 
+    async def load_scripts(self) -> None: ...
+
+    async def persistence_warning(self) -> str | None: ...
+
     async def reserve(
         self,
         *,

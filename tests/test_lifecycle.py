@@ -1,0 +1,110 @@
+"""Health, readiness and graceful shutdown of real proxy processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from proxy.redis_server import RedisServerProcess, free_port
+from tests.conftest import KEY_A, ProxyFactory, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.procs import ProxyProcess
+
+LEDGER = "lbp:{team-a}:ledger"
+
+
+def slow_stream(run: str, chunks: int = 30, delay_s: float = 0.1) -> tuple[dict[str, Any], dict[str, str]]:
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": chunks,
+        "stream": True,
+        "fake": {"reply_tokens": chunks, "chunk_delay_s": delay_s},
+    }
+    return body, {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+
+
+async def read_all(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except aiohttp.ClientPayloadError:
+        return b""
+
+
+async def test_sigterm_lets_an_inflight_stream_finish_and_refuses_new_calls(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=20)
+    proc = ProxyProcess(raw, tmp_path).start()
+    try:
+        body, headers = slow_stream("graceful", chunks=20)
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(proc.url + "/v1/chat/completions", json=body, headers=headers)
+            await resp.content.readuntil(b"\n\n")
+            proc.signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = False
+            try:
+                async with aiohttp.ClientSession() as fresh:
+                    await fresh.get(proc.url + "/healthz")
+            except aiohttp.ClientConnectionError:
+                refused = True
+            assert refused, "a new connection was accepted during shutdown"
+            rest = await read_all(resp)
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert await asyncio.to_thread(proc.wait) == 0
+    finally:
+        proc.stop()
+    ((_, entry),) = await redis_client.xrange(LEDGER)
+    assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_sigterm_past_the_grace_period_settles_the_cut_stream(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=0.5)
+    proc = ProxyProcess(raw, tmp_path).start()
+    try:
+        body, headers = slow_stream("cut", chunks=100)
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(proc.url + "/v1/chat/completions", json=body, headers=headers)
+            await resp.content.readuntil(b"\n\n")
+            proc.signal(signal.SIGTERM)
+            await read_all(resp)
+        assert await asyncio.to_thread(proc.wait) == 0
+    finally:
+        proc.stop()
+    ((_, entry),) = await redis_client.xrange(LEDGER)
+    assert entry["outcome"] == "shutdown" and entry["usage_source"] == "reserve"
+    assert entry["output_tokens"] == "100"
+    assert await redis_client.zcard("lbp:{team-a}:leases") == 0
+
+
+async def test_health_and_readiness(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/healthz") as resp:
+            assert resp.status == 200
+        async with session.get(proxy.url + "/readyz") as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "ready"
+
+
+async def test_store_down_at_start_gives_503_and_no_upstream_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/readyz") as resp:
+            assert resp.status == 503
+        body, headers = slow_stream("nostore")
+        async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 503
+            error = (await resp.json())["error"]
+            assert error["code"] == "store_unavailable"
+    assert fake.received == []

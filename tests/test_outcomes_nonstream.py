@@ -1,0 +1,339 @@
+"""End to end: every non-streaming call ends with one ledger entry, the right outcome and the
+provider's figures; rejected answers are 422s that are billed and not retried."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from proxy.redis_server import free_port
+from proxy.tokenizer import Tokenizer
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import (
+    CHARS_PROMPT_TOKENS,
+    DETAILS,
+    FAKE_PROMPT_TOKENS,
+    MODEL,
+    MSGS,
+    PROMPT,
+    JsonDict,
+    assert_no_secret,
+    assert_provider_usage,
+    assert_reserve_usage,
+    assert_zero_usage,
+    byte_encoding,
+    chars_tokens,
+    raw_post,
+    reply_text,
+    run_headers,
+    the_entry,
+    upstream_override,
+)
+
+REJECT_ALL = {"on_truncate": "reject", "on_invalid_json": "reject"}
+JSON_FORMAT: Any = {"type": "json_object"}
+
+
+def assert_billing_headers(headers: Any, entry: JsonDict) -> None:
+    assert headers["x-billing-outcome"] == entry["outcome"]
+    assert headers["x-billing-input-tokens"] == entry["input_tokens"]
+    assert headers["x-billing-output-tokens"] == entry["output_tokens"]
+    assert headers["x-billing-usage-source"] == entry["usage_source"]
+
+
+async def test_ok_charges_provider_usage_and_tags_headers(proxy: Proxy, fake: FakeUpstream) -> None:
+    async with proxy.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=MSGS,
+            extra_body={"fake": {"usage": DETAILS}},
+            extra_headers=run_headers("r1"),
+        )
+    completion = raw.parse()
+    assert completion.choices[0].message.content == reply_text(8)
+    (bill,) = fake.bill
+    assert (bill.prompt_tokens, bill.completion_tokens, bill.cached_tokens, bill.reasoning_tokens) == (
+        FAKE_PROMPT_TOKENS,
+        8,
+        3,
+        4,
+    )
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "ok"
+    assert entry["finish_reasons"] == "stop"
+    assert (entry["stream"], entry["endpoint"], entry["upstream_status"]) == ("0", "chat.completions", "200")
+    assert_provider_usage(entry, bill)
+    assert_billing_headers(raw.headers, entry)
+    assert_no_secret(raw.headers, raw.content)
+    # The client's key stays at the proxy; the upstream gets the configured one.
+    received = fake.received[-1]
+    assert received.headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"
+    assert all(KEY_A not in value for value in received.headers.values())
+    assert KEY_A.encode() not in received.raw
+
+
+@pytest.mark.parametrize(
+    ("ctl", "outcome", "finish"),
+    [
+        ({"mode": "truncate"}, "truncated", "length"),
+        ({"mode": "content_filter"}, "refused", "content_filter"),
+        ({"mode": "refusal"}, "refused", "stop"),
+    ],
+    ids=["truncate", "content_filter", "refusal"],
+)
+async def test_answer_outcomes(
+    proxy: Proxy, fake: FakeUpstream, ctl: JsonDict, outcome: str, finish: str
+) -> None:
+    async with proxy.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=MSGS, extra_body={"fake": ctl}, extra_headers=run_headers("r1")
+        )
+    assert raw.status_code == 200
+    assert raw.parse().choices[0].finish_reason == finish
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["finish_reasons"]) == (outcome, finish)
+    assert_provider_usage(entry, fake.bill[0])
+    assert_billing_headers(raw.headers, entry)
+
+
+async def test_valid_json_passes_as_ok(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(policy=REJECT_ALL)
+    async with proxy.client() as client:
+        completion = await client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            response_format=JSON_FORMAT,
+            extra_body={"fake": {"content": '{"answer": [1, 2, 3]}'}},
+            extra_headers=run_headers("r1"),
+        )
+    assert completion.choices[0].message.content == '{"answer": [1, 2, 3]}'
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "ok"
+    assert_provider_usage(entry, fake.bill[0])
+
+
+REJECTIONS = [
+    pytest.param({"mode": "truncate"}, {}, "rejected:output-truncated", id="output-truncated"),
+    pytest.param(
+        {"content": "Sure! Here is your JSON: {}"},
+        {"response_format": JSON_FORMAT},
+        "rejected:parse-json: ",
+        id="parse-json",
+    ),
+    pytest.param(
+        {"content": '{"answer": [1, 2, 3, 4, 5]}', "mode": "truncate"},
+        {"response_format": JSON_FORMAT, "max_tokens": 3},
+        "rejected:parse-json-truncated",
+        id="parse-json-truncated",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ctl", "kwargs", "outcome"), REJECTIONS)
+async def test_rejected_answer_is_a_billed_422_the_sdk_does_not_retry(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ctl: JsonDict, kwargs: JsonDict, outcome: str
+) -> None:
+    proxy = await make_proxy(policy=REJECT_ALL)
+    async with proxy.client() as client:
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            await client.with_options(max_retries=2).chat.completions.create(
+                model=MODEL,
+                messages=MSGS,
+                extra_body={"fake": ctl},
+                extra_headers=run_headers("r1"),
+                **kwargs,
+            )
+    assert len(fake.bill) == 1  # not retried
+    err = caught.value
+    assert err.status_code == 422
+    assert err.response.headers["x-should-retry"] == "false"
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"].startswith(outcome)
+    if outcome.endswith(": "):
+        assert len(entry["outcome"]) > len(outcome)  # the parser's complaint follows
+    else:
+        assert entry["outcome"] == outcome
+    assert_provider_usage(entry, fake.bill[0])  # charged in full
+    assert_billing_headers(err.response.headers, entry)
+
+
+@pytest.mark.parametrize(("ctl", "kwargs", "outcome"), REJECTIONS)
+async def test_rejected_answer_error_body(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ctl: JsonDict, kwargs: JsonDict, outcome: str
+) -> None:
+    proxy = await make_proxy(policy=REJECT_ALL)
+    body = {"model": MODEL, "messages": MSGS, "fake": ctl, **kwargs}
+    result = await raw_post(proxy, body, "r1")
+    assert result.status == 422
+    assert result.headers["x-should-retry"] == "false"
+    assert result.headers["content-type"].startswith("application/json")
+    error = result.json()["error"]
+    assert error["type"] == "output_rejected"
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"].startswith(outcome)
+    reason = entry["outcome"].removeprefix("rejected:")
+    message = error["message"]
+    assert reason in message
+    bill = fake.bill[0]
+    assert f"{bill.prompt_tokens} input tokens" in message
+    assert f"{bill.completion_tokens} output tokens" in message
+    assert_provider_usage(entry, bill)
+    assert_billing_headers(result.headers, entry)
+
+
+async def test_n2_with_one_truncated_choice_is_truncated(proxy: Proxy, fake: FakeUpstream) -> None:
+    async with proxy.client() as client:
+        completion = await client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            n=2,
+            extra_body={"fake": {"finish_reasons": ["stop", "length"]}},
+            extra_headers=run_headers("r1"),
+        )
+    assert [c.finish_reason for c in completion.choices] == ["stop", "length"]
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["finish_reasons"]) == ("truncated", "stop,length")
+    assert fake.bill[0].completion_tokens == 16
+    assert_provider_usage(entry, fake.bill[0])
+
+
+async def test_missing_usage_counts_characters(proxy: Proxy, fake: FakeUpstream) -> None:
+    async with proxy.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=MSGS,
+            extra_body={"fake": {"no_usage": True}},
+            extra_headers=run_headers("r1"),
+        )
+    assert raw.parse().usage is None
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "chars")
+    assert int(entry["input_tokens"]) > 0 and int(entry["output_tokens"]) > 0
+    assert int(entry["input_tokens"]) == CHARS_PROMPT_TOKENS
+    assert int(entry["output_tokens"]) == chars_tokens(reply_text(8))
+    assert_billing_headers(raw.headers, entry)
+
+
+async def test_missing_usage_counts_with_tiktoken(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": byte_encoding()}))
+    async with proxy.client() as client:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            extra_body={"fake": {"no_usage": True}},
+            extra_headers=run_headers("r1"),
+        )
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "tokenizer")
+    # one token per byte, plus 4 per message and 3 for the reply
+    assert int(entry["input_tokens"]) == len(PROMPT) + 4 + 3
+    assert int(entry["output_tokens"]) == len(reply_text(8))
+
+
+async def test_legacy_completions(proxy: Proxy, fake: FakeUpstream) -> None:
+    async with proxy.client() as client:
+        completion = await client.completions.create(
+            model=MODEL,
+            prompt="write a short poem",
+            extra_body={"fake": {"usage": DETAILS}},
+            extra_headers=run_headers("r1"),
+        )
+    assert completion.choices[0].text == reply_text(8)
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["endpoint"], entry["finish_reasons"]) == ("ok", "completions", "stop")
+    assert fake.bill[0].prompt_tokens == 4
+    assert_provider_usage(entry, fake.bill[0])
+
+
+async def test_embeddings(proxy: Proxy, fake: FakeUpstream) -> None:
+    async with proxy.client() as client:
+        result = await client.embeddings.create(
+            model="text-embedding-3-small", input=["one two", "three"], extra_headers=run_headers("r1")
+        )
+    assert len(result.data) == 2
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["endpoint"]) == ("ok", "embeddings")
+    assert fake.bill[0].prompt_tokens == 3
+    assert_provider_usage(entry, fake.bill[0])
+    assert entry["output_tokens"] == "0"
+
+
+UPSTREAM_FAILURES = [
+    pytest.param(
+        {"mode": "error", "status": 500}, 500, openai.InternalServerError, "upstream_error", "zero", id="500"
+    ),
+    pytest.param(
+        {"mode": "error", "status": 400}, 400, openai.BadRequestError, "upstream_4xx", "zero", id="400"
+    ),
+    pytest.param(
+        {"mode": "error", "status": 503, "error_body": "text"},
+        503,
+        openai.InternalServerError,
+        "upstream_error",
+        "reserve",
+        id="503-text",
+    ),
+    pytest.param({"mode": "cut"}, 502, openai.InternalServerError, "upstream_error", "reserve", id="cut"),
+]
+
+
+@pytest.mark.parametrize(("ctl", "status", "error", "outcome", "charge"), UPSTREAM_FAILURES)
+async def test_upstream_failures(
+    proxy: Proxy,
+    fake: FakeUpstream,
+    ctl: JsonDict,
+    status: int,
+    error: type[openai.APIStatusError],
+    outcome: str,
+    charge: str,
+) -> None:
+    async with proxy.client() as client:
+        with pytest.raises(error) as caught:
+            await client.chat.completions.create(
+                model=MODEL, messages=MSGS, extra_body={"fake": ctl}, extra_headers=run_headers("r1")
+            )
+    err = caught.value
+    assert err.status_code == status
+    assert_no_secret(err.response.headers, err.response.content)
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == outcome
+    if charge == "zero":
+        assert_zero_usage(entry)
+    else:
+        assert_reserve_usage(entry)
+    assert_billing_headers(err.response.headers, entry)
+    assert fake.calls == 1
+
+
+async def test_upstream_timeout_before_headers(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(upstreams=upstream_override(fake.base_url, timeout_s=1))
+    async with proxy.client() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=MSGS,
+                extra_body={"fake": {"mode": "stall_before_headers", "stall_s": 10}},
+                extra_headers=run_headers("r1"),
+            )
+    assert caught.value.status_code == 504
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "upstream_timeout"
+    assert_reserve_usage(entry)
+    assert_billing_headers(caught.value.response.headers, entry)
+
+
+async def test_upstream_connection_refused(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    proxy = await make_proxy(upstreams=upstream_override(closed))
+    async with proxy.client() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
+    assert caught.value.status_code == 502
+    assert_no_secret(caught.value.response.headers, caught.value.response.content)
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "none")
+    assert_zero_usage(entry)
+    assert fake.bill == [] and fake.received == []

@@ -1,0 +1,373 @@
+"""End to end: every streamed call ends with one ledger entry, the right outcome and the
+provider's figures; usage the client did not ask for is stripped, a rejected stream ends in an
+SSE error event, and a client that leaves mid-stream is still billed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from proxy.redis_server import free_port
+from proxy.tokenizer import Tokenizer
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import (
+    CHARS_PROMPT_TOKENS,
+    DETAILS,
+    FAKE_PROMPT_TOKENS,
+    MODEL,
+    MSGS,
+    PROMPT,
+    JsonDict,
+    RawResult,
+    assert_no_secret,
+    assert_provider_usage,
+    assert_reserve_usage,
+    auth,
+    billing_comment,
+    byte_encoding,
+    chars_tokens,
+    data_chunks,
+    parse_sse,
+    raw_post,
+    reply_text,
+    run_headers,
+    the_entry,
+    upstream_override,
+)
+
+REJECT_ALL = {"on_truncate": "reject", "on_invalid_json": "reject"}
+JSON_FORMAT: Any = {"type": "json_object"}
+USAGE_ON: Any = {"include_usage": True}
+
+
+async def sdk_stream(proxy: Proxy, run: str, ctl: JsonDict, **kwargs: Any) -> list[ChatCompletionChunk]:
+    async with proxy.client() as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            stream=True,
+            extra_body={"fake": ctl},
+            extra_headers=run_headers(run),
+            **kwargs,
+        )
+        return [chunk async for chunk in stream]
+
+
+async def stream_until_error(proxy: Proxy, run: str, ctl: JsonDict, **kwargs: Any) -> openai.APIError:
+    """Open a stream (which must succeed), then iterate it until the SDK raises."""
+    chunks: list[ChatCompletionChunk] = []
+    async with proxy.client() as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            stream=True,
+            extra_body={"fake": ctl},
+            extra_headers=run_headers(run),
+            **kwargs,
+        )
+        with pytest.raises(openai.APIError) as caught:
+            async for chunk in stream:
+                chunks.append(chunk)
+    assert chunks, "the error came before any chunk"
+    assert not isinstance(caught.value, openai.APIStatusError)
+    return caught.value
+
+
+async def raw_stream(proxy: Proxy, run: str, ctl: JsonDict, **fields: Any) -> RawResult:
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "fake": ctl, **fields}
+    return await raw_post(proxy, body, run)
+
+
+def content_of(chunks: list[JsonDict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def assert_comment_matches(payload: JsonDict, entry: JsonDict, run: str) -> None:
+    assert payload["run_id"] == run
+    assert payload["outcome"] == entry["outcome"]
+    assert payload["usage_source"] == entry["usage_source"]
+    assert str(payload["input_tokens"]) == entry["input_tokens"]
+    assert str(payload["output_tokens"]) == entry["output_tokens"]
+
+
+async def test_client_asking_for_usage_gets_the_providers_chunk(proxy: Proxy, fake: FakeUpstream) -> None:
+    chunks = await sdk_stream(proxy, "r1", {"usage": DETAILS}, stream_options=USAGE_ON)
+    *rest, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (FAKE_PROMPT_TOKENS, 8)
+    assert last.usage.prompt_tokens_details is not None
+    assert last.usage.prompt_tokens_details.cached_tokens == 3
+    assert last.usage.completion_tokens_details is not None
+    assert last.usage.completion_tokens_details.reasoning_tokens == 4
+    assert all(c.usage is None for c in rest)
+    assert "".join(c.choices[0].delta.content or "" for c in rest) == reply_text(8)
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["stream"], entry["finish_reasons"]) == ("ok", "1", "stop")
+    assert_provider_usage(entry, fake.bill[0])
+    assert fake.received[-1].body["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("options", [None, {"include_usage": False}], ids=["no-options", "include-false"])
+async def test_usage_the_client_did_not_ask_for_is_stripped(
+    proxy: Proxy, fake: FakeUpstream, options: JsonDict | None
+) -> None:
+    fields = {} if options is None else {"stream_options": options}
+    result = await raw_stream(proxy, "r1", {"usage": DETAILS}, **fields)
+    assert result.status == 200
+    assert result.headers["content-type"].startswith("text/event-stream")
+    assert b'"usage"' not in result.body
+    events = parse_sse(result.body)
+    chunks = data_chunks(events)
+    assert all(c["choices"] != [] for c in chunks)
+    assert content_of(chunks) == reply_text(8)
+    # the upstream was asked for usage all the same, and the ledger has it
+    sent = fake.received[-1]
+    assert sent.body["stream_options"]["include_usage"] is True
+    assert sent.headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"
+    assert KEY_A.encode() not in sent.raw
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "ok"
+    assert_provider_usage(entry, fake.bill[0])
+    # the billing comment comes last, just before [DONE]
+    assert events[-1].data == "[DONE]"
+    assert any(c.startswith("billing ") for c in events[-2].comments)
+    assert_comment_matches(billing_comment(events), entry, "r1")
+
+
+@pytest.mark.parametrize(
+    ("ctl", "kwargs", "outcome", "finish"),
+    [
+        ({"mode": "truncate"}, {}, "truncated", "length"),
+        ({"mode": "content_filter"}, {}, "refused", "content_filter"),
+        ({"mode": "refusal"}, {}, "refused", "stop"),
+        ({"content": '{"answer": [1, 2, 3]}'}, {"response_format": JSON_FORMAT}, "ok", "stop"),
+    ],
+    ids=["truncate", "content_filter", "refusal", "valid-json"],
+)
+async def test_answer_outcomes(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ctl: JsonDict, kwargs: JsonDict, outcome: str, finish: str
+) -> None:
+    # invalid JSON is rejected, yet valid JSON and answers outside JSON mode are not
+    proxy = await make_proxy(policy={"on_invalid_json": "reject"})
+    chunks = await sdk_stream(proxy, "r1", ctl, **kwargs)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        finish
+    ]
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["finish_reasons"]) == (outcome, finish)
+    assert_provider_usage(entry, fake.bill[0])
+
+
+REJECTIONS = [
+    pytest.param({"mode": "truncate"}, {}, "rejected:output-truncated", id="output-truncated"),
+    pytest.param(
+        {"content": "Sure! Here is your JSON: {}"},
+        {"response_format": JSON_FORMAT},
+        "rejected:parse-json: ",
+        id="parse-json",
+    ),
+    pytest.param(
+        {"content": '{"answer": [1, 2, 3, 4, 5]}', "mode": "truncate"},
+        {"response_format": JSON_FORMAT, "max_tokens": 3},
+        "rejected:parse-json-truncated",
+        id="parse-json-truncated",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ctl", "kwargs", "outcome"), REJECTIONS)
+async def test_rejected_stream_raises_in_the_sdk(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ctl: JsonDict, kwargs: JsonDict, outcome: str
+) -> None:
+    proxy = await make_proxy(policy=REJECT_ALL)
+    error = await stream_until_error(proxy, "r1", ctl, **kwargs)
+    assert "rejected" in error.message
+    assert len(fake.bill) == 1
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"].startswith(outcome)
+    if not outcome.endswith(": "):
+        assert entry["outcome"] == outcome
+    assert_provider_usage(entry, fake.bill[0])  # charged in full
+
+
+@pytest.mark.parametrize(("ctl", "kwargs", "outcome"), REJECTIONS)
+async def test_rejected_stream_ends_with_an_error_event(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ctl: JsonDict, kwargs: JsonDict, outcome: str
+) -> None:
+    proxy = await make_proxy(policy=REJECT_ALL)
+    result = await raw_stream(proxy, "r1", ctl, **kwargs)
+    assert result.status == 200
+    events = parse_sse(result.body)
+    assert all(e.data != "[DONE]" for e in events)
+    last = events[-1]
+    assert last.event == "error"
+    error = last.json()["error"]
+    assert error["type"] == "output_rejected"
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"].startswith(outcome)
+    assert entry["outcome"].removeprefix("rejected:") in error["message"]
+    assert_provider_usage(entry, fake.bill[0])
+    assert_comment_matches(billing_comment(events), entry, "r1")
+
+
+async def test_n2_with_one_truncated_choice_is_truncated(proxy: Proxy, fake: FakeUpstream) -> None:
+    await sdk_stream(proxy, "r1", {"finish_reasons": ["stop", "length"]}, n=2)
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["finish_reasons"]) == ("truncated", "stop,length")
+    assert_provider_usage(entry, fake.bill[0])
+
+
+async def test_missing_usage_counts_characters(proxy: Proxy, fake: FakeUpstream) -> None:
+    result = await raw_stream(proxy, "r1", {"no_usage": True})
+    events = parse_sse(result.body)
+    assert events[-1].data == "[DONE]"
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "chars")
+    assert int(entry["input_tokens"]) == CHARS_PROMPT_TOKENS
+    assert int(entry["output_tokens"]) == chars_tokens(reply_text(8)) > 0
+    assert_comment_matches(billing_comment(events), entry, "r1")
+
+
+async def test_missing_usage_counts_with_tiktoken(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": byte_encoding()}))
+    await sdk_stream(proxy, "r1", {"no_usage": True}, stream_options=USAGE_ON)
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "tokenizer")
+    assert int(entry["input_tokens"]) == len(PROMPT) + 4 + 3
+    assert int(entry["output_tokens"]) == len(reply_text(8))
+
+
+async def test_legacy_completions_stream(proxy: Proxy, fake: FakeUpstream) -> None:
+    async with proxy.client() as client:
+        stream = await client.completions.create(
+            model=MODEL, prompt="write a short poem", stream=True, extra_headers=run_headers("r1")
+        )
+        chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply_text(8)
+    assert all(c.usage is None for c in chunks)
+    assert fake.received[-1].body["stream_options"]["include_usage"] is True
+    entry = await the_entry(proxy, "r1")
+    assert (entry["outcome"], entry["endpoint"]) == ("ok", "completions")
+    assert_provider_usage(entry, fake.bill[0])
+
+
+@pytest.mark.parametrize(
+    "ctl",
+    [{"two_usage": True}, {"usage_early": True}, {"keepalive": True}],
+    ids=["two-usage", "usage-early", "keepalive"],
+)
+async def test_usage_chunk_variants(proxy: Proxy, fake: FakeUpstream, ctl: JsonDict) -> None:
+    result = await raw_stream(proxy, "r1", ctl)
+    assert b'"usage"' not in result.body
+    events = parse_sse(result.body)
+    assert content_of(data_chunks(events)) == reply_text(8)
+    assert events[-1].data == "[DONE]"
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "ok"
+    assert_provider_usage(entry, fake.bill[0])  # the same usage twice is not billed twice
+
+
+async def leave_mid_stream(proxy: Proxy, run: str, ctl: JsonDict) -> None:
+    """Read the first couple of data events, then drop the connection."""
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "fake": ctl}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers(run)}
+        )
+        assert resp.status == 200
+        seen = 0
+        while seen < 3:
+            line = await asyncio.wait_for(resp.content.readline(), 5)
+            assert line, "stream ended early"
+            seen += line.startswith(b"data:")
+        resp.close()
+
+
+SLOW: JsonDict = {"chunk_delay_s": 0.05, "reply_tokens": 40}
+
+
+async def test_client_disconnect_drains_and_bills_provider_usage(proxy: Proxy, fake: FakeUpstream) -> None:
+    await leave_mid_stream(proxy, "r1", SLOW)
+    entry = await the_entry(proxy, "r1", wait_s=5)
+    assert entry["outcome"] == "client_disconnected"
+    assert_provider_usage(entry, fake.bill[0])
+    assert fake.bill[0].completion_tokens == 40
+
+
+async def test_client_disconnect_cancel_counts_what_was_seen(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(policy={"on_client_disconnect": "cancel"})
+    await leave_mid_stream(proxy, "r1", SLOW)
+    entry = await the_entry(proxy, "r1", wait_s=5)
+    assert (entry["outcome"], entry["usage_source"]) == ("client_disconnected", "chars")
+    assert int(entry["input_tokens"]) == CHARS_PROMPT_TOKENS
+    assert 0 < int(entry["output_tokens"]) < fake.bill[0].completion_tokens == 40
+
+
+async def test_cut_mid_stream(proxy: Proxy, fake: FakeUpstream) -> None:
+    await stream_until_error(proxy, "r1", {"mode": "cut"}, stream_options=USAGE_ON)
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "upstream_error"
+    assert_reserve_usage(entry)  # the usage chunk never came
+
+
+@pytest.mark.parametrize("mode", ["malformed_sse", "no_done"])
+async def test_broken_stream_with_provider_usage(proxy: Proxy, fake: FakeUpstream, mode: str) -> None:
+    result = await raw_stream(proxy, "r1", {"mode": mode})
+    assert result.status == 200
+    events = parse_sse(result.body)
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "upstream_error"
+    assert_provider_usage(entry, fake.bill[0])
+    assert_comment_matches(billing_comment(events), entry, "r1")
+
+
+async def test_stall_mid_stream_times_out(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(upstreams=upstream_override(fake.base_url, timeout_s=1))
+    await stream_until_error(proxy, "r1", {"mode": "stall_mid_stream", "stall_s": 10})
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "upstream_timeout"
+    assert_reserve_usage(entry)
+
+
+BEFORE_THE_STREAM = [
+    pytest.param({"mode": "error", "status": 500}, 500, "upstream_error", "zero", id="500"),
+    pytest.param({"mode": "error", "status": 400}, 400, "upstream_4xx", "zero", id="400"),
+    pytest.param(
+        {"mode": "error", "status": 503, "error_body": "text"}, 503, "upstream_error", "reserve", id="503"
+    ),
+    pytest.param(
+        {"mode": "stall_before_headers", "stall_s": 10}, 504, "upstream_timeout", "reserve", id="stall"
+    ),
+    pytest.param({}, 502, "upstream_error", "none", id="refused"),
+]
+
+
+@pytest.mark.parametrize(("ctl", "status", "outcome", "charge"), BEFORE_THE_STREAM)
+async def test_upstream_failure_before_the_stream(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ctl: JsonDict, status: int, outcome: str, charge: str
+) -> None:
+    base_url = f"http://127.0.0.1:{free_port()}/v1" if charge == "none" else fake.base_url
+    proxy = await make_proxy(upstreams=upstream_override(base_url, timeout_s=1))
+    with pytest.raises(openai.APIStatusError) as caught:
+        await sdk_stream(proxy, "r1", ctl)
+    assert caught.value.status_code == status
+    headers = caught.value.response.headers
+    assert_no_secret(headers, caught.value.response.content)
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == headers["x-billing-outcome"] == outcome
+    assert entry["usage_source"] == headers["x-billing-usage-source"]
+    if charge == "reserve":
+        assert_reserve_usage(entry)
+    else:
+        assert (entry["input_tokens"], entry["output_tokens"]) == ("0", "0")
+    if charge == "none":
+        assert entry["usage_source"] == "none"
+        assert fake.received == []
