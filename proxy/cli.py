@@ -10,6 +10,7 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 from aiohttp import web
@@ -45,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     ledger.add_argument("--tenant", required=True)
     ledger.add_argument("--run", default=None)
     ledger.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
+    report = sub.add_parser("report", help="totals of the ledger: tokens, cost, outcomes")
+    report.add_argument("--config", type=Path)
+    report.add_argument("--redis-url", default=None)
+    report.add_argument("--tenant", required=True)
+    report.add_argument("--since", default=None, help="UTC date or time, e.g. 2026-11-01")
+    report.add_argument("--by", choices=("model", "run", "key"), default="model")
+    report.add_argument("--format", choices=("table", "csv", "jsonl"), default="table")
     return parser
 
 
@@ -131,18 +139,23 @@ def check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> None:
+async def _read_ledger(
+    config: Config, tenant: str, run: str | None, start: str = "-"
+) -> list[dict[str, str]]:
     from proxy.redis_store import RedisStore
 
     assert config.redis.url is not None
     store = RedisStore.from_url(config.redis.url, cluster=config.redis.cluster)
     try:
         if run is not None:
-            rows = await store.run_ledger(tenant=tenant, run_id=run)
-        else:
-            rows = [{"id": i, **fields} for i, fields in await store.ledger(tenant=tenant)]
+            return await store.run_ledger(tenant=tenant, run_id=run)
+        return [{"id": i, **fields} for i, fields in await store.ledger(tenant=tenant, start=start)]
     finally:
         await store.close()
+
+
+async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> None:
+    rows = await _read_ledger(config, tenant, run)
     if fmt == "jsonl":
         for row in rows:
             sys.stdout.write(json.dumps(row, separators=(",", ":")) + "\n")
@@ -155,7 +168,7 @@ async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> Non
     writer.writerows(rows)
 
 
-def ledger(args: argparse.Namespace) -> int:
+def _store_config(args: argparse.Namespace) -> Config:
     if args.config:
         config = load_config(args.config)
     elif args.redis_url:
@@ -165,14 +178,41 @@ def ledger(args: argparse.Namespace) -> int:
     if args.redis_url:
         config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": args.redis_url})})
     setup_logging("warning", "text")
-    with store_url(config, purpose="ledger") as config:
+    return config
+
+
+def ledger(args: argparse.Namespace) -> int:
+    with store_url(_store_config(args), purpose="ledger") as config:
         asyncio.run(_export(config, args.tenant, args.run, args.format))
+    return 0
+
+
+def _since_ms(value: str | None) -> str:
+    if value is None:
+        return "-"
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(f"--since: not a date or time: {value!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return str(int(moment.timestamp() * 1000))
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from proxy.report import aggregate, render, rows
+
+    start = _since_ms(args.since)
+    with store_url(_store_config(args), purpose="report") as config:
+        entries = asyncio.run(_read_ledger(config, args.tenant, None, start))
+        table = rows(aggregate(entries, args.by), args.by, config.currency)
+    sys.stdout.write(render(table, args.format))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"serve": serve, "check-config": check_config, "ledger": ledger}
+    commands = {"serve": serve, "check-config": check_config, "ledger": ledger, "report": report_command}
     try:
         return commands[args.command](args)
     except ConfigError as err:

@@ -219,6 +219,14 @@ class TierConfig(_Frozen):
     on_budget_short: Literal["refuse", "clamp"] = "refuse"
     min_output_tokens: int = Field(default=1, ge=1)
 
+    @model_validator(mode="after")
+    def _one_window_per_period(self) -> TierConfig:
+        for name in ("windows", "tenant"):
+            periods = [w.period for w in getattr(self, name)]
+            if len(periods) != len(set(periods)):
+                raise ValueError(f"{name}: one entry per period (merge the ceilings of a period into one)")
+        return self
+
 
 class LimitsConfig(_Frozen):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

@@ -1,0 +1,110 @@
+"""Config validation: field-named errors, secrets from the environment, the shipped examples."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import load_config, parse_config
+from proxy.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+UP = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1"}}}
+
+
+def error_of(raw: Any, env: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, env or {})
+    return str(caught.value)
+
+
+def test_the_example_config_loads() -> None:
+    config = load_config(
+        ROOT / "config" / "example.yaml", {"DEV_PROXY_KEY": "sk-dev", "OPENAI_API_KEY": "sk-up"}
+    )
+    assert config.route("gpt-4o-mini") is not None
+    assert config.route("gpt-4o-2024")[0] == "gpt-4o*"  # type: ignore[index]
+    assert config.tiers["standard"].run.as_meters()["cost_micros"] == 2_000_000
+    dev = dict((key.name, digest) for digest, key in config.key_digests)["dev"]
+    assert dev == hashlib.sha256(b"sk-dev").hexdigest()
+    assert config.upstreams["openai"].api_key is not None
+    assert config.upstreams["openai"].api_key.get_secret_value() == "sk-up"
+
+
+def test_the_docker_config_loads() -> None:
+    config = load_config(
+        ROOT / "config" / "docker.yaml", {"PROXY_API_KEY": "k", "REDIS_URL": "redis://r:6379/0"}
+    )
+    assert config.redis.url == "redis://r:6379/0"
+    assert config.listen.host == "0.0.0.0"
+
+
+def test_errors_name_the_field() -> None:
+    assert (
+        error_of({"upstreams": {"openai": {"base_url": "not a url"}}})
+        == "upstreams.openai.base_url: invalid URL"
+    )
+    assert "models.*.upstream: unknown upstream 'nope'" in error_of(
+        {**UP, "models": {"*": {"upstream": "nope"}}}
+    )
+    assert "keys.0" in error_of({**UP, "keys": [{"name": "k", "tenant": "t"}]})
+    assert "keys.k.key_env: environment variable K_ENV is not set" in error_of(
+        {**UP, "keys": [{"name": "k", "key_env": "K_ENV", "tenant": "t"}]}
+    )
+    assert "policy.on_truncate" in error_of({**UP, "policy": {"on_truncate": "maybe"}})
+    assert "tiers.standard: windows: one entry per period" in error_of(
+        {**UP, "tiers": {"standard": {"windows": [{"period": "day", "requests": 1}, {"period": "day"}]}}}
+    )
+    assert "6 decimal places" in error_of(
+        {
+            **UP,
+            "models": {"*": {"upstream": "openai", "price_per_million": {"input": "0.0000001", "output": 1}}},
+        }
+    )
+    assert "redis.url" in error_of({**UP, "redis": {"url": "http://x"}})
+    assert "unknown_field" in error_of({**UP, "unknown_field": 1})
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("upstreams: [unclosed")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad, {})
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml", {})
+
+
+def test_prices_are_exact_integers_per_million() -> None:
+    config = parse_config(
+        {
+            **UP,
+            "models": {
+                "*": {
+                    "upstream": "openai",
+                    "price_per_million": {"input": "0.15", "cached_input": "0.075", "output": "0.6"},
+                }
+            },
+        },
+        {},
+    )
+    rates = config.models["*"].price_per_million.micros_per_million()  # type: ignore[union-attr]
+    assert rates == {"input": 150_000, "cached_input": 75_000, "output": 600_000, "reasoning": 600_000}
+
+
+def test_exact_model_names_win_over_globs() -> None:
+    config = parse_config(
+        {
+            **UP,
+            "models": {
+                "gpt-4o*": {"upstream": "openai"},
+                "gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 5},
+            },
+        },
+        {},
+    )
+    assert config.route("gpt-4o-mini")[0] == "gpt-4o-mini"  # type: ignore[index]
+    assert config.route("gpt-4o")[0] == "gpt-4o*"  # type: ignore[index]
+    assert config.route("claude") is None
