@@ -1,0 +1,173 @@
+"""Prometheus counters agree with the ledger after a mixed workload, streaming and not."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.redis_server import free_port
+from tests.conftest import KEY_A, ProxyFactory, digest
+from tests.fake_upstream import FakeUpstream
+
+ADMIN = "sk-admin-ops"
+LEDGER = "lbp:{team-a}:ledger"
+MSGS: list[Any] = [{"role": "user", "content": "hello metrics"}]
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def total(values: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return sum(
+        v
+        for (n, lbls), v in values.items()
+        if n == name and all((k, val) in lbls for k, val in labels.items())
+    )
+
+
+async def workload(client: openai.AsyncOpenAI, stream: bool) -> None:
+    async def chat(fake: dict[str, Any], **kw: Any) -> None:
+        try:
+            if stream:
+                s = await client.chat.completions.create(
+                    model="gpt-4o-mini", messages=MSGS, stream=True, extra_body={"fake": fake}, **kw
+                )
+                async for _ in s:
+                    pass
+            else:
+                await client.chat.completions.create(
+                    model="gpt-4o-mini", messages=MSGS, extra_body={"fake": fake}, **kw
+                )
+        except openai.APIError:
+            pass
+
+    await chat({})
+    await chat({"mode": "truncate"}, max_tokens=3)
+    await chat({"mode": "content_filter"})
+    await chat({"content": "not json"}, response_format={"type": "json_object"})  # rejected
+    await chat(
+        {
+            "usage": {
+                "prompt_tokens_details": {"cached_tokens": 2},
+                "completion_tokens_details": {"reasoning_tokens": 3},
+            }
+        }
+    )
+
+
+async def disconnect(url: str) -> None:
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": MSGS,
+        "stream": True,
+        "fake": {"reply_tokens": 30, "chunk_delay_s": 0.02},
+    }
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+        )
+        await resp.content.readuntil(b"\n\n")
+        resp.close()
+
+
+async def test_counters_equal_the_ledger(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    models = {
+        "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "2"}},
+        "*": {"upstream": "openai"},
+    }
+    proxy = await make_proxy(
+        models=models,
+        admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}],
+        policy={"on_invalid_json": "reject"},
+        tiers={"standard": {"run": {"requests": 1}}},
+    )
+    client = proxy.client()
+    for stream in (False, True):
+        await workload(client, stream)
+    await disconnect(proxy.url)
+    tiny = {"X-Run-Id": "tiny"}  # the run allows one call; three more are refused by budget
+    await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, extra_headers=tiny)
+    for _ in range(3):
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, extra_headers=tiny)
+    for _ in range(50):  # the disconnected stream settles after draining
+        if len(await redis_client.xrange(LEDGER)) == len(fake.bill):
+            break
+        await asyncio.sleep(0.05)
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/metrics") as resp:
+            assert resp.status == 401
+        async with session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
+            assert resp.status == 200
+            values = samples(await resp.text())
+
+    entries = [fields for _, fields in await redis_client.xrange(LEDGER)]
+    assert len(entries) == len(fake.bill) == 12
+    outcomes = Counter(e["outcome"].split(":")[0] for e in entries)
+    assert outcomes == {"ok": 5, "truncated": 2, "refused": 2, "rejected": 2, "client_disconnected": 1}
+    for outcome, count in outcomes.items():
+        assert total(values, "llm_proxy_requests_total", tenant="team-a", outcome=outcome) == count
+    for kind, field in (
+        ("input", "input_tokens"),
+        ("cached_input", "cached_input_tokens"),
+        ("output", "output_tokens"),
+        ("reasoning", "reasoning_tokens"),
+    ):
+        expected = sum(int(e[field]) for e in entries)
+        assert expected > 0
+        assert (
+            total(values, "llm_proxy_tokens_total", tenant="team-a", type=kind, source="provider") == expected
+        )
+    cost = sum(int(e["cost_micros"]) for e in entries)
+    assert total(values, "llm_proxy_cost_total", tenant="team-a", model="gpt-4o-mini") == pytest.approx(
+        cost / 1e6
+    )
+    assert (
+        total(values, "llm_proxy_budget_refusals_total", tenant="team-a", scope="run", meter="requests") == 3
+    )
+    assert total(values, "llm_proxy_request_duration_seconds_count") == 12
+    assert total(values, "llm_proxy_proxy_overhead_seconds_count") == 12
+    assert total(values, "llm_proxy_reserve_error_ratio_count") == 12
+    assert total(values, "llm_proxy_inflight_requests", tenant="team-a") == 0
+    # No unbounded labels: no run id, request id or key anywhere in the exposition.
+    labels = {k for (_, lbls) in values for k, _ in lbls}
+    assert labels <= {
+        "tenant",
+        "model",
+        "endpoint",
+        "outcome",
+        "type",
+        "source",
+        "scope",
+        "meter",
+        "le",
+        "operation",
+    }
+
+
+async def test_metrics_on_their_own_address(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    port = free_port()
+    proxy = await make_proxy(metrics={"listen": {"host": "127.0.0.1", "port": port}})
+    await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=MSGS)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            assert resp.status == 200
+            values = samples(await resp.text())
+        async with session.get(proxy.url + "/metrics") as resp:
+            assert resp.status == 401  # no admin key configured: not open on the main port
+    assert total(values, "llm_proxy_requests_total", outcome="ok") == 1
