@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proxy.config import Config
 from proxy.errors import ApiError, StoreError, api_error_response, error_response
+from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
 from proxy.redis_store import RedisStore
@@ -34,6 +35,7 @@ class State:
     passthrough: bool
     tokenizer: Tokenizer
     metrics: Metrics
+    journal: Journal
     store: Store | None = None
     session: aiohttp.ClientSession | None = None
     ready: bool = False
@@ -129,6 +131,7 @@ def build_app(
         passthrough=passthrough,
         tokenizer=tokenizer if tokenizer is not None else Tokenizer.load(encodings_in(config)),
         metrics=Metrics(registry if registry is not None else CollectorRegistry(), currency=config.currency),
+        journal=Journal(config.journal_dir),
     )
     app[STATE] = state
 
@@ -146,6 +149,28 @@ def build_app(
             log.error("store unreachable at start", extra={"error": str(err)})
         yield
         await store.close()
+
+    async def journal_ctx(app: web.Application) -> AsyncIterator[None]:
+        """Replay journaled settlements (ours and orphaned ones) whenever the store answers."""
+        assert state.store is not None
+        store = state.store
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await state.journal.replay(store)
+                except Exception:
+                    log.exception("journal replay failed")
+                await asyncio.sleep(config.limits.journal_replay_s)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(StoreError):
+            await state.journal.replay(store)  # a last try before the process goes
+        state.journal.close()
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -195,6 +220,7 @@ def build_app(
         await runner.cleanup()
 
     app.cleanup_ctx.append(store_ctx)
+    app.cleanup_ctx.append(journal_ctx)
     app.cleanup_ctx.append(session_ctx)
     if run_reaper_task:
         app.cleanup_ctx.append(reaper_ctx)

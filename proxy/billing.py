@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from proxy.call import Call
 from proxy.config import Config, TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, StoreError
+from proxy.journal import Journal, PendingSettlement
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros
 from proxy.scopes import scopes_for
@@ -169,7 +170,12 @@ def entry_fields(
 
 
 async def settle(
-    store: Store, call: Call, outcome: Outcome, usage: BilledUsage, finish_reasons: dict[int, str]
+    store: Store,
+    journal: Journal,
+    call: Call,
+    outcome: Outcome,
+    usage: BilledUsage,
+    finish_reasons: dict[int, str],
 ) -> Settlement:
     """Replace the reserve by the actual figures and append the ledger entry, exactly once.
 
@@ -195,25 +201,31 @@ async def settle(
         "cached_input_tokens": usage.cached_input_tokens,
         "reasoning_tokens": usage.reasoning_tokens,
     }
+    pending = PendingSettlement(
+        tenant=reservation.tenant,
+        reservation_id=reservation.id,
+        run_id=reservation.run_id,
+        scope_keys=[s.key for s in reservation.scopes],
+        actual=actual,
+        entry=entry,
+    )
     task = asyncio.ensure_future(
         store.settle(
-            tenant=reservation.tenant,
-            reservation_id=reservation.id,
-            run_id=reservation.run_id,
-            scope_keys=[s.key for s in reservation.scopes],
-            actual=actual,
-            entry=entry,
+            tenant=pending.tenant,
+            reservation_id=pending.reservation_id,
+            run_id=pending.run_id,
+            scope_keys=pending.scope_keys,
+            actual=pending.actual,
+            entry=pending.entry,
         )
     )
     try:
         entry_id = await asyncio.shield(task)
     except StoreError as err:
-        # The answer is not held back: the reservation stays open and its lease expires, so a
-        # reaper settles it at the reserve. Charged, never lost; at worst charged high.
-        log.error(
-            "settle failed; the lease reaper will settle at reserve",
-            extra={"entry": entry, "error": str(err)},
-        )
+        # The answer is not held back: the settlement waits in the local journal and is applied
+        # when the store is back (exactly once: settling is idempotent by reservation id).
+        log.error("settle failed; journaled", extra={"reservation_id": reservation.id, "error": str(err)})
+        journal.append(pending)
         entry_id = None
     return Settlement(
         outcome=outcome,

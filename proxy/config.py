@@ -235,6 +235,7 @@ class LimitsConfig(_Frozen):
     default_max_output_tokens: int = Field(default=4096, ge=1)
     lease_margin_s: float = Field(default=30.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
+    journal_replay_s: float = Field(default=1.0, gt=0)
 
 
 class LogConfig(_Frozen):
@@ -255,6 +256,8 @@ class Config(_Frozen):
     tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"standard": TierConfig()})
     limits: LimitsConfig = LimitsConfig()
     currency: str = "USD"
+    # Settlements the store could not take wait here (one file per process) until it is back.
+    journal_dir: Path = Path(".llm-billing-proxy/journal")
     # On SIGTERM: in-flight calls get this long to finish; the rest are ended and settled.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     # Secrets resolved at load time: sha256 digests of keys given by env var.

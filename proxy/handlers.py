@@ -43,6 +43,7 @@ def _services(state: State, config: Config) -> Services:
         tokenizer=state.tokenizer,
         config=config,
         metrics=state.metrics,
+        journal=state.journal,
     )
 
 
@@ -64,8 +65,8 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             config=config,
             tokenizer=state.tokenizer,
         )
-        if not state.ready or state.store is None:
-            raise StoreError("store not ready")
+        if state.store is None:
+            raise StoreError("store not opened")
         if identity.tenant not in state.registered_tenants:
             await state.store.register_tenant(identity.tenant)
             state.registered_tenants.add(identity.tenant)
@@ -123,8 +124,8 @@ async def list_models(request: web.Request) -> web.StreamResponse:
 def _caller(request: web.Request) -> tuple[State, Identity, Store]:
     state = request.app[STATE]
     identity = authenticate(request, state.config, passthrough=state.passthrough)
-    if not state.ready or state.store is None:
-        raise StoreError("store not ready")
+    if state.store is None:
+        raise StoreError("store not opened")
     return state, identity, state.store
 
 

@@ -21,6 +21,7 @@ from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import error_body, error_response
 from proxy.forward import TransportFailure, open_upstream, read_limited
+from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation, parse_usage
 from proxy.outcome import (
@@ -48,6 +49,7 @@ class Services:
     tokenizer: Tokenizer
     config: Config
     metrics: Metrics
+    journal: Journal
 
 
 class Exchange:
@@ -89,7 +91,7 @@ class Exchange:
         if self.settlement is None:
             self.call.first_token_at = self.obs.first_token_at
             self.settlement = await settle(
-                self.services.store, self.call, outcome, usage, self.obs.finish_reasons
+                self.services.store, self.services.journal, self.call, outcome, usage, self.obs.finish_reasons
             )
             overhead = time.monotonic() - self.call.started_at - self._upstream_s
             if self.settlement.entry_id is None:

@@ -94,13 +94,14 @@ ProxyFactory = Callable[..., Awaitable[Proxy]]
 
 @pytest.fixture
 async def make_proxy(
-    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
 ) -> AsyncIterator[ProxyFactory]:
     runners: list[web.AppRunner] = []
 
     async def factory(
         tokenizer: Tokenizer | None = None, passthrough: bool = False, **overrides: Any
     ) -> Proxy:
+        overrides.setdefault("journal_dir", str(tmp_path / "journal"))
         raw = base_config(fake.base_url, redis_server.url, **overrides)
         config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
         app = build_app(config, passthrough=passthrough, tokenizer=tokenizer or Tokenizer({}))

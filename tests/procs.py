@@ -25,6 +25,7 @@ class ProxyProcess:
         raw = dict(raw_config)
         raw["listen"] = {"host": "127.0.0.1", "port": self.port}
         raw.setdefault("log", {"level": "info", "format": "json"})
+        raw.setdefault("journal_dir", str(workdir / "journal"))
         workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = workdir / f"proxy-{self.port}.yaml"
         self.config_path.write_text(yaml.safe_dump(raw))

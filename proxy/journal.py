@@ -1,0 +1,140 @@
+"""A local journal for settlements the store could not take (Redis down between reserve and
+settle). Each line is one settlement; replaying it is exactly-once because settling is
+idempotent by reservation id.
+
+Each process writes its own file and holds an exclusive ``flock`` on it while alive. At start,
+and on every replay round, a process adopts the files whose lock it can take (their writer
+died) and replays them too; a file is removed once every line in it is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
+
+from proxy.errors import StoreError
+from proxy.store import Store
+
+log = logging.getLogger("proxy.journal")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingSettlement:
+    tenant: str
+    reservation_id: str
+    run_id: str
+    scope_keys: list[str]
+    actual: dict[str, int]
+    entry: dict[str, str]
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / f"journal-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        self._file: IO[str] | None = None
+
+    def _open(self) -> IO[str]:
+        if self._file is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a+", encoding="utf-8")
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return self._file
+
+    def append(self, pending: PendingSettlement) -> None:
+        """Durable before returning: the caller has already answered the client."""
+        handle = self._open()
+        handle.write(json.dumps(asdict(pending), separators=(",", ":")) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+        log.warning(
+            "settlement journaled until the store is back",
+            extra={"reservation_id": pending.reservation_id, "journal": str(self.path)},
+        )
+
+    @property
+    def pending(self) -> bool:
+        return self._file is not None and self.path.stat().st_size > 0
+
+    async def replay(self, store: Store) -> int:
+        """Apply this process's pending lines, then any orphaned journals. Returns how many applied."""
+        applied = 0
+        if self._file is not None:
+            self._file.seek(0)
+            lines = self._file.read().splitlines()
+            done = await _apply(store, lines)
+            applied += done
+            if done == len(lines):
+                self._file.seek(0)
+                self._file.truncate()
+                self._file.flush()
+        applied += await self._adopt(store)
+        return applied
+
+    async def _adopt(self, store: Store) -> int:
+        applied = 0
+        if not self.directory.exists():
+            return 0
+        for path in sorted(self.directory.glob("journal-*.jsonl")):
+            if path == self.path:
+                continue
+            with path.open("r+", encoding="utf-8") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # its writer is alive and replays it itself
+                lines = handle.read().splitlines()
+                done = await _apply(store, lines)
+                applied += done
+                if done == len(lines):
+                    path.unlink()
+                    log.info("orphaned journal replayed", extra={"journal": str(path), "lines": done})
+        return applied
+
+    def close(self) -> None:
+        if self._file is not None:
+            empty = self.path.stat().st_size == 0
+            self._file.close()
+            self._file = None
+            if empty:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+
+
+async def _apply(store: Store, lines: list[str]) -> int:
+    """Settle each line in order; stop at the first store error (retried on the next round)."""
+    done = 0
+    for line in lines:
+        if not line.strip():
+            done += 1
+            continue
+        try:
+            pending = PendingSettlement(**json.loads(line))
+        except (ValueError, TypeError):
+            log.error("unreadable journal line skipped", extra={"line": line[:200]})
+            done += 1
+            continue
+        try:
+            entry_id = await store.settle(
+                tenant=pending.tenant,
+                reservation_id=pending.reservation_id,
+                run_id=pending.run_id,
+                scope_keys=pending.scope_keys,
+                actual=pending.actual,
+                entry=pending.entry,
+            )
+        except StoreError:
+            break
+        log.info(
+            "journaled settlement applied" if entry_id else "journaled settlement was already settled",
+            extra={"reservation_id": pending.reservation_id},
+        )
+        done += 1
+    return done
