@@ -1,0 +1,195 @@
+"""Store faults: Redis down between reserve and settle, a journal left by a dead process, and a
+Redis restart from its AOF. The bill stays equal to the provider's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.journal import Journal, PendingSettlement
+from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_store import RedisStore
+from proxy.store import Scope
+from tests.conftest import KEY_A, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+
+LEDGER = "lbp:{team-a}:ledger"
+LEASES = "lbp:{team-a}:leases"
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServerProcess]:
+    server = RedisServerProcess(tmp_path / "own-redis", port=free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def own_client(own_redis: RedisServerProcess) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_once(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    journal_dir = tmp_path / "journal"
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 1},
+        journal_dir=str(journal_dir),
+        limits={"journal_replay_s": 0.1},
+    )
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "fake": {"reply_tokens": 20, "chunk_delay_s": 0.05},
+    }
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "outage"}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        await resp.content.readuntil(b"\n\n")
+        assert await own_client.zcard(LEASES) == 1
+        await asyncio.to_thread(own_redis.stop)  # graceful: the reservation is in the AOF
+        rest = await resp.read()
+    assert rest.endswith(b"data: [DONE]\n\n")  # the client got its whole answer
+    (journal_file,) = journal_dir.glob("journal-*.jsonl")
+    (line,) = journal_file.read_text().splitlines()
+    assert json.loads(line)["entry"]["output_tokens"] == "20"
+
+    await asyncio.to_thread(own_redis.start)
+    await wait_for(lambda: _ledger_len(own_client, 1))
+    await asyncio.sleep(0.3)  # more replay rounds: still applied once
+    ((_, entry),) = await own_client.xrange(LEDGER)
+    assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
+    assert int(entry["input_tokens"]) == fake.bill[0].prompt_tokens
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens == 20
+    assert await own_client.zcard(LEASES) == 0
+    run = await own_client.hgetall("lbp:{team-a}:run:outage")
+    assert run["used:requests"] == "1" and run["resv:total_tokens"] == "0"
+    assert journal_file.read_text() == ""
+
+
+async def _ledger_len(client: aioredis.Redis, n: int) -> bool:
+    try:
+        return len(await client.xrange(LEDGER)) == n
+    except aioredis.ConnectionError:
+        return False
+
+
+async def test_calls_while_redis_is_down_are_refused_without_an_upstream_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 0.5})
+    await asyncio.to_thread(own_redis.stop)
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "store_unavailable"
+        async with session.get(proxy.url + "/readyz") as resp:
+            assert resp.status == 503
+        await asyncio.to_thread(own_redis.start)
+        async with session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp:
+            assert resp.status == 200  # no restart of the proxy needed once the store is back
+        async with session.get(proxy.url + "/readyz") as resp:
+            assert resp.status == 200
+    assert len(fake.bill) == 1
+
+
+async def test_a_dead_process_journal_is_replayed_once_by_a_new_process(
+    make_proxy: ProxyFactory, own_redis: RedisServerProcess, own_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    journal_dir = tmp_path / "journal"
+    store = RedisStore.from_url(own_redis.url)
+    scope = Scope(name="run", key="lbp:{team-a}:run:orphan")
+    await store.reserve(
+        tenant="team-a",
+        reservation_id="orphan-1",
+        run_id="orphan",
+        scopes=[scope],
+        amounts={"requests": 1, "input_tokens": 9, "output_tokens": 10, "total_tokens": 19, "concurrent": 1},
+        lease_ms=600_000,
+        record="{}",
+    )
+    await store.close()
+    dead = Journal(journal_dir)
+    dead.append(
+        PendingSettlement(
+            tenant="team-a",
+            reservation_id="orphan-1",
+            run_id="orphan",
+            scope_keys=[scope.key],
+            actual={"requests": 1, "input_tokens": 4, "output_tokens": 8, "total_tokens": 12},
+            entry={"request_id": "orphan-req", "outcome": "ok", "output_tokens": "8"},
+        )
+    )
+    assert dead._file is not None
+    dead._file.close()  # the process died: its lock is gone, its file stays
+
+    await make_proxy(
+        redis={"url": own_redis.url}, journal_dir=str(journal_dir), limits={"journal_replay_s": 0.1}
+    )
+    await wait_for(lambda: _ledger_len(own_client, 1))
+    await make_proxy(
+        redis={"url": own_redis.url}, journal_dir=str(journal_dir), limits={"journal_replay_s": 0.1}
+    )
+    await asyncio.sleep(0.3)
+    assert len(await own_client.xrange(LEDGER)) == 1
+    assert not dead.path.exists()
+    run = await own_client.hgetall("lbp:{team-a}:run:orphan")
+    assert run["used:total_tokens"] == "12" and run["resv:total_tokens"] == "0"
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+async def test_redis_restart_from_aof_keeps_ledger_and_meters(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    how: str,
+) -> None:
+    proxy = await make_proxy(redis={"url": own_redis.url})
+    client = proxy.client()
+    for _ in range(3):
+        await client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Run-Id": "durable"},
+        )
+    before_ledger = await own_client.xrange(LEDGER)
+    before_run = await own_client.hgetall("lbp:{team-a}:run:durable")
+    if how == "kill":
+        await asyncio.sleep(1.5)  # appendfsync everysec: a crash loses at most the last second
+        await asyncio.to_thread(own_redis.kill)
+    else:
+        await asyncio.to_thread(own_redis.stop)
+    await asyncio.to_thread(own_redis.start)
+    await wait_for(lambda: _ledger_len(own_client, 3))
+    assert await own_client.xrange(LEDGER) == before_ledger
+    assert await own_client.hgetall("lbp:{team-a}:run:durable") == before_run
