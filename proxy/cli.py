@@ -7,6 +7,9 @@ import asyncio
 import csv
 import json
 import logging
+import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--redis-url", default=None, help="use this Redis instead of the embedded one")
+    serve.add_argument("--workers", type=int, default=1, help="serving processes sharing the port")
 
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("file", type=Path)
@@ -103,31 +107,75 @@ def store_url(config: Config, *, purpose: str) -> Iterator[Config]:
         log.info("stopped embedded redis-server")
 
 
-def serve(args: argparse.Namespace) -> int:
+def run_worker(
+    config: Config, passthrough: bool, config_path: Path | None, worker: int, workers: int
+) -> None:
+    """One serving process. With several workers they share the port (SO_REUSEPORT); all
+    state is in Redis, so any worker can serve any call."""
     from proxy.app import build_app
 
+    setup_logging(config.log.level, config.log.format)
+    if workers > 1 and config.metrics.listen is not None:
+        # Each worker exposes its own metrics on its own port: base port + worker index.
+        listen = config.metrics.listen.model_copy(update={"port": config.metrics.listen.port + worker})
+        config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"listen": listen})})
+    app = build_app(config, passthrough=passthrough, config_path=config_path)
+    log.info(
+        "listening",
+        extra={
+            "host": config.listen.host,
+            "port": config.listen.port,
+            "mode": "passthrough" if passthrough else "config",
+            "worker": worker,
+            "workers": workers,
+        },
+    )
+    web.run_app(
+        app,
+        host=config.listen.host,
+        port=config.listen.port,
+        print=None,
+        access_log=None,
+        shutdown_timeout=config.shutdown_grace_s,
+        reuse_port=workers > 1,
+    )
+    log.info("stopped", extra={"worker": worker})
+
+
+def _supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
+    """Start the workers, pass SIGTERM/SIGINT/SIGHUP on to them, wait for all of them."""
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(
+            target=run_worker, args=(config, passthrough, config_path, i, workers), name=f"worker-{i}"
+        )
+        for i in range(workers)
+    ]
+    for child in children:
+        child.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.pid is not None and child.is_alive():
+                os.kill(child.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for child in children:
+        child.join()
+    return max((child.exitcode or 0) for child in children)
+
+
+def serve(args: argparse.Namespace) -> int:
     config = _config_for(args)
     setup_logging(config.log.level, config.log.format)
+    if args.workers < 1:
+        raise ConfigError("--workers must be at least 1")
     with store_url(config, purpose="serve") as config:
-        app = build_app(config, passthrough=bool(args.upstream), config_path=args.config)
-        log.info(
-            "listening",
-            extra={
-                "host": config.listen.host,
-                "port": config.listen.port,
-                "mode": "passthrough" if args.upstream else "config",
-            },
-        )
-        web.run_app(
-            app,
-            host=config.listen.host,
-            port=config.listen.port,
-            print=None,
-            access_log=None,
-            shutdown_timeout=config.shutdown_grace_s,
-        )
-        log.info("stopped")
-    return 0
+        if args.workers == 1:
+            run_worker(config, bool(args.upstream), args.config, 0, 1)
+            return 0
+        return _supervise(config, bool(args.upstream), args.config, args.workers)
 
 
 def check_config(args: argparse.Namespace) -> int:

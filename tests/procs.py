@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ProxyProcess:
-    def __init__(self, raw_config: dict[str, Any], workdir: Path) -> None:
+    def __init__(self, raw_config: dict[str, Any], workdir: Path, *, args: tuple[str, ...] = ()) -> None:
+        self.args = args
         self.port = free_port()
         raw = dict(raw_config)
         raw["listen"] = {"host": "127.0.0.1", "port": self.port}
@@ -40,7 +41,7 @@ class ProxyProcess:
         env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "serve", "--config", str(self.config_path)],
+                [sys.executable, "-m", "proxy", "serve", "--config", str(self.config_path), *self.args],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,

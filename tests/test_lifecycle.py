@@ -108,3 +108,32 @@ async def test_store_down_at_start_gives_503_and_no_upstream_call(
             error = (await resp.json())["error"]
             assert error["code"] == "store_unavailable"
     assert fake.received == []
+
+
+async def test_two_workers_share_the_port_and_stop_together(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    proc = ProxyProcess(
+        base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2")
+    ).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def one(i: int) -> int:
+                body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"call {i}"}]}
+                async with session.post(
+                    proc.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+                ) as resp:
+                    await resp.read()
+                    return resp.status
+
+            statuses = await asyncio.gather(*(one(i) for i in range(40)))
+        assert statuses == [200] * 40
+        proc.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait) == 0
+    finally:
+        proc.stop()
+    entries = await redis_client.xrange(LEDGER)
+    assert len(entries) == 40 == len(fake.bill)
+    workers = {line for line in proc.log_path.read_text().splitlines() if '"msg":"listening"' in line}
+    assert len(workers) == 2
