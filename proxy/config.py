@@ -210,9 +210,17 @@ class Ceilings(_Frozen):
 class WindowCeilings(Ceilings):
     period: Period
 
+    @model_validator(mode="after")
+    def _no_concurrency(self) -> WindowCeilings:
+        if self.concurrent is not None:
+            raise ValueError("concurrent is not a windowed meter: limit it under run or key")
+        return self
+
 
 class TierConfig(_Frozen):
     run: Ceilings = Ceilings()
+    # Per API key over its whole life (not windowed): e.g. concurrent calls per key.
+    key: Ceilings = Ceilings()
     windows: tuple[WindowCeilings, ...] = ()
     tenant: tuple[WindowCeilings, ...] = ()
     policy: PolicyOverride = PolicyOverride()

@@ -179,7 +179,7 @@ async def key_self(request: web.Request) -> web.Response:
         return store_unavailable_response()
     tier = state.config.tiers.get(identity.tier)
     windows = []
-    for scope in scopes_for(identity, "-", tier, datetime.now(UTC))[1:]:
+    for scope in scopes_for(identity, "-", tier, datetime.now(UTC))[1:]:  # all but the run
         meters = await store.meters(scope.key)
         windows.append(
             {

@@ -263,6 +263,9 @@ class Exchange:
                 if b"\r" in piece:
                     piece = piece.replace(b"\r\n", b"\n")
                 buffer += piece
+                if len(buffer) > self.services.config.limits.max_upstream_body_bytes:
+                    failure = Outcome("upstream_error")  # one event larger than we hold
+                    break
                 while True:
                     end = buffer.find(b"\n\n")
                     if end < 0:

@@ -57,7 +57,12 @@ def scopes_for(identity: Identity, run_id: str, tier: TierConfig | None, now: da
     run = Scope(name="run", key=run_key(tenant, run_id), ceilings=tier.run.as_meters() if tier else {})
     if tier is None:
         return [run]
-    scopes = [run]
+    scopes = [
+        run,
+        Scope(
+            name="key", key=f"{key_prefix(tenant)}key:{identity.key_name}:all", ceilings=tier.key.as_meters()
+        ),
+    ]
     scopes += [_window_scope(tenant, f"key:{identity.key_name}", "key", w, now) for w in tier.windows]
     scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tier.tenant]
     return scopes

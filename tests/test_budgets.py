@@ -207,7 +207,8 @@ async def test_key_window_refusal_has_retry_after(make_proxy: ProxyFactory, fake
         session.get(f"{proxy.url}/v1/billing/keys/self", headers={"Authorization": f"Bearer {KEY_A}"}) as r,
     ):
         body = await r.json()
-    (window,) = body["windows"]
+    lifetime, window = body["windows"]
+    assert lifetime["scope"] == "key" and lifetime["meters"]["requests"]["used"] == 1
     assert window["scope"] == "key:minute"
     assert window["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": 1}
 
@@ -275,3 +276,16 @@ async def test_reload_applies_new_prices_and_ceilings_and_keeps_usage(
         assert app[STATE].config.tiers["standard"].run.requests == 2  # the old config stays
     finally:
         await runner.cleanup()
+
+
+async def test_concurrent_calls_per_key_are_limited(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tiers=tiers(key={"concurrent": 2}))
+    slow = {"fake": {"mode": "stall_before_headers", "stall_s": 0.5}}
+    # All three reserve long before the first settles (the upstream stalls 0.5 s).
+    results = await asyncio.gather(
+        *(call(proxy, f"c{i}", extra_body=slow) for i in range(3)), return_exceptions=True
+    )
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert len(refused) == 1 and refused[0].response.headers["x-billing-refused-meter"] == "concurrent"
+    assert len(fake.bill) == 2
+    await call(proxy, "after")  # released on settle

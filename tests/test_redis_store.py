@@ -94,7 +94,7 @@ async def settle(store: RedisStore, res: Reservation, actual: dict[str, int] = A
 async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
     now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
     scopes = scopes_for(IDENTITY, "run1", TIER, now)
-    assert [s.name for s in scopes] == ["run", "key:minute", "tenant:month"]
+    assert [s.name for s in scopes] == ["run", "key", "key:minute", "tenant:month"]
     res = await reserve(store, "r1", scopes)
     assert isinstance(res, Reservation)
     assert res.tightest_meter == "requests" and res.tightest_remaining == 1  # the minute window
@@ -133,7 +133,7 @@ async def test_a_new_window_needs_no_reset(store: RedisStore) -> None:
         await reserve(store, rid, first)
     assert isinstance(await reserve(store, "c", first), Refusal)
     later = scopes_for(IDENTITY, "run1", TIER, minute + timedelta(minutes=1))
-    assert later[1].key != first[1].key and later[2].key == first[2].key
+    assert later[2].key != first[2].key and later[3].key == first[3].key
     assert isinstance(await reserve(store, "c", later), Reservation)
 
 

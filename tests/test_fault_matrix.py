@@ -1,0 +1,224 @@
+"""Client and upstream faults beyond the outcome matrix: 429s, huge chunks, slow bodies, early
+disconnects, oversized events, leases renewed by live streams, reload by file check."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+import yaml
+
+from proxy.redis_server import RedisServerProcess, free_port
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.procs import ProxyProcess
+
+LEDGER = "lbp:{team-a}:ledger"
+MSGS: list[Any] = [{"role": "user", "content": "hi"}]
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+
+
+async def only_entry(client: aioredis.Redis, timeout_s: float = 5.0) -> dict[str, str]:
+    for _ in range(int(timeout_s / 0.05)):
+        entries = await client.xrange(LEDGER)
+        if entries:
+            ((_, fields),) = entries
+            return dict(fields)
+        await asyncio.sleep(0.05)
+    raise AssertionError("no ledger entry")
+
+
+@pytest.mark.parametrize("error_body", ["json", "none"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_upstream_429_is_passed_on_and_costs_nothing(
+    proxy: Any, fake: FakeUpstream, redis_client: aioredis.Redis, error_body: str, stream: bool
+) -> None:
+    client = proxy.client()
+    with pytest.raises(openai.RateLimitError) as caught:
+        await client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=MSGS,
+            stream=stream,
+            extra_body={"fake": {"mode": "error", "status": 429, "error_body": error_body}},
+        )
+    assert caught.value.status_code == 429
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "upstream_4xx" and entry["upstream_status"] == "429"
+    assert entry["input_tokens"] == entry["output_tokens"] == "0"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_huge_chunk_passes_through_and_is_billed(
+    proxy: Any, fake: FakeUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    content = "x" * 1_000_000
+    client = proxy.client()
+    fake_ctl = {"content": content, "chunk_chars": len(content)}
+    if stream:
+        got = ""
+        s = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=MSGS, stream=True, extra_body={"fake": fake_ctl}
+        )
+        async for chunk in s:
+            if chunk.choices and chunk.choices[0].delta.content:
+                got += chunk.choices[0].delta.content
+    else:
+        reply = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=MSGS, extra_body={"fake": fake_ctl}
+        )
+        got = reply.choices[0].message.content or ""
+    assert got == content
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "ok" and int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_an_event_larger_than_the_limit_is_an_upstream_error(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(limits={"max_upstream_body_bytes": 4096})
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": MSGS,
+        "stream": True,
+        "fake": {"content": "y" * 10_000, "chunk_chars": 10_000},
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH) as resp:
+            text = (await resp.read()).decode()
+    assert "event: error" in text and "upstream_error" in text
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "upstream_error" and entry["usage_source"] == "reserve"
+
+
+async def test_a_body_sent_slowly_is_billed_normally(
+    proxy: Any, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    payload = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "slow body"}]}'
+
+    async def dribble() -> Any:
+        for i in range(0, len(payload), 10):
+            yield payload[i : i + 10]
+            await asyncio.sleep(0.02)
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            proxy.url + "/v1/chat/completions",
+            data=dribble(),
+            headers={**AUTH, "Content-Type": "application/json"},
+        ) as resp:
+            assert resp.status == 200
+    assert (await only_entry(redis_client))["outcome"] == "ok"
+
+
+async def test_client_gone_before_a_non_streaming_answer_is_still_billed(
+    proxy: Any, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": MSGS,
+        "fake": {"mode": "stall_before_headers", "stall_s": 0.5},
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH)
+    entry = await only_entry(redis_client, timeout_s=5)
+    assert entry["outcome"] == "client_disconnected" and entry["usage_source"] == "provider"
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_many_idle_connections_do_not_block_calls(
+    proxy: Any, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    host, port = proxy.url.removeprefix("http://").split(":")
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(100)]
+    try:
+        for _reader, writer in idle[:50]:  # half of them start a request and never finish it
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+            await writer.drain()
+        reply = await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=MSGS)
+        assert reply.choices[0].finish_reason == "stop"
+    finally:
+        for _reader, writer in idle:
+            writer.close()
+    assert len(fake.bill) == 1
+
+
+async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["upstreams"]["openai"]["timeout_s"] = 1
+    raw["limits"] = {"lease_margin_s": 0.5, "reaper_interval_s": 0.1}  # lease 1.5 s, stream ~4 s
+    procs = [ProxyProcess(raw, tmp_path).start(), ProxyProcess(raw, tmp_path).start()]
+    try:
+        body = {
+            "model": "gpt-4o-mini",
+            "messages": MSGS,
+            "stream": True,
+            "max_tokens": 40,
+            "fake": {"reply_tokens": 40, "chunk_delay_s": 0.1},
+        }
+        async with aiohttp.ClientSession() as session:
+            async with session.post(procs[0].url + "/v1/chat/completions", json=body, headers=AUTH) as resp:
+                text = await resp.read()
+        assert text.endswith(b"data: [DONE]\n\n")
+    finally:
+        for proc in procs:
+            proc.stop()
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
+
+
+async def test_reload_by_file_check_without_a_signal(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    raw = base_config(fake.base_url, redis_server.url, tiers={"standard": {"run": {"requests": 1}}})
+    proc = ProxyProcess(raw, tmp_path).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def status() -> int:
+                body = {"model": "gpt-4o-mini", "messages": MSGS}
+                async with session.post(
+                    proc.url + "/v1/chat/completions", json=body, headers={**AUTH, "X-Run-Id": "poll"}
+                ) as resp:
+                    return resp.status
+
+            assert await status() == 200
+            assert await status() == 429
+            raw["tiers"] = {"standard": {"run": {"requests": 2}}}
+            raw["listen"] = {"host": "127.0.0.1", "port": proc.port}
+            raw["journal_dir"] = str(tmp_path / "journal")
+            proc.config_path.write_text(yaml.safe_dump(raw))
+            for _ in range(60):  # polled every 2 s
+                await asyncio.sleep(0.1)
+                if "config reloaded" in proc.log_path.read_text():
+                    break
+            assert await status() == 200
+            assert await status() == 429
+    finally:
+        proc.stop()
+
+
+async def test_start_warns_when_redis_keeps_nothing_on_disk(
+    make_proxy: ProxyFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    volatile = RedisServerProcess(tmp_path / "volatile", port=free_port(), appendonly=False)
+    volatile.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+            await make_proxy(redis={"url": volatile.url})
+        assert any("keeps nothing on disk" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+            await make_proxy()  # the session server runs with AOF
+        assert not any("keeps nothing on disk" in r.getMessage() for r in caplog.records)
+    finally:
+        volatile.stop()
+    assert UPSTREAM_KEY not in caplog.text
