@@ -67,8 +67,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
     """The body as a dict (to forward) and its validated view (to read)."""
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadRequest(f"The request body is not valid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:
+        # ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit.
+        raise BadRequest(f"The request body is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(data, dict):
         raise BadRequest("The request body must be a JSON object.")
     try:
