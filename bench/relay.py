@@ -1,0 +1,89 @@
+"""The baseline: a bare aiohttp pass-through relay, no billing, no parsing.
+
+Forwards ``POST /v1/chat/completions`` (body and Authorization as received) to the upstream and
+streams the answer back piece by piece as it arrives. Whatever the proxy costs above this is
+the price of billing.
+
+``python bench/relay.py --upstream http://127.0.0.1:N/v1 --port M`` prints ``READY <url>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", str)
+
+
+async def relay(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    headers = {"Content-Type": "application/json"}
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
+    session = request.app[SESSION]
+    async with session.post(request.app[UPSTREAM] + "/chat/completions", data=body, headers=headers) as up:
+        response = web.StreamResponse(status=up.status)
+        response.content_type = up.content_type
+        if up.content_length is not None:
+            response.content_length = up.content_length
+        await response.prepare(request)
+        async for piece in up.content.iter_any():
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def serve(host: str, port: int, upstream: str, max_seconds: float) -> None:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[UPSTREAM] = upstream.rstrip("/")
+    app.router.add_post("/v1/chat/completions", relay)
+    app.router.add_get("/healthz", health)
+
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app[SESSION].close()
+
+    app.cleanup_ctx.append(session_ctx)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    print(f"READY http://{host}:{runner.addresses[0][1]}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=max_seconds)
+    except TimeoutError:
+        print("relay: --max-seconds reached, exiting", file=sys.stderr)
+    await runner.cleanup()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--upstream", required=True, help="upstream base URL, e.g. http://127.0.0.1:9000/v1")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (safety)")
+    args = parser.parse_args()
+    asyncio.run(serve(args.host, args.port, args.upstream, args.max_seconds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
