@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+
+import orjson
 
 from proxy.call import Call
 from proxy.config import Config, TierConfig
@@ -72,6 +73,7 @@ def _apply_clamp(call: Call, reservation: Reservation) -> None:
     if field is None:
         field = "max_completion_tokens" if call.endpoint == "chat.completions" else "max_tokens"
     call.body[field] = per_choice
+    call.body_changed = True
     call.clamped = True
     call.estimate = replace(
         call.estimate, output_tokens=reservation.amounts["output_tokens"], output_cap_field=field
@@ -100,7 +102,7 @@ async def reserve(store: Store, call: Call, config: Config) -> Reservation:
         ),
         "concurrent": 1,
     }
-    record = json.dumps(
+    record = orjson.dumps(
         {
             "request_id": call.request_id,
             "run_id": call.run_id,
@@ -111,8 +113,7 @@ async def reserve(store: Store, call: Call, config: Config) -> Reservation:
             "stream": call.stream,
             "time_ms": call.started_wall_ms,
         },
-        separators=(",", ":"),
-    )
+    ).decode()
     result = await store.reserve(
         tenant=call.identity.tenant,
         reservation_id=call.reservation_id,
@@ -274,4 +275,4 @@ def billing_comment(call: Call, settlement: Settlement) -> bytes:
         "usage_source": settlement.usage.source,
         "cost_micros": settlement.cost_micros,
     }
-    return b": billing " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b": billing " + orjson.dumps(payload) + b"\n\n"

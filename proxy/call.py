@@ -58,6 +58,9 @@ class Call:
     rates: dict[str, int] | None
     estimate: Estimate
     body: dict[str, Any]
+    # The client's bytes, forwarded as they came unless the proxy had to set a field.
+    raw_body: bytes = b""
+    body_changed: bool = False
     choices: int = 1
     started_at: float = field(default_factory=time.monotonic)
     started_wall_ms: int = field(default_factory=lambda: int(time.time() * 1000))
@@ -82,6 +85,7 @@ def plan_call(
     run_id: str,
     endpoint: Endpoint,
     body: dict[str, Any],
+    raw_body: bytes,
     view: ChatBody | CompletionBody | EmbeddingBody,
     config: Config,
     tokenizer: Tokenizer,
@@ -132,5 +136,7 @@ def plan_call(
         rates=price.micros_per_million() if price else None,
         estimate=est,
         body=body,
+        raw_body=raw_body,
+        body_changed=stream,
         choices=getattr(view, "n", None) or 1,
     )

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Literal
 
 import aiohttp
+import orjson
 
 from proxy.auth import Identity
 from proxy.call import Call
@@ -56,7 +56,7 @@ async def open_upstream(
     session: aiohttp.ClientSession, call: Call
 ) -> aiohttp.ClientResponse | TransportFailure:
     url = call.upstream.base_url + UPSTREAM_PATHS[call.endpoint]
-    data = json.dumps(call.body, ensure_ascii=False, separators=(",", ":")).encode()
+    data = orjson.dumps(call.body) if call.body_changed else call.raw_body
     try:
         headers = upstream_headers(call.upstream, call.identity)
         return await session.post(

@@ -54,13 +54,15 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, request_id)
-        body, view = parse_body(await request.read(), endpoint)
+        raw = await request.read()
+        body, view = parse_body(raw, endpoint)
         call = plan_call(
             request_id=request_id,
             identity=identity,
             run_id=run_id,
             endpoint=endpoint,
             body=body,
+            raw_body=raw,
             view=view,
             config=config,
             tokenizer=state.tokenizer,

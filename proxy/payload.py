@@ -6,9 +6,9 @@ every other field passes through to the upstream unchanged.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import BadRequest
@@ -66,9 +66,9 @@ def _describe(err: ValidationError) -> tuple[str, str | None]:
 def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestView]:
     """The body as a dict (to forward) and its validated view (to read)."""
     try:
-        data = json.loads(raw)
+        data = orjson.loads(raw)
     except (ValueError, RecursionError) as err:
-        # ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit.
+        # Bad JSON, bad UTF-8, integers past 64 bits, nesting too deep.
         raise BadRequest(f"The request body is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(data, dict):
         raise BadRequest("The request body must be a JSON object.")

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
@@ -196,9 +197,8 @@ class RedisStore:
             f"{prefix}runlog:{run_id}",
             *scope_keys,
         ]
-        args: list[Any] = [reservation_id, *(actual.get(m, 0) for m in ACTUAL_METERS)]
-        for name, value in entry.items():
-            args += [name, value]
+        # One JSON argument rather than 2 x 26: packing arguments is the client's main cost.
+        args: list[Any] = [reservation_id, *(actual.get(m, 0) for m in ACTUAL_METERS), orjson.dumps(entry)]
         result = await self._script("settle", keys, args)
         return str(result[1]) if int(result[0]) == 1 else None
 

@@ -8,12 +8,12 @@ rewritten or dropped, every other event is passed on byte for byte.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from proxy.billing import Settlement, billing_comment, billing_headers, settle
@@ -38,6 +38,7 @@ from proxy.record import record_call
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
+_USAGE_NULL_TAIL = b',"usage":null}'
 CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError)
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
@@ -156,7 +157,7 @@ class Exchange:
         parsed: Any = None
         try:
             raw = await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes)
-            parsed = json.loads(raw)
+            parsed = orjson.loads(raw)
         except (TimeoutError, ValueError, *UPSTREAM_BROKEN):
             raw = b""
         explicit_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
@@ -179,7 +180,7 @@ class Exchange:
         call = self.call
         try:
             raw = await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes)
-            parsed = json.loads(raw)
+            parsed = orjson.loads(raw)
         except TimeoutError:
             settlement = await self._settle(Outcome("upstream_timeout"), self._usage(complete=False))
             return error_response(
@@ -266,17 +267,18 @@ class Exchange:
                 if len(buffer) > self.services.config.limits.max_upstream_body_bytes:
                     failure = Outcome("upstream_error")  # one event larger than we hold
                     break
-                while True:
-                    end = buffer.find(b"\n\n")
-                    if end < 0:
-                        break
-                    event = bytes(buffer[:end])
-                    del buffer[: end + 2]
-                    out = self._event(event)
-                    if out is None or client_gone:
-                        continue
+                # Every complete event of this read goes out in one write, as soon as it came.
+                out: list[bytes] = []
+                start = 0
+                while (end := buffer.find(b"\n\n", start)) >= 0:
+                    passed = self._event(bytes(buffer[start:end]))
+                    if passed is not None:
+                        out.append(passed)
+                    start = end + 2
+                del buffer[:start]
+                if out and not client_gone:
                     try:
-                        await response.write(out)
+                        await response.write(b"".join(out))
                     except CLIENT_GONE:
                         client_gone = True
                 if client_gone and call.policy.on_client_disconnect == "cancel":
@@ -346,17 +348,20 @@ class Exchange:
             self.obs.done = True
             return None  # written after the billing comment
         try:
-            obj = json.loads(data)
-        except ValueError:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
             self.obs.malformed = True
             return event + b"\n\n"
         self.obs.observe(obj, streaming=True)
         if self.call.client_wants_usage or b'"usage"' not in data or not isinstance(obj, dict):
             return event + b"\n\n"
+        if data.endswith(_USAGE_NULL_TAIL):
+            # The common case (OpenAI puts it last): cut the bytes, do not re-serialise.
+            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n"
         if obj.get("choices") == [] and obj.get("usage") is not None:
             return None  # the usage-only chunk the client did not ask for
         obj.pop("usage", None)
-        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
 
     async def _maybe_renew(self) -> None:
         reservation = self.call.reservation

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import random
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
 
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = random.randint(20000, 50000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisClusterProcesses:
     def __init__(self, base_dir: Path, masters: int = 3) -> None:
         self.nodes: list[RedisServerProcess] = []
         for i in range(masters):
-            port = free_port()
+            port = cluster_port()
             self.nodes.append(
                 RedisServerProcess(
                     base_dir / f"node{i}",

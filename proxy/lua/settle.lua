@@ -8,7 +8,7 @@ KEYS[5..]    the scope hashes named in the reservation, in the same order
 ARGV[1]      reservation id
 ARGV[2..8]   actual figures: requests, input_tokens, output_tokens, total_tokens, cost_micros,
              cached_input_tokens, reasoning_tokens
-ARGV[9..]    ledger entry as field, value pairs
+ARGV[9]      ledger entry: a JSON object of strings, stored as the stream entry's fields
 
 Idempotent by reservation id: when the record is gone the call was settled already and nothing
 changes (returns {0}). Otherwise returns {1, ledger entry id}. 'concurrent' is released here.
@@ -37,7 +37,10 @@ for s = 5, #KEYS do
 end
 
 local fields = {}
-for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+for name, value in pairs(cjson.decode(ARGV[9])) do
+  fields[#fields + 1] = name
+  fields[#fields + 1] = tostring(value)
+end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
 redis.call('RPUSH', KEYS[4], id)
 redis.call('DEL', KEYS[1])
