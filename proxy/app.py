@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proxy.call import IdSource
 from proxy.config import Config
 from proxy.errors import ApiError, StoreError, api_error_response, error_response
 from proxy.journal import Journal
@@ -36,6 +37,7 @@ class State:
     tokenizer: Tokenizer
     metrics: Metrics
     journal: Journal
+    ids: IdSource = field(default_factory=IdSource)
     store: Store | None = None
     session: aiohttp.ClientSession | None = None
     ready: bool = False

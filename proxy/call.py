@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +22,21 @@ from proxy.tokenizer import Tokenizer, encoding_for_model
 SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-def request_id_for(request: web.Request) -> str:
+class IdSource:
+    """Unique ids without a system call each: a random per-process prefix and a counter."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._next = itertools.count(1).__next__
+
+    def new(self) -> str:
+        return f"{self._prefix}{self._next():x}"
+
+
+def request_id_for(request: web.Request, ids: IdSource) -> str:
     """Echo the client's request id when it is sane, else make one."""
     sent = request.headers.get("x-request-id", "")
-    return sent if SANE_ID.fullmatch(sent) else f"req_{uuid.uuid4().hex}"
+    return sent if SANE_ID.fullmatch(sent) else f"req_{ids.new()}"
 
 
 def run_id_for(request: web.Request, request_id: str) -> str:
@@ -89,6 +101,7 @@ def plan_call(
     view: ChatBody | CompletionBody | EmbeddingBody,
     config: Config,
     tokenizer: Tokenizer,
+    ids: IdSource,
 ) -> Call:
     """Route the model and estimate the worst case; set the fields the proxy must set."""
     routed = config.route(view.model)
@@ -120,7 +133,7 @@ def plan_call(
     price = model_config.price_per_million
     return Call(
         request_id=request_id,
-        reservation_id=uuid.uuid4().hex,
+        reservation_id=ids.new(),
         identity=identity,
         run_id=run_id,
         endpoint=endpoint,
@@ -133,7 +146,7 @@ def plan_call(
         client_wants_usage=client_wants_usage,
         json_mode=json_mode,
         policy=config.policy_for(identity.tier),
-        rates=price.micros_per_million() if price else None,
+        rates=price.rates if price else None,
         estimate=est,
         body=body,
         raw_body=raw_body,

@@ -87,6 +87,11 @@ class PricePerMillion(_Frozen):
     cached_input: Decimal | None = Field(default=None, ge=0)
     reasoning: Decimal | None = Field(default=None, ge=0)
 
+    @cached_property
+    def rates(self) -> dict[str, int]:
+        """Micro-units per million tokens by token type, computed once per config."""
+        return self.micros_per_million()
+
     def micros_per_million(self) -> dict[str, int]:
         def micros(price: Decimal) -> int:
             scaled = price * MICROS_PER_UNIT
@@ -194,6 +199,11 @@ class Ceilings(_Frozen):
     total_tokens: int | None = Field(default=None, ge=0)
     cost: Decimal | None = Field(default=None, ge=0, alias="cost_usd")
     concurrent: int | None = Field(default=None, ge=0)
+
+    @cached_property
+    def meters(self) -> dict[str, int]:
+        """``as_meters`` computed once per config (read on every reservation)."""
+        return self.as_meters()
 
     def as_meters(self) -> dict[str, int]:
         """Ceilings keyed by meter name, integers only (cost in micro-units)."""

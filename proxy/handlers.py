@@ -50,7 +50,7 @@ def _services(state: State, config: Config) -> Services:
 async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
-    request_id = request_id_for(request)
+    request_id = request_id_for(request, state.ids)
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, request_id)
@@ -66,6 +66,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             view=view,
             config=config,
             tokenizer=state.tokenizer,
+            ids=state.ids,
         )
         if state.store is None:
             raise StoreError("store not opened")
@@ -148,7 +149,7 @@ async def run_meters(request: web.Request) -> web.Response:
     if all(m.used == 0 and m.reserved == 0 for m in meters.values()):
         raise NotFound(f"No run '{run_id}' for this tenant.")
     tier = state.config.tiers.get(identity.tier)
-    out = _meter_view(meters, tier.run.as_meters() if tier else {})
+    out = _meter_view(meters, tier.run.meters if tier else {})
     summary = ", ".join(
         f"{m} {out[m]['used']}/{out[m]['ceiling'] if out[m]['ceiling'] is not None else 'unlimited'}"
         for m in ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros")

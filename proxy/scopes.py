@@ -46,7 +46,7 @@ def _window_scope(tenant: str, owner: str, name: str, window: WindowCeilings, no
     return Scope(
         name=f"{name}:{window.period}",
         key=window_key(tenant, owner, window.period, start),
-        ceilings=window.as_meters(),
+        ceilings=window.meters,
         ttl_s=ttl,
         resets_at_s=int(end.timestamp()),
     )
@@ -54,14 +54,12 @@ def _window_scope(tenant: str, owner: str, name: str, window: WindowCeilings, no
 
 def scopes_for(identity: Identity, run_id: str, tier: TierConfig | None, now: datetime) -> list[Scope]:
     tenant = identity.tenant
-    run = Scope(name="run", key=run_key(tenant, run_id), ceilings=tier.run.as_meters() if tier else {})
+    run = Scope(name="run", key=run_key(tenant, run_id), ceilings=tier.run.meters if tier else {})
     if tier is None:
         return [run]
     scopes = [
         run,
-        Scope(
-            name="key", key=f"{key_prefix(tenant)}key:{identity.key_name}:all", ceilings=tier.key.as_meters()
-        ),
+        Scope(name="key", key=f"{key_prefix(tenant)}key:{identity.key_name}:all", ceilings=tier.key.meters),
     ]
     scopes += [_window_scope(tenant, f"key:{identity.key_name}", "key", w, now) for w in tier.windows]
     scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tier.tenant]
