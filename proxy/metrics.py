@@ -7,6 +7,8 @@ run id, request id or key in a label.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.config import Config
@@ -21,6 +23,7 @@ OTHER_MODEL = "other"
 class Metrics:
     def __init__(self, registry: CollectorRegistry, *, currency: str = "USD") -> None:
         self.registry = registry
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "llm_proxy_requests",
             "Forwarded calls by outcome.",
@@ -97,6 +100,14 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS,
             registry=registry,
         )
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, cached: label sets are few and reused on every call."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
 
 def tenant_label(tenant: str, config: Config) -> str:

@@ -107,7 +107,7 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         tenant = tenant_label(self.call.identity.tenant, self.services.config)
-        inflight = self.services.metrics.inflight.labels(tenant)
+        inflight = self.services.metrics.child(self.services.metrics.inflight, tenant)
         inflight.inc()
         try:
             started = time.monotonic()

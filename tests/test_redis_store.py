@@ -212,3 +212,13 @@ async def test_the_proxy_bills_through_a_redis_cluster(
     finally:
         await store.close()
     assert entry["outcome"] == "ok" and int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_a_retried_reserve_reserves_once(store: RedisStore) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:retry")
+    first = await reserve(store, "same-id", [scope])
+    again = await reserve(store, "same-id", [scope])
+    assert isinstance(first, Reservation) and isinstance(again, Reservation)
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 30
+    assert await settle(store, first) is not None
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 0

@@ -16,10 +16,16 @@ then per scope (KEYS[3+i]):  ttl_s (0 = none), then 6 ceilings in METERS order (
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>.
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
+A reservation id that already exists is a retry: success, nothing changes.
 Returns on success {1, clamped output per choice (0 = not clamped), tightest meter, its
 remaining after this reserve (-1 = nothing limited), tightest scope index}; on refusal
 {0, scope index (1-based), meter, ceiling, used, reserved, amount}.
 ]]
+-- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {1, 0, '', -1, 0}
+end
+
 local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
 local NM = #METERS
 local OUTPUT, TOTAL, COST, INPUT = 3, 4, 5, 2
