@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 
 @dataclass(frozen=True, slots=True)
 class ProviderUsage:
@@ -48,8 +50,10 @@ class Observation:
     usage: ProviderUsage | None = None
     usage_chunks: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)
-    texts: dict[int, list[str]] = field(default_factory=dict)
-    contents: dict[int, list[str]] = field(default_factory=dict)
+    # Generated text per choice, held once: content pieces (raw JSON-escaped bytes from the
+    # fast path, or decoded str) and the rest (refusals, tool calls).
+    contents: dict[int, list[str | bytes]] = field(default_factory=dict)
+    extras: dict[int, list[str]] = field(default_factory=dict)
     refused: bool = False
     first_token_at: float | None = None
     chunks: int = 0
@@ -61,9 +65,18 @@ class Observation:
         if isinstance(piece, str) and piece:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            self.texts.setdefault(index, []).append(piece)
             if content:
                 self.contents.setdefault(index, []).append(piece)
+            else:
+                self.extras.setdefault(index, []).append(piece)
+
+    def raw_content(self, index: int, escaped: bytes) -> None:
+        """A content piece still JSON-escaped (the relay's fast path): decoded only if needed."""
+        self.chunks += 1
+        if escaped:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.contents.setdefault(index, []).append(escaped)
 
     def _choice(self, choice: dict[str, Any], part: dict[str, Any] | None) -> None:
         index = choice.get("index", 0)
@@ -110,7 +123,46 @@ class Observation:
                 self._choice(choice, part if isinstance(part, dict) else None)
 
     def content_of(self, index: int) -> str:
-        return "".join(self.contents.get(index, ()))
+        out: list[str] = []
+        raw: list[bytes] = []
+        for piece in self.contents.get(index, ()):
+            if isinstance(piece, bytes):
+                raw.append(piece)
+                continue
+            if raw:
+                out.append(_unescape(b"".join(raw)))
+                raw.clear()
+            out.append(piece)
+        if raw:
+            out.append(_unescape(b"".join(raw)))
+        return "".join(out)
 
     def all_text(self) -> str:
-        return "".join("".join(pieces) for pieces in self.texts.values())
+        indexes = sorted(set(self.contents) | set(self.extras))
+        return "".join(self.content_of(i) + "".join(self.extras.get(i, ())) for i in indexes)
+
+
+def _unescape(escaped: bytes) -> str:
+    try:
+        value = orjson.loads(b'"' + escaped + b'"')
+    except orjson.JSONDecodeError:
+        return escaped.decode("utf-8", "replace")
+    return value if isinstance(value, str) else ""
+
+
+def string_end(data: bytes, start: int) -> int:
+    """Index of the quote closing the JSON string that starts at ``start`` (after its opening
+    quote), or -1."""
+    pos = start
+    while True:
+        quote = data.find(b'"', pos)
+        if quote < 0:
+            return -1
+        backslashes = 0
+        k = quote - 1
+        while k >= start and data[k] == 0x5C:
+            backslashes += 1
+            k -= 1
+        if backslashes % 2 == 0:
+            return quote
+        pos = quote + 1

@@ -23,7 +23,7 @@ from proxy.errors import error_body, error_response
 from proxy.forward import TransportFailure, open_upstream, read_limited
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
-from proxy.observe import Observation, parse_usage
+from proxy.observe import Observation, parse_usage, string_end
 from proxy.outcome import (
     ZERO_USAGE,
     BilledUsage,
@@ -65,6 +65,9 @@ class Exchange:
         self._renewed_at = time.monotonic()
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self._upstream_s = 0.0
+        # The content fast path holds for one choice, where every content piece is choice 0's.
+        self._fast = call.choices == 1
+        self._content_key = b'"content":"' if call.endpoint == "chat.completions" else b'"text":"'
 
     # -- usage helpers -------------------------------------------------------------------
 
@@ -335,6 +338,33 @@ class Exchange:
         except CLIENT_GONE:
             pass
 
+    def _content_only(self, data: bytes) -> bool:
+        """True (and observed) when ``data`` is a compact chunk whose one choice carries only
+        a content delta; anything else (finish reasons, usage, refusals, tool calls, errors,
+        unusual formatting) goes through the full parse."""
+        if (
+            not data.startswith(b"{")
+            or not data.endswith(b"}")
+            or b'"finish_reason":null' not in data
+            or b'"usage":{' in data
+            or b'"refusal":"' in data
+            or b'"tool_calls"' in data
+            or b'"function_call"' in data
+            or b'"error"' in data
+        ):
+            return False
+        key = self._content_key
+        found = data.find(key)
+        if found < 0:
+            self.obs.raw_content(0, b"")
+            return True
+        start = found + len(key)
+        end = string_end(data, start)
+        if end < 0 or data.find(key, end) >= 0:
+            return False
+        self.obs.raw_content(0, data[start:end])
+        return True
+
     def _event(self, event: bytes) -> bytes | None:
         """Observe one SSE event; return the bytes the client gets, or None to drop it."""
         if event.startswith(b"data: ") and b"\n" not in event:
@@ -347,6 +377,11 @@ class Exchange:
         if data == b"[DONE]":
             self.obs.done = True
             return None  # written after the billing comment
+        wants_usage = self.call.client_wants_usage
+        strip = not wants_usage and data.endswith(_USAGE_NULL_TAIL)
+        if self._fast and (wants_usage or strip or b'"usage"' not in data) and self._content_only(data):
+            # Most events only carry a content delta: note it without parsing the JSON.
+            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n" if strip else event + b"\n\n"
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:

@@ -1,0 +1,65 @@
+"""The observation of answers: usage parsing, and the relay's no-parse content fast path."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.observe import Observation, parse_usage, string_end
+from tests.conftest import ProxyFactory
+from tests.fake_upstream import FakeUpstream
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["plain", 'with "quotes"', "back\\slash\\", 'ends with \\"', "ünïcödé ✓ 🚀", "line\nbreak\ttab", ""],
+)
+def test_string_end_and_lazy_decoding_agree_with_json(text: str) -> None:
+    chunk = orjson.dumps({"choices": [{"delta": {"content": text}, "finish_reason": None}]})
+    start = chunk.find(b'"content":"') + len(b'"content":"')
+    end = string_end(chunk, start)
+    assert chunk[end : end + 2] == b'"}'
+    obs = Observation()
+    obs.raw_content(0, chunk[start:end])
+    obs.observe({"choices": [{"index": 0, "delta": {"content": "+parsed"}}]}, streaming=True)
+    obs.raw_content(0, chunk[start:end])
+    assert obs.content_of(0) == text + "+parsed" + text
+    assert obs.all_text() == text + "+parsed" + text
+
+
+def test_usage_zero_is_real_and_garbage_is_missing() -> None:
+    assert parse_usage({"prompt_tokens": 0, "completion_tokens": 0}) is not None
+    assert parse_usage({"prompt_tokens": True, "completion_tokens": 1}) is None
+    assert parse_usage({"prompt_tokens": -1, "completion_tokens": 1}) is None
+    assert parse_usage("nope") is None
+    usage = parse_usage(
+        {
+            "prompt_tokens": 5,
+            "completion_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 2},
+            "completion_tokens_details": {"reasoning_tokens": 3},
+        }
+    )
+    assert usage is not None and (usage.cached_input_tokens, usage.reasoning_tokens) == (2, 3)
+
+
+async def test_streamed_text_with_escapes_is_estimated_from_the_decoded_text(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    content = 'He said "hi" \\ ünïcödé 🚀\n{"json": [1, 2]}'
+    proxy = await make_proxy()
+    stream = await proxy.client().chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": "x"}],
+        stream=True,
+        extra_body={"fake": {"content": content, "chunk_chars": 3, "no_usage": True}},
+    )
+    got = ""
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            got += chunk.choices[0].delta.content
+    assert got == content
+    ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
+    assert entry["usage_source"] == "chars"
+    assert int(entry["output_tokens"]) == -(-len(content) // 4)
