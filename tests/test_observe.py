@@ -78,5 +78,8 @@ def test_the_fast_path_leaves_anything_unusual_to_the_parser() -> None:
         b'{"error":{"message":"x"}}',
     ):
         assert _NOT_PLAIN_CONTENT.search(chunk), chunk
-    plain = b'{"choices":[{"index":0,"delta":{"content":"tok1 "},"logprobs":null,"finish_reason":null}],"usage":null}'
+    plain = (
+        b'{"choices":[{"index":0,"delta":{"content":"tok1 "},"logprobs":null,"finish_reason":null}],'
+        b'"usage":null}'
+    )
     assert not _NOT_PLAIN_CONTENT.search(plain)
