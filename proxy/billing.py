@@ -155,6 +155,7 @@ def entry_fields(
         "finish_reasons": finish_reasons,
         "input_tokens": str(usage.input_tokens),
         "cached_input_tokens": str(usage.cached_input_tokens),
+        "cache_creation_input_tokens": str(usage.cache_creation_input_tokens),
         "output_tokens": str(usage.output_tokens),
         "reasoning_tokens": str(usage.reasoning_tokens),
         "total_tokens": str(usage.total_tokens),
@@ -190,6 +191,7 @@ async def settle(
         cached_input_tokens=usage.cached_input_tokens,
         output_tokens=usage.output_tokens,
         reasoning_tokens=usage.reasoning_tokens,
+        cache_creation_input_tokens=usage.cache_creation_input_tokens,
     )
     reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
     entry = entry_fields(call, outcome, usage, cost, reasons)
@@ -201,6 +203,7 @@ async def settle(
         "cost_micros": cost,
         "cached_input_tokens": usage.cached_input_tokens,
         "reasoning_tokens": usage.reasoning_tokens,
+        "cache_creation_input_tokens": usage.cache_creation_input_tokens,
     }
     pending = PendingSettlement(
         tenant=reservation.tenant,

@@ -13,9 +13,10 @@ from aiohttp import web
 
 from proxy.auth import Identity
 from proxy.config import Config, PolicyConfig, UpstreamConfig
+from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
 from proxy.estimate import Estimate, estimate
-from proxy.payload import ChatBody, CompletionBody, EmbeddingBody, Endpoint
+from proxy.payload import ChatBody, Endpoint, RequestView, ResponsesBody
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
@@ -58,6 +59,7 @@ class Call:
     identity: Identity
     run_id: str
     endpoint: Endpoint
+    dialect: Dialect
     model: str
     model_pattern: str
     upstream_name: str
@@ -98,7 +100,7 @@ def plan_call(
     endpoint: Endpoint,
     body: dict[str, Any],
     raw_body: bytes,
-    view: ChatBody | CompletionBody | EmbeddingBody,
+    view: RequestView,
     config: Config,
     tokenizer: Tokenizer,
     ids: IdSource,
@@ -111,6 +113,14 @@ def plan_call(
         )
     pattern, model_config = routed
     upstream = config.upstreams[model_config.upstream]
+    dialect = DIALECTS[endpoint]
+    if upstream.kind != dialect.upstream_kind:
+        raise BadRequest(
+            f"The model '{view.model}' is served by an upstream of kind '{upstream.kind}', which does not "
+            f"speak this endpoint ({endpoint}).",
+            param="model",
+            code="wrong_endpoint_for_model",
+        )
     encoding = encoding_for_model(view.model, model_config.encoding)
     est = estimate(
         endpoint,
@@ -122,7 +132,7 @@ def plan_call(
     )
     stream = bool(getattr(view, "stream", False))
     client_wants_usage = False
-    if stream:
+    if stream and dialect.injects_usage:
         options = body.get("stream_options")
         client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
         # Real figures first: always ask the provider for the usage chunk.
@@ -130,6 +140,10 @@ def plan_call(
     json_mode = False
     if isinstance(view, ChatBody) and view.response_format is not None:
         json_mode = view.response_format.get("type") in ("json_object", "json_schema")
+    elif isinstance(view, ResponsesBody):
+        text = body.get("text")
+        form = text.get("format") if isinstance(text, dict) else None
+        json_mode = isinstance(form, dict) and form.get("type") in ("json_object", "json_schema")
     price = model_config.price_per_million
     return Call(
         request_id=request_id,
@@ -137,6 +151,7 @@ def plan_call(
         identity=identity,
         run_id=run_id,
         endpoint=endpoint,
+        dialect=dialect,
         model=view.model,
         model_pattern=pattern,
         upstream_name=model_config.upstream,
@@ -150,6 +165,6 @@ def plan_call(
         estimate=est,
         body=body,
         raw_body=raw_body,
-        body_changed=stream,
+        body_changed=stream and dialect.injects_usage,
         choices=getattr(view, "n", None) or 1,
     )

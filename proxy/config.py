@@ -64,6 +64,9 @@ class RedisConfig(_Frozen):
 
 class UpstreamConfig(_Frozen):
     base_url: str
+    # openai: Bearer auth, OpenAI endpoints. anthropic: x-api-key + anthropic-version, /messages.
+    kind: Literal["openai", "anthropic"] = "openai"
+    anthropic_version: str = "2023-06-01"
     api_key_env: str | None = None
     api_key: SecretStr | None = Field(default=None, exclude=True)
     timeout_s: float = Field(default=600.0, gt=0)
@@ -86,6 +89,8 @@ class PricePerMillion(_Frozen):
     output: Decimal = Field(ge=0)
     cached_input: Decimal | None = Field(default=None, ge=0)
     reasoning: Decimal | None = Field(default=None, ge=0)
+    # Anthropic prompt-cache writes; priced as input unless given.
+    cache_creation_input: Decimal | None = Field(default=None, ge=0)
 
     @cached_property
     def rates(self) -> dict[str, int]:
@@ -104,6 +109,9 @@ class PricePerMillion(_Frozen):
             "cached_input": micros(self.cached_input if self.cached_input is not None else self.input),
             "output": micros(self.output),
             "reasoning": micros(self.reasoning if self.reasoning is not None else self.output),
+            "cache_creation_input": micros(
+                self.cache_creation_input if self.cache_creation_input is not None else self.input
+            ),
         }
 
     @model_validator(mode="after")

@@ -9,7 +9,8 @@
         ├── Forbidden          403 permission_denied
         ├── NotFound           404 not_found
         ├── PayloadTooLarge    413
-        └── BudgetExceeded     429 insufficient_quota / budget_exceeded
+        ├── BudgetExceeded     429 insufficient_quota / budget_exceeded
+        └── StoreUnavailable   503 service_unavailable (the call was not forwarded)
 
 Upstream failures are not exceptions of ours: they are outcomes of a call (see ``outcome``).
 """
@@ -83,6 +84,18 @@ class BudgetExceeded(ApiError):
     code = "budget_exceeded"
 
 
+class StoreUnavailable(ApiError):
+    status = 503
+    error_type = "service_unavailable"
+    code = "store_unavailable"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The billing store is unavailable; the call was not forwarded.",
+            headers={"x-should-retry": "true", "retry-after": "1"},
+        )
+
+
 def error_body(message: str, error_type: str, *, param: str | None = None, code: str | None = None) -> bytes:
     return json.dumps(
         {"error": {"message": message, "type": error_type, "param": param, "code": code}}
@@ -113,10 +126,4 @@ def api_error_response(err: ApiError) -> web.Response:
 
 
 def store_unavailable_response() -> web.Response:
-    return error_response(
-        503,
-        "The billing store is unavailable; the call was not forwarded.",
-        "service_unavailable",
-        code="store_unavailable",
-        headers={"x-should-retry": "true", "retry-after": "1"},
-    )
+    return api_error_response(StoreUnavailable())

@@ -6,10 +6,22 @@ the model's ``max_output_tokens``, else the endpoint's default, times ``n``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import Any
 
-from proxy.payload import ChatBody, CompletionBody, EmbeddingBody, Endpoint, message_text
+import orjson
+
+from proxy.payload import (
+    ChatBody,
+    CompletionBody,
+    EmbeddingBody,
+    Endpoint,
+    MessagesBody,
+    RequestView,
+    ResponsesBody,
+    items_text,
+    message_text,
+)
 from proxy.tokenizer import Tokenizer
 
 # Chat formats add a few tokens per message and for priming the reply.
@@ -28,13 +40,22 @@ class Estimate:
     output_cap_field: str | None  # which request field caps the output, if any
 
 
-def prompt_of(endpoint: Endpoint, view: ChatBody | CompletionBody | EmbeddingBody) -> tuple[str, int, int]:
+def _with_tools(text: str, tools: list[dict[str, Any]] | None) -> str:
+    return text + "\n" + orjson.dumps(tools).decode() if tools else text
+
+
+def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[str, int, int]:
     """Text to count, fixed overhead in tokens, and tokens given directly as token ids."""
     if isinstance(view, ChatBody):
-        text = message_text(view.messages)
-        if view.tools:
-            text += "\n" + json.dumps(view.tools, separators=(",", ":"))
+        text = _with_tools(message_text(view.messages), view.tools)
         return text, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
+    if isinstance(view, ResponsesBody):
+        items = 1 if isinstance(view.input, str) else len(view.input)
+        text = _with_tools(items_text(view.input, view.instructions), view.tools)
+        return text, TOKENS_PER_MESSAGE * (items + 1) + TOKENS_PER_REPLY, 0
+    if isinstance(view, MessagesBody):
+        text = _with_tools(items_text(view.messages, view.system), view.tools)
+        return text, TOKENS_PER_MESSAGE * (len(view.messages) + 1) + TOKENS_PER_REPLY, 0
     source = view.prompt if isinstance(view, CompletionBody) else view.input
     if isinstance(source, str):
         return source, 0, 0
@@ -46,7 +67,7 @@ def prompt_of(endpoint: Endpoint, view: ChatBody | CompletionBody | EmbeddingBod
 
 def estimate(
     endpoint: Endpoint,
-    view: ChatBody | CompletionBody | EmbeddingBody,
+    view: RequestView,
     *,
     encoding: str,
     tokenizer: Tokenizer,
@@ -67,6 +88,9 @@ def estimate(
     cap: int | None = None
     if isinstance(view, ChatBody) and view.max_completion_tokens is not None:
         cap_field, cap = "max_completion_tokens", view.max_completion_tokens
+    elif isinstance(view, ResponsesBody):
+        if view.max_output_tokens is not None:
+            cap_field, cap = "max_output_tokens", view.max_output_tokens
     elif view.max_tokens is not None:
         cap_field, cap = "max_tokens", view.max_tokens
     if cap is None:
@@ -76,10 +100,11 @@ def estimate(
             cap = model_max_output_tokens or default_max_output_tokens
     elif model_max_output_tokens is not None:
         cap = min(cap, model_max_output_tokens)
+    choices = view.n if isinstance(view, ChatBody | CompletionBody) else None
     return Estimate(
         prompt_text=text,
         prompt_overhead_tokens=overhead + id_tokens,
         input_tokens=input_tokens,
-        output_tokens=cap * (view.n or 1),
+        output_tokens=cap * (choices or 1),
         output_cap_field=cap_field,
     )

@@ -12,12 +12,6 @@ from proxy.auth import Identity
 from proxy.call import Call
 from proxy.config import UpstreamConfig
 
-UPSTREAM_PATHS = {
-    "chat.completions": "/chat/completions",
-    "completions": "/completions",
-    "embeddings": "/embeddings",
-}
-
 FailureKind = Literal["connect", "timeout", "transport"]
 
 
@@ -39,7 +33,11 @@ def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, 
     key = identity.upstream_key if upstream.passthrough_auth else None
     if key is None and upstream.api_key is not None:
         key = upstream.api_key.get_secret_value()
-    if key:
+    if upstream.kind == "anthropic":
+        headers["anthropic-version"] = upstream.anthropic_version
+        if key:
+            headers["x-api-key"] = key
+    elif key:
         headers["Authorization"] = f"Bearer {key}"
     return headers
 
@@ -55,7 +53,7 @@ def timeout_for(call: Call) -> aiohttp.ClientTimeout:
 async def open_upstream(
     session: aiohttp.ClientSession, call: Call
 ) -> aiohttp.ClientResponse | TransportFailure:
-    url = call.upstream.base_url + UPSTREAM_PATHS[call.endpoint]
+    url = call.upstream.base_url + call.dialect.path
     data = orjson.dumps(call.body) if call.body_changed else call.raw_body
     try:
         headers = upstream_headers(call.upstream, call.identity)

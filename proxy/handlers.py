@@ -17,13 +17,14 @@ from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing import reserve
 from proxy.call import SANE_ID, plan_call, request_id_for, run_id_for
 from proxy.config import Config
+from proxy.dialects import DIALECTS
 from proxy.errors import (
     ApiError,
     BudgetExceeded,
     NotFound,
     StoreError,
+    StoreUnavailable,
     Unauthorized,
-    api_error_response,
     error_response,
     store_unavailable_response,
 )
@@ -74,21 +75,25 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             await state.store.register_tenant(identity.tenant)
             state.registered_tenants.add(identity.tenant)
         await reserve(state.store, call, config)
-    except BudgetExceeded as err:
-        record_refusal(state.metrics, config, identity.tenant, err)
-        response = api_error_response(err)
-        response.headers["x-request-id"] = request_id
-        return response
     except ApiError as err:
-        response = api_error_response(err)
-        response.headers["x-request-id"] = request_id
-        return response
+        if isinstance(err, BudgetExceeded):
+            record_refusal(state.metrics, config, identity.tenant, err)
+        return _refused(endpoint, request_id, err)
     except StoreError:
         state.metrics.store_errors.labels("reserve").inc()
-        response = store_unavailable_response()
-        response.headers["x-request-id"] = request_id
-        return response
+        return _refused(endpoint, request_id, StoreUnavailable())
     return await Exchange(request, call, _services(state, config)).run()
+
+
+def _refused(endpoint: Endpoint, request_id: str, err: ApiError) -> web.Response:
+    """An error before forwarding, in the format of the API the client speaks."""
+    body = DIALECTS[endpoint].error_body(err.message, err.error_type, code=err.code, param=err.param)
+    return web.Response(
+        status=err.status,
+        body=body,
+        content_type="application/json",
+        headers={**err.headers, "x-request-id": request_id},
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -101,6 +106,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
     return await billed_call(request, "embeddings")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await billed_call(request, "responses")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await billed_call(request, "messages")
 
 
 async def list_models(request: web.Request) -> web.StreamResponse:
@@ -248,6 +261,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/billing/runs/{run_id}", run_meters)
     app.router.add_get("/v1/billing/runs/{run_id}/ledger", run_ledger)

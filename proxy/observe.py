@@ -15,10 +15,11 @@ import orjson
 
 @dataclass(frozen=True, slots=True)
 class ProviderUsage:
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int  # all input, cached and cache writes included
+    output_tokens: int  # all output, reasoning included
     cached_input_tokens: int
     reasoning_tokens: int
+    cache_creation_input_tokens: int = 0
 
 
 def _count(value: Any) -> int | None:
@@ -60,8 +61,11 @@ class Observation:
     malformed: bool = False
     error: bool = False
     done: bool = False
+    # Usage that arrives in parts (Anthropic: message_start, then message_delta).
+    partial_usage: dict[str, Any] = field(default_factory=dict)
+    usage_final: bool = True
 
-    def _text(self, index: int, piece: Any, *, content: bool = False) -> None:
+    def add_text(self, index: int, piece: Any, *, content: bool = False) -> None:
         if isinstance(piece, str) and piece:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
@@ -86,19 +90,19 @@ class Observation:
         if isinstance(reason, str):
             self.finish_reasons[index] = reason
         # legacy completions carry "text" on the choice itself
-        self._text(index, choice.get("text"), content=True)
+        self.add_text(index, choice.get("text"), content=True)
         if part is None:
             return
-        self._text(index, part.get("content"), content=True)
+        self.add_text(index, part.get("content"), content=True)
         refusal = part.get("refusal")
         if refusal:
             self.refused = True
-            self._text(index, refusal)
+            self.add_text(index, refusal)
         for call in part.get("tool_calls") or ():
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
-                self._text(index, function.get("name"))
-                self._text(index, function.get("arguments"))
+                self.add_text(index, function.get("name"))
+                self.add_text(index, function.get("arguments"))
 
     def observe(self, obj: Any, *, streaming: bool) -> None:
         """One SSE chunk or one whole body."""

@@ -27,6 +27,8 @@ OutcomeTag = Literal[
     "shutdown",
 ]
 REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
+# "length" (OpenAI chat), "max_output_tokens" (Responses), "max_tokens" (Anthropic).
+TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,7 @@ class BilledUsage:
     output_tokens: int
     reasoning_tokens: int
     source: UsageSource
+    cache_creation_input_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -63,7 +66,7 @@ def _json_problem(text: str) -> str | None:
 def classify_answer(obs: Observation, policy: PolicyConfig, *, json_mode: bool) -> Outcome:
     """The outcome of an answer that arrived in full."""
     reasons = obs.finish_reasons.values()
-    truncated = "length" in reasons
+    truncated = any(r in TRUNCATION_REASONS for r in reasons)
     if obs.refused or any(r in REFUSAL_REASONS for r in reasons):
         return Outcome("refused")
     if json_mode and policy.on_invalid_json == "reject":
@@ -72,7 +75,7 @@ def classify_answer(obs: Observation, policy: PolicyConfig, *, json_mode: bool) 
                 continue
             problem = _json_problem(obs.content_of(index))
             if problem is not None:
-                if obs.finish_reasons.get(index) == "length":
+                if obs.finish_reasons.get(index) in TRUNCATION_REASONS:
                     return Outcome("rejected", "parse-json-truncated")
                 return Outcome("rejected", f"parse-json: {problem}")
     if truncated:
@@ -109,6 +112,7 @@ def provider_usage(obs: Observation) -> BilledUsage | None:
         output_tokens=u.output_tokens,
         reasoning_tokens=u.reasoning_tokens,
         source="provider",
+        cache_creation_input_tokens=u.cache_creation_input_tokens,
     )
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import BadRequest
 
-Endpoint = Literal["chat.completions", "completions", "embeddings"]
+Endpoint = Literal["chat.completions", "completions", "embeddings", "responses", "messages"]
 MAX_TOKENS_LIMIT = 10_000_000
 
 _TokenCount = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -48,12 +48,34 @@ class EmbeddingBody(_Body):
     input: str | list[str] | list[int] | list[list[int]]
 
 
-RequestView = ChatBody | CompletionBody | EmbeddingBody
+class ResponsesBody(_Body):
+    """OpenAI Responses API."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = _TokenCount
+    stream: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class MessagesBody(_Body):
+    """Anthropic Messages API: ``max_tokens`` is required there."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+RequestView = ChatBody | CompletionBody | EmbeddingBody | ResponsesBody | MessagesBody
 
 BODY_MODELS: dict[Endpoint, type[_Body]] = {
     "chat.completions": ChatBody,
     "completions": CompletionBody,
     "embeddings": EmbeddingBody,
+    "responses": ResponsesBody,
+    "messages": MessagesBody,
 }
 
 
@@ -80,17 +102,27 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
     return data, view
 
 
+def _part_texts(content: Any, parts: list[str]) -> None:
+    """Text of a content value: a string, or parts/blocks carrying ``text`` (any API's shape)."""
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            for key in ("text", "input", "content", "output", "arguments"):
+                value = part.get(key)
+                if isinstance(value, str):
+                    parts.append(value)
+                elif key in ("input", "content") and isinstance(value, list | dict):
+                    parts.append(orjson.dumps(value).decode())
+
+
 def message_text(messages: list[dict[str, Any]]) -> str:
     """All text a chat request sends: contents, names, refusals and tool-call arguments."""
     parts: list[str] = []
     for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
+        _part_texts(message.get("content"), parts)
         for name in ("name", "refusal"):
             if isinstance(message.get(name), str):
                 parts.append(message[name])
@@ -98,4 +130,19 @@ def message_text(messages: list[dict[str, Any]]) -> str:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
                 parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))
+    return "\n".join(parts)
+
+
+def items_text(items: str | list[dict[str, Any]], extra: str | list[dict[str, Any]] | None = None) -> str:
+    """All text of a Responses ``input`` (or Anthropic ``messages``) plus instructions/system."""
+    parts: list[str] = []
+    _part_texts(extra, parts)
+    if isinstance(items, str):
+        parts.append(items)
+        return "\n".join(parts)
+    parts.append(message_text(items))
+    for item in items:  # function call outputs and other non-message items
+        for key in ("output", "arguments"):
+            if isinstance(item.get(key), str):
+                parts.append(item[key])
     return "\n".join(parts)

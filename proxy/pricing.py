@@ -18,15 +18,18 @@ def cost_micros(
     cached_input_tokens: int = 0,
     output_tokens: int,
     reasoning_tokens: int = 0,
+    cache_creation_input_tokens: int = 0,
 ) -> int:
     """``rates`` are micro-units per million tokens (``PricePerMillion.micros_per_million``)."""
     if rates is None:
         return 0
     cached = min(cached_input_tokens, input_tokens)
+    creation = min(cache_creation_input_tokens, input_tokens - cached)
     reasoning = min(reasoning_tokens, output_tokens)
     exact = (
-        (input_tokens - cached) * rates["input"]
+        (input_tokens - cached - creation) * rates["input"]
         + cached * rates["cached_input"]
+        + creation * rates["cache_creation_input"]
         + (output_tokens - reasoning) * rates["output"]
         + reasoning * rates["reasoning"]
     )

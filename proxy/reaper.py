@@ -34,6 +34,7 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
         "cost_micros": amounts.get("cost_micros", 0),
         "cached_input_tokens": 0,
         "reasoning_tokens": 0,
+        "cache_creation_input_tokens": 0,
     }
     run_id = str(record.get("run_id", lease.id))
     entry = {
@@ -51,6 +52,7 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
         "finish_reasons": "",
         "input_tokens": str(actual["input_tokens"]),
         "cached_input_tokens": "0",
+        "cache_creation_input_tokens": "0",
         "output_tokens": str(actual["output_tokens"]),
         "reasoning_tokens": "0",
         "total_tokens": str(actual["total_tokens"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -20,7 +20,6 @@ from aiohttp import web
 from proxy.billing import Settlement, billing_comment, billing_headers, settle
 from proxy.call import Call
 from proxy.config import Config
-from proxy.errors import error_body, error_response
 from proxy.forward import TransportFailure, open_upstream, read_limited
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
@@ -72,7 +71,7 @@ class Exchange:
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self._upstream_s = 0.0
         # The content fast path holds for one choice, where every content piece is choice 0's.
-        self._fast = call.choices == 1
+        self._fast = call.choices == 1 and call.dialect.injects_usage
         self._content_field = b'"content"' if call.endpoint == "chat.completions" else b'"text"'
         self._content_key = self._content_field + b':"'
 
@@ -94,6 +93,12 @@ class Exchange:
     def _usage(self, *, complete: bool) -> BilledUsage:
         """Provider figures first; else count a complete answer; else the reserve."""
         found = provider_usage(self.obs)
+        if found is not None and not self.obs.usage_final:
+            # Input is known (message_start) but the final output count never came: count
+            # what was streamed, never less than what the provider last said.
+            counted = self._estimated_usage()
+            if counted.output_tokens > found.output_tokens:
+                return replace(found, output_tokens=counted.output_tokens, source=counted.source)
         if found is not None:
             return found
         return self._estimated_usage() if complete else self._reserve_usage()
@@ -109,6 +114,18 @@ class Exchange:
                 self.services.metrics.store_errors.labels("settle").inc()
             record_call(self.services.metrics, self.services.config, self.call, self.settlement, overhead)
         return self.settlement
+
+    def _error(
+        self,
+        status: int,
+        message: str,
+        error_type: str,
+        *,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        body = self.call.dialect.error_body(message, error_type, code=code)
+        return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
     def _headers(self, settlement: Settlement) -> dict[str, str]:
         return {"x-request-id": self.call.request_id, **billing_headers(self.call, settlement)}
@@ -157,7 +174,7 @@ class Exchange:
         )
         settlement = await self._settle(Outcome(tag), usage)
         status = 504 if failure.kind == "timeout" else 502
-        return error_response(
+        return self._error(
             status, failure.detail, "upstream_error", code=tag, headers=self._headers(settlement)
         )
 
@@ -182,7 +199,7 @@ class Exchange:
             return web.Response(status=status, body=raw, content_type="application/json", headers=headers)
         snippet = raw[:200].decode("utf-8", "replace").strip() or "no body"
         error_type = "invalid_request_error" if status < 500 else "upstream_error"
-        return error_response(
+        return self._error(
             status, f"Upstream returned HTTP {status}: {snippet}", error_type, code=tag, headers=headers
         )
 
@@ -193,7 +210,7 @@ class Exchange:
             parsed = orjson.loads(raw)
         except TimeoutError:
             settlement = await self._settle(Outcome("upstream_timeout"), self._usage(complete=False))
-            return error_response(
+            return self._error(
                 504,
                 "The upstream did not finish its answer in time.",
                 "upstream_error",
@@ -202,17 +219,20 @@ class Exchange:
             )
         except (ValueError, *UPSTREAM_BROKEN):
             settlement = await self._settle(Outcome("upstream_error"), self._usage(complete=False))
-            return error_response(
+            return self._error(
                 502,
                 "The upstream sent a broken or non-JSON answer.",
                 "upstream_error",
                 code="upstream_error",
                 headers=self._headers(settlement),
             )
-        self.obs.observe(parsed, streaming=False)
+        if isinstance(parsed, dict):
+            self.call.dialect.observe_body(self.obs, parsed)
+        else:
+            self.obs.malformed = True
         if self.obs.malformed:
             settlement = await self._settle(Outcome("upstream_error"), self._usage(complete=False))
-            return error_response(
+            return self._error(
                 502,
                 "The upstream answer is not a JSON object.",
                 "upstream_error",
@@ -228,7 +248,7 @@ class Exchange:
         headers = self._headers(settlement)
         if outcome.tag == "rejected":
             headers["x-should-retry"] = "false"
-            return error_response(
+            return self._error(
                 422,
                 self._rejection_message(settlement),
                 "output_rejected",
@@ -312,11 +332,11 @@ class Exchange:
             settlement = await self._settle(failure, self._usage(complete=False))
             tail = billing_comment(call, settlement)
             if (not self.obs.done and failure.tag != "upstream_error") or self._broken_transport(failure):
-                tail += self._error_event(
+                tail += self.call.dialect.error_event(
                     f"The upstream stream failed ({failure.tag}).", "upstream_error", failure.tag
                 )
-            elif self.obs.done:
-                tail += b"data: [DONE]\n\n"
+            elif self.obs.done and call.dialect.done_marker:
+                tail += call.dialect.done_marker
             await self._write_tail(response, tail)
             return response
 
@@ -325,18 +345,14 @@ class Exchange:
         tail = billing_comment(call, settlement)
         if outcome.tag == "rejected":
             message = self._rejection_message(settlement)
-            tail += self._error_event(message, "output_rejected", "output_rejected")
-        else:
-            tail += b"data: [DONE]\n\n"
+            tail += self.call.dialect.error_event(message, "output_rejected", "output_rejected")
+        elif call.dialect.done_marker:
+            tail += call.dialect.done_marker
         await self._write_tail(response, tail)
         return response
 
     def _broken_transport(self, failure: Outcome) -> bool:
         return failure.tag == "upstream_error" and not self.obs.done and not self.obs.malformed
-
-    @staticmethod
-    def _error_event(message: str, error_type: str, code: str) -> bytes:
-        return b"event: error\ndata: " + error_body(message, error_type, code=code) + b"\n\n"
 
     async def _write_tail(self, response: web.StreamResponse, tail: bytes) -> None:
         try:
@@ -344,6 +360,19 @@ class Exchange:
             await response.write_eof()
         except CLIENT_GONE:
             pass
+
+    def _typed_event(self, event: bytes, data: bytes) -> bytes:
+        """Responses / Anthropic events: observed, passed on unchanged."""
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.obs.malformed = True
+            return event + b"\n\n"
+        if isinstance(obj, dict):
+            self.call.dialect.observe_event(self.obs, obj)
+        else:
+            self.obs.malformed = True
+        return event + b"\n\n"
 
     def _content_only(self, data: bytes) -> bool:
         """True (and observed) when ``data`` is a compact chunk whose one choice carries only
@@ -377,6 +406,8 @@ class Exchange:
         if data == b"[DONE]":
             self.obs.done = True
             return None  # written after the billing comment
+        if not self.call.dialect.injects_usage:
+            return self._typed_event(event, data)
         wants_usage = self.call.client_wants_usage
         strip = not wants_usage and data.endswith(_USAGE_NULL_TAIL)
         if self._fast and (wants_usage or strip or b'"usage"' not in data) and self._content_only(data):

@@ -21,6 +21,7 @@ ACTUAL_METERS = (
     "cost_micros",
     "cached_input_tokens",
     "reasoning_tokens",
+    "cache_creation_input_tokens",
 )
 ALL_METERS = (*ACTUAL_METERS, "concurrent")
 

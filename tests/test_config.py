@@ -91,7 +91,13 @@ def test_prices_are_exact_integers_per_million() -> None:
         {},
     )
     rates = config.models["*"].price_per_million.micros_per_million()  # type: ignore[union-attr]
-    assert rates == {"input": 150_000, "cached_input": 75_000, "output": 600_000, "reasoning": 600_000}
+    assert rates == {
+        "input": 150_000,
+        "cached_input": 75_000,
+        "output": 600_000,
+        "reasoning": 600_000,
+        "cache_creation_input": 150_000,
+    }
 
 
 def test_exact_model_names_win_over_globs() -> None:

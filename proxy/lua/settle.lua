@@ -6,9 +6,9 @@ KEYS[3]      tenant ledger (stream)             lbp:{tenant}:ledger
 KEYS[4]      run ledger index (list of ids)     lbp:{tenant}:runlog:<run>
 KEYS[5..]    the scope hashes named in the reservation, in the same order
 ARGV[1]      reservation id
-ARGV[2..8]   actual figures: requests, input_tokens, output_tokens, total_tokens, cost_micros,
-             cached_input_tokens, reasoning_tokens
-ARGV[9]      ledger entry: a JSON object of strings, stored as the stream entry's fields
+ARGV[2..9]   actual figures: requests, input_tokens, output_tokens, total_tokens, cost_micros,
+             cached_input_tokens, reasoning_tokens, cache_creation_input_tokens
+ARGV[10]     ledger entry: a JSON object of strings, stored as the stream entry's fields
 
 Idempotent by reservation id: when the record is gone the call was settled already and nothing
 changes (returns {0}). Otherwise returns {1, ledger entry id}. 'concurrent' is released here.
@@ -18,7 +18,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 local RESERVED = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
 local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros',
-  'cached_input_tokens', 'reasoning_tokens'}
+  'cached_input_tokens', 'reasoning_tokens', 'cache_creation_input_tokens'}
 local amounts = {}
 local raw = redis.call('HGET', KEYS[1], 'amounts')
 for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = tonumber(v) end
@@ -37,7 +37,7 @@ for s = 5, #KEYS do
 end
 
 local fields = {}
-for name, value in pairs(cjson.decode(ARGV[9])) do
+for name, value in pairs(cjson.decode(ARGV[2 + #ACTUAL])) do
   fields[#fields + 1] = name
   fields[#fields + 1] = tostring(value)
 end

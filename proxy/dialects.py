@@ -1,0 +1,238 @@
+"""The API dialects the proxy bills: where each is forwarded, how its answers are observed and
+how errors are written in its own format.
+
+OpenAI chat completions and legacy completions stream ``data:`` chunks ending in ``[DONE]``
+and get ``stream_options.include_usage`` injected. The Responses API and Anthropic Messages
+stream typed events and report usage themselves (``response.completed`` / ``message_start`` +
+``message_delta``); their streams end without ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from proxy.observe import Observation, ProviderUsage, parse_usage
+from proxy.payload import Endpoint
+
+UpstreamKind = Literal["openai", "anthropic"]
+Observer = Callable[[Observation, dict[str, Any]], None]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+# -- OpenAI chat completions and legacy completions ------------------------------------------
+
+
+def _chat_event(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.observe(obj, streaming=True)
+
+
+def _chat_body(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.observe(obj, streaming=False)
+
+
+# -- OpenAI Responses API ---------------------------------------------------------------------
+
+
+def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool) -> None:
+    """Status, refusals, usage and (for a whole body) the text of a response object."""
+    status = response.get("status")
+    details = response.get("incomplete_details")
+    reason = details.get("reason") if isinstance(details, dict) else None
+    if status == "incomplete":
+        obs.finish_reasons[0] = str(reason or "incomplete")
+    elif isinstance(status, str):
+        obs.finish_reasons[0] = status
+    if status == "failed":
+        obs.error = True
+    usage = parse_usage(response.get("usage"))
+    if usage is not None:
+        obs.usage = usage
+        obs.usage_chunks += 1
+    for item in response.get("output") or ():
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "function_call" and texts:
+            obs.add_text(0, item.get("arguments"), content=False)
+        for part in item.get("content") or ():
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "refusal":
+                obs.refused = True
+                if texts:
+                    obs.add_text(0, part.get("refusal"), content=False)
+            elif part.get("type") == "output_text" and texts:
+                obs.add_text(0, part.get("text"), content=True)
+
+
+def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    kind = obj.get("type")
+    if kind == "response.output_text.delta":
+        obs.add_text(0, obj.get("delta"), content=True)
+    elif kind in ("response.refusal.delta", "response.function_call_arguments.delta"):
+        if kind == "response.refusal.delta":
+            obs.refused = True
+        obs.add_text(0, obj.get("delta"), content=False)
+    elif kind in ("response.completed", "response.incomplete", "response.failed"):
+        response = obj.get("response")
+        if isinstance(response, dict):
+            _responses_output(obs, response, texts=False)
+        if kind == "response.failed":
+            obs.error = True
+        obs.done = True
+    elif kind == "error":
+        obs.error = True
+
+
+def _responses_body(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    _responses_output(obs, obj, texts=True)
+
+
+# -- Anthropic Messages -----------------------------------------------------------------------
+
+
+def anthropic_usage(raw: Any) -> ProviderUsage | None:
+    """Anthropic's ``input_tokens`` leaves out cache reads and writes; ours includes them."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("input_tokens"), int):
+        return None
+    cache_read = _count(raw.get("cache_read_input_tokens"))
+    cache_creation = _count(raw.get("cache_creation_input_tokens"))
+    return ProviderUsage(
+        input_tokens=_count(raw.get("input_tokens")) + cache_read + cache_creation,
+        output_tokens=_count(raw.get("output_tokens")),
+        cached_input_tokens=cache_read,
+        reasoning_tokens=0,
+        cache_creation_input_tokens=cache_creation,
+    )
+
+
+def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    kind = obj.get("type")
+    if kind == "content_block_delta":
+        delta = obj.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("type") == "text_delta":
+                obs.add_text(0, delta.get("text"), content=True)
+            else:  # tool input, thinking: output tokens too
+                for key in ("partial_json", "thinking"):
+                    obs.add_text(0, delta.get(key), content=False)
+    elif kind == "message_start":
+        message = obj.get("message")
+        if isinstance(message, dict) and isinstance(message.get("usage"), dict):
+            obs.partial_usage.update(message["usage"])
+            obs.usage = anthropic_usage(obs.partial_usage)
+            obs.usage_final = False  # output_tokens arrives with message_delta
+    elif kind == "message_delta":
+        delta = obj.get("delta")
+        if isinstance(delta, dict) and isinstance(delta.get("stop_reason"), str):
+            obs.finish_reasons[0] = delta["stop_reason"]
+            if delta["stop_reason"] == "refusal":
+                obs.refused = True
+        if isinstance(obj.get("usage"), dict):
+            obs.partial_usage.update({k: v for k, v in obj["usage"].items() if v is not None})
+            obs.usage = anthropic_usage(obs.partial_usage)
+            obs.usage_final = True
+    elif kind == "message_stop":
+        obs.done = True
+    elif kind == "error":
+        obs.error = True
+
+
+def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    if obj.get("type") == "error":
+        obs.error = True
+        return
+    reason = obj.get("stop_reason")
+    if isinstance(reason, str):
+        obs.finish_reasons[0] = reason
+        if reason == "refusal":
+            obs.refused = True
+    for block in obj.get("content") or ():
+        if isinstance(block, dict):
+            if block.get("type") == "text":
+                obs.add_text(0, block.get("text"), content=True)
+            elif block.get("type") == "tool_use":
+                obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
+            elif block.get("type") == "thinking":
+                obs.add_text(0, block.get("thinking"), content=False)
+    obs.usage = anthropic_usage(obj.get("usage"))
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    endpoint: Endpoint
+    upstream_kind: UpstreamKind
+    path: str
+    observe_event: Observer
+    observe_body: Observer
+    injects_usage: bool  # stream_options.include_usage is set on its streams
+    done_marker: bytes | None  # written after the billing comment
+    anthropic_errors: bool
+
+    def error_body(
+        self, message: str, error_type: str, *, code: str | None = None, param: str | None = None
+    ) -> bytes:
+        if self.anthropic_errors:
+            return orjson.dumps(
+                {
+                    "type": "error",
+                    "error": {"type": _ANTHROPIC_TYPES.get(error_type, error_type), "message": message},
+                }
+            )
+        return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+    def error_event(self, message: str, error_type: str, code: str) -> bytes:
+        if self.endpoint == "responses":
+            payload = orjson.dumps(
+                {
+                    "type": "error",
+                    "code": code,
+                    "message": message,
+                    "param": None,
+                    "error": {"type": error_type, "code": code, "message": message},
+                }
+            )
+        else:
+            payload = self.error_body(message, error_type, code=code)
+        return b"event: error\ndata: " + payload + b"\n\n"
+
+
+_ANTHROPIC_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "insufficient_quota": "rate_limit_error",
+    "permission_denied": "permission_error",
+    "upstream_error": "api_error",
+    "service_unavailable": "overloaded_error",
+    "server_error": "api_error",
+}
+
+DIALECTS: dict[Endpoint, Dialect] = {
+    "chat.completions": Dialect(
+        "chat.completions", "openai", "/chat/completions", _chat_event, _chat_body, True, DONE, False
+    ),
+    "completions": Dialect(
+        "completions", "openai", "/completions", _chat_event, _chat_body, True, DONE, False
+    ),
+    "embeddings": Dialect("embeddings", "openai", "/embeddings", _chat_event, _chat_body, False, None, False),
+    "responses": Dialect(
+        "responses", "openai", "/responses", _responses_event, _responses_body, False, None, False
+    ),
+    "messages": Dialect(
+        "messages", "anthropic", "/messages", _anthropic_event, _anthropic_body, False, None, True
+    ),
+}
