@@ -185,15 +185,17 @@ class Dialect:
     anthropic_errors: bool
 
     def error_body(
-        self, message: str, error_type: str, *, code: str | None = None, param: str | None = None
+        self,
+        message: str,
+        error_type: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        status: int | None = None,
     ) -> bytes:
         if self.anthropic_errors:
-            return orjson.dumps(
-                {
-                    "type": "error",
-                    "error": {"type": _ANTHROPIC_TYPES.get(error_type, error_type), "message": message},
-                }
-            )
+            kind = _ANTHROPIC_BY_STATUS.get(status or 0) or _ANTHROPIC_TYPES.get(error_type, error_type)
+            return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
         return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
 
     def error_event(self, message: str, error_type: str, code: str) -> bytes:
@@ -212,6 +214,17 @@ class Dialect:
         return b"event: error\ndata: " + payload + b"\n\n"
 
 
+_ANTHROPIC_BY_STATUS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "api_error",
+}
 _ANTHROPIC_TYPES = {
     "invalid_request_error": "invalid_request_error",
     "insufficient_quota": "rate_limit_error",

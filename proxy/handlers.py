@@ -87,7 +87,9 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
 
 def _refused(endpoint: Endpoint, request_id: str, err: ApiError) -> web.Response:
     """An error before forwarding, in the format of the API the client speaks."""
-    body = DIALECTS[endpoint].error_body(err.message, err.error_type, code=err.code, param=err.param)
+    body = DIALECTS[endpoint].error_body(
+        err.message, err.error_type, code=err.code, param=err.param, status=err.status
+    )
     return web.Response(
         status=err.status,
         body=body,

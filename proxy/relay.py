@@ -124,7 +124,7 @@ class Exchange:
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> web.Response:
-        body = self.call.dialect.error_body(message, error_type, code=code)
+        body = self.call.dialect.error_body(message, error_type, code=code, status=status)
         return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
     def _headers(self, settlement: Settlement) -> dict[str, str]:

@@ -86,7 +86,7 @@ class Proxy:
     runner: web.AppRunner
 
     def client(self, key: str = KEY_A, **kwargs: Any) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kwargs)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **{"max_retries": 0, **kwargs})
 
 
 ProxyFactory = Callable[..., Awaitable[Proxy]]

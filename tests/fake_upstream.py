@@ -2,6 +2,9 @@
 
 Speaks the OpenAI wire format (chat completions, legacy completions,
 embeddings, models) and records what it "charged" in ``FakeUpstream.bill``.
+``POST /v1/responses`` (OpenAI Responses API) and ``POST /v1/messages``
+(Anthropic Messages API) are served by ``tests.fake_formats``, which documents
+their extra modes and control keys.
 
 Each request is steered by an extra JSON body field ``"fake"`` (with the
 openai SDK: ``extra_body={"fake": {...}}``); every key is optional:
@@ -36,12 +39,14 @@ import asyncio
 import json
 import signal
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
 
 BILLING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+FORMAT_PATHS = ("/v1/responses", "/v1/messages")  # answered by tests.fake_formats
 REFUSAL_TEXT = "I can't help with that."
 MODELS = ("gpt-4o-mini", "gpt-4o", "text-embedding-3-small")
 JsonDict = dict[str, Any]
@@ -58,6 +63,8 @@ class BillEntry:
     cached_tokens: int
     reasoning_tokens: int
     mode: str
+    cache_creation_tokens: int = 0  # Anthropic cache_creation_input_tokens (not in prompt_tokens)
+    cache_read_tokens: int = 0  # Anthropic cache_read_input_tokens (not in prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -184,7 +191,8 @@ class FakeUpstream:
 
     @property
     def calls(self) -> int:
-        return sum(1 for r in self.received if r.method == "POST" and r.path in BILLING_PATHS)
+        paths = BILLING_PATHS + FORMAT_PATHS
+        return sum(1 for r in self.received if r.method == "POST" and r.path in paths)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if request.path.startswith("/_fake/"):
@@ -195,6 +203,10 @@ class FakeUpstream:
         except ValueError:
             body = None
         self.received.append(Received(request.path, dict(request.headers), body, raw, request.method))
+        if request.method == "POST" and request.path in FORMAT_PATHS:
+            from tests import fake_formats  # imported late: it builds on this module
+
+            return await self._tracked(fake_formats.answer(self, request, body))
         if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return error_response(401, "Incorrect API key provided.", code="invalid_api_key")
         if request.method == "GET" and request.path == "/v1/models":
@@ -204,11 +216,14 @@ class FakeUpstream:
             return error_response(404, f"Unknown request URL: {request.method} {request.path}.")
         if not isinstance(body, dict):
             return error_response(400, "We could not parse the JSON body of your request.")
+        return await self._tracked(self._answer(request, body))
+
+    async def _tracked(self, answer: Awaitable[web.StreamResponse]) -> web.StreamResponse:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)  # so close() can cancel stalled handlers
         try:
-            return await self._answer(request, body)
+            return await answer
         finally:
             self._tasks.discard(task)
 

@@ -1,0 +1,310 @@
+"""The Responses API and Anthropic Messages billed like chat completions: the official SDKs as
+clients, every outcome checked against the fake upstream's bill."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+
+LEDGER = "lbp:{team-a}:ledger"
+
+
+@pytest.fixture
+async def both(make_proxy: ProxyFactory, fake: FakeUpstream) -> Proxy:
+    """One proxy serving gpt-* from the OpenAI-style fake and claude-* from the Anthropic-style fake."""
+    root = fake.base_url.removesuffix("/v1")
+    return await make_proxy(
+        upstreams={
+            "openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 2},
+            "anthropic": {
+                "base_url": root + "/v1",
+                "kind": "anthropic",
+                "api_key_env": "TEST_UPSTREAM_KEY",
+                "timeout_s": 2,
+            },
+        },
+        models={
+            "claude-*": {
+                "upstream": "anthropic",
+                "max_output_tokens": 1000,
+                "price_per_million": {
+                    "input": "3",
+                    "output": "15",
+                    "cached_input": "0.3",
+                    "cache_creation_input": "3.75",
+                },
+            },
+            "*": {"upstream": "openai"},
+        },
+        policy={"on_truncate": "pass"},
+    )
+
+
+def claude(proxy: Proxy, **kw: Any) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, **{"max_retries": 0, **kw})
+
+
+async def the_entry(client: aioredis.Redis) -> dict[str, str]:
+    for _ in range(100):
+        entries = await client.xrange(LEDGER)
+        if entries:
+            ((_, fields),) = entries
+            assert await client.zcard("lbp:{team-a}:leases") == 0
+            return dict(fields)
+        await asyncio.sleep(0.05)
+    raise AssertionError("no ledger entry")
+
+
+# -- Responses API ------------------------------------------------------------------------------
+
+
+async def test_responses_non_streaming(both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis) -> None:
+    reply = await both.client().responses.with_raw_response.create(
+        model="gpt-4o-mini",
+        input="hello there",
+        instructions="be brief",
+        extra_body={
+            "fake": {
+                "usage": {
+                    "input_tokens_details": {"cached_tokens": 2},
+                    "output_tokens_details": {"reasoning_tokens": 3},
+                }
+            }
+        },
+    )
+    assert reply.headers["x-billing-outcome"] == "ok"
+    assert reply.parse().output_text
+    entry = await the_entry(redis_client)
+    (bill,) = fake.bill
+    assert entry["endpoint"] == "responses" and entry["usage_source"] == "provider"
+    assert int(entry["input_tokens"]) == bill.prompt_tokens
+    assert int(entry["output_tokens"]) == bill.completion_tokens
+    assert (entry["cached_input_tokens"], entry["reasoning_tokens"]) == ("2", "3")
+
+
+async def test_responses_streaming_passes_events_and_bills(
+    both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    stream = await both.client().responses.create(model="gpt-4o-mini", input="hello there", stream=True)
+    kinds = []
+    text = ""
+    async for event in stream:
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    entry = await the_entry(redis_client)
+    (bill,) = fake.bill
+    assert entry["outcome"] == "ok" and entry["stream"] == "1"
+    assert int(entry["output_tokens"]) == bill.completion_tokens
+    assert text.strip()
+
+
+async def test_responses_stream_ends_with_the_billing_comment(both: Proxy, fake: FakeUpstream) -> None:
+    body = {"model": "gpt-4o-mini", "input": "hi", "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            both.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp:
+            raw = await resp.read()
+    assert b"[DONE]" not in raw
+    tail = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert tail.startswith(b": billing {") and b'"outcome":"ok"' in tail
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("mode", "outcome"), [("truncate", "truncated"), ("content_filter", "refused"), ("refusal", "refused")]
+)
+async def test_responses_outcomes(
+    both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis, mode: str, outcome: str, stream: bool
+) -> None:
+    client = both.client()
+    if stream:
+        s = await client.responses.create(
+            model="gpt-4o-mini",
+            input="hi",
+            stream=True,
+            max_output_tokens=3,
+            extra_body={"fake": {"mode": mode}},
+        )
+        async for _ in s:
+            pass
+    else:
+        await client.responses.create(
+            model="gpt-4o-mini", input="hi", max_output_tokens=3, extra_body={"fake": {"mode": mode}}
+        )
+    entry = await the_entry(redis_client)
+    assert entry["outcome"] == outcome
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_responses_failed_is_an_upstream_error_charged_with_its_usage(
+    both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    s = await both.client().responses.create(
+        model="gpt-4o-mini",
+        input="hi",
+        stream=True,
+        extra_body={"fake": {"mode": "failed", "usage": {"input_tokens": 9, "output_tokens": 4}}},
+    )
+    kinds = [event.type async for event in s]
+    assert kinds[-1] == "response.failed"  # passed on to the client unchanged
+    entry = await the_entry(redis_client)
+    assert entry["outcome"] == "upstream_error" and entry["usage_source"] == "provider"
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("9", "4")
+
+
+async def test_responses_truncation_rejected_by_policy(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(policy={"on_truncate": "reject"})
+    with pytest.raises(openai.UnprocessableEntityError):
+        await proxy.client(max_retries=2).responses.create(
+            model="gpt-4o-mini", input="hi", max_output_tokens=3, extra_body={"fake": {"mode": "truncate"}}
+        )
+    assert len(fake.bill) == 1
+    entry = await the_entry(redis_client)
+    assert entry["outcome"] == "rejected:output-truncated"
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_responses_reserve_uses_max_output_tokens_and_counts_input(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(tiers={"standard": {"run": {"output_tokens": 5}}})
+    with pytest.raises(openai.RateLimitError):
+        await proxy.client().responses.create(model="gpt-4o-mini", input="hi", max_output_tokens=6)
+    await proxy.client().responses.create(model="gpt-4o-mini", input="hi", max_output_tokens=5)
+    assert len(fake.bill) == 1
+
+
+# -- Anthropic Messages -------------------------------------------------------------------------
+
+
+async def test_messages_non_streaming_with_cache_meters(
+    both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    reply = await claude(both).messages.with_raw_response.create(
+        model="claude-sonnet-4",
+        max_tokens=50,
+        messages=[{"role": "user", "content": "hello there"}],
+        extra_body={"fake": {"usage": {"cache_creation_input_tokens": 5, "cache_read_input_tokens": 7}}},
+    )
+    assert reply.headers["x-billing-outcome"] == "ok"
+    message = await reply.parse()
+    assert message.stop_reason == "end_turn"
+    (bill,) = fake.bill
+    entry = await the_entry(redis_client)
+    assert entry["endpoint"] == "messages"
+    assert int(entry["input_tokens"]) == bill.prompt_tokens + 5 + 7  # ours include cache reads and writes
+    assert (entry["cached_input_tokens"], entry["cache_creation_input_tokens"]) == ("7", "5")
+    assert int(entry["output_tokens"]) == bill.completion_tokens
+    # input 3, cache read 0.3, cache write 3.75, output 15 per million, in micro-units
+    exact = bill.prompt_tokens * 3 * 10**6 + 7 * 300_000 + 5 * 3_750_000 + bill.completion_tokens * 15 * 10**6
+    assert int(entry["cost_micros"]) == -(-exact // 10**6)
+    assert fake.received[-1].headers["x-api-key"] == UPSTREAM_KEY
+    assert "anthropic-version" in fake.received[-1].headers
+    assert "Authorization" not in fake.received[-1].headers
+
+
+async def test_messages_streaming(both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis) -> None:
+    async with claude(both).messages.stream(
+        model="claude-sonnet-4", max_tokens=50, messages=[{"role": "user", "content": "hello there"}]
+    ) as stream:
+        final = await stream.get_final_message()
+    (bill,) = fake.bill
+    assert final.usage.output_tokens == bill.completion_tokens
+    entry = await the_entry(redis_client)
+    assert entry["outcome"] == "ok" and entry["stream"] == "1" and entry["usage_source"] == "provider"
+    assert int(entry["input_tokens"]) == bill.prompt_tokens
+    assert int(entry["output_tokens"]) == bill.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("mode", "outcome"), [("truncate", "truncated"), ("refusal", "refused")])
+async def test_messages_outcomes(
+    both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis, mode: str, outcome: str, stream: bool
+) -> None:
+    client = claude(both)
+    kwargs: dict[str, Any] = {
+        "model": "claude-sonnet-4",
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}],
+        "extra_body": {"fake": {"mode": mode}},
+    }
+    if stream:
+        async with client.messages.stream(**kwargs) as s:
+            await s.get_final_message()
+    else:
+        await client.messages.create(**kwargs)
+    entry = await the_entry(redis_client)
+    assert entry["outcome"] == outcome
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_messages_error_mid_stream_is_charged_with_message_start_input(
+    both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    with pytest.raises(anthropic.APIError):
+        async with claude(both).messages.stream(
+            model="claude-sonnet-4",
+            max_tokens=50,
+            messages=[{"role": "user", "content": "hello there"}],
+            extra_body={"fake": {"mode": "error_mid_stream", "after_chunks": 3}},
+        ) as s:
+            await s.get_final_message()
+    entry = await the_entry(redis_client)
+    (bill,) = fake.bill
+    assert entry["outcome"] == "upstream_error"
+    assert int(entry["input_tokens"]) == bill.prompt_tokens
+    assert int(entry["output_tokens"]) >= 1
+
+
+async def test_messages_errors_come_in_anthropic_format(both: Proxy, fake: FakeUpstream) -> None:
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        await anthropic.AsyncAnthropic(base_url=both.url, api_key="wrong", max_retries=0).messages.create(
+            model="claude-sonnet-4", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError):
+        await claude(both).messages.create(
+            model="claude-sonnet-4",
+            max_tokens=-1,  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": "hi"}],
+        )
+    with pytest.raises(openai.BadRequestError) as wrong:  # a claude model on the OpenAI endpoint
+        await both.client().chat.completions.create(
+            model="claude-sonnet-4", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert wrong.value.code == "wrong_endpoint_for_model"
+    assert fake.received == []
+
+
+async def test_messages_budget_refusal_is_a_429_the_sdk_does_not_retry(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    root = fake.base_url.removesuffix("/v1")
+    proxy = await make_proxy(
+        upstreams={
+            "anthropic": {"base_url": root + "/v1", "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"},
+            "openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY"},
+        },
+        models={"claude-*": {"upstream": "anthropic"}, "*": {"upstream": "openai"}},
+        tiers={"standard": {"run": {"output_tokens": 10}}},
+    )
+    with pytest.raises(anthropic.RateLimitError) as caught:
+        await claude(proxy, max_retries=2).messages.create(
+            model="claude-sonnet-4", max_tokens=11, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert fake.received == []
