@@ -183,10 +183,15 @@ class Exchange:
         tag: OutcomeTag = "upstream_4xx" if status < 500 else "upstream_error"
         parsed: Any = None
         try:
-            raw = await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes)
-            parsed = orjson.loads(raw)
+            raw = self._scrub(
+                await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes)
+            )
         except (TimeoutError, ValueError, *UPSTREAM_BROKEN):
             raw = b""
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            parsed = None
         explicit_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
         usage = provider_usage_of(parsed)
         if usage is None:
@@ -195,6 +200,15 @@ class Exchange:
             usage = ZERO_USAGE if status < 500 or explicit_error else self._reserve_usage()
         settlement = await self._settle(Outcome(tag), usage)
         headers = self._headers(settlement)
+        if status in (401, 403) and not self.call.upstream.passthrough_auth:
+            # The upstream refused the proxy's own credentials: not the caller's fault.
+            return self._error(
+                502,
+                f"The upstream refused the proxy's credentials (HTTP {status}).",
+                "upstream_error",
+                code="upstream_auth",
+                headers=headers,
+            )
         if explicit_error:
             return web.Response(status=status, body=raw, content_type="application/json", headers=headers)
         snippet = raw[:200].decode("utf-8", "replace").strip() or "no body"
@@ -202,6 +216,15 @@ class Exchange:
         return self._error(
             status, f"Upstream returned HTTP {status}: {snippet}", error_type, code=tag, headers=headers
         )
+
+    def _scrub(self, raw: bytes) -> bytes:
+        """An upstream that echoes the proxy's key in an error never gets it past the proxy."""
+        key = self.call.upstream.api_key
+        if key is not None and not self.call.upstream.passthrough_auth:
+            secret = key.get_secret_value().encode()
+            if secret and secret in raw:
+                return raw.replace(secret, b"[REDACTED]")
+        return raw
 
     async def _relay_body(self, upstream: aiohttp.ClientResponse) -> web.Response:
         call = self.call
