@@ -1,0 +1,1203 @@
+"""Bad input never hurts the proxy: whatever a client sends, and whatever an upstream answers.
+
+The contract checked here, for POST /v1/chat/completions, /v1/completions and /v1/embeddings:
+
+* a request the proxy refuses gets a 4xx in OpenAI's error format (JSON, ``{"error": {message,
+  type, param, code}}``), nothing reaches the upstream and nothing is written to the ledger;
+* a request the proxy accepts reaches the upstream exactly once and leaves exactly one ledger
+  entry (a correctly billed call);
+* never a 500 of the proxy's own, never a stack trace in a response.
+
+The same holds for any answer an upstream sends (random bytes, JSON, SSE lines): one ledger
+entry per call, tagged ``upstream_error`` when the answer cannot be parsed, and the proxy keeps
+serving afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDictProxy
+
+from tests.conftest import KEY_A, Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+
+JsonDict = dict[str, Any]
+MODEL = "gpt-4o-mini"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+BILLED_PATHS = (CHAT, COMPLETIONS, EMBEDDINGS)
+LEDGER_A = "lbp:{team-a}:ledger"
+# Generous for one local call (upstreams here answer at once); a proxy that never finishes its
+# answer fails the test instead of hanging it.
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=4)
+MSGS: list[JsonDict] = [{"role": "user", "content": "hello there"}]
+VALID: dict[str, JsonDict] = {
+    CHAT: {"model": MODEL, "messages": MSGS},
+    COMPLETIONS: {"model": MODEL, "prompt": "hello there"},
+    EMBEDDINGS: {"model": "text-embedding-3-small", "input": "hello there"},
+}
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+# -- calling the proxy ------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
+    upstream_calls: int
+    ledger_growth: int
+    new_entries: list[JsonDict] = field(default_factory=list)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def describe(self) -> str:
+        return (
+            f"status={self.status} upstream_calls={self.upstream_calls} "
+            f"ledger_growth={self.ledger_growth} body={self.body[:400]!r}"
+        )
+
+
+def auth(key: str = KEY_A) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def ledger(redis_client: aioredis.Redis) -> list[JsonDict]:
+    return [fields for _id, fields in await redis_client.xrange(LEDGER_A)]
+
+
+async def send(
+    proxy: Proxy,
+    upstream_received: Any,
+    redis_client: aioredis.Redis,
+    path: str,
+    data: bytes | None,
+    *,
+    headers: dict[str, str] | None = None,
+    method: str = "POST",
+    with_auth: bool = True,
+    auto_decompress: bool = True,
+    timeout: aiohttp.ClientTimeout = CLIENT_TIMEOUT,
+) -> Reply:
+    """One raw HTTP call; counts what reached the upstream and what the ledger gained."""
+    calls_before = len(upstream_received())
+    entries_before = await ledger(redis_client)
+    sent = {**(auth() if with_auth else {}), "Content-Type": "application/json", **(headers or {})}
+    try:
+        async with (
+            aiohttp.ClientSession(auto_decompress=auto_decompress, timeout=timeout) as session,
+            session.request(method, proxy.url + path, data=data, headers=sent) as resp,
+        ):
+            body = await resp.read()
+            status, resp_headers = resp.status, resp.headers
+    except TimeoutError:
+        raise AssertionError(f"the proxy never finished its answer to {method} {path}") from None
+    entries_after = await ledger(redis_client)
+    return Reply(
+        status=status,
+        headers=resp_headers,
+        body=body,
+        upstream_calls=len(upstream_received()) - calls_before,
+        ledger_growth=len(entries_after) - len(entries_before),
+        new_entries=entries_after[len(entries_before) :],
+    )
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def assert_no_traceback(reply: Reply) -> None:
+    assert b"Traceback" not in reply.body, reply.describe()
+    assert b'File "' not in reply.body, reply.describe()
+    assert b"Internal proxy error" not in reply.body, reply.describe()
+
+
+def assert_openai_error(reply: Reply) -> JsonDict:
+    """A JSON body ``{"error": {"message": str, "type": str, "param": ..., "code": ...}}``."""
+    assert reply.headers.get("Content-Type", "").startswith("application/json"), reply.describe()
+    body = reply.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, reply.describe()
+    error = body["error"]
+    assert isinstance(error, dict), reply.describe()
+    assert isinstance(error.get("message"), str) and error["message"], reply.describe()
+    assert isinstance(error.get("type"), str) and error["type"], reply.describe()
+    assert "param" in error and "code" in error, reply.describe()
+    return error
+
+
+def assert_refused(reply: Reply, status: int | None = None) -> JsonDict:
+    """The proxy's own 4xx: OpenAI format, nothing forwarded, nothing billed."""
+    assert_no_traceback(reply)
+    if status is not None:
+        assert reply.status == status, reply.describe()
+    assert 400 <= reply.status < 500, reply.describe()
+    assert reply.upstream_calls == 0, reply.describe()
+    assert reply.ledger_growth == 0, reply.describe()
+    return assert_openai_error(reply)
+
+
+def assert_contract(reply: Reply) -> None:
+    """Either refused (4xx, nothing forwarded or billed) or forwarded once and billed once."""
+    assert_no_traceback(reply)
+    if reply.upstream_calls == 0:
+        assert_refused(reply)
+        return
+    assert reply.upstream_calls == 1, reply.describe()
+    assert reply.ledger_growth == 1, reply.describe()
+    (entry,) = reply.new_entries
+    if reply.headers.get("Content-Type", "").startswith("text/event-stream"):
+        assert reply.status == 200, reply.describe()
+        assert b": billing " in reply.body, reply.describe()
+    else:
+        assert reply.headers.get("x-billing-outcome") == entry["outcome"], reply.describe()
+        if reply.status != 200:
+            assert_openai_error(reply)
+    if reply.status == 200:
+        assert entry["outcome"] in ("ok", "truncated", "refused"), (entry, reply.describe())
+
+
+@pytest.fixture
+def post(proxy: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis) -> Any:
+    async def call(path: str, data: bytes | None, **kwargs: Any) -> Reply:
+        return await send(proxy, lambda: fake.received, redis_client, path, data, **kwargs)
+
+    return call
+
+
+# -- the proxy's own refusals: malformed and mistyped bodies ----------------------------------
+
+
+NOT_JSON = [
+    b"",
+    b"{",
+    b"{'model': 'gpt-4o-mini'}",
+    b'{"model": "gpt-4o-mini",}',
+    b"model=gpt-4o-mini",
+    b"\x00\x01\x02",
+]
+NOT_AN_OBJECT = [b"[]", b"null", b"5", b'"text"', b"true", b"[{}]", dumps([VALID[CHAT]])]
+
+
+@pytest.mark.parametrize("path", BILLED_PATHS)
+@pytest.mark.parametrize("data", NOT_JSON + NOT_AN_OBJECT, ids=repr)
+async def test_body_that_is_not_a_json_object_is_a_400(post: Any, path: str, data: bytes) -> None:
+    reply = await post(path, data)
+    error = assert_refused(reply, 400)
+    assert error["type"] == "invalid_request_error"
+
+
+def _with(path: str, **changes: Any) -> JsonDict:
+    body = dict(VALID[path])
+    for key, value in changes.items():
+        if value is _DROP:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    return body
+
+
+_DROP = object()
+
+CHAT_BAD: list[tuple[str, JsonDict]] = [
+    ("model", _with(CHAT, model=_DROP)),
+    ("model", _with(CHAT, model=5)),
+    ("model", _with(CHAT, model=None)),
+    ("model", _with(CHAT, model="")),
+    ("model", _with(CHAT, model=["gpt-4o-mini"])),
+    ("model", _with(CHAT, model="m" * 10_000)),
+    ("messages", _with(CHAT, messages=_DROP)),
+    ("messages", _with(CHAT, messages="x")),
+    ("messages", _with(CHAT, messages=[])),
+    ("messages", _with(CHAT, messages=["hello"])),
+    ("messages", _with(CHAT, messages={"role": "user", "content": "hi"})),
+    ("stream", _with(CHAT, stream="yes")),
+    ("stream", _with(CHAT, stream=1)),
+    ("stream", _with(CHAT, stream="true")),
+    ("stream_options", _with(CHAT, stream=True, stream_options="include_usage")),
+    ("max_tokens", _with(CHAT, max_tokens="10")),
+    ("max_tokens", _with(CHAT, max_tokens=1e30)),
+    ("max_tokens", _with(CHAT, max_tokens=10.0)),
+    ("max_tokens", _with(CHAT, max_tokens=-1)),
+    ("max_tokens", _with(CHAT, max_tokens=0)),
+    ("max_tokens", _with(CHAT, max_tokens=True)),
+    ("max_tokens", _with(CHAT, max_tokens=10**30)),
+    ("max_completion_tokens", _with(CHAT, max_completion_tokens=-5)),
+    ("max_completion_tokens", _with(CHAT, max_completion_tokens="5")),
+    ("n", _with(CHAT, n=-1)),
+    ("n", _with(CHAT, n=0)),
+    ("n", _with(CHAT, n=10**9)),
+    ("n", _with(CHAT, n="2")),
+    ("n", _with(CHAT, n=2.0)),
+    ("response_format", _with(CHAT, response_format="json")),
+    ("tools", _with(CHAT, tools={"type": "function"})),
+]
+COMPLETION_BAD: list[tuple[str, JsonDict]] = [
+    ("model", _with(COMPLETIONS, model=_DROP)),
+    ("model", _with(COMPLETIONS, model=5)),
+    ("prompt", _with(COMPLETIONS, prompt=_DROP)),
+    ("prompt", _with(COMPLETIONS, prompt=5)),
+    ("prompt", _with(COMPLETIONS, prompt=[1.5])),
+    ("prompt", _with(COMPLETIONS, prompt={"text": "hi"})),
+    ("stream", _with(COMPLETIONS, stream="yes")),
+    ("max_tokens", _with(COMPLETIONS, max_tokens="10")),
+    ("max_tokens", _with(COMPLETIONS, max_tokens=1e30)),
+    ("max_tokens", _with(COMPLETIONS, max_tokens=-1)),
+    ("n", _with(COMPLETIONS, n=0)),
+    ("n", _with(COMPLETIONS, n=10**9)),
+]
+EMBEDDING_BAD: list[tuple[str, JsonDict]] = [
+    ("model", _with(EMBEDDINGS, model=_DROP)),
+    ("model", _with(EMBEDDINGS, model=5)),
+    ("input", _with(EMBEDDINGS, input=_DROP)),
+    ("input", _with(EMBEDDINGS, input=5)),
+    ("input", _with(EMBEDDINGS, input={"text": "hi"})),
+    ("input", _with(EMBEDDINGS, input=[None])),
+    ("input", _with(EMBEDDINGS, input=[1.5])),
+]
+TYPED_CASES = (
+    [(CHAT, p, b) for p, b in CHAT_BAD]
+    + [(COMPLETIONS, p, b) for p, b in COMPLETION_BAD]
+    + [(EMBEDDINGS, p, b) for p, b in EMBEDDING_BAD]
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "param", "body"),
+    TYPED_CASES,
+    ids=[f"{path.rsplit('/', 1)[1]}-{param}-{i}" for i, (path, param, _b) in enumerate(TYPED_CASES)],
+)
+async def test_missing_or_mistyped_field_is_a_400_naming_it(
+    post: Any, path: str, param: str, body: JsonDict
+) -> None:
+    reply = await post(path, dumps(body))
+    error = assert_refused(reply, 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is not None and error["param"].split(".")[0] == param, error
+
+
+@pytest.mark.parametrize(
+    "literal",
+    [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"10.5", b'"NaN"'],
+)
+async def test_non_integer_number_literals_for_max_tokens_are_a_400(post: Any, literal: bytes) -> None:
+    data = (
+        b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":' + literal + b"}"
+    )
+    error = assert_refused(await post(CHAT, data), 400)
+    assert error["param"] in (None, "max_tokens")  # not JSON at all, or not an integer
+
+
+async def test_huge_integer_literal_is_a_400_not_a_500(post: Any) -> None:
+    # 5000 digits: Python's int parser refuses it with a ValueError that is not a JSONDecodeError.
+    data = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"n":' + b"9" * 5000 + b"}"
+    assert_refused(await post(CHAT, data), 400)
+
+
+async def test_huge_integer_literal_in_a_passthrough_field_is_refused_or_billed(post: Any) -> None:
+    data = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"seed":' + b"7" * 5000 + b"}"
+    assert_contract(await post(CHAT, data))
+
+
+@pytest.mark.parametrize("depth", [100_000, 5_000])
+async def test_deeply_nested_body_is_a_400_not_a_500(post: Any, depth: int) -> None:
+    data = b"[" * depth + b"]" * depth
+    assert_refused(await post(CHAT, data), 400)
+
+
+async def test_deeply_nested_passthrough_field_is_refused_or_billed(post: Any) -> None:
+    nested = b"[" * 5_000 + b"]" * 5_000
+    data = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"metadata":' + nested + b"}"
+    assert_contract(await post(CHAT, data))
+
+
+# -- encodings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"\xff\xfe"}]}',
+        b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"caf\xc3"}]}',
+        b'{"model":"gpt-\xc3\x28","messages":[{"role":"user","content":"hi"}]}',
+        b"\xef\xbb\xbf" + dumps(VALID[CHAT]),  # UTF-8 byte order mark
+        dumps(VALID[CHAT]).decode().encode("utf-16"),
+    ],
+    ids=["ff-fe", "truncated-sequence", "bad-in-model", "utf8-bom", "utf16"],
+)
+async def test_invalid_utf8_is_refused_or_billed(post: Any, data: bytes) -> None:
+    reply = await post(CHAT, data)
+    assert_contract(reply)
+
+
+async def test_invalid_utf8_in_content_is_a_400(post: Any) -> None:
+    data = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"\xff\xfe"}]}'
+    error = assert_refused(await post(CHAT, data), 400)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "data"),
+    [
+        (CHAT, b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi \\ud800"}]}'),
+        (CHAT, b'{"model":"gpt-4o-\\udfff","messages":[{"role":"user","content":"hi"}]}'),
+        (CHAT, b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"user":"\\ud83d"}'),
+        (COMPLETIONS, b'{"model":"gpt-4o-mini","prompt":"\\ud800\\ud800"}'),
+        (EMBEDDINGS, b'{"model":"text-embedding-3-small","input":["ok","\\udc00"]}'),
+    ],
+    ids=["chat-content", "model", "passthrough-field", "completions-prompt", "embeddings-input"],
+)
+async def test_lone_surrogate_escape_is_refused_or_billed_never_a_500(
+    post: Any, path: str, data: bytes
+) -> None:
+    """``"\\ud800"`` is valid JSON text but no valid Unicode string: it cannot be UTF-8 encoded."""
+    reply = await post(path, data)
+    assert_contract(reply)
+
+
+async def test_duplicate_keys_last_one_is_validated_and_refused(post: Any) -> None:
+    data = b'{"model":"gpt-4o-mini","model":5,"messages":[{"role":"user","content":"hi"}]}'
+    error = assert_refused(await post(CHAT, data), 400)
+    assert error["param"] == "model"
+
+
+@pytest.mark.parametrize(("first", "last"), [(1, 100_000), (100_000, 1), (5, 7)])
+async def test_duplicate_keys_forward_exactly_what_was_validated_and_reserved(
+    post: Any, fake: FakeUpstream, first: int, last: int
+) -> None:
+    """No smuggling: the value reserved for is the value the upstream sees, and only once."""
+    data = (
+        b'{"model":"gpt-4o-mini","max_tokens":%d,"messages":[{"role":"user","content":"hi"}],'
+        b'"max_tokens":%d}' % (first, last)
+    )
+    reply = await post(CHAT, data, headers={"X-Run-Id": "dup-keys"})
+    assert_contract(reply)
+    assert reply.status == 200, reply.describe()
+    sent = fake.received[-1]
+    assert sent.raw.count(b'"max_tokens"') == 1, sent.raw
+    assert sent.body["max_tokens"] == last
+    (entry,) = reply.new_entries
+    assert int(entry["reserved_output_tokens"]) == min(last, 1000)  # model max_output_tokens 1000
+
+
+async def test_duplicate_stream_key_streams_as_validated(post: Any, fake: FakeUpstream) -> None:
+    data = b'{"model":"gpt-4o-mini","stream":false,"messages":[{"role":"user","content":"hi"}],"stream":true}'
+    reply = await post(CHAT, data)
+    assert_contract(reply)
+    assert reply.headers["Content-Type"].startswith("text/event-stream")
+    assert fake.received[-1].body["stream"] is True
+    assert reply.new_entries[0]["stream"] == "1"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "text-embedding-3-small", "input": "hi", "stream": True, "stream_options": [1]},
+        {"model": "text-embedding-3-small", "input": "hi", "stream": True, "stream_options": "x"},
+        {"model": "text-embedding-3-small", "input": "hi", "stream": "yes", "n": "many"},
+        {"model": "text-embedding-3-small", "input": "hi", "n": [1, 2]},
+    ],
+    ids=["stream-options-list", "stream-options-str", "stream-str", "n-list"],
+)
+async def test_embeddings_with_chat_only_fields_is_refused_or_billed(post: Any, body: JsonDict) -> None:
+    """``stream``/``n`` are not embeddings fields; the proxy must not trip over them."""
+    assert_contract(await post(EMBEDDINGS, dumps(body)))
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "assistant", "content": "x", "tool_calls": 5}],
+        [{"role": "assistant", "content": "x", "tool_calls": True}],
+        [{"role": "assistant", "content": "x", "tool_calls": 1.5}],
+        [{"role": "assistant", "content": "x", "tool_calls": "call"}],
+        [{"role": "assistant", "content": "x", "tool_calls": [5, None, {"function": 3}]}],
+        [{"role": "user", "content": [5, None, {"text": 7}, {"type": "text", "text": "hi"}]}],
+        [{"role": "user", "content": {"text": "hi"}}],
+        [{"role": "user", "content": None, "name": 5, "refusal": []}],
+        [{}],
+    ],
+    ids=[
+        "tool-calls-int",
+        "tool-calls-bool",
+        "tool-calls-float",
+        "tool-calls-str",
+        "tool-calls-odd-items",
+        "content-parts-odd",
+        "content-dict",
+        "odd-name-refusal",
+        "empty-message",
+    ],
+)
+async def test_odd_message_shapes_are_refused_or_billed(post: Any, messages: list[Any]) -> None:
+    assert_contract(await post(CHAT, dumps({"model": MODEL, "messages": messages})))
+
+
+# -- size limits ------------------------------------------------------------------------------
+
+
+async def test_body_over_the_default_limit_is_a_413(post: Any, proxy: Proxy) -> None:
+    limit = proxy.config.limits.max_body_bytes
+    assert limit == 4 * 1024 * 1024
+    content = "word " * ((limit // 5) + 10)
+    data = dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    assert len(data) > limit
+    error = assert_refused(await post(CHAT, data), 413)
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_body_size_limit_boundary(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(limits={"max_body_bytes": 4096})
+    base = dumps({"model": MODEL, "messages": [{"role": "user", "content": ""}]})
+    pad = 4096 - len(base)
+
+    def body(extra: int) -> bytes:
+        return dumps({"model": MODEL, "messages": [{"role": "user", "content": "a" * (pad + extra)}]})
+
+    at_limit = await send(proxy, lambda: fake.received, redis_client, CHAT, body(0))
+    assert len(body(0)) == 4096
+    assert at_limit.status == 200, at_limit.describe()
+    assert_contract(at_limit)
+    over = await send(proxy, lambda: fake.received, redis_client, CHAT, body(1))
+    assert_refused(over, 413)
+
+
+async def test_gzip_body_is_limited_by_its_decoded_size(post: Any) -> None:
+    content = "word " * (1024 * 1024)  # 5 MiB decoded, a few KiB on the wire
+    data = gzip.compress(dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}))
+    assert len(data) < 100_000
+    assert_refused(await post(CHAT, data, headers={"Content-Encoding": "gzip"}), 413)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_body_that_fails_to_decompress_is_a_400(post: Any, encoding: str) -> None:
+    reply = await post(CHAT, b"this is not compressed", headers={"Content-Encoding": encoding})
+    assert_refused(reply, 400)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_compressed_valid_body_is_billed(post: Any, encoding: str) -> None:
+    raw = dumps(VALID[CHAT])
+    data = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+    reply = await post(CHAT, data, headers={"Content-Encoding": encoding})
+    assert_contract(reply)
+    assert reply.status == 200, reply.describe()
+
+
+# -- headers ----------------------------------------------------------------------------------
+
+
+async def test_large_header_below_the_server_limit_is_a_normal_call(post: Any) -> None:
+    reply = await post(CHAT, dumps(VALID[CHAT]), headers={"X-Padding": "p" * 7000})
+    assert_contract(reply)
+    assert reply.status == 200, reply.describe()
+
+
+HUGE_HEADERS: dict[str, dict[str, str]] = {
+    "custom": {"X-Padding": "p" * 20_000},
+    "authorization": {"Authorization": "Bearer " + "k" * 20_000},
+    "run-id": {"X-Run-Id": "r" * 20_000},
+    "many": {f"X-H{i}": "v" * 100 for i in range(400)},
+}
+
+
+@pytest.mark.parametrize("name", list(HUGE_HEADERS))
+async def test_huge_headers_are_refused_without_forwarding_or_stack_trace(post: Any, name: str) -> None:
+    reply = await post(CHAT, dumps(VALID[CHAT]), headers=HUGE_HEADERS[name])
+    assert_no_traceback(reply)
+    assert 400 <= reply.status < 500, reply.describe()
+    assert reply.upstream_calls == 0 and reply.ledger_growth == 0, reply.describe()
+
+
+@pytest.mark.parametrize("name", ["custom", "authorization"])
+async def test_huge_header_refusal_is_in_openai_format(post: Any, name: str) -> None:
+    """The contract: every 4xx the proxy answers is an OpenAI error object, even those the
+    HTTP server layer produces before any handler or middleware runs."""
+    reply = await post(CHAT, dumps(VALID[CHAT]), headers=HUGE_HEADERS[name])
+    assert_refused(reply)
+
+
+@pytest.mark.parametrize(
+    "run_id",
+    [
+        "r" * 129,
+        "r" * 5000,
+        "a b",
+        "a/b",
+        "../other",
+        "{team-b}",
+        "run*",
+        "caf\u00e9",
+        "",
+        "x\ty",
+        "id;DEL lbp",
+    ],
+    ids=lambda v: repr(v)[:20],
+)
+async def test_invalid_run_id_is_a_400(post: Any, run_id: str) -> None:
+    headers = {"X-Run-Id": run_id}
+    try:
+        reply = await post(CHAT, dumps(VALID[CHAT]), headers=headers)
+    except ValueError:  # aiohttp refuses to send some values (control characters)
+        pytest.skip("client cannot send this header value")
+    error = assert_refused(reply, 400)
+    assert error["param"] == "X-Run-Id"
+
+
+async def test_run_id_at_the_length_limit_is_accepted(post: Any, redis_client: aioredis.Redis) -> None:
+    run_id = "R" * 128
+    reply = await post(CHAT, dumps(VALID[CHAT]), headers={"X-Run-Id": run_id})
+    assert_contract(reply)
+    assert reply.status == 200
+    assert reply.new_entries[0]["run_id"] == run_id
+    assert await redis_client.exists(f"lbp:{{team-a}}:run:{run_id}")
+
+
+async def test_invalid_request_id_is_replaced_not_echoed(post: Any) -> None:
+    reply = await post(CHAT, dumps(VALID[CHAT]), headers={"X-Request-Id": "bad id <script>"})
+    assert_contract(reply)
+    assert reply.status == 200
+    assert reply.headers["x-request-id"] != "bad id <script>"
+    assert "<script>" not in reply.new_entries[0]["request_id"]
+
+
+# -- unknown paths, wrong methods -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/images/generations"),
+        ("POST", "/v1/audio/speech"),
+        ("POST", "/v1/fine_tuning/jobs"),
+        ("POST", "/v2/x"),
+        ("POST", "/"),
+        ("GET", "/"),
+        ("POST", "/v1/chat/completions/extra"),
+        ("POST", "/v1/chat//completions"),
+        ("POST", "/V1/CHAT/COMPLETIONS"),
+        ("GET", "/v1/billing/nothing"),
+        ("POST", "/v1/../v1/images/generations"),
+    ],
+)
+@pytest.mark.parametrize("with_auth", [True, False], ids=["key", "no-key"])
+async def test_unknown_path_is_a_404_in_openai_format(
+    post: Any, method: str, path: str, with_auth: bool
+) -> None:
+    reply = await post(path, dumps(VALID[CHAT]), method=method, with_auth=with_auth)
+    error = assert_refused(reply, 404)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", CHAT),
+        ("PUT", CHAT),
+        ("DELETE", CHAT),
+        ("PATCH", COMPLETIONS),
+        ("GET", EMBEDDINGS),
+        ("POST", "/healthz"),
+        ("POST", "/v1/models"),
+    ],
+)
+@pytest.mark.parametrize("with_auth", [True, False], ids=["key", "no-key"])
+async def test_wrong_method_is_a_405_in_openai_format(
+    post: Any, method: str, path: str, with_auth: bool
+) -> None:
+    reply = await post(path, None, method=method, with_auth=with_auth)
+    error = assert_refused(reply, 405)
+    assert error["type"] == "invalid_request_error"
+
+
+# -- property-based: request bodies -----------------------------------------------------------
+
+NOT_FAKE = st.text(max_size=10).filter(lambda k: k != "fake")
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([0, -1, 1, 2**31, 2**53 + 1, 2**63, 10**20])
+    | st.floats()
+    | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(NOT_FAKE, kids, max_size=4),
+    max_leaves=12,
+)
+
+
+def valid_or_any(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly the valid value, sometimes any JSON value."""
+    return st.one_of(valid, valid, JSON_VALUES)
+
+
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10)
+TEXT_PARTS = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}) | JSON_VALUES, max_size=3
+)
+# A message is a free-form object to the proxy: any extra field passes through, but the fields
+# it reads to estimate the prompt (content, name, refusal, tool_calls) may hold anything.
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+        "content": st.text(max_size=30) | TEXT_PARTS | SCALARS,
+    },
+    optional={
+        "name": SCALARS,
+        "refusal": SCALARS,
+        "tool_calls": SCALARS
+        | st.lists(
+            st.fixed_dictionaries({}, optional={"function": SCALARS | st.dictionaries(NOT_FAKE, SCALARS)})
+            | SCALARS,
+            max_size=2,
+        ),
+    },
+)
+SMALL_COUNT = st.integers(min_value=1, max_value=40)
+TOKEN_IDS = st.lists(st.integers(min_value=0, max_value=100_000), max_size=5)
+PROMPTS = (
+    st.text(max_size=30)
+    | st.lists(st.text(max_size=10), max_size=3)
+    | TOKEN_IDS
+    | st.lists(TOKEN_IDS, max_size=2)
+)
+STREAM_FIELDS = {
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | SCALARS}),
+    "max_tokens": SMALL_COUNT,
+    "n": st.integers(min_value=1, max_value=3),
+    "temperature": JSON_VALUES,
+    "user": JSON_VALUES,
+}
+# Valid values per endpoint; the bodies below corrupt up to two of them.
+FIELDS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
+    CHAT: {
+        "model": st.just(MODEL),
+        "messages": st.lists(MESSAGE, min_size=1, max_size=3),
+        **STREAM_FIELDS,
+        "max_completion_tokens": SMALL_COUNT,
+        "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+        "tools": st.lists(st.fixed_dictionaries({"type": st.just("function")}) | JSON_VALUES, max_size=2),
+    },
+    COMPLETIONS: {"model": st.just(MODEL), "prompt": PROMPTS, **STREAM_FIELDS},
+    EMBEDDINGS: {
+        "model": st.just("text-embedding-3-small"),
+        "input": PROMPTS,
+        "encoding_format": st.just("float"),
+        "dimensions": JSON_VALUES,
+        # not embeddings fields, but clients send them anyway
+        **STREAM_FIELDS,
+    },
+}
+REQUIRED = {CHAT: ("model", "messages"), COMPLETIONS: ("model", "prompt"), EMBEDDINGS: ("model", "input")}
+
+
+@st.composite
+def mixed_bodies(draw: st.DrawFn, path: str) -> JsonDict:
+    """A valid body for ``path`` with up to two fields replaced by any JSON value or dropped,
+    plus a few unknown fields."""
+    fields = FIELDS[path]
+    extras = draw(st.dictionaries(NOT_FAKE.filter(lambda k: k not in fields), JSON_VALUES, max_size=2))
+    body: JsonDict = dict(extras)
+    for name, strategy in fields.items():
+        if name in REQUIRED[path] or draw(st.booleans()):
+            body[name] = draw(strategy)
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=2, unique=True)):
+        if draw(st.integers(min_value=0, max_value=4)) == 0:
+            body.pop(name, None)
+        else:
+            body[name] = draw(JSON_VALUES)
+    return body
+
+
+BODIES = {path: mixed_bodies(path) for path in BILLED_PATHS}
+
+
+def encode_body(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=True).encode()
+
+
+@FUZZ
+@given(value=JSON_VALUES, path=st.sampled_from(BILLED_PATHS))
+async def test_fuzz_any_json_value_as_body(post: Any, value: Any, path: str) -> None:
+    assert_contract(await post(path, encode_body(value)))
+
+
+@settings(FUZZ, max_examples=60)
+@given(body=BODIES[CHAT])
+async def test_fuzz_chat_bodies(post: Any, body: JsonDict) -> None:
+    assert_contract(await post(CHAT, encode_body(body)))
+
+
+@FUZZ
+@given(body=BODIES[COMPLETIONS])
+async def test_fuzz_completion_bodies(post: Any, body: JsonDict) -> None:
+    assert_contract(await post(COMPLETIONS, encode_body(body)))
+
+
+@FUZZ
+@given(body=BODIES[EMBEDDINGS])
+async def test_fuzz_embedding_bodies(post: Any, body: JsonDict) -> None:
+    assert_contract(await post(EMBEDDINGS, encode_body(body)))
+
+
+@settings(FUZZ, max_examples=30)
+@given(data=st.binary(max_size=300), path=st.sampled_from(BILLED_PATHS))
+async def test_fuzz_random_bytes_as_body(post: Any, data: bytes, path: str) -> None:
+    assert_contract(await post(path, data))
+
+
+# -- property-based: upstream answers ---------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What the scripted upstream answers next."""
+
+    status: int = 200
+    content_type: str = "application/json"
+    chunks: list[bytes] = field(default_factory=list)
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    delay_s: float = 0.0
+
+
+GOOD_BODY = dumps(
+    {
+        "id": "chatcmpl-good",
+        "object": "chat.completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+)
+
+
+class ScriptedUpstream:
+    """An upstream that answers whatever ``plan`` says, byte for byte."""
+
+    def __init__(self) -> None:
+        self.plan = Plan(chunks=[GOOD_BODY])
+        self.received: list[bytes] = []
+        self.base_url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.received.append(await request.read())
+        plan = self.plan
+        resp = web.StreamResponse(
+            status=plan.status, headers={"Content-Type": plan.content_type, **plan.extra_headers}
+        )
+        await resp.prepare(request)
+        try:
+            for i, chunk in enumerate(plan.chunks):
+                if i and plan.delay_s:
+                    await asyncio.sleep(plan.delay_s)
+                await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+        return resp
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream()
+    await upstream.start()
+    yield upstream
+    await upstream.close()
+
+
+def scripted_upstreams(base_url: str) -> JsonDict:
+    return {
+        "openai": {
+            "base_url": base_url,
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 5,
+            "connect_timeout_s": 2,
+        }
+    }
+
+
+# The scripted upstream answers at once: a proxy still silent after this never finishes.
+SCRIPTED_TIMEOUT = aiohttp.ClientTimeout(total=1.5)
+
+
+@pytest.fixture
+async def fuzz_proxy(make_proxy: ProxyFactory, scripted: ScriptedUpstream) -> Proxy:
+    return await make_proxy(upstreams=scripted_upstreams(scripted.base_url))
+
+
+@pytest.fixture
+def post_scripted(fuzz_proxy: Proxy, scripted: ScriptedUpstream, redis_client: aioredis.Redis) -> Any:
+    async def call(path: str, data: bytes | None, **kwargs: Any) -> Reply:
+        kwargs.setdefault("timeout", SCRIPTED_TIMEOUT)
+        return await send(fuzz_proxy, lambda: scripted.received, redis_client, path, data, **kwargs)
+
+    return call
+
+
+COUNTS = st.one_of(
+    st.integers(min_value=0, max_value=1000),
+    st.sampled_from([-1, 2**53 + 1, 10**17, 10**20, 2**63, 2**64]),
+    JSON_VALUES,
+)
+USAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt_tokens": COUNTS,
+        "completion_tokens": COUNTS,
+        "total_tokens": COUNTS,
+        "prompt_tokens_details": valid_or_any(st.fixed_dictionaries({"cached_tokens": COUNTS})),
+        "completion_tokens_details": valid_or_any(st.fixed_dictionaries({"reasoning_tokens": COUNTS})),
+    },
+)
+PART = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": valid_or_any(st.just("assistant")),
+        "content": valid_or_any(st.text(max_size=20)),
+        "refusal": JSON_VALUES,
+        "tool_calls": JSON_VALUES,
+    },
+)
+FINISH = st.sampled_from(["stop", "length", "content_filter", "tool_calls", None]) | JSON_VALUES
+
+
+def choice(part_key: str) -> st.SearchStrategy[JsonDict]:
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "index": valid_or_any(st.integers(min_value=0, max_value=3)),
+            part_key: valid_or_any(PART),
+            "finish_reason": FINISH,
+            "text": JSON_VALUES,
+        },
+    )
+
+
+def answer(part_key: str) -> st.SearchStrategy[JsonDict]:
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "id": JSON_VALUES,
+            "object": JSON_VALUES,
+            "choices": valid_or_any(st.lists(choice(part_key), max_size=3)),
+            "usage": valid_or_any(USAGE),
+            "error": JSON_VALUES,
+        },
+    )
+
+
+STATUSES = st.sampled_from([200, 200, 200, 200, 201, 400, 401, 404, 422, 429, 500, 502, 503])
+CONTENT_TYPES = st.sampled_from(
+    ["application/json", "application/json", "text/event-stream", "text/html", "application/octet-stream"]
+)
+
+
+@st.composite
+def body_plans(draw: st.DrawFn) -> tuple[Plan, bool]:
+    """A whole-body answer, and whether it is unparsable (not a JSON object)."""
+    kind = draw(st.sampled_from(["answer", "json", "bytes"]))
+    if kind == "answer":
+        raw = dumps(draw(answer("message")))
+    elif kind == "json":
+        raw = json.dumps(draw(JSON_VALUES)).encode()
+    else:
+        raw = draw(st.binary(max_size=200))
+    try:
+        unparsable = not isinstance(json.loads(raw), dict)
+    except ValueError:
+        unparsable = True
+    cut = draw(st.integers(min_value=0, max_value=len(raw)))
+    plan = Plan(
+        status=draw(STATUSES),
+        content_type=draw(CONTENT_TYPES),
+        chunks=[raw[:cut], raw[cut:]],
+        extra_headers=draw(st.sampled_from([{}, {}, {"Content-Encoding": "gzip"}])),
+    )
+    return plan, unparsable
+
+
+def assert_billed_once(reply: Reply, plan: Plan) -> JsonDict:
+    assert_no_traceback(reply)
+    assert reply.upstream_calls == 1, reply.describe()
+    assert reply.ledger_growth == 1, reply.describe()
+    assert reply.status != 500 or plan.status == 500, reply.describe()
+    return reply.new_entries[0]
+
+
+async def assert_still_serving(post_scripted: Any, scripted: ScriptedUpstream) -> None:
+    scripted.plan = Plan(chunks=[GOOD_BODY])
+    reply = await post_scripted(CHAT, dumps(VALID[CHAT]))
+    assert reply.status == 200, reply.describe()
+    assert reply.ledger_growth == 1, reply.describe()
+    assert reply.new_entries[0]["outcome"] == "ok"
+
+
+@settings(FUZZ, max_examples=100)
+@given(plan_and_flag=body_plans(), stream=st.booleans())
+async def test_fuzz_upstream_whole_body_answers(
+    post_scripted: Any, scripted: ScriptedUpstream, plan_and_flag: tuple[Plan, bool], stream: bool
+) -> None:
+    plan, unparsable = plan_and_flag
+    scripted.plan = plan
+    reply = await post_scripted(CHAT, dumps({**VALID[CHAT], "stream": stream}))
+    entry = assert_billed_once(reply, plan)
+    streamed = stream and plan.content_type == "text/event-stream" and plan.status < 400
+    if not streamed:
+        assert reply.headers.get("x-billing-outcome") == entry["outcome"], reply.describe()
+        if reply.status >= 400:
+            body = reply.json()
+            assert isinstance(body, dict) and "error" in body, reply.describe()
+    if plan.status >= 500:
+        assert entry["outcome"] == "upstream_error", entry
+    elif plan.status >= 400:
+        assert entry["outcome"] == "upstream_4xx", entry
+    elif unparsable and not streamed and not plan.extra_headers:
+        assert entry["outcome"] == "upstream_error", entry
+        assert reply.status == 502, reply.describe()
+    await assert_still_serving(post_scripted, scripted)
+
+
+def chunk_event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode()
+
+
+WELL_FORMED_CHUNK = st.fixed_dictionaries(
+    {
+        "id": st.just("chatcmpl-x"),
+        "object": st.just("chat.completion.chunk"),
+        "choices": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "index": st.integers(min_value=0, max_value=2),
+                    "delta": st.fixed_dictionaries({}, optional={"content": st.text(max_size=10)}),
+                    "finish_reason": st.sampled_from([None, "stop", "length"]),
+                }
+            ),
+            max_size=2,
+        ),
+    },
+    optional={
+        "usage": st.fixed_dictionaries({"prompt_tokens": SMALL_COUNT, "completion_tokens": SMALL_COUNT})
+    },
+).map(chunk_event)
+ODD_EVENTS = st.one_of(
+    answer("delta").map(chunk_event),
+    JSON_VALUES.map(chunk_event),
+    st.just(b": keep-alive"),
+    st.just(b"event: ping"),
+    st.just(b'event: error\ndata: {"error": {"message": "overloaded"}}'),
+    st.binary(max_size=40),
+    st.text(max_size=40).map(lambda t: b"data: " + t.encode()),
+)
+GARBAGE_EVENT = b"data: {not json"
+
+
+@st.composite
+def stream_plans(draw: st.DrawFn) -> tuple[Plan, str]:
+    """An SSE answer and what kind it is: well_formed, garbage (a data line that is not JSON) or
+    odd (anything at all)."""
+    kind = draw(st.sampled_from(["well_formed", "garbage", "odd"]))
+    events = draw(st.lists(WELL_FORMED_CHUNK, max_size=5))
+    if kind == "odd":
+        events += draw(st.lists(ODD_EVENTS, min_size=1, max_size=4))
+        events = draw(st.permutations(events))
+    elif kind == "garbage":
+        events.insert(draw(st.integers(min_value=0, max_value=len(events))), GARBAGE_EVENT)
+    if kind != "odd" or draw(st.booleans()):
+        events.append(b"data: [DONE]")
+    newline = draw(st.sampled_from([b"\n", b"\r\n"]))
+    raw = b"".join(e.replace(b"\n", newline) + newline + newline for e in events)
+    cuts = sorted(draw(st.lists(st.integers(min_value=0, max_value=len(raw)), max_size=6)))
+    chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+    plan = Plan(
+        status=200,
+        content_type="text/event-stream",
+        chunks=[c for c in chunks if c],
+        delay_s=0.002 if len(cuts) else 0.0,
+    )
+    return plan, kind
+
+
+@settings(FUZZ, max_examples=100)
+@given(plan_and_kind=stream_plans())
+async def test_fuzz_upstream_streams(
+    post_scripted: Any, scripted: ScriptedUpstream, plan_and_kind: tuple[Plan, str]
+) -> None:
+    plan, kind = plan_and_kind
+    scripted.plan = plan
+    reply = await post_scripted(CHAT, dumps({**VALID[CHAT], "stream": True}))
+    entry = assert_billed_once(reply, plan)
+    assert reply.status == 200, reply.describe()
+    assert b": billing " in reply.body, reply.describe()
+    comment = next(line for line in reply.body.split(b"\n") if line.startswith(b": billing "))
+    assert json.loads(comment.removeprefix(b": billing "))["outcome"] == entry["outcome"]
+    if kind == "garbage":
+        assert entry["outcome"] == "upstream_error", entry
+    elif kind == "well_formed":
+        assert entry["outcome"] in ("ok", "truncated"), (entry, plan)
+        assert reply.body.endswith(b"data: [DONE]\n\n"), reply.describe()
+    await assert_still_serving(post_scripted, scripted)
+
+
+async def test_crlf_stream_split_between_cr_and_lf_is_not_an_upstream_error(
+    post_scripted: Any, scripted: ScriptedUpstream
+) -> None:
+    """SSE allows CRLF line ends, and TCP may cut anywhere: a split "\\r|\\n" must not turn a
+    well-formed stream into a broken one."""
+    content = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "hi"}}],
+    }
+    finish = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    chunks = [
+        chunk_event(content) + b"\r",
+        b"\n\r\n" + chunk_event(finish) + b"\r\n\r",
+        b"\ndata: [DONE]\r",
+        b"\n\r\n",
+    ]
+    scripted.plan = Plan(content_type="text/event-stream", chunks=chunks, delay_s=0.02)
+    reply = await post_scripted(CHAT, dumps({**VALID[CHAT], "stream": True}))
+    entry = assert_billed_once(reply, scripted.plan)
+    assert entry["outcome"] == "ok", entry
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("3", "1"), entry
+    assert reply.body.endswith(b"data: [DONE]\n\n"), reply.describe()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": 10**17, "completion_tokens": 1},
+        {"prompt_tokens": 10**20, "completion_tokens": 1},
+        {"prompt_tokens": 3, "completion_tokens": 2**63},
+        {"prompt_tokens": 2**53 + 1, "completion_tokens": 0},
+    ],
+    ids=["1e17", "1e20", "2^63", "2^53+1"],
+)
+async def test_absurd_provider_usage_still_leaves_one_ledger_entry(
+    post_scripted: Any,
+    scripted: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    stream: bool,
+    usage: JsonDict,
+) -> None:
+    """A provider's usage figures are untrusted input too: a huge count must not make the
+    settle script fail and leave the call without its ledger entry."""
+    done = {"index": 0, "finish_reason": "stop"}
+    if stream:
+        events = [
+            chunk_event({"choices": [{**done, "delta": {"content": "hi"}}]}),
+            chunk_event({"choices": [], "usage": usage}),
+            b"data: [DONE]",
+        ]
+        plan = Plan(content_type="text/event-stream", chunks=[e + b"\n\n" for e in events])
+    else:
+        plan = Plan(chunks=[dumps({"choices": [{**done, "message": {"content": "hi"}}], "usage": usage})])
+    scripted.plan = plan
+    reply = await post_scripted(CHAT, dumps({**VALID[CHAT], "stream": stream}))
+    assert_billed_once(reply, plan)
+    leases = await redis_client.zcard("lbp:{team-a}:leases")
+    assert leases == 0, "the reservation was left open"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+@pytest.mark.parametrize("tool_calls", [5, True, 1.5], ids=["int", "bool", "float"])
+async def test_upstream_tool_calls_of_odd_type_are_billed_not_a_500(
+    post_scripted: Any, scripted: ScriptedUpstream, stream: bool, tool_calls: Any
+) -> None:
+    part = {"role": "assistant", "content": "hi", "tool_calls": tool_calls}
+    usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    if stream:
+        events = [
+            chunk_event({"choices": [{"index": 0, "delta": part, "finish_reason": "stop"}]}),
+            chunk_event({"choices": [], "usage": usage}),
+            b"data: [DONE]",
+        ]
+        plan = Plan(content_type="text/event-stream", chunks=[e + b"\n\n" for e in events])
+    else:
+        plan = Plan(
+            chunks=[
+                dumps({"choices": [{"index": 0, "message": part, "finish_reason": "stop"}], "usage": usage})
+            ]
+        )
+    scripted.plan = plan
+    reply = await post_scripted(CHAT, dumps({**VALID[CHAT], "stream": stream}))
+    entry = assert_billed_once(reply, plan)
+    assert reply.status in (200, 502), reply.describe()
+    assert entry["outcome"] in ("ok", "upstream_error"), entry
+    await assert_still_serving(post_scripted, scripted)
+
+
+async def test_a_settle_the_store_refuses_never_corrupts_the_meters_on_retry(
+    make_proxy: ProxyFactory, scripted: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Retrying a settlement that fails (here: a provider count Redis cannot take) must not apply
+    it partly, again and again: reserved meters must never go negative, requests never grow."""
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(scripted.base_url), limits={"journal_replay_s": 0.1}
+    )
+    usage = {"prompt_tokens": 10**17, "completion_tokens": 1}
+    answer = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "hi"}}]}
+    scripted.plan = Plan(chunks=[dumps({**answer, "usage": usage})])
+    reply = await send(
+        proxy,
+        lambda: scripted.received,
+        redis_client,
+        CHAT,
+        dumps(VALID[CHAT]),
+        headers={"X-Run-Id": "drift"},
+    )
+    assert reply.status == 200, reply.describe()
+    await asyncio.sleep(1.0)  # ~10 replay rounds
+    meters = await redis_client.hgetall("lbp:{team-a}:run:drift")
+    negative = {k: v for k, v in meters.items() if k.startswith("resv:") and int(v) < 0}
+    assert negative == {}, meters
+    assert int(meters.get("used:requests", 0)) <= 1, meters

@@ -1,0 +1,647 @@
+"""Security: tenants are isolated, keys stay where they belong, and no client can steer the
+proxy to another host.
+
+* a key never reads nor charges another tenant's run or ledger (another tenant's run is a 404,
+  never a 403: its existence is not disclosed);
+* no key, or a wrong one, is a 401 in OpenAI's error format, and nothing is forwarded;
+* the client's credentials and hop-by-hop headers never reach the upstream; the upstream gets
+  the configured key only;
+* no body field or header redirects the call: it reaches the configured upstream only;
+* the upstream key never appears in a response (body or header), in Redis, or in the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from proxy.redis_server import free_port
+from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+
+JsonDict = dict[str, Any]
+MODEL = "gpt-4o-mini"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+MSGS: list[JsonDict] = [{"role": "user", "content": "hello there"}]
+CHAT_BODY: JsonDict = {"model": MODEL, "messages": MSGS}
+BODIES: dict[str, JsonDict] = {
+    CHAT: CHAT_BODY,
+    COMPLETIONS: {"model": MODEL, "prompt": "hello there"},
+    EMBEDDINGS: {"model": "text-embedding-3-small", "input": "hello there"},
+}
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=15)
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def describe(self) -> str:
+        return f"status={self.status} headers={dict(self.headers)} body={self.body[:400]!r}"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def call(
+    proxy: Proxy,
+    path: str,
+    *,
+    method: str = "POST",
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    key: str | None = KEY_A,
+) -> Reply:
+    sent = {**(bearer(key) if key is not None else {}), **(headers or {})}
+    data = json.dumps(body).encode() if body is not None else None
+    if data is not None:
+        sent.setdefault("Content-Type", "application/json")
+    async with (
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        session.request(method, proxy.url + path, data=data, headers=sent) as resp,
+    ):
+        return Reply(resp.status, resp.headers, await resp.read())
+
+
+def assert_openai_error(reply: Reply, status: int) -> JsonDict:
+    assert reply.status == status, reply.describe()
+    assert reply.headers.get("Content-Type", "").startswith("application/json"), reply.describe()
+    body = reply.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, reply.describe()
+    error = body["error"]
+    assert isinstance(error, dict), reply.describe()
+    assert isinstance(error.get("message"), str) and error["message"], reply.describe()
+    assert isinstance(error.get("type"), str) and error["type"], reply.describe()
+    assert "param" in error and "code" in error, reply.describe()
+    return error
+
+
+def assert_no_upstream_key(reply: Reply) -> None:
+    assert UPSTREAM_KEY.encode() not in reply.body, reply.describe()
+    for name, value in reply.headers.items():
+        assert UPSTREAM_KEY not in name and UPSTREAM_KEY not in value, reply.describe()
+
+
+async def dump_keys(redis_client: aioredis.Redis, pattern: str = "*") -> dict[str, Any]:
+    """Every key matching ``pattern`` with its type and whole value."""
+    out: dict[str, Any] = {}
+    async for key in redis_client.scan_iter(match=pattern, count=1000):
+        kind = await redis_client.type(key)
+        value: Any
+        if kind == "hash":
+            value = await redis_client.hgetall(key)
+        elif kind == "stream":
+            value = await redis_client.xrange(key)
+        elif kind == "list":
+            value = await redis_client.lrange(key, 0, -1)
+        elif kind == "zset":
+            value = await redis_client.zrange(key, 0, -1, withscores=True)
+        elif kind == "set":
+            value = sorted(await redis_client.smembers(key))
+        elif kind == "string":
+            value = await redis_client.get(key)
+        else:
+            value = None
+        out[key] = (kind, value)
+    return out
+
+
+# -- authentication ---------------------------------------------------------------------------
+
+ENDPOINTS: list[tuple[str, str, JsonDict | None]] = [
+    ("POST", CHAT, CHAT_BODY),
+    ("POST", COMPLETIONS, BODIES[COMPLETIONS]),
+    ("POST", EMBEDDINGS, BODIES[EMBEDDINGS]),
+    ("POST", CHAT, {**CHAT_BODY, "stream": True}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/billing/runs/some-run", None),
+    ("GET", "/v1/billing/runs/some-run/ledger", None),
+    ("GET", "/v1/billing/keys/self", None),
+]
+ENDPOINT_IDS = ["chat", "completions", "embeddings", "chat-stream", "models", "run", "ledger", "keys-self"]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS, ids=ENDPOINT_IDS)
+async def test_missing_key_is_a_401_in_openai_format(
+    proxy: Proxy, fake: FakeUpstream, method: str, path: str, body: JsonDict | None
+) -> None:
+    reply = await call(proxy, path, method=method, body=body, key=None)
+    error = assert_openai_error(reply, 401)
+    assert error["code"] == "invalid_api_key"
+    assert fake.received == []
+
+
+WRONG_AUTH: dict[str, dict[str, str]] = {
+    "unknown-key": bearer("sk-proxy-team-c"),
+    "prefix-of-key": bearer(KEY_A[:-1]),
+    "key-plus-char": bearer(KEY_A + "x"),
+    "upstream-key": bearer(UPSTREAM_KEY),
+    "key-digest": bearer(hashlib.sha256(KEY_A.encode()).hexdigest()),
+    "basic-scheme": {"Authorization": f"Basic {KEY_A}"},
+    "empty-bearer": {"Authorization": "Bearer "},
+    "no-scheme": {"Authorization": KEY_A},
+    "token-scheme": {"Authorization": f"Token {KEY_A}"},
+    "x-api-key-wrong": {"X-Api-Key": "sk-proxy-team-c"},
+    "key-in-query-only": {},
+    "non-ascii": {"Authorization": "Bearer sk-proxy-t\u00e9am-a"},
+}
+
+
+@pytest.mark.parametrize("auth_name", list(WRONG_AUTH))
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS[:5], ids=ENDPOINT_IDS[:5])
+async def test_wrong_key_is_a_401_and_nothing_is_forwarded(
+    proxy: Proxy,
+    fake: FakeUpstream,
+    redis_client: aioredis.Redis,
+    auth_name: str,
+    method: str,
+    path: str,
+    body: JsonDict | None,
+) -> None:
+    target = path + (f"?api_key={KEY_A}" if auth_name == "key-in-query-only" else "")
+    reply = await call(proxy, target, method=method, body=body, headers=WRONG_AUTH[auth_name], key=None)
+    error = assert_openai_error(reply, 401)
+    assert error["code"] == "invalid_api_key"
+    assert KEY_A not in error["message"]
+    assert_no_upstream_key(reply)
+    assert fake.received == []
+    assert await redis_client.keys("lbp:*") == []
+
+
+async def test_x_api_key_authenticates_like_bearer(proxy: Proxy, fake: FakeUpstream) -> None:
+    reply = await call(proxy, CHAT, body=CHAT_BODY, headers={"X-Api-Key": KEY_A}, key=None)
+    assert reply.status == 200, reply.describe()
+    assert reply.headers["x-billing-outcome"] == "ok"
+
+
+# -- tenant isolation: reading ----------------------------------------------------------------
+
+
+async def test_another_tenants_run_is_a_404_whatever_the_headers(proxy: Proxy) -> None:
+    made = await call(proxy, CHAT, body=CHAT_BODY, headers={"X-Run-Id": "same-run"})
+    assert made.status == 200, made.describe()
+    own = await call(proxy, "/v1/billing/runs/same-run", method="GET")
+    assert own.status == 200, own.describe()
+    assert own.json()["tenant"] == "team-a"
+    own_ledger = await call(proxy, "/v1/billing/runs/same-run/ledger", method="GET")
+    assert own_ledger.status == 200 and len(own_ledger.json()["data"]) == 1, own_ledger.describe()
+
+    sneaky_headers: list[dict[str, str]] = [
+        {},
+        {"X-Run-Id": "same-run"},
+        {"X-Run-Id": "other"},
+        {"X-Tenant": "team-a", "OpenAI-Organization": "team-a", "OpenAI-Project": "team-a"},
+        {"X-Api-Key": KEY_A},  # a second key in another header does not switch tenants
+        {"Cookie": f"key={KEY_A}"},
+    ]
+    paths = [
+        "/v1/billing/runs/same-run",
+        "/v1/billing/runs/same-run/ledger",
+        "/v1/billing/runs/same-run?tenant=team-a",
+        "/v1/billing/runs/same-run/ledger?tenant=team-a",
+    ]
+    for headers in sneaky_headers:
+        for path in paths:
+            reply = await call(proxy, path, method="GET", headers=headers, key=KEY_B)
+            error = assert_openai_error(reply, 404)
+            assert error["type"] != "permission_denied", reply.describe()
+            assert b"team-a" not in reply.body, reply.describe()
+            assert b"a-ci" not in reply.body, reply.describe()
+
+
+@pytest.mark.parametrize(
+    "run_path",
+    [
+        "%7Bteam-a%7D",
+        "..%2F..%2F%7Bteam-a%7D%3Arun%3Asame-run",
+        "same-run%00",
+        "same-run%20",
+        "*",
+        "same-*",
+        "same-run%2F..%2Fsame-run",
+        "lbp:%7Bteam-a%7D:run:same-run",
+        "x" * 129,
+    ],
+)
+async def test_crafted_run_ids_never_reach_another_tenant(proxy: Proxy, run_path: str) -> None:
+    made = await call(proxy, CHAT, body=CHAT_BODY, headers={"X-Run-Id": "same-run"})
+    assert made.status == 200, made.describe()
+    for suffix in ("", "/ledger"):
+        reply = await call(proxy, f"/v1/billing/runs/{run_path}{suffix}", method="GET", key=KEY_B)
+        assert_openai_error(reply, 404)
+        # The message may quote the path the caller sent; it never carries team-a's data.
+        assert b"a-ci" not in reply.body and b'"tenant"' not in reply.body, reply.describe()
+        assert b"req_" not in reply.body and b"used" not in reply.body, reply.describe()
+
+
+async def test_keys_self_shows_the_callers_tenant_only(proxy: Proxy) -> None:
+    made = await call(proxy, CHAT, body=CHAT_BODY, headers={"X-Run-Id": "a-run"})
+    assert made.status == 200, made.describe()
+    reply = await call(proxy, "/v1/billing/keys/self", method="GET", key=KEY_B)
+    assert reply.status == 200, reply.describe()
+    body = reply.json()
+    assert (body["tenant"], body["key"]) == ("team-b", "b-dev")
+    assert b"team-a" not in reply.body and b"a-ci" not in reply.body, reply.describe()
+    assert_no_upstream_key(reply)
+
+
+# -- tenant isolation: charging ---------------------------------------------------------------
+
+
+async def test_a_call_with_another_tenants_run_id_is_charged_to_the_caller(
+    proxy: Proxy, redis_client: aioredis.Redis
+) -> None:
+    made = await call(proxy, CHAT, body=CHAT_BODY, headers={"X-Run-Id": "same-run"})
+    assert made.status == 200, made.describe()
+    team_a_before = await dump_keys(redis_client, "lbp:{team-a}:*")
+    assert "lbp:{team-a}:run:same-run" in team_a_before
+
+    attempts: list[tuple[dict[str, str], JsonDict]] = [
+        ({"X-Run-Id": "same-run"}, CHAT_BODY),
+        ({"X-Run-Id": "same-run", "X-Tenant": "team-a", "OpenAI-Organization": "team-a"}, CHAT_BODY),
+        ({"X-Run-Id": "same-run"}, {**CHAT_BODY, "user": "team-a", "metadata": {"tenant": "team-a"}}),
+        ({"X-Run-Id": "same-run", "X-Api-Key": KEY_A}, CHAT_BODY),
+        ({"X-Run-Id": "same-run"}, {**CHAT_BODY, "stream": True}),
+        ({"X-Run-Id": "run:same-run"}, CHAT_BODY),
+        ({"X-Run-Id": "same-run:ledger"}, CHAT_BODY),
+    ]
+    for headers, body in attempts:
+        reply = await call(proxy, CHAT, body=body, headers=headers, key=KEY_B)
+        assert reply.status == 200, reply.describe()
+
+    assert await dump_keys(redis_client, "lbp:{team-a}:*") == team_a_before
+    team_b = await dump_keys(redis_client, "lbp:{team-b}:*")
+    assert team_b["lbp:{team-b}:run:same-run"][0] == "hash"
+    assert int(team_b["lbp:{team-b}:run:same-run"][1]["used:requests"]) == 5
+    ledger_b = team_b["lbp:{team-b}:ledger"][1]
+    assert len(ledger_b) == len(attempts)
+    assert {fields["tenant"] for _id, fields in ledger_b} == {"team-b"}
+    assert {fields["key"] for _id, fields in ledger_b} == {"b-dev"}
+
+    # Each key reads its own run of that name, and only its own.
+    a_run = await call(proxy, "/v1/billing/runs/same-run/ledger", method="GET", key=KEY_A)
+    b_run = await call(proxy, "/v1/billing/runs/same-run/ledger", method="GET", key=KEY_B)
+    assert [e["tenant"] for e in a_run.json()["data"]] == ["team-a"]
+    assert [e["tenant"] for e in b_run.json()["data"]] == ["team-b"] * 5
+    a_meters = await call(proxy, "/v1/billing/runs/same-run", method="GET", key=KEY_A)
+    assert a_meters.json()["meters"]["requests"]["used"] == 1
+
+
+async def test_run_id_cannot_escape_the_tenant_key_prefix(
+    proxy: Proxy, redis_client: aioredis.Redis, fake: FakeUpstream
+) -> None:
+    for run_id in ["}:run:x", "{team-a}", "x}{team-a", "lbp:{team-a}:run:same-run", "../team-a"]:
+        reply = await call(proxy, CHAT, body=CHAT_BODY, headers={"X-Run-Id": run_id}, key=KEY_B)
+        error = assert_openai_error(reply, 400)
+        assert error["param"] == "X-Run-Id"
+    assert fake.received == []
+    assert [k for k in await redis_client.keys("*") if "team-a" in k] == []
+
+
+# -- what reaches the upstream ----------------------------------------------------------------
+
+HOP_BY_HOP = {
+    "Connection": "keep-alive, X-Hop-Secret",
+    "X-Hop-Secret": "hop-value-1",
+    "Keep-Alive": "timeout=99",
+    "Proxy-Authorization": "Basic cHJveHk6c2VjcmV0LXByb3h5LWNyZWQ=",
+    "Proxy-Connection": "keep-alive",
+    "TE": "trailers",
+    "Upgrade": "websocket",
+    "Cookie": "session=client-cookie-value",
+    "OpenAI-Organization": "org-client-chosen",
+    "X-Forwarded-For": "10.9.8.7",
+}
+
+
+@pytest.mark.parametrize("auth_style", ["bearer", "x-api-key", "both"])
+@pytest.mark.parametrize(
+    ("path", "stream"), [(CHAT, False), (CHAT, True), (COMPLETIONS, False), (EMBEDDINGS, False)]
+)
+async def test_client_credentials_and_hop_by_hop_headers_never_reach_the_upstream(
+    proxy: Proxy, fake: FakeUpstream, auth_style: str, path: str, stream: bool
+) -> None:
+    headers = dict(HOP_BY_HOP)
+    if auth_style in ("x-api-key", "both"):
+        headers["X-Api-Key"] = KEY_A
+    key = KEY_A if auth_style in ("bearer", "both") else None
+    body = {**BODIES[path], **({"stream": True} if stream else {})}
+    reply = await call(proxy, path, body=body, headers=headers, key=key)
+    assert reply.status == 200, reply.describe()
+    assert_no_upstream_key(reply)
+    (received,) = fake.received
+    sent = {name.lower(): value for name, value in received.headers.items()}
+    assert sent["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    for name in ("x-api-key", "proxy-authorization", "x-hop-secret", "keep-alive", "cookie", "upgrade"):
+        assert name not in sent, (name, sent)
+    assert "x-hop-secret" not in sent.get("connection", "").lower(), sent
+    for value in (KEY_A, "hop-value-1", "cHJveHk6c2VjcmV0", "client-cookie-value", "org-client-chosen"):
+        assert all(value not in v for v in sent.values()), (value, sent)
+        assert value.encode() not in received.raw, value
+
+
+async def test_authorization_in_the_body_is_not_used_upstream(proxy: Proxy, fake: FakeUpstream) -> None:
+    body = {**CHAT_BODY, "api_key": "sk-client-body-key", "headers": {"Authorization": "Bearer sk-client-x"}}
+    reply = await call(proxy, CHAT, body=body)
+    assert reply.status == 200, reply.describe()
+    (received,) = fake.received
+    assert received.headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"
+
+
+# -- no redirection to another host -----------------------------------------------------------
+
+
+class Trap:
+    """A host nobody should call: counts whatever reaches it."""
+
+    def __init__(self) -> None:
+        self.hits: list[str] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        async def handle(request: web.Request) -> web.Response:
+            self.hits.append(f"{request.method} {request.path_qs} {dict(request.headers)}")
+            return web.json_response({"trap": True})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def trap() -> AsyncIterator[Trap]:
+    evil = Trap()
+    await evil.start()
+    yield evil
+    await evil.close()
+
+
+def redirect_attempts(evil: str) -> list[tuple[str, JsonDict, dict[str, str]]]:
+    host = evil.removeprefix("http://")
+    return [
+        ("body-base_url", {**CHAT_BODY, "base_url": evil + "/v1"}, {}),
+        ("body-api_base", {**CHAT_BODY, "api_base": evil + "/v1", "url": evil, "endpoint": evil}, {}),
+        ("body-upstream", {**CHAT_BODY, "upstream": evil, "host": host, "provider": {"base_url": evil}}, {}),
+        ("model-url", {**CHAT_BODY, "model": evil + "/v1/chat/completions"}, {}),
+        ("model-at-host", {**CHAT_BODY, "model": f"gpt-4o-mini@{host}"}, {}),
+        ("header-host", CHAT_BODY, {"Host": host}),
+        ("header-forwarded-host", CHAT_BODY, {"X-Forwarded-Host": host, "X-Forwarded-Proto": "http"}),
+        ("header-forwarded", CHAT_BODY, {"Forwarded": f"host={host};proto=http"}),
+        ("header-original-url", CHAT_BODY, {"X-Original-URL": evil + "/v1", "X-Rewrite-URL": evil}),
+        ("header-base-url", CHAT_BODY, {"OpenAI-Base-URL": evil + "/v1", "X-Upstream": evil}),
+        ("stream-base_url", {**CHAT_BODY, "stream": True, "base_url": evil + "/v1"}, {"Host": host}),
+    ]
+
+
+async def test_no_field_or_header_redirects_the_call(proxy: Proxy, fake: FakeUpstream, trap: Trap) -> None:
+    for name, body, headers in redirect_attempts(trap.url):
+        before = len(fake.received)
+        reply = await call(proxy, CHAT, body=body, headers=headers)
+        assert reply.status == 200, (name, reply.describe())
+        assert len(fake.received) == before + 1, name
+        assert fake.received[-1].path == CHAT, name
+        assert trap.hits == [], (name, trap.hits)
+
+
+async def test_absolute_form_request_target_does_not_redirect(
+    proxy: Proxy, fake: FakeUpstream, trap: Trap
+) -> None:
+    host, port = proxy.url.removeprefix("http://").split(":")
+    body = json.dumps(CHAT_BODY).encode()
+    evil_host = trap.url.removeprefix("http://")
+    request = (
+        f"POST {trap.url}/v1/chat/completions HTTP/1.1\r\n"
+        f"Host: {evil_host}\r\n"
+        f"Authorization: Bearer {KEY_A}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert len(fake.received) == 1
+    assert trap.hits == []
+
+
+async def test_upstream_redirect_is_not_followed(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, trap: Trap
+) -> None:
+    """An upstream answering 307 to another host must not make the proxy send the request (and
+    its upstream key) there."""
+    redirected: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        redirected.append(request.path)
+        raise web.HTTPTemporaryRedirect(trap.url + request.path)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        proxy = await make_proxy(upstreams=upstream_config(base))
+        for body in (CHAT_BODY, {**CHAT_BODY, "stream": True}):
+            reply = await call(proxy, CHAT, body=body)
+            assert reply.status != 200 or b"trap" not in reply.body, reply.describe()
+            assert_no_upstream_key(reply)
+        assert len(redirected) == 2
+        assert trap.hits == []
+        assert await redis_client.xlen("lbp:{team-a}:ledger") == 2
+    finally:
+        await runner.cleanup()
+
+
+def upstream_config(base_url: str) -> JsonDict:
+    return {
+        "openai": {
+            "base_url": base_url,
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 5,
+            "connect_timeout_s": 2,
+        }
+    }
+
+
+# -- the upstream key never leaks -------------------------------------------------------------
+
+FAKE_MODES: list[JsonDict] = [
+    {},
+    {"mode": "error", "status": 500, "error_body": "json"},
+    {"mode": "error", "status": 500, "error_body": "text"},
+    {"mode": "error", "status": 502, "error_body": "none"},
+    {"mode": "error", "status": 400, "error_body": "json"},
+    {"mode": "error", "status": 401, "error_body": "json"},
+    {"mode": "error", "status": 429, "error_body": "text"},
+    {"mode": "non_json"},
+    {"mode": "truncate"},
+    {"mode": "refusal"},
+    {"mode": "cut"},
+    {"mode": "malformed_sse"},
+    {"mode": "no_done"},
+]
+
+
+async def mixed_workload(proxy: Proxy) -> list[Reply]:
+    """Normal, failing, streamed, refused and reporting calls; returns every reply."""
+    replies: list[Reply] = []
+    for ctl in FAKE_MODES:
+        for stream in (False, True):
+            body = {**CHAT_BODY, "stream": stream, "fake": ctl}
+            replies.append(await call(proxy, CHAT, body=body, headers={"X-Run-Id": "leak-run"}))
+    replies.append(await call(proxy, COMPLETIONS, body=BODIES[COMPLETIONS], headers={"X-Run-Id": "leak-run"}))
+    replies.append(await call(proxy, EMBEDDINGS, body=BODIES[EMBEDDINGS], headers={"X-Run-Id": "leak-run"}))
+    replies.append(await call(proxy, CHAT, body={**CHAT_BODY, "max_tokens": "x"}))  # 400
+    replies.append(await call(proxy, CHAT, body=CHAT_BODY, key=None))  # 401
+    replies.append(await call(proxy, CHAT, body=CHAT_BODY, key=UPSTREAM_KEY))  # 401 with the key itself
+    replies.append(await call(proxy, "/v1/images/generations", body={}))  # 404
+    replies.append(await call(proxy, CHAT, method="GET"))  # 405
+    for path in (
+        "/v1/models",
+        "/v1/billing/runs/leak-run",
+        "/v1/billing/runs/leak-run/ledger",
+        "/v1/billing/keys/self",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        replies.append(await call(proxy, path, method="GET"))
+    return replies
+
+
+async def test_upstream_key_never_in_any_response(proxy: Proxy) -> None:
+    replies = await mixed_workload(proxy)
+    assert {r.status for r in replies} >= {200, 400, 401, 404, 405, 500, 502}
+    for reply in replies:
+        assert_no_upstream_key(reply)
+
+
+async def test_upstream_key_never_in_transport_failure_responses(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    proxy = await make_proxy(upstreams=upstream_config(closed))
+    for body in (CHAT_BODY, {**CHAT_BODY, "stream": True}):
+        reply = await call(proxy, CHAT, body=body)
+        assert reply.status == 502, reply.describe()
+        assert_no_upstream_key(reply)
+    for path in ("/v1/models", "/readyz"):
+        assert_no_upstream_key(await call(proxy, path, method="GET"))
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "body"),
+    [
+        (
+            401,
+            "application/json",
+            json.dumps(
+                {
+                    "error": {
+                        "message": f"Incorrect API key provided: {UPSTREAM_KEY}.",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                }
+            ),
+        ),
+        (500, "text/plain", f"gateway failed; request had Authorization: Bearer {UPSTREAM_KEY}"),
+        (400, "application/json", json.dumps({"detail": f"bad key {UPSTREAM_KEY}"})),
+    ],
+    ids=["json-401", "text-500", "json-400-no-error-object"],
+)
+async def test_upstream_error_echoing_the_key_is_not_relayed(
+    make_proxy: ProxyFactory, status: int, content_type: str, body: str
+) -> None:
+    """Some providers and gateways echo the credential they were sent in their error messages;
+    the proxy relays upstream errors to tenants, who must never learn the provider key."""
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=status, text=body, content_type=content_type)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        proxy = await make_proxy(upstreams=upstream_config(f"http://127.0.0.1:{runner.addresses[0][1]}/v1"))
+        for request_body in (CHAT_BODY, {**CHAT_BODY, "stream": True}):
+            reply = await call(proxy, CHAT, body=request_body)
+            assert reply.status >= 400, reply.describe()  # the status may be mapped (401 -> 502)
+            assert_no_upstream_key(reply)
+    finally:
+        await runner.cleanup()
+
+
+async def test_no_key_is_stored_in_redis(proxy: Proxy, redis_client: aioredis.Redis) -> None:
+    await mixed_workload(proxy)
+    await call(proxy, CHAT, body=CHAT_BODY, key=KEY_B, headers={"X-Run-Id": "b-run"})
+    everything = await dump_keys(redis_client)
+    assert "lbp:{team-a}:ledger" in everything
+    assert "lbp:{team-b}:ledger" in everything
+    text = repr(everything)
+    assert UPSTREAM_KEY not in text
+    assert KEY_A not in text and KEY_B not in text  # keys are named in the ledger, never stored
+
+
+def record_text(record: logging.LogRecord) -> str:
+    """Everything a handler could write for a record: message, every attribute, traceback."""
+    parts = [record.getMessage(), repr(vars(record))]
+    if record.exc_info:
+        parts.append(logging.Formatter().formatException(record.exc_info))
+    if record.exc_text:
+        parts.append(record.exc_text)
+    return "\n".join(parts)
+
+
+async def test_upstream_key_never_in_logs(
+    proxy: Proxy, caplog: pytest.LogCaptureFixture, make_proxy: ProxyFactory
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    await mixed_workload(proxy)
+    # Failures the proxy logs at error level: an unreachable upstream.
+    unreachable = await make_proxy(upstreams=upstream_config(f"http://127.0.0.1:{free_port()}/v1"))
+    await call(unreachable, CHAT, body=CHAT_BODY)
+    await call(unreachable, "/v1/models", method="GET")
+    records = caplog.records
+    assert records, "the workload logged nothing at DEBUG level"
+    leaking = [record_text(r) for r in records if UPSTREAM_KEY in record_text(r)]
+    assert leaking == []
+    client_keys = [record_text(r) for r in records if KEY_A in record_text(r) or KEY_B in record_text(r)]
+    assert client_keys == []
