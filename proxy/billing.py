@@ -73,7 +73,6 @@ def _apply_clamp(call: Call, reservation: Reservation) -> None:
     if field is None:
         field = "max_completion_tokens" if call.endpoint == "chat.completions" else "max_tokens"
     call.body[field] = per_choice
-    call.body_changed = True
     call.clamped = True
     call.estimate = replace(
         call.estimate, output_tokens=reservation.amounts["output_tokens"], output_cap_field=field

@@ -72,9 +72,6 @@ class Call:
     rates: dict[str, int] | None
     estimate: Estimate
     body: dict[str, Any]
-    # The client's bytes, forwarded as they came unless the proxy had to set a field.
-    raw_body: bytes = b""
-    body_changed: bool = False
     choices: int = 1
     started_at: float = field(default_factory=time.monotonic)
     started_wall_ms: int = field(default_factory=lambda: int(time.time() * 1000))
@@ -99,7 +96,6 @@ def plan_call(
     run_id: str,
     endpoint: Endpoint,
     body: dict[str, Any],
-    raw_body: bytes,
     view: RequestView,
     config: Config,
     tokenizer: Tokenizer,
@@ -164,7 +160,5 @@ def plan_call(
         rates=price.rates if price else None,
         estimate=est,
         body=body,
-        raw_body=raw_body,
-        body_changed=stream and dialect.injects_usage,
         choices=getattr(view, "n", None) or 1,
     )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from proxy.observe import Observation, ProviderUsage, parse_usage
+from proxy.observe import MAX_SANE_TOKENS, Observation, ProviderUsage, parse_usage
 from proxy.payload import Endpoint
 
 UpstreamKind = Literal["openai", "anthropic"]
@@ -25,7 +25,11 @@ DONE = b"data: [DONE]\n\n"
 
 
 def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return (
+        value
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SANE_TOKENS
+        else 0
+    )
 
 
 # -- OpenAI chat completions and legacy completions ------------------------------------------

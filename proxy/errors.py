@@ -2,7 +2,8 @@
 
     ProxyError
     ├── ConfigError            invalid config file or flags (never reaches a client)
-    ├── StoreError             Redis unreachable or a script failed -> 503
+    ├── StoreError             Redis unreachable -> 503
+    │   └── StoreRejected      a script refused its input: retrying will not help
     └── ApiError               answered to the client in OpenAI's error format
         ├── BadRequest         400 invalid_request_error
         ├── Unauthorized       401 invalid_api_key
@@ -32,6 +33,10 @@ class ConfigError(ProxyError):
 
 class StoreError(ProxyError):
     """The store could not be reached or refused a script."""
+
+
+class StoreRejected(StoreError):
+    """A script returned an error (bad input): the same call would fail again."""
 
 
 class ApiError(ProxyError):

@@ -54,7 +54,9 @@ async def open_upstream(
     session: aiohttp.ClientSession, call: Call
 ) -> aiohttp.ClientResponse | TransportFailure:
     url = call.upstream.base_url + call.dialect.path
-    data = orjson.dumps(call.body) if call.body_changed else call.raw_body
+    # Always the parsed body: raw bytes with duplicate keys could mean one thing to our parser
+    # (what was validated and reserved) and another to the upstream's.
+    data = orjson.dumps(call.body)
     try:
         headers = upstream_headers(call.upstream, call.identity)
         return await session.post(

@@ -11,6 +11,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
@@ -20,6 +22,7 @@ from proxy.config import Config
 from proxy.dialects import DIALECTS
 from proxy.errors import (
     ApiError,
+    BadRequest,
     BudgetExceeded,
     NotFound,
     StoreError,
@@ -55,7 +58,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, request_id)
-        raw = await request.read()
+        raw = await read_body(request)
         body, view = parse_body(raw, endpoint)
         call = plan_call(
             request_id=request_id,
@@ -63,7 +66,6 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             run_id=run_id,
             endpoint=endpoint,
             body=body,
-            raw_body=raw,
             view=view,
             config=config,
             tokenizer=state.tokenizer,
@@ -83,6 +85,14 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         state.metrics.store_errors.labels("reserve").inc()
         return _refused(endpoint, request_id, StoreUnavailable())
     return await Exchange(request, call, _services(state, config)).run()
+
+
+async def read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except (RequestPayloadError, BadHttpMessage) as err:
+        # A body that does not decode (bad gzip, broken chunking) is the client's error.
+        raise BadRequest(f"The request body could not be read: {str(err)[:200]}") from None
 
 
 def _refused(endpoint: Endpoint, request_id: str, err: ApiError) -> web.Response:

@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
-from proxy.errors import StoreError
+from proxy.errors import StoreError, StoreRejected
 from proxy.store import Store
 
 log = logging.getLogger("proxy.journal")
+DEAD_LETTERS = "rejected.jsonl"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,7 +70,7 @@ class Journal:
         if self._file is not None:
             self._file.seek(0)
             lines = self._file.read().splitlines()
-            done = await _apply(store, lines)
+            done = await _apply(store, lines, self.directory / DEAD_LETTERS)
             applied += done
             if done == len(lines):
                 self._file.seek(0)
@@ -91,7 +92,7 @@ class Journal:
                 except OSError:
                     continue  # its writer is alive and replays it itself
                 lines = handle.read().splitlines()
-                done = await _apply(store, lines)
+                done = await _apply(store, lines, self.directory / DEAD_LETTERS)
                 applied += done
                 if done == len(lines):
                     path.unlink()
@@ -108,7 +109,7 @@ class Journal:
                     self.path.unlink()
 
 
-async def _apply(store: Store, lines: list[str]) -> int:
+async def _apply(store: Store, lines: list[str], dead_letters: Path) -> int:
     """Settle each line in order; stop at the first store error (retried on the next round)."""
     done = 0
     for line in lines:
@@ -130,6 +131,16 @@ async def _apply(store: Store, lines: list[str]) -> int:
                 actual=pending.actual,
                 entry=pending.entry,
             )
+        except StoreRejected as err:
+            # The store will never take this line: park it for an operator, go on.
+            log.error(
+                "journaled settlement rejected by the store; parked",
+                extra={"reservation_id": pending.reservation_id, "error": str(err)},
+            )
+            with (dead_letters).open("a", encoding="utf-8") as parked:
+                parked.write(line + "\n")
+            done += 1
+            continue
         except StoreError:
             break
         log.info(

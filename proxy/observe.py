@@ -22,9 +22,13 @@ class ProviderUsage:
     cache_creation_input_tokens: int = 0
 
 
+# Above this a count is not a usage report but garbage (and past 2**53 Lua loses integers).
+MAX_SANE_TOKENS = 10**12
+
+
 def _count(value: Any) -> int | None:
     # bool is an int in Python; a provider sending true is not a count.
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SANE_TOKENS:
         return value
     return None
 
@@ -98,7 +102,8 @@ class Observation:
         if refusal:
             self.refused = True
             self.add_text(index, refusal)
-        for call in part.get("tool_calls") or ():
+        calls = part.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
                 self.add_text(index, function.get("name"))

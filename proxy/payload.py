@@ -126,7 +126,8 @@ def message_text(messages: list[dict[str, Any]]) -> str:
         for name in ("name", "refusal"):
             if isinstance(message.get(name), str):
                 parts.append(message[name])
-        for call in message.get("tool_calls") or ():
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
                 parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))

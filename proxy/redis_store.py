@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ClusterError, NoScriptError, RedisError, ResponseError
 
-from proxy.errors import StoreError
+from proxy.errors import StoreError, StoreRejected
 from proxy.store import (
     ACTUAL_METERS,
     ALL_METERS,
@@ -126,6 +126,10 @@ class RedisStore:
                 return await self._client.evalsha(sha, len(keys), *keys, *args)
             except NoScriptError:
                 return await self._client.eval(source, len(keys), *keys, *args)
+        except ResponseError as err:
+            if isinstance(err, ClusterError) or "CLUSTERDOWN" in str(err) or "TRYAGAIN" in str(err):
+                raise StoreError(f"{name}: {err}") from err
+            raise StoreRejected(f"{name}: {err}") from err
         except RedisError as err:
             raise StoreError(f"{name}: {err}") from err
 

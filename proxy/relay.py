@@ -249,9 +249,11 @@ class Exchange:
                 code="upstream_error",
                 headers=self._headers(settlement),
             )
-        if isinstance(parsed, dict):
+        try:
+            if not isinstance(parsed, dict):
+                raise TypeError("not an object")
             self.call.dialect.observe_body(self.obs, parsed)
-        else:
+        except Exception:
             self.obs.malformed = True
         if self.obs.malformed:
             settlement = await self._settle(Outcome("upstream_error"), self._usage(complete=False))
@@ -314,9 +316,10 @@ class Exchange:
                 except StopAsyncIteration:
                     break
                 self._upstream_s += time.monotonic() - waited
-                if b"\r" in piece:
-                    piece = piece.replace(b"\r\n", b"\n")
                 buffer += piece
+                if b"\r" in buffer:
+                    # On the buffer, not the piece: a read may end between \r and \n.
+                    buffer[:] = buffer.replace(b"\r\n", b"\n")
                 if len(buffer) > self.services.config.limits.max_upstream_body_bytes:
                     failure = Outcome("upstream_error")  # one event larger than we hold
                     break
@@ -324,7 +327,7 @@ class Exchange:
                 out: list[bytes] = []
                 start = 0
                 while (end := buffer.find(b"\n\n", start)) >= 0:
-                    passed = self._event(bytes(buffer[start:end]))
+                    passed = self._safe_event(bytes(buffer[start:end]))
                     if passed is not None:
                         out.append(passed)
                     start = end + 2
@@ -383,6 +386,15 @@ class Exchange:
             await response.write_eof()
         except CLIENT_GONE:
             pass
+
+    def _safe_event(self, event: bytes) -> bytes | None:
+        """``_event``, but an answer shaped so oddly that observing it fails is a malformed
+        answer (``upstream_error``), passed on as it came: it never breaks the stream."""
+        try:
+            return self._event(event)
+        except Exception:
+            self.obs.malformed = True
+            return event + b"\n\n"
 
     def _typed_event(self, event: bytes, data: bytes) -> bytes:
         """Responses / Anthropic events: observed, passed on unchanged."""

@@ -27,9 +27,10 @@ def cluster_port() -> int:
 
 
 class RedisClusterProcesses:
-    def __init__(self, base_dir: Path, masters: int = 3) -> None:
+    def __init__(self, base_dir: Path, masters: int = 3, replicas: int = 0) -> None:
+        self.replicas = replicas
         self.nodes: list[RedisServerProcess] = []
-        for i in range(masters):
+        for i in range(masters * (1 + replicas)):
             port = cluster_port()
             self.nodes.append(
                 RedisServerProcess(
@@ -57,11 +58,25 @@ class RedisClusterProcesses:
         assert cli, "redis-cli is needed to form the cluster"
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
         subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            [
+                cli,
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
             check=True,
             capture_output=True,
             timeout=60,
         )
+        self.wait_ok(timeout_s)
+        return self
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        cli = shutil.which("redis-cli")
+        assert cli
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             states = [
@@ -69,12 +84,45 @@ class RedisClusterProcesses:
                     [cli, "-p", str(node.port), "cluster", "info"], capture_output=True, text=True, timeout=10
                 ).stdout
                 for node in self.nodes
+                if node.process is not None and node.process.poll() is None
             ]
-            if all("cluster_state:ok" in s for s in states):
-                return self
+            if states and all("cluster_state:ok" in s for s in states):
+                return
             time.sleep(0.1)
         raise RuntimeError("the cluster did not reach cluster_state:ok")
 
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+    def master_of(self, hash_tag: str) -> RedisServerProcess:
+        """The node that serves the slot of ``{hash_tag}`` now."""
+        cli = shutil.which("redis-cli")
+        assert cli
+        alive = [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+        slot = int(
+            subprocess.run(
+                [cli, "-p", str(alive[0].port), "cluster", "keyslot", hash_tag],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
+        for node in alive:
+            role = subprocess.run(
+                [cli, "-p", str(node.port), "role"], capture_output=True, text=True, timeout=10
+            ).stdout.split()[0]
+            if role != "master":
+                continue
+            slots = subprocess.run(
+                [cli, "-p", str(node.port), "cluster", "nodes"], capture_output=True, text=True, timeout=10
+            ).stdout
+            for line in slots.splitlines():
+                fields = line.split()
+                if "myself" not in fields[2]:
+                    continue
+                for part in fields[8:]:
+                    low, _, high = part.partition("-")
+                    if low.isdigit() and int(low) <= slot <= int(high or low):
+                        return node
+        raise RuntimeError(f"no master serves slot {slot}")

@@ -108,7 +108,7 @@ for s = 1, nscopes do
   local key = KEYS[2 + s]
   for m = 1, NM do
     if amounts[m] ~= 0 then
-      local now = redis.call('HINCRBY', key, 'resv:' .. METERS[m], amounts[m])
+      local now = redis.call('HINCRBY', key, 'resv:' .. METERS[m], string.format('%d', amounts[m]))
       if METERS[m] == 'concurrent' then
         local peak = tonumber(redis.call('HGET', key, 'peak:concurrent')) or 0
         if now > peak then redis.call('HSET', key, 'peak:concurrent', now) end

@@ -21,23 +21,31 @@ local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'co
   'cached_input_tokens', 'reasoning_tokens', 'cache_creation_input_tokens'}
 local amounts = {}
 local raw = redis.call('HGET', KEYS[1], 'amounts')
-for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = tonumber(v) end
+for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = v end
+-- Check every figure before the first write: a script error after a write is not rolled back.
+for m = 1, #ACTUAL do
+  local v = ARGV[1 + m]
+  if not string.match(v, '^%d+$') or #v > 15 then
+    return redis.error_reply('settle: actual ' .. ACTUAL[m] .. ' is not a whole number of tokens: ' .. v)
+  end
+end
+local entry = cjson.decode(ARGV[2 + #ACTUAL])
 
 for s = 5, #KEYS do
   local key = KEYS[s]
   for m = 1, #RESERVED do
-    if amounts[m] ~= 0 then
-      redis.call('HINCRBY', key, 'resv:' .. RESERVED[m], -amounts[m])
+    if amounts[m] ~= '0' then
+      redis.call('HINCRBY', key, 'resv:' .. RESERVED[m], '-' .. amounts[m])
     end
   end
   for m = 1, #ACTUAL do
-    local v = tonumber(ARGV[1 + m])
-    if v ~= 0 then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
+    local v = ARGV[1 + m]
+    if v ~= '0' then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
   end
 end
 
 local fields = {}
-for name, value in pairs(cjson.decode(ARGV[2 + #ACTUAL])) do
+for name, value in pairs(entry) do
   fields[#fields + 1] = name
   fields[#fields + 1] = tostring(value)
 end
