@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ClusterError, NoScriptError, RedisError, ResponseError
+from redis.exceptions import ClusterError, NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import (
@@ -31,6 +31,8 @@ from proxy.store import (
     key_prefix,
 )
 
+# What a store call can raise: redis-py's errors, and the cluster client's own (not a RedisError).
+STORE_FAILURES = (RedisError, RedisClusterException)
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired")
 
 
@@ -95,14 +97,14 @@ class RedisStore:
     async def ping(self) -> None:
         try:
             await self._client.ping()
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"ping: {err}") from err
 
     async def load_scripts(self) -> None:
         try:
             for source, _sha in self._scripts.values():
                 await self._client.script_load(source)
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"script load: {err}") from err
 
     async def persistence_warning(self) -> str | None:
@@ -110,7 +112,7 @@ class RedisStore:
         try:
             found: Any = await self._client.config_get("appendonly")
             saves: Any = await self._client.config_get("save")
-        except RedisError as err:
+        except STORE_FAILURES as err:
             return f"could not read the persistence settings ({err})"
         if isinstance(self._client, RedisCluster):  # one answer per node
             found = next(iter(found.values()), {}) if found and "appendonly" not in found else found
@@ -130,7 +132,7 @@ class RedisStore:
             if isinstance(err, ClusterError) or "CLUSTERDOWN" in str(err) or "TRYAGAIN" in str(err):
                 raise StoreError(f"{name}: {err}") from err
             raise StoreRejected(f"{name}: {err}") from err
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"{name}: {err}") from err
 
     async def reserve(
@@ -232,7 +234,7 @@ class RedisStore:
     async def meters(self, key: str) -> dict[str, MeterState]:
         try:
             raw: Any = await self._client.hgetall(key)
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"meters: {err}") from err
         out = {}
         for meter in ALL_METERS:
@@ -243,13 +245,13 @@ class RedisStore:
     async def register_tenant(self, tenant: str) -> None:
         try:
             await self._client.sadd(TENANTS_KEY, tenant)
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"register tenant: {err}") from err
 
     async def tenants(self) -> set[str]:
         try:
             members: Any = await self._client.smembers(TENANTS_KEY)
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"tenants: {err}") from err
         return {str(m) for m in members}
 
@@ -263,7 +265,7 @@ class RedisStore:
             for entry_id in ids:
                 pipe.xrange(f"{prefix}ledger", entry_id, entry_id)
             found = await pipe.execute()
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"run ledger: {err}") from err
         return [{"id": rows[0][0], **rows[0][1]} for rows in found if rows]
 
@@ -272,6 +274,6 @@ class RedisStore:
     ) -> list[tuple[str, dict[str, str]]]:
         try:
             rows: Any = await self._client.xrange(f"{key_prefix(tenant)}ledger", start, "+", count=count)
-        except RedisError as err:
+        except STORE_FAILURES as err:
             raise StoreError(f"ledger: {err}") from err
         return [(str(i), dict(fields)) for i, fields in rows]

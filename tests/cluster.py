@@ -43,6 +43,12 @@ class RedisClusterProcesses:
                         f"nodes-{port}.conf",
                         "--cluster-node-timeout",
                         "2000",
+                        # Replicas sync at once (no 5 s wait for more replicas) and may always
+                        # take over: this cluster exists to be failed over.
+                        "--repl-diskless-sync-delay",
+                        "0",
+                        "--cluster-replica-validity-factor",
+                        "0",
                     ),
                 )
             )
@@ -86,7 +92,18 @@ class RedisClusterProcesses:
                 for node in self.nodes
                 if node.process is not None and node.process.poll() is None
             ]
-            if states and all("cluster_state:ok" in s for s in states):
+            links = [
+                subprocess.run(
+                    [cli, "-p", str(node.port), "info", "replication"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
+                for node in self.nodes
+                if node.process is not None and node.process.poll() is None
+            ]
+            replicas_synced = all("role:master" in r or "master_link_status:up" in r for r in links)
+            if states and all("cluster_state:ok" in s for s in states) and replicas_synced:
                 return
             time.sleep(0.1)
         raise RuntimeError("the cluster did not reach cluster_state:ok")
