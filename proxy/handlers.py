@@ -3,6 +3,8 @@ exchange (forward, observe, settle, record)."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import hmac
 from collections.abc import Mapping
@@ -38,6 +40,9 @@ from proxy.relay import Exchange, Services
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 
+# Prompts larger than this are estimated in a worker thread.
+OFFLOAD_ESTIMATE_BYTES = 32 * 1024
+
 
 def _services(state: State, config: Config) -> Services:
     assert state.store is not None and state.session is not None
@@ -60,7 +65,8 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         run_id = run_id_for(request, request_id)
         raw = await read_body(request)
         body, view = parse_body(raw, endpoint)
-        call = plan_call(
+        plan = functools.partial(
+            plan_call,
             request_id=request_id,
             identity=identity,
             run_id=run_id,
@@ -71,6 +77,8 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             tokenizer=state.tokenizer,
             ids=state.ids,
         )
+        # Counting a large prompt with tiktoken takes milliseconds: not on the event loop.
+        call = await asyncio.to_thread(plan) if len(raw) > OFFLOAD_ESTIMATE_BYTES else plan()
         if state.store is None:
             raise StoreError("store not opened")
         if identity.tenant not in state.registered_tenants:

@@ -289,3 +289,26 @@ async def test_concurrent_calls_per_key_are_limited(make_proxy: ProxyFactory, fa
     assert len(refused) == 1 and refused[0].response.headers["x-billing-refused-meter"] == "concurrent"
     assert len(fake.bill) == 2
     await call(proxy, "after")  # released on settle
+
+
+async def test_a_100kb_prompt_is_estimated_off_the_event_loop_and_bounded(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    prompt = "ä" * 50_000  # 100 KB of UTF-8: the byte count bounds any byte-level BPE count
+    proxy = await make_proxy()
+    client = proxy.client()
+    response = await client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=5,
+        extra_headers={"X-Run-Id": "big-prompt"},
+    )
+    assert response.headers["x-billing-outcome"] in ("ok", "truncated")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"{proxy.url}/v1/billing/runs/big-prompt/ledger", headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as r,
+    ):
+        (entry,) = (await r.json())["data"]
+    assert entry["reserved_input_tokens"] == str(len(prompt.encode()) + 4 + 3)
