@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+import orjson
+
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 _SECRET = re.compile(r"(sk-[A-Za-z0-9_-]{6,}|Bearer\s+[^\s\"',]+)")
 _SECRET_FIELDS = {"authorization", "api_key", "x-api-key", "key_value", "upstream_key"}
@@ -33,10 +35,22 @@ def _clean(value: Any) -> Any:
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._second = -1
+        self._stamp = ""
+
+    def _time(self, record: logging.LogRecord) -> str:
+        # One strftime per second, not per line: this runs once per call.
+        second = int(record.created)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self._stamp}.{int(record.msecs):03d}Z"
+
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": self._time(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -46,7 +60,7 @@ class JsonFormatter(logging.Formatter):
                 payload[key] = value
         if record.exc_info:
             payload["exc"] = self.formatException(record.exc_info)
-        return json.dumps(_clean(payload), default=str, separators=(",", ":"))
+        return orjson.dumps(_clean(payload), default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 class TextFormatter(logging.Formatter):
