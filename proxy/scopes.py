@@ -6,6 +6,7 @@ a config change never resets usage: a reload only changes the ceilings passed to
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime, timedelta
 
 from proxy.auth import Identity
@@ -52,15 +53,21 @@ def _window_scope(tenant: str, owner: str, name: str, window: WindowCeilings, no
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _key_scopes(tenant: str, key_name: str, tier: TierConfig, minute_start_s: int) -> tuple[Scope, ...]:
+    """The key and tenant scopes, the same for every call of a key within one minute: computed
+    once per minute (window keys and TTLs are whole minutes apart at the finest)."""
+    now = datetime.fromtimestamp(minute_start_s, UTC)
+    scopes = [Scope(name="key", key=f"{key_prefix(tenant)}key:{key_name}:all", ceilings=tier.key.meters)]
+    scopes += [_window_scope(tenant, f"key:{key_name}", "key", w, now) for w in tier.windows]
+    scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tier.tenant]
+    return tuple(scopes)
+
+
 def scopes_for(identity: Identity, run_id: str, tier: TierConfig | None, now: datetime) -> list[Scope]:
     tenant = identity.tenant
     run = Scope(name="run", key=run_key(tenant, run_id), ceilings=tier.run.meters if tier else {})
     if tier is None:
         return [run]
-    scopes = [
-        run,
-        Scope(name="key", key=f"{key_prefix(tenant)}key:{identity.key_name}:all", ceilings=tier.key.meters),
-    ]
-    scopes += [_window_scope(tenant, f"key:{identity.key_name}", "key", w, now) for w in tier.windows]
-    scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tier.tenant]
-    return scopes
+    minute = int(now.timestamp()) // 60 * 60
+    return [run, *_key_scopes(tenant, identity.key_name, tier, minute)]
