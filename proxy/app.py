@@ -9,6 +9,7 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -76,11 +77,25 @@ def encodings_in(config: Config) -> set[str]:
     return names | {"o200k_base", "cl100k_base"}
 
 
+def server_options(config: Config) -> dict[str, Any]:
+    """HTTP parser limits, set above ours so that the header limit is ours to enforce (and to
+    refuse in OpenAI's format); past these the parser's own plain 400 answers."""
+    return {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024, "max_headers": 1024}
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], object]
 ) -> web.StreamResponse:
     """Every error leaves in OpenAI's format; no stack trace ever reaches a client."""
+    limit = request.app[STATE].config.limits.max_header_bytes
+    if sum(len(name) + len(value) for name, value in request.raw_headers) > limit:
+        return error_response(
+            431,
+            f"The request headers exceed {limit} bytes.",
+            "invalid_request_error",
+            code="headers_too_large",
+        )
     try:
         response = await handler(request)  # type: ignore[misc]
         assert isinstance(response, web.StreamResponse)

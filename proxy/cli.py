@@ -112,7 +112,7 @@ def run_worker(
 ) -> None:
     """One serving process. With several workers they share the port (SO_REUSEPORT); all
     state is in Redis, so any worker can serve any call."""
-    from proxy.app import build_app
+    from proxy.app import build_app, server_options
 
     setup_logging(config.log.level, config.log.format)
     if workers > 1 and config.metrics.listen is not None:
@@ -138,6 +138,7 @@ def run_worker(
         access_log=None,
         shutdown_timeout=config.shutdown_grace_s,
         reuse_port=workers > 1,
+        **server_options(config),
     )
     log.info("stopped", extra={"worker": worker})
 

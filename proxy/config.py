@@ -256,6 +256,8 @@ class TierConfig(_Frozen):
 
 class LimitsConfig(_Frozen):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # All request header names and values together; larger requests get 431.
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=60 * 1024)
     max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     # Reserved for output when neither the request nor the model config caps it.
     default_max_output_tokens: int = Field(default=4096, ge=1)

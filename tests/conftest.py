@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from proxy.app import build_app
+from proxy.app import build_app, server_options
 from proxy.config import Config, parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
@@ -105,7 +105,7 @@ async def make_proxy(
         raw = base_config(fake.base_url, redis_server.url, **overrides)
         config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
         app = build_app(config, passthrough=passthrough, tokenizer=tokenizer or Tokenizer({}))
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, **server_options(config))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -533,11 +533,6 @@ async def test_huge_headers_are_refused_without_forwarding_or_stack_trace(post: 
     assert reply.upstream_calls == 0 and reply.ledger_growth == 0, reply.describe()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: aiohttp's HTTP parser answers an oversized header (8190 bytes) with its own "
-    "text/plain 400 before any middleware runs; still a 4xx, no forwarding, no stack trace (test above)",
-)
 @pytest.mark.parametrize("name", ["custom", "authorization"])
 async def test_huge_header_refusal_is_in_openai_format(post: Any, name: str) -> None:
     """The contract: every 4xx the proxy answers is an OpenAI error object, even those the

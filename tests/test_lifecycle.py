@@ -137,3 +137,21 @@ async def test_two_workers_share_the_port_and_stop_together(
     assert len(entries) == 40 == len(fake.bill)
     workers = {line for line in proc.log_path.read_text().splitlines() if '"msg":"listening"' in line}
     assert len(workers) == 2
+
+
+async def test_a_served_process_refuses_huge_headers_in_openai_format(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    proc = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body, headers = slow_stream("big-headers")
+            async with session.post(
+                proc.url + "/v1/chat/completions", json=body, headers={**headers, "X-Padding": "p" * 20_000}
+            ) as resp:
+                assert resp.status == 431
+                assert (await resp.json())["error"]["code"] == "headers_too_large"
+        assert "Failed to create request handler" not in proc.log_path.read_text()
+    finally:
+        proc.stop()
+    assert fake.received == []
