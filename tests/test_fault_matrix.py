@@ -222,3 +222,19 @@ async def test_start_warns_when_redis_keeps_nothing_on_disk(
     finally:
         volatile.stop()
     assert UPSTREAM_KEY not in caplog.text
+
+
+async def test_client_gone_right_after_the_last_chunk_is_billed_once(
+    proxy: Any, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "stream": True, "fake": {"reply_tokens": 5}}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH)
+        seen = b""
+        while b'"finish_reason":"stop"' not in seen:
+            seen += await resp.content.readuntil(b"\n\n")
+        resp.close()  # before [DONE]
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] in ("ok", "client_disconnected")
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+    assert entry["usage_source"] == "provider"
