@@ -54,10 +54,26 @@ def _refusal_error(refusal: Refusal) -> BudgetExceeded:
     return BudgetExceeded(message, headers=headers)
 
 
+def worst_rates(rates: dict[str, int] | None) -> dict[str, int] | None:
+    """For the reserve, every input token at the dearest input rate (a cache write can cost more
+    than plain input) and every output token at the dearest output rate (reasoning)."""
+    if rates is None:
+        return None
+    top_in = max(rates["input"], rates["cache_creation_input"], rates["cached_input"])
+    top_out = max(rates["output"], rates["reasoning"])
+    return {
+        "input": top_in,
+        "cached_input": top_in,
+        "cache_creation_input": top_in,
+        "output": top_out,
+        "reasoning": top_out,
+    }
+
+
 def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
     if tier is None or tier.on_budget_short != "clamp" or call.endpoint == "embeddings":
         return None
-    rates = call.rates or {"input": 0, "output": 0}
+    rates = worst_rates(call.rates) or {"input": 0, "output": 0}
     return Clamp(
         min_output_tokens=tier.min_output_tokens,
         choices=call.choices,
@@ -69,9 +85,7 @@ def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
 def _apply_clamp(call: Call, reservation: Reservation) -> None:
     """Lower the request's own output cap to what the budget affords."""
     per_choice = reservation.clamped_output_per_choice
-    field = call.estimate.output_cap_field
-    if field is None:
-        field = "max_completion_tokens" if call.endpoint == "chat.completions" else "max_tokens"
+    field = call.estimate.output_cap_field or "max_tokens"
     call.body[field] = per_choice
     call.clamped = True
     call.estimate = replace(
@@ -97,7 +111,7 @@ async def reserve(store: Store, call: Call, config: Config) -> Reservation:
         "output_tokens": est.output_tokens,
         "total_tokens": est.input_tokens + est.output_tokens,
         "cost_micros": cost_micros(
-            call.rates, input_tokens=est.input_tokens, output_tokens=est.output_tokens
+            worst_rates(call.rates), input_tokens=est.input_tokens, output_tokens=est.output_tokens
         ),
         "concurrent": 1,
     }

@@ -126,6 +126,8 @@ def plan_call(
         model_max_output_tokens=model_config.max_output_tokens,
         default_max_output_tokens=config.limits.default_max_output_tokens,
     )
+    if est.enforce_cap is not None and est.output_cap_field:
+        body[est.output_cap_field] = est.enforce_cap
     stream = bool(getattr(view, "stream", False))
     client_wants_usage = False
     if stream and dialect.injects_usage:

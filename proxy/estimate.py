@@ -27,6 +27,14 @@ from proxy.tokenizer import Tokenizer
 # Chat formats add a few tokens per message and for priming the reply.
 TOKENS_PER_MESSAGE = 4
 TOKENS_PER_REPLY = 3
+# The field that caps output when the request named none.
+DEFAULT_CAP_FIELD: dict[Endpoint, str] = {
+    "chat.completions": "max_completion_tokens",
+    "completions": "max_tokens",
+    "responses": "max_output_tokens",
+    "messages": "max_tokens",
+    "embeddings": "",
+}
 # OpenAI's legacy completions endpoint defaults max_tokens to 16.
 LEGACY_DEFAULT_MAX_TOKENS = 16
 
@@ -38,6 +46,9 @@ class Estimate:
     input_tokens: int  # upper bound, reserved
     output_tokens: int  # worst case, reserved
     output_cap_field: str | None  # which request field caps the output, if any
+    # The per-choice cap to forward when the request's own cap is absent or above what was
+    # reserved: the upstream must never be allowed more output than the reserve covers.
+    enforce_cap: int | None = None
 
 
 def _with_tools(text: str, tools: list[dict[str, Any]] | None) -> str:
@@ -93,6 +104,7 @@ def estimate(
             cap_field, cap = "max_output_tokens", view.max_output_tokens
     elif view.max_tokens is not None:
         cap_field, cap = "max_tokens", view.max_tokens
+    asked = cap
     if cap is None:
         if isinstance(view, CompletionBody):
             cap = LEGACY_DEFAULT_MAX_TOKENS
@@ -106,5 +118,6 @@ def estimate(
         prompt_overhead_tokens=overhead + id_tokens,
         input_tokens=input_tokens,
         output_tokens=cap * (choices or 1),
-        output_cap_field=cap_field,
+        output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
+        enforce_cap=cap if asked != cap else None,
     )

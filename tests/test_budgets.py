@@ -312,3 +312,28 @@ async def test_a_100kb_prompt_is_estimated_off_the_event_loop_and_bounded(
     ):
         (entry,) = (await r.json())["data"]
     assert entry["reserved_input_tokens"] == str(len(prompt.encode()) + 4 + 3)
+
+
+async def test_the_upstream_never_gets_more_output_than_was_reserved(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(tiers=tiers(run={"total_tokens": 1100}))  # gpt-4o-mini: max_output_tokens 1000
+    await call(proxy, "capped", max_tokens=5000)
+    assert fake.received[-1].body["max_tokens"] == 1000
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini", messages=MSGS, extra_headers={"X-Run-Id": "uncapped"}
+    )
+    assert fake.received[-1].body["max_completion_tokens"] == 1000  # the request named no cap
+    state = (await meters(proxy, "capped"))["meters"]
+    assert state["total_tokens"]["used"] <= 1100
+
+
+async def test_cost_is_reserved_at_the_dearest_rates(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    prices = {"input": "1", "output": "1", "reasoning": "10", "cache_creation_input": "5"}
+    models = {"gpt-4o-mini": {"upstream": "openai", "price_per_million": prices}}
+    # 9 input x 5 + 10 output x 10 = 145 micro-units reserved; 144 is one short.
+    proxy = await make_proxy(models=models, tiers=tiers(run={"cost_usd": "0.000144"}))
+    with pytest.raises(openai.RateLimitError):
+        await call(proxy, "dear")
+    proxy = await make_proxy(models=models, tiers=tiers(run={"cost_usd": "0.000145"}))
+    await call(proxy, "dear2")
