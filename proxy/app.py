@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proxy.call import IdSource
 from proxy.config import Config
-from proxy.errors import ApiError, StoreError, api_error_response, error_response
+from proxy.errors import ApiError, StoreError, api_error_response, error_response, store_unavailable_response
 from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
@@ -102,6 +102,8 @@ async def error_middleware(
         return response
     except ApiError as err:
         return api_error_response(err)
+    except StoreError:
+        return store_unavailable_response()
     except web.HTTPException as err:
         if err.status == 404:
             return error_response(

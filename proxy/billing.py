@@ -17,7 +17,7 @@ from proxy.journal import Journal, PendingSettlement
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros
 from proxy.scopes import scopes_for
-from proxy.store import Clamp, Refusal, Reservation, Store
+from proxy.store import Clamp, Refusal, Reservation, Scope, Store
 
 log = logging.getLogger("proxy.billing")
 
@@ -93,7 +93,7 @@ def _apply_clamp(call: Call, reservation: Reservation) -> None:
     )
 
 
-async def reserve(store: Store, call: Call, config: Config) -> Reservation:
+async def reserve(store: Store, journal: Journal, call: Call, config: Config) -> Reservation:
     """Reserve the worst case against every scope, all or nothing; raise when it does not fit."""
     tier = config.tiers.get(call.identity.tier)
     scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC))
@@ -127,7 +127,30 @@ async def reserve(store: Store, call: Call, config: Config) -> Reservation:
             "time_ms": call.started_wall_ms,
         },
     ).decode()
-    result = await store.reserve(
+    try:
+        result = await _reserve(store, call, config, tier, scopes, amounts, record)
+    except StoreError as err:
+        if err.maybe_applied:
+            release_unforwarded(call, journal, [sc.key for sc in scopes])
+        raise
+    if isinstance(result, Refusal):
+        raise _refusal_error(result)
+    if result.clamped_output_per_choice:
+        _apply_clamp(call, result)
+    call.reservation = result
+    return result
+
+
+async def _reserve(
+    store: Store,
+    call: Call,
+    config: Config,
+    tier: TierConfig | None,
+    scopes: list[Scope],
+    amounts: dict[str, int],
+    record: str,
+) -> Reservation | Refusal:
+    return await store.reserve(
         tenant=call.identity.tenant,
         reservation_id=call.reservation_id,
         run_id=call.run_id,
@@ -137,12 +160,6 @@ async def reserve(store: Store, call: Call, config: Config) -> Reservation:
         record=record,
         clamp=_clamp_for(call, tier),
     )
-    if isinstance(result, Refusal):
-        raise _refusal_error(result)
-    if result.clamped_output_per_choice:
-        _apply_clamp(call, result)
-    call.reservation = result
-    return result
 
 
 def entry_fields(
@@ -226,24 +243,8 @@ async def settle(
         actual=actual,
         entry=entry,
     )
-    task = asyncio.ensure_future(
-        store.settle(
-            tenant=pending.tenant,
-            reservation_id=pending.reservation_id,
-            run_id=pending.run_id,
-            scope_keys=pending.scope_keys,
-            actual=pending.actual,
-            entry=pending.entry,
-        )
-    )
-    try:
-        entry_id = await asyncio.shield(task)
-    except StoreError as err:
-        # The answer is not held back: the settlement waits in the local journal and is applied
-        # when the store is back (exactly once: settling is idempotent by reservation id).
-        log.error("settle failed; journaled", extra={"reservation_id": reservation.id, "error": str(err)})
-        journal.append(pending)
-        entry_id = None
+    # One shielded task settles or journals: a handler cancelled meanwhile changes neither.
+    entry_id = await asyncio.shield(asyncio.ensure_future(settle_or_journal(store, journal, pending)))
     return Settlement(
         outcome=outcome,
         usage=usage,
@@ -252,6 +253,59 @@ async def settle(
         finish_reasons=reasons,
         actual=actual,
         overshoot_tokens=int(entry["overshoot_tokens"]),
+    )
+
+
+async def settle_or_journal(store: Store, journal: Journal, pending: PendingSettlement) -> str | None:
+    try:
+        return await store.settle(
+            tenant=pending.tenant,
+            reservation_id=pending.reservation_id,
+            run_id=pending.run_id,
+            scope_keys=pending.scope_keys,
+            actual=pending.actual,
+            entry=pending.entry,
+        )
+    except StoreError as err:
+        # The answer is not held back: the settlement waits in the local journal and is applied
+        # when the store is back (exactly once: settling is idempotent by reservation id).
+        log.error(
+            "settle failed; journaled", extra={"reservation_id": pending.reservation_id, "error": str(err)}
+        )
+        journal.append(pending)
+        return None
+
+
+def release_unforwarded(call: Call, journal: Journal, scopes: list[str]) -> None:
+    """A reserve whose reply was lost may still have happened: journal a zero settlement for it,
+    so that, once the store answers, its reservation is released (not reaped at full reserve).
+    If the reserve never happened, applying it changes nothing."""
+    zero = dict.fromkeys(
+        (
+            "requests",
+            "input_tokens",
+            "output_tokens",
+            "total_tokens",
+            "cost_micros",
+            "cached_input_tokens",
+            "reasoning_tokens",
+            "cache_creation_input_tokens",
+        ),
+        0,
+    )
+    usage = BilledUsage(
+        input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
+    )
+    entry = entry_fields(call, Outcome("not_forwarded"), usage, 0, "")
+    journal.append(
+        PendingSettlement(
+            tenant=call.identity.tenant,
+            reservation_id=call.reservation_id,
+            run_id=call.run_id,
+            scope_keys=scopes,
+            actual=zero,
+            entry=entry,
+        )
     )
 
 

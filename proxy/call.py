@@ -40,11 +40,12 @@ def request_id_for(request: web.Request, ids: IdSource) -> str:
     return sent if SANE_ID.fullmatch(sent) else f"req_{ids.new()}"
 
 
-def run_id_for(request: web.Request, request_id: str) -> str:
-    """The run a call belongs to; a call without ``X-Run-Id`` is a run of its own."""
+def run_id_for(request: web.Request, ids: IdSource) -> str:
+    """The run a call belongs to; a call without ``X-Run-Id`` is a run of its own (a new id,
+    never the client's ``X-Request-Id``, which a gateway may repeat)."""
     sent = request.headers.get("x-run-id")
     if sent is None:
-        return request_id
+        return f"run_{ids.new()}"
     if not SANE_ID.fullmatch(sent):
         raise BadRequest(
             "Invalid X-Run-Id: use 1 to 128 letters, digits, '.', '_', ':' or '-'.", param="X-Run-Id"

@@ -34,6 +34,11 @@ class ConfigError(ProxyError):
 class StoreError(ProxyError):
     """The store could not be reached or refused a script."""
 
+    def __init__(self, message: str, *, maybe_applied: bool = False) -> None:
+        super().__init__(message)
+        # True when the command may have run and only its reply was lost (a timeout, a reset).
+        self.maybe_applied = maybe_applied
+
 
 class StoreRejected(StoreError):
     """A script returned an error (bad input): the same call would fail again."""

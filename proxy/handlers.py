@@ -33,13 +33,14 @@ from proxy.errors import (
     error_response,
     store_unavailable_response,
 )
-from proxy.forward import upstream_headers
+from proxy.forward import read_limited, upstream_headers
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange, Services
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 
+MODELS_LIST_LIMIT_BYTES = 4 * 1024 * 1024
 # Prompts larger than this are estimated in a worker thread.
 OFFLOAD_ESTIMATE_BYTES = 32 * 1024
 
@@ -62,7 +63,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     request_id = request_id_for(request, state.ids)
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
-        run_id = run_id_for(request, request_id)
+        run_id = run_id_for(request, state.ids)
         raw = await read_body(request)
         body, view = parse_body(raw, endpoint)
         plan = functools.partial(
@@ -84,7 +85,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         if identity.tenant not in state.registered_tenants:
             await state.store.register_tenant(identity.tenant)
             state.registered_tenants.add(identity.tenant)
-        await reserve(state.store, call, config)
+        await reserve(state.store, state.journal, call, config)
     except ApiError as err:
         if isinstance(err, BudgetExceeded):
             record_refusal(state.metrics, config, identity.tenant, err)
@@ -149,12 +150,22 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             headers=upstream_headers(upstream, identity),
             timeout=aiohttp.ClientTimeout(total=upstream.timeout_s, connect=upstream.connect_timeout_s),
         ) as resp:
-            body = await resp.read()
-            return web.Response(status=resp.status, body=body, content_type="application/json")
-    except (TimeoutError, aiohttp.ClientError):
+            body = await read_limited(resp, MODELS_LIST_LIMIT_BYTES)
+    except (TimeoutError, ValueError, aiohttp.ClientError):
         return error_response(
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
+    key = upstream.api_key.get_secret_value().encode() if upstream.api_key else b""
+    if key and not upstream.passthrough_auth and key in body:
+        body = body.replace(key, b"[REDACTED]")
+    if resp.status != 200 or not body.lstrip().startswith(b"{"):
+        return error_response(
+            502,
+            f"The upstream could not list models (HTTP {resp.status}).",
+            "upstream_error",
+            code="upstream_error",
+        )
+    return web.Response(status=200, body=body, content_type="application/json")
 
 
 def _caller(request: web.Request) -> tuple[State, Identity, Store]:

@@ -17,7 +17,7 @@ import os
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import BinaryIO
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import Store
@@ -40,19 +40,19 @@ class Journal:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.path = directory / f"journal-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
-        self._file: IO[str] | None = None
+        self._file: BinaryIO | None = None
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> BinaryIO:
         if self._file is None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a+", encoding="utf-8")
+            self._file = self.path.open("a+b")
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return self._file
 
     def append(self, pending: PendingSettlement) -> None:
         """Durable before returning: the caller has already answered the client."""
         handle = self._open()
-        handle.write(json.dumps(asdict(pending), separators=(",", ":")) + "\n")
+        handle.write(json.dumps(asdict(pending), separators=(",", ":")).encode() + b"\n")
         handle.flush()
         os.fsync(handle.fileno())
         log.warning(
@@ -69,13 +69,20 @@ class Journal:
         applied = 0
         if self._file is not None:
             self._file.seek(0)
-            lines = self._file.read().splitlines()
+            text = self._file.read()
+            lines = text.decode("utf-8", "replace").splitlines()
             done = await _apply(store, lines, self.directory / DEAD_LETTERS)
             applied += done
             if done == len(lines):
+                # Lines appended while we were applying (settles failing meanwhile) stay: keep
+                # what follows the part read, drop the rest. No await in between: no race.
+                self._file.seek(len(text))
+                rest = self._file.read()
                 self._file.seek(0)
                 self._file.truncate()
+                self._file.write(rest)
                 self._file.flush()
+                os.fsync(self._file.fileno())
         applied += await self._adopt(store)
         return applied
 

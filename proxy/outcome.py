@@ -25,6 +25,7 @@ OutcomeTag = Literal[
     "upstream_4xx",
     "lease_expired",
     "shutdown",
+    "not_forwarded",
 ]
 REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
 # "length" (OpenAI chat), "max_output_tokens" (Responses), "max_tokens" (Anthropic).

@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Callable
 
-from proxy.errors import StoreError
+from proxy.errors import StoreError, StoreRejected
 from proxy.store import ExpiredLease, Store
 
 log = logging.getLogger("proxy.reaper")
@@ -70,24 +70,34 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
 
 
 async def reap_tenant(store: Store, tenant: str) -> int:
-    """Settle every expired lease of one tenant; returns how many this call settled."""
+    """Settle every expired lease of one tenant; returns how many this call settled. A lease
+    that cannot be settled is logged and skipped: it never blocks the others."""
     settled = 0
     while True:
         leases = await store.expired_leases(tenant=tenant, limit=BATCH)
+        progress = 0
         for lease in leases:
             actual, entry, run_id = lease_entry(lease)
-            entry_id = await store.settle(
-                tenant=tenant,
-                reservation_id=lease.id,
-                run_id=run_id,
-                scope_keys=lease.scope_keys,
-                actual=actual,
-                entry=entry,
-            )
+            try:
+                entry_id = await store.settle(
+                    tenant=tenant,
+                    reservation_id=lease.id,
+                    run_id=run_id,
+                    scope_keys=lease.scope_keys,
+                    actual=actual,
+                    entry=entry,
+                )
+            except StoreRejected as err:
+                log.error(
+                    "expired lease could not be settled",
+                    extra={"reservation_id": lease.id, "error": str(err)},
+                )
+                continue
+            progress += 1
             if entry_id is not None:
                 settled += 1
                 log.warning("lease expired, settled at reserve", extra={"entry": entry})
-        if len(leases) < BATCH:
+        if len(leases) < BATCH or not progress:
             return settled
 
 
@@ -108,4 +118,6 @@ async def run_reaper(store: Store, interval_s: float, on_settled: Callable[[int]
                     on_settled(count)
         except StoreError as err:
             log.error("reaper could not reach the store", extra={"error": str(err)})
+        except Exception:
+            log.exception("reaper round failed")
         await asyncio.sleep(interval_s)

@@ -133,7 +133,9 @@ class RedisStore:
                 raise StoreError(f"{name}: {err}") from err
             raise StoreRejected(f"{name}: {err}") from err
         except STORE_FAILURES as err:
-            raise StoreError(f"{name}: {err}") from err
+            # A refused connection never carried the command; a timeout or reset may have.
+            sent = not ("connecting to" in str(err) or "Connection refused" in str(err))
+            raise StoreError(f"{name}: {err}", maybe_applied=sent) from err
 
     async def reserve(
         self,
@@ -219,13 +221,16 @@ class RedisStore:
         out = []
         for i in range(0, len(flat), 4):
             res_id, scopes, amounts, record = flat[i : i + 4]
-            values = [int(v) for v in str(amounts).split()]
+            try:
+                values = [int(v) for v in str(amounts).split()]
+            except ValueError:
+                continue  # a damaged record: the reaper skips it rather than dying on it
             out.append(
                 ExpiredLease(
                     id=str(res_id),
                     tenant=tenant,
                     scope_keys=tuple(str(scopes).split("\n")),
-                    amounts=dict(zip(RESERVED_METERS, values, strict=True)),
+                    amounts=dict(zip(RESERVED_METERS, values, strict=False)),
                     record=str(record),
                 )
             )

@@ -8,6 +8,7 @@ rewritten or dropped, every other event is passed on byte for byte.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from aiohttp import web
 from proxy.billing import Settlement, billing_comment, billing_headers, settle
 from proxy.call import Call
 from proxy.config import Config
+from proxy.errors import StoreError
 from proxy.forward import TransportFailure, open_upstream, read_limited
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
@@ -38,6 +40,7 @@ from proxy.record import record_call
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
+log = logging.getLogger("proxy.relay")
 _USAGE_NULL_TAIL = b',"usage":null}'
 # Anything in a chunk besides a content delta: these go through the full JSON parse.
 _NOT_PLAIN_CONTENT = re.compile(
@@ -68,6 +71,8 @@ class Exchange:
         self.obs = Observation()
         self.settlement: Settlement | None = None
         self._renewed_at = time.monotonic()
+        lease_s = call.reservation.lease_ms / 1000 if call.reservation else call.upstream.timeout_s
+        self._write_timeout_s = min(call.upstream.timeout_s, lease_s / 3)
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self._upstream_s = 0.0
         # The content fast path holds for one choice, where every content piece is choice 0's.
@@ -334,8 +339,10 @@ class Exchange:
                 del buffer[:start]
                 if out and not client_gone:
                     try:
-                        await response.write(b"".join(out))
-                    except CLIENT_GONE:
+                        # A client that stops reading must not stall renewals of the lease.
+                        async with asyncio.timeout(self._write_timeout_s):
+                            await response.write(b"".join(out))
+                    except (*CLIENT_GONE, TimeoutError):
                         client_gone = True
                 if client_gone and call.policy.on_client_disconnect == "cancel":
                     break
@@ -343,6 +350,10 @@ class Exchange:
         except TimeoutError:
             failure = Outcome("upstream_timeout")
         except UPSTREAM_BROKEN:
+            failure = Outcome("upstream_error")
+        except Exception:
+            # Our own fault, after the response started: still settle, still end the stream.
+            log.exception("stream relay failed", extra={"request_id": call.request_id})
             failure = Outcome("upstream_error")
         if buffer.strip() and failure is None and not client_gone:
             failure = Outcome("upstream_error")  # the stream ended inside an event
@@ -472,9 +483,14 @@ class Exchange:
         if (now - self._renewed_at) * 1000 < reservation.lease_ms / 3:
             return
         self._renewed_at = now
-        await self.services.store.renew(
-            tenant=reservation.tenant, reservation_id=reservation.id, lease_ms=reservation.lease_ms
-        )
+        try:
+            await self.services.store.renew(
+                tenant=reservation.tenant, reservation_id=reservation.id, lease_ms=reservation.lease_ms
+            )
+        except StoreError as err:
+            # Not fatal: the stream goes on; the settle (or the journal) still follows.
+            self.services.metrics.child(self.services.metrics.store_errors, "renew").inc()
+            log.warning("lease renewal failed", extra={"request_id": self.call.request_id, "error": str(err)})
 
 
 def provider_usage_of(parsed: Any) -> BilledUsage | None:
