@@ -122,8 +122,12 @@ async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store:
     assert isinstance(refused, Refusal)
     assert refused.scope.name == "key:minute" and refused.meter == "requests"
     assert (refused.ceiling, refused.used, refused.reserved, refused.amount) == (2, 0, 2, 1)
-    run = await store.meters(scopes[0].key)
-    assert run["requests"].reserved == 2  # the refused call reserved nothing anywhere
+    for scope in scopes:  # the refused call reserved nothing anywhere
+        state = await store.meters(scope.key)
+        assert state["requests"].reserved == 2 and state["total_tokens"].reserved == 60
+    assert await store.client.zcard("lbp:{team-a}:leases") == 2
+    assert not await store.client.exists("lbp:{team-a}:resv:c")
+    assert await store.client.hget(scopes[2].key, "refused:requests") == "1"  # counted, not charged
 
 
 async def test_a_new_window_needs_no_reset(store: RedisStore) -> None:
@@ -172,7 +176,10 @@ async def test_expired_leases_are_reaped_once_and_renew_extends(store: RedisStor
     )
     long = await reserve(store, "long", [scope])
     assert isinstance(short, Reservation) and isinstance(long, Reservation)
-    assert await store.renew(tenant="team-a", reservation_id="long", lease_ms=60_000)
+    before = await store.client.zscore("lbp:{team-a}:leases", "long")
+    assert await store.renew(tenant="team-a", reservation_id="long", lease_ms=3_600_000)
+    after = await store.client.zscore("lbp:{team-a}:leases", "long")
+    assert after is not None and before is not None and after - before > 3_000_000  # extended
     await store.register_tenant("team-a")
     import asyncio
 
