@@ -308,3 +308,36 @@ async def test_messages_budget_refusal_is_a_429_the_sdk_does_not_retry(
         )
     assert caught.value.response.headers["x-should-retry"] == "false"
     assert fake.received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_without_usage_are_counted(
+    both: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    client = both.client()
+    if stream:
+        s = await client.responses.create(
+            model="gpt-4o-mini", input="hello there", stream=True, extra_body={"fake": {"no_usage": True}}
+        )
+        async for _ in s:
+            pass
+    else:
+        await client.responses.create(
+            model="gpt-4o-mini", input="hello there", extra_body={"fake": {"no_usage": True}}
+        )
+    entry = await the_entry(redis_client)
+    assert entry["usage_source"] == "chars" and entry["outcome"] == "ok"
+    assert int(entry["output_tokens"]) > 0 and int(entry["input_tokens"]) > 0
+
+
+async def test_messages_clients_may_send_their_key_as_x_api_key(both: Proxy, fake: FakeUpstream) -> None:
+    body = {"model": "claude-sonnet-4", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            both.url + "/v1/messages",
+            json=body,
+            headers={"x-api-key": KEY_A, "anthropic-version": "2023-06-01"},
+        ) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["type"] == "message"
+    assert fake.received[-1].headers["x-api-key"] == UPSTREAM_KEY
