@@ -17,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ClusterError, NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from proxy.errors import StoreError, StoreRejected
+from proxy.resp import ConnectionLost, PipelinedConnection, RespError
 from proxy.store import (
     ACTUAL_METERS,
     ALL_METERS,
@@ -33,6 +34,8 @@ from proxy.store import (
 
 # What a store call can raise: redis-py's errors, and the cluster client's own (not a RedisError).
 STORE_FAILURES = (RedisError, RedisClusterException)
+# Error replies that say "not now" rather than "never": the call may be tried again.
+TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired")
 
 
@@ -57,10 +60,16 @@ def clamped_amounts(amounts: Mapping[str, int], per_choice: int, clamp: Clamp) -
 
 class RedisStore:
     def __init__(
-        self, client: aioredis.Redis | RedisCluster, *, pool: aioredis.ConnectionPool | None = None
+        self,
+        client: aioredis.Redis | RedisCluster,
+        *,
+        pool: aioredis.ConnectionPool | None = None,
+        pipe: PipelinedConnection | None = None,
     ) -> None:
         self._client = client
         self._pool = pool
+        # Single-node only: the hot-path scripts share one pipelined connection.
+        self._pipe = pipe
         self._scripts = _load_scripts()
 
     @classmethod
@@ -82,7 +91,8 @@ class RedisStore:
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
             )
-            return cls(aioredis.Redis(connection_pool=pool), pool=pool)
+            pipe = PipelinedConnection(url, timeout_s=socket_timeout_s)
+            return cls(aioredis.Redis(connection_pool=pool), pool=pool, pipe=pipe)
         return cls(client)
 
     @property
@@ -90,6 +100,8 @@ class RedisStore:
         return self._client
 
     async def close(self) -> None:
+        if self._pipe is not None:
+            await self._pipe.close()
         await self._client.aclose()
         if self._pool is not None:
             await self._pool.disconnect()
@@ -122,6 +134,8 @@ class RedisStore:
         return None
 
     async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        if self._pipe is not None:
+            return await self._piped_script(name, keys, args)
         source, sha = self._scripts[name]
         try:
             try:
@@ -136,6 +150,23 @@ class RedisStore:
             # A refused connection never carried the command; a timeout or reset may have.
             sent = not ("connecting to" in str(err) or "Connection refused" in str(err))
             raise StoreError(f"{name}: {err}", maybe_applied=sent) from err
+
+    async def _piped_script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        assert self._pipe is not None
+        source, sha = self._scripts[name]
+        try:
+            try:
+                return await self._pipe.call("EVALSHA", sha, len(keys), *keys, *args)
+            except RespError as err:
+                if not str(err).startswith("NOSCRIPT"):
+                    raise
+                return await self._pipe.call("EVAL", source, len(keys), *keys, *args)
+        except RespError as err:
+            if str(err).startswith(TRANSIENT_REPLIES):
+                raise StoreError(f"{name}: {err}") from err
+            raise StoreRejected(f"{name}: {err}") from err
+        except ConnectionLost as err:
+            raise StoreError(f"{name}: {err}", maybe_applied=err.sent) from err
 
     async def reserve(
         self,
