@@ -19,6 +19,7 @@ from proxy.call import IdSource
 from proxy.config import Config
 from proxy.errors import ApiError, StoreError, api_error_response, error_response, store_unavailable_response
 from proxy.journal import Journal
+from proxy.logs import flush_logs
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
 from proxy.redis_store import RedisStore
@@ -197,6 +198,19 @@ def build_app(
         yield
         await state.session.close()
 
+    async def log_flush_ctx(app: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                flush_logs()
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        flush_logs()
+
     async def reaper_ctx(app: web.Application) -> AsyncIterator[None]:
         assert state.store is not None
 
@@ -238,6 +252,7 @@ def build_app(
         yield
         await runner.cleanup()
 
+    app.cleanup_ctx.append(log_flush_ctx)
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(journal_ctx)
     app.cleanup_ctx.append(session_ctx)

@@ -6,6 +6,7 @@ redacted on the way out, whatever path logged it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -74,8 +75,50 @@ class TextFormatter(logging.Formatter):
         return redact(line)
 
 
+class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Lines go out in batches, not one write each: flushed at once for warnings and errors,
+    otherwise when the buffer fills or a line finds the last flush older than ``interval_s``;
+    ``flush_now`` (a timer in the app) and ``close`` empty it."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        stream: Any
+        try:
+            stream = open(sys.stderr.fileno(), "w", buffering=1 << 16, closefd=False, encoding="utf-8")  # noqa: SIM115
+        except (AttributeError, OSError, ValueError):  # stderr replaced (captured): write to it as is
+            stream = sys.stderr
+        super().__init__(stream)
+        self.interval_s = interval_s
+        self._flushed_at = time.monotonic()
+        self._urgent = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._urgent = record.levelno >= logging.WARNING
+        super().emit(record)
+
+    def flush(self) -> None:
+        now = time.monotonic()
+        if self._urgent or now - self._flushed_at >= self.interval_s:
+            self.flush_now()
+
+    def flush_now(self) -> None:
+        self._flushed_at = time.monotonic()
+        self._urgent = False
+        with contextlib.suppress(ValueError, OSError):  # a stream closed under us (tests, exit)
+            super().flush()
+
+    def close(self) -> None:
+        self.flush_now()
+        super().close()
+
+
+def flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, BufferedStderrHandler):
+            handler.flush_now()
+
+
 def setup_logging(level: str = "info", fmt: str = "json") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = BufferedStderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

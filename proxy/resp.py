@@ -49,6 +49,18 @@ class _Protocol(asyncio.Protocol):
         self.waiters: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        # Commands issued in one turn of the event loop leave in one write.
+        self.outgoing: list[bytes] = []
+
+    def queue(self, command: bytes) -> None:
+        if not self.outgoing:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.outgoing.append(command)
+
+    def flush(self) -> None:
+        if self.outgoing and self.transport is not None and not self.closed:
+            self.transport.write(b"".join(self.outgoing))
+        self.outgoing.clear()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -135,7 +147,7 @@ class PipelinedConnection:
         assert protocol.transport is not None
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         protocol.waiters.append(waiter)
-        protocol.transport.write(_encode(args))
+        protocol.queue(_encode(args))
         async with asyncio.timeout(self._timeout_s):
             return await waiter
 
