@@ -8,6 +8,7 @@ rewritten or dropped, every other event is passed on byte for byte.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -41,6 +42,8 @@ from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger("proxy.relay")
+# Below this many bytes waiting for the client, a write returns at once (aiohttp drains above).
+_WRITE_BACKLOG = 32 * 1024
 _USAGE_NULL_TAIL = b',"usage":null}'
 # Anything in a chunk besides a content delta: these go through the full JSON parse.
 _NOT_PLAIN_CONTENT = re.compile(
@@ -339,9 +342,13 @@ class Exchange:
                 del buffer[:start]
                 if out and not client_gone:
                     try:
-                        # A client that stops reading must not stall renewals of the lease.
-                        async with asyncio.timeout(self._write_timeout_s):
-                            await response.write(b"".join(out))
+                        transport = self.request.transport
+                        if transport is not None and transport.get_write_buffer_size() < _WRITE_BACKLOG:
+                            await response.write(b"".join(out))  # room in the buffer: no wait
+                        else:
+                            # A client that stops reading must not stall renewals of the lease.
+                            async with asyncio.timeout(self._write_timeout_s):
+                                await response.write(b"".join(out))
                     except (*CLIENT_GONE, TimeoutError):
                         client_gone = True
                 if client_gone and call.policy.on_client_disconnect == "cancel":
@@ -392,11 +399,8 @@ class Exchange:
         return failure.tag == "upstream_error" and not self.obs.done and not self.obs.malformed
 
     async def _write_tail(self, response: web.StreamResponse, tail: bytes) -> None:
-        try:
-            await response.write(tail)
-            await response.write_eof()
-        except CLIENT_GONE:
-            pass
+        with contextlib.suppress(*CLIENT_GONE):
+            await response.write_eof(tail)  # one write: the tail and the end of the chunked body
 
     def _safe_event(self, event: bytes) -> bytes | None:
         """``_event``, but an answer shaped so oddly that observing it fails is a malformed
