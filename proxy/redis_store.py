@@ -36,7 +36,7 @@ from proxy.store import (
 STORE_FAILURES = (RedisError, RedisClusterException)
 # Error replies that say "not now" rather than "never": the call may be tried again.
 TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
-SCRIPT_NAMES = ("reserve", "settle", "renew", "expired")
+SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease")
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -248,10 +248,13 @@ class RedisStore:
 
     async def expired_leases(self, *, tenant: str, limit: int) -> list[ExpiredLease]:
         prefix = key_prefix(tenant)
-        flat = await self._script("expired", [f"{prefix}leases"], [f"{prefix}resv:", limit])
+        ids = await self._script("expired", [f"{prefix}leases"], [limit])
         out = []
-        for i in range(0, len(flat), 4):
-            res_id, scopes, amounts, record = flat[i : i + 4]
+        for res_id in ids:
+            found = await self._script("lease", [f"{prefix}resv:{res_id}", f"{prefix}leases"], [res_id])
+            if not found:
+                continue
+            scopes, amounts, record = found
             try:
                 values = [int(v) for v in str(amounts).split()]
             except ValueError:
@@ -262,7 +265,7 @@ class RedisStore:
                     tenant=tenant,
                     scope_keys=tuple(str(scopes).split("\n")),
                     amounts=dict(zip(RESERVED_METERS, values, strict=False)),
-                    record=str(record),
+                    record=str(record or ""),
                 )
             )
         return out
