@@ -17,7 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proxy.call import IdSource
 from proxy.config import Config
-from proxy.errors import ApiError, StoreError, api_error_response, error_response, store_unavailable_response
+from proxy.dialects import DIALECTS
+from proxy.errors import ApiError, StoreError, StoreUnavailable
 from proxy.journal import Journal
 from proxy.logs import flush_logs
 from proxy.metrics import Metrics
@@ -88,49 +89,53 @@ def server_options(config: Config) -> dict[str, Any]:
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], object]
 ) -> web.StreamResponse:
-    """Every error leaves in OpenAI's format; no stack trace ever reaches a client."""
+    """Every error leaves in the format of the API called (OpenAI's, or Anthropic's on
+    ``/v1/messages``); no stack trace ever reaches a client."""
     limit = request.app[STATE].config.limits.max_header_bytes
     if sum(len(name) + len(value) for name, value in request.raw_headers) > limit:
-        return error_response(
-            431,
-            f"The request headers exceed {limit} bytes.",
-            "invalid_request_error",
-            code="headers_too_large",
-        )
+        return _error(request, 431, f"The request headers exceed {limit} bytes.", code="headers_too_large")
     try:
         response = await handler(request)  # type: ignore[misc]
         assert isinstance(response, web.StreamResponse)
         return response
     except ApiError as err:
-        return api_error_response(err)
+        return _error(request, err.status, err.message, err.error_type, code=err.code, headers=err.headers)
     except StoreError:
-        return store_unavailable_response()
+        down = StoreUnavailable()
+        return _error(
+            request, down.status, down.message, down.error_type, code=down.code, headers=down.headers
+        )
     except web.HTTPException as err:
         if err.status == 404:
-            return error_response(
-                404,
-                f"Unknown endpoint {request.method} {request.path}: this proxy forwards only calls it "
-                "can bill.",
-                "invalid_request_error",
-                code="unknown_url",
+            message = (
+                f"Unknown endpoint {request.method} {request.path}: this proxy forwards only calls "
+                "it can bill."
             )
+            return _error(request, 404, message, code="unknown_url")
         if err.status == 405:
-            return error_response(
-                405,
-                f"Method {request.method} is not allowed on {request.path}.",
-                "invalid_request_error",
-                code="method_not_allowed",
-            )
+            message = f"Method {request.method} is not allowed on {request.path}."
+            return _error(request, 405, message, code="method_not_allowed")
         if err.status == 413:
-            return error_response(
-                413, "The request body is too large.", "invalid_request_error", code="body_too_large"
-            )
-        return error_response(err.status, err.reason, "invalid_request_error")
+            return _error(request, 413, "The request body is too large.", code="body_too_large")
+        return _error(request, err.status, err.reason)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
-        return error_response(
-            500, "Internal proxy error; the call was not forwarded or was settled.", "server_error"
-        )
+        message = "Internal proxy error; the call was not forwarded or was settled."
+        return _error(request, 500, message, "server_error")
+
+
+def _error(
+    request: web.Request,
+    status: int,
+    message: str,
+    error_type: str = "invalid_request_error",
+    *,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    dialect = DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
+    body = dialect.error_body(message, error_type, code=code, status=status)
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
 def build_app(

@@ -341,3 +341,19 @@ async def test_messages_clients_may_send_their_key_as_x_api_key(both: Proxy, fak
             assert resp.status == 200
             assert (await resp.json())["type"] == "message"
     assert fake.received[-1].headers["x-api-key"] == UPSTREAM_KEY
+
+
+async def test_messages_framework_errors_come_in_anthropic_format(both: Proxy) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(both.url + "/v1/messages", headers={"x-api-key": KEY_A}) as resp:
+            assert resp.status == 405
+            body = await resp.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        async with session.post(
+            both.url + "/v1/messages",
+            data=b"x" * (5 * 1024 * 1024),
+            headers={"x-api-key": KEY_A, "content-type": "application/json"},
+        ) as resp:
+            assert resp.status == 413
+            body = await resp.json()
+        assert body["error"]["type"] == "request_too_large"
