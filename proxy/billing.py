@@ -17,7 +17,7 @@ from proxy.journal import Journal, PendingSettlement
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros
 from proxy.scopes import scopes_for
-from proxy.store import Clamp, Refusal, Reservation, Scope, Store
+from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store
 
 log = logging.getLogger("proxy.billing")
 
@@ -258,14 +258,7 @@ async def settle(
 
 async def settle_or_journal(store: Store, journal: Journal, pending: PendingSettlement) -> str | None:
     try:
-        return await store.settle(
-            tenant=pending.tenant,
-            reservation_id=pending.reservation_id,
-            run_id=pending.run_id,
-            scope_keys=pending.scope_keys,
-            actual=pending.actual,
-            entry=pending.entry,
-        )
+        return await pending.apply(store)
     except StoreError as err:
         # The answer is not held back: the settlement waits in the local journal and is applied
         # when the store is back (exactly once: settling is idempotent by reservation id).
@@ -280,19 +273,7 @@ def release_unforwarded(call: Call, journal: Journal, scopes: list[str]) -> None
     """A reserve whose reply was lost may still have happened: journal a zero settlement for it,
     so that, once the store answers, its reservation is released (not reaped at full reserve).
     If the reserve never happened, applying it changes nothing."""
-    zero = dict.fromkeys(
-        (
-            "requests",
-            "input_tokens",
-            "output_tokens",
-            "total_tokens",
-            "cost_micros",
-            "cached_input_tokens",
-            "reasoning_tokens",
-            "cache_creation_input_tokens",
-        ),
-        0,
-    )
+    zero = dict.fromkeys(ACTUAL_METERS, 0)
     usage = BilledUsage(
         input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
     )

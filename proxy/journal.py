@@ -35,6 +35,17 @@ class PendingSettlement:
     actual: dict[str, int]
     entry: dict[str, str]
 
+    async def apply(self, store: Store) -> str | None:
+        """Settle it; idempotent by reservation id, so applying it again changes nothing."""
+        return await store.settle(
+            tenant=self.tenant,
+            reservation_id=self.reservation_id,
+            run_id=self.run_id,
+            scope_keys=self.scope_keys,
+            actual=self.actual,
+            entry=self.entry,
+        )
+
 
 class Journal:
     def __init__(self, directory: Path) -> None:
@@ -130,14 +141,7 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path) -> int:
             done += 1
             continue
         try:
-            entry_id = await store.settle(
-                tenant=pending.tenant,
-                reservation_id=pending.reservation_id,
-                run_id=pending.run_id,
-                scope_keys=pending.scope_keys,
-                actual=pending.actual,
-                entry=pending.entry,
-            )
+            entry_id = await pending.apply(store)
         except StoreRejected as err:
             # The store will never take this line: park it for an operator, go on.
             log.error(

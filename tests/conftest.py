@@ -45,6 +45,22 @@ async def redis_client(redis_server: RedisServerProcess) -> AsyncIterator[aiored
 
 
 @pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServerProcess]:
+    """A Redis of the test's own, to stop, kill and restart."""
+    server = RedisServerProcess(tmp_path / "own-redis", port=free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def own_client(own_redis: RedisServerProcess) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
 async def fake() -> AsyncIterator[FakeUpstream]:
     upstream = FakeUpstream(api_key=UPSTREAM_KEY)
     await upstream.start()

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import Journal, PendingSettlement
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
 from tests.conftest import KEY_A, ProxyFactory
@@ -24,21 +22,6 @@ LEDGER = "lbp:{team-a}:ledger"
 LEASES = "lbp:{team-a}:leases"
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 MSGS: list[Any] = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServerProcess]:
-    server = RedisServerProcess(tmp_path / "own-redis", port=free_port())
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-async def own_client(own_redis: RedisServerProcess) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 async def until(predicate: Any, timeout_s: float = 10.0) -> None:

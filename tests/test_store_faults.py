@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import Journal, PendingSettlement
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
 from tests.conftest import KEY_A, ProxyFactory
@@ -22,21 +21,6 @@ from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
 LEASES = "lbp:{team-a}:leases"
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServerProcess]:
-    server = RedisServerProcess(tmp_path / "own-redis", port=free_port())
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-async def own_client(own_redis: RedisServerProcess) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 async def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
