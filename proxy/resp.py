@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -47,6 +48,8 @@ class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader(replyError=RespError, encoding="utf-8")
         self.waiters: deque[asyncio.Future[Any]] = deque()
+        # When each waiting command was sent, oldest first (the same order as ``waiters``).
+        self.sent_at: deque[float] = deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
         # Commands issued in one turn of the event loop leave in one write.
@@ -76,8 +79,9 @@ class _Protocol(asyncio.Protocol):
                 self._fail(ConnectionLost("unexpected reply from Redis", sent=True))
                 return
             waiter = self.waiters.popleft()
+            self.sent_at.popleft()
             if waiter.done():
-                continue  # its caller timed out; the order still holds
+                continue  # its caller went away; the order still holds
             if isinstance(reply, RespError):
                 waiter.set_exception(reply)
             else:
@@ -86,8 +90,12 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ConnectionLost(f"connection to Redis lost: {exc or 'closed'}", sent=True))
 
+    def overdue(self, timeout_s: float) -> bool:
+        return bool(self.sent_at) and time.monotonic() - self.sent_at[0] > timeout_s
+
     def _fail(self, error: ConnectionLost) -> None:
         self.closed = True
+        self.sent_at.clear()
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
@@ -112,6 +120,7 @@ class PipelinedConnection:
         self._timeout_s = timeout_s
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
@@ -130,8 +139,13 @@ class PipelinedConnection:
             )
         if self._db:
             setup.append(("SELECT", self._db))
-        for command in setup:
-            await self._send(protocol, command)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                for command in setup:
+                    await self._send(protocol, command)
+        except TimeoutError:
+            protocol._fail(ConnectionLost("Redis did not answer AUTH/SELECT in time", sent=False))
+            raise ConnectionLost("Redis did not answer AUTH/SELECT in time", sent=False) from None
         return protocol
 
     async def _ready(self) -> _Protocol:
@@ -147,19 +161,32 @@ class PipelinedConnection:
         assert protocol.transport is not None
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         protocol.waiters.append(waiter)
+        protocol.sent_at.append(time.monotonic())
         protocol.queue(_encode(args))
-        async with asyncio.timeout(self._timeout_s):
-            return await waiter
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        return await waiter
+
+    async def _watch(self) -> None:
+        """One timer for all commands instead of one per command: replies come in order, so if
+        the oldest is overdue the connection is stuck; everything waiting on it fails as
+        "maybe applied" and the next call reconnects."""
+        interval = min(0.1, self._timeout_s / 4)
+        while self._protocol is not None and not self._protocol.closed:
+            await asyncio.sleep(interval)
+            protocol = self._protocol
+            if protocol is not None and protocol.overdue(self._timeout_s):
+                protocol._fail(ConnectionLost("Redis did not answer in time", sent=True))
 
     async def call(self, *args: Any) -> Any:
         protocol = await self._ready()
-        try:
-            return await self._send(protocol, args)
-        except TimeoutError:
-            # The reply may still come; the FIFO skips it. The command may have run.
-            raise ConnectionLost("Redis did not answer in time", sent=True) from None
+        return await self._send(protocol, args)
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(BaseException):
+                await self._watchdog
         if self._protocol is not None and self._protocol.transport is not None:
             with contextlib.suppress(Exception):
                 self._protocol.transport.close()
