@@ -35,6 +35,10 @@ def _clean(value: Any) -> Any:
     return value
 
 
+# ``extra={TRUSTED_FIELDS: {...}}``: flat fields already free of secrets (see ``redact``).
+TRUSTED_FIELDS = "trusted_fields"
+
+
 class JsonFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__()
@@ -50,6 +54,17 @@ class JsonFormatter(logging.Formatter):
         return f"{self._stamp}.{int(record.msecs):03d}Z"
 
     def format(self, record: logging.LogRecord) -> str:
+        trusted = record.__dict__.get(TRUSTED_FIELDS)
+        if trusted is not None:
+            # The per-call line: its fields are built redacted by the caller; no scan needed.
+            line = {
+                "ts": self._time(record),
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "msg": record.msg,
+                **trusted,
+            }
+            return orjson.dumps(line).decode()
         payload: dict[str, Any] = {
             "ts": self._time(record),
             "level": record.levelname.lower(),
@@ -76,9 +91,9 @@ class TextFormatter(logging.Formatter):
 
 
 class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Lines go out in batches, not one write each: flushed at once for warnings and errors,
-    otherwise when the buffer fills or a line finds the last flush older than ``interval_s``;
-    ``flush_now`` (a timer in the app) and ``close`` empty it."""
+    """Per-call lines go out in batches, not one write each: flushed when the buffer fills, when
+    a line finds the last flush older than ``interval_s``, by ``flush_now`` (a timer in the app)
+    and on ``close``; every other line (start-up, reloads, warnings) is flushed at once."""
 
     def __init__(self, interval_s: float = 0.25) -> None:
         stream: Any
@@ -92,7 +107,8 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._urgent = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        self._urgent = record.levelno >= logging.WARNING
+        # Only the per-call lines wait in the buffer; anything else goes out with them at once.
+        self._urgent = record.levelno >= logging.WARNING or TRUSTED_FIELDS not in record.__dict__
         super().emit(record)
 
     def flush(self) -> None:

@@ -9,6 +9,7 @@ from proxy.billing import Settlement
 from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import BudgetExceeded
+from proxy.logs import TRUSTED_FIELDS, redact
 from proxy.metrics import Metrics, model_label, tenant_label
 
 log = logging.getLogger("proxy.call")
@@ -44,17 +45,16 @@ def record_call(
     if call.first_token_at is not None:
         metrics.child(metrics.ttft, model).observe(call.first_token_at - call.started_at)
     metrics.overhead.observe(overhead_s)
-    log.info(
-        "call",
-        extra={
+    if log.isEnabledFor(logging.INFO):
+        fields = {
             "request_id": call.request_id,
             "tenant": call.identity.tenant,
             "key_name": call.identity.key_name,
             "run_id": call.run_id,
             "endpoint": call.endpoint,
-            "model": call.model,
+            "model": redact(call.model),  # the one free-text field a client chooses
             "stream": call.stream,
-            "outcome": settlement.outcome.label,
+            "outcome": redact(settlement.outcome.label),
             "input_tokens": usage.input_tokens,
             "cached_input_tokens": usage.cached_input_tokens,
             "output_tokens": usage.output_tokens,
@@ -64,8 +64,8 @@ def record_call(
             "status": call.upstream_status,
             "latency_ms": int(elapsed * 1000),
             "settled": settlement.entry_id is not None,
-        },
-    )
+        }
+        log.info("call", extra={TRUSTED_FIELDS: fields})
 
 
 def record_refusal(metrics: Metrics, config: Config, tenant: str, err: BudgetExceeded) -> None:
