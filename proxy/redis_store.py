@@ -91,7 +91,10 @@ class RedisStore:
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
             )
-            pipe = PipelinedConnection(url, timeout_s=socket_timeout_s)
+            # TLS (rediss://) stays on redis-py: the pipelined connection speaks plain TCP/unix.
+            pipe = (
+                None if url.startswith("rediss://") else PipelinedConnection(url, timeout_s=socket_timeout_s)
+            )
             return cls(aioredis.Redis(connection_pool=pool), pool=pool, pipe=pipe)
         return cls(client)
 

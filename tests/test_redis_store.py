@@ -229,3 +229,32 @@ async def test_a_retried_reserve_reserves_once(store: RedisStore) -> None:
     assert (await store.meters(scope.key))["total_tokens"].reserved == 30
     assert await settle(store, first) is not None
     assert (await store.meters(scope.key))["total_tokens"].reserved == 0
+
+
+async def test_scripts_run_the_same_without_the_pipelined_connection(
+    redis_server: RedisServerProcess,
+) -> None:
+    """The redis-py path (Cluster and TLS use it) gives the same answers as the pipelined one."""
+    import redis.asyncio as aioredis_
+
+    plain = RedisStore(aioredis_.Redis.from_url(redis_server.url, decode_responses=True))
+    piped = RedisStore.from_url(redis_server.url)
+    try:
+        scope = Scope(name="run", key="lbp:{team-a}:run:paths", ceilings={"requests": 2})
+        for store, rid in ((plain, "p1"), (piped, "p2")):
+            res = await reserve(store, rid, [scope])
+            assert isinstance(res, Reservation) and res.tightest_meter == "requests"
+        assert isinstance(await reserve(plain, "p3", [scope]), Refusal)
+        assert isinstance(await reserve(piped, "p3", [scope]), Refusal)
+        assert (
+            await settle(
+                plain,
+                Reservation(
+                    id="p2", tenant="team-a", run_id="run1", scopes=(scope,), amounts=AMOUNTS, lease_ms=1
+                ),
+            )
+            is not None
+        )
+    finally:
+        await plain.close()
+        await piped.close()
