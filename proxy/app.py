@@ -46,7 +46,6 @@ class State:
     ready: bool = False
     # Tenants this process has registered for the reapers (one SADD per tenant per process).
     registered_tenants: set[str] = field(default_factory=set)
-    leases_reaped: int = 0
 
 
 STATE = web.AppKey("state", State)
@@ -134,8 +133,7 @@ def _error(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     dialect = DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
-    body = dialect.error_body(message, error_type, code=code, status=status)
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+    return dialect.error_response(status, message, error_type, code=code, headers=headers)
 
 
 def build_app(
@@ -220,7 +218,6 @@ def build_app(
         assert state.store is not None
 
         def count(n: int) -> None:
-            state.leases_reaped += n
             state.metrics.leases_expired.inc(n)
 
         task = asyncio.create_task(run_reaper(state.store, config.limits.reaper_interval_s, count))

@@ -9,11 +9,12 @@ stream typed events and report usage themselves (``response.completed`` / ``mess
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
+from aiohttp import web
 
 from proxy.observe import MAX_SANE_TOKENS, Observation, ProviderUsage, parse_usage
 from proxy.payload import Endpoint
@@ -201,6 +202,19 @@ class Dialect:
             kind = _ANTHROPIC_BY_STATUS.get(status or 0) or _ANTHROPIC_TYPES.get(error_type, error_type)
             return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
         return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+    def error_response(
+        self,
+        status: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> web.Response:
+        body = self.error_body(message, error_type, code=code, param=param, status=status)
+        return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
     def error_event(self, message: str, error_type: str, code: str) -> bytes:
         if self.endpoint == "responses":

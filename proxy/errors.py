@@ -9,7 +9,6 @@
         ├── Unauthorized       401 invalid_api_key
         ├── Forbidden          403 permission_denied
         ├── NotFound           404 not_found
-        ├── PayloadTooLarge    413
         ├── BudgetExceeded     429 insufficient_quota / budget_exceeded
         └── StoreUnavailable   503 service_unavailable (the call was not forwarded)
 
@@ -82,10 +81,6 @@ class Forbidden(ApiError):
 class NotFound(ApiError):
     status = 404
     code = "not_found"
-
-
-class PayloadTooLarge(ApiError):
-    status = 413
 
 
 class BudgetExceeded(ApiError):

@@ -106,13 +106,12 @@ async def read_body(request: web.Request) -> bytes:
 
 def _refused(endpoint: Endpoint, request_id: str, err: ApiError) -> web.Response:
     """An error before forwarding, in the format of the API the client speaks."""
-    body = DIALECTS[endpoint].error_body(
-        err.message, err.error_type, code=err.code, param=err.param, status=err.status
-    )
-    return web.Response(
-        status=err.status,
-        body=body,
-        content_type="application/json",
+    return DIALECTS[endpoint].error_response(
+        err.status,
+        err.message,
+        err.error_type,
+        code=err.code,
+        param=err.param,
         headers={**err.headers, "x-request-id": request_id},
     )
 

@@ -132,8 +132,7 @@ class Exchange:
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> web.Response:
-        body = self.call.dialect.error_body(message, error_type, code=code, status=status)
-        return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+        return self.call.dialect.error_response(status, message, error_type, code=code, headers=headers)
 
     def _headers(self, settlement: Settlement) -> dict[str, str]:
         return {"x-request-id": self.call.request_id, **billing_headers(self.call, settlement)}
