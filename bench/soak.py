@@ -40,19 +40,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
+from bench.procstats import Server, cpu_seconds, process_tree, start_ready_line  # noqa: E402
 from bench.run import (  # noqa: E402
     BENCH,
     KEYS,
     PYTHON,
     RESULTS,
     SMALL_PROMPT,
-    Server,
-    cpu_seconds,
     git_revision,
-    process_tree,
     proxy_config,
     start_proxy,
-    start_ready_line,
 )
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 from proxy.store import key_prefix  # noqa: E402

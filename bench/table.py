@@ -1,0 +1,214 @@
+"""Aggregation and reporting for ``bench/run.py``: medians over rounds, the comparisons between
+arms, and the Markdown report (main table, CPU targets, proxy vs LiteLLM, small calls under
+concurrent 100 KB calls)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.run import Scenario, Settings
+
+Rows = dict[tuple[str, int, str], dict[str, Any]]
+
+# CPU ms/req, proxy / relay (issue 6).
+TARGETS = {"nonstream-small": 2.0, "stream-20": 1.5, "stream-200": 1.3}
+# req/s, proxy / LiteLLM on the same machine and work.
+LITELLM_TARGET = 25.0
+ARM_ORDER = {"direct": 0, "relay": 1, "proxy": 2, "litellm": 3}
+
+NUMERIC = (
+    "rps",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "mean_ms",
+    "ttfb_p50_ms",
+    "ttfb_p99_ms",
+    "cpu_ms_per_req",
+    "cpu_util",
+    "upstream_cpu_ms_per_req",
+    "redis_cpu_ms_per_req",
+    "peak_rss_mib",
+    "loadgen_cpu_util",
+    "foreign_cpu_util",
+)
+
+
+def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(records[-1])
+    for key in NUMERIC:
+        values = [r[key] for r in records if r.get(key) is not None]
+        out[key] = round(statistics.median(values), 4) if values else None
+    out["requests"] = sum(r["requests"] for r in records)
+    out["errors"] = sum(r["errors"] for r in records)
+    out["rounds"] = len(records)
+    return out
+
+
+def _ratio(a: float | None, b: float | None, digits: int = 2) -> float | None:
+    return round(a / b, digits) if a and b else None
+
+
+def add_comparisons(rows: Rows, scenarios: Sequence[Scenario]) -> None:
+    """Latency added vs direct, proxy/relay ratios, and proxy/LiteLLM ratios."""
+    by_name = {s.name: s for s in scenarios}
+    for (name, conc, arm), row in rows.items():
+        base_name = by_name[name].baseline or name
+        direct = rows.get((base_name, conc, "direct"))
+        relay = rows.get((base_name, conc, "relay"))
+        row["baseline_scenario"] = base_name
+        if direct is not None and arm != "direct":
+            for key in ("p50_ms", "p99_ms"):
+                if row.get(key) is not None and direct.get(key) is not None:
+                    row[f"added_{key}"] = round(row[key] - direct[key], 3)
+        if arm == "proxy" and relay is not None:
+            row["cpu_ratio_vs_relay"] = _ratio(row.get("cpu_ms_per_req"), relay.get("cpu_ms_per_req"))
+            row["rps_ratio_vs_relay"] = _ratio(row.get("rps"), relay.get("rps"))
+        litellm = rows.get((name, conc, "litellm"))
+        if arm == "proxy" and litellm is not None:
+            # Throughput multiple (the issue's figure) and the per-request CPU multiple.
+            row["rps_ratio_vs_litellm"] = _ratio(row.get("rps"), litellm.get("rps"), 1)
+            row["litellm_cpu_ratio"] = _ratio(litellm.get("cpu_ms_per_req"), row.get("cpu_ms_per_req"), 1)
+        if arm == "proxy" and by_name[name].background is not None:
+            alone = rows.get((base_name, conc, "proxy"))
+            if alone is not None:
+                for key in ("p50_ms", "p99_ms"):
+                    if row.get(key) is not None and alone.get(key) is not None:
+                        row[f"alone_{key}"] = alone[key]
+                        row[f"added_vs_alone_{key}"] = round(row[key] - alone[key], 3)
+
+
+def _fmt(value: Any, digits: int = 2, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float | int):
+        return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _main_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
+    lines = [
+        "| scenario | conc | arm | req/s | p50 ms | p99 ms | +p50 vs direct | +p99 vs direct "
+        "| TTFB p50 ms | CPU ms/req | redis ms/req | peak RSS MiB | errors "
+        "| CPU/req x relay | req/s x relay |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key in sorted(rows, key=lambda k: (k[1], order[k[0]], ARM_ORDER[k[2]])):
+        r = rows[key]
+        cells = [
+            r["scenario"],
+            str(r["concurrency"]),
+            r["arm"],
+            _fmt(r["rps"], 0),
+            _fmt(r["p50_ms"]),
+            _fmt(r["p99_ms"]),
+            _fmt(r.get("added_p50_ms"), signed=True),
+            _fmt(r.get("added_p99_ms"), signed=True),
+            _fmt(r.get("ttfb_p50_ms")),
+            _fmt(r["cpu_ms_per_req"], 3),
+            _fmt(r.get("redis_cpu_ms_per_req"), 3),
+            _fmt(r["peak_rss_mib"], 1),
+            str(r["errors"]),
+            _fmt(r.get("cpu_ratio_vs_relay")),
+            _fmt(r.get("rps_ratio_vs_relay")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _targets_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
+    lines = ["", "## CPU per request, proxy / relay, against the targets", ""]
+    lines += ["| scenario | conc | proxy CPU ms/req | relay CPU ms/req | ratio | target | met |"]
+    lines += ["|---|---:|---:|---:|---:|---:|---|"]
+    for (name, conc, arm), r in sorted(rows.items(), key=lambda kv: (kv[0][1], order[kv[0][0]])):
+        if arm != "proxy" or name not in TARGETS:
+            continue
+        relay = rows.get((name, conc, "relay"))
+        ratio = r.get("cpu_ratio_vs_relay")
+        met = "-" if ratio is None else ("yes" if ratio <= TARGETS[name] else "**no**")
+        lines.append(
+            f"| {name} | {conc} | {_fmt(r['cpu_ms_per_req'], 3)} | "
+            f"{_fmt(relay['cpu_ms_per_req'] if relay else None, 3)} | {_fmt(ratio)} | "
+            f"≤{TARGETS[name]} | {met} |"
+        )
+    return lines
+
+
+def _litellm_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
+    pairs = [
+        (key, r, rows[(key[0], key[1], "proxy")])
+        for key, r in rows.items()
+        if key[2] == "litellm" and (key[0], key[1], "proxy") in rows
+    ]
+    if not pairs:
+        return []
+    lines = ["", "## Throughput, proxy / LiteLLM (same upstream, load and machine)", ""]
+    lines += [
+        "| scenario | conc | proxy req/s | litellm req/s | req/s proxy ÷ litellm | target | met "
+        "| proxy CPU ms/req | litellm CPU ms/req | CPU/req litellm ÷ proxy | litellm p50 ms "
+        "| litellm p99 ms | litellm peak RSS MiB | litellm errors |"
+    ]
+    lines += ["|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (name, conc, _arm), lite, proxy in sorted(pairs, key=lambda p: (p[0][1], order[p[0][0]])):
+        ratio = proxy.get("rps_ratio_vs_litellm")
+        met = "-" if ratio is None else ("yes" if ratio >= LITELLM_TARGET else "**no**")
+        lines.append(
+            f"| {name} | {conc} | {_fmt(proxy['rps'], 0)} | {_fmt(lite['rps'], 0)} | {_fmt(ratio, 1)} "
+            f"| ≥{LITELLM_TARGET:.0f} | {met} | {_fmt(proxy['cpu_ms_per_req'], 3)} "
+            f"| {_fmt(lite['cpu_ms_per_req'], 3)} | {_fmt(proxy.get('litellm_cpu_ratio'), 1)} "
+            f"| {_fmt(lite['p50_ms'])} | {_fmt(lite['p99_ms'])} | {_fmt(lite['peak_rss_mib'], 1)} "
+            f"| {lite['errors']} |"
+        )
+    return lines
+
+
+def _interference_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
+    mixed = [(k, r) for k, r in rows.items() if r.get("background")]
+    if not mixed:
+        return []
+    lines = ["", "## Small calls with concurrent 100 KB calls (proxy)", ""]
+    lines += [
+        "| scenario | conc | background | bg req/s | bg p50 ms | bg errors | small req/s "
+        "| p50 ms alone | p99 ms alone | p50 ms | p99 ms | +p50 | +p99 |"
+    ]
+    lines += ["|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (name, conc, _arm), r in sorted(mixed, key=lambda kv: (kv[0][1], order[kv[0][0]])):
+        bg = r["background"]
+        lines.append(
+            f"| {name} | {conc} | {bg['label']} | {_fmt(bg.get('rps'), 1)} | {_fmt(bg.get('p50_ms'))} "
+            f"| {bg.get('errors', '-')} | {_fmt(r['rps'], 0)} | {_fmt(r.get('alone_p50_ms'))} "
+            f"| {_fmt(r.get('alone_p99_ms'))} | {_fmt(r['p50_ms'])} | {_fmt(r['p99_ms'])} "
+            f"| {_fmt(r.get('added_vs_alone_p50_ms'), signed=True)} "
+            f"| {_fmt(r.get('added_vs_alone_p99_ms'), signed=True)} |"
+        )
+    return lines
+
+
+def markdown(rows: Rows, settings: Settings, notes: list[str]) -> str:
+    lines = [
+        f"# Proxy benchmark ({settings.mode})",
+        "",
+        f"- {time.strftime('%Y-%m-%d %H:%M:%S')}, git {settings.extra.get('git', '?')}, "
+        f"{os.cpu_count()} cores, Python {sys.version.split()[0]}",
+        f"- warm-up {settings.warmup_s}s + {settings.duration_s}s measured per arm, "
+        f"{settings.rounds} round(s) (medians), proxy workers: {settings.workers or 'default (1 process)'}",
+        "- CPU ms/req: utime+stime of the server process tree over the measured phase / requests. "
+        "Proxy rows also show Redis CPU ms/req. Ratios are proxy / relay (same scenario's relay, or "
+        "the baseline scenario's for the proxy-only scenarios).",
+        *[f"- {note}" for note in notes],
+        "",
+    ]
+    order = {s.name: i for i, s in enumerate(settings.scenarios)}
+    lines += _main_table(rows, order)
+    lines += _targets_table(rows, order)
+    lines += _litellm_table(rows, order)
+    lines += _interference_table(rows, order)
+    lines += ["", "Scenarios:", ""]
+    lines += [f"- `{s.name}`: {s.description}" for s in settings.scenarios]
+    return "\n".join(lines) + "\n"
