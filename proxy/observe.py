@@ -86,6 +86,14 @@ class Observation:
                 self.first_token_at = time.monotonic()
             self.contents.setdefault(index, []).append(escaped)
 
+    def raw_run(self, index: int, escaped: bytes, events: int) -> None:
+        """The texts of ``events`` content events at once, still JSON-escaped and joined."""
+        self.chunks += events
+        if escaped:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.contents.setdefault(index, []).append(escaped)
+
     def _choice(self, choice: dict[str, Any], part: dict[str, Any] | None) -> None:
         index = choice.get("index", 0)
         if not isinstance(index, int):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,10 +22,11 @@ from proxy.billing import Settlement, billing_comment, billing_headers, settle
 from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import StoreError
+from proxy.events import EventFilter
 from proxy.forward import TransportFailure, open_upstream, read_limited
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
-from proxy.observe import Observation, parse_usage, string_end
+from proxy.observe import Observation, parse_usage
 from proxy.outcome import (
     ZERO_USAGE,
     BilledUsage,
@@ -44,12 +44,6 @@ from proxy.tokenizer import Tokenizer
 log = logging.getLogger("proxy.relay")
 # Below this many bytes waiting for the client, a write returns at once (aiohttp drains above).
 _WRITE_BACKLOG = 32 * 1024
-_USAGE_NULL_TAIL = b',"usage":null}'
-# Anything in a chunk besides a content delta: these go through the full JSON parse.
-_NOT_PLAIN_CONTENT = re.compile(
-    rb'"finish_reason"\s*:\s*"|"usage"\s*:\s*\{|"refusal"\s*:\s*"|"tool_calls"|"function_call"|"error"'
-    rb'|"choices"\s*:\s*\[\s*\]'
-)
 CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError)
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
@@ -78,10 +72,6 @@ class Exchange:
         self._write_timeout_s = min(call.upstream.timeout_s, lease_s / 3)
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self._upstream_s = 0.0
-        # The content fast path holds for one choice, where every content piece is choice 0's.
-        self._fast = call.choices == 1 and call.dialect.injects_usage
-        self._content_field = b'"content"' if call.endpoint == "chat.completions" else b'"text"'
-        self._content_key = self._content_field + b':"'
 
     # -- usage helpers -------------------------------------------------------------------
 
@@ -314,6 +304,9 @@ class Exchange:
         client_gone = False
         failure: Outcome | None = None
         buffer = bytearray()
+        events = EventFilter(
+            self.obs, dialect=call.dialect, choices=call.choices, client_wants_usage=call.client_wants_usage
+        )
         pieces = upstream.content.iter_any().__aiter__()
         try:
             while True:
@@ -331,23 +324,20 @@ class Exchange:
                     failure = Outcome("upstream_error")  # one event larger than we hold
                     break
                 # Every complete event of this read goes out in one write, as soon as it came.
-                out: list[bytes] = []
-                start = 0
-                while (end := buffer.find(b"\n\n", start)) >= 0:
-                    passed = self._safe_event(bytes(buffer[start:end]))
-                    if passed is not None:
-                        out.append(passed)
-                    start = end + 2
-                del buffer[:start]
+                complete = buffer.rfind(b"\n\n") + 2
+                out = b""
+                if complete > 1:
+                    out = events.feed(bytes(buffer[:complete]))
+                    del buffer[:complete]
                 if out and not client_gone:
                     try:
                         transport = self.request.transport
                         if transport is not None and transport.get_write_buffer_size() < _WRITE_BACKLOG:
-                            await response.write(b"".join(out))  # room in the buffer: no wait
+                            await response.write(out)  # room in the buffer: no wait
                         else:
                             # A client that stops reading must not stall renewals of the lease.
                             async with asyncio.timeout(self._write_timeout_s):
-                                await response.write(b"".join(out))
+                                await response.write(out)
                     except (*CLIENT_GONE, TimeoutError):
                         client_gone = True
                 if client_gone and call.policy.on_client_disconnect == "cancel":
@@ -400,83 +390,6 @@ class Exchange:
     async def _write_tail(self, response: web.StreamResponse, tail: bytes) -> None:
         with contextlib.suppress(*CLIENT_GONE):
             await response.write_eof(tail)  # one write: the tail and the end of the chunked body
-
-    def _safe_event(self, event: bytes) -> bytes | None:
-        """``_event``, but an answer shaped so oddly that observing it fails is a malformed
-        answer (``upstream_error``), passed on as it came: it never breaks the stream."""
-        try:
-            return self._event(event)
-        except Exception:
-            self.obs.malformed = True
-            return event + b"\n\n"
-
-    def _typed_event(self, event: bytes, data: bytes) -> bytes:
-        """Responses / Anthropic events: observed, passed on unchanged."""
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self.obs.malformed = True
-            return event + b"\n\n"
-        if isinstance(obj, dict):
-            self.call.dialect.observe_event(self.obs, obj)
-        else:
-            self.obs.malformed = True
-        return event + b"\n\n"
-
-    def _content_only(self, data: bytes) -> bool:
-        """True (and observed) when ``data`` is a compact chunk whose one choice carries only
-        a content delta; anything else (finish reasons, usage, refusals, tool calls, errors,
-        unusual formatting) goes through the full parse."""
-        if not data.startswith(b"{") or not data.endswith(b"}") or _NOT_PLAIN_CONTENT.search(data):
-            return False
-        key = self._content_key
-        found = data.find(key)
-        if found < 0:
-            if self._content_field in data:
-                return False  # formatted differently: let the parser read it
-            self.obs.raw_content(0, b"")
-            return True
-        start = found + len(key)
-        end = string_end(data, start)
-        if end < 0 or data.find(key, end) >= 0:
-            return False
-        self.obs.raw_content(0, data[start:end])
-        return True
-
-    def _event(self, event: bytes) -> bytes | None:
-        """Observe one SSE event; return the bytes the client gets, or None to drop it."""
-        if event.startswith(b"data: ") and b"\n" not in event:
-            data = event[6:]
-        elif b"data:" in event:
-            lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
-            data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)
-        else:
-            return event + b"\n\n"  # comments (keep-alives) and field-only events pass through
-        if data == b"[DONE]":
-            self.obs.done = True
-            return None  # written after the billing comment
-        if not self.call.dialect.injects_usage:
-            return self._typed_event(event, data)
-        wants_usage = self.call.client_wants_usage
-        strip = not wants_usage and data.endswith(_USAGE_NULL_TAIL)
-        if self._fast and (wants_usage or strip or b'"usage"' not in data) and self._content_only(data):
-            # Most events only carry a content delta: note it without parsing the JSON.
-            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n" if strip else event + b"\n\n"
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self.obs.malformed = True
-            return event + b"\n\n"
-        self.obs.observe(obj, streaming=True)
-        if self.call.client_wants_usage or b'"usage"' not in data or not isinstance(obj, dict):
-            return event + b"\n\n"
-        if data.endswith(_USAGE_NULL_TAIL):
-            # The common case (OpenAI puts it last): cut the bytes, do not re-serialise.
-            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n"
-        if obj.get("choices") == [] and obj.get("usage") is not None:
-            return None  # the usage-only chunk the client did not ask for
-        obj.pop("usage", None)
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
 
     async def _maybe_renew(self) -> None:
         reservation = self.call.reservation

@@ -1,0 +1,237 @@
+"""Observe a stream's SSE events and decide, event by event, what the client gets.
+
+Every event is passed on byte for byte, except usage the client did not ask for (its
+``"usage":null`` cut off, the usage-only chunk dropped) and ``[DONE]`` (written by the relay
+after the billing comment).
+
+Most events of an OpenAI stream are content deltas that differ only in their text. The first
+such event is parsed in full; its bytes around the text become a template, and later runs of
+events that match it byte for byte are observed and passed on in one step: a few scans of the
+whole run in C instead of Python work per event. Anything that does not match exactly (another
+field, a quote or a line break in the text, a finish reason, usage, an error) goes through the
+per-event path, so the template only ever changes the cost, never the result.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+from proxy.dialects import Dialect
+from proxy.observe import Observation, string_end
+
+_USAGE_NULL_TAIL = b',"usage":null}'
+_STRIPPED_EVENT_END = (_USAGE_NULL_TAIL + b"\n\n", b"}\n\n")
+# Anything in a chunk besides a content delta: these go through the full JSON parse.
+NOT_PLAIN_CONTENT = re.compile(
+    rb'"finish_reason"\s*:\s*"|"usage"\s*:\s*\{|"refusal"\s*:\s*"|"tool_calls"|"function_call"|"error"'
+    rb'|"choices"\s*:\s*\[\s*\]'
+)
+# Tries at learning a template per stream: a stream whose events never fit one stops trying.
+_TEMPLATE_TRIES = 3
+
+
+class EventFilter:
+    """One stream's events: ``feed`` takes complete events, returns the client's bytes."""
+
+    def __init__(
+        self, obs: Observation, *, dialect: Dialect, choices: int, client_wants_usage: bool, runs: bool = True
+    ) -> None:
+        self.obs = obs
+        self.dialect = dialect
+        self.client_wants_usage = client_wants_usage
+        # The content fast paths hold for one choice, where every content piece is choice 0's.
+        self._fast = choices == 1 and dialect.injects_usage
+        self._content_field = b'"content"' if dialect.endpoint == "chat.completions" else b'"text"'
+        self._content_key = self._content_field + b':"'
+        self._strip = not client_wants_usage
+        # Events passed on in runs (``runs=False``: never; one event at a time, as a reference).
+        self.run_events = 0
+        # The template: an event is prefix + quote-free text + suffix.
+        self._prefix = b""
+        self._suffix = b""
+        self._separator = b""
+        # The client's version of the template when it did not ask for usage (empty: the same).
+        self._stripped_suffix = b""
+        self._stripped_separator = b""
+        self._run_texts: list[bytes] = []
+        self._run = b""
+        self._tries = _TEMPLATE_TRIES if self._fast and runs else 0
+
+    def feed(self, events: bytes) -> bytes:
+        """``events``: one or more complete events, each ending in a blank line (``\\n\\n``)."""
+        out: list[bytes] = []
+        pos = 0
+        size = len(events)
+        runs = True  # until a run fails its check: then not again in this piece
+        while pos < size:
+            if runs and self._prefix and events.startswith(self._prefix, pos):
+                end = self._run_end(events, pos)
+                if end > 0:
+                    out.append(self._pass_run())
+                    pos = end
+                    continue
+                runs = False
+            sep = events.find(b"\n\n", pos)
+            if sep < 0:  # not a complete event: the caller only hands over complete ones
+                sep = size
+            passed = self.safe_event(events[pos:sep])
+            if passed is not None:
+                out.append(passed)
+            pos = sep + 2
+        return b"".join(out)
+
+    # -- runs of template events -----------------------------------------------------------
+
+    def _run_end(self, events: bytes, pos: int) -> int:
+        """End of the run of template events from ``pos`` to the template's last occurrence in
+        ``events`` when every event in between is one, else -1; keeps what ``_pass_run`` needs."""
+        suffix = self._suffix
+        end = events.rfind(suffix, pos) + len(suffix)
+        if end - pos < len(self._prefix) + len(suffix):
+            return -1
+        run = events[pos:end]
+        text_start = len(self._prefix)
+        text_cut = len(suffix) - 2
+        texts = [part[text_start : len(part) - text_cut] for part in run.split(b"\n\n")[:-1]]
+        # Rebuilt from the texts, the run must come out byte for byte: every event is then the
+        # template around its text. The texts themselves must hold no quote (which could close
+        # the string early), no line break, and must not end in a backslash (which would escape
+        # the closing quote); one scan of them joined checks all three.
+        lines = b"\n".join(texts) + b"\n"
+        if (
+            b'"' in lines
+            or b"\\\n" in lines
+            or lines.count(b"\n") != len(texts)
+            or self._prefix + self._separator.join(texts) + suffix != run
+        ):
+            return -1
+        self._run_texts = texts
+        self._run = run
+        return end
+
+    def _pass_run(self) -> bytes:
+        texts = self._run_texts
+        self.obs.raw_run(0, b"".join(texts), len(texts))
+        self.run_events += len(texts)
+        if self._stripped_suffix:
+            return self._prefix + self._stripped_separator.join(texts) + self._stripped_suffix
+        return self._run
+
+    def _learn(self, data: bytes, start: int, end: int) -> None:
+        """Make ``data`` (a content event's JSON, its text at ``start:end``) the template when a
+        full parse confirms it is nothing but one piece of text for choice 0."""
+        self._tries -= 1
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        scratch = Observation()
+        scratch.observe(obj, streaming=True)
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if not (
+            isinstance(choices, list)
+            and len(choices) == 1
+            and isinstance(choices[0], dict)
+            and choices[0].get("index") == 0
+            and not scratch.finish_reasons
+            and not scratch.extras
+            and not scratch.refused
+            and not scratch.error
+            and scratch.usage is None
+            and obj.get("usage", None) is None
+            and list(scratch.contents) == [0]
+        ):
+            return
+        prefix = b"data: " + data[:start]
+        suffix = data[end:] + b"\n\n"
+        if b"\n" in prefix or b"\n" in suffix[:-2]:
+            return
+        self._prefix, self._suffix = prefix, suffix
+        self._separator = suffix + prefix
+        if self._strip and suffix.endswith(_STRIPPED_EVENT_END[0]):
+            self._stripped_suffix = suffix[: -len(_STRIPPED_EVENT_END[0])] + _STRIPPED_EVENT_END[1]
+            self._stripped_separator = self._stripped_suffix + prefix
+        self._tries = 0
+
+    # -- one event at a time ---------------------------------------------------------------
+
+    def safe_event(self, event: bytes) -> bytes | None:
+        """``event``, but an answer shaped so oddly that observing it fails is a malformed
+        answer (``upstream_error``), passed on as it came: it never breaks the stream."""
+        try:
+            return self._event(event)
+        except Exception:
+            self.obs.malformed = True
+            return event + b"\n\n"
+
+    def _typed_event(self, event: bytes, data: bytes) -> bytes:
+        """Responses / Anthropic events: observed, passed on unchanged."""
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.obs.malformed = True
+            return event + b"\n\n"
+        if isinstance(obj, dict):
+            self.dialect.observe_event(self.obs, obj)
+        else:
+            self.obs.malformed = True
+        return event + b"\n\n"
+
+    def _content_only(self, data: bytes) -> bool:
+        """True (and observed) when ``data`` is a compact chunk whose one choice carries only
+        a content delta; anything else (finish reasons, usage, refusals, tool calls, errors,
+        unusual formatting) goes through the full parse."""
+        if not data.startswith(b"{") or not data.endswith(b"}") or NOT_PLAIN_CONTENT.search(data):
+            return False
+        key = self._content_key
+        found = data.find(key)
+        if found < 0:
+            if self._content_field in data:
+                return False  # formatted differently: let the parser read it
+            self.obs.raw_content(0, b"")
+            return True
+        start = found + len(key)
+        end = string_end(data, start)
+        if end < 0 or data.find(key, end) >= 0:
+            return False
+        self.obs.raw_content(0, data[start:end])
+        if self._tries:
+            self._learn(data, start, end)
+        return True
+
+    def _event(self, event: bytes) -> bytes | None:
+        """Observe one SSE event; return the bytes the client gets, or None to drop it."""
+        if event.startswith(b"data: ") and b"\n" not in event:
+            data = event[6:]
+        elif b"data:" in event:
+            lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)
+        else:
+            return event + b"\n\n"  # comments (keep-alives) and field-only events pass through
+        if data == b"[DONE]":
+            self.obs.done = True
+            return None  # written after the billing comment
+        if not self.dialect.injects_usage:
+            return self._typed_event(event, data)
+        wants_usage = self.client_wants_usage
+        strip = not wants_usage and data.endswith(_USAGE_NULL_TAIL)
+        if self._fast and (wants_usage or strip or b'"usage"' not in data) and self._content_only(data):
+            # Most events only carry a content delta: note it without parsing the JSON.
+            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n" if strip else event + b"\n\n"
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.obs.malformed = True
+            return event + b"\n\n"
+        self.obs.observe(obj, streaming=True)
+        if wants_usage or b'"usage"' not in data or not isinstance(obj, dict):
+            return event + b"\n\n"
+        if data.endswith(_USAGE_NULL_TAIL):
+            # The common case (OpenAI puts it last): cut the bytes, do not re-serialise.
+            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n"
+        if obj.get("choices") == [] and obj.get("usage") is not None:
+            return None  # the usage-only chunk the client did not ask for
+        obj.pop("usage", None)
+        return b"data: " + orjson.dumps(obj) + b"\n\n"

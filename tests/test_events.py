@@ -1,0 +1,168 @@
+"""The stream event filter: runs of template events must give exactly what one event at a time
+gives (client bytes and observation), however the stream is cut into reads."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.dialects import DIALECTS
+from proxy.events import EventFilter
+from proxy.observe import Observation
+
+BASE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+
+def event(obj: Any, *, usage_null: bool = True) -> bytes:
+    if usage_null and isinstance(obj, dict):
+        obj = {**obj, "usage": None}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def content(text: str, *, usage_null: bool = True, **extra: Any) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    return event({**BASE, **extra, "choices": [choice]}, usage_null=usage_null)
+
+
+def finish(reason: str = "stop") -> bytes:
+    choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+    return event({**BASE, "choices": [choice]})
+
+
+def crafted(raw_text: bytes) -> bytes:
+    """A template event whose text bytes are ``raw_text`` as sent, escaped or not."""
+    return content("tok ").replace(b'"content":"tok "', b'"content":"' + raw_text + b'"')
+
+
+USAGE = event(
+    {**BASE, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}, usage_null=False
+)
+ROLE = event(
+    {**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+)
+DONE = b"data: [DONE]\n\n"
+
+TEXTS = st.one_of(
+    st.sampled_from(["tok ", "", " a", "x\\", '"', '\\"', "\\", "\n", "\\n", "é🚀", "}", '"},', "\\\\"]),
+    st.text(max_size=8),
+)
+ODD = (
+        ROLE,
+        finish(),
+        finish("length"),
+        USAGE,
+        b": keep-alive\n\n",
+        b"data: {not json}\n\n",
+        b'data: {"choices":[{"index":0,"delta":{"refusal":"no"},"finish_reason":null}],"usage":null}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}],'
+        b'"usage":null,"x":1}\n\n',
+        # Texts that break out of their string, or span lines: never part of a run.
+        crafted(b'a","refusal":"no'),
+        crafted(b'a","finish_reason":"length'),
+        crafted(b'a"},"x":{"content":"b'),
+        crafted(b"tok \\"),
+        crafted(b"a\nb"),
+        crafted(b"a\n\nb"),
+        crafted(b'a\\"'),
+        content("tok ", usage_null=False),
+        content("tok ", created=2),
+        b'data: {"error":{"message":"boom"}}\n\n',
+        b"event: x\ndata: " + content("multi")[6:],
+)
+ODD_EVENTS = st.sampled_from(ODD)
+EVENTS = st.lists(st.one_of(TEXTS.map(content), TEXTS.map(content), ODD_EVENTS), max_size=40)
+
+
+def relay(stream: bytes, cuts: list[int], *, runs: bool, wants_usage: bool, choices: int = 1) -> Any:
+    """What the relay does with upstream reads: complete events go to the filter."""
+    obs = Observation()
+    events = EventFilter(
+        obs, dialect=DIALECTS["chat.completions"], choices=choices, client_wants_usage=wants_usage, runs=runs
+    )
+    out = b""
+    buffer = bytearray()
+    edges = [0, *sorted(set(c % (len(stream) + 1) for c in cuts)), len(stream)]
+    for start, end in itertools.pairwise(edges):
+        buffer += stream[start:end]
+        complete = buffer.rfind(b"\n\n") + 2
+        if complete > 1:
+            out += events.feed(bytes(buffer[:complete]))
+            del buffer[:complete]
+    seen = (
+        obs.content_of(0),
+        obs.all_text(),
+        obs.usage,
+        obs.finish_reasons,
+        obs.refused,
+        obs.malformed,
+        obs.error,
+        obs.done,
+        obs.chunks,
+        obs.first_token_at is None,
+    )
+    return out, seen, events.run_events
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    body=EVENTS,
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6),
+    wants_usage=st.booleans(),
+    tail=st.booleans(),
+)
+def test_runs_give_what_one_event_at_a_time_gives(
+    body: list[bytes], cuts: list[int], wants_usage: bool, tail: bool
+) -> None:
+    stream = b"".join([ROLE, *body, *([finish(), USAGE, DONE] if tail else [])])
+    fast = relay(stream, cuts, runs=True, wants_usage=wants_usage)
+    reference = relay(stream, cuts, runs=False, wants_usage=wants_usage)
+    assert fast[:2] == reference[:2]
+    assert reference[2] == 0
+
+
+@pytest.mark.parametrize("odd", ODD)
+@pytest.mark.parametrize("wants_usage", [False, True])
+def test_an_odd_event_inside_a_run_is_read_as_itself(odd: bytes, wants_usage: bool) -> None:
+    stream = ROLE + content("a") + content("b") + odd + content("c") + content("d") + finish() + USAGE + DONE
+    for cuts in ([], [len(ROLE) + 5]):
+        fast = relay(stream, cuts, runs=True, wants_usage=wants_usage)
+        assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=wants_usage)[:2]
+
+
+def test_a_plain_stream_goes_in_runs_and_strips_usage_null() -> None:
+    texts = [f"tok{i} " for i in range(200)]
+    stream = ROLE + b"".join(content(t) for t in texts) + finish() + USAGE + DONE
+    out, seen, in_runs = relay(stream, [4096, 30_000], runs=True, wants_usage=False)
+    assert seen[0] == "".join(texts)
+    assert seen[2] is not None and seen[2].output_tokens == 5
+    assert seen[3] == {0: "stop"}
+    # Only the first content event (which makes the template) and those cut by a read go alone.
+    assert in_runs >= 195
+    assert b'"usage"' not in out  # null cut from every chunk, the usage-only chunk dropped
+    assert out.count(b"\n\n") == 1 + 200 + 1
+    assert out == relay(stream, [4096, 30_000], runs=False, wants_usage=False)[0]
+
+
+def test_a_client_that_asked_for_usage_gets_every_byte() -> None:
+    stream = ROLE + b"".join(content(f"t{i}") for i in range(50)) + finish() + USAGE + DONE
+    out, _, in_runs = relay(stream, [], runs=True, wants_usage=True)
+    assert in_runs == 49
+    assert out == stream[: -len(DONE)]
+
+
+def test_texts_with_quotes_or_line_breaks_leave_the_run_for_the_parser() -> None:
+    texts = ["a", "b", 'say "hi"', "c", "line\nbreak", "d\\", "e"]
+    stream = ROLE + b"".join(content(t) for t in texts * 5) + finish() + DONE
+    fast = relay(stream, [], runs=True, wants_usage=False)
+    assert fast[1][0] == "".join(texts * 5)
+    assert fast[:2] == relay(stream, [], runs=False, wants_usage=False)[:2]
+
+
+def test_no_runs_with_several_choices() -> None:
+    stream = ROLE + b"".join(content(f"t{i}") for i in range(20)) + DONE
+    assert relay(stream, [], runs=True, wants_usage=False, choices=2)[2] == 0
