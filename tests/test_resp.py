@@ -1,0 +1,32 @@
+"""The pipelined connection of the hot-path scripts, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.redis_server import RedisServerProcess
+from proxy.resp import PipelinedConnection, RespError
+
+
+async def test_every_kind_of_argument_arrives_as_sent(redis_server: RedisServerProcess) -> None:
+    pipe = PipelinedConnection(redis_server.url, timeout_s=5)
+    try:
+        args = (b"\x00raw\r\nbytes", "ünïcödé ✓", -1, 0, 2**62, '{"json": ["x"]}', "")
+        got = await pipe.call("EVAL", "return ARGV", 0, *args)
+        assert got == ["\x00raw\r\nbytes", "ünïcödé ✓", "-1", "0", str(2**62), '{"json": ["x"]}', ""]
+    finally:
+        await pipe.close()
+
+
+async def test_replies_reach_their_callers_in_order(redis_server: RedisServerProcess) -> None:
+    pipe = PipelinedConnection(redis_server.url, timeout_s=5)
+    try:
+        replies = await asyncio.gather(*(pipe.call("EVAL", "return ARGV[1]", 0, i) for i in range(500)))
+        assert replies == [str(i) for i in range(500)]
+        with pytest.raises(RespError):
+            await pipe.call("EVAL", "return redis.error_reply('ERR nope')", 0)
+        assert await pipe.call("EVAL", "return 7", 0) == 7  # an error reply leaves the stream in step
+    finally:
+        await pipe.close()
