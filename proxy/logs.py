@@ -46,12 +46,15 @@ class JsonFormatter(logging.Formatter):
         self._stamp = ""
 
     def _time(self, record: logging.LogRecord) -> str:
+        return self.stamp(record.created)
+
+    def stamp(self, created: float) -> str:
         # One strftime per second, not per line: this runs once per call.
-        second = int(record.created)
+        second = int(created)
         if second != self._second:
             self._second = second
             self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return f"{self._stamp}.{int(record.msecs):03d}Z"
+        return f"{self._stamp}.{int((created - second) * 1000):03d}Z"
 
     def format(self, record: logging.LogRecord) -> str:
         trusted = record.__dict__.get(TRUSTED_FIELDS)
@@ -111,6 +114,21 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._urgent = record.levelno >= logging.WARNING or TRUSTED_FIELDS not in record.__dict__
         super().emit(record)
 
+    def write_call_line(self, fields: dict[str, Any]) -> None:
+        """The per-call line without a LogRecord: what ``JsonFormatter`` makes of it, byte for
+        byte, at a fraction of the cost of the logging machinery."""
+        formatter = self.formatter
+        assert isinstance(formatter, JsonFormatter)
+        line = {"ts": formatter.stamp(time.time()), "level": "info", "logger": CALL_LOGGER, "msg": "call"}
+        text = orjson.dumps({**line, **fields}).decode() + self.terminator
+        with self.lock:  # type: ignore[union-attr]  # created in Handler.__init__
+            try:
+                self.stream.write(text)
+            except (ValueError, OSError):  # a stream closed under us (tests, exit)
+                return
+            self._urgent = False
+            self.flush()
+
     def flush(self) -> None:
         now = time.monotonic()
         if self._urgent or now - self._flushed_at >= self.interval_s:
@@ -125,6 +143,32 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def close(self) -> None:
         self.flush_now()
         super().close()
+
+
+CALL_LOGGER = "proxy.call"
+
+
+def log_call(fields: dict[str, Any]) -> None:
+    """Write the per-call line (``fields`` already free of secrets, see ``redact``).
+
+    Straight into the buffered JSON handler when it is the only one in place, as ``serve`` sets
+    it up; through ``logging`` otherwise (tests that capture logs, an embedding application).
+    """
+    logger = logging.getLogger(CALL_LOGGER)
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    handlers = logging.getLogger().handlers
+    if (
+        len(handlers) == 1
+        and type(handlers[0]) is BufferedStderrHandler
+        and type(handlers[0].formatter) is JsonFormatter
+        and not logger.handlers
+        and not logger.filters
+        and logger.propagate
+    ):
+        handlers[0].write_call_line(fields)
+    else:
+        logger.info("call", extra={TRUSTED_FIELDS: fields})
 
 
 def flush_logs() -> None:

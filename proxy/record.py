@@ -9,10 +9,10 @@ from proxy.billing import Settlement
 from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import BudgetExceeded
-from proxy.logs import TRUSTED_FIELDS, redact
+from proxy.logs import CALL_LOGGER, log_call, redact
 from proxy.metrics import Metrics, model_label, tenant_label
 
-log = logging.getLogger("proxy.call")
+call_log = logging.getLogger(CALL_LOGGER)
 
 
 def record_call(
@@ -45,31 +45,32 @@ def record_call(
     if call.first_token_at is not None:
         metrics.child(metrics.ttft, model).observe(call.first_token_at - call.started_at)
     metrics.overhead.observe(overhead_s)
-    if log.isEnabledFor(logging.INFO):
-        fields = {
-            "request_id": call.request_id,
-            "tenant": call.identity.tenant,
-            "key_name": call.identity.key_name,
-            "run_id": call.run_id,
-            "endpoint": call.endpoint,
-            "model": redact(call.model),  # the one free-text field a client chooses
-            "stream": call.stream,
-            "outcome": redact(settlement.outcome.label),
-            "input_tokens": usage.input_tokens,
-            "cached_input_tokens": usage.cached_input_tokens,
-            "output_tokens": usage.output_tokens,
-            "reasoning_tokens": usage.reasoning_tokens,
-            "usage_source": usage.source,
-            "cost_micros": settlement.cost_micros,
-            "status": call.upstream_status,
-            "latency_ms": int(elapsed * 1000),
-            "settled": settlement.entry_id is not None,
-        }
-        log.info("call", extra={TRUSTED_FIELDS: fields})
+    if call_log.isEnabledFor(logging.INFO):
+        log_call(
+            {
+                "request_id": call.request_id,
+                "tenant": call.identity.tenant,
+                "key_name": call.identity.key_name,
+                "run_id": call.run_id,
+                "endpoint": call.endpoint,
+                "model": redact(call.model),  # the one free-text field a client chooses
+                "stream": call.stream,
+                "outcome": redact(settlement.outcome.label),
+                "input_tokens": usage.input_tokens,
+                "cached_input_tokens": usage.cached_input_tokens,
+                "output_tokens": usage.output_tokens,
+                "reasoning_tokens": usage.reasoning_tokens,
+                "usage_source": usage.source,
+                "cost_micros": settlement.cost_micros,
+                "status": call.upstream_status,
+                "latency_ms": int(elapsed * 1000),
+                "settled": settlement.entry_id is not None,
+            }
+        )
 
 
 def record_refusal(metrics: Metrics, config: Config, tenant: str, err: BudgetExceeded) -> None:
     scope = err.headers.get("x-billing-refused-scope", "")
     meter = err.headers.get("x-billing-refused-meter", "")
     metrics.child(metrics.budget_refusals, tenant_label(tenant, config), scope, meter).inc()
-    log.info("budget refusal", extra={"tenant": tenant, "scope": scope, "meter": meter})
+    call_log.info("budget refusal", extra={"tenant": tenant, "scope": scope, "meter": meter})

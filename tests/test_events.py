@@ -52,27 +52,26 @@ TEXTS = st.one_of(
     st.text(max_size=8),
 )
 ODD = (
-        ROLE,
-        finish(),
-        finish("length"),
-        USAGE,
-        b": keep-alive\n\n",
-        b"data: {not json}\n\n",
-        b'data: {"choices":[{"index":0,"delta":{"refusal":"no"},"finish_reason":null}],"usage":null}\n\n',
-        b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}],'
-        b'"usage":null,"x":1}\n\n',
-        # Texts that break out of their string, or span lines: never part of a run.
-        crafted(b'a","refusal":"no'),
-        crafted(b'a","finish_reason":"length'),
-        crafted(b'a"},"x":{"content":"b'),
-        crafted(b"tok \\"),
-        crafted(b"a\nb"),
-        crafted(b"a\n\nb"),
-        crafted(b'a\\"'),
-        content("tok ", usage_null=False),
-        content("tok ", created=2),
-        b'data: {"error":{"message":"boom"}}\n\n',
-        b"event: x\ndata: " + content("multi")[6:],
+    ROLE,
+    finish(),
+    finish("length"),
+    USAGE,
+    b": keep-alive\n\n",
+    b"data: {not json}\n\n",
+    b'data: {"choices":[{"index":0,"delta":{"refusal":"no"},"finish_reason":null}],"usage":null}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}],"usage":null,"x":1}\n\n',
+    # Texts that break out of their string, or span lines: never part of a run.
+    crafted(b'a","refusal":"no'),
+    crafted(b'a","finish_reason":"length'),
+    crafted(b'a"},"x":{"content":"b'),
+    crafted(b"tok \\"),
+    crafted(b"a\nb"),
+    crafted(b"a\n\nb"),
+    crafted(b'a\\"'),
+    content("tok ", usage_null=False),
+    content("tok ", created=2),
+    b'data: {"error":{"message":"boom"}}\n\n',
+    b"event: x\ndata: " + content("multi")[6:],
 )
 ODD_EVENTS = st.sampled_from(ODD)
 EVENTS = st.lists(st.one_of(TEXTS.map(content), TEXTS.map(content), ODD_EVENTS), max_size=40)

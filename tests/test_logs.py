@@ -1,0 +1,62 @@
+"""The per-call log line: one JSON object per forwarded call, written by real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import signal
+from pathlib import Path
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from proxy.logs import CALL_LOGGER, TRUSTED_FIELDS, BufferedStderrHandler, JsonFormatter
+from proxy.redis_server import RedisServerProcess
+from tests.conftest import KEY_A, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.procs import ProxyProcess
+
+FIELDS = {"request_id": "r-1", "tenant": "t", "outcome": "ok", "input_tokens": 3, "settled": True}
+
+
+def test_the_direct_line_is_what_the_formatter_writes() -> None:
+    handler = BufferedStderrHandler()
+    handler.stream = io.StringIO()
+    handler.setFormatter(JsonFormatter())
+    handler.write_call_line(dict(FIELDS))
+    direct = json.loads(handler.stream.getvalue())
+    record = logging.LogRecord(CALL_LOGGER, logging.INFO, __file__, 1, "call", None, None)
+    record.__dict__[TRUSTED_FIELDS] = dict(FIELDS)
+    formatted = json.loads(JsonFormatter().format(record))
+    assert direct.pop("ts").endswith("Z") and formatted.pop("ts").endswith("Z")
+    assert direct == formatted
+    assert list(direct) == ["level", "logger", "msg", *FIELDS]
+
+
+async def test_a_process_writes_one_line_per_call(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    proc = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path).start()
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "logged"}
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+    request_ids = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for extra in ({}, {"stream": True}, {"fake": {"mode": "error", "status": 500}}):
+                async with session.post(
+                    proc.url + "/v1/chat/completions", json={**body, **extra}, headers=headers
+                ) as resp:
+                    await resp.read()
+                    request_ids.append(resp.headers["x-request-id"])
+    finally:
+        proc.signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait)
+    lines = [json.loads(line) for line in proc.log_path.read_text().splitlines() if '"msg":"call"' in line]
+    assert [line["request_id"] for line in lines] == request_ids
+    assert [line["outcome"] for line in lines] == ["ok", "ok", "upstream_error"]
+    assert all(line["logger"] == CALL_LOGGER and line["run_id"] == "logged" for line in lines)
+    assert [line["stream"] for line in lines] == [False, True, False]
+    ledger = await redis_client.xrange("lbp:{team-a}:ledger")
+    assert [int(entry["input_tokens"]) for _, entry in ledger] == [line["input_tokens"] for line in lines]
