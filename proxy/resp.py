@@ -45,15 +45,19 @@ class _Protocol(asyncio.Protocol):
         self.closed = False
         # Commands issued in one turn of the event loop leave in one write.
         self.outgoing: list[bytes] = []
+        self.in_flight = 0  # written, reply not yet read
 
     def queue(self, command: bytes) -> None:
-        if not self.outgoing:
+        # Commands wait while earlier ones are in flight and leave together when a reply comes
+        # (a send to Redis costs more CPU than the command): never more than one reply away.
+        if not self.outgoing and not self.in_flight:
             asyncio.get_running_loop().call_soon(self.flush)
         self.outgoing.append(command)
 
     def flush(self) -> None:
         if self.outgoing and self.transport is not None and not self.closed:
             self.transport.write(b"".join(self.outgoing))
+            self.in_flight += len(self.outgoing)
         self.outgoing.clear()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -65,7 +69,10 @@ class _Protocol(asyncio.Protocol):
         while True:
             reply = self.reader.gets()
             if reply is False:
+                if self.outgoing:
+                    self.flush()
                 return
+            self.in_flight -= 1
             if not self.waiters:  # an answer nobody asked for: the stream is out of step
                 self._fail(ConnectionLost("unexpected reply from Redis", sent=True))
                 return

@@ -30,3 +30,33 @@ async def test_replies_reach_their_callers_in_order(redis_server: RedisServerPro
         assert await pipe.call("EVAL", "return 7", 0) == 7  # an error reply leaves the stream in step
     finally:
         await pipe.close()
+
+
+async def test_commands_wait_for_a_reply_and_leave_together(redis_server: RedisServerProcess) -> None:
+    """While a command is in flight, later ones queue up and go out in one write when a reply
+    comes, instead of one send each."""
+    pipe = PipelinedConnection(redis_server.url, timeout_s=5)
+    try:
+        assert await pipe.call("EVAL", "return 1", 0) == 1
+        protocol = pipe._protocol
+        assert protocol is not None and protocol.transport is not None
+        writes: list[bytes] = []
+        write = protocol.transport.write
+
+        def counting(data: bytes | bytearray | memoryview) -> None:
+            writes.append(bytes(data))
+            write(data)
+
+        protocol.transport.write = counting  # type: ignore[method-assign]
+        slow = asyncio.ensure_future(
+            pipe.call("EVAL", "local n = 0 for i = 1, 3e6 do n = n + i end return 1", 0)
+        )
+        calls = []
+        for i in range(100):  # one command per turn of the event loop, all while the slow one runs
+            calls.append(asyncio.ensure_future(pipe.call("EVAL", "return ARGV[1]", 0, i)))
+            await asyncio.sleep(0)
+        assert await slow == 1
+        assert await asyncio.gather(*calls) == [str(i) for i in range(100)]
+        assert len(writes) <= 3, len(writes)
+    finally:
+        await pipe.close()
