@@ -152,7 +152,11 @@ def build_app(
     state = State(
         config=config,
         passthrough=passthrough,
-        tokenizer=tokenizer if tokenizer is not None else Tokenizer.load(encodings_in(config)),
+        tokenizer=(
+            tokenizer
+            if tokenizer is not None
+            else Tokenizer.load(encodings_in(config), cache_chars=config.limits.token_count_cache_chars)
+        ),
         metrics=Metrics(registry if registry is not None else CollectorRegistry(), currency=config.currency),
         journal=Journal(config.journal_dir),
     )

@@ -19,8 +19,8 @@ from proxy.payload import (
     MessagesBody,
     RequestView,
     ResponsesBody,
-    items_text,
-    message_text,
+    items_parts,
+    message_parts,
 )
 from proxy.tokenizer import Tokenizer
 
@@ -51,29 +51,30 @@ class Estimate:
     enforce_cap: int | None = None
 
 
-def _with_tools(text: str, tools: list[dict[str, Any]] | None) -> str:
-    return text + "\n" + orjson.dumps(tools).decode() if tools else text
+def _with_tools(parts: list[str], tools: list[dict[str, Any]] | None) -> list[str]:
+    return [*(parts or [""]), orjson.dumps(tools).decode()] if tools else parts
 
 
-def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[str, int, int]:
-    """Text to count, fixed overhead in tokens, and tokens given directly as token ids."""
+def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
+    """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
+    and tokens given directly as token ids."""
     if isinstance(view, ChatBody):
-        text = _with_tools(message_text(view.messages), view.tools)
-        return text, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
+        parts = _with_tools(message_parts(view.messages), view.tools)
+        return parts, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
     if isinstance(view, ResponsesBody):
         items = 1 if isinstance(view.input, str) else len(view.input)
-        text = _with_tools(items_text(view.input, view.instructions), view.tools)
-        return text, TOKENS_PER_MESSAGE * (items + 1) + TOKENS_PER_REPLY, 0
+        parts = _with_tools(items_parts(view.input, view.instructions), view.tools)
+        return parts, TOKENS_PER_MESSAGE * (items + 1) + TOKENS_PER_REPLY, 0
     if isinstance(view, MessagesBody):
-        text = _with_tools(items_text(view.messages, view.system), view.tools)
-        return text, TOKENS_PER_MESSAGE * (len(view.messages) + 1) + TOKENS_PER_REPLY, 0
+        parts = _with_tools(items_parts(view.messages, view.system), view.tools)
+        return parts, TOKENS_PER_MESSAGE * (len(view.messages) + 1) + TOKENS_PER_REPLY, 0
     source = view.prompt if isinstance(view, CompletionBody) else view.input
     if isinstance(source, str):
-        return source, 0, 0
+        return [source], 0, 0
     texts = [s for s in source if isinstance(s, str)]
     ids = sum(1 for s in source if isinstance(s, int))
     ids += sum(len(s) for s in source if isinstance(s, list))
-    return "\n".join(texts), 0, ids
+    return texts, 0, ids
 
 
 def estimate(
@@ -85,8 +86,9 @@ def estimate(
     model_max_output_tokens: int | None,
     default_max_output_tokens: int,
 ) -> Estimate:
-    text, overhead, id_tokens = prompt_of(endpoint, view)
-    input_tokens = tokenizer.upper_bound(text, encoding) + overhead + id_tokens
+    parts, overhead, id_tokens = prompt_of(endpoint, view)
+    text = "\n".join(parts)
+    input_tokens = tokenizer.upper_bound_of_parts(parts, encoding) + overhead + id_tokens
     if isinstance(view, EmbeddingBody):
         return Estimate(
             prompt_text=text,

@@ -118,7 +118,7 @@ def _part_texts(content: Any, parts: list[str]) -> None:
                     parts.append(orjson.dumps(value).decode())
 
 
-def message_text(messages: list[dict[str, Any]]) -> str:
+def message_parts(messages: list[dict[str, Any]]) -> list[str]:
     """All text a chat request sends: contents, names, refusals and tool-call arguments."""
     parts: list[str] = []
     for message in messages:
@@ -131,19 +131,21 @@ def message_text(messages: list[dict[str, Any]]) -> str:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
                 parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))
-    return "\n".join(parts)
+    return parts
 
 
-def items_text(items: str | list[dict[str, Any]], extra: str | list[dict[str, Any]] | None = None) -> str:
+def items_parts(
+    items: str | list[dict[str, Any]], extra: str | list[dict[str, Any]] | None = None
+) -> list[str]:
     """All text of a Responses ``input`` (or Anthropic ``messages``) plus instructions/system."""
     parts: list[str] = []
     _part_texts(extra, parts)
     if isinstance(items, str):
         parts.append(items)
-        return "\n".join(parts)
-    parts.append(message_text(items))
+        return parts
+    parts.extend(message_parts(items) or [""])
     for item in items:  # function call outputs and other non-message items
         for key in ("output", "arguments"):
             if isinstance(item.get(key), str):
                 parts.append(item[key])
-    return "\n".join(parts)
+    return parts

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 log = logging.getLogger("proxy.tokenizer")
@@ -19,6 +20,10 @@ log = logging.getLogger("proxy.tokenizer")
 UsageSource = Literal["provider", "tokenizer", "chars", "reserve", "none"]
 DEFAULT_ENCODING = "o200k_base"
 CHARS_PER_TOKEN = 4
+# Texts at least this long have their counts remembered: an agent sends its whole conversation
+# again on every turn, and counting 100 KB with tiktoken takes milliseconds.
+CACHED_TEXT_CHARS = 1024
+DEFAULT_CACHE_CHARS = 8 * 1024 * 1024
 
 
 class Encoding(Protocol):
@@ -61,13 +66,57 @@ def _load_one(name: str, timeout_s: float) -> Encoding | None:
     return None
 
 
+class CountCache:
+    """Token counts of long texts, least recently used first out, bounded by the characters
+    of the texts it keeps. Safe across threads (large estimates run in worker threads)."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._counts: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, encoding: str, text: str) -> int | None:
+        with self._lock:
+            found = self._counts.get((encoding, text))
+            if found is None:
+                self.misses += 1
+                return None
+            self._counts.move_to_end((encoding, text))
+            self.hits += 1
+            return found
+
+    def put(self, encoding: str, text: str, count: int) -> None:
+        if len(text) > self.max_chars:
+            return
+        with self._lock:
+            if (encoding, text) in self._counts:
+                return
+            self._counts[(encoding, text)] = count
+            self._chars += len(text)
+            while self._chars > self.max_chars:
+                (_, old), _count = self._counts.popitem(last=False)
+                self._chars -= len(old)
+
+    @property
+    def chars(self) -> int:
+        return self._chars
+
+
 class Tokenizer:
-    def __init__(self, encodings: Mapping[str, Encoding | None]) -> None:
+    def __init__(
+        self, encodings: Mapping[str, Encoding | None], *, cache_chars: int = DEFAULT_CACHE_CHARS
+    ) -> None:
         self._encodings = dict(encodings)
+        self.cache = CountCache(cache_chars)
 
     @classmethod
-    def load(cls, names: Iterable[str], *, timeout_s: float = 5.0) -> Tokenizer:
-        return cls({name: _load_one(name, timeout_s) for name in set(names)})
+    def load(
+        cls, names: Iterable[str], *, timeout_s: float = 5.0, cache_chars: int = DEFAULT_CACHE_CHARS
+    ) -> Tokenizer:
+        return cls({name: _load_one(name, timeout_s) for name in set(names)}, cache_chars=cache_chars)
 
     def available(self, encoding: str) -> bool:
         return self._encodings.get(encoding) is not None
@@ -89,3 +138,21 @@ class Tokenizer:
         if enc is not None:
             return len(enc.encode_ordinary(text))
         return len(text.encode("utf-8", "surrogatepass"))
+
+    def upper_bound_of_parts(self, parts: Sequence[str], encoding: str) -> int:
+        """``upper_bound`` of the parts joined by line breaks, counted part by part (as a chat
+        provider counts message by message, each in its own template) plus one per break;
+        with the byte fallback exactly the joined text's UTF-8 length. Long parts' counts are
+        remembered, so a conversation sent again is counted only where it grew."""
+        enc = self._encodings.get(encoding)
+        total = max(0, len(parts) - 1)
+        for part in parts:
+            if enc is None or len(part) < CACHED_TEXT_CHARS or self.cache.max_chars <= 0:
+                total += self.upper_bound(part, encoding)
+                continue
+            count = self.cache.get(encoding, part)
+            if count is None:
+                count = len(enc.encode_ordinary(part))
+                self.cache.put(encoding, part, count)
+            total += count
+        return total

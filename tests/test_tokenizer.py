@@ -1,0 +1,86 @@
+"""Counting for reservations: part by part, long parts remembered, the byte fallback exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.tokenizer import CACHED_TEXT_CHARS, Tokenizer
+from tests.conftest import ProxyFactory
+from tests.outcome_helpers import MODEL, byte_encoding, ledger_entries, run_headers
+
+
+class CountingEncoding:
+    """The byte-level stand-in, counting what it was asked to encode."""
+
+    def __init__(self) -> None:
+        self.inner = byte_encoding()
+        self.encoded: list[str] = []
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        self.encoded.append(text)
+        return self.inner.encode_ordinary(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.text(max_size=40), max_size=8))
+def test_without_an_encoding_parts_count_as_their_joined_bytes(parts: list[str]) -> None:
+    joined = "\n".join(parts)
+    assert Tokenizer({}).upper_bound_of_parts(parts, "o200k_base") == len(
+        joined.encode("utf-8", "surrogatepass")
+    )
+
+
+def test_long_parts_are_counted_once_and_the_cache_stays_bounded() -> None:
+    enc = CountingEncoding()
+    tokenizer = Tokenizer({"o200k_base": enc}, cache_chars=4 * CACHED_TEXT_CHARS)
+    history = ["a" * CACHED_TEXT_CHARS, "b" * CACHED_TEXT_CHARS, "short"]
+    first = tokenizer.upper_bound_of_parts(history, "o200k_base")
+    assert first == 2 * CACHED_TEXT_CHARS + len("short") + 2  # one token per byte, one per break
+    enc.encoded.clear()
+    grown = [*history, "c" * CACHED_TEXT_CHARS]
+    assert tokenizer.upper_bound_of_parts(grown, "o200k_base") == first + 1 + CACHED_TEXT_CHARS
+    assert enc.encoded == ["short", "c" * CACHED_TEXT_CHARS]  # the long history was not encoded again
+    for fill in "defgh":
+        tokenizer.upper_bound_of_parts([fill * CACHED_TEXT_CHARS], "o200k_base")
+        assert tokenizer.cache.chars <= 4 * CACHED_TEXT_CHARS
+    enc.encoded.clear()
+    tokenizer.upper_bound_of_parts(history, "o200k_base")
+    assert "a" * CACHED_TEXT_CHARS in enc.encoded  # evicted, least recently used first
+
+
+def test_a_zero_sized_cache_remembers_nothing() -> None:
+    enc = CountingEncoding()
+    tokenizer = Tokenizer({"o200k_base": enc}, cache_chars=0)
+    for _ in range(2):
+        tokenizer.upper_bound_of_parts(["x" * 5000], "o200k_base")
+    assert len(enc.encoded) == 2 and tokenizer.cache.chars == 0
+
+
+async def test_an_agent_resending_its_conversation_is_counted_only_where_it_grew(
+    make_proxy: ProxyFactory,
+) -> None:
+    enc = CountingEncoding()
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    history: list[Any] = [{"role": "system", "content": "You are terse. " * 400}]
+    async with proxy.client() as client:
+        for turn in range(3):
+            history.append({"role": "user", "content": f"question {turn} " * 200})
+            await client.chat.completions.create(
+                model=MODEL, messages=history, max_tokens=5, extra_headers=run_headers("agent")
+            )
+            history.append({"role": "assistant", "content": "ok"})
+    long_texts = [t for t in enc.encoded if len(t) >= CACHED_TEXT_CHARS]
+    assert long_texts == [
+        history[0]["content"],
+        history[1]["content"],
+        history[3]["content"],
+        history[5]["content"],
+    ]
+    entries = await ledger_entries(proxy, "agent")
+    # Each turn reserves its whole conversation: one token per byte, 4 per message, 3 for the reply.
+    for entry, messages in zip(entries, (history[:2], history[:4], history[:6]), strict=True):
+        texts = [m["content"] for m in messages]
+        assert int(entry["reserved_input_tokens"]) == len("\n".join(texts)) + 4 * len(texts) + 3
