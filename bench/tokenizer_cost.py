@@ -86,11 +86,22 @@ def chat_body(size: int, model: str) -> bytes:
 def message_texts(raw: bytes) -> str:
     data = json.loads(raw)
     try:
-        from proxy.payload import message_text
+        from proxy.payload import message_parts
 
-        return message_text(data["messages"])
+        return "\n".join(message_parts(data["messages"]))
     except ImportError:  # the proxy moved it: count the contents
         return "\n".join(m["content"] for m in data["messages"])
+
+
+def next_turns(raw: bytes, count: int) -> list[bytes]:
+    """``count`` bodies that each add one new ~3 KB user message to the conversation of ``raw``:
+    an agent's next turn, whose history the proxy has seen before."""
+    data = json.loads(raw)
+    out = []
+    for i in range(count):
+        turn = {"role": "user", "content": english_text(3000, seed=10_000 + i)}
+        out.append(json.dumps({**data, "messages": [*data["messages"], turn]}).encode())
+    return out
 
 
 def timed(fn: Callable[[], object], repeat: int) -> dict[str, float]:
@@ -109,14 +120,20 @@ def timed(fn: Callable[[], object], repeat: int) -> dict[str, float]:
     }
 
 
-def full_estimate(raw: bytes, tokenizer: Tokenizer, encoding: str) -> Callable[[], object] | None:
-    """parse_body + estimate, as the handler's plan_call runs them; None if the API moved."""
+def full_estimate(
+    raw: bytes | list[bytes], tokenizer: Tokenizer, encoding: str
+) -> Callable[[], object] | None:
+    """parse_body + estimate, as the handler's plan_call runs them (a list of bodies: the next one
+    on each run); None if the API moved."""
+    bodies = raw if isinstance(raw, list) else [raw]
     try:
         from proxy.estimate import estimate
         from proxy.payload import parse_body
 
+        turn = iter(range(10**9))
+
         def run() -> object:
-            _body, view = parse_body(raw, "chat.completions")
+            _body, view = parse_body(bodies[next(turn) % len(bodies)], "chat.completions")
             return estimate(
                 "chat.completions",
                 view,
@@ -202,9 +219,18 @@ def main(argv: list[str] | None = None) -> int:
             ("upper_bound, chat body's message texts", texts),
         )
     ]
-    whole = full_estimate(raw, tokenizer, enc)
+    # A conversation seen for the first time: nothing remembered (the cache off).
+    cold = Tokenizer.load([enc], timeout_s=30, cache_chars=0)
+    whole = full_estimate(raw, cold, enc)
     if whole is not None:
-        cases.append(("parse_body + estimate, whole chat body", len(raw), whole, cases[2][3]))
+        cases.append(("parse_body + estimate, whole chat body, first sight", len(raw), whole, cases[2][3]))
+    # An agent's next turn: the history's counts are remembered, only the new message is counted.
+    warm = Tokenizer.load([enc], timeout_s=30)
+    turns = next_turns(raw, args.repeat + 8)
+    full_estimate(raw, warm, enc)
+    agent = full_estimate(turns, warm, enc)
+    if agent is not None:
+        cases.append(("parse_body + estimate, agent's next turn (+3 KB)", len(turns[0]), agent, 0))
     results = []
     for label, size, fn, tokens in cases:
         results.append({"case": label, "bytes": size, "tokens": tokens, **timed(fn, args.repeat)})
