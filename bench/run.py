@@ -289,6 +289,18 @@ class Settings:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def paced_rates(values: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, float]:
+    """``--paced 800 stream-200=300``: requests/s per scenario name, ``*`` for the rest."""
+    rates: dict[str, float] = {}
+    for value in values:
+        name, _, rate = value.rpartition("=")
+        try:
+            rates[name or "*"] = float(rate)
+        except ValueError:
+            parser.error(f"--paced: not a rate: {value!r}")
+    return rates
+
+
 def loadgen_argv(scenario: Scenario, arm: str, url: str, concurrency: int, settings: Settings) -> list[str]:
     key = KEYS[scenario.key] if arm == "proxy" else KEYS["open"]  # LiteLLM: no master key, any key
     argv = [
@@ -318,6 +330,10 @@ def loadgen_argv(scenario: Scenario, arm: str, url: str, concurrency: int, setti
     ]
     if scenario.stream:
         argv += ["--stream", "--chunks", str(scenario.chunks)]
+    paced = settings.extra.get("paced") or {}
+    rate = paced.get(scenario.name) or paced.get("*")
+    if rate:
+        argv += ["--rate", str(rate)]
     return argv
 
 
@@ -662,6 +678,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"LiteLLM's venv, created with litellm[proxy]=={litellm_arm.LITELLM_VERSION} if missing",
     )
     parser.add_argument(
+        "--paced",
+        nargs="+",
+        default=None,
+        metavar="[SCENARIO=]REQ_PER_S",
+        help="open-loop load: every arm serves the same requests/s (e.g. 800, or stream-200=300), "
+        "so CPU ms/req compares equal work instead of each arm's own saturation point",
+    )
+    parser.add_argument(
         "--background-rate",
         type=float,
         default=BACKGROUND_RATE,
@@ -704,8 +728,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "git": git_revision(),
             "background_rate": args.background_rate,
             "background_concurrency": BACKGROUND_CONCURRENCY,
+            "paced": paced_rates(args.paced or [], parser),
         },
     )
+    if settings.extra["paced"]:
+        rates = ", ".join(f"{k}={v:g}" for k, v in settings.extra["paced"].items())
+        notes.append(
+            f"paced (open-loop) load, requests/s per arm: {rates}; every arm serves the same load, "
+            "so CPU ms/req compares equal work (req/s then shows the pace, not capacity)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
     started = time.monotonic()
