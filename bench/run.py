@@ -609,6 +609,7 @@ def profile(stack: Stack, settings: Settings, name: str, seconds: float, out_dir
             workers=settings.workers,
             rounds=1,
             scenarios=(scenario,),
+            extra={"paced": settings.extra.get("paced") or {}},
         )
         argv = loadgen_argv(scenario, "proxy", stack.url("proxy"), 16, run_settings)
         argv.remove("--sync")

@@ -197,7 +197,7 @@ class EventFilter:
         if end < 0 or data.find(key, end) >= 0:
             return False
         self.obs.raw_content(0, data[start:end])
-        if self._tries:
+        if self._tries and end > start:  # an empty text (the role chunk's) makes no template
             self._learn(data, start, end)
         return True
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,3 +82,38 @@ async def read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes:
             raise ValueError(f"upstream body exceeds {limit} bytes")
         chunks.append(piece)
     return b"".join(chunks)
+
+
+class StallGuard:
+    """Fails a stream's pending read once the relay has waited ``timeout_s`` on a silent upstream.
+
+    aiohttp's ``sock_read`` re-arms a timer on every socket read; this one is re-armed only when
+    it fires. The relay sets ``waiting_since`` while it waits for the next piece (and clears it
+    while it writes to the client, as aiohttp stops its timer while reading is paused: only the
+    upstream's silence counts). It takes over from ``sock_read`` once the response has started
+    (that still bounds the wait for headers)."""
+
+    def __init__(self, response: aiohttp.ClientResponse, timeout_s: float) -> None:
+        self._response = response
+        self._timeout_s = timeout_s
+        self.waiting_since: float | None = None
+        connection = response.connection
+        if connection is not None and connection.protocol is not None:
+            connection.protocol.read_timeout = None  # set again for the connection's next request
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            timeout_s, self._check
+        )
+
+    def _check(self) -> None:
+        since = self.waiting_since
+        due = (time.monotonic() if since is None else since) + self._timeout_s
+        if since is None or time.monotonic() < due:
+            self._handle = asyncio.get_running_loop().call_at(due, self._check)
+            return
+        self._handle = None
+        self._response.content.set_exception(aiohttp.SocketTimeoutError("upstream silent mid-stream"))
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

@@ -23,7 +23,7 @@ from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import StoreError
 from proxy.events import EventFilter
-from proxy.forward import TransportFailure, open_upstream, read_limited
+from proxy.forward import StallGuard, TransportFailure, open_upstream, read_limited
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation, parse_usage
@@ -307,14 +307,16 @@ class Exchange:
         events = EventFilter(
             self.obs, dialect=call.dialect, choices=call.choices, client_wants_usage=call.client_wants_usage
         )
+        guard = StallGuard(upstream, call.upstream.timeout_s)
         pieces = upstream.content.iter_any().__aiter__()
         try:
             while True:
-                waited = time.monotonic()
+                guard.waiting_since = waited = time.monotonic()
                 try:
                     piece = await pieces.__anext__()
                 except StopAsyncIteration:
                     break
+                guard.waiting_since = None
                 self._upstream_s += time.monotonic() - waited
                 buffer += piece
                 if b"\r" in buffer:
@@ -351,6 +353,8 @@ class Exchange:
             # Our own fault, after the response started: still settle, still end the stream.
             log.exception("stream relay failed", extra={"request_id": call.request_id})
             failure = Outcome("upstream_error")
+        finally:
+            guard.cancel()
         if buffer.strip() and failure is None and not client_gone:
             failure = Outcome("upstream_error")  # the stream ended inside an event
 
