@@ -67,7 +67,9 @@ class Exchange:
         self.services = services
         self.obs = Observation()
         self.settlement: Settlement | None = None
-        self._renewed_at = time.monotonic()
+        # Streams renew their lease every third of it.
+        lease_ms = call.reservation.lease_ms if call.reservation else 0
+        self._renew_at = time.monotonic() + lease_ms / 3000 if lease_ms else float("inf")
         lease_s = call.reservation.lease_ms / 1000 if call.reservation else call.upstream.timeout_s
         self._write_timeout_s = min(call.upstream.timeout_s, lease_s / 3)
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
@@ -318,19 +320,23 @@ class Exchange:
                     break
                 guard.waiting_since = None
                 self._upstream_s += time.monotonic() - waited
-                buffer += piece
-                if b"\r" in buffer:
-                    # On the buffer, not the piece: a read may end between \r and \n.
-                    buffer[:] = buffer.replace(b"\r\n", b"\n")
-                if len(buffer) > self.services.config.limits.max_upstream_body_bytes:
-                    failure = Outcome("upstream_error")  # one event larger than we hold
-                    break
-                # Every complete event of this read goes out in one write, as soon as it came.
-                complete = buffer.rfind(b"\n\n") + 2
-                out = b""
-                if complete > 1:
-                    out = events.feed(bytes(buffer[:complete]))
-                    del buffer[:complete]
+                limit = self.services.config.limits.max_upstream_body_bytes
+                if not buffer and piece.endswith(b"\n\n") and b"\r" not in piece and len(piece) <= limit:
+                    out = events.feed(piece)  # whole events, nothing held over: no copies
+                else:
+                    buffer += piece
+                    if b"\r" in buffer:
+                        # On the buffer, not the piece: a read may end between \r and \n.
+                        buffer[:] = buffer.replace(b"\r\n", b"\n")
+                    if len(buffer) > limit:
+                        failure = Outcome("upstream_error")  # one event larger than we hold
+                        break
+                    # Every complete event of this read goes out in one write, as soon as it came.
+                    complete = buffer.rfind(b"\n\n") + 2
+                    out = b""
+                    if complete > 1:
+                        out = events.feed(bytes(buffer[:complete]))
+                        del buffer[:complete]
                 if out and not client_gone:
                     try:
                         transport = self.request.transport
@@ -344,7 +350,8 @@ class Exchange:
                         client_gone = True
                 if client_gone and call.policy.on_client_disconnect == "cancel":
                     break
-                await self._maybe_renew()
+                if time.monotonic() >= self._renew_at:
+                    await self._renew()
         except TimeoutError:
             failure = Outcome("upstream_timeout")
         except UPSTREAM_BROKEN:
@@ -395,14 +402,12 @@ class Exchange:
         with contextlib.suppress(*CLIENT_GONE):
             await response.write_eof(tail)  # one write: the tail and the end of the chunked body
 
-    async def _maybe_renew(self) -> None:
+    async def _renew(self) -> None:
         reservation = self.call.reservation
         if reservation is None:
+            self._renew_at = float("inf")
             return
-        now = time.monotonic()
-        if (now - self._renewed_at) * 1000 < reservation.lease_ms / 3:
-            return
-        self._renewed_at = now
+        self._renew_at = time.monotonic() + reservation.lease_ms / 3000
         try:
             await self.services.store.renew(
                 tenant=reservation.tenant, reservation_id=reservation.id, lease_ms=reservation.lease_ms

@@ -116,7 +116,16 @@ async def test_two_workers_share_the_port_and_stop_together(
     proc = ProxyProcess(
         base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2")
     ).start()
+
+    def listening() -> set[str]:
+        return {line for line in proc.log_path.read_text().splitlines() if '"msg":"listening"' in line}
+
     try:
+        # /readyz answered as soon as one worker was up: give the other its start-up time.
+        for _ in range(200):
+            if len(listening()) == 2:
+                break
+            await asyncio.sleep(0.05)
         async with aiohttp.ClientSession() as session:
 
             async def one(i: int) -> int:
@@ -135,8 +144,7 @@ async def test_two_workers_share_the_port_and_stop_together(
         proc.stop()
     entries = await redis_client.xrange(LEDGER)
     assert len(entries) == 40 == len(fake.bill)
-    workers = {line for line in proc.log_path.read_text().splitlines() if '"msg":"listening"' in line}
-    assert len(workers) == 2
+    assert len(listening()) == 2
 
 
 async def test_a_served_process_refuses_huge_headers_in_openai_format(
