@@ -52,7 +52,7 @@ from bench.procstats import (  # noqa: E402
     system_busy_seconds,
     wait_http_ok,
 )
-from bench.table import add_comparisons, markdown, median_record  # noqa: E402
+from bench.table import add_comparisons, add_round_ratios, markdown, median_record  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 
 PYTHON = sys.executable
@@ -509,7 +509,10 @@ def stack_running(
     workdir: Path, settings: Settings, log_level: str, litellm_venv: Path | None, notes: list[str]
 ) -> Iterator[Stack]:
     servers: list[Server] = []
-    redis = RedisServerProcess(workdir / "redis", port=free_port())  # appendonly, as the proxy runs it
+    # appendonly, as the proxy runs it; on loopback TCP (a Redis of its own host) unless
+    # --redis-unix (the embedded default's unix socket)
+    redis_unix = bool(settings.extra.get("redis_unix"))
+    redis = RedisServerProcess(workdir / "redis", port=None if redis_unix else free_port())
     try:
         upstream = start_ready_line(
             "upstream",
@@ -679,6 +682,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"LiteLLM's venv, created with litellm[proxy]=={litellm_arm.LITELLM_VERSION} if missing",
     )
     parser.add_argument(
+        "--redis-unix",
+        action="store_true",
+        help="the proxy reaches Redis over a unix socket (as the embedded default does), not TCP",
+    )
+    parser.add_argument(
         "--paced",
         nargs="+",
         default=None,
@@ -730,8 +738,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "background_rate": args.background_rate,
             "background_concurrency": BACKGROUND_CONCURRENCY,
             "paced": paced_rates(args.paced or [], parser),
+            "redis_unix": args.redis_unix,
         },
     )
+    if args.redis_unix:
+        notes.append("the proxy reaches Redis over a unix socket (--redis-unix)")
     if settings.extra["paced"]:
         rates = ", ".join(f"{k}={v:g}" for k, v in settings.extra["paced"].items())
         notes.append(
@@ -794,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = {key: median_record(records) for key, records in raw.items()}
     add_comparisons(rows, scenarios)
+    add_round_ratios(rows, raw)
     noisy = [r for r in rows.values() if (r.get("foreign_cpu_util") or 0) > 0.15]
     if noisy:
         worst = max(r["foreign_cpu_util"] for r in noisy)
