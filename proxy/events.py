@@ -28,6 +28,10 @@ NOT_PLAIN_CONTENT = re.compile(
     rb'"finish_reason"\s*:\s*"|"usage"\s*:\s*\{|"refusal"\s*:\s*"|"tool_calls"|"function_call"|"error"'
     rb'|"choices"\s*:\s*\[\s*\]'
 )
+# Texts that, between the quotes of their string, match NOT_PLAIN_CONTENT (or the per-event
+# path's "usage" test): one event at a time such an event is parsed in full, so runs leave them
+# to that path.
+PARSED_TEXTS = frozenset({b"error", b"tool_calls", b"function_call", b"usage"})
 # Tries at learning a template per stream: a stream whose events never fit one stops trying.
 _TEMPLATE_TRIES = 3
 
@@ -62,11 +66,21 @@ class EventFilter:
     def feed(self, events: bytes) -> bytes:
         """``events``: one or more complete events, each ending in a blank line (``\\n\\n``)."""
         prefix, suffix = self._prefix, self._suffix
-        if prefix and events.startswith(prefix) and events.endswith(suffix):
+        if (
+            prefix
+            and len(events) >= len(prefix) + len(suffix)
+            and events.startswith(prefix)
+            and events.endswith(suffix)
+        ):
             # The common read when chunks come spaced out: one template event. A text with no
             # quote and no line break cannot hold a second event.
             text = events[len(prefix) : len(events) - len(suffix)]
-            if b'"' not in text and b"\n" not in text and not text.endswith(b"\\"):
+            if (
+                b'"' not in text
+                and b"\n" not in text
+                and not text.endswith(b"\\")
+                and text not in PARSED_TEXTS
+            ):
                 self.obs.raw_run(0, text, 1)
                 self.run_events += 1
                 if self._stripped_suffix:
@@ -115,6 +129,7 @@ class EventFilter:
             b'"' in lines
             or b"\\\n" in lines
             or lines.count(b"\n") != len(texts)
+            or not PARSED_TEXTS.isdisjoint(texts)
             or self._prefix + self._separator.join(texts) + suffix != run
         ):
             return -1
@@ -136,6 +151,7 @@ class EventFilter:
         self._tries -= 1
         try:
             obj = orjson.loads(data)
+            text = orjson.loads(b'"' + data[start:end] + b'"')
         except orjson.JSONDecodeError:
             return
         scratch = Observation()
@@ -152,7 +168,8 @@ class EventFilter:
             and not scratch.error
             and scratch.usage is None
             and obj.get("usage", None) is None
-            and list(scratch.contents) == [0]
+            # Nothing observed but this one text (no legacy "text" beside the delta, say).
+            and scratch.contents == {0: [text]}
         ):
             return
         prefix = b"data: " + data[:start]

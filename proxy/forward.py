@@ -100,6 +100,7 @@ class StallGuard:
         connection = response.connection
         if connection is not None and connection.protocol is not None:
             connection.protocol.read_timeout = None  # set again for the connection's next request
+            connection.protocol.start_timeout()  # with no timeout: cancels the one armed last read
         self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
             timeout_s, self._check
         )

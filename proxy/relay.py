@@ -67,9 +67,9 @@ class Exchange:
         self.services = services
         self.obs = Observation()
         self.settlement: Settlement | None = None
-        # Streams renew their lease every third of it.
-        lease_ms = call.reservation.lease_ms if call.reservation else 0
-        self._renew_at = time.monotonic() + lease_ms / 3000 if lease_ms else float("inf")
+        # A stream renews its lease every third of it, on a timer: reads may be far apart.
+        self._renewal: asyncio.TimerHandle | None = None
+        self._renewing: set[asyncio.Future[None]] = set()
         lease_s = call.reservation.lease_ms / 1000 if call.reservation else call.upstream.timeout_s
         self._write_timeout_s = min(call.upstream.timeout_s, lease_s / 3)
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
@@ -310,6 +310,7 @@ class Exchange:
             self.obs, dialect=call.dialect, choices=call.choices, client_wants_usage=call.client_wants_usage
         )
         guard = StallGuard(upstream, call.upstream.timeout_s)
+        self._arm_renewal()
         pieces = upstream.content.iter_any().__aiter__()
         try:
             while True:
@@ -350,8 +351,6 @@ class Exchange:
                         client_gone = True
                 if client_gone and call.policy.on_client_disconnect == "cancel":
                     break
-                if time.monotonic() >= self._renew_at:
-                    await self._renew()
         except TimeoutError:
             failure = Outcome("upstream_timeout")
         except UPSTREAM_BROKEN:
@@ -362,6 +361,9 @@ class Exchange:
             failure = Outcome("upstream_error")
         finally:
             guard.cancel()
+            if self._renewal is not None:
+                self._renewal.cancel()
+                self._renewal = None
         if buffer.strip() and failure is None and not client_gone:
             failure = Outcome("upstream_error")  # the stream ended inside an event
 
@@ -402,12 +404,22 @@ class Exchange:
         with contextlib.suppress(*CLIENT_GONE):
             await response.write_eof(tail)  # one write: the tail and the end of the chunked body
 
+    def _arm_renewal(self, since: float | None = None) -> None:
+        """Renew every third of the lease, counted from the reserve (the lease started there)."""
+        reservation = self.call.reservation
+        if reservation is not None:
+            due = (self.call.started_at if since is None else since) + reservation.lease_ms / 3000
+            self._renewal = asyncio.get_running_loop().call_at(due, self._renew_due)
+
+    def _renew_due(self) -> None:
+        task = asyncio.ensure_future(self._renew())
+        self._renewing.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._renewing.discard)
+        self._arm_renewal(time.monotonic())
+
     async def _renew(self) -> None:
         reservation = self.call.reservation
-        if reservation is None:
-            self._renew_at = float("inf")
-            return
-        self._renew_at = time.monotonic() + reservation.lease_ms / 3000
+        assert reservation is not None
         try:
             await self.services.store.renew(
                 tenant=reservation.tenant, reservation_id=reservation.id, lease_ms=reservation.lease_ms

@@ -48,7 +48,9 @@ ROLE = event(
 DONE = b"data: [DONE]\n\n"
 
 TEXTS = st.one_of(
-    st.sampled_from(["tok ", "", " a", "x\\", '"', '\\"', "\\", "\n", "\\n", "é🚀", "}", '"},', "\\\\"]),
+    st.sampled_from(
+        ["tok ", "", " a", "x\\", '"', '\\"', "\\", "\n", "\\n", "é🚀", "}", '"},', "\\\\", "error", "usage"]
+    ),
     st.text(max_size=8),
 )
 ODD = (
@@ -68,6 +70,14 @@ ODD = (
     crafted(b"a\nb"),
     crafted(b"a\n\nb"),
     crafted(b'a\\"'),
+    # Texts the per-event path parses in full (they match its "anything unusual" test).
+    crafted(b"error"),
+    crafted(b"tool_calls"),
+    crafted(b"function_call"),
+    crafted(b"usage"),
+    crafted(b"\\x"),
+    # Prefix and suffix overlapping by their shared quote: an event with no text at all.
+    content("tok ").replace(b'"content":"tok "', b'"content":"'),
     content("tok ", usage_null=False),
     content("tok ", created=2),
     b'data: {"error":{"message":"boom"}}\n\n',
@@ -127,8 +137,10 @@ def test_runs_give_what_one_event_at_a_time_gives(
 @pytest.mark.parametrize("odd", ODD)
 @pytest.mark.parametrize("wants_usage", [False, True])
 def test_an_odd_event_inside_a_run_is_read_as_itself(odd: bytes, wants_usage: bool) -> None:
-    stream = ROLE + content("a") + content("b") + odd + content("c") + content("d") + finish() + USAGE + DONE
-    for cuts in ([], [len(ROLE) + 5]):
+    before = ROLE + content("a") + content("b")
+    stream = before + odd + content("c") + content("d") + finish() + USAGE + DONE
+    # In one read with its neighbours, and read alone (after the template was learned).
+    for cuts in ([], [len(ROLE) + 5], [len(before), len(before) + len(odd)]):
         fast = relay(stream, cuts, runs=True, wants_usage=wants_usage)
         assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=wants_usage)[:2]
 
@@ -159,6 +171,31 @@ def test_texts_with_quotes_or_line_breaks_leave_the_run_for_the_parser() -> None
     stream = ROLE + b"".join(content(t) for t in texts * 5) + finish() + DONE
     fast = relay(stream, [], runs=True, wants_usage=False)
     assert fast[1][0] == "".join(texts * 5)
+    assert fast[:2] == relay(stream, [], runs=False, wants_usage=False)[:2]
+
+
+def test_a_template_that_is_not_compact_leaves_parsed_texts_alone() -> None:
+    """With spaces in the JSON the per-event path re-serialises what it parses in full: a run
+    must not pass such an event on as it came."""
+
+    def spaced(text: bytes) -> bytes:
+        return b'data: {"id": "c", "choices":[{"index":0,"delta":{"content":"' + text + b'"}}]}\n\n'
+
+    for word in (b"usage", b"error", b"tool_calls", b"function_call"):
+        stream = ROLE + spaced(b"a") + spaced(b"b") + spaced(word) + spaced(b"c") + finish() + DONE
+        for cuts in ([], [len(ROLE) + len(spaced(b"a")) * 2]):
+            for wants_usage in (False, True):
+                fast = relay(stream, cuts, runs=True, wants_usage=wants_usage)
+                assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=wants_usage)[:2]
+
+
+def test_no_template_from_an_event_that_says_more_than_its_text() -> None:
+    def legacy(text: bytes) -> bytes:
+        return b'data: {"choices":[{"index":0,"text":"X","delta":{"content":"' + text + b'"}}]}\n\n'
+
+    stream = ROLE + legacy(b"a") + legacy(b"b") + legacy(b"c") + finish() + DONE
+    fast = relay(stream, [], runs=True, wants_usage=False)
+    assert fast[2] == 0  # the full parse saw "X" beside the text: no template
     assert fast[:2] == relay(stream, [], runs=False, wants_usage=False)[:2]
 
 

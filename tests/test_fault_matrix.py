@@ -175,6 +175,40 @@ async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
     assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
 
 
+async def test_a_stream_silent_for_longer_than_its_lease_keeps_it(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Renewal runs on a timer, not on reads: reads until just before the first renewal is due,
+    then a silence shorter than the stall timeout but longer than the lease left."""
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["upstreams"]["openai"]["timeout_s"] = 6  # lease 6.3 s, renewed every 2.1 s
+    raw["limits"] = {"lease_margin_s": 0.3, "reaper_interval_s": 0.1}
+    procs = [ProxyProcess(raw, tmp_path).start(), ProxyProcess(raw, tmp_path).start()]
+    try:
+        body = {
+            "model": "gpt-4o-mini",
+            "messages": MSGS,
+            "stream": True,
+            "max_tokens": 14,
+            "fake": {
+                "reply_tokens": 14,
+                "chunk_delay_s": 0.1,
+                "mode": "stall_mid_stream",
+                "after_chunks": 10,  # reads for about 1 s
+                "stall_s": 5.6,  # back at about 6.6 s: past the first lease, before the stall timeout
+            },
+        }
+        async with aiohttp.ClientSession() as session:
+            async with session.post(procs[0].url + "/v1/chat/completions", json=body, headers=AUTH) as resp:
+                text = await resp.read()
+        assert text.endswith(b"data: [DONE]\n\n")
+    finally:
+        for proc in procs:
+            proc.stop()
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
+
+
 async def test_reload_by_file_check_without_a_signal(
     fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
