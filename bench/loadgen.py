@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -98,11 +99,20 @@ def english_text(size: int, seed: int = 7) -> str:
     return "\n\n".join(paragraphs)[: max(1, size)]
 
 
+# --unique-prompts: replaced in every request by the process id and a call number, so no two
+# prompts are alike (the proxy remembers token counts of texts it has seen: this measures a
+# first sight, as for a new conversation).
+UNIQUE_MARK = b"@@@@@@@@@@@@"
+
+
 def request_body(args: argparse.Namespace) -> bytes:
     text = english_text if args.prompt_style == "english" else prompt_text
+    content = text(args.prompt_bytes)
+    if args.unique_prompts:
+        content = UNIQUE_MARK.decode() + content[len(UNIQUE_MARK) :]  # same size, made unique per call
     body: dict[str, Any] = {
         "model": args.model,
-        "messages": [{"role": "user", "content": text(args.prompt_bytes)}],
+        "messages": [{"role": "user", "content": content}],
     }
     if args.max_tokens:
         body["max_tokens"] = args.max_tokens
@@ -137,6 +147,7 @@ class LoadGen:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.body = request_body(args)
+        self.calls = 0
         self.headers = {"Authorization": f"Bearer {args.key}", "Content-Type": "application/json"}
         self.remaining = 0  # for --requests mode
         self.stopping = False  # set by SIGTERM/SIGINT: end the phase early
@@ -153,7 +164,11 @@ class LoadGen:
         tail = b""
         size = 0
         try:
-            async with session.post(args.url, data=self.body, headers=headers) as resp:
+            body = self.body
+            if args.unique_prompts:
+                self.calls += 1
+                body = body.replace(UNIQUE_MARK, b"%06d%06d" % (os.getpid() % 10**6, self.calls % 10**6), 1)
+            async with session.post(args.url, data=body, headers=headers) as resp:
                 if args.stream and resp.status == 200:
                     async for piece in resp.content.iter_any():
                         if ttfb is None:
@@ -291,6 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--include-usage", action="store_true", help="send stream_options.include_usage")
     parser.add_argument("--prompt-bytes", type=int, default=64)
     parser.add_argument("--prompt-style", choices=("words", "english"), default="words")
+    parser.add_argument(
+        "--unique-prompts", action="store_true", help="a different prompt on every call (same size)"
+    )
     parser.add_argument("--rate", type=float, default=0.0, help="pace to R requests/s (0: closed loop)")
     parser.add_argument("--max-tokens", type=int, default=0, help="send max_tokens (0: omit)")
     parser.add_argument("--model", default="gpt-4o-mini")

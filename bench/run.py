@@ -77,6 +77,7 @@ class Background:
     model: str
     prompt_bytes: int = 100 * 1024
     prompt_style: str = "english"
+    unique_prompts: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Scenario:
     litellm: bool = False  # also measure the LiteLLM arm (with --litellm)
     needs_encoding: str | None = None  # skipped when this tiktoken encoding is not installed
     background: Background | None = None
+    unique_prompts: bool = False  # loadgen --unique-prompts: no prompt seen twice (no count cache hit)
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -108,13 +110,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "prompt-100k-tiktoken",
         f"non-streaming, 100 KB English-like prompt to `{TK_MODEL}`, whose reservation is estimated "
-        f"with tiktoken `{TK_ENCODING}` (direct/relay figures: prompt-100k's)",
+        f"with tiktoken `{TK_ENCODING}`, every call a prompt not seen before (no count-cache hit; "
+        "direct/relay figures: prompt-100k's)",
         prompt_bytes=100 * 1024,
         prompt_style="english",
         model=TK_MODEL,
         arms=("proxy",),
         baseline="prompt-100k",
         needs_encoding=TK_ENCODING,
+        unique_prompts=True,
     ),
     Scenario(
         "mixed-100k-bytes",
@@ -127,11 +131,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "mixed-100k-tiktoken",
-        f"as mixed-100k-bytes, the 100 KB calls to `{TK_MODEL}` (tiktoken `{TK_ENCODING}` estimate)",
+        f"as mixed-100k-bytes, the 100 KB calls to `{TK_MODEL}` (tiktoken `{TK_ENCODING}` estimate, "
+        "every prompt new)",
         arms=("proxy",),
         baseline="nonstream-small",
         needs_encoding=TK_ENCODING,
-        background=Background(label=f"100 KB → {TK_MODEL} (tiktoken)", model=TK_MODEL),
+        background=Background(label=f"100 KB → {TK_MODEL} (tiktoken)", model=TK_MODEL, unique_prompts=True),
     ),
     Scenario(
         "budgets-on",
@@ -330,6 +335,8 @@ def loadgen_argv(scenario: Scenario, arm: str, url: str, concurrency: int, setti
     ]
     if scenario.stream:
         argv += ["--stream", "--chunks", str(scenario.chunks)]
+    if scenario.unique_prompts:
+        argv.append("--unique-prompts")
     paced = settings.extra.get("paced") or {}
     rate = paced.get(scenario.name) or paced.get("*")
     if rate:
@@ -364,6 +371,7 @@ def start_background(stack: Stack, scenario: Scenario, settings: Settings) -> su
         KEYS["open"],
         "--run-id-prefix",
         f"bench-{scenario.name}-background",
+        *(["--unique-prompts"] if bg.unique_prompts else []),
     ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT))
 
