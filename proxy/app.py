@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ class State:
     ids: IdSource = field(default_factory=IdSource)
     store: Store | None = None
     session: aiohttp.ClientSession | None = None
+    # Large prompts are counted here, one at a time: off the event loop, and never more than one
+    # core spent tokenizing (several at once on few cores only fight over them and the GIL).
+    estimator: ThreadPoolExecutor | None = None
     ready: bool = False
     # Tenants this process has registered for the reapers (one SADD per tenant per process).
     registered_tenants: set[str] = field(default_factory=set)
@@ -205,6 +209,11 @@ def build_app(
         yield
         await state.session.close()
 
+    async def estimator_ctx(app: web.Application) -> AsyncIterator[None]:
+        state.estimator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="estimate")
+        yield
+        state.estimator.shutdown(wait=False, cancel_futures=True)
+
     async def log_flush_ctx(app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:
             while True:
@@ -262,6 +271,7 @@ def build_app(
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(journal_ctx)
     app.cleanup_ctx.append(session_ctx)
+    app.cleanup_ctx.append(estimator_ctx)
     if run_reaper_task:
         app.cleanup_ctx.append(reaper_ctx)
     if config_path is not None:

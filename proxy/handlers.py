@@ -79,7 +79,10 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             ids=state.ids,
         )
         # Counting a large prompt with tiktoken takes milliseconds: not on the event loop.
-        call = await asyncio.to_thread(plan) if len(raw) > OFFLOAD_ESTIMATE_BYTES else plan()
+        if len(raw) > OFFLOAD_ESTIMATE_BYTES:
+            call = await asyncio.get_running_loop().run_in_executor(state.estimator, plan)
+        else:
+            call = plan()
         if state.store is None:
             raise StoreError("store not opened")
         if identity.tenant not in state.registered_tenants:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from typing import Any
 
 from hypothesis import given, settings
@@ -84,3 +87,40 @@ async def test_an_agent_resending_its_conversation_is_counted_only_where_it_grew
     for entry, messages in zip(entries, (history[:2], history[:4], history[:6]), strict=True):
         texts = [m["content"] for m in messages]
         assert int(entry["reserved_input_tokens"]) == len("\n".join(texts)) + 4 * len(texts) + 3
+
+
+class ThreadRecordingEncoding(CountingEncoding):
+    """Records which thread counted each long text, and how many counted at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+        self.active = 0
+        self.most_at_once = 0
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        if len(text) >= 32 * 1024:
+            self.threads.add(threading.current_thread().name)
+            self.active += 1
+            self.most_at_once = max(self.most_at_once, self.active)
+            time.sleep(0.05)
+            self.active -= 1
+        return super().encode_ordinary(text)
+
+
+async def test_large_prompts_are_counted_off_the_loop_one_at_a_time(make_proxy: ProxyFactory) -> None:
+    enc = ThreadRecordingEncoding()
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}, cache_chars=0))
+    async with proxy.client() as client:
+
+        async def one(i: int) -> None:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"{i} " + "many words " * 4000}],
+                max_tokens=5,
+                extra_headers=run_headers(f"big-{i}"),
+            )
+
+        await asyncio.gather(*(one(i) for i in range(4)))
+    assert enc.threads and all(name.startswith("estimate") for name in enc.threads)
+    assert enc.most_at_once == 1
