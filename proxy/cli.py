@@ -137,6 +137,8 @@ def run_worker(
             "mode": "passthrough" if passthrough else "config",
             "worker": worker,
             "workers": workers,
+            "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_thresholds": list(gc.get_threshold()),
         },
     )
     web.run_app(

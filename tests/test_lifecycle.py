@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
+from proxy.cli import GC_YOUNG_THRESHOLD
 from proxy.redis_server import RedisServerProcess, free_port
 from tests.conftest import KEY_A, ProxyFactory, base_config
 from tests.fake_upstream import FakeUpstream
@@ -144,7 +146,11 @@ async def test_two_workers_share_the_port_and_stop_together(
         proc.stop()
     entries = await redis_client.xrange(LEDGER)
     assert len(entries) == 40 == len(fake.bill)
-    assert len(listening()) == 2
+    lines = [json.loads(line) for line in listening()]
+    assert len(lines) == 2
+    # Each worker froze what it built at start-up out of the collector's scans.
+    assert all(line["gc_frozen_objects"] > 10_000 for line in lines)
+    assert all(line["gc_thresholds"][0] == GC_YOUNG_THRESHOLD for line in lines)
 
 
 async def test_a_served_process_refuses_huge_headers_in_openai_format(
