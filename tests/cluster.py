@@ -112,6 +112,27 @@ class RedisClusterProcesses:
         for node in self.nodes:
             node.stop()
 
+    def wait_replicated(self, master: RedisServerProcess, timeout_s: float = 10.0) -> None:
+        """Until every replica of ``master`` has all it wrote. Redis replicates asynchronously:
+        a write acknowledged in the instant before a master dies can be lost in the failover."""
+        cli = shutil.which("redis-cli")
+        assert cli
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = subprocess.run(
+                [cli, "-p", str(master.port), "info", "replication"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
+            fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+            offset = fields.get("master_repl_offset", "").strip()
+            replicas = [v for k, v in fields.items() if k.startswith("slave") and k[5:].isdigit()]
+            if replicas and all(f"offset={offset}," in r for r in replicas):
+                return
+            time.sleep(0.02)
+        raise RuntimeError("the replicas did not catch up with their master")
+
     def master_of(self, hash_tag: str) -> RedisServerProcess:
         """The node that serves the slot of ``{hash_tag}`` now."""
         cli = shutil.which("redis-cli")
