@@ -286,6 +286,7 @@ def release_unforwarded(call: Call, journal: Journal, scopes: list[str]) -> None
             scope_keys=scopes,
             actual=zero,
             entry=entry,
+            only_if_reserved=True,
         )
     )
 

@@ -34,6 +34,9 @@ class PendingSettlement:
     scope_keys: list[str]
     actual: dict[str, int]
     entry: dict[str, str]
+    # A release of a reserve that may never have happened (no call went out): nothing to bill
+    # when the store holds no reservation.
+    only_if_reserved: bool = False
 
     async def apply(self, store: Store) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing."""
@@ -44,6 +47,7 @@ class PendingSettlement:
             scope_keys=self.scope_keys,
             actual=self.actual,
             entry=self.entry,
+            only_if_reserved=self.only_if_reserved,
         )
 
 

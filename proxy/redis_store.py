@@ -37,6 +37,9 @@ STORE_FAILURES = (RedisError, RedisClusterException)
 # Error replies that say "not now" rather than "never": the call may be tried again.
 TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease")
+# How long a settled reservation's marker is kept: a second settle of it within this time (the
+# journal's replay, a reaper racing the proxy) changes nothing.
+DEFAULT_SETTLED_MARKER_TTL_S = 24 * 3600
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -65,8 +68,10 @@ class RedisStore:
         *,
         pool: aioredis.ConnectionPool | None = None,
         pipe: PipelinedConnection | None = None,
+        settled_marker_ttl_s: int = DEFAULT_SETTLED_MARKER_TTL_S,
     ) -> None:
         self._client = client
+        self._settled_marker_ttl_s = settled_marker_ttl_s
         self._pool = pool
         # Single-node only: the hot-path scripts share one pipelined connection.
         self._pipe = pipe
@@ -74,7 +79,13 @@ class RedisStore:
 
     @classmethod
     def from_url(
-        cls, url: str, *, cluster: bool = False, pool_size: int = 64, socket_timeout_s: float = 5.0
+        cls,
+        url: str,
+        *,
+        cluster: bool = False,
+        pool_size: int = 64,
+        socket_timeout_s: float = 5.0,
+        settled_marker_ttl_s: int = DEFAULT_SETTLED_MARKER_TTL_S,
     ) -> RedisStore:
         client: aioredis.Redis | RedisCluster
         if cluster:
@@ -95,8 +106,13 @@ class RedisStore:
             pipe = (
                 None if url.startswith("rediss://") else PipelinedConnection(url, timeout_s=socket_timeout_s)
             )
-            return cls(aioredis.Redis(connection_pool=pool), pool=pool, pipe=pipe)
-        return cls(client)
+            return cls(
+                aioredis.Redis(connection_pool=pool),
+                pool=pool,
+                pipe=pipe,
+                settled_marker_ttl_s=settled_marker_ttl_s,
+            )
+        return cls(client, settled_marker_ttl_s=settled_marker_ttl_s)
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -230,6 +246,7 @@ class RedisStore:
         scope_keys: Sequence[str],
         actual: Mapping[str, int],
         entry: Mapping[str, str],
+        only_if_reserved: bool = False,
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -240,7 +257,13 @@ class RedisStore:
             *scope_keys,
         ]
         # One JSON argument rather than 2 x 26: packing arguments is the client's main cost.
-        args: list[Any] = [reservation_id, *(actual.get(m, 0) for m in ACTUAL_METERS), orjson.dumps(entry)]
+        args: list[Any] = [
+            reservation_id,
+            *(actual.get(m, 0) for m in ACTUAL_METERS),
+            orjson.dumps(entry),
+            1 if only_if_reserved else 0,
+            self._settled_marker_ttl_s,
+        ]
         result = await self._script("settle", keys, args)
         return str(result[1]) if int(result[0]) == 1 else None
 

@@ -258,3 +258,59 @@ async def test_scripts_run_the_same_without_the_pipelined_connection(
     finally:
         await plain.close()
         await piped.close()
+
+
+async def test_a_settled_reservation_leaves_a_marker_and_a_second_settle_changes_nothing(
+    store: RedisStore,
+) -> None:
+    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
+    res = await reserve(store, "m", scopes)
+    assert isinstance(res, Reservation)
+    assert await settle(store, res) is not None
+    assert await store.client.hgetall("lbp:{team-a}:resv:m") == {"settled": "1"}
+    ttl = await store.client.ttl("lbp:{team-a}:resv:m")
+    assert 0 < ttl <= 24 * 3600
+    before = await store.meters(scopes[0].key)
+    assert await settle(store, res) is None
+    assert await store.meters(scopes[0].key) == before
+    assert len(await store.run_ledger(tenant="team-a", run_id="run1")) == 1
+    assert not await store.renew(tenant="team-a", reservation_id="m", lease_ms=60_000)
+
+
+async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: RedisStore) -> None:
+    """A Redis failover can lose a reserve the old master acknowledged but had not replicated:
+    the call went out, so its settle bills it without a reservation to release."""
+    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
+    lost = Reservation(
+        id="lost",
+        tenant="team-a",
+        run_id="run1",
+        scopes=tuple(scopes),
+        amounts=dict(AMOUNTS),
+        lease_ms=60_000,
+    )
+    entry_id = await settle(store, lost)
+    assert entry_id is not None
+    (entry,) = await store.run_ledger(tenant="team-a", run_id="run1")
+    assert entry["reservation"] == "lost" and entry["id"] == entry_id
+    for scope in scopes:
+        state = await store.meters(scope.key)
+        assert state["total_tokens"].used == ACTUAL["total_tokens"]
+        assert state["total_tokens"].reserved == 0 and state["concurrent"].reserved == 0
+    assert await settle(store, lost) is None  # and only once
+
+
+async def test_releasing_a_reserve_that_never_happened_writes_nothing(store: RedisStore) -> None:
+    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
+    released = await store.settle(
+        tenant="team-a",
+        reservation_id="never",
+        run_id="run1",
+        scope_keys=[s.key for s in scopes],
+        actual=dict.fromkeys(ACTUAL, 0),
+        entry={"request_id": "never", "outcome": "not_forwarded"},
+        only_if_reserved=True,
+    )
+    assert released is None
+    assert await store.run_ledger(tenant="team-a", run_id="run1") == []
+    assert not await store.client.exists("lbp:{team-a}:resv:never")

@@ -4,9 +4,9 @@ KEYS[1]  reservation record (hash)   lbp:{tenant}:resv:<reservation id>
 KEYS[2]  lease index (zset)          lbp:{tenant}:leases
 ARGV[1]  reservation id
 ARGV[2]  lease length in ms from now
-Returns 1 when renewed, 0 when the reservation is already settled.
+Returns 1 when renewed, 0 when the reservation is already settled (gone, or its settled marker).
 ]]
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'amounts') == 0 then return 0 end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[2], 'XX', now_ms + tonumber(ARGV[2]), ARGV[1])

@@ -9,11 +9,18 @@ ARGV[1]      reservation id
 ARGV[2..9]   actual figures: requests, input_tokens, output_tokens, total_tokens, cost_micros,
              cached_input_tokens, reasoning_tokens, cache_creation_input_tokens
 ARGV[10]     ledger entry: a JSON object of strings, stored as the stream entry's fields
+ARGV[11]     1: only release a reservation that may never have been made (a reserve whose reply
+             was lost); without a record, nothing happens. 0: a call that went out
+ARGV[12]     seconds the settled marker is kept
 
-Idempotent by reservation id: when the record is gone the call was settled already and nothing
-changes (returns {0}). Otherwise returns {1, ledger entry id}. 'concurrent' is released here.
+Idempotent by reservation id: settling replaces the record by a marker {settled = 1}, kept
+ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). A call that went
+out and finds neither record nor marker is billed all the same (its reservation was lost, e.g.
+with writes a failed-over Redis master had not replicated): the used meters and the ledger entry
+go in, with the field reservation = lost, and nothing is released. Otherwise returns
+{1, ledger entry id}. 'concurrent' is released here.
 ]]
-if redis.call('EXISTS', KEYS[1]) == 0 then
+if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then
   return {0}
 end
 local RESERVED = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
@@ -21,8 +28,16 @@ local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'co
   'cached_input_tokens', 'reasoning_tokens', 'cache_creation_input_tokens'}
 local amounts = {}
 local raw = redis.call('HGET', KEYS[1], 'amounts')
+if not raw then
+  if ARGV[11] == '1' then return {0} end
+  raw = ''  -- lost: nothing reserved to release
+end
 for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = v end
 -- Check every figure before the first write: a script error after a write is not rolled back.
+local marker_ttl = tonumber(ARGV[12])
+if not marker_ttl or marker_ttl < 1 then
+  return redis.error_reply('settle: the settled marker needs a time to live in seconds: ' .. tostring(ARGV[12]))
+end
 for m = 1, #ACTUAL do
   local v = ARGV[1 + m]
   if not string.match(v, '^%d+$') or #v > 15 then
@@ -34,7 +49,7 @@ local entry = cjson.decode(ARGV[2 + #ACTUAL])
 for s = 5, #KEYS do
   local key = KEYS[s]
   for m = 1, #RESERVED do
-    if amounts[m] ~= '0' then
+    if amounts[m] and amounts[m] ~= '0' then
       redis.call('HINCRBY', key, 'resv:' .. RESERVED[m], '-' .. amounts[m])
     end
   end
@@ -49,8 +64,14 @@ for name, value in pairs(entry) do
   fields[#fields + 1] = name
   fields[#fields + 1] = tostring(value)
 end
+if raw == '' then
+  fields[#fields + 1] = 'reservation'
+  fields[#fields + 1] = 'lost'
+end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
 redis.call('RPUSH', KEYS[4], id)
 redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'settled', '1')
+redis.call('EXPIRE', KEYS[1], marker_ttl)
 redis.call('ZREM', KEYS[2], ARGV[1])
 return {1, id}
