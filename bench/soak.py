@@ -41,20 +41,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
 from bench.procstats import Server, cpu_seconds, process_tree, start_ready_line  # noqa: E402
-from bench.run import (  # noqa: E402
-    BENCH,
-    KEYS,
-    PYTHON,
-    RESULTS,
-    SMALL_PROMPT,
-    git_revision,
-    proxy_config,
-    start_proxy,
-)
+from bench.run import BENCH, PYTHON, RESULTS, git_revision, start_proxy  # noqa: E402
+from bench.scenarios import KEYS, SMALL_PROMPT, proxy_config  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 from proxy.store import key_prefix  # noqa: E402
 
-TENANT = "bench"  # the one tenant of bench.run.proxy_config
+TENANT = "bench"  # the one tenant of bench.scenarios.proxy_config
 TIER = "budget"
 RUN_ID_PREFIX = "soak"
 

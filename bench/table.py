@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.run import Scenario, Settings
+    from bench.run import Settings
+    from bench.scenarios import Scenario
 
 Rows = dict[tuple[str, int, str], dict[str, Any]]
 
