@@ -242,6 +242,7 @@ async def settle(
         scope_keys=[s.key for s in reservation.scopes],
         actual=actual,
         entry=entry,
+        bill_if_lost=True,  # the call went out: billed even if the store lost its reservation
     )
     # One shielded task settles or journals: a handler cancelled meanwhile changes neither.
     entry_id = await asyncio.shield(asyncio.ensure_future(settle_or_journal(store, journal, pending)))
@@ -265,7 +266,7 @@ async def settle_or_journal(store: Store, journal: Journal, pending: PendingSett
         log.error(
             "settle failed; journaled", extra={"reservation_id": pending.reservation_id, "error": str(err)}
         )
-        journal.append(pending)
+        journal.append(replace(pending, bill_if_lost=False))
         return None
 
 
@@ -286,7 +287,6 @@ def release_unforwarded(call: Call, journal: Journal, scopes: list[str]) -> None
             scope_keys=scopes,
             actual=zero,
             entry=entry,
-            only_if_reserved=True,
         )
     )
 

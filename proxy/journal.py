@@ -34,9 +34,10 @@ class PendingSettlement:
     scope_keys: list[str]
     actual: dict[str, int]
     entry: dict[str, str]
-    # A release of a reserve that may never have happened (no call went out): nothing to bill
-    # when the store holds no reservation.
-    only_if_reserved: bool = False
+    # True only for the live settle of a call that went out: billed even when the store lost
+    # its reservation. Journaled lines are written with False (they may be replayed long after
+    # the reaper settled their call and its marker expired), as are lines from older versions.
+    bill_if_lost: bool = False
 
     async def apply(self, store: Store) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing."""
@@ -47,7 +48,7 @@ class PendingSettlement:
             scope_keys=self.scope_keys,
             actual=self.actual,
             entry=self.entry,
-            only_if_reserved=self.only_if_reserved,
+            bill_if_lost=self.bill_if_lost,
         )
 
 

@@ -37,9 +37,9 @@ STORE_FAILURES = (RedisError, RedisClusterException)
 # Error replies that say "not now" rather than "never": the call may be tried again.
 TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease")
-# How long a settled reservation's marker is kept: a second settle of it within this time (the
-# journal's replay, a reaper racing the proxy) changes nothing.
-DEFAULT_SETTLED_MARKER_TTL_S = 24 * 3600
+# How long a settled reservation's marker is kept: longer than any call's lease, so that a live
+# settle arriving after the reaper settled its call finds it and changes nothing.
+DEFAULT_SETTLED_MARKER_TTL_S = 3600
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -246,7 +246,7 @@ class RedisStore:
         scope_keys: Sequence[str],
         actual: Mapping[str, int],
         entry: Mapping[str, str],
-        only_if_reserved: bool = False,
+        bill_if_lost: bool = False,
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -261,7 +261,7 @@ class RedisStore:
             reservation_id,
             *(actual.get(m, 0) for m in ACTUAL_METERS),
             orjson.dumps(entry),
-            1 if only_if_reserved else 0,
+            1 if bill_if_lost else 0,
             self._settled_marker_ttl_s,
         ]
         result = await self._script("settle", keys, args)

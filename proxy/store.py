@@ -124,7 +124,7 @@ class Store(Protocol):
         scope_keys: Sequence[str],
         actual: Mapping[str, int],
         entry: Mapping[str, str],
-        only_if_reserved: bool = False,
+        bill_if_lost: bool = False,
     ) -> str | None: ...
 
     async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool: ...

@@ -61,6 +61,8 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     (journal_file,) = journal_dir.glob("journal-*.jsonl")
     (line,) = journal_file.read_text().splitlines()
     assert json.loads(line)["entry"]["output_tokens"] == "20"
+    # Replayed, it bills nothing if the store has no reservation (nor marker) for it by then.
+    assert json.loads(line)["bill_if_lost"] is False
 
     await asyncio.to_thread(own_redis.start)
     await wait_for(lambda: _ledger_len(own_client, 1))

@@ -9,16 +9,19 @@ ARGV[1]      reservation id
 ARGV[2..9]   actual figures: requests, input_tokens, output_tokens, total_tokens, cost_micros,
              cached_input_tokens, reasoning_tokens, cache_creation_input_tokens
 ARGV[10]     ledger entry: a JSON object of strings, stored as the stream entry's fields
-ARGV[11]     1: only release a reservation that may never have been made (a reserve whose reply
-             was lost); without a record, nothing happens. 0: a call that went out
+ARGV[11]     1: the live settle of a call that went out, billed even without a reservation;
+             0: anything else (journal replays, the reaper, releases of unforwarded reserves),
+             which does nothing without one
 ARGV[12]     seconds the settled marker is kept
 
 Idempotent by reservation id: settling replaces the record by a marker {settled = 1}, kept
-ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). A call that went
-out and finds neither record nor marker is billed all the same (its reservation was lost, e.g.
-with writes a failed-over Redis master had not replicated): the used meters and the ledger entry
-go in, with the field reservation = lost, and nothing is released. Otherwise returns
-{1, ledger entry id}. 'concurrent' is released here.
+ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). The live settle
+of a call (ARGV[11] = 1) that finds neither record nor marker bills it all the same: its
+reservation was lost (e.g. with writes a failed-over Redis master had not replicated), so the
+used meters and the ledger entry go in, with the field reservation = lost, and nothing is
+released. Any other settle without a record does nothing: a journal line may be replayed long
+after its call was reaped and its marker expired. Otherwise returns {1, ledger entry id}.
+'concurrent' is released here.
 ]]
 if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then
   return {0}
@@ -29,7 +32,7 @@ local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'co
 local amounts = {}
 local raw = redis.call('HGET', KEYS[1], 'amounts')
 if not raw then
-  if ARGV[11] == '1' then return {0} end
+  if ARGV[11] ~= '1' then return {0} end
   raw = ''  -- lost: nothing reserved to release
 end
 for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = v end
