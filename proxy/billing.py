@@ -127,6 +127,7 @@ async def reserve(store: Store, journal: Journal, call: Call, config: Config) ->
             "time_ms": call.started_wall_ms,
         },
     ).decode()
+    asked = time.monotonic()  # the lease runs from the script's run, a little after this
     try:
         result = await _reserve(store, call, config, tier, scopes, amounts, record)
     except StoreError as err:
@@ -138,6 +139,7 @@ async def reserve(store: Store, journal: Journal, call: Call, config: Config) ->
     if result.clamped_output_per_choice:
         _apply_clamp(call, result)
     call.reservation = result
+    call.lease_confirmed_at = asked
     return result
 
 
@@ -160,6 +162,10 @@ async def _reserve(
         record=record,
         clamp=_clamp_for(call, tier),
     )
+
+
+# The part of a lease the proxy counts on after Redis confirmed it (clocks and delays differ).
+LEASE_TRUST = 0.8
 
 
 def entry_fields(
@@ -242,7 +248,9 @@ async def settle(
         scope_keys=[s.key for s in reservation.scopes],
         actual=actual,
         entry=entry,
-        bill_if_lost=True,  # the call went out: billed even if the store lost its reservation
+        # The call went out: billed even if the store lost its reservation, unless its lease may
+        # have run out (then a reaper may have settled it, and its marker may be gone).
+        bill_if_lost=time.monotonic() - call.lease_confirmed_at < reservation.lease_ms / 1000 * LEASE_TRUST,
     )
     # One shielded task settles or journals: a handler cancelled meanwhile changes neither.
     entry_id = await asyncio.shield(asyncio.ensure_future(settle_or_journal(store, journal, pending)))

@@ -77,6 +77,9 @@ class Call:
     started_at: float = field(default_factory=time.monotonic)
     started_wall_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     reservation: Reservation | None = None
+    # When Redis last confirmed the reservation's lease (the reserve, then each renewal): while
+    # the lease cannot have run out since, no reaper can have settled the call.
+    lease_confirmed_at: float = 0.0
     upstream_status: int = 0
     first_token_at: float | None = None
     clamped: bool = False

@@ -420,10 +420,12 @@ class Exchange:
     async def _renew(self) -> None:
         reservation = self.call.reservation
         assert reservation is not None
+        asked = time.monotonic()
         try:
-            await self.services.store.renew(
+            if await self.services.store.renew(
                 tenant=reservation.tenant, reservation_id=reservation.id, lease_ms=reservation.lease_ms
-            )
+            ):
+                self.call.lease_confirmed_at = asked
         except StoreError as err:
             # Not fatal: the stream goes on; the settle (or the journal) still follows.
             self.services.metrics.child(self.services.metrics.store_errors, "renew").inc()

@@ -179,3 +179,28 @@ async def test_redis_restart_from_aof_keeps_ledger_and_meters(
     await wait_for(lambda: _ledger_len(own_client, 3))
     assert await own_client.xrange(LEDGER) == before_ledger
     assert await own_client.hgetall("lbp:{team-a}:run:durable") == before_run
+
+
+async def test_a_reservation_lost_mid_call_is_billed_by_the_live_settle(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """As when a failed-over Redis master took the reserve with it: the call went out, so its
+    settle bills it (tagged reservation=lost) rather than taking it for settled."""
+    proxy = await make_proxy()
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "fake": {"reply_tokens": 10, "chunk_delay_s": 0.05},
+    }
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "lost"}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        await resp.content.readuntil(b"\n\n")
+        (record,) = await redis_client.keys("lbp:{team-a}:resv:*")
+        await redis_client.delete(record)
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    ((_, entry),) = await redis_client.xrange(LEDGER)
+    assert entry["reservation"] == "lost" and entry["outcome"] == "ok"
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens == 10
+    assert await redis_client.hgetall(record) == {"settled": "1"}
