@@ -164,8 +164,18 @@ async def _reserve(
     )
 
 
-# The part of a lease the proxy counts on after Redis confirmed it (clocks and delays differ).
-LEASE_TRUST = 0.8
+# The part of the settled marker's life the proxy counts on (clocks and delays differ).
+MARKER_TRUST = 0.9
+
+
+def bill_if_lost_until_ms(call: Call, marker_ttl_s: int) -> int:
+    """Until when a call that went out is billed even if the store lost its reservation.
+
+    A reaper settles a call only after Redis last confirmed its lease (the reserve, a renewal),
+    and its settle leaves the marker for ``marker_ttl_s``: until that long after the last
+    confirmation, a settle finding neither reservation nor marker cannot be a second one."""
+    left_s = marker_ttl_s * MARKER_TRUST - (time.monotonic() - call.lease_confirmed_at)
+    return int(time.time() * 1000 + left_s * 1000) if left_s > 0 else 0
 
 
 def entry_fields(
@@ -214,6 +224,8 @@ async def settle(
     outcome: Outcome,
     usage: BilledUsage,
     finish_reasons: dict[int, str],
+    *,
+    marker_ttl_s: int,
 ) -> Settlement:
     """Replace the reserve by the actual figures and append the ledger entry, exactly once.
 
@@ -248,9 +260,7 @@ async def settle(
         scope_keys=[s.key for s in reservation.scopes],
         actual=actual,
         entry=entry,
-        # The call went out: billed even if the store lost its reservation, unless its lease may
-        # have run out (then a reaper may have settled it, and its marker may be gone).
-        bill_if_lost=time.monotonic() - call.lease_confirmed_at < reservation.lease_ms / 1000 * LEASE_TRUST,
+        bill_if_lost_until_ms=bill_if_lost_until_ms(call, marker_ttl_s),
     )
     # One shielded task settles or journals: a handler cancelled meanwhile changes neither.
     entry_id = await asyncio.shield(asyncio.ensure_future(settle_or_journal(store, journal, pending)))
@@ -274,7 +284,7 @@ async def settle_or_journal(store: Store, journal: Journal, pending: PendingSett
         log.error(
             "settle failed; journaled", extra={"reservation_id": pending.reservation_id, "error": str(err)}
         )
-        journal.append(replace(pending, bill_if_lost=False))
+        journal.append(pending)
         return None
 
 

@@ -261,8 +261,8 @@ class LimitsConfig(_Frozen):
     max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     # Reserved for output when neither the request nor the model config caps it.
     default_max_output_tokens: int = Field(default=4096, ge=1)
-    # A settled reservation leaves a marker this long (longer than any lease): a live settle
-    # arriving after the reaper settled its call is recognised and changes nothing.
+    # A settled reservation leaves a marker this long: a second settle is recognised and changes
+    # nothing, and within most of it a settle still bills a call whose reservation was lost.
     settled_marker_ttl_s: int = Field(default=3600, ge=60)
     # Token counts of long prompt texts are remembered, bounded by the characters kept (0: off).
     token_count_cache_chars: int = Field(default=8 * 1024 * 1024, ge=0)

@@ -14,6 +14,7 @@ import fcntl
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,10 +35,10 @@ class PendingSettlement:
     scope_keys: list[str]
     actual: dict[str, int]
     entry: dict[str, str]
-    # True only for the live settle of a call that went out: billed even when the store lost
-    # its reservation. Journaled lines are written with False (they may be replayed long after
-    # the reaper settled their call and its marker expired), as are lines from older versions.
-    bill_if_lost: bool = False
+    # Until when (wall clock, ms) a call that went out is billed even if the store lost its
+    # reservation: while a reaper's settle of it would still have left its marker (see
+    # billing.settle). 0 (releases of unforwarded reserves, lines of older versions): never.
+    bill_if_lost_until_ms: int = 0
 
     async def apply(self, store: Store) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing."""
@@ -48,7 +49,7 @@ class PendingSettlement:
             scope_keys=self.scope_keys,
             actual=self.actual,
             entry=self.entry,
-            bill_if_lost=self.bill_if_lost,
+            bill_if_lost=time.time() * 1000 < self.bill_if_lost_until_ms,
         )
 
 

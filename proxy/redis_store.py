@@ -37,8 +37,7 @@ STORE_FAILURES = (RedisError, RedisClusterException)
 # Error replies that say "not now" rather than "never": the call may be tried again.
 TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease")
-# How long a settled reservation's marker is kept: longer than any call's lease, so that a live
-# settle arriving after the reaper settled its call finds it and changes nothing.
+# How long a settled reservation's marker is kept (see billing.bill_if_lost_until_ms).
 DEFAULT_SETTLED_MARKER_TTL_S = 3600
 
 

@@ -107,7 +107,13 @@ class Exchange:
         if self.settlement is None:
             self.call.first_token_at = self.obs.first_token_at
             self.settlement = await settle(
-                self.services.store, self.services.journal, self.call, outcome, usage, self.obs.finish_reasons
+                self.services.store,
+                self.services.journal,
+                self.call,
+                outcome,
+                usage,
+                self.obs.finish_reasons,
+                marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
             )
             overhead = time.monotonic() - self.call.started_at - self._upstream_s
             if self.settlement.entry_id is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -319,3 +320,18 @@ async def test_releasing_a_reserve_that_never_happened_writes_nothing(store: Red
     assert released is None
     assert await store.run_ledger(tenant="team-a", run_id="run1") == []
     assert not await store.client.exists("lbp:{team-a}:resv:never")
+
+
+def test_the_window_for_billing_a_lost_reservation_runs_from_the_last_lease_confirmation() -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from proxy.billing import MARKER_TRUST, bill_if_lost_until_ms
+    from proxy.call import Call
+
+    now_ms = time.time() * 1000
+    fresh = cast(Call, SimpleNamespace(lease_confirmed_at=time.monotonic()))
+    until = bill_if_lost_until_ms(fresh, 3600)
+    assert abs(until - (now_ms + 3600 * MARKER_TRUST * 1000)) < 1000
+    stale = cast(Call, SimpleNamespace(lease_confirmed_at=time.monotonic() - 3600))
+    assert bill_if_lost_until_ms(stale, 3600) == 0

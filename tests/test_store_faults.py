@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,10 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     (journal_file,) = journal_dir.glob("journal-*.jsonl")
     (line,) = journal_file.read_text().splitlines()
     assert json.loads(line)["entry"]["output_tokens"] == "20"
-    # Replayed, it bills nothing if the store has no reservation (nor marker) for it by then.
-    assert json.loads(line)["bill_if_lost"] is False
+    # Replayed within most of the marker's life after the last confirmation of its lease, it
+    # bills even if the store lost the reservation; later, only if the reservation is there.
+    until = json.loads(line)["bill_if_lost_until_ms"]
+    assert time.time() * 1000 < until < (time.time() + 3600) * 1000
 
     await asyncio.to_thread(own_redis.start)
     await wait_for(lambda: _ledger_len(own_client, 1))
@@ -204,3 +207,33 @@ async def test_a_reservation_lost_mid_call_is_billed_by_the_live_settle(
     assert entry["reservation"] == "lost" and entry["outcome"] == "ok"
     assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens == 10
     assert await redis_client.hgetall(record) == {"settled": "1"}
+
+
+async def test_a_journaled_settle_bills_a_lost_reservation_only_within_its_window(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    try:
+        now_ms = int(time.time() * 1000)
+
+        def line(rid: str, until_ms: int) -> PendingSettlement:
+            return PendingSettlement(
+                tenant="team-a",
+                reservation_id=rid,
+                run_id="window",
+                scope_keys=["lbp:{team-a}:run:window"],
+                actual={"requests": 1, "total_tokens": 7},
+                entry={"request_id": rid, "outcome": "ok"},
+                bill_if_lost_until_ms=until_ms,
+            )
+
+        # Too late: a reaper may have settled it and its marker may be gone.
+        assert await line("late", now_ms - 1).apply(store) is None
+        assert await line("never", 0).apply(store) is None  # a release, or an older line
+        assert await redis_client.xrange(LEDGER) == []
+        assert await line("in-time", now_ms + 60_000).apply(store) is not None
+        ((_, entry),) = await redis_client.xrange(LEDGER)
+        assert entry["request_id"] == "in-time" and entry["reservation"] == "lost"
+        assert await line("in-time", now_ms + 60_000).apply(store) is None  # once
+    finally:
+        await store.close()

@@ -9,9 +9,9 @@ ARGV[1]      reservation id
 ARGV[2..9]   actual figures: requests, input_tokens, output_tokens, total_tokens, cost_micros,
              cached_input_tokens, reasoning_tokens, cache_creation_input_tokens
 ARGV[10]     ledger entry: a JSON object of strings, stored as the stream entry's fields
-ARGV[11]     1: the live settle of a call that went out, billed even without a reservation;
-             0: anything else (journal replays, the reaper, releases of unforwarded reserves),
-             which does nothing without one
+ARGV[11]     1: a call that went out, settled within its window (billing.bill_if_lost_until_ms),
+             billed even without a reservation; 0: anything else (late journal replays, the
+             reaper, releases of unforwarded reserves), which does nothing without one
 ARGV[12]     seconds the settled marker is kept
 
 Idempotent by reservation id: settling replaces the record by a marker {settled = 1}, kept
@@ -19,8 +19,8 @@ ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). 
 of a call (ARGV[11] = 1) that finds neither record nor marker bills it all the same: its
 reservation was lost (e.g. with writes a failed-over Redis master had not replicated), so the
 used meters and the ledger entry go in, with the field reservation = lost, and nothing is
-released. Any other settle without a record does nothing: a journal line may be replayed long
-after its call was reaped and its marker expired. Otherwise returns {1, ledger entry id}.
+released. Any other settle without a record does nothing: past its window a reaper may have
+settled the call and its marker may have expired. Otherwise returns {1, ledger entry id}.
 'concurrent' is released here.
 ]]
 if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then
