@@ -59,9 +59,34 @@ class EventFilter:
         # The client's version of the template when it did not ask for usage (empty: the same).
         self._stripped_suffix = b""
         self._stripped_separator = b""
-        self._run_texts: list[bytes] = []
-        self._run = b""
+        # Bytes of an event not complete yet, held until the next read.
+        self._held = bytearray()
         self._tries = _TEMPLATE_TRIES if self._fast and runs else 0
+
+    def read(self, piece: bytes, *, limit: int) -> bytes | None:
+        """One read of the upstream body: the client's bytes for the events it completes (none
+        held over when it ends in a blank line: no copies), or None when an event grows past
+        ``limit`` bytes."""
+        held = self._held
+        if not held and piece.endswith(b"\n\n") and b"\r" not in piece and len(piece) <= limit:
+            return self.feed(piece)
+        held += piece
+        if b"\r" in held:
+            # On what is held, not the piece: a read may end between \r and \n.
+            held[:] = held.replace(b"\r\n", b"\n")
+        if len(held) > limit:
+            return None
+        complete = held.rfind(b"\n\n") + 2
+        if complete < 2:
+            return b""
+        out = self.feed(bytes(held[:complete]))
+        del held[:complete]
+        return out
+
+    @property
+    def incomplete(self) -> bool:
+        """Whether the body so far ends inside an event."""
+        return bool(self._held.strip())
 
     def feed(self, events: bytes) -> bytes:
         """``events``: one or more complete events, each ending in a blank line (``\\n\\n``)."""
@@ -92,10 +117,11 @@ class EventFilter:
         runs = True  # until a run fails its check: then not again in this piece
         while pos < size:
             if runs and self._prefix and events.startswith(self._prefix, pos):
-                end = self._run_end(events, pos)
-                if end > 0:
-                    out.append(self._pass_run())
-                    pos = end
+                found = self._run(events, pos)
+                if found is not None:
+                    run, texts = found
+                    out.append(self._pass_run(run, texts))
+                    pos += len(run)
                     continue
                 runs = False
             sep = events.find(b"\n\n", pos)
@@ -109,13 +135,13 @@ class EventFilter:
 
     # -- runs of template events -----------------------------------------------------------
 
-    def _run_end(self, events: bytes, pos: int) -> int:
-        """End of the run of template events from ``pos`` to the template's last occurrence in
-        ``events`` when every event in between is one, else -1; keeps what ``_pass_run`` needs."""
+    def _run(self, events: bytes, pos: int) -> tuple[bytes, list[bytes]] | None:
+        """The run of template events from ``pos`` to the template's last occurrence in
+        ``events``, and their texts, when every event in between is one."""
         suffix = self._suffix
         end = events.rfind(suffix, pos) + len(suffix)
         if end - pos < len(self._prefix) + len(suffix):
-            return -1
+            return None
         run = events[pos:end]
         text_start = len(self._prefix)
         text_cut = len(suffix) - 2
@@ -132,18 +158,15 @@ class EventFilter:
             or not PARSED_TEXTS.isdisjoint(texts)
             or self._prefix + self._separator.join(texts) + suffix != run
         ):
-            return -1
-        self._run_texts = texts
-        self._run = run
-        return end
+            return None
+        return run, texts
 
-    def _pass_run(self) -> bytes:
-        texts = self._run_texts
+    def _pass_run(self, run: bytes, texts: list[bytes]) -> bytes:
         self.obs.raw_run(0, b"".join(texts), len(texts))
         self.run_events += len(texts)
         if self._stripped_suffix:
             return self._prefix + self._stripped_separator.join(texts) + self._stripped_suffix
-        return self._run
+        return run
 
     def _learn(self, data: bytes, start: int, end: int) -> None:
         """Make ``data`` (a content event's JSON, its text at ``start:end``) the template when a

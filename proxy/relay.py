@@ -311,7 +311,6 @@ class Exchange:
         await response.prepare(self.request)
         client_gone = False
         failure: Outcome | None = None
-        buffer = bytearray()
         events = EventFilter(
             self.obs, dialect=call.dialect, choices=call.choices, client_wants_usage=call.client_wants_usage
         )
@@ -327,23 +326,11 @@ class Exchange:
                     break
                 guard.waiting_since = None
                 self._upstream_s += time.monotonic() - waited
-                limit = self.services.config.limits.max_upstream_body_bytes
-                if not buffer and piece.endswith(b"\n\n") and b"\r" not in piece and len(piece) <= limit:
-                    out = events.feed(piece)  # whole events, nothing held over: no copies
-                else:
-                    buffer += piece
-                    if b"\r" in buffer:
-                        # On the buffer, not the piece: a read may end between \r and \n.
-                        buffer[:] = buffer.replace(b"\r\n", b"\n")
-                    if len(buffer) > limit:
-                        failure = Outcome("upstream_error")  # one event larger than we hold
-                        break
-                    # Every complete event of this read goes out in one write, as soon as it came.
-                    complete = buffer.rfind(b"\n\n") + 2
-                    out = b""
-                    if complete > 1:
-                        out = events.feed(bytes(buffer[:complete]))
-                        del buffer[:complete]
+                # Every complete event of this read goes out in one write, as soon as it came.
+                out = events.read(piece, limit=self.services.config.limits.max_upstream_body_bytes)
+                if out is None:
+                    failure = Outcome("upstream_error")  # one event larger than we hold
+                    break
                 if out and not client_gone:
                     try:
                         transport = self.request.transport
@@ -370,7 +357,7 @@ class Exchange:
             if self._renewal is not None:
                 self._renewal.cancel()
                 self._renewal = None
-        if buffer.strip() and failure is None and not client_gone:
+        if events.incomplete and failure is None and not client_gone:
             failure = Outcome("upstream_error")  # the stream ended inside an event
 
         if client_gone:

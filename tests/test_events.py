@@ -88,20 +88,18 @@ EVENTS = st.lists(st.one_of(TEXTS.map(content), TEXTS.map(content), ODD_EVENTS),
 
 
 def relay(stream: bytes, cuts: list[int], *, runs: bool, wants_usage: bool, choices: int = 1) -> Any:
-    """What the relay does with upstream reads: complete events go to the filter."""
+    """The stream cut into reads at ``cuts``, each read handed to the filter as the relay does."""
     obs = Observation()
     events = EventFilter(
         obs, dialect=DIALECTS["chat.completions"], choices=choices, client_wants_usage=wants_usage, runs=runs
     )
     out = b""
-    buffer = bytearray()
     edges = [0, *sorted(set(c % (len(stream) + 1) for c in cuts)), len(stream)]
     for start, end in itertools.pairwise(edges):
-        buffer += stream[start:end]
-        complete = buffer.rfind(b"\n\n") + 2
-        if complete > 1:
-            out += events.feed(bytes(buffer[:complete]))
-            del buffer[:complete]
+        passed = events.read(stream[start:end], limit=1 << 20)
+        assert passed is not None
+        out += passed
+    assert not events.incomplete
     seen = (
         obs.content_of(0),
         obs.all_text(),

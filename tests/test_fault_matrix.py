@@ -149,20 +149,20 @@ async def test_many_idle_connections_do_not_block_calls(
     assert len(fake.bill) == 1
 
 
-async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
-    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+async def stream_beside_a_reaper(
+    raw: dict[str, Any], tmp_path: Path, redis_client: aioredis.Redis, fake_ctl: dict[str, Any]
 ) -> None:
-    raw = base_config(fake.base_url, redis_server.url)
-    raw["upstreams"]["openai"]["timeout_s"] = 1
-    raw["limits"] = {"lease_margin_s": 0.5, "reaper_interval_s": 0.1}  # lease 1.5 s, stream ~4 s
+    """A stream through one proxy while another's reaper runs: it must end whole and be billed
+    from the provider's usage, never reaped."""
     procs = [ProxyProcess(raw, tmp_path).start(), ProxyProcess(raw, tmp_path).start()]
     try:
+        tokens = fake_ctl["reply_tokens"]
         body = {
             "model": "gpt-4o-mini",
             "messages": MSGS,
             "stream": True,
-            "max_tokens": 40,
-            "fake": {"reply_tokens": 40, "chunk_delay_s": 0.1},
+            "max_tokens": tokens,
+            "fake": fake_ctl,
         }
         async with aiohttp.ClientSession() as session:
             async with session.post(procs[0].url + "/v1/chat/completions", json=body, headers=AUTH) as resp:
@@ -173,6 +173,15 @@ async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
             proc.stop()
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
+
+
+async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["upstreams"]["openai"]["timeout_s"] = 1
+    raw["limits"] = {"lease_margin_s": 0.5, "reaper_interval_s": 0.1}  # lease 1.5 s, stream ~4 s
+    await stream_beside_a_reaper(raw, tmp_path, redis_client, {"reply_tokens": 40, "chunk_delay_s": 0.1})
 
 
 async def test_a_stream_silent_for_longer_than_its_lease_keeps_it(
@@ -183,30 +192,14 @@ async def test_a_stream_silent_for_longer_than_its_lease_keeps_it(
     raw = base_config(fake.base_url, redis_server.url)
     raw["upstreams"]["openai"]["timeout_s"] = 6  # lease 6.3 s, renewed every 2.1 s
     raw["limits"] = {"lease_margin_s": 0.3, "reaper_interval_s": 0.1}
-    procs = [ProxyProcess(raw, tmp_path).start(), ProxyProcess(raw, tmp_path).start()]
-    try:
-        body = {
-            "model": "gpt-4o-mini",
-            "messages": MSGS,
-            "stream": True,
-            "max_tokens": 14,
-            "fake": {
-                "reply_tokens": 14,
-                "chunk_delay_s": 0.1,
-                "mode": "stall_mid_stream",
-                "after_chunks": 10,  # reads for about 1 s
-                "stall_s": 5.6,  # back at about 6.6 s: past the first lease, before the stall timeout
-            },
-        }
-        async with aiohttp.ClientSession() as session:
-            async with session.post(procs[0].url + "/v1/chat/completions", json=body, headers=AUTH) as resp:
-                text = await resp.read()
-        assert text.endswith(b"data: [DONE]\n\n")
-    finally:
-        for proc in procs:
-            proc.stop()
-    entry = await only_entry(redis_client)
-    assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
+    fake_ctl = {
+        "reply_tokens": 14,
+        "chunk_delay_s": 0.1,
+        "mode": "stall_mid_stream",
+        "after_chunks": 10,  # reads for about 1 s
+        "stall_s": 5.6,  # back at about 6.6 s: past the first lease, before the stall timeout
+    }
+    await stream_beside_a_reaper(raw, tmp_path, redis_client, fake_ctl)
 
 
 async def test_reload_by_file_check_without_a_signal(
