@@ -4,7 +4,13 @@ Forwards ``POST /v1/chat/completions`` (body and Authorization as received) to t
 streams the answer back piece by piece as it arrives. Whatever the proxy costs above this is
 the price of billing.
 
-``python bench/relay.py --upstream http://127.0.0.1:N/v1 --port M`` prints ``READY <url>``.
+With ``--redis URL`` it also makes two plain Redis script calls per call (redis-py, EVALSHA),
+one before forwarding and one after the answer, where the proxy reserves and settles: the
+issue's "relay plus two Redis round trips", the floor under any billing that keeps its state in
+Redis.
+
+``python bench/relay.py --upstream http://127.0.0.1:N/v1 --port M [--redis URL]`` prints
+``READY <url>``.
 """
 
 from __future__ import annotations
@@ -16,10 +22,19 @@ import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
+import redis.asyncio as aioredis
 from aiohttp import web
+from redis.commands.core import AsyncScript
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", str)
+BEFORE = web.AppKey("before", AsyncScript)
+AFTER = web.AppKey("after", AsyncScript)
+# As small as a script can be and still write: what is left is the round trip itself.
+BEFORE_LUA = "redis.call('HINCRBY', KEYS[1], 'reserved', ARGV[1]) return 1"
+AFTER_LUA = (
+    "redis.call('HINCRBY', KEYS[1], 'reserved', -ARGV[1]) redis.call('HINCRBY', KEYS[1], 'used', 1) return 1"
+)
 
 
 async def relay(request: web.Request) -> web.StreamResponse:
@@ -28,6 +43,9 @@ async def relay(request: web.Request) -> web.StreamResponse:
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]
     session = request.app[SESSION]
+    before = request.app.get(BEFORE)
+    if before is not None:
+        await before(keys=["bench:relay"], args=[100])
     async with session.post(request.app[UPSTREAM] + "/chat/completions", data=body, headers=headers) as up:
         response = web.StreamResponse(status=up.status)
         response.content_type = up.content_type
@@ -36,6 +54,9 @@ async def relay(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         async for piece in up.content.iter_any():
             await response.write(piece)
+        after = request.app.get(AFTER)
+        if after is not None:
+            await after(keys=["bench:relay"], args=[100])
         await response.write_eof()
         return response
 
@@ -44,7 +65,7 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def serve(host: str, port: int, upstream: str, max_seconds: float) -> None:
+async def serve(host: str, port: int, upstream: str, max_seconds: float, redis_url: str | None) -> None:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[UPSTREAM] = upstream.rstrip("/")
     app.router.add_post("/v1/chat/completions", relay)
@@ -55,7 +76,16 @@ async def serve(host: str, port: int, upstream: str, max_seconds: float) -> None
         yield
         await app[SESSION].close()
 
+    async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+        client = aioredis.Redis.from_url(redis_url or "", max_connections=1024)
+        app[BEFORE] = client.register_script(BEFORE_LUA)
+        app[AFTER] = client.register_script(AFTER_LUA)
+        yield
+        await client.aclose()
+
     app.cleanup_ctx.append(session_ctx)
+    if redis_url:
+        app.cleanup_ctx.append(redis_ctx)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
@@ -79,9 +109,10 @@ def main() -> int:
     parser.add_argument("--upstream", required=True, help="upstream base URL, e.g. http://127.0.0.1:9000/v1")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--redis", default=None, help="also call two Redis scripts per call (URL)")
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (safety)")
     args = parser.parse_args()
-    asyncio.run(serve(args.host, args.port, args.upstream, args.max_seconds))
+    asyncio.run(serve(args.host, args.port, args.upstream, args.max_seconds, args.redis))
     return 0
 
 

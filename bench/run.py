@@ -109,12 +109,18 @@ def start_proxy(config_path: Path, workdir: Path, workers: int | None) -> Server
 class Stack:
     upstream: Server
     relay: Server
+    relay_redis: Server
     proxy: Server
     redis: RedisServerProcess
     litellm: Server | None = None  # with --litellm, when it started
 
     def server(self, arm: str) -> Server:
-        servers = {"direct": self.upstream, "relay": self.relay, "proxy": self.proxy}
+        servers = {
+            "direct": self.upstream,
+            "relay": self.relay,
+            "relay+redis": self.relay_redis,
+            "proxy": self.proxy,
+        }
         if self.litellm is not None:
             servers["litellm"] = self.litellm
         return servers[arm]
@@ -131,7 +137,7 @@ class Stack:
         return self.server(arm).url + "/v1/chat/completions"
 
     def check_alive(self) -> None:
-        for server in (self.upstream, self.relay, self.proxy):
+        for server in (self.upstream, self.relay, self.relay_redis, self.proxy):
             if server.process.poll() is not None:
                 raise SystemExit(f"bench: {server.name} died:\n{server.log_tail()}")
 
@@ -345,7 +351,7 @@ def measure(
         "cpu_util": round((after - before) / wall, 3) if wall > 0 else None,
         "upstream_cpu_ms_per_req": round((after_up - before_up) * 1000 / requests, 4),
         "redis_cpu_ms_per_req": round((after_redis - before_redis) * 1000 / requests, 4)
-        if arm == "proxy"
+        if arm in ("proxy", "relay+redis")
         else None,
         "loadgen_cpu_util": round(loadgen_cpu / wall, 3) if wall > 0 else None,
         "foreign_cpu_util": round(foreign_util, 3),
@@ -398,6 +404,23 @@ def stack_running(
         )
         servers.append(relay)
         redis.start()
+        relay_redis = start_ready_line(
+            "relay-redis",
+            [
+                PYTHON,
+                str(BENCH / "relay.py"),
+                "--upstream",
+                upstream.url,
+                "--port",
+                "0",
+                "--redis",
+                redis.url,
+                "--max-seconds",
+                "1800",
+            ],
+            workdir,
+        )
+        servers.append(relay_redis)
         config_path = workdir / "proxy.yaml"
         config_path.write_text(yaml.safe_dump(proxy_config(free_port(), upstream.url, redis.url, log_level)))
         proxy = start_proxy(config_path, workdir, settings.workers)
@@ -412,7 +435,9 @@ def stack_running(
             except litellm_arm.Unavailable as err:
                 print(f"bench: litellm: {err}\nbench: going on without the litellm arm", file=sys.stderr)
                 notes.append(f"the LiteLLM arm did not run: {str(err)[:300]}")
-        yield Stack(upstream=upstream, relay=relay, proxy=proxy, redis=redis, litellm=litellm)
+        yield Stack(
+            upstream=upstream, relay=relay, relay_redis=relay_redis, proxy=proxy, redis=redis, litellm=litellm
+        )
     finally:
         for server in reversed(servers):
             server.stop()
@@ -509,6 +534,26 @@ def profile(stack: Stack, settings: Settings, name: str, seconds: float, out_dir
     return written
 
 
+def cores_for_pinning(workers: int, parser: argparse.ArgumentParser) -> tuple[set[int], set[int]]:
+    """(the server's cores, everyone else's): the last ``workers`` cores for the server."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) <= workers:
+        parser.error(f"--pin needs more cores than workers ({len(cpus)} usable, {workers} workers)")
+    return set(cpus[-workers:]), set(cpus[:-workers])
+
+
+def pin_servers(stack: Stack, cores: set[int]) -> None:
+    servers = [stack.relay, stack.relay_redis, stack.proxy]
+    if stack.litellm is not None:
+        servers.append(stack.litellm)
+    for server in servers:
+        for pid in server.tree():
+            # Threads too: a proxy's estimate thread belongs with it.
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(task), cores)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -555,6 +600,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="[SCENARIO=]REQ_PER_S",
         help="open-loop load: every arm serves the same requests/s (e.g. 800, or stream-200=300), "
         "so CPU ms/req compares equal work instead of each arm's own saturation point",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the server under test (relay, proxy, LiteLLM) on a core of its own, the upstream, Redis "
+        "and the load generator on the others, as on a host whose clients and provider are elsewhere",
     )
     parser.add_argument(
         "--background-rate",
@@ -611,6 +662,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"paced (open-loop) load, requests/s per arm: {rates}; every arm serves the same load, "
             "so CPU ms/req compares equal work (req/s then shows the pace, not capacity)"
         )
+    pinning = cores_for_pinning(args.workers or 1, parser) if args.pin else None
+    if pinning is not None:
+        served, others = pinning
+        # Set before anything starts: the upstream, Redis and every load generator inherit it.
+        os.sched_setaffinity(0, others)
+        notes.append(
+            f"--pin: servers under test on CPU {sorted(served)}, upstream, Redis and load generator "
+            f"on CPU {sorted(others)}"
+        )
+    settings.extra["pin"] = sorted(pinning[0]) if pinning else None
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
     started = time.monotonic()
@@ -623,6 +684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"(pid {stack.proxy.process.pid}), redis {stack.redis.url}; workdir {workdir}",
                 file=sys.stderr,
             )
+            if pinning is not None:
+                pin_servers(stack, pinning[0])
             for round_no in range(settings.rounds):
                 for concurrency in settings.concurrencies:
                     for scenario in scenarios:

@@ -43,7 +43,7 @@ class Scenario:
     key: str = "open"  # which proxy key (tier) the proxy arm uses
     expect_status: int = 200
     # Arms measured; a scenario without direct/relay arms borrows them from ``baseline``.
-    arms: tuple[str, ...] = ("direct", "relay", "proxy")
+    arms: tuple[str, ...] = ("direct", "relay", "relay+redis", "proxy")
     baseline: str | None = None
     litellm: bool = False  # also measure the LiteLLM arm (with --litellm)
     needs_encoding: str | None = None  # skipped when this tiktoken encoding is not installed
