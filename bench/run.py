@@ -748,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for record in records:
                 key = (record["scenario"], record["concurrency"], record["arm"])
                 row = rows[key]
-                prefixes = ("added_", "alone_", "cpu_ratio", "rps_ratio", "litellm_cpu_ratio")
+                prefixes = ("added_", "alone_", "cpu_ratio", "rps_ratio", "p50_ratio", "litellm_cpu_ratio")
                 extra = {k: row[k] for k in row if k.startswith(prefixes)}
                 out.write(json.dumps({**record, **extra, "git": settings.extra["git"]}) + "\n")
     (args.out / "latest.md").write_text(table)

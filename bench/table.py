@@ -70,6 +70,8 @@ def add_comparisons(rows: Rows, scenarios: Sequence[Scenario]) -> None:
             for key in ("p50_ms", "p99_ms"):
                 if row.get(key) is not None and direct.get(key) is not None:
                     row[f"added_{key}"] = round(row[key] - direct[key], 3)
+            row["rps_ratio_vs_direct"] = _ratio(row.get("rps"), direct.get("rps"))
+            row["p50_ratio_vs_direct"] = _ratio(row.get("p50_ms"), direct.get("p50_ms"))
         if arm in ("proxy", "relay+redis") and relay is not None:
             row["cpu_ratio_vs_relay"] = _ratio(row.get("cpu_ms_per_req"), relay.get("cpu_ms_per_req"))
             row["rps_ratio_vs_relay"] = _ratio(row.get("rps"), relay.get("rps"))
@@ -99,8 +101,8 @@ def _main_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
     lines = [
         "| scenario | conc | arm | req/s | p50 ms | p99 ms | +p50 vs direct | +p99 vs direct "
         "| TTFB p50 ms | CPU ms/req | redis ms/req | peak RSS MiB | errors "
-        "| CPU/req x relay | req/s x relay |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| req/s x direct | p50 x direct | CPU/req x relay | req/s x relay |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key in sorted(rows, key=lambda k: (k[1], order[k[0]], ARM_ORDER[k[2]])):
         r = rows[key]
@@ -118,6 +120,8 @@ def _main_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
             _fmt(r.get("redis_cpu_ms_per_req"), 3),
             _fmt(r["peak_rss_mib"], 1),
             str(r["errors"]),
+            _fmt(r.get("rps_ratio_vs_direct")),
+            _fmt(r.get("p50_ratio_vs_direct")),
             _fmt(r.get("cpu_ratio_vs_relay")),
             _fmt(r.get("rps_ratio_vs_relay")),
         ]
