@@ -14,6 +14,7 @@ per-event path, so the template only ever changes the cost, never the result.
 
 from __future__ import annotations
 
+import operator
 import re
 
 import orjson
@@ -143,9 +144,10 @@ class EventFilter:
         if end - pos < len(self._prefix) + len(suffix):
             return None
         run = events[pos:end]
-        text_start = len(self._prefix)
-        text_cut = len(suffix) - 2
-        texts = [part[text_start : len(part) - text_cut] for part in run.split(b"\n\n")[:-1]]
+        # Each event's text, cut out in C (itemgetter of a slice): a comprehension doing the same
+        # took twice as long, a run's largest cost after the split itself.
+        cut = operator.itemgetter(slice(len(self._prefix), 2 - len(suffix)))
+        texts = list(map(cut, run.split(b"\n\n")[:-1]))
         # Rebuilt from the texts, the run must come out byte for byte: every event is then the
         # template around its text. The texts themselves must hold no quote (which could close
         # the string early), no line break, and must not end in a backslash (which would escape
