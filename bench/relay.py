@@ -30,6 +30,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", str)
 BEFORE = web.AppKey("before", AsyncScript)
 AFTER = web.AppKey("after", AsyncScript)
+DONE = b"data: [DONE]\n\n"
 # As small as a script can be and still write: what is left is the round trip itself.
 BEFORE_LUA = "redis.call('HINCRBY', KEYS[1], 'reserved', ARGV[1]) return 1"
 AFTER_LUA = (
@@ -53,15 +54,17 @@ async def relay(request: web.Request) -> web.StreamResponse:
             response.content_length = up.content_length
         await response.prepare(request)
         after = request.app.get(AFTER)
+        stream = up.content_type == "text/event-stream"
         held = b""
         async for piece in up.content.iter_any():
-            if after is not None:
-                # One piece behind: the end of the answer waits for the second call, as the
-                # proxy's answer (or a stream's last event) waits for its settle.
-                piece, held = held, piece
-                if not piece:
-                    continue
-            await response.write(piece)
+            if after is not None and not stream:
+                held += piece  # as the proxy's: a JSON answer goes out once the call is settled
+                continue
+            if after is not None and piece.endswith(DONE):
+                # As the proxy's: a stream's events go out as they come, its [DONE] after the settle.
+                piece, held = piece[: -len(DONE)], DONE
+            if piece:
+                await response.write(piece)
         if after is not None:
             await after(keys=["bench:relay"], args=[100])
             if held:

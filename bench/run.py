@@ -472,9 +472,13 @@ def git_revision() -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "proxy"], cwd=ROOT, capture_output=True, text=True, timeout=5
+            ["git", "status", "--porcelain", "--untracked-files=no", "proxy", "bench"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
         ).stdout.strip()
-        return rev + ("+dirty(proxy/)" if dirty else "")
+        return rev + ("+dirty(proxy/ or bench/)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "?"
 
@@ -548,10 +552,12 @@ def pin_servers(stack: Stack, cores: set[int]) -> None:
         servers.append(stack.litellm)
     for server in servers:
         for pid in server.tree():
-            # Threads too: a proxy's estimate thread belongs with it.
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.sched_setaffinity(int(task), cores)
+            # Threads too: a proxy's estimate thread belongs with it. A process or thread may end
+            # meanwhile; threads started later inherit the affinity of the thread starting them.
+            with contextlib.suppress(OSError):
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(int(task), cores)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -604,8 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="the server under test (relay, proxy, LiteLLM) on a core of its own, the upstream, Redis "
-        "and the load generator on the others, as on a host whose clients and provider are elsewhere",
+        help="the server under test (relay, relay+redis, proxy, LiteLLM) on a core of its own, the "
+        "upstream, Redis and the load generator on the others, as on a host whose clients and provider "
+        "are elsewhere",
     )
     parser.add_argument(
         "--background-rate",
@@ -697,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             cpu = record["cpu_ms_per_req"]
                             cpu_text = "-" if cpu is None else f"{cpu:.3f}"
                             print(
-                                f"bench: {scenario.name:20} c={concurrency:<3} {arm:7} "
+                                f"bench: {scenario.name:20} c={concurrency:<3} {arm:11} "
                                 f"{record['rps']:8.0f} req/s  p50 {record['p50_ms'] or 0:7.2f} ms  "
                                 f"p99 {record['p99_ms'] or 0:7.2f} ms  "
                                 f"CPU {cpu_text} ms/req  errors {record['errors']}",

@@ -141,6 +141,10 @@ def _targets_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
             continue
         relay = rows.get((r.get("baseline_scenario") or name, conc, "relay"))
         floor = rows.get((r.get("baseline_scenario") or name, conc, "relay+redis")) or {}
+        floor_rounds = floor.get("cpu_ratio_rounds") or []
+        floor_spread = ""
+        if len(floor_rounds) > 1:
+            floor_spread = f" ({min(floor_rounds):.2f} to {max(floor_rounds):.2f})"
         ratio = r.get("cpu_ratio_vs_relay")
         met = "-" if ratio is None else ("yes" if ratio <= TARGETS[name] else "**no**")
         rounds = r.get("cpu_ratio_rounds") or []
@@ -148,7 +152,7 @@ def _targets_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
         lines.append(
             f"| {name} | {conc} | {_fmt(r['cpu_ms_per_req'], 3)} | "
             f"{_fmt(relay['cpu_ms_per_req'] if relay else None, 3)} | {_fmt(ratio)} | {spread} | "
-            f"≤{TARGETS[name]} | {met} | {_fmt(floor.get('cpu_ratio_vs_relay'))} |"
+            f"≤{TARGETS[name]} | {met} | {_fmt(floor.get('cpu_ratio_vs_relay'))}{floor_spread} |"
         )
     return lines
 
@@ -227,7 +231,8 @@ def markdown(rows: Rows, settings: Settings, notes: list[str]) -> str:
         f"- warm-up {settings.warmup_s}s + {settings.duration_s}s measured per arm, "
         f"{settings.rounds} round(s) (medians), proxy workers: {settings.workers or 'default (1 process)'}",
         "- CPU ms/req: utime+stime of the server process tree over the measured phase / requests. "
-        "Proxy rows also show Redis CPU ms/req. Ratios are proxy / relay (same scenario's relay, or "
+        "Proxy and relay+redis rows also show Redis CPU ms/req. Ratios are arm / relay (same "
+        "scenario's relay, or "
         "the baseline scenario's for the proxy-only scenarios).",
         *[f"- {note}" for note in notes],
         "",
