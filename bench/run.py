@@ -696,8 +696,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for round_no in range(settings.rounds):
                 for concurrency in settings.concurrencies:
                     for scenario in scenarios:
-                        # direct, relay, proxy (and litellm): in alternation
-                        for arm in stack.arms(scenario):
+                        # direct, relay, relay+redis, proxy (and litellm) in alternation; every
+                        # other round in reverse, so a machine speeding up or slowing down over a
+                        # round does not always favour the same arm
+                        arms = stack.arms(scenario)
+                        for arm in arms[::-1] if round_no % 2 else arms:
                             record = measure(stack, scenario, arm, concurrency, settings)
                             record["round"] = round_no
                             raw.setdefault((scenario.name, concurrency, arm), []).append(record)
