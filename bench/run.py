@@ -388,38 +388,12 @@ def stack_running(
             workdir,
         )
         servers.append(upstream)
-        relay = start_ready_line(
-            "relay",
-            [
-                PYTHON,
-                str(BENCH / "relay.py"),
-                "--upstream",
-                upstream.url,
-                "--port",
-                "0",
-                "--max-seconds",
-                "1800",
-            ],
-            workdir,
-        )
+        relay_argv = [PYTHON, str(BENCH / "relay.py"), "--upstream", upstream.url, "--port", "0"]
+        relay_argv += ["--max-seconds", "1800"]
+        relay = start_ready_line("relay", relay_argv, workdir)
         servers.append(relay)
         redis.start()
-        relay_redis = start_ready_line(
-            "relay-redis",
-            [
-                PYTHON,
-                str(BENCH / "relay.py"),
-                "--upstream",
-                upstream.url,
-                "--port",
-                "0",
-                "--redis",
-                redis.url,
-                "--max-seconds",
-                "1800",
-            ],
-            workdir,
-        )
+        relay_redis = start_ready_line("relay-redis", [*relay_argv, "--redis", redis.url], workdir)
         servers.append(relay_redis)
         config_path = workdir / "proxy.yaml"
         config_path.write_text(yaml.safe_dump(proxy_config(free_port(), upstream.url, redis.url, log_level)))

@@ -149,14 +149,13 @@ CALL_LOGGER = "proxy.call"
 
 
 def log_call(fields: dict[str, Any]) -> None:
-    """Write the per-call line (``fields`` already free of secrets, see ``redact``).
+    """Write the per-call line (``fields`` already free of secrets, see ``redact``); the caller
+    has checked that ``proxy.call`` logs at info, before building ``fields``.
 
     Straight into the buffered JSON handler when it is the only one in place, as ``serve`` sets
     it up; through ``logging`` otherwise (tests that capture logs, an embedding application).
     """
     logger = logging.getLogger(CALL_LOGGER)
-    if not logger.isEnabledFor(logging.INFO):
-        return
     handlers = logging.getLogger().handlers
     if (
         len(handlers) == 1

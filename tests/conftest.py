@@ -68,6 +68,19 @@ async def fake() -> AsyncIterator[FakeUpstream]:
     await upstream.close()
 
 
+def slow_stream(run: str, chunks: int = 30, delay_s: float = 0.1) -> tuple[dict[str, Any], dict[str, str]]:
+    """A chat stream of ``chunks`` content chunks ``delay_s`` apart from the fake upstream, under
+    run ``run``: (body, headers)."""
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": chunks,
+        "stream": True,
+        "fake": {"reply_tokens": chunks, "chunk_delay_s": delay_s},
+    }
+    return body, {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+
+
 def base_config(upstream_url: str, redis_url: str, **overrides: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},

@@ -6,29 +6,17 @@ import asyncio
 import json
 import signal
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 
 from proxy.cli import GC_YOUNG_THRESHOLD
 from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import KEY_A, ProxyFactory, base_config
+from tests.conftest import KEY_A, ProxyFactory, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
 LEDGER = "lbp:{team-a}:ledger"
-
-
-def slow_stream(run: str, chunks: int = 30, delay_s: float = 0.1) -> tuple[dict[str, Any], dict[str, str]]:
-    body = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": chunks,
-        "stream": True,
-        "fake": {"reply_tokens": chunks, "chunk_delay_s": delay_s},
-    }
-    return body, {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
 
 
 async def read_all(resp: aiohttp.ClientResponse) -> bytes:

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
-from tests.conftest import KEY_A, base_config
+from tests.conftest import KEY_A, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -73,14 +73,7 @@ async def test_kill_9_mid_stream_is_settled_at_reserve_by_the_other_instance(
     victim = ProxyProcess(raw, tmp_path).start()
     survivor = ProxyProcess(raw, tmp_path).start()
     try:
-        body = {
-            "model": "gpt-4o-mini",
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 40,
-            "stream": True,
-            "fake": {"reply_tokens": 40, "chunk_delay_s": 0.1},
-        }
-        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "killed"}
+        body, headers = slow_stream("killed", chunks=40, delay_s=0.1)
         async with aiohttp.ClientSession() as session:
             resp = await session.post(victim.url + "/v1/chat/completions", json=body, headers=headers)
             await resp.content.readuntil(b"\n\n")

@@ -17,7 +17,7 @@ from proxy.journal import Journal, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
-from tests.conftest import KEY_A, ProxyFactory
+from tests.conftest import KEY_A, ProxyFactory, slow_stream
 from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
@@ -45,13 +45,7 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
         journal_dir=str(journal_dir),
         limits={"journal_replay_s": 0.1},
     )
-    body = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": True,
-        "fake": {"reply_tokens": 20, "chunk_delay_s": 0.05},
-    }
-    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "outage"}
+    body, headers = slow_stream("outage", chunks=20, delay_s=0.05)
     async with aiohttp.ClientSession() as session:
         resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
         await resp.content.readuntil(b"\n\n")
@@ -190,13 +184,7 @@ async def test_a_reservation_lost_mid_call_is_billed_by_the_live_settle(
     """As when a failed-over Redis master took the reserve with it: the call went out, so its
     settle bills it (tagged reservation=lost) rather than taking it for settled."""
     proxy = await make_proxy()
-    body = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": True,
-        "fake": {"reply_tokens": 10, "chunk_delay_s": 0.05},
-    }
-    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "lost"}
+    body, headers = slow_stream("lost", chunks=10, delay_s=0.05)
     async with aiohttp.ClientSession() as session:
         resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
         await resp.content.readuntil(b"\n\n")
