@@ -70,15 +70,16 @@ from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 PYTHON = sys.executable
 
 
-def start_proxy(config_path: Path, workdir: Path, workers: int | None) -> Server:
+def start_proxy(config_path: Path, workdir: Path, workers: int | None, *, root: Path = ROOT) -> Server:
+    """The proxy of the source tree ``root`` (``bench/ab.py`` runs two trees side by side)."""
     argv = [PYTHON, "-m", "proxy", "serve", "--config", str(config_path)]
     if workers is not None:
         argv += ["--workers", str(workers)]
-    env = {**os.environ, "BENCH_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "BENCH_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(root)}
     log_path = workdir / "proxy.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=str(ROOT), env=env
+            argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=str(root), env=env
         )
     config = yaml.safe_load(config_path.read_text())
     url = f"http://127.0.0.1:{config['listen']['port']}"

@@ -7,9 +7,18 @@ run id, request id or key in a label.
 
 from __future__ import annotations
 
-from typing import Any
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
 from proxy.config import Config
 
@@ -20,94 +29,212 @@ PASSTHROUGH_TENANT = "passthrough"
 OTHER_MODEL = "other"
 
 
+class CounterValue:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: int | float = 0
+
+    def inc(self, amount: int | float = 1) -> None:
+        self.value += amount
+
+
+class GaugeValue(CounterValue):
+    __slots__ = ()
+
+    def dec(self, amount: int | float = 1) -> None:
+        self.value -= amount
+
+
+class HistogramValue:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bucket (``le``).
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+V = TypeVar("V", CounterValue, GaugeValue, HistogramValue)
+
+
+class _Family(Generic[V]):
+    """One metric's label sets and their values.
+
+    Why not ``prometheus_client``'s own metric classes: each of their updates takes a lock and
+    checks its arguments, about ten times per call on the hot path, for a process whose updates
+    all run on one event loop thread. Here an update is a dict lookup and an addition; the
+    exposition (names, ``_total``/``_bucket``/``_sum``/``_count`` samples, ``le`` labels) is the
+    same, built at scrape time. Counters drop the ``_created`` samples.
+    """
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._values: dict[tuple[str, ...], V] = {}
+
+    def labels(self, *values: str) -> V:
+        found = self._values.get(values)
+        if found is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, given {values}")
+            found = self._values[values] = self._new()
+        return found
+
+    def _new(self) -> V:
+        raise NotImplementedError
+
+    def items(self) -> list[tuple[list[str], V]]:
+        return [(list(labels), value) for labels, value in self._values.items()]
+
+
+class Counter(_Family[CounterValue]):
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *, divisor: int = 1):
+        super().__init__(name, documentation, labelnames)
+        self.divisor = divisor  # e.g. integer micro-units counted, whole units exported
+
+    def _new(self) -> CounterValue:
+        return CounterValue()
+
+    def inc(self, amount: int | float = 1) -> None:
+        self.labels().inc(amount)
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.items():
+            family.add_metric(labels, value.value / self.divisor if self.divisor != 1 else value.value)
+        return family
+
+
+class Gauge(_Family[GaugeValue]):
+    def _new(self) -> GaugeValue:
+        return GaugeValue()
+
+    def family(self) -> Metric:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.items():
+            family.add_metric(labels, value.value)
+        return family
+
+
+class Histogram(_Family[HistogramValue]):
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str] = (), *, buckets: Sequence[float]
+    ) -> None:
+        super().__init__(name, documentation, labelnames)
+        self.bounds = tuple(float(b) for b in buckets)
+        # prometheus_client's own spelling of ``le`` (untyped there), so the series keep their names.
+        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+
+    def _new(self) -> HistogramValue:
+        return HistogramValue(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.labels().observe(value)
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.items():
+            cumulative, buckets = 0, []
+            for le, count in zip(self._le, value.counts, strict=True):
+                cumulative += count
+                buckets.append((le, float(cumulative)))
+            family.add_metric(labels, buckets, value.sum)
+        return family
+
+
 class Metrics:
+    """Every metric of the proxy, exported through one collector registered in ``registry``.
+
+    Not thread-safe, by design: updates and scrapes all run on the app's event loop."""
+
     def __init__(self, registry: CollectorRegistry, *, currency: str = "USD") -> None:
         self.registry = registry
-        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self.requests = Counter(
-            "llm_proxy_requests",
-            "Forwarded calls by outcome.",
-            ["tenant", "model", "endpoint", "outcome"],
-            registry=registry,
+            "llm_proxy_requests", "Forwarded calls by outcome.", ["tenant", "model", "endpoint", "outcome"]
         )
         self.tokens = Counter(
             "llm_proxy_tokens",
             "Tokens charged, by type (input, cached_input, output, reasoning) and usage source.",
             ["tenant", "model", "type", "source"],
-            registry=registry,
         )
-        self.cost = Counter(
+        # Counted in integer micro-units, exported in whole units: no float drift in the sum.
+        self.cost_micros = Counter(
             "llm_proxy_cost",
             f"Cost charged, in {currency} (the operator's price list).",
             ["tenant", "model"],
-            registry=registry,
+            divisor=1_000_000,
         )
         self.budget_refusals = Counter(
             "llm_proxy_budget_refusals",
             "Calls refused before forwarding because a budget would be exceeded.",
             ["tenant", "scope", "meter"],
-            registry=registry,
         )
         self.clamped = Counter(
-            "llm_proxy_clamped",
-            "Calls whose output cap was lowered to fit the budget.",
-            ["tenant"],
-            registry=registry,
+            "llm_proxy_clamped", "Calls whose output cap was lowered to fit the budget.", ["tenant"]
         )
         self.overshoot = Counter(
-            "llm_proxy_overshoot_tokens",
-            "Tokens charged above the call's reserve.",
-            ["tenant", "model"],
-            registry=registry,
+            "llm_proxy_overshoot_tokens", "Tokens charged above the call's reserve.", ["tenant", "model"]
         )
         self.reserve_error = Histogram(
             "llm_proxy_reserve_error_ratio",
             "Estimated input tokens / provider input tokens.",
             buckets=RATIO_BUCKETS,
-            registry=registry,
         )
         self.inflight = Gauge(
-            "llm_proxy_inflight_requests",
-            "Calls between reserve and settle in this process.",
-            ["tenant"],
-            registry=registry,
+            "llm_proxy_inflight_requests", "Calls between reserve and settle in this process.", ["tenant"]
         )
         self.leases_expired = Counter(
-            "llm_proxy_leases_expired",
-            "Reservations settled at their reserve by a reaper.",
-            registry=registry,
+            "llm_proxy_leases_expired", "Reservations settled at their reserve by a reaper."
         )
-        self.store_errors = Counter(
-            "llm_proxy_store_errors", "Store operations that failed.", ["operation"], registry=registry
-        )
+        self.store_errors = Counter("llm_proxy_store_errors", "Store operations that failed.", ["operation"])
         self.duration = Histogram(
             "llm_proxy_request_duration_seconds",
             "Whole call duration as the client sees it.",
             ["endpoint"],
             buckets=LATENCY_BUCKETS,
-            registry=registry,
         )
         self.ttft = Histogram(
             "llm_proxy_upstream_ttft_seconds",
             "Time to the first generated token from the upstream.",
             ["model"],
             buckets=LATENCY_BUCKETS,
-            registry=registry,
         )
         self.overhead = Histogram(
             "llm_proxy_proxy_overhead_seconds",
             "Time spent in the proxy itself, excluding the upstream.",
             buckets=OVERHEAD_BUCKETS,
-            registry=registry,
         )
+        self._all: tuple[Counter | Gauge | Histogram, ...] = (
+            self.requests,
+            self.tokens,
+            self.cost_micros,
+            self.budget_refusals,
+            self.clamped,
+            self.overshoot,
+            self.reserve_error,
+            self.inflight,
+            self.leases_expired,
+            self.store_errors,
+            self.duration,
+            self.ttft,
+            self.overhead,
+        )
+        registry.register(self)
 
-    def child(self, metric: Any, *values: str) -> Any:
-        """``metric.labels(*values)``, cached: label sets are few and reused on every call."""
-        key = (metric, values)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*values)
-        return found
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._all:
+            yield metric.family()
+
+    def describe(self) -> Iterator[Metric]:
+        # The names, so that the registry refuses a second collector with the same ones.
+        return self.collect()
 
 
 def tenant_label(tenant: str, config: Config) -> str:

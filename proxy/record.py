@@ -21,7 +21,7 @@ def record_call(
     tenant = tenant_label(call.identity.tenant, config)
     model = model_label(call.model, config)
     usage = settlement.usage
-    metrics.child(metrics.requests, tenant, model, call.endpoint, settlement.outcome.tag).inc()
+    metrics.requests.labels(tenant, model, call.endpoint, settlement.outcome.tag).inc()
     # cached_input is the part of input served from cache; reasoning the part of output spent
     # thinking: the same fields as the ledger entry.
     for kind, count in (
@@ -31,19 +31,19 @@ def record_call(
         ("reasoning", usage.reasoning_tokens),
     ):
         if count:
-            metrics.child(metrics.tokens, tenant, model, kind, usage.source).inc(count)
+            metrics.tokens.labels(tenant, model, kind, usage.source).inc(count)
     if settlement.cost_micros:
-        metrics.child(metrics.cost, tenant, model).inc(settlement.cost_micros / 1_000_000)
+        metrics.cost_micros.labels(tenant, model).inc(settlement.cost_micros)
     if settlement.overshoot_tokens:
-        metrics.child(metrics.overshoot, tenant, model).inc(settlement.overshoot_tokens)
+        metrics.overshoot.labels(tenant, model).inc(settlement.overshoot_tokens)
     if call.clamped:
-        metrics.child(metrics.clamped, tenant).inc()
+        metrics.clamped.labels(tenant).inc()
     if usage.source == "provider" and usage.input_tokens > 0:
         metrics.reserve_error.observe(call.reserved_input_tokens / usage.input_tokens)
     elapsed = time.monotonic() - call.started_at
-    metrics.child(metrics.duration, call.endpoint).observe(elapsed)
+    metrics.duration.labels(call.endpoint).observe(elapsed)
     if call.first_token_at is not None:
-        metrics.child(metrics.ttft, model).observe(call.first_token_at - call.started_at)
+        metrics.ttft.labels(model).observe(call.first_token_at - call.started_at)
     metrics.overhead.observe(overhead_s)
     if call_log.isEnabledFor(logging.INFO):
         log_call(
@@ -72,5 +72,5 @@ def record_call(
 def record_refusal(metrics: Metrics, config: Config, tenant: str, err: BudgetExceeded) -> None:
     scope = err.headers.get("x-billing-refused-scope", "")
     meter = err.headers.get("x-billing-refused-meter", "")
-    metrics.child(metrics.budget_refusals, tenant_label(tenant, config), scope, meter).inc()
+    metrics.budget_refusals.labels(tenant_label(tenant, config), scope, meter).inc()
     call_log.info("budget refusal", extra={"tenant": tenant, "scope": scope, "meter": meter})

@@ -139,7 +139,7 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         tenant = tenant_label(self.call.identity.tenant, self.services.config)
-        inflight = self.services.metrics.child(self.services.metrics.inflight, tenant)
+        inflight = self.services.metrics.inflight.labels(tenant)
         inflight.inc()
         try:
             started = time.monotonic()
@@ -421,7 +421,7 @@ class Exchange:
                 self.call.lease_confirmed_at = asked
         except StoreError as err:
             # Not fatal: the stream goes on; the settle (or the journal) still follows.
-            self.services.metrics.child(self.services.metrics.store_errors, "renew").inc()
+            self.services.metrics.store_errors.labels("renew").inc()
             log.warning("lease renewal failed", extra={"request_id": self.call.request_id, "error": str(err)})
 
 

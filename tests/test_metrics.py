@@ -8,10 +8,13 @@ from typing import Any
 
 import aiohttp
 import openai
+import prometheus_client
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, Metrics
 from proxy.redis_server import free_port
 from tests.conftest import KEY_A, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
@@ -171,3 +174,84 @@ async def test_metrics_on_their_own_address(make_proxy: ProxyFactory, fake: Fake
         async with session.get(proxy.url + "/metrics") as resp:
             assert resp.status == 401  # no admin key configured: not open on the main port
     assert total(values, "llm_proxy_requests_total", outcome="ok") == 1
+
+
+# -- the collector against prometheus_client's own metric classes ----------------------------
+
+
+def exposition(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        k: v for k, v in samples(generate_latest(registry).decode()).items() if not k[0].endswith("_created")
+    }
+
+
+def test_exposition_matches_prometheus_client() -> None:
+    ours, reference = CollectorRegistry(), CollectorRegistry()
+    metrics = Metrics(ours)
+    requests = prometheus_client.Counter(
+        "llm_proxy_requests",
+        "Forwarded calls by outcome.",
+        ["tenant", "model", "endpoint", "outcome"],
+        registry=reference,
+    )
+    inflight = prometheus_client.Gauge(
+        "llm_proxy_inflight_requests",
+        "Calls between reserve and settle in this process.",
+        ["tenant"],
+        registry=reference,
+    )
+    overhead = prometheus_client.Histogram(
+        "llm_proxy_proxy_overhead_seconds",
+        "Time spent in the proxy itself, excluding the upstream.",
+        buckets=OVERHEAD_BUCKETS,
+        registry=reference,
+    )
+    duration = prometheus_client.Histogram(
+        "llm_proxy_request_duration_seconds",
+        "Whole call duration as the client sees it.",
+        ["endpoint"],
+        buckets=LATENCY_BUCKETS,
+        registry=reference,
+    )
+    for labels, amount in (
+        (("a", "m", "chat", "ok"), 1),
+        (("a", "m", "chat", "ok"), 3),
+        (("b", "m", "e", "x"), 2),
+    ):
+        metrics.requests.labels(*labels).inc(amount)
+        requests.labels(*labels).inc(amount)
+    for tenant, delta in (("a", 1), ("a", 1), ("b", 1), ("a", -1)):
+        metrics.inflight.labels(tenant).inc(delta)
+        inflight.labels(tenant).inc(delta)
+    # Values on a bound (``le`` includes it), between bounds, below the first and past the last.
+    values = [0.0, 0.0001, 0.00011, 0.001, 0.0099, 0.5, 0.50001, 7.0, 1e9]
+    for value in values:
+        metrics.overhead.observe(value)
+        overhead.observe(value)
+        metrics.duration.labels("chat").observe(value * 100)
+        duration.labels("chat").observe(value * 100)
+    got, want = exposition(ours), exposition(reference)
+    names = {"llm_proxy_requests_total", "llm_proxy_inflight_requests"} | {
+        f"{base}_{suffix}"
+        for base in ("llm_proxy_proxy_overhead_seconds", "llm_proxy_request_duration_seconds")
+        for suffix in ("bucket", "sum", "count")
+    }
+    assert {k: v for k, v in got.items() if k[0] in names} == want
+    assert total(got, "llm_proxy_proxy_overhead_seconds_bucket", le="0.0001") == 2
+
+
+def test_cost_is_summed_in_micro_units() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    for _ in range(10):
+        metrics.cost_micros.labels("a", "m").inc(100_001)  # 0.100001 ten times: no float drift
+    assert total(exposition(registry), "llm_proxy_cost_total") == 1.00001
+
+
+def test_labels_are_checked_and_names_unique() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    with pytest.raises(ValueError, match="llm_proxy_requests"):
+        metrics.requests.labels("only-one")
+    with pytest.raises(ValueError, match="Duplicated"):
+        Metrics(registry)

@@ -1,0 +1,165 @@
+"""Paired A/B of two revisions of the proxy: ``.venv/bin/python bench/ab.py [--base REV]``.
+
+A change that saves a few percent of CPU per call is invisible in ``run.py``'s rounds on a
+noisy 2-core machine, where the relay itself drifts 20-30% between runs. Here the two proxies
+run side by side against one upstream and one Redis, under the same paced (open-loop) load,
+alternating A B B A round after round, so drift hits both alike: what is reported is the
+median and spread of the per-round ratio B / A of proxy CPU ms per call.
+
+A is ``--base`` (default ``HEAD``), checked out into a temporary ``git worktree``; B is this
+working tree, uncommitted changes included. Each proxy imports its own tree (``PYTHONPATH``);
+both run the same generated config (``bench/scenarios.py``) on ports of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.procstats import Server, cpu_seconds, start_ready_line  # noqa: E402
+from bench.run import PYTHON, Settings, loadgen_argv, start_proxy  # noqa: E402
+from bench.scenarios import SCENARIOS, proxy_config  # noqa: E402
+from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ab-base-"))
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
+
+
+def cpu_ms_per_call(server: Server, argv: list[str]) -> tuple[float, dict[str, Any]]:
+    """Run one load generator (``--sync``) and sample the proxy's CPU around its measured phase."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit(f"ab: loadgen did not warm up: {proc.stderr.read().decode()[-2000:]}")
+            ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+            if ready and proc.stderr.readline().strip() == b"warm":
+                break
+        tree = server.tree()
+        before = cpu_seconds(tree)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=120)
+        spent = cpu_seconds(tree) - before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    if proc.returncode != 0 or result["errors"]:
+        raise SystemExit(f"ab: loadgen failed: {result} {err.decode()[-2000:]}")
+    return spent * 1000 / max(1, int(result["requests"])), result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base", default="HEAD", help="git revision of arm A (default HEAD)")
+    parser.add_argument("--scenario", default="nonstream-small", choices=[s.name for s in SCENARIOS])
+    parser.add_argument("--rate", type=float, default=600.0, help="requests/s, both arms (open loop)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--duration", type=float, default=4.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    scenario = next(s for s in SCENARIOS if s.name == args.scenario)
+    settings = Settings(
+        "ab",
+        args.warmup,
+        args.duration,
+        (args.concurrency,),
+        None,
+        1,
+        (scenario,),
+        {"paced": {"*": args.rate}},
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="ab-"))
+    servers: list[Server] = []
+    redis = RedisServerProcess(workdir / "redis", port=free_port())
+    with worktree(args.base) as base_root:
+        try:
+            upstream = start_ready_line(
+                "upstream",
+                [PYTHON, str(ROOT / "bench/upstream.py"), "--port", "0", "--max-seconds", "3600"],
+                workdir,
+            )
+            servers.append(upstream)
+            redis.start()
+            proxies: dict[str, Server] = {}
+            for arm, root in (("A", base_root), ("B", ROOT)):
+                (workdir / arm).mkdir()
+                config_path = workdir / arm / "proxy.yaml"
+                config = proxy_config(free_port(), upstream.url, redis.url, "info")
+                config_path.write_text(yaml.safe_dump(config))
+                proxies[arm] = start_proxy(config_path, workdir / arm, None, root=root)
+                servers.append(proxies[arm])
+            ratios: list[float] = []
+            for round_no in range(args.rounds):
+                order = ("A", "B", "B", "A") if round_no % 2 == 0 else ("B", "A", "A", "B")
+                spent: dict[str, list[float]] = {"A": [], "B": []}
+                for arm in order:
+                    url = proxies[arm].url + "/v1/chat/completions"
+                    ms, result = cpu_ms_per_call(
+                        proxies[arm], loadgen_argv(scenario, "proxy", url, args.concurrency, settings)
+                    )
+                    spent[arm].append(ms)
+                    print(
+                        f"round {round_no} {arm}: {ms:.4f} ms/call, {result['rps']} req/s, "
+                        f"p50 {result['latency_ms']['p50']} ms",
+                        file=sys.stderr,
+                    )
+                ratio = statistics.mean(spent["B"]) / statistics.mean(spent["A"])
+                ratios.append(ratio)
+                print(f"round {round_no}: B/A {ratio:.3f}", file=sys.stderr)
+        finally:
+            for server in reversed(servers):
+                server.stop()
+            redis.stop()
+    print(
+        json.dumps(
+            {
+                "scenario": scenario.name,
+                "rate": args.rate,
+                "concurrency": args.concurrency,
+                "base": args.base,
+                "ratio_b_over_a_median": round(statistics.median(ratios), 4),
+                "ratio_min": round(min(ratios), 4),
+                "ratio_max": round(max(ratios), 4),
+                "ratios": [round(r, 4) for r in ratios],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
