@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proxy.billing import Settlement
 from proxy.call import IdSource
 from proxy.config import Config
 from proxy.dialects import DIALECTS
@@ -50,6 +51,8 @@ class State:
     ready: bool = False
     # Tenants this process has registered for the reapers (one SADD per tenant per process).
     registered_tenants: set[str] = field(default_factory=set)
+    # Settlements under way (``Exchange._settle``): shutdown lets them finish.
+    settling: set[asyncio.Future[Settlement]] = field(default_factory=set)
 
 
 STATE = web.AppKey("state", State)
@@ -204,6 +207,13 @@ def build_app(
             await state.journal.replay(store)  # a last try before the process goes
         state.journal.close()
 
+    async def settling_ctx(app: web.Application) -> AsyncIterator[None]:
+        """Calls cut by shutdown past its grace period may still be settling: they finish (or
+        journal) before the journal and the store close, within the store's own time bound."""
+        yield
+        if state.settling:
+            await asyncio.wait(set(state.settling), timeout=2 * config.redis.socket_timeout_s + 1)
+
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         state.session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
@@ -271,6 +281,7 @@ def build_app(
     app.cleanup_ctx.append(log_flush_ctx)
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(journal_ctx)
+    app.cleanup_ctx.append(settling_ctx)  # cleaned up before the journal and the store
     app.cleanup_ctx.append(session_ctx)
     app.cleanup_ctx.append(estimator_ctx)
     if run_reaper_task:

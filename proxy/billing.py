@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -227,10 +226,8 @@ async def settle(
     *,
     marker_ttl_s: int,
 ) -> Settlement:
-    """Replace the reserve by the actual figures and append the ledger entry, exactly once.
-
-    Shielded: a handler cancelled mid-settle (client gone, shutdown) still settles.
-    """
+    """Replace the reserve by the actual figures and append the ledger entry, exactly once (the
+    caller shields it: see ``Exchange._settle``); journaled when the store fails."""
     reservation = call.reservation
     assert reservation is not None, "settle without reserve"
     cost = cost_micros(
@@ -262,8 +259,7 @@ async def settle(
         entry=entry,
         bill_if_lost_until_ms=bill_if_lost_until_ms(call, marker_ttl_s),
     )
-    # One shielded task settles or journals: a handler cancelled meanwhile changes neither.
-    entry_id = await asyncio.shield(asyncio.ensure_future(settle_or_journal(store, journal, pending)))
+    entry_id = await settle_or_journal(store, journal, pending)
     return Settlement(
         outcome=outcome,
         usage=usage,

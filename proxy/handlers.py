@@ -54,6 +54,7 @@ def _services(state: State, config: Config) -> Services:
         config=config,
         metrics=state.metrics,
         journal=state.journal,
+        settling=state.settling,
     )
 
 

@@ -56,6 +56,8 @@ class Services:
     config: Config
     metrics: Metrics
     journal: Journal
+    # Settle tasks still running (see ``Exchange._settle``); shutdown waits for them.
+    settling: set[asyncio.Future[Settlement]]
 
 
 class Exchange:
@@ -67,6 +69,7 @@ class Exchange:
         self.services = services
         self.obs = Observation()
         self.settlement: Settlement | None = None
+        self._settling: asyncio.Future[Settlement] | None = None
         # A stream renews its lease every third of it, on a timer: reads may be far apart.
         self._renewal: asyncio.TimerHandle | None = None
         self._renewing: set[asyncio.Future[None]] = set()
@@ -104,21 +107,35 @@ class Exchange:
         return self._estimated_usage() if complete else self._reserve_usage()
 
     async def _settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
-        if self.settlement is None:
+        """Settle and record the call, once: the first outcome wins, later calls get its result.
+
+        Both run in one task that a cancelled handler does not stop (shutdown past its grace
+        period cancels handlers mid-settle): such a call is neither settled a second time nor
+        left out of the metrics and the log, and shutdown waits for the task
+        (``Services.settling``) before it closes the journal and the store.
+        """
+        if self._settling is None:
             self.call.first_token_at = self.obs.first_token_at
-            self.settlement = await settle(
-                self.services.store,
-                self.services.journal,
-                self.call,
-                outcome,
-                usage,
-                self.obs.finish_reasons,
-                marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
-            )
-            overhead = time.monotonic() - self.call.started_at - self._upstream_s
-            if self.settlement.entry_id is None:
-                self.services.metrics.store_errors.labels("settle").inc()
-            record_call(self.services.metrics, self.services.config, self.call, self.settlement, overhead)
+            task = asyncio.ensure_future(self._settle_and_record(outcome, usage))
+            self.services.settling.add(task)
+            task.add_done_callback(self.services.settling.discard)
+            self._settling = task
+        return await asyncio.shield(self._settling)
+
+    async def _settle_and_record(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+        self.settlement = await settle(
+            self.services.store,
+            self.services.journal,
+            self.call,
+            outcome,
+            usage,
+            self.obs.finish_reasons,
+            marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
+        )
+        overhead = time.monotonic() - self.call.started_at - self._upstream_s
+        if self.settlement.entry_id is None:
+            self.services.metrics.store_errors.labels("settle").inc()
+        record_call(self.services.metrics, self.services.config, self.call, self.settlement, overhead)
         return self.settlement
 
     def _error(
@@ -159,12 +176,12 @@ class Exchange:
         except asyncio.CancelledError:
             # The server is shutting down past its grace period: the call went out, so it is
             # charged at its reserve unless the provider already told us its usage.
-            if self.settlement is None:
+            if self._settling is None:
                 await self._settle(Outcome("shutdown"), self._usage(complete=False))
             raise
         finally:
             inflight.dec()
-            if self.settlement is None:
+            if self._settling is None:
                 # An unexpected error after the call went out: charged, never dropped.
                 await self._settle(Outcome("upstream_error"), self._usage(complete=False))
 

@@ -9,10 +9,14 @@ from pathlib import Path
 
 import aiohttp
 import redis.asyncio as aioredis
+from aiohttp import web
 
+from proxy.app import STATE, build_app, server_options
 from proxy.cli import GC_YOUNG_THRESHOLD
+from proxy.config import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import KEY_A, ProxyFactory, base_config, slow_stream
+from proxy.tokenizer import Tokenizer
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -157,3 +161,48 @@ async def test_a_served_process_refuses_huge_headers_in_openai_format(
     finally:
         proc.stop()
     assert fake.received == []
+
+
+async def test_a_call_cut_during_its_settle_is_settled_and_recorded_once(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Shutdown past its grace period cancels a handler whose settle waits on a paused Redis: the
+    settle it started goes on and shutdown waits for it; no second (``shutdown``) settle, and the
+    metrics and log line say what the ledger says."""
+    raw = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+    app = build_app(config, tokenizer=Tokenizer({}))
+    runner = web.AppRunner(app, shutdown_timeout=0.3, **server_options(config))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    body, headers = slow_stream("cut-settle", chunks=5, delay_s=0.05)
+    cleanup: asyncio.Task[None] | None = None
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(url, json=body, headers=headers)
+            await resp.content.readuntil(b"\n\n")  # reserved and forwarded
+            # Every client waits 1.5 s from here: the settle at the stream's end is held.
+            await redis_client.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+            events = b""
+            while b'"finish_reason":"stop"' not in events:  # [DONE] waits for the settle
+                events += await resp.content.readuntil(b"\n\n")
+            cleanup = asyncio.create_task(runner.cleanup())
+            await read_all(resp)
+        await cleanup
+    finally:
+        if cleanup is None:
+            await runner.cleanup()
+    ((_, entry),) = await redis_client.xrange(LEDGER)
+    assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+    registry = app[STATE].metrics.registry
+    assert registry.get_sample_value("llm_proxy_requests_total", labels(outcome="ok")) == 1
+    assert registry.get_sample_value("llm_proxy_requests_total", labels(outcome="shutdown")) is None
+    assert app[STATE].settling == set()
+    assert await redis_client.zcard("lbp:{team-a}:leases") == 0
+
+
+def labels(**overrides: str) -> dict[str, str]:
+    return {"tenant": "team-a", "model": "gpt-4o-mini", "endpoint": "chat.completions", **overrides}
