@@ -258,6 +258,7 @@ async def settle(
         actual=actual,
         entry=entry,
         bill_if_lost_until_ms=bill_if_lost_until_ms(call, marker_ttl_s),
+        scope_ttls_s=[s.ttl_s for s in reservation.scopes],
     )
     entry_id = await settle_or_journal(store, journal, pending)
     return Settlement(

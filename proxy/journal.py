@@ -16,7 +16,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -39,6 +39,9 @@ class PendingSettlement:
     # reservation: while a reaper's settle of it would still have left its marker (see
     # billing.settle). 0 (releases of unforwarded reserves, lines of older versions): never.
     bill_if_lost_until_ms: int = 0
+    # The scope keys' TTLs (Scope.ttl_s), for keys a lost reservation's settle creates anew.
+    # Empty (lines of older versions): such keys get none.
+    scope_ttls_s: list[int] = field(default_factory=list)
 
     async def apply(self, store: Store) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing."""
@@ -50,6 +53,7 @@ class PendingSettlement:
             actual=self.actual,
             entry=self.entry,
             bill_if_lost=time.time() * 1000 < self.bill_if_lost_until_ms,
+            scope_ttls_s=self.scope_ttls_s,
         )
 
 

@@ -246,6 +246,7 @@ class RedisStore:
         actual: Mapping[str, int],
         entry: Mapping[str, str],
         bill_if_lost: bool = False,
+        scope_ttls_s: Sequence[int] = (),
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -262,6 +263,7 @@ class RedisStore:
             orjson.dumps(entry),
             1 if bill_if_lost else 0,
             self._settled_marker_ttl_s,
+            *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args)
         return str(result[1]) if int(result[0]) == 1 else None

@@ -125,6 +125,7 @@ class Store(Protocol):
         actual: Mapping[str, int],
         entry: Mapping[str, str],
         bill_if_lost: bool = False,
+        scope_ttls_s: Sequence[int] = (),
     ) -> str | None: ...
 
     async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool: ...

@@ -92,6 +92,7 @@ async def settle(
         actual=actual,
         entry={"request_id": res.id, "outcome": "ok"},
         bill_if_lost=live,
+        scope_ttls_s=[s.ttl_s for s in res.scopes],
     )
 
 
@@ -304,6 +305,10 @@ async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: R
         state = await store.meters(scope.key)
         assert state["total_tokens"].used == ACTUAL["total_tokens"]
         assert state["total_tokens"].reserved == 0 and state["concurrent"].reserved == 0
+        # Keys it wrote without a reserve before it expire as a reserve would have made them.
+        ttl = await store.client.ttl(scope.key)
+        assert ttl == -1 if scope.ttl_s == 0 else scope.ttl_s - 5 <= ttl <= scope.ttl_s
+    assert {s.ttl_s > 0 for s in scopes} == {True, False}  # windows expire, the run does not
     assert await settle(store, lost, live=True) is None  # and only once
 
 

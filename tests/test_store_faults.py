@@ -182,15 +182,21 @@ async def test_a_reservation_lost_mid_call_is_billed_by_the_live_settle(
     make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
 ) -> None:
     """As when a failed-over Redis master took the reserve with it: the call went out, so its
-    settle bills it (tagged reservation=lost) rather than taking it for settled."""
-    proxy = await make_proxy()
+    settle bills it (tagged reservation=lost) rather than taking it for settled. The scope keys
+    lost with it come back with the TTLs a reserve gives them."""
+    proxy = await make_proxy(tiers={"standard": {"windows": [{"period": "hour", "requests": 100}]}})
     body, headers = slow_stream("lost", chunks=10, delay_s=0.05)
     async with aiohttp.ClientSession() as session:
         resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
         await resp.content.readuntil(b"\n\n")
         (record,) = await redis_client.keys("lbp:{team-a}:resv:*")
-        await redis_client.delete(record)
+        (window,) = await redis_client.keys("lbp:{team-a}:key:a-ci:hour:*")
+        assert await redis_client.ttl(window) > 3600
+        await redis_client.delete(record, window, "lbp:{team-a}:run:lost")
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert await redis_client.hget(window, "used:requests") == "1"
+    assert await redis_client.ttl(window) > 3600  # a window key: kept a week past its window
+    assert await redis_client.ttl("lbp:{team-a}:run:lost") == -1  # a run key: no TTL, as reserved
     ((_, entry),) = await redis_client.xrange(LEDGER)
     assert entry["reservation"] == "lost" and entry["outcome"] == "ok"
     assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens == 10

@@ -13,6 +13,9 @@ ARGV[11]     1: a call that went out, settled within its window (billing.bill_if
              billed even without a reservation; 0: anything else (late journal replays, the
              reaper, releases of unforwarded reserves), which does nothing without one
 ARGV[12]     seconds the settled marker is kept
+ARGV[13..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
+             sets it; used only when the reservation was lost, so that scope keys this settle
+             writes without a reserve before it still expire (absent = 0)
 
 Idempotent by reservation id: settling replaces the record by a marker {settled = 1}, kept
 ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). The live settle
@@ -60,6 +63,8 @@ for s = 5, #KEYS do
     local v = ARGV[1 + m]
     if v ~= '0' then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
   end
+  local ttl = tonumber(ARGV[8 + s])
+  if raw == '' and ttl and ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 
 local fields = {}
