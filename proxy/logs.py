@@ -146,6 +146,7 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 CALL_LOGGER = "proxy.call"
+_call_logger = logging.getLogger(CALL_LOGGER)
 
 
 def log_call(fields: dict[str, Any]) -> None:
@@ -155,8 +156,9 @@ def log_call(fields: dict[str, Any]) -> None:
     Straight into the buffered JSON handler when it is the only one in place, as ``serve`` sets
     it up; through ``logging`` otherwise (tests that capture logs, an embedding application).
     """
-    logger = logging.getLogger(CALL_LOGGER)
-    handlers = logging.getLogger().handlers
+    # ``logging.getLogger`` takes the logging module's lock: twice per call was a third of this.
+    logger = _call_logger
+    handlers = logging.root.handlers
     if (
         len(handlers) == 1
         and type(handlers[0]) is BufferedStderrHandler
