@@ -321,9 +321,17 @@ class Config(_Frozen):
         return None
 
     def policy_for(self, tier: str) -> PolicyConfig:
-        override = self.tiers[tier].policy if tier in self.tiers else PolicyOverride()
-        changes = {k: v for k, v in override.model_dump().items() if v is not None}
-        return self.policy.model_copy(update=changes) if changes else self.policy
+        found = self._tier_policies.get(tier)
+        return self.policy if found is None else found
+
+    @cached_property
+    def _tier_policies(self) -> dict[str, PolicyConfig]:
+        """Each tier's policy, merged once per config rather than on every call."""
+        policies = {}
+        for name, tier in self.tiers.items():
+            changes = {k: v for k, v in tier.policy.model_dump().items() if v is not None}
+            policies[name] = self.policy.model_copy(update=changes) if changes else self.policy
+        return policies
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -8,6 +8,7 @@ upper bound of any byte-level BPE count) for reservations.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -30,6 +31,7 @@ class Encoding(Protocol):
     def encode_ordinary(self, text: str) -> list[int]: ...
 
 
+@functools.lru_cache(maxsize=1024)  # once per model name, not per call
 def encoding_for_model(model: str, configured: str | None) -> str:
     if configured:
         return configured

@@ -114,3 +114,21 @@ def test_exact_model_names_win_over_globs() -> None:
     assert config.route("gpt-4o-mini")[0] == "gpt-4o-mini"  # type: ignore[index]
     assert config.route("gpt-4o")[0] == "gpt-4o*"  # type: ignore[index]
     assert config.route("claude") is None
+
+
+def test_a_tier_policy_overrides_only_the_fields_it_sets() -> None:
+    raw = {
+        **UP,
+        "policy": {"on_truncate": "pass", "on_invalid_json": "reject"},
+        "tiers": {"strict": {"policy": {"on_truncate": "reject"}}, "plain": {}},
+    }
+    config = parse_config(raw, {})
+    strict = config.policy_for("strict")
+    assert (strict.on_truncate, strict.on_invalid_json) == ("reject", "reject")
+    assert config.policy_for("plain") == config.policy_for("unknown") == config.policy
+    assert config.policy_for("strict") is strict  # merged once per config
+    reloaded = parse_config({**raw, "tiers": {"strict": {"policy": {"on_invalid_json": "pass"}}}}, {})
+    assert (reloaded.policy_for("strict").on_truncate, reloaded.policy_for("strict").on_invalid_json) == (
+        "pass",
+        "pass",
+    )
