@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import (
@@ -37,6 +37,16 @@ Period = Literal["minute", "hour", "day", "month"]
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy whose values derived from fields (the ``cached_property``s, kept in the
+        instance's ``__dict__``, which pydantic copies) are computed again from its own."""
+        copy = super().model_copy(update=update, deep=deep)
+        for klass in type(copy).__mro__:
+            for name, attr in vars(klass).items():
+                if isinstance(attr, cached_property):
+                    copy.__dict__.pop(name, None)
+        return copy
 
 
 class ListenConfig(_Frozen):

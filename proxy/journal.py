@@ -16,9 +16,9 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import Store
@@ -137,6 +137,13 @@ class Journal:
                     self.path.unlink()
 
 
+def _pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:
+    """A line's settlement; fields this version does not know (a later version's) are left out,
+    fields it added since are defaulted: both ways across an upgrade, the line is applied."""
+    known = {f.name for f in fields(PendingSettlement)}
+    return PendingSettlement(**{k: v for k, v in fields_of_line.items() if k in known})
+
+
 async def _apply(store: Store, lines: list[str], dead_letters: Path) -> int:
     """Settle each line in order; stop at the first store error (retried on the next round)."""
     done = 0
@@ -145,9 +152,12 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path) -> int:
             done += 1
             continue
         try:
-            pending = PendingSettlement(**json.loads(line))
-        except (ValueError, TypeError):
-            log.error("unreadable journal line skipped", extra={"line": line[:200]})
+            pending = _pending_of(json.loads(line))
+        except (ValueError, TypeError, AttributeError):
+            # Never dropped: parked for an operator with the lines the store rejects.
+            log.error("unreadable journal line parked", extra={"line": line[:200]})
+            with dead_letters.open("a", encoding="utf-8") as parked:
+                parked.write(line + "\n")
             done += 1
             continue
         try:
@@ -158,7 +168,7 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path) -> int:
                 "journaled settlement rejected by the store; parked",
                 extra={"reservation_id": pending.reservation_id, "error": str(err)},
             )
-            with (dead_letters).open("a", encoding="utf-8") as parked:
+            with dead_letters.open("a", encoding="utf-8") as parked:
                 parked.write(line + "\n")
             done += 1
             continue

@@ -36,11 +36,19 @@ class CounterValue:
         self.value: int | float = 0
 
     def inc(self, amount: int | float = 1) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
         self.value += amount
 
 
-class GaugeValue(CounterValue):
-    __slots__ = ()
+class GaugeValue:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: int | float = 0
+
+    def inc(self, amount: int | float = 1) -> None:
+        self.value += amount
 
     def dec(self, amount: int | float = 1) -> None:
         self.value -= amount
@@ -70,7 +78,7 @@ class _Family(Generic[V]):
     checks its arguments, about ten times per call on the hot path, for a process whose updates
     all run on one event loop thread. Here an update is a dict lookup and an addition; the
     exposition (names, ``_total``/``_bucket``/``_sum``/``_count`` samples, ``le`` labels) is the
-    same, built at scrape time. Counters drop the ``_created`` samples.
+    same, built at scrape time, without ``_created`` samples.
     """
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
@@ -91,6 +99,8 @@ class _Family(Generic[V]):
         raise NotImplementedError
 
     def items(self) -> list[tuple[list[str], V]]:
+        if not self.labelnames and not self._values:
+            self.labels()  # a metric without labels is exported from the start, at zero
         return [(list(labels), value) for labels, value in self._values.items()]
 
 

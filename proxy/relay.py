@@ -118,9 +118,20 @@ class Exchange:
             self.call.first_token_at = self.obs.first_token_at
             task = asyncio.ensure_future(self._settle_and_record(outcome, usage))
             self.services.settling.add(task)
-            task.add_done_callback(self.services.settling.discard)
+            task.add_done_callback(self._settled)
             self._settling = task
         return await asyncio.shield(self._settling)
+
+    def _settled(self, task: asyncio.Future[Settlement]) -> None:
+        self.services.settling.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Neither settled nor journaled (a store failure journals): its reservation waits
+            # for a reaper, which settles it at its reserve.
+            log.error(
+                "settle or its record failed",
+                exc_info=task.exception(),
+                extra={"request_id": self.call.request_id},
+            )
 
     async def _settle_and_record(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
         self.settlement = await settle(

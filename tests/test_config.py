@@ -121,12 +121,22 @@ def test_a_tier_policy_overrides_only_the_fields_it_sets() -> None:
         **UP,
         "policy": {"on_truncate": "pass", "on_invalid_json": "reject"},
         "tiers": {"strict": {"policy": {"on_truncate": "reject"}}, "plain": {}},
+        "keys": [{"name": "k", "sha256": "0" * 64, "tenant": "t", "tier": "strict"}],
     }
     config = parse_config(raw, {})
     strict = config.policy_for("strict")
     assert (strict.on_truncate, strict.on_invalid_json) == ("reject", "reject")
     assert config.policy_for("plain") == config.policy_for("unknown") == config.policy
     assert config.policy_for("strict") is strict  # merged once per config
+    assert config.tenants == {"t"}
+    # A copy with other fields derives from its own (cached values are not carried over).
+    stricter = config.model_copy(
+        update={
+            "policy": config.policy.model_copy(update={"on_invalid_json": "pass"}),
+            "keys": (config.keys[0].model_copy(update={"tenant": "u"}),),
+        }
+    )
+    assert stricter.policy_for("strict").on_invalid_json == "pass" and stricter.tenants == {"u"}
     reloaded = parse_config({**raw, "tiers": {"strict": {"policy": {"on_invalid_json": "pass"}}}}, {})
     assert (reloaded.policy_for("strict").on_truncate, reloaded.policy_for("strict").on_invalid_json) == (
         "pass",

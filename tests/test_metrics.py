@@ -213,6 +213,25 @@ def test_exposition_matches_prometheus_client() -> None:
         buckets=LATENCY_BUCKETS,
         registry=reference,
     )
+    expired = prometheus_client.Counter(
+        "llm_proxy_leases_expired", "Reservations settled at their reserve by a reaper.", registry=reference
+    )
+    names = {"llm_proxy_requests_total", "llm_proxy_inflight_requests", "llm_proxy_leases_expired_total"} | {
+        f"{base}_{suffix}"
+        for base in ("llm_proxy_proxy_overhead_seconds", "llm_proxy_request_duration_seconds")
+        for suffix in ("bucket", "sum", "count")
+    }
+
+    def compared() -> tuple[dict[Any, float], dict[Any, float]]:
+        got, want = exposition(ours), exposition(reference)
+        return {k: v for k, v in got.items() if k[0] in names}, want
+
+    # Before any update: metrics without labels are there at zero, labelled ones have no series.
+    got, want = compared()
+    assert got == want and total(got, "llm_proxy_proxy_overhead_seconds_count") == 0
+    assert ("llm_proxy_leases_expired_total", ()) in got
+    metrics.leases_expired.inc(3)
+    expired.inc(3)
     for labels, amount in (
         (("a", "m", "chat", "ok"), 1),
         (("a", "m", "chat", "ok"), 3),
@@ -230,13 +249,8 @@ def test_exposition_matches_prometheus_client() -> None:
         overhead.observe(value)
         metrics.duration.labels("chat").observe(value * 100)
         duration.labels("chat").observe(value * 100)
-    got, want = exposition(ours), exposition(reference)
-    names = {"llm_proxy_requests_total", "llm_proxy_inflight_requests"} | {
-        f"{base}_{suffix}"
-        for base in ("llm_proxy_proxy_overhead_seconds", "llm_proxy_request_duration_seconds")
-        for suffix in ("bucket", "sum", "count")
-    }
-    assert {k: v for k, v in got.items() if k[0] in names} == want
+    got, want = compared()
+    assert got == want
     assert total(got, "llm_proxy_proxy_overhead_seconds_bucket", le="0.0001") == 2
 
 
@@ -253,5 +267,7 @@ def test_labels_are_checked_and_names_unique() -> None:
     metrics = Metrics(registry)
     with pytest.raises(ValueError, match="llm_proxy_requests"):
         metrics.requests.labels("only-one")
+    with pytest.raises(ValueError, match="only go up"):
+        metrics.leases_expired.inc(-1)
     with pytest.raises(ValueError, match="Duplicated"):
         Metrics(registry)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.journal import Journal, PendingSettlement
+from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
@@ -231,3 +232,54 @@ async def test_a_journaled_settle_bills_a_lost_reservation_only_within_its_windo
         assert await line("in-time", now_ms + 60_000).apply(store) is None  # once
     finally:
         await store.close()
+
+
+async def test_journal_lines_of_other_versions_are_applied_and_unreadable_ones_parked(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Across an upgrade or a rollback, a journal written by another version still settles: fields
+    this version does not know are left out, fields it added are defaulted. A line it cannot
+    read at all is parked for an operator with the rejected ones, never dropped."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    store = RedisStore.from_url(redis_server.url)
+    try:
+        lines = []
+        for rid, extra in (("newer", {"from_a_later_version": [1, 2]}), ("older", None)):
+            scope = Scope(name="run", key=f"lbp:{{team-a}}:run:{rid}")
+            await store.reserve(
+                tenant="team-a",
+                reservation_id=rid,
+                run_id=rid,
+                scopes=[scope],
+                amounts={"requests": 1, "total_tokens": 19, "concurrent": 1},
+                lease_ms=600_000,
+                record="{}",
+            )
+            line = asdict(
+                PendingSettlement(
+                    tenant="team-a",
+                    reservation_id=rid,
+                    run_id=rid,
+                    scope_keys=[scope.key],
+                    actual={"requests": 1, "total_tokens": 12},
+                    entry={"request_id": rid, "outcome": "ok"},
+                )
+            )
+            if extra is None:  # written before these fields existed
+                del line["scope_ttls_s"], line["bill_if_lost_until_ms"]
+            else:
+                line.update(extra)
+            lines.append(json.dumps(line))
+        lines.insert(1, '{"tenant": "team-a", "truncated')
+        orphan = journal_dir / "journal-999999-dead.jsonl"
+        orphan.write_text("\n".join(lines) + "\n")
+
+        journal = Journal(journal_dir)
+        assert await journal.replay(store) == 3
+        journal.close()
+    finally:
+        await store.close()
+    assert sorted(e["request_id"] for _, e in await redis_client.xrange(LEDGER)) == ["newer", "older"]
+    assert not orphan.exists()
+    assert (journal_dir / DEAD_LETTERS).read_text() == lines[1] + "\n"
