@@ -39,16 +39,17 @@ from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 
 @contextlib.contextmanager
 def worktree(rev: str) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="ab-base-"))
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
+    with tempfile.TemporaryDirectory(prefix="ab-base-") as parent:
+        path = Path(parent) / "tree"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
 
 
 def cpu_ms_per_call(server: Server, argv: list[str]) -> tuple[float, dict[str, Any]]:
@@ -102,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         (scenario,),
         {"paced": {"*": args.rate}},
     )
-    workdir = Path(tempfile.mkdtemp(prefix="ab-"))
     servers: list[Server] = []
-    redis = RedisServerProcess(workdir / "redis", port=free_port())
-    with worktree(args.base) as base_root:
+    with tempfile.TemporaryDirectory(prefix="ab-") as scratch, worktree(args.base) as base_root:
+        workdir = Path(scratch)
+        redis = RedisServerProcess(workdir / "redis", port=free_port())
         try:
             upstream = start_ready_line(
                 "upstream",
