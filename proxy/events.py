@@ -57,6 +57,10 @@ class EventFilter:
         self._prefix = b""
         self._suffix = b""
         self._separator = b""
+        # Derived once per template, not per read (a stream's reads are many and small).
+        self._prefix_len = 0
+        self._suffix_len = 0
+        self._cut = operator.itemgetter(slice(0))
         # The client's version of the template when it did not ask for usage (empty: the same).
         self._stripped_suffix = b""
         self._stripped_separator = b""
@@ -91,30 +95,29 @@ class EventFilter:
 
     def feed(self, events: bytes) -> bytes:
         """``events``: one or more complete events, each ending in a blank line (``\\n\\n``)."""
-        prefix, suffix = self._prefix, self._suffix
+        prefix = self._prefix
+        size = len(events)
+        start, end = self._prefix_len, size - self._suffix_len
+        # The common read when chunks come spaced out: one template event. A text with no quote
+        # and no line break cannot hold a second event (searched in place: a read of several
+        # events fails at its first quote without a copy).
         if (
             prefix
-            and len(events) >= len(prefix) + len(suffix)
+            and start <= end
             and events.startswith(prefix)
-            and events.endswith(suffix)
+            and events.endswith(self._suffix)
+            and events.find(b'"', start, end) < 0
+            and events.find(b"\n", start, end) < 0
+            and (text := events[start:end])[-1:] != b"\\"
+            and text not in PARSED_TEXTS
         ):
-            # The common read when chunks come spaced out: one template event. A text with no
-            # quote and no line break cannot hold a second event.
-            text = events[len(prefix) : len(events) - len(suffix)]
-            if (
-                b'"' not in text
-                and b"\n" not in text
-                and not text.endswith(b"\\")
-                and text not in PARSED_TEXTS
-            ):
-                self.obs.raw_run(0, text, 1)
-                self.run_events += 1
-                if self._stripped_suffix:
-                    return prefix + text + self._stripped_suffix
-                return events
+            self.obs.raw_run(0, text, 1)
+            self.run_events += 1
+            if self._stripped_suffix:
+                return prefix + text + self._stripped_suffix
+            return events
         out: list[bytes] = []
         pos = 0
-        size = len(events)
         runs = True  # until a run fails its check: then not again in this piece
         while pos < size:
             if runs and self._prefix and events.startswith(self._prefix, pos):
@@ -140,14 +143,13 @@ class EventFilter:
         """The run of template events from ``pos`` to the template's last occurrence in
         ``events``, and their texts, when every event in between is one."""
         suffix = self._suffix
-        end = events.rfind(suffix, pos) + len(suffix)
-        if end - pos < len(self._prefix) + len(suffix):
+        end = events.rfind(suffix, pos) + self._suffix_len
+        if end - pos < self._prefix_len + self._suffix_len:
             return None
         run = events[pos:end]
         # Each event's text, cut out in C (itemgetter of a slice): a comprehension doing the same
         # took twice as long, a run's largest cost after the split itself.
-        cut = operator.itemgetter(slice(len(self._prefix), 2 - len(suffix)))
-        texts = list(map(cut, run.split(b"\n\n")[:-1]))
+        texts = list(map(self._cut, run.split(b"\n\n")[:-1]))
         # Rebuilt from the texts, the run must come out byte for byte: every event is then the
         # template around its text. The texts themselves must hold no quote (which could close
         # the string early), no line break, and must not end in a backslash (which would escape
@@ -202,6 +204,8 @@ class EventFilter:
         if b"\n" in prefix or b"\n" in suffix[:-2]:
             return
         self._prefix, self._suffix = prefix, suffix
+        self._prefix_len, self._suffix_len = len(prefix), len(suffix)
+        self._cut = operator.itemgetter(slice(len(prefix), 2 - len(suffix)))
         self._separator = suffix + prefix
         if self._strip and suffix.endswith(_STRIPPED_EVENT_END[0]):
             self._stripped_suffix = suffix[: -len(_STRIPPED_EVENT_END[0])] + _STRIPPED_EVENT_END[1]
