@@ -31,8 +31,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.procstats import Server, cpu_seconds, start_ready_line  # noqa: E402
-from bench.run import PYTHON, Settings, loadgen_argv, start_proxy  # noqa: E402
+from bench.procstats import Server, cpu_seconds  # noqa: E402
+from bench.run import Settings, loadgen_argv, start_proxy, start_upstream  # noqa: E402
 from bench.scenarios import SCENARIOS, proxy_config  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 
@@ -108,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(scratch)
         redis = RedisServerProcess(workdir / "redis", port=free_port())
         try:
-            upstream = start_ready_line(
-                "upstream",
-                [PYTHON, str(ROOT / "bench/upstream.py"), "--port", "0", "--max-seconds", "3600"],
-                workdir,
-            )
+            upstream = start_upstream(workdir, 3600)
             servers.append(upstream)
             redis.start()
             proxies: dict[str, Server] = {}

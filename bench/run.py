@@ -70,6 +70,12 @@ from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 PYTHON = sys.executable
 
 
+def start_upstream(workdir: Path, max_seconds: float) -> Server:
+    """The fast fake upstream, gone by itself after ``max_seconds`` should its driver die."""
+    argv = [PYTHON, str(BENCH / "upstream.py"), "--port", "0", "--max-seconds", str(int(max_seconds))]
+    return start_ready_line("upstream", argv, workdir)
+
+
 def start_proxy(config_path: Path, workdir: Path, workers: int | None, *, root: Path = ROOT) -> Server:
     """The proxy of the source tree ``root`` (``bench/ab.py`` runs two trees side by side)."""
     argv = [PYTHON, "-m", "proxy", "serve", "--config", str(config_path)]
@@ -383,11 +389,7 @@ def stack_running(
     redis_unix = bool(settings.extra.get("redis_unix"))
     redis = RedisServerProcess(workdir / "redis", port=None if redis_unix else free_port())
     try:
-        upstream = start_ready_line(
-            "upstream",
-            [PYTHON, str(BENCH / "upstream.py"), "--port", "0", "--max-seconds", "1800"],
-            workdir,
-        )
+        upstream = start_upstream(workdir, 1800)
         servers.append(upstream)
         relay_argv = [PYTHON, str(BENCH / "relay.py"), "--upstream", upstream.url, "--port", "0"]
         relay_argv += ["--max-seconds", "1800"]

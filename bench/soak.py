@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
-from bench.procstats import Server, cpu_seconds, process_tree, start_ready_line  # noqa: E402
-from bench.run import BENCH, PYTHON, RESULTS, git_revision, start_proxy  # noqa: E402
+from bench.procstats import Server, cpu_seconds, process_tree  # noqa: E402
+from bench.run import RESULTS, git_revision, start_proxy, start_upstream  # noqa: E402
 from bench.scenarios import KEYS, SMALL_PROMPT, proxy_config  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 from proxy.store import key_prefix  # noqa: E402
@@ -77,11 +77,7 @@ def soak_stack(workdir: Path, log_level: str, max_seconds: float) -> Iterator[So
     servers: list[Server] = []
     store = RedisServerProcess(workdir / "redis", port=free_port())
     try:
-        upstream = start_ready_line(
-            "upstream",
-            [PYTHON, str(BENCH / "upstream.py"), "--port", "0", "--max-seconds", str(int(max_seconds) + 120)],
-            workdir,
-        )
+        upstream = start_upstream(workdir, max_seconds + 120)
         servers.append(upstream)
         store.start()
         config_path = workdir / "proxy.yaml"
