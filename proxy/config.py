@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from proxy.errors import ConfigError
+from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
 
 MICROS_PER_UNIT = 1_000_000
 METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")
@@ -273,7 +274,7 @@ class LimitsConfig(_Frozen):
     default_max_output_tokens: int = Field(default=4096, ge=1)
     # A settled reservation leaves a marker this long: a second settle is recognised and changes
     # nothing, and within most of it a settle still bills a call whose reservation was lost.
-    settled_marker_ttl_s: int = Field(default=3600, ge=60)
+    settled_marker_ttl_s: int = Field(default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60)
     # Token counts of long prompt texts are remembered, bounded by the characters kept (0: off).
     token_count_cache_chars: int = Field(default=8 * 1024 * 1024, ge=0)
     lease_margin_s: float = Field(default=30.0, gt=0)

@@ -116,10 +116,7 @@ class Counter(_Family[CounterValue]):
         self.labels().inc(amount)
 
     def family(self) -> Metric:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, value in self.items():
-            family.add_metric(labels, value.value / self.divisor if self.divisor != 1 else value.value)
-        return family
+        return _scalar_family(CounterMetricFamily, self, self.divisor)
 
 
 class Gauge(_Family[GaugeValue]):
@@ -127,10 +124,18 @@ class Gauge(_Family[GaugeValue]):
         return GaugeValue()
 
     def family(self) -> Metric:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, value in self.items():
-            family.add_metric(labels, value.value)
-        return family
+        return _scalar_family(GaugeMetricFamily, self)
+
+
+def _scalar_family(
+    kind: type[CounterMetricFamily | GaugeMetricFamily],
+    metric: _Family[CounterValue] | _Family[GaugeValue],
+    divisor: int = 1,
+) -> Metric:
+    family = kind(metric.name, metric.documentation, labels=metric.labelnames)
+    for labels, value in metric.items():
+        family.add_metric(labels, value.value / divisor if divisor != 1 else value.value)
+    return family
 
 
 class Histogram(_Family[HistogramValue]):
@@ -221,21 +226,7 @@ class Metrics:
             "Time spent in the proxy itself, excluding the upstream.",
             buckets=OVERHEAD_BUCKETS,
         )
-        self._all: tuple[Counter | Gauge | Histogram, ...] = (
-            self.requests,
-            self.tokens,
-            self.cost_micros,
-            self.budget_refusals,
-            self.clamped,
-            self.overshoot,
-            self.reserve_error,
-            self.inflight,
-            self.leases_expired,
-            self.store_errors,
-            self.duration,
-            self.ttft,
-            self.overhead,
-        )
+        self._all = [m for m in vars(self).values() if isinstance(m, Counter | Gauge | Histogram)]
         registry.register(self)
 
     def collect(self) -> Iterator[Metric]:

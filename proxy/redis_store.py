@@ -21,6 +21,7 @@ from proxy.resp import ConnectionLost, PipelinedConnection, RespError
 from proxy.store import (
     ACTUAL_METERS,
     ALL_METERS,
+    DEFAULT_SETTLED_MARKER_TTL_S,
     RESERVED_METERS,
     TENANTS_KEY,
     Clamp,
@@ -37,8 +38,6 @@ STORE_FAILURES = (RedisError, RedisClusterException)
 # Error replies that say "not now" rather than "never": the call may be tried again.
 TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease")
-# How long a settled reservation's marker is kept (see billing.bill_if_lost_until_ms).
-DEFAULT_SETTLED_MARKER_TTL_S = 3600
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:

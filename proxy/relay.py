@@ -68,7 +68,6 @@ class Exchange:
         self.call = call
         self.services = services
         self.obs = Observation()
-        self.settlement: Settlement | None = None
         self._settling: asyncio.Future[Settlement] | None = None
         # A stream renews its lease every third of it, on a timer: reads may be far apart.
         self._renewal: asyncio.TimerHandle | None = None
@@ -134,7 +133,7 @@ class Exchange:
             )
 
     async def _settle_and_record(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
-        self.settlement = await settle(
+        settlement = await settle(
             self.services.store,
             self.services.journal,
             self.call,
@@ -144,10 +143,10 @@ class Exchange:
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
         )
         overhead = time.monotonic() - self.call.started_at - self._upstream_s
-        if self.settlement.entry_id is None:
+        if settlement.entry_id is None:
             self.services.metrics.store_errors.labels("settle").inc()
-        record_call(self.services.metrics, self.services.config, self.call, self.settlement, overhead)
-        return self.settlement
+        record_call(self.services.metrics, self.services.config, self.call, settlement, overhead)
+        return settlement
 
     def _error(
         self,

@@ -10,6 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# How long a settled reservation's marker is kept (see billing.bill_if_lost_until_ms).
+DEFAULT_SETTLED_MARKER_TTL_S = 3600
+
 # Meters a reservation holds, in the order the Lua scripts expect them.
 RESERVED_METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")
 # Meters a settlement adds, in the order the Lua scripts expect them.

@@ -34,11 +34,12 @@ local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'co
   'cached_input_tokens', 'reasoning_tokens', 'cache_creation_input_tokens'}
 local amounts = {}
 local raw = redis.call('HGET', KEYS[1], 'amounts')
-if not raw then
+local lost = not raw  -- nothing reserved to release
+if lost then
   if ARGV[11] ~= '1' then return {0} end
-  raw = ''  -- lost: nothing reserved to release
+else
+  for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = v end
 end
-for v in string.gmatch(raw, '%S+') do amounts[#amounts + 1] = v end
 -- Check every figure before the first write: a script error after a write is not rolled back.
 local marker_ttl = tonumber(ARGV[12])
 if not marker_ttl or marker_ttl < 1 then
@@ -64,7 +65,7 @@ for s = 5, #KEYS do
     if v ~= '0' then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
   end
   local ttl = tonumber(ARGV[8 + s])
-  if raw == '' and ttl and ttl > 0 then redis.call('EXPIRE', key, ttl) end
+  if lost and ttl and ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 
 local fields = {}
@@ -72,7 +73,7 @@ for name, value in pairs(entry) do
   fields[#fields + 1] = name
   fields[#fields + 1] = tostring(value)
 end
-if raw == '' then
+if lost then
   fields[#fields + 1] = 'reservation'
   fields[#fields + 1] = 'lost'
 end
