@@ -121,10 +121,12 @@ def timed(fn: Callable[[], object], repeat: int) -> dict[str, float]:
 
 
 def full_estimate(
-    raw: bytes | list[bytes], tokenizer: Tokenizer, encoding: str
+    raw: bytes | list[bytes], tokenizer: Tokenizer, encoding: str, *, exact: bool = False
 ) -> Callable[[], object] | None:
     """parse_body + estimate, as the handler's plan_call runs them (a list of bodies: the next one
-    on each run); None if the API moved."""
+    on each run); ``exact``: never the quick byte-length bound (what the whole count costs, as
+    before quick estimates, or as the estimate thread counts after the reserve); None if the API
+    moved."""
     bodies = raw if isinstance(raw, list) else [raw]
     try:
         from proxy.estimate import estimate
@@ -134,6 +136,7 @@ def full_estimate(
 
         def run() -> object:
             _body, view = parse_body(bodies[next(turn) % len(bodies)], "chat.completions")
+            quick = {"quick_chars": 1 << 62} if exact else {}
             return estimate(
                 "chat.completions",
                 view,
@@ -141,6 +144,7 @@ def full_estimate(
                 tokenizer=tokenizer,
                 model_max_output_tokens=1000,
                 default_max_output_tokens=4096,
+                **quick,
             )
 
         run()
@@ -221,13 +225,22 @@ def main(argv: list[str] | None = None) -> int:
     ]
     # A conversation seen for the first time: nothing remembered (the cache off).
     cold = Tokenizer.load([enc], timeout_s=30, cache_chars=0)
-    whole = full_estimate(raw, cold, enc)
+    whole = full_estimate(raw, cold, enc, exact=True)
     if whole is not None:
-        cases.append(("parse_body + estimate, whole chat body, first sight", len(raw), whole, cases[2][3]))
+        cases.append(
+            ("parse_body + estimate counted whole, chat body, first sight", len(raw), whole, cases[2][3])
+        )
+    # What the reserve waits for since quick estimates: the byte-length bound (the count follows
+    # on the estimate thread while the call runs).
+    quick = full_estimate(raw, cold, enc)
+    if quick is not None:
+        cases.append(
+            ("parse_body + quick estimate, chat body, first sight", len(raw), quick, len(texts.encode()))
+        )
     # An agent's next turn: the history's counts are remembered, only the new message is counted.
     warm = Tokenizer.load([enc], timeout_s=30)
     turns = next_turns(raw, args.repeat + 8)
-    full_estimate(raw, warm, enc)
+    full_estimate(raw, warm, enc, exact=True)  # as the estimate thread counted the first turn
     agent = full_estimate(turns, warm, enc)
     if agent is not None:
         cases.append(("parse_body + estimate, agent's next turn (+3 KB)", len(turns[0]), agent, 0))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -12,13 +14,17 @@ import orjson
 from proxy.call import Call
 from proxy.config import Config, TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, StoreError
+from proxy.estimate import Estimate
 from proxy.journal import Journal, PendingSettlement
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros
 from proxy.scopes import scopes_for
-from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store
+from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store, Tentative
 
 log = logging.getLogger("proxy.billing")
+
+# Counts a call's input exactly (tiktoken, on the estimate thread): a quick estimate's refinement.
+Counter = Callable[[Call], Awaitable[Estimate]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,8 +98,28 @@ def _apply_clamp(call: Call, reservation: Reservation) -> None:
     )
 
 
-async def reserve(store: Store, journal: Journal, call: Call, config: Config) -> Reservation:
-    """Reserve the worst case against every scope, all or nothing; raise when it does not fit."""
+def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, int]:
+    return {
+        "requests": 1,
+        "input_tokens": est.input_tokens,
+        "output_tokens": est.output_tokens,
+        "total_tokens": est.input_tokens + est.output_tokens,
+        "cost_micros": cost_micros(
+            worst_rates(rates), input_tokens=est.input_tokens, output_tokens=est.output_tokens
+        ),
+        "concurrent": 1,
+    }
+
+
+async def reserve(
+    store: Store, journal: Journal, call: Call, config: Config, *, count: Counter
+) -> Reservation:
+    """Reserve the worst case against every scope, all or nothing; raise when it does not fit.
+
+    A quick estimate (much new text at its byte length) reserves tentatively: when that does not
+    fit, the input is counted exactly first and reserved again, so a budget refuses or clamps only
+    on the exact count; when it fits, the call goes on at once and the reserve is lowered to the
+    exact count in the background (``refine``)."""
     tier = config.tiers.get(call.identity.tier)
     scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC))
     if call.rates is None and any("cost_micros" in s.ceilings for s in scopes):
@@ -103,17 +129,6 @@ async def reserve(store: Store, journal: Journal, call: Call, config: Config) ->
             param="model",
             code="model_not_priced",
         )
-    est = call.estimate
-    amounts = {
-        "requests": 1,
-        "input_tokens": est.input_tokens,
-        "output_tokens": est.output_tokens,
-        "total_tokens": est.input_tokens + est.output_tokens,
-        "cost_micros": cost_micros(
-            worst_rates(call.rates), input_tokens=est.input_tokens, output_tokens=est.output_tokens
-        ),
-        "concurrent": 1,
-    }
     record = orjson.dumps(
         {
             "request_id": call.request_id,
@@ -128,18 +143,64 @@ async def reserve(store: Store, journal: Journal, call: Call, config: Config) ->
     ).decode()
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
     try:
-        result = await _reserve(store, call, config, tier, scopes, amounts, record)
+        result = await _reserve(store, call, config, tier, scopes, record)
+        if isinstance(result, Tentative):
+            call.estimate = await count(call)
+            asked = time.monotonic()
+            result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
         if err.maybe_applied:
             release_unforwarded(call, journal, [sc.key for sc in scopes])
         raise
+    assert not isinstance(result, Tentative), "a final reserve is never tentative"
     if isinstance(result, Refusal):
         raise _refusal_error(result)
     if result.clamped_output_per_choice:
         _apply_clamp(call, result)
     call.reservation = result
     call.lease_confirmed_at = asked
+    if not call.estimate.input_exact:
+        call.refining = asyncio.ensure_future(refine(store, call, count))
     return result
+
+
+async def refine(store: Store, call: Call, count: Counter) -> None:
+    """Count a quick reserve's input exactly while the call runs, and lower the reserve to it.
+    Best effort: should either step fail, the byte-length reserve stands until the settle
+    replaces it."""
+    reservation = call.reservation
+    assert reservation is not None
+    try:
+        exact = await count(call)
+    except Exception as err:  # a refinement never fails the call
+        log.warning(
+            "could not count a quick reserve", extra={"request_id": call.request_id, "error": repr(err)}
+        )
+        return
+    before = reserve_amounts(call.estimate, call.rates)
+    after = reserve_amounts(exact, call.rates)
+    # Billed at its reserve (no usage came back), the call is billed at the exact count.
+    call.estimate = exact
+    if after == before:
+        return
+    try:
+        if not await store.shrink(
+            tenant=reservation.tenant,
+            reservation_id=reservation.id,
+            scope_keys=[s.key for s in reservation.scopes],
+            amounts=after,
+        ):
+            return  # settled already
+    except StoreError as err:
+        log.warning(
+            "could not lower a quick reserve", extra={"request_id": call.request_id, "error": str(err)}
+        )
+        return
+    meter = reservation.tightest_meter
+    freed = before[meter] - after[meter] if meter is not None else 0
+    call.reservation = replace(
+        reservation, amounts=after, tightest_remaining=reservation.tightest_remaining + freed
+    )
 
 
 async def _reserve(
@@ -148,18 +209,18 @@ async def _reserve(
     config: Config,
     tier: TierConfig | None,
     scopes: list[Scope],
-    amounts: dict[str, int],
     record: str,
-) -> Reservation | Refusal:
+) -> Reservation | Refusal | Tentative:
     return await store.reserve(
         tenant=call.identity.tenant,
         reservation_id=call.reservation_id,
         run_id=call.run_id,
         scopes=scopes,
-        amounts=amounts,
+        amounts=reserve_amounts(call.estimate, call.rates),
         lease_ms=lease_ms(call, config),
         record=record,
         clamp=_clamp_for(call, tier),
+        tentative=not call.estimate.input_exact,
     )
 
 

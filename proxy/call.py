@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import re
@@ -83,6 +84,8 @@ class Call:
     upstream_status: int = 0
     first_token_at: float | None = None
     clamped: bool = False
+    # A quick reserve being lowered to the exact count (``billing.refine``); the settle waits for it.
+    refining: asyncio.Future[None] | None = None
 
     @property
     def reserved_input_tokens(self) -> int:

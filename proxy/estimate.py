@@ -1,12 +1,14 @@
 """Estimate a request before it is forwarded: the worst case to reserve.
 
-Input is bounded from above (tiktoken, else UTF-8 bytes); output is the request's own cap, else
-the model's ``max_output_tokens``, else the endpoint's default, times ``n``.
+Input is bounded from above (tiktoken, else UTF-8 bytes; much text not counted before starts
+at its UTF-8 bytes and is counted after the reserve, see ``proxy.tokenizer``); output is the
+request's own cap, else the model's ``max_output_tokens``, else the endpoint's default, times
+``n``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -22,7 +24,7 @@ from proxy.payload import (
     items_parts,
     message_parts,
 )
-from proxy.tokenizer import Tokenizer
+from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
 
 # Chat formats add a few tokens per message and for priming the reply.
 TOKENS_PER_MESSAGE = 4
@@ -49,6 +51,18 @@ class Estimate:
     # The per-choice cap to forward when the request's own cap is absent or above what was
     # reserved: the upstream must never be allowed more output than the reserve covers.
     enforce_cap: int | None = None
+    # False: input_tokens is the quick (byte-length) bound of input_parts, to be counted exactly
+    # (``counted``) once the reserve is made.
+    input_exact: bool = True
+    input_parts: tuple[str, ...] = ()
+
+
+def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
+    """``est`` with its input counted exactly: tiktoken's work, run off the event loop."""
+    if est.input_exact:
+        return est
+    exact = tokenizer.upper_bound_of_parts(est.input_parts, encoding) + est.prompt_overhead_tokens
+    return replace(est, input_tokens=min(exact, est.input_tokens), input_exact=True, input_parts=())
 
 
 def _with_tools(parts: list[str], tools: list[dict[str, Any]] | None) -> list[str]:
@@ -85,10 +99,13 @@ def estimate(
     tokenizer: Tokenizer,
     model_max_output_tokens: int | None,
     default_max_output_tokens: int,
+    quick_chars: int = QUICK_BOUND_CHARS,
 ) -> Estimate:
     parts, overhead, id_tokens = prompt_of(endpoint, view)
     text = "\n".join(parts)
-    input_tokens = tokenizer.upper_bound_of_parts(parts, encoding) + overhead + id_tokens
+    bound, exact = tokenizer.quick_bound_of_parts(parts, encoding, quick_chars=quick_chars)
+    input_tokens = bound + overhead + id_tokens
+    later = () if exact else tuple(parts)
     if isinstance(view, EmbeddingBody):
         return Estimate(
             prompt_text=text,
@@ -96,6 +113,8 @@ def estimate(
             input_tokens=input_tokens,
             output_tokens=0,
             output_cap_field=None,
+            input_exact=exact,
+            input_parts=later,
         )
     cap_field: str | None = None
     cap: int | None = None
@@ -122,4 +141,6 @@ def estimate(
         output_tokens=cap * (choices or 1),
         output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
         enforce_cap=cap if asked != cap else None,
+        input_exact=exact,
+        input_parts=later,
     )

@@ -19,7 +19,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing import reserve
-from proxy.call import SANE_ID, plan_call, request_id_for, run_id_for
+from proxy.call import SANE_ID, Call, plan_call, request_id_for, run_id_for
 from proxy.config import Config
 from proxy.dialects import DIALECTS
 from proxy.errors import (
@@ -33,6 +33,7 @@ from proxy.errors import (
     error_response,
     store_unavailable_response,
 )
+from proxy.estimate import Estimate, counted
 from proxy.forward import read_limited, upstream_headers
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
@@ -41,8 +42,6 @@ from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 
 MODELS_LIST_LIMIT_BYTES = 4 * 1024 * 1024
-# Prompts larger than this are estimated in a worker thread.
-OFFLOAD_ESTIMATE_BYTES = 32 * 1024
 
 
 def _services(state: State, config: Config) -> Services:
@@ -67,8 +66,9 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         run_id = run_id_for(request, state.ids)
         raw = await read_body(request)
         body, view = parse_body(raw, endpoint)
-        plan = functools.partial(
-            plan_call,
+        # Much new text is estimated at its byte length here, and counted on the estimate
+        # thread only if the reserve needs it before the call (``billing.reserve``) or after.
+        call = plan_call(
             request_id=request_id,
             identity=identity,
             run_id=run_id,
@@ -79,17 +79,12 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             tokenizer=state.tokenizer,
             ids=state.ids,
         )
-        # Counting a large prompt with tiktoken takes milliseconds: not on the event loop.
-        if len(raw) > OFFLOAD_ESTIMATE_BYTES:
-            call = await asyncio.get_running_loop().run_in_executor(state.estimator, plan)
-        else:
-            call = plan()
         if state.store is None:
             raise StoreError("store not opened")
         if identity.tenant not in state.registered_tenants:
             await state.store.register_tenant(identity.tenant)
             state.registered_tenants.add(identity.tenant)
-        await reserve(state.store, state.journal, call, config)
+        await reserve(state.store, state.journal, call, config, count=functools.partial(count_exactly, state))
     except ApiError as err:
         if isinstance(err, BudgetExceeded):
             record_refusal(state.metrics, config, identity.tenant, err)
@@ -98,6 +93,13 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         state.metrics.store_errors.labels("reserve").inc()
         return _refused(endpoint, request_id, StoreUnavailable())
     return await Exchange(request, call, _services(state, config)).run()
+
+
+async def count_exactly(state: State, call: Call) -> Estimate:
+    """Tiktoken's count of a quick estimate, on the one estimate thread (one count at a time:
+    several at once only fight over 2 cores and the GIL)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.estimator, counted, call.estimate, state.tokenizer, call.encoding)
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -30,6 +30,7 @@ from proxy.store import (
     Refusal,
     Reservation,
     Scope,
+    Tentative,
     key_prefix,
 )
 
@@ -37,7 +38,7 @@ from proxy.store import (
 STORE_FAILURES = (RedisError, RedisClusterException)
 # Error replies that say "not now" rather than "never": the call may be tried again.
 TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
-SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease")
+SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink")
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -196,7 +197,8 @@ class RedisStore:
         lease_ms: int,
         record: str,
         clamp: Clamp | None = None,
-    ) -> Reservation | Refusal:
+        tentative: bool = False,
+    ) -> Reservation | Refusal | Tentative:
         prefix = key_prefix(tenant)
         keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases", *(s.key for s in scopes)]
         args: list[Any] = [reservation_id, lease_ms, record]
@@ -205,10 +207,13 @@ class RedisStore:
             args += [0, 1, 0, 0]
         else:
             args += [clamp.min_output_tokens, clamp.choices, clamp.input_cost_exact, clamp.output_rate]
+        args.append(1 if tentative else 0)
         for scope in scopes:
             args.append(scope.ttl_s)
             args += [scope.ceilings.get(m, -1) for m in RESERVED_METERS]
         result = await self._script("reserve", keys, args)
+        if int(result[0]) == 2:
+            return Tentative()
         if int(result[0]) == 1:
             _, per_choice, meter, remaining, _scope = result
             reserved = dict(amounts)
@@ -266,6 +271,13 @@ class RedisStore:
         ]
         result = await self._script("settle", keys, args)
         return str(result[1]) if int(result[0]) == 1 else None
+
+    async def shrink(
+        self, *, tenant: str, reservation_id: str, scope_keys: Sequence[str], amounts: Mapping[str, int]
+    ) -> bool:
+        keys = [f"{key_prefix(tenant)}resv:{reservation_id}", *scope_keys]
+        args = [amounts.get(m, 0) for m in RESERVED_METERS]
+        return int(await self._script("shrink", keys, args)) == 1
 
     async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool:
         prefix = key_prefix(tenant)

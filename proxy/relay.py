@@ -133,6 +133,12 @@ class Exchange:
             )
 
     async def _settle_and_record(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+        refining = self.call.refining
+        if refining is not None and usage.source == "reserve":
+            # Billed at its reserve: at the exact count, once it is known. Otherwise the settle
+            # need not wait: it replaces whichever reserve it finds.
+            await asyncio.wait([refining])
+            usage = self._reserve_usage()
         settlement = await settle(
             self.services.store,
             self.services.journal,

@@ -83,6 +83,12 @@ class Reservation:
     tightest_remaining: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Tentative:
+    """A tentative reserve that did not fit as asked: nothing was written; count exactly and
+    reserve again (the refusal, if any, is the final reserve's)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExpiredLease:
     id: str
@@ -116,7 +122,12 @@ class Store(Protocol):
         lease_ms: int,
         record: str,
         clamp: Clamp | None = None,
-    ) -> Reservation | Refusal: ...
+        tentative: bool = False,
+    ) -> Reservation | Refusal | Tentative: ...
+
+    async def shrink(
+        self, *, tenant: str, reservation_id: str, scope_keys: Sequence[str], amounts: Mapping[str, int]
+    ) -> bool: ...
 
     async def settle(
         self,

@@ -15,7 +15,7 @@ from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
-from proxy.store import Clamp, Refusal, Reservation, Scope
+from proxy.store import Clamp, Refusal, Reservation, Scope, Tentative
 from tests.cluster import RedisClusterProcesses
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -68,7 +68,9 @@ async def store(
     await store.close()
 
 
-async def reserve(store: RedisStore, rid: str, scopes: list[Scope], **kw: object) -> Reservation | Refusal:
+async def reserve(
+    store: RedisStore, rid: str, scopes: list[Scope], **kw: object
+) -> Reservation | Refusal | Tentative:
     return await store.reserve(
         tenant="team-a",
         reservation_id=rid,
@@ -234,6 +236,64 @@ async def test_a_retried_reserve_reserves_once(store: RedisStore) -> None:
     assert (await store.meters(scope.key))["total_tokens"].reserved == 30
     assert await settle(store, first) is not None
     assert (await store.meters(scope.key))["total_tokens"].reserved == 0
+
+
+async def test_a_tentative_reserve_that_does_not_fit_writes_nothing(store: RedisStore) -> None:
+    """A quick (byte-length) input bound that does not fit leaves no trace: no reserve, no
+    record, no refusal counted; the final reserve with the exact count decides."""
+    scope = Scope(name="run", key="lbp:{team-a}:run:tentative", ceilings={"total_tokens": 29})
+    assert isinstance(await reserve(store, "t1", [scope], tentative=True), Tentative)
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 0
+    assert not await store.client.exists("lbp:{team-a}:resv:t1")
+    assert not any(f.startswith("refused:") for f in await store.client.hkeys(scope.key))
+    exact = {**AMOUNTS, "input_tokens": 9, "total_tokens": 29}
+    res = await store.reserve(
+        tenant="team-a",
+        reservation_id="t1",
+        run_id="run1",
+        scopes=[scope],
+        amounts=exact,
+        lease_ms=60_000,
+        record="{}",
+    )
+    assert isinstance(res, Reservation)
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 29
+
+
+async def test_a_tentative_reserve_refused_on_calls_is_a_final_refusal(store: RedisStore) -> None:
+    # No exact count of the input changes how many calls fit: no second round trip for that.
+    scope = Scope(name="run", key="lbp:{team-a}:run:tentative-calls", ceilings={"requests": 0})
+    refused = await reserve(store, "t2", [scope], tentative=True)
+    assert isinstance(refused, Refusal) and refused.meter == "requests"
+    assert await store.client.hget(scope.key, "refused:requests") == "1"
+
+
+async def test_shrink_lowers_every_scope_and_the_settle_releases_what_is_left(store: RedisStore) -> None:
+    scopes = [
+        Scope(name="run", key="lbp:{team-a}:run:shrink"),
+        Scope(name="tenant:month", key="lbp:{team-a}:tenant:month:shrink", ceilings={"total_tokens": 1000}),
+    ]
+    res = await reserve(store, "s1", scopes)
+    assert isinstance(res, Reservation)
+    lower = {**AMOUNTS, "input_tokens": 4, "total_tokens": 24}
+    keys = [s.key for s in scopes]
+    assert await store.shrink(tenant="team-a", reservation_id="s1", scope_keys=keys, amounts=lower)
+    for key in keys:
+        state = await store.meters(key)
+        assert (state["input_tokens"].reserved, state["total_tokens"].reserved) == (4, 24)
+        assert state["requests"].reserved == 1
+    # Never raised: an amount above the reserve changes nothing.
+    higher = {**lower, "output_tokens": 21, "total_tokens": 25}
+    assert not await store.shrink(tenant="team-a", reservation_id="s1", scope_keys=keys, amounts=higher)
+    assert (await store.meters(keys[0]))["output_tokens"].reserved == 20
+    assert await settle(store, res) is not None
+    for key in keys:
+        state = await store.meters(key)
+        assert all(m.reserved == 0 for m in state.values()), state
+        assert state["input_tokens"].used == ACTUAL["input_tokens"]
+    # Settled: nothing left to lower.
+    assert not await store.shrink(tenant="team-a", reservation_id="s1", scope_keys=keys, amounts=lower)
+    assert all(m.reserved == 0 for m in (await store.meters(keys[0])).values())
 
 
 async def test_scripts_run_the_same_without_the_pipelined_connection(

@@ -11,6 +11,9 @@ ARGV[10]     clamp: smallest output per choice worth keeping (0 = never clamp, r
 ARGV[11]     clamp: choices (n); the output reserve is per-choice cap * n
 ARGV[12]     clamp: exact input cost (input tokens * micro-units per million input tokens)
 ARGV[13]     clamp: micro-units per million output tokens
+ARGV[14]     1: tentative (the input amount is a quick upper bound the caller can refine): amounts
+             that do not fit on a token or cost meter write nothing, not even the refusal
+             count, and return {2}; the caller counts exactly and reserves again. 0: final
 then per scope (KEYS[3+i]):  ttl_s (0 = none), then 6 ceilings in METERS order (-1 = unlimited)
 
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
@@ -19,7 +22,7 @@ Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
 A reservation id that already exists is a retry: success, nothing changes.
 Returns on success {1, clamped output per choice (0 = not clamped), tightest meter, its
 remaining after this reserve (-1 = nothing limited), tightest scope index}; on refusal
-{0, scope index (1-based), meter, ceiling, used, reserved, amount}.
+{0, scope index (1-based), meter, ceiling, used, reserved, amount}; {2} as ARGV[14] says.
 ]]
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -30,7 +33,7 @@ local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'co
 local NM = #METERS
 local OUTPUT, TOTAL, COST, INPUT = 3, 4, 5, 2
 local nscopes = #KEYS - 2
-local base = 14
+local base = 15
 local stride = 1 + NM
 
 local amounts = {}
@@ -63,6 +66,9 @@ end
 
 local clamped = 0
 local refusal = check(amounts)
+if refusal and ARGV[14] == '1' and refusal[3] ~= 'requests' and refusal[3] ~= 'concurrent' then
+  return {2}
+end
 local clamp_min = tonumber(ARGV[10])
 if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] == 'total_tokens'
     or refusal[3] == 'cost_micros') then

@@ -1,0 +1,32 @@
+--[[ shrink.lua: lower a live reservation to smaller amounts (its input counted exactly after a
+quick upper bound reserved it), never raise it.
+
+KEYS[1]      reservation record (hash)          lbp:{tenant}:resv:<reservation id>
+KEYS[2..]    the scope hashes named in the reservation, in the same order
+ARGV[1..6]   the new amounts, in reserve.lua's METERS order
+
+Returns 1 when the reserve was lowered; 0 when there is nothing to lower: the call is settled
+(or reaped) already, or an amount would grow (then nothing changes).
+]]
+local raw = redis.call('HGET', KEYS[1], 'amounts')
+if not raw then return 0 end
+local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
+local old = {}
+for v in string.gmatch(raw, '%S+') do old[#old + 1] = tonumber(v) end
+local new, less = {}, {}
+for m = 1, #METERS do
+  new[m] = tonumber(ARGV[m])
+  if not new[m] or not old[m] or new[m] > old[m] or new[m] < 0 then return 0 end
+  less[m] = old[m] - new[m]
+end
+for s = 2, #KEYS do
+  for m = 1, #METERS do
+    if less[m] > 0 then
+      redis.call('HINCRBY', KEYS[s], 'resv:' .. METERS[m], string.format('%d', -less[m]))
+    end
+  end
+end
+local amt = {}
+for m = 1, #METERS do amt[m] = string.format('%d', new[m]) end
+redis.call('HSET', KEYS[1], 'amounts', table.concat(amt, ' '))
+return 1

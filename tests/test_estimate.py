@@ -1,0 +1,161 @@
+"""Quick estimates: much new text reserves at its UTF-8 bytes at once, is counted exactly on the
+estimate thread while the call runs, and the reserve comes down to the count; a budget decides
+only on the exact count."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import openai
+import pytest
+
+from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
+from tests.conftest import Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import MODEL, ledger_entries, run_headers
+from tests.test_budgets import meters, tiers
+
+TEXT = "word " * 8000  # 40,000 bytes: a quick estimate
+PROMPT_OVERHEAD = 4 + 3  # one message, and the reply's priming
+QUICK_INPUT = len(TEXT) + PROMPT_OVERHEAD
+EXACT_INPUT = len(TEXT) // 4 + PROMPT_OVERHEAD
+FAKE_PROMPT = 8000 + 3  # the fake bills words + 3 per message
+
+
+class QuarterEncoding:
+    """A tiktoken stand-in with fewer tokens than bytes (one per 4), so a byte-length bound and
+    the exact count differ. ``gate``: long texts wait for it before they are counted."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate = gate
+        self.counted: list[int] = []
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        if self.gate is not None and len(text) >= CACHED_TEXT_CHARS:
+            assert self.gate.wait(10), "the count was never released"
+        self.counted.append(len(text))
+        return [0] * -(-len(text.encode()) // 4)
+
+
+def test_much_new_text_is_bounded_by_its_bytes_and_little_is_counted() -> None:
+    enc = QuarterEncoding()
+    tokenizer = Tokenizer({"o200k_base": enc})
+    small = ["x" * (QUICK_BOUND_CHARS // 2), "short"]
+    assert tokenizer.quick_bound_of_parts(small, "o200k_base") == (
+        tokenizer.upper_bound_of_parts(small, "o200k_base"),
+        True,
+    )
+    enc.counted.clear()
+    big = ["y" * QUICK_BOUND_CHARS, "short"]
+    assert tokenizer.quick_bound_of_parts(big, "o200k_base") == (QUICK_BOUND_CHARS + len("short") + 1, False)
+    assert enc.counted == []  # nothing counted on the caller's thread
+    # Remembered counts are used as they are: the first part is known, the new one is small.
+    grown = [*small, "z" * 2000]
+    bound, exact = tokenizer.quick_bound_of_parts(grown, "o200k_base")
+    assert exact and bound == tokenizer.upper_bound_of_parts(grown, "o200k_base")
+    assert len(small[0]) not in enc.counted  # counted the first time, then remembered
+
+
+def test_without_an_encoding_the_byte_bound_is_final() -> None:
+    assert Tokenizer({}).quick_bound_of_parts(["a" * QUICK_BOUND_CHARS], "o200k_base") == (
+        QUICK_BOUND_CHARS,
+        True,
+    )
+
+
+async def reserved_input(proxy: Proxy, run: str) -> int:
+    state = (await meters(proxy, run))["meters"]
+    return int(state["input_tokens"]["reserved"])
+
+
+async def test_the_call_goes_out_before_the_count_and_its_reserve_comes_down_to_it(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"total_tokens": 10**6})
+    )
+    stream = await proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=10,
+        stream=True,
+        extra_headers=run_headers("quick"),
+        extra_body={"fake": {"chunk_delay_s": 0.1}},
+    )
+    chunks = stream.__aiter__()
+    await chunks.__anext__()
+    # The provider answered while the count still waits: the reserve is the byte-length bound.
+    assert enc.counted == []
+    assert await reserved_input(proxy, "quick") == QUICK_INPUT
+    gate.set()
+    for _ in range(500):
+        if await reserved_input(proxy, "quick") == EXACT_INPUT:
+            break
+        await asyncio.sleep(0.01)
+    assert await reserved_input(proxy, "quick") == EXACT_INPUT
+    async for _chunk in chunks:
+        pass
+    [entry] = await ledger_entries(proxy, "quick")
+    assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
+    assert int(entry["input_tokens"]) == FAKE_PROMPT and entry["usage_source"] == "provider"
+    state = (await meters(proxy, "quick"))["meters"]
+    assert all(m["reserved"] == 0 for m in state.values()), state
+    assert state["input_tokens"]["used"] == FAKE_PROMPT
+    assert len(fake.bill) == 1
+
+
+@pytest.mark.parametrize("ceiling", [EXACT_INPUT, EXACT_INPUT - 1])
+async def test_a_budget_decides_on_the_exact_count_never_the_byte_bound(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ceiling: int
+) -> None:
+    enc = QuarterEncoding()
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"input_tokens": ceiling})
+    )
+    create: Any = proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=10,
+        extra_headers=run_headers("tight"),
+    )
+    if ceiling < EXACT_INPUT:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await create
+        message = caught.value.response.json()["error"]["message"]
+        assert f"needs {EXACT_INPUT}" in message and "reserved 0" in message
+        assert fake.received == []
+        return
+    await create
+    [entry] = await ledger_entries(proxy, "tight")
+    assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
+    assert enc.counted == [len(TEXT)]  # counted once, before the call went out
+
+
+async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    gate = threading.Event()
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": QuarterEncoding(gate)}))
+    call = asyncio.ensure_future(
+        proxy.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": TEXT}],
+            max_tokens=10,
+            extra_headers=run_headers("lost"),
+            extra_body={"fake": {"mode": "error", "status": 502, "error_body": "none"}},
+        )
+    )
+    while not fake.received:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # the bare 502 is back before the count is done
+    gate.set()
+    with pytest.raises(openai.InternalServerError):
+        await call
+    [entry] = await ledger_entries(proxy, "lost")
+    assert entry["usage_source"] == "reserve"
+    assert int(entry["input_tokens"]) == EXACT_INPUT  # not the byte-length bound it reserved first
+    assert len(fake.received) == 1
