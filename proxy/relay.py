@@ -134,11 +134,16 @@ class Exchange:
 
     async def _settle_and_record(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
         refining = self.call.refining
-        if refining is not None and usage.source == "reserve":
-            # Billed at its reserve: at the exact count, once it is known. Otherwise the settle
-            # need not wait: it replaces whichever reserve it finds.
-            await asyncio.wait([refining])
-            usage = self._reserve_usage()
+        if refining is not None and not refining.done():
+            if usage.source == "reserve":
+                # Billed at its reserve: at the exact count, once it is known.
+                await asyncio.wait([refining])
+                usage = self._reserve_usage()
+            else:
+                # The settle replaces whichever reserve it finds: a count not started yet would
+                # only lower a reserve about to go, and a backlog of such counts (a fast upstream,
+                # new large prompts) would grow without bound. Cancelled, it never runs.
+                refining.cancel()
         settlement = await settle(
             self.services.store,
             self.services.journal,

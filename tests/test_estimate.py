@@ -31,9 +31,11 @@ class QuarterEncoding:
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.gate = gate
         self.counted: list[int] = []
+        self.entered = threading.Event()  # a long text's count began
 
     def encode_ordinary(self, text: str) -> list[int]:
         if self.gate is not None and len(text) >= CACHED_TEXT_CHARS:
+            self.entered.set()
             assert self.gate.wait(10), "the count was never released"
         self.counted.append(len(text))
         return [0] * -(-len(text.encode()) // 4)
@@ -159,3 +161,37 @@ async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
     assert entry["usage_source"] == "reserve"
     assert int(entry["input_tokens"]) == EXACT_INPUT  # not the byte-length bound it reserved first
     assert len(fake.received) == 1
+
+
+async def test_a_count_not_started_when_its_call_settles_never_runs(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Counts wait their turn on one thread; a call settled on the provider's usage first drops
+    its count, so a fast upstream and many new large prompts cannot pile up counts (and the
+    prompts they hold) without bound."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    client = proxy.client()
+    other = "other " * 7000
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=10,
+        extra_headers=run_headers("a"),
+    )
+    assert await asyncio.to_thread(enc.entered.wait, 5)  # the first count holds the thread
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": other}],
+        max_tokens=10,
+        extra_headers=run_headers("b"),
+    )
+    gate.set()
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    assert enc.counted == [len(TEXT)]
+    [entry] = await ledger_entries(proxy, "b")
+    assert int(entry["reserved_input_tokens"]) == len(other) + PROMPT_OVERHEAD  # the bound it had
+    state = (await meters(proxy, "b"))["meters"]
+    assert all(m["reserved"] == 0 for m in state.values()), state
