@@ -290,9 +290,9 @@ def build_app(
     app.cleanup_ctx.append(log_flush_ctx)
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(journal_ctx)
-    app.cleanup_ctx.append(settling_ctx)  # cleaned up before the journal and the store
-    app.cleanup_ctx.append(session_ctx)
     app.cleanup_ctx.append(estimator_ctx)
+    app.cleanup_ctx.append(settling_ctx)  # cleaned up before the estimate thread, journal, store
+    app.cleanup_ctx.append(session_ctx)
     if run_reaper_task:
         app.cleanup_ctx.append(reaper_ctx)
     if config_path is not None:

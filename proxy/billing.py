@@ -112,14 +112,15 @@ def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, in
 
 
 async def reserve(
-    store: Store, journal: Journal, call: Call, config: Config, *, count: Counter
+    store: Store, journal: Journal, call: Call, config: Config, *, count_now: Counter, count_later: Counter
 ) -> Reservation:
     """Reserve the worst case against every scope, all or nothing; raise when it does not fit.
 
     A quick estimate (much new text at its byte length) reserves tentatively: when that does not
     fit, the input is counted exactly first and reserved again, so a budget refuses or clamps only
     on the exact count; when it fits, the call goes on at once and the reserve is lowered to the
-    exact count in the background (``refine``)."""
+    exact count in the background (``refine``). ``count_now`` counts for a reserve that waits
+    (not queued behind the refinements of other calls, which ``count_later`` runs)."""
     tier = config.tiers.get(call.identity.tier)
     scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC))
     if call.rates is None and any("cost_micros" in s.ceilings for s in scopes):
@@ -145,7 +146,7 @@ async def reserve(
     try:
         result = await _reserve(store, call, config, tier, scopes, record)
         if isinstance(result, Tentative):
-            call.estimate = await count(call)
+            call.estimate = await count_now(call)
             asked = time.monotonic()
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
@@ -160,7 +161,7 @@ async def reserve(
     call.reservation = result
     call.lease_confirmed_at = asked
     if not call.estimate.input_exact:
-        call.refining = asyncio.ensure_future(refine(store, call, count))
+        call.refining = asyncio.ensure_future(refine(store, call, count_later))
     return result
 
 

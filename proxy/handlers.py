@@ -40,6 +40,7 @@ from proxy.record import record_refusal
 from proxy.relay import Exchange, Services
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
+from proxy.tokenizer import Tokenizer
 
 MODELS_LIST_LIMIT_BYTES = 4 * 1024 * 1024
 
@@ -84,7 +85,14 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         if identity.tenant not in state.registered_tenants:
             await state.store.register_tenant(identity.tenant)
             state.registered_tenants.add(identity.tenant)
-        await reserve(state.store, state.journal, call, config, count=functools.partial(count_exactly, state))
+        await reserve(
+            state.store,
+            state.journal,
+            call,
+            config,
+            count_now=functools.partial(count_now, tokenizer=state.tokenizer),
+            count_later=functools.partial(count_later, state),
+        )
     except ApiError as err:
         if isinstance(err, BudgetExceeded):
             record_refusal(state.metrics, config, identity.tenant, err)
@@ -95,11 +103,17 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     return await Exchange(request, call, _services(state, config)).run()
 
 
-async def count_exactly(state: State, call: Call) -> Estimate:
-    """Tiktoken's count of a quick estimate, on the one estimate thread (one count at a time:
-    several at once only fight over 2 cores and the GIL)."""
+async def count_later(state: State, call: Call) -> Estimate:
+    """Tiktoken's count of a quick estimate while its call runs, on the one estimate thread (one
+    count at a time: several at once only fight over 2 cores and the GIL)."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(state.estimator, counted, call.estimate, state.tokenizer, call.encoding)
+
+
+async def count_now(call: Call, *, tokenizer: Tokenizer) -> Estimate:
+    """The same count for a reserve that waits on it (rare: a budget near its ceiling): in a
+    thread of its own, not queued behind the estimate thread's counts."""
+    return await asyncio.to_thread(counted, call.estimate, tokenizer, call.encoding)
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -275,8 +275,10 @@ class RedisStore:
     async def shrink(
         self, *, tenant: str, reservation_id: str, scope_keys: Sequence[str], amounts: Mapping[str, int]
     ) -> bool:
-        keys = [f"{key_prefix(tenant)}resv:{reservation_id}", *scope_keys]
-        args = [amounts.get(m, 0) for m in RESERVED_METERS]
+        prefix = key_prefix(tenant)
+        keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases", *scope_keys]
+        args: list[Any] = [amounts.get(m, 0) for m in RESERVED_METERS]
+        args.append(reservation_id)
         return int(await self._script("shrink", keys, args)) == 1
 
     async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool:

@@ -22,6 +22,7 @@ from proxy.billing import Settlement, billing_comment, billing_headers, settle
 from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import StoreError
+from proxy.estimate import counted
 from proxy.events import EventFilter
 from proxy.forward import StallGuard, TransportFailure, open_upstream, read_limited
 from proxy.journal import Journal
@@ -135,15 +136,23 @@ class Exchange:
     async def _settle_and_record(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
         refining = self.call.refining
         if refining is not None and not refining.done():
-            if usage.source == "reserve":
-                # Billed at its reserve: at the exact count, once it is known.
-                await asyncio.wait([refining])
-                usage = self._reserve_usage()
-            else:
-                # The settle replaces whichever reserve it finds: a count not started yet would
-                # only lower a reserve about to go, and a backlog of such counts (a fast upstream,
-                # new large prompts) would grow without bound. Cancelled, it never runs.
-                refining.cancel()
+            # What it has not done yet would only lower a reserve about to go; and a backlog of
+            # counts not started (a fast upstream, new large prompts) would grow without bound.
+            refining.cancel()
+        if usage.source == "reserve" and not self.call.estimate.input_exact:
+            # Billed at its reserve: at the exact count, not the quick bound. Counted here, not
+            # behind other calls' counts on the estimate thread.
+            try:
+                est = self.call.estimate
+                self.call.estimate = await asyncio.to_thread(
+                    counted, est, self.services.tokenizer, self.call.encoding
+                )
+            except Exception as err:  # the quick bound is an upper bound: billed at it
+                log.warning(
+                    "could not count a reserve",
+                    extra={"request_id": self.call.request_id, "error": repr(err)},
+                )
+            usage = self._reserve_usage()
         settlement = await settle(
             self.services.store,
             self.services.journal,

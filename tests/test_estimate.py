@@ -32,10 +32,16 @@ class QuarterEncoding:
         self.gate = gate
         self.counted: list[int] = []
         self.entered = threading.Event()  # a long text's count began
+        self.entries = 0  # long texts' counts begun
+        self.fail = False
 
     def encode_ordinary(self, text: str) -> list[int]:
-        if self.gate is not None and len(text) >= CACHED_TEXT_CHARS:
+        if len(text) >= CACHED_TEXT_CHARS:
+            self.entries += 1
             self.entered.set()
+            if self.fail:
+                raise RuntimeError("the encoder failed on purpose")
+        if self.gate is not None and len(text) >= CACHED_TEXT_CHARS:
             assert self.gate.wait(10), "the count was never released"
         self.counted.append(len(text))
         return [0] * -(-len(text.encode()) // 4)
@@ -137,23 +143,30 @@ async def test_a_budget_decides_on_the_exact_count_never_the_byte_bound(
     assert enc.counted == [len(TEXT)]  # counted once, before the call went out
 
 
+async def failing_call(proxy: Proxy, run: str) -> Any:
+    """A bare 502 after the call went out: billed at its reserve."""
+    return await proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=10,
+        extra_headers=run_headers(run),
+        extra_body={"fake": {"mode": "error", "status": 502, "error_body": "none"}},
+    )
+
+
 async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
     gate = threading.Event()
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": QuarterEncoding(gate)}))
-    call = asyncio.ensure_future(
-        proxy.client().chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": TEXT}],
-            max_tokens=10,
-            extra_headers=run_headers("lost"),
-            extra_body={"fake": {"mode": "error", "status": 502, "error_body": "none"}},
-        )
-    )
-    while not fake.received:
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    call = asyncio.ensure_future(failing_call(proxy, "lost"))
+    # The background count holds the estimate thread; the settle counts for itself, not behind it.
+    for _ in range(500):
+        if enc.entries >= 2:
+            break
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # the bare 502 is back before the count is done
+    assert enc.entries == 2
     gate.set()
     with pytest.raises(openai.InternalServerError):
         await call
@@ -161,6 +174,21 @@ async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
     assert entry["usage_source"] == "reserve"
     assert int(entry["input_tokens"]) == EXACT_INPUT  # not the byte-length bound it reserved first
     assert len(fake.received) == 1
+
+
+async def test_a_count_that_fails_bills_the_quick_bound_and_never_fails_the_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    enc = QuarterEncoding()
+    enc.fail = True
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    with pytest.raises(openai.InternalServerError) as caught:
+        await failing_call(proxy, "failing")
+    assert caught.value.status_code == 502
+    [entry] = await ledger_entries(proxy, "failing")
+    assert entry["usage_source"] == "reserve" and int(entry["input_tokens"]) == QUICK_INPUT
+    state = (await meters(proxy, "failing"))["meters"]
+    assert all(m["reserved"] == 0 for m in state.values()), state
 
 
 async def test_a_count_not_started_when_its_call_settles_never_runs(

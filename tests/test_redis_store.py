@@ -296,6 +296,26 @@ async def test_shrink_lowers_every_scope_and_the_settle_releases_what_is_left(st
     assert all(m.reserved == 0 for m in (await store.meters(keys[0])).values())
 
 
+async def test_shrink_leaves_a_lease_that_ran_out_to_the_reaper(store: RedisStore) -> None:
+    """A reaper bills the amounts it read: lowering them after that would release less than it
+    bills (room given to another call, then charged again)."""
+    scope = Scope(name="run", key="lbp:{team-a}:run:shrink-expired")
+    res = await store.reserve(
+        tenant="team-a",
+        reservation_id="s2",
+        run_id="run1",
+        scopes=[scope],
+        amounts=dict(AMOUNTS),
+        lease_ms=50,
+        record="{}",
+    )
+    assert isinstance(res, Reservation)
+    time.sleep(0.1)
+    lower = {**AMOUNTS, "input_tokens": 4, "total_tokens": 24}
+    assert not await store.shrink(tenant="team-a", reservation_id="s2", scope_keys=[scope.key], amounts=lower)
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 30
+
+
 async def test_scripts_run_the_same_without_the_pipelined_connection(
     redis_server: RedisServerProcess,
 ) -> None:

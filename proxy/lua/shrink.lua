@@ -2,14 +2,20 @@
 quick upper bound reserved it), never raise it.
 
 KEYS[1]      reservation record (hash)          lbp:{tenant}:resv:<reservation id>
-KEYS[2..]    the scope hashes named in the reservation, in the same order
+KEYS[2]      lease index (zset)                 lbp:{tenant}:leases
+KEYS[3..]    the scope hashes named in the reservation, in the same order
 ARGV[1..6]   the new amounts, in reserve.lua's METERS order
+ARGV[7]      reservation id
 
 Returns 1 when the reserve was lowered; 0 when there is nothing to lower: the call is settled
-(or reaped) already, or an amount would grow (then nothing changes).
+already, its lease has run out (a reaper may have read the amounts it will bill: lowering them
+now would release less than it bills), or an amount would grow (then nothing changes).
 ]]
 local raw = redis.call('HGET', KEYS[1], 'amounts')
 if not raw then return 0 end
+local expiry = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[7]))
+local t = redis.call('TIME')
+if not expiry or expiry <= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then return 0 end
 local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
 local old = {}
 for v in string.gmatch(raw, '%S+') do old[#old + 1] = tonumber(v) end
@@ -19,7 +25,7 @@ for m = 1, #METERS do
   if not new[m] or not old[m] or new[m] > old[m] or new[m] < 0 then return 0 end
   less[m] = old[m] - new[m]
 end
-for s = 2, #KEYS do
+for s = 3, #KEYS do
   for m = 1, #METERS do
     if less[m] > 0 then
       redis.call('HINCRBY', KEYS[s], 'resv:' .. METERS[m], string.format('%d', -less[m]))
