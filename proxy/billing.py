@@ -146,7 +146,13 @@ async def reserve(
     try:
         result = await _reserve(store, call, config, tier, scopes, record)
         if isinstance(result, Tentative):
-            call.estimate = await count_now(call)
+            try:
+                call.estimate = await count_now(call)
+            except Exception as err:  # the bound is still an upper bound: reserved as final
+                log.warning(
+                    "could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)}
+                )
+                call.estimate = replace(call.estimate, input_exact=True, input_parts=())
             asked = time.monotonic()
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:

@@ -84,7 +84,8 @@ class Call:
     upstream_status: int = 0
     first_token_at: float | None = None
     clamped: bool = False
-    # A quick reserve being lowered to the exact count (``billing.refine``); the settle waits for it.
+    # A quick reserve being lowered to the exact count (``billing.refine``); the settle cancels
+    # what it has not done yet.
     refining: asyncio.Future[None] | None = None
 
     @property

@@ -52,7 +52,8 @@ class Estimate:
     # reserved: the upstream must never be allowed more output than the reserve covers.
     enforce_cap: int | None = None
     # False: input_tokens is the quick (byte-length) bound of input_parts, to be counted exactly
-    # (``counted``) once the reserve is made.
+    # (``counted``) once the reserve is made. True: final (the count, or the byte length where
+    # no count can be had).
     input_exact: bool = True
     input_parts: tuple[str, ...] = ()
 

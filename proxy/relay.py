@@ -139,19 +139,22 @@ class Exchange:
             # What it has not done yet would only lower a reserve about to go; and a backlog of
             # counts not started (a fast upstream, new large prompts) would grow without bound.
             refining.cancel()
-        if usage.source == "reserve" and not self.call.estimate.input_exact:
-            # Billed at its reserve: at the exact count, not the quick bound. Counted here, not
-            # behind other calls' counts on the estimate thread.
-            try:
-                est = self.call.estimate
-                self.call.estimate = await asyncio.to_thread(
-                    counted, est, self.services.tokenizer, self.call.encoding
-                )
-            except Exception as err:  # the quick bound is an upper bound: billed at it
-                log.warning(
-                    "could not count a reserve",
-                    extra={"request_id": self.call.request_id, "error": repr(err)},
-                )
+        if usage.source == "reserve":
+            # Billed at its reserve: at the exact count, not the quick bound (counted here if the
+            # background count has not landed, not behind other calls' counts), and taken from
+            # the estimate as it is now: a count that landed since the usage was worked out may
+            # have lowered the reserve already.
+            if not self.call.estimate.input_exact:
+                try:
+                    est = self.call.estimate
+                    self.call.estimate = await asyncio.to_thread(
+                        counted, est, self.services.tokenizer, self.call.encoding
+                    )
+                except Exception as err:  # the quick bound is an upper bound: billed at it
+                    log.warning(
+                        "could not count a reserve",
+                        extra={"request_id": self.call.request_id, "error": repr(err)},
+                    )
             usage = self._reserve_usage()
         settlement = await settle(
             self.services.store,

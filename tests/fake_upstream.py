@@ -22,6 +22,7 @@ openai SDK: ``extra_body={"fake": {...}}``); every key is optional:
   no_usage         never send usage (still billed)
   keepalive        ": keep-alive" comments between streamed content chunks
   chunk_delay_s    sleep between streamed events
+  delay_s          sleep before answering at all (any mode)
   two_usage        send the usage chunk twice (usage_early: before last content)
 
 Token rule: prompt = words in message contents + 3 per message (chat), words
@@ -318,6 +319,8 @@ class FakeUpstream:
             reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens")
             p_tok, c_tok = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
             self.bill.append(BillEntry(no, path, model, stream, p_tok, c_tok, cached, reasoning, mode))
+        if ctl.get("delay_s"):
+            await asyncio.sleep(float(ctl["delay_s"]))
         if mode == "stall_before_headers":
             await asyncio.sleep(float(ctl.get("stall_s", 30)))
         if mode == "error":

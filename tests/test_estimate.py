@@ -150,7 +150,8 @@ async def failing_call(proxy: Proxy, run: str) -> Any:
         messages=[{"role": "user", "content": TEXT}],
         max_tokens=10,
         extra_headers=run_headers(run),
-        extra_body={"fake": {"mode": "error", "status": 502, "error_body": "none"}},
+        # Answered once the background count is under way (it starts at the reserve).
+        extra_body={"fake": {"mode": "error", "status": 502, "error_body": "none", "delay_s": 0.3}},
     )
 
 
@@ -207,6 +208,7 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
         messages=[{"role": "user", "content": TEXT}],
         max_tokens=10,
         extra_headers=run_headers("a"),
+        extra_body={"fake": {"delay_s": 0.3}},  # its count is under way before it settles
     )
     assert await asyncio.to_thread(enc.entered.wait, 5)  # the first count holds the thread
     await client.chat.completions.create(

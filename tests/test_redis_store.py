@@ -296,6 +296,26 @@ async def test_shrink_lowers_every_scope_and_the_settle_releases_what_is_left(st
     assert all(m.reserved == 0 for m in (await store.meters(keys[0])).values())
 
 
+async def test_a_lease_that_ran_out_is_not_renewed(store: RedisStore) -> None:
+    """Once expired it is the reapers': one may have read the amounts it will bill, and a live
+    lease again would let the call's own settle and a shrink act beside that reaper."""
+    scope = Scope(name="run", key="lbp:{team-a}:run:renew-expired")
+    res = await store.reserve(
+        tenant="team-a",
+        reservation_id="r-exp",
+        run_id="run1",
+        scopes=[scope],
+        amounts=dict(AMOUNTS),
+        lease_ms=50,
+        record="{}",
+    )
+    assert isinstance(res, Reservation)
+    expiry = await store.client.zscore("lbp:{team-a}:leases", "r-exp")
+    time.sleep(0.1)
+    assert not await store.renew(tenant="team-a", reservation_id="r-exp", lease_ms=60_000)
+    assert await store.client.zscore("lbp:{team-a}:leases", "r-exp") == expiry
+
+
 async def test_shrink_leaves_a_lease_that_ran_out_to_the_reaper(store: RedisStore) -> None:
     """A reaper bills the amounts it read: lowering them after that would release less than it
     bills (room given to another call, then charged again)."""
