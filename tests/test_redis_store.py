@@ -69,7 +69,7 @@ async def store(
 
 
 async def reserve(
-    store: RedisStore, rid: str, scopes: list[Scope], **kw: object
+    store: RedisStore, rid: str, scopes: list[Scope], lease_ms: int = 60_000, **kw: object
 ) -> Reservation | Refusal | Tentative:
     return await store.reserve(
         tenant="team-a",
@@ -77,7 +77,7 @@ async def reserve(
         run_id="run1",
         scopes=scopes,
         amounts=dict(AMOUNTS),
-        lease_ms=60_000,
+        lease_ms=lease_ms,
         record="{}",
         **kw,
     )  # type: ignore[arg-type]
@@ -300,15 +300,7 @@ async def test_a_lease_that_ran_out_is_not_renewed(store: RedisStore) -> None:
     """Once expired it is the reapers': one may have read the amounts it will bill, and a live
     lease again would let the call's own settle and a shrink act beside that reaper."""
     scope = Scope(name="run", key="lbp:{team-a}:run:renew-expired")
-    res = await store.reserve(
-        tenant="team-a",
-        reservation_id="r-exp",
-        run_id="run1",
-        scopes=[scope],
-        amounts=dict(AMOUNTS),
-        lease_ms=50,
-        record="{}",
-    )
+    res = await reserve(store, "r-exp", [scope], lease_ms=50)
     assert isinstance(res, Reservation)
     expiry = await store.client.zscore("lbp:{team-a}:leases", "r-exp")
     time.sleep(0.1)
@@ -320,15 +312,7 @@ async def test_shrink_leaves_a_lease_that_ran_out_to_the_reaper(store: RedisStor
     """A reaper bills the amounts it read: lowering them after that would release less than it
     bills (room given to another call, then charged again)."""
     scope = Scope(name="run", key="lbp:{team-a}:run:shrink-expired")
-    res = await store.reserve(
-        tenant="team-a",
-        reservation_id="s2",
-        run_id="run1",
-        scopes=[scope],
-        amounts=dict(AMOUNTS),
-        lease_ms=50,
-        record="{}",
-    )
+    res = await reserve(store, "s2", [scope], lease_ms=50)
     assert isinstance(res, Reservation)
     time.sleep(0.1)
     lower = {**AMOUNTS, "input_tokens": 4, "total_tokens": 24}
