@@ -23,7 +23,7 @@ from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store
 
 log = logging.getLogger("proxy.billing")
 
-# Counts a call's input exactly (tiktoken, on the estimate thread): a quick estimate's refinement.
+# Counts a quick estimate's input exactly (tiktoken, off the event loop).
 Counter = Callable[[Call], Awaitable[Estimate]]
 
 

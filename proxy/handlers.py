@@ -67,8 +67,8 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         run_id = run_id_for(request, state.ids)
         raw = await read_body(request)
         body, view = parse_body(raw, endpoint)
-        # Much new text is estimated at its byte length here, and counted on the estimate
-        # thread only if the reserve needs it before the call (``billing.reserve``) or after.
+        # Much new text is estimated at its byte length here and counted later: before the call
+        # only if the reserve needs it, else while the call runs (``billing.reserve``).
         call = plan_call(
             request_id=request_id,
             identity=identity,
