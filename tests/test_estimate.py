@@ -225,3 +225,25 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
     assert int(entry["reserved_input_tokens"]) == len(other) + PROMPT_OVERHEAD  # the bound it had
     state = (await meters(proxy, "b"))["meters"]
     assert all(m["reserved"] == 0 for m in state.values()), state
+
+
+async def test_a_clamp_is_sized_on_the_exact_count_never_the_byte_bound(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A quick reserve that does not fit is never clamped: the exact count is reserved instead,
+    and only it decides how far the output is lowered."""
+    room = EXACT_INPUT + 50  # 50 output tokens left after the exact input; none after the bound
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": QuarterEncoding()}),
+        tiers=tiers(run={"total_tokens": room}, on_budget_short="clamp", min_output_tokens=10),
+    )
+    await proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=500,
+        extra_headers=run_headers("clamped"),
+    )
+    assert fake.received[0].body["max_tokens"] == 50
+    [entry] = await ledger_entries(proxy, "clamped")
+    assert entry["clamped"] == "1" and int(entry["reserved_output_tokens"]) == 50
+    assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
