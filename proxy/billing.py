@@ -16,6 +16,7 @@ from proxy.config import Config, TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, StoreError
 from proxy.estimate import Estimate
 from proxy.journal import Journal, PendingSettlement
+from proxy.metrics import Metrics
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros
 from proxy.scopes import scopes_for
@@ -112,7 +113,14 @@ def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, in
 
 
 async def reserve(
-    store: Store, journal: Journal, call: Call, config: Config, *, count_now: Counter, count_later: Counter
+    store: Store,
+    journal: Journal,
+    call: Call,
+    config: Config,
+    *,
+    metrics: Metrics,
+    count_now: Counter,
+    count_later: Counter,
 ) -> Reservation:
     """Reserve the worst case against every scope, all or nothing; raise when it does not fit.
 
@@ -146,9 +154,11 @@ async def reserve(
     try:
         result = await _reserve(store, call, config, tier, scopes, record)
         if isinstance(result, Tentative):
+            metrics.quick_estimates.labels("counted_first").inc()
             try:
                 call.estimate = await count_now(call)
             except Exception as err:  # the bound is still an upper bound: reserved as final
+                metrics.quick_estimates.labels("failed").inc()
                 log.warning(
                     "could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)}
                 )
@@ -167,11 +177,11 @@ async def reserve(
     call.reservation = result
     call.lease_confirmed_at = asked
     if not call.estimate.input_exact:
-        call.refining = asyncio.ensure_future(refine(store, call, count_later))
+        call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
     return result
 
 
-async def refine(store: Store, call: Call, count: Counter) -> None:
+async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> None:
     """Count a quick reserve's input exactly while the call runs, and lower the reserve to it.
     Best effort: should either step fail, the byte-length reserve stands until the settle
     replaces it."""
@@ -180,6 +190,7 @@ async def refine(store: Store, call: Call, count: Counter) -> None:
     try:
         exact = await count(call)
     except Exception as err:  # a refinement never fails the call
+        metrics.quick_estimates.labels("failed").inc()
         log.warning(
             "could not count a quick reserve", extra={"request_id": call.request_id, "error": repr(err)}
         )
@@ -199,10 +210,12 @@ async def refine(store: Store, call: Call, count: Counter) -> None:
         ):
             return  # settled already
     except StoreError as err:
+        metrics.quick_estimates.labels("failed").inc()
         log.warning(
             "could not lower a quick reserve", extra={"request_id": call.request_id, "error": str(err)}
         )
         return
+    metrics.quick_estimates.labels("lowered").inc()
     meter = reservation.tightest_meter
     freed = before[meter] - after[meter] if meter is not None else 0
     call.reservation = replace(

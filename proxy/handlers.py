@@ -90,6 +90,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             state.journal,
             call,
             config,
+            metrics=state.metrics,
             count_now=functools.partial(count_now, tokenizer=state.tokenizer),
             count_later=functools.partial(count_later, state),
         )

@@ -209,6 +209,14 @@ class Metrics:
             "llm_proxy_leases_expired", "Reservations settled at their reserve by a reaper."
         )
         self.store_errors = Counter("llm_proxy_store_errors", "Store operations that failed.", ["operation"])
+        self.quick_estimates = Counter(
+            "llm_proxy_quick_estimates",
+            "Calls reserved at the UTF-8 bytes of much new text, by what followed: lowered (counted "
+            "while the call ran, the reserve lowered), counted_first (the bound did not fit: counted "
+            "before the reserve), dropped (settled before its reserve was lowered), failed (not "
+            "counted, or not lowered for a store error).",
+            ["result"],
+        )
         self.duration = Histogram(
             "llm_proxy_request_duration_seconds",
             "Whole call duration as the client sees it.",

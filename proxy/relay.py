@@ -139,6 +139,7 @@ class Exchange:
             # What it has not done yet would only lower a reserve about to go; and a backlog of
             # counts not started (a fast upstream, new large prompts) would grow without bound.
             refining.cancel()
+            self.services.metrics.quick_estimates.labels("dropped").inc()
         if usage.source == "reserve":
             # Billed at its reserve: at the exact count, not the quick bound (counted here if the
             # background count has not landed, not behind other calls' counts), and taken from
@@ -151,6 +152,7 @@ class Exchange:
                         counted, est, self.services.tokenizer, self.call.encoding
                     )
                 except Exception as err:  # the quick bound is an upper bound: billed at it
+                    self.services.metrics.quick_estimates.labels("failed").inc()
                     log.warning(
                         "could not count a reserve",
                         extra={"request_id": self.call.request_id, "error": repr(err)},

@@ -11,6 +11,7 @@ from typing import Any
 import openai
 import pytest
 
+from proxy.app import STATE
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -73,6 +74,11 @@ def test_without_an_encoding_the_byte_bound_is_final() -> None:
     )
 
 
+def quick_estimates(proxy: Proxy, result: str) -> int:
+    """``llm_proxy_quick_estimates_total{result=...}``."""
+    return int(proxy.app[STATE].metrics.quick_estimates.labels(result).value)
+
+
 async def reserved_input(proxy: Proxy, run: str) -> int:
     state = (await meters(proxy, run))["meters"]
     return int(state["input_tokens"]["reserved"])
@@ -114,6 +120,7 @@ async def test_the_call_goes_out_before_the_count_and_its_reserve_comes_down_to_
     assert all(m["reserved"] == 0 for m in state.values()), state
     assert state["input_tokens"]["used"] == FAKE_PROMPT
     assert len(fake.bill) == 1
+    assert quick_estimates(proxy, "lowered") == 1 and quick_estimates(proxy, "dropped") == 0
 
 
 @pytest.mark.parametrize("ceiling", [EXACT_INPUT, EXACT_INPUT - 1])
@@ -141,6 +148,7 @@ async def test_a_budget_decides_on_the_exact_count_never_the_byte_bound(
     [entry] = await ledger_entries(proxy, "tight")
     assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
     assert enc.counted == [len(TEXT)]  # counted once, before the call went out
+    assert quick_estimates(proxy, "counted_first") == 1 and quick_estimates(proxy, "lowered") == 0
 
 
 async def failing_call(proxy: Proxy, run: str) -> Any:
@@ -188,6 +196,7 @@ async def test_a_count_that_fails_bills_the_quick_bound_and_never_fails_the_call
     assert caught.value.status_code == 502
     [entry] = await ledger_entries(proxy, "failing")
     assert entry["usage_source"] == "reserve" and int(entry["input_tokens"]) == QUICK_INPUT
+    assert quick_estimates(proxy, "failed") == 2  # the background count, then the settle's
     state = (await meters(proxy, "failing"))["meters"]
     assert all(m["reserved"] == 0 for m in state.values()), state
 
@@ -221,6 +230,7 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
     for _ in range(50):
         await asyncio.sleep(0.01)
     assert enc.counted == [len(TEXT)]
+    assert quick_estimates(proxy, "dropped") == 2  # a's count had begun, b's had not
     [entry] = await ledger_entries(proxy, "b")
     assert int(entry["reserved_input_tokens"]) == len(other) + PROMPT_OVERHEAD  # the bound it had
     state = (await meters(proxy, "b"))["meters"]
