@@ -152,17 +152,13 @@ async def reserve(
     ).decode()
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
     try:
+        if not call.estimate.input_exact and not config.limits.quick_estimates:
+            await _count_first(call, count_later, metrics)  # one count at a time, as configured
+            asked = time.monotonic()
         result = await _reserve(store, call, config, tier, scopes, record)
         if isinstance(result, Tentative):
             metrics.quick_estimates.labels("counted_first").inc()
-            try:
-                call.estimate = await count_now(call)
-            except Exception as err:  # the bound is still an upper bound: reserved as final
-                metrics.quick_estimates.labels("failed").inc()
-                log.warning(
-                    "could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)}
-                )
-                call.estimate = replace(call.estimate, input_exact=True, input_parts=())
+            await _count_first(call, count_now, metrics)
             asked = time.monotonic()
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
@@ -179,6 +175,17 @@ async def reserve(
     if not call.estimate.input_exact:
         call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
     return result
+
+
+async def _count_first(call: Call, count: Counter, metrics: Metrics) -> None:
+    """Count a quick estimate before its reserve; should that fail, the bound (still an upper
+    bound) is reserved as final."""
+    try:
+        call.estimate = await count(call)
+    except Exception as err:
+        metrics.quick_estimates.labels("failed").inc()
+        log.warning("could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)})
+        call.estimate = replace(call.estimate, input_exact=True, input_parts=())
 
 
 async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> None:

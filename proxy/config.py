@@ -277,6 +277,9 @@ class LimitsConfig(_Frozen):
     settled_marker_ttl_s: int = Field(default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60)
     # Token counts of long prompt texts are remembered, bounded by the characters kept (0: off).
     token_count_cache_chars: int = Field(default=8 * 1024 * 1024, ge=0)
+    # Much new prompt text is reserved at its UTF-8 bytes at once and counted while the call runs
+    # (false: counted before the reserve, on the estimate thread; the call waits for it).
+    quick_estimates: bool = True
     lease_margin_s: float = Field(default=30.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
     journal_replay_s: float = Field(default=1.0, gt=0)

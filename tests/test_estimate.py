@@ -257,3 +257,39 @@ async def test_a_clamp_is_sized_on_the_exact_count_never_the_byte_bound(
     [entry] = await ledger_entries(proxy, "clamped")
     assert entry["clamped"] == "1" and int(entry["reserved_output_tokens"]) == 50
     assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
+
+
+async def test_without_quick_estimates_the_call_waits_for_its_count_on_the_estimate_thread(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    gate = threading.Event()
+    threads: list[str] = []
+
+    class Recording(QuarterEncoding):
+        def encode_ordinary(self, text: str) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return super().encode_ordinary(text)
+
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": Recording(gate)}), limits={"quick_estimates": False}
+    )
+    call = asyncio.ensure_future(
+        proxy.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": TEXT}],
+            max_tokens=10,
+            extra_headers=run_headers("counted"),
+        )
+    )
+    for _ in range(500):
+        if threads:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    assert threads and fake.received == []  # counting, and nothing went out before the count
+    gate.set()
+    await call
+    [entry] = await ledger_entries(proxy, "counted")
+    assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
+    assert threads == ["estimate_0"]
+    assert quick_estimates(proxy, "lowered") == 0 and quick_estimates(proxy, "counted_first") == 0
