@@ -119,6 +119,8 @@ async def test_large_prompts_are_counted_off_the_loop_one_at_a_time(make_proxy: 
                 messages=[{"role": "user", "content": f"{i} " + "many words " * 4000}],
                 max_tokens=5,
                 extra_headers=run_headers(f"big-{i}"),
+                # Answered after the counts began: a call settled first would drop its count.
+                extra_body={"fake": {"delay_s": 0.3}},
             )
 
         await asyncio.gather(*(one(i) for i in range(4)))
