@@ -26,6 +26,8 @@ log = logging.getLogger("proxy.billing")
 
 # Counts a quick estimate's input exactly (tiktoken, off the event loop).
 Counter = Callable[[Call], Awaitable[Estimate]]
+# The meters a ceiling on which makes a quick reserve worth counting and lowering.
+INPUT_METERS = ("input_tokens", "total_tokens", "cost_micros")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,7 +175,13 @@ async def reserve(
     call.reservation = result
     call.lease_confirmed_at = asked
     if not call.estimate.input_exact:
-        call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
+        if any(m in s.ceilings for s in scopes for m in INPUT_METERS):
+            call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
+        else:
+            # No ceiling depends on the input count: lowering the reserve would free room nobody
+            # is limited by, for a tokenizer pass per call. Billed at its reserve, the call is
+            # still counted (at its settle).
+            metrics.quick_estimates.labels("kept").inc()
     return result
 
 

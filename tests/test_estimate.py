@@ -23,6 +23,8 @@ PROMPT_OVERHEAD = 4 + 3  # one message, and the reply's priming
 QUICK_INPUT = len(TEXT) + PROMPT_OVERHEAD
 EXACT_INPUT = len(TEXT) // 4 + PROMPT_OVERHEAD
 FAKE_PROMPT = 8000 + 3  # the fake bills words + 3 per message
+# A ceiling on a meter the input count moves: quick reserves are counted and lowered.
+LIMITED = tiers(run={"total_tokens": 10**9})
 
 
 class QuarterEncoding:
@@ -168,7 +170,7 @@ async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
 ) -> None:
     gate = threading.Event()
     enc = QuarterEncoding(gate)
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=LIMITED)
     call = asyncio.ensure_future(failing_call(proxy, "lost"))
     # The background count holds the estimate thread; the settle counts for itself, not behind it.
     for _ in range(500):
@@ -190,7 +192,7 @@ async def test_a_count_that_fails_bills_the_quick_bound_and_never_fails_the_call
 ) -> None:
     enc = QuarterEncoding()
     enc.fail = True
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=LIMITED)
     with pytest.raises(openai.InternalServerError) as caught:
         await failing_call(proxy, "failing")
     assert caught.value.status_code == 502
@@ -209,7 +211,7 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
     prompts they hold) without bound."""
     gate = threading.Event()
     enc = QuarterEncoding(gate)
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=LIMITED)
     client = proxy.client()
     other = "other " * 7000
     await client.chat.completions.create(
@@ -293,3 +295,28 @@ async def test_without_quick_estimates_the_call_waits_for_its_count_on_the_estim
     assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
     assert threads == ["estimate_0"]
     assert quick_estimates(proxy, "lowered") == 0 and quick_estimates(proxy, "counted_first") == 0
+
+
+async def test_with_no_ceiling_on_input_a_quick_reserve_is_kept_and_never_counted(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Lowering it would free room nobody is limited by: no tokenizer pass for it at all."""
+    enc = QuarterEncoding()
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"requests": 100}))
+    await proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=10,
+        extra_headers=run_headers("kept"),
+    )
+    await asyncio.sleep(0.1)
+    assert enc.counted == []
+    [entry] = await ledger_entries(proxy, "kept")
+    assert int(entry["reserved_input_tokens"]) == QUICK_INPUT
+    assert int(entry["input_tokens"]) == FAKE_PROMPT  # billed on the provider's figures
+    assert quick_estimates(proxy, "kept") == 1
+    # Billed at its reserve, such a call is still counted first.
+    with pytest.raises(openai.InternalServerError):
+        await failing_call(proxy, "kept-lost")
+    [lost] = await ledger_entries(proxy, "kept-lost")
+    assert lost["usage_source"] == "reserve" and int(lost["input_tokens"]) == EXACT_INPUT
