@@ -235,7 +235,8 @@ def start_background(stack: Stack, scenario: Scenario, settings: Settings) -> su
         "--model",
         bg.model,
         "--key",
-        KEYS["open"],
+        # Token ceilings: a quick reserve is counted (and lowered) only where a limit needs it.
+        KEYS["budget"],
         "--run-id-prefix",
         f"bench-{scenario.name}-background",
         *(["--unique-prompts"] if bg.unique_prompts else []),

@@ -61,11 +61,13 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "prompt-100k-tiktoken",
         f"non-streaming, 100 KB English-like prompt to `{TK_MODEL}`, whose reservation is estimated "
-        f"with tiktoken `{TK_ENCODING}`, every call a prompt not seen before (no count-cache hit; "
+        f"with tiktoken `{TK_ENCODING}`, every call a prompt not seen before (no count-cache hit), "
+        "on the budget tier (token ceilings: each quick reserve is counted while its call runs; "
         "direct/relay figures: prompt-100k's)",
         prompt_bytes=100 * 1024,
         prompt_style="english",
         model=TK_MODEL,
+        key="budget",
         arms=("proxy",),
         baseline="prompt-100k",
         needs_encoding=TK_ENCODING,
@@ -74,8 +76,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "mixed-100k-bytes",
         f"as nonstream-small (measured), while a second load generator sends {BACKGROUND_RATE:g} "
-        f"100 KB calls/s to `{MODEL}` (reservation from the UTF-8 byte length where its encoding "
-        "is not installed); compare with nonstream-small's proxy row",
+        f"100 KB calls/s to `{MODEL}` on the budget tier (reservation from the UTF-8 byte length "
+        "where its encoding is not installed); compare with nonstream-small's proxy row",
         arms=("proxy",),
         baseline="nonstream-small",
         background=Background(label=f"100 KB → {MODEL}", model=MODEL),
