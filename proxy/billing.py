@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -14,20 +13,15 @@ import orjson
 from proxy.call import Call
 from proxy.config import Config, TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, StoreError
-from proxy.estimate import Estimate
 from proxy.journal import Journal, PendingSettlement
 from proxy.metrics import Metrics
 from proxy.outcome import BilledUsage, Outcome
-from proxy.pricing import cost_micros
+from proxy.pricing import cost_micros, reserve_amounts, worst_rates
+from proxy.refine import Counter, count_first, needs_counting, refine
 from proxy.scopes import scopes_for
 from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store, Tentative
 
 log = logging.getLogger("proxy.billing")
-
-# Counts a quick estimate's input exactly (tiktoken, off the event loop).
-Counter = Callable[[Call], Awaitable[Estimate]]
-# The meters a ceiling on which makes a quick reserve worth counting and lowering.
-INPUT_METERS = ("input_tokens", "total_tokens", "cost_micros")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,22 +56,6 @@ def _refusal_error(refusal: Refusal) -> BudgetExceeded:
     return BudgetExceeded(message, headers=headers)
 
 
-def worst_rates(rates: dict[str, int] | None) -> dict[str, int] | None:
-    """For the reserve, every input token at the dearest input rate (a cache write can cost more
-    than plain input) and every output token at the dearest output rate (reasoning)."""
-    if rates is None:
-        return None
-    top_in = max(rates["input"], rates["cache_creation_input"], rates["cached_input"])
-    top_out = max(rates["output"], rates["reasoning"])
-    return {
-        "input": top_in,
-        "cached_input": top_in,
-        "cache_creation_input": top_in,
-        "output": top_out,
-        "reasoning": top_out,
-    }
-
-
 def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
     if tier is None or tier.on_budget_short != "clamp" or call.endpoint == "embeddings":
         return None
@@ -99,19 +77,6 @@ def _apply_clamp(call: Call, reservation: Reservation) -> None:
     call.estimate = replace(
         call.estimate, output_tokens=reservation.amounts["output_tokens"], output_cap_field=field
     )
-
-
-def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, int]:
-    return {
-        "requests": 1,
-        "input_tokens": est.input_tokens,
-        "output_tokens": est.output_tokens,
-        "total_tokens": est.input_tokens + est.output_tokens,
-        "cost_micros": cost_micros(
-            worst_rates(rates), input_tokens=est.input_tokens, output_tokens=est.output_tokens
-        ),
-        "concurrent": 1,
-    }
 
 
 async def reserve(
@@ -155,12 +120,12 @@ async def reserve(
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
     try:
         if not call.estimate.input_exact and not config.limits.quick_estimates:
-            await _count_first(call, count_later, metrics)  # one count at a time, as configured
+            await count_first(call, count_later, metrics)  # one count at a time, as configured
             asked = time.monotonic()
         result = await _reserve(store, call, config, tier, scopes, record)
         if isinstance(result, Tentative):
             metrics.quick_estimates.labels("counted_first").inc()
-            await _count_first(call, count_now, metrics)
+            await count_first(call, count_now, metrics)
             asked = time.monotonic()
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
@@ -175,7 +140,7 @@ async def reserve(
     call.reservation = result
     call.lease_confirmed_at = asked
     if not call.estimate.input_exact:
-        if any(m in s.ceilings for s in scopes for m in INPUT_METERS):
+        if needs_counting(scopes):
             call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
         else:
             # No ceiling depends on the input count: lowering the reserve would free room nobody
@@ -183,59 +148,6 @@ async def reserve(
             # still counted (at its settle).
             metrics.quick_estimates.labels("kept").inc()
     return result
-
-
-async def _count_first(call: Call, count: Counter, metrics: Metrics) -> None:
-    """Count a quick estimate before its reserve; should that fail, the bound (still an upper
-    bound) is reserved as final."""
-    try:
-        call.estimate = await count(call)
-    except Exception as err:
-        metrics.quick_estimates.labels("failed").inc()
-        log.warning("could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)})
-        call.estimate = replace(call.estimate, input_exact=True, input_parts=())
-
-
-async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> None:
-    """Count a quick reserve's input exactly while the call runs, and lower the reserve to it.
-    Best effort: should either step fail, the byte-length reserve stands until the settle
-    replaces it."""
-    reservation = call.reservation
-    assert reservation is not None
-    try:
-        exact = await count(call)
-    except Exception as err:  # a refinement never fails the call
-        metrics.quick_estimates.labels("failed").inc()
-        log.warning(
-            "could not count a quick reserve", extra={"request_id": call.request_id, "error": repr(err)}
-        )
-        return
-    before = reserve_amounts(call.estimate, call.rates)
-    after = reserve_amounts(exact, call.rates)
-    # Billed at its reserve (no usage came back), the call is billed at the exact count.
-    call.estimate = exact
-    if after == before:
-        return
-    try:
-        if not await store.shrink(
-            tenant=reservation.tenant,
-            reservation_id=reservation.id,
-            scope_keys=[s.key for s in reservation.scopes],
-            amounts=after,
-        ):
-            return  # settled already
-    except StoreError as err:
-        metrics.quick_estimates.labels("failed").inc()
-        log.warning(
-            "could not lower a quick reserve", extra={"request_id": call.request_id, "error": str(err)}
-        )
-        return
-    metrics.quick_estimates.labels("lowered").inc()
-    meter = reservation.tightest_meter
-    freed = before[meter] - after[meter] if meter is not None else 0
-    call.reservation = replace(
-        reservation, amounts=after, tightest_remaining=reservation.tightest_remaining + freed
-    )
 
 
 async def _reserve(

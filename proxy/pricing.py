@@ -1,4 +1,4 @@
-"""Cost of a call in integer micro-units of the operator's currency.
+"""Cost of a call in integer micro-units of the operator's currency, and what a call reserves.
 
 Rounding rule: the exact cost of all token types of one call is summed first (in millionths of
 a micro-unit, as integers) and rounded up once to a whole micro-unit. No floats on this path.
@@ -7,6 +7,8 @@ a micro-unit, as integers) and rounded up once to a whole micro-unit. No floats 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+from proxy.estimate import Estimate
 
 TOKENS_PER_MILLION = 1_000_000
 
@@ -34,3 +36,32 @@ def cost_micros(
         + reasoning * rates["reasoning"]
     )
     return -(-exact // TOKENS_PER_MILLION)
+
+
+def worst_rates(rates: dict[str, int] | None) -> dict[str, int] | None:
+    """For the reserve, every input token at the dearest input rate (a cache write can cost more
+    than plain input) and every output token at the dearest output rate (reasoning)."""
+    if rates is None:
+        return None
+    top_in = max(rates["input"], rates["cache_creation_input"], rates["cached_input"])
+    top_out = max(rates["output"], rates["reasoning"])
+    return {
+        "input": top_in,
+        "cached_input": top_in,
+        "cache_creation_input": top_in,
+        "output": top_out,
+        "reasoning": top_out,
+    }
+
+
+def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, int]:
+    return {
+        "requests": 1,
+        "input_tokens": est.input_tokens,
+        "output_tokens": est.output_tokens,
+        "total_tokens": est.input_tokens + est.output_tokens,
+        "cost_micros": cost_micros(
+            worst_rates(rates), input_tokens=est.input_tokens, output_tokens=est.output_tokens
+        ),
+        "concurrent": 1,
+    }

@@ -1,0 +1,85 @@
+"""Quick estimates after their reserve: count the input exactly, lower the reserve to it.
+
+A quick estimate reserves much new prompt text at its UTF-8 bytes (``proxy.tokenizer``), so the
+call need not wait for tiktoken. Where a limit depends on the input count, the count follows on
+the estimate thread while the call runs and ``shrink.lua`` lowers the reserve to it; where the
+reserve must wait (the bound did not fit, or quick estimates are off), the count comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+
+from proxy.call import Call
+from proxy.errors import StoreError
+from proxy.estimate import Estimate
+from proxy.metrics import Metrics
+from proxy.pricing import reserve_amounts
+from proxy.store import Scope, Store
+
+log = logging.getLogger("proxy.refine")
+
+# Counts a quick estimate's input exactly (tiktoken, off the event loop).
+Counter = Callable[[Call], Awaitable[Estimate]]
+# The meters a ceiling on which makes a quick reserve worth counting and lowering.
+INPUT_METERS = ("input_tokens", "total_tokens", "cost_micros")
+
+
+def needs_counting(scopes: Sequence[Scope]) -> bool:
+    """Whether any ceiling of these scopes moves with the input count."""
+    return any(m in s.ceilings for s in scopes for m in INPUT_METERS)
+
+
+async def count_first(call: Call, count: Counter, metrics: Metrics) -> None:
+    """Count a quick estimate before its reserve; should that fail, the bound (still an upper
+    bound) is reserved as final."""
+    try:
+        call.estimate = await count(call)
+    except Exception as err:
+        metrics.quick_estimates.labels("failed").inc()
+        log.warning("could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)})
+        call.estimate = replace(call.estimate, input_exact=True, input_parts=())
+
+
+async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> None:
+    """Count a quick reserve's input exactly while the call runs, and lower the reserve to it.
+    Best effort: should either step fail, the byte-length reserve stands until the settle
+    replaces it."""
+    reservation = call.reservation
+    assert reservation is not None
+    try:
+        exact = await count(call)
+    except Exception as err:  # a refinement never fails the call
+        metrics.quick_estimates.labels("failed").inc()
+        log.warning(
+            "could not count a quick reserve", extra={"request_id": call.request_id, "error": repr(err)}
+        )
+        return
+    before = reserve_amounts(call.estimate, call.rates)
+    after = reserve_amounts(exact, call.rates)
+    # Billed at its reserve (no usage came back), the call is billed at the exact count.
+    call.estimate = exact
+    if after == before:
+        return
+    try:
+        if not await store.shrink(
+            tenant=reservation.tenant,
+            reservation_id=reservation.id,
+            scope_keys=[s.key for s in reservation.scopes],
+            amounts=after,
+        ):
+            return  # settled already
+    except StoreError as err:
+        metrics.quick_estimates.labels("failed").inc()
+        log.warning(
+            "could not lower a quick reserve", extra={"request_id": call.request_id, "error": str(err)}
+        )
+        return
+    metrics.quick_estimates.labels("lowered").inc()
+    meter = reservation.tightest_meter
+    freed = before[meter] - after[meter] if meter is not None else 0
+    call.reservation = replace(
+        reservation, amounts=after, tightest_remaining=reservation.tightest_remaining + freed
+    )
