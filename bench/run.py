@@ -235,7 +235,7 @@ def start_background(stack: Stack, scenario: Scenario, settings: Settings) -> su
         "--model",
         bg.model,
         "--key",
-        # Token ceilings: a quick reserve is counted (and lowered) only where a limit needs it.
+        # Four scopes with ceilings, as a limited tenant's calls are.
         KEYS["budget"],
         "--run-id-prefix",
         f"bench-{scenario.name}-background",

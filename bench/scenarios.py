@@ -62,8 +62,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         "prompt-100k-tiktoken",
         f"non-streaming, 100 KB English-like prompt to `{TK_MODEL}`, whose reservation is estimated "
         f"with tiktoken `{TK_ENCODING}`, every call a prompt not seen before (no count-cache hit), "
-        "on the budget tier (token ceilings: each quick reserve is counted while its call runs; "
-        "direct/relay figures: prompt-100k's)",
+        "on the budget tier (each quick reserve is counted while its call runs; direct/relay "
+        "figures: prompt-100k's)",
         prompt_bytes=100 * 1024,
         prompt_style="english",
         model=TK_MODEL,

@@ -17,7 +17,7 @@ from proxy.journal import Journal, PendingSettlement
 from proxy.metrics import Metrics
 from proxy.outcome import BilledUsage, Outcome
 from proxy.pricing import cost_micros, reserve_amounts, worst_rates
-from proxy.refine import Counter, count_first, needs_counting, refine
+from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
 from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store, Tentative
 
@@ -140,13 +140,9 @@ async def reserve(
     call.reservation = result
     call.lease_confirmed_at = asked
     if not call.estimate.input_exact:
-        if needs_counting(scopes):
-            call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
-        else:
-            # No ceiling depends on the input count: lowering the reserve would free room nobody
-            # is limited by, for a tokenizer pass per call. Billed at its reserve, the call is
-            # still counted (at its settle).
-            metrics.quick_estimates.labels("kept").inc()
+        # Counted and lowered whatever this call's own ceilings: its counters (a run, a tenant
+        # window) are shared with keys of other tiers, whose ceilings must not meet the bound.
+        call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
     return result
 
 

@@ -213,9 +213,8 @@ class Metrics:
             "llm_proxy_quick_estimates",
             "Calls reserved at the UTF-8 bytes of much new text, by what followed: lowered (counted "
             "while the call ran, the reserve lowered), counted_first (the bound did not fit: counted "
-            "before the reserve), kept (no ceiling depends on the count: not counted), dropped "
-            "(settled before its reserve was lowered), failed (not counted, or not lowered for a "
-            "store error).",
+            "before the reserve), dropped (settled before its reserve was lowered), failed (not "
+            "counted, or not lowered for a store error).",
             ["result"],
         )
         self.duration = Histogram(

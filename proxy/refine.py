@@ -1,15 +1,15 @@
 """Quick estimates after their reserve: count the input exactly, lower the reserve to it.
 
 A quick estimate reserves much new prompt text at its UTF-8 bytes (``proxy.tokenizer``), so the
-call need not wait for tiktoken. Where a limit depends on the input count, the count follows on
-the estimate thread while the call runs and ``shrink.lua`` lowers the reserve to it; where the
-reserve must wait (the bound did not fit, or quick estimates are off), the count comes first.
+call need not wait for tiktoken. The count follows on the estimate thread while the call runs
+and ``shrink.lua`` lowers the reserve to it; where the reserve must wait (the bound did not fit,
+or quick estimates are off), the count comes first.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from proxy.call import Call
@@ -17,19 +17,12 @@ from proxy.errors import StoreError
 from proxy.estimate import Estimate
 from proxy.metrics import Metrics
 from proxy.pricing import reserve_amounts
-from proxy.store import Scope, Store
+from proxy.store import Store
 
 log = logging.getLogger("proxy.refine")
 
 # Counts a quick estimate's input exactly (tiktoken, off the event loop).
 Counter = Callable[[Call], Awaitable[Estimate]]
-# The meters a ceiling on which makes a quick reserve worth counting and lowering.
-INPUT_METERS = ("input_tokens", "total_tokens", "cost_micros")
-
-
-def needs_counting(scopes: Sequence[Scope]) -> bool:
-    """Whether any ceiling of these scopes moves with the input count."""
-    return any(m in s.ceilings for s in scopes for m in INPUT_METERS)
 
 
 async def count_first(call: Call, count: Counter, metrics: Metrics) -> None:

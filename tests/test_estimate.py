@@ -13,7 +13,7 @@ import pytest
 
 from proxy.app import STATE
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
-from tests.conftest import Proxy, ProxyFactory
+from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, ledger_entries, run_headers
 from tests.test_budgets import meters, tiers
@@ -23,8 +23,6 @@ PROMPT_OVERHEAD = 4 + 3  # one message, and the reply's priming
 QUICK_INPUT = len(TEXT) + PROMPT_OVERHEAD
 EXACT_INPUT = len(TEXT) // 4 + PROMPT_OVERHEAD
 FAKE_PROMPT = 8000 + 3  # the fake bills words + 3 per message
-# A ceiling on a meter the input count moves: quick reserves are counted and lowered.
-LIMITED = tiers(run={"total_tokens": 10**9})
 
 
 class QuarterEncoding:
@@ -170,7 +168,7 @@ async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
 ) -> None:
     gate = threading.Event()
     enc = QuarterEncoding(gate)
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=LIMITED)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
     call = asyncio.ensure_future(failing_call(proxy, "lost"))
     # The background count holds the estimate thread; the settle counts for itself, not behind it.
     for _ in range(500):
@@ -192,7 +190,7 @@ async def test_a_count_that_fails_bills_the_quick_bound_and_never_fails_the_call
 ) -> None:
     enc = QuarterEncoding()
     enc.fail = True
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=LIMITED)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
     with pytest.raises(openai.InternalServerError) as caught:
         await failing_call(proxy, "failing")
     assert caught.value.status_code == 502
@@ -211,7 +209,7 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
     prompts they hold) without bound."""
     gate = threading.Event()
     enc = QuarterEncoding(gate)
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=LIMITED)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
     client = proxy.client()
     other = "other " * 7000
     await client.chat.completions.create(
@@ -229,8 +227,8 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
         extra_headers=run_headers("b"),
     )
     gate.set()
-    for _ in range(50):
-        await asyncio.sleep(0.01)
+    # The thread runs its queue in order: once this has run, so has anything queued before it.
+    await asyncio.get_running_loop().run_in_executor(proxy.app[STATE].estimator, lambda: None)
     assert enc.counted == [len(TEXT)]
     assert quick_estimates(proxy, "dropped") == 2  # a's count had begun, b's had not
     [entry] = await ledger_entries(proxy, "b")
@@ -297,26 +295,50 @@ async def test_without_quick_estimates_the_call_waits_for_its_count_on_the_estim
     assert quick_estimates(proxy, "lowered") == 0 and quick_estimates(proxy, "counted_first") == 0
 
 
-async def test_with_no_ceiling_on_input_a_quick_reserve_is_kept_and_never_counted(
+async def test_a_quick_reserve_is_lowered_for_the_ceilings_of_other_tiers_on_shared_counters(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
-    """Lowering it would free room nobody is limited by: no tokenizer pass for it at all."""
-    enc = QuarterEncoding()
-    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"requests": 100}))
-    await proxy.client().chat.completions.create(
+    """A tenant's window is one counter for all its keys, each checked against its own tier's
+    ceilings: a key with no input ceiling must not leave its byte bound for a key that has one."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    other_key = "sk-proxy-team-a-limited"
+    small_call = 9 + 10  # "hi": 2 bytes + 4 + 3 reserved as input, 10 as output
+    window = {"period": "day", "total_tokens": EXACT_INPUT + 200 + small_call}
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        # The same day window for both tiers, a token ceiling in one only.
+        tiers={
+            "standard": {"tenant": [{"period": "day", "requests": 1000}]},
+            "limited": {"tenant": [window]},
+        },
+        keys=[
+            {"name": "a-ci", "sha256": digest(KEY_A), "tenant": "team-a", "tier": "standard"},
+            {"name": "a-limited", "sha256": digest(other_key), "tenant": "team-a", "tier": "limited"},
+        ],
+    )
+    stream = await proxy.client().chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": TEXT}],
-        max_tokens=10,
-        extra_headers=run_headers("kept"),
+        max_tokens=200,
+        stream=True,
+        extra_headers=run_headers("big"),
+        extra_body={"fake": {"chunk_delay_s": 0.05, "reply_tokens": 60}},  # 3 s
     )
-    await asyncio.sleep(0.1)
-    assert enc.counted == []
-    [entry] = await ledger_entries(proxy, "kept")
-    assert int(entry["reserved_input_tokens"]) == QUICK_INPUT
-    assert int(entry["input_tokens"]) == FAKE_PROMPT  # billed on the provider's figures
-    assert quick_estimates(proxy, "kept") == 1
-    # Billed at its reserve, such a call is still counted first.
-    with pytest.raises(openai.InternalServerError):
-        await failing_call(proxy, "kept-lost")
-    [lost] = await ledger_entries(proxy, "kept-lost")
-    assert lost["usage_source"] == "reserve" and int(lost["input_tokens"]) == EXACT_INPUT
+    chunks = stream.__aiter__()
+    await chunks.__anext__()
+    gate.set()
+    for _ in range(500):
+        if await reserved_input(proxy, "big") == EXACT_INPUT:
+            break
+        await asyncio.sleep(0.01)
+    assert await reserved_input(proxy, "big") == EXACT_INPUT
+    # The big call is still running, its reserve lowered on the tenant's window too.
+    await proxy.client(key=other_key).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=10,
+        extra_headers=run_headers("small"),
+    )
+    await stream.close()
+    assert len(fake.bill) == 2
