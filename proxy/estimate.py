@@ -51,19 +51,22 @@ class Estimate:
     # The per-choice cap to forward when the request's own cap is absent or above what was
     # reserved: the upstream must never be allowed more output than the reserve covers.
     enforce_cap: int | None = None
-    # False: input_tokens is the quick (byte-length) bound of input_parts, to be counted exactly
-    # (``counted``) once the reserve is made. True: final (the count, or the byte length where
-    # no count can be had).
-    input_exact: bool = True
-    input_parts: tuple[str, ...] = ()
+    # Texts input_tokens bounds by their UTF-8 bytes (a quick estimate), to be counted exactly
+    # (``counted``) once the reserve is made; empty: the bound is final (the count, or the byte
+    # length where no count can be had).
+    uncounted: tuple[str, ...] = ()
+
+    @property
+    def input_exact(self) -> bool:
+        return not self.uncounted
 
 
 def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
     """``est`` with its input counted exactly: tiktoken's work, run off the event loop."""
     if est.input_exact:
         return est
-    exact = tokenizer.upper_bound_of_parts(est.input_parts, encoding) + est.prompt_overhead_tokens
-    return replace(est, input_tokens=min(exact, est.input_tokens), input_exact=True, input_parts=())
+    exact = tokenizer.upper_bound_of_parts(est.uncounted, encoding) + est.prompt_overhead_tokens
+    return replace(est, input_tokens=min(exact, est.input_tokens), uncounted=())
 
 
 def _with_tools(parts: list[str], tools: list[dict[str, Any]] | None) -> list[str]:
@@ -114,8 +117,7 @@ def estimate(
             input_tokens=input_tokens,
             output_tokens=0,
             output_cap_field=None,
-            input_exact=exact,
-            input_parts=later,
+            uncounted=later,
         )
     cap_field: str | None = None
     cap: int | None = None
@@ -142,6 +144,5 @@ def estimate(
         output_tokens=cap * (choices or 1),
         output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
         enforce_cap=cap if asked != cap else None,
-        input_exact=exact,
-        input_parts=later,
+        uncounted=later,
     )

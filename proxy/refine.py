@@ -33,7 +33,7 @@ async def count_first(call: Call, count: Counter, metrics: Metrics) -> None:
     except Exception as err:
         metrics.quick_estimates.labels("failed").inc()
         log.warning("could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)})
-        call.estimate = replace(call.estimate, input_exact=True, input_parts=())
+        call.estimate = replace(call.estimate, uncounted=())
 
 
 async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> None:

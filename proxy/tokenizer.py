@@ -151,17 +151,10 @@ class Tokenizer:
         with the byte fallback exactly the joined text's UTF-8 length. Long parts' counts are
         remembered, so a conversation sent again is counted only where it grew."""
         enc = self._encodings.get(encoding)
-        total = max(0, len(parts) - 1)
-        for part in parts:
-            if enc is None or len(part) < CACHED_TEXT_CHARS or self.cache.max_chars <= 0:
-                total += self.upper_bound(part, encoding)
-                continue
-            count = self.cache.get(encoding, part)
-            if count is None:
-                count = len(enc.encode_ordinary(part))
-                self.cache.put(encoding, part, count)
-            total += count
-        return total
+        if enc is None:
+            return max(0, len(parts) - 1) + sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
+        known, new = self._remembered(parts, encoding)
+        return known + sum(self._count_and_remember(part, encoding, enc) for part in new)
 
     def quick_bound_of_parts(
         self, parts: Sequence[str], encoding: str, *, quick_chars: int = QUICK_BOUND_CHARS
@@ -173,6 +166,14 @@ class Tokenizer:
         enc = self._encodings.get(encoding)
         if enc is None:
             return self.upper_bound_of_parts(parts, encoding), True
+        known, new = self._remembered(parts, encoding)
+        if sum(map(len, new)) < quick_chars:
+            return known + sum(self._count_and_remember(part, encoding, enc) for part in new), True
+        return known + sum(len(part.encode("utf-8", "surrogatepass")) for part in new), False
+
+    def _remembered(self, parts: Sequence[str], encoding: str) -> tuple[int, list[str]]:
+        """The remembered counts of ``parts`` plus one per break between them, and the parts
+        whose counts are not remembered."""
         total = max(0, len(parts) - 1)
         new: list[str] = []
         for part in parts:
@@ -181,9 +182,7 @@ class Tokenizer:
                 new.append(part)
             else:
                 total += count
-        if sum(map(len, new)) < quick_chars:
-            return total + sum(self._count_and_remember(part, encoding, enc) for part in new), True
-        return total + sum(len(part.encode("utf-8", "surrogatepass")) for part in new), False
+        return total, new
 
     def _count_and_remember(self, part: str, encoding: str, enc: Encoding) -> int:
         count = len(enc.encode_ordinary(part)) if part else 0

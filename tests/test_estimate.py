@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -84,6 +85,32 @@ async def reserved_input(proxy: Proxy, run: str) -> int:
     return int(state["input_tokens"]["reserved"])
 
 
+async def lowered_to_exact(proxy: Proxy, run: str) -> bool:
+    """Wait (up to 5 s) until the run's input reserve is the exact count."""
+    for _ in range(500):
+        if await reserved_input(proxy, run) == EXACT_INPUT:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def big_stream(
+    proxy: Proxy, run: str, *, max_tokens: int, fake: dict[str, Any]
+) -> tuple[Any, AsyncIterator[Any]]:
+    """A stream of TEXT, paced by ``fake``, and its chunks after the first has come."""
+    stream = await proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_headers=run_headers(run),
+        extra_body={"fake": fake},
+    )
+    chunks = stream.__aiter__()
+    await chunks.__anext__()
+    return stream, chunks
+
+
 async def test_the_call_goes_out_before_the_count_and_its_reserve_comes_down_to_it(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
@@ -92,25 +119,12 @@ async def test_the_call_goes_out_before_the_count_and_its_reserve_comes_down_to_
     proxy = await make_proxy(
         tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"total_tokens": 10**6})
     )
-    stream = await proxy.client().chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": TEXT}],
-        max_tokens=10,
-        stream=True,
-        extra_headers=run_headers("quick"),
-        extra_body={"fake": {"chunk_delay_s": 0.1}},
-    )
-    chunks = stream.__aiter__()
-    await chunks.__anext__()
+    _stream, chunks = await big_stream(proxy, "quick", max_tokens=10, fake={"chunk_delay_s": 0.1})
     # The provider answered while the count still waits: the reserve is the byte-length bound.
     assert enc.counted == []
     assert await reserved_input(proxy, "quick") == QUICK_INPUT
     gate.set()
-    for _ in range(500):
-        if await reserved_input(proxy, "quick") == EXACT_INPUT:
-            break
-        await asyncio.sleep(0.01)
-    assert await reserved_input(proxy, "quick") == EXACT_INPUT
+    assert await lowered_to_exact(proxy, "quick")
     async for _chunk in chunks:
         pass
     [entry] = await ledger_entries(proxy, "quick")
@@ -317,22 +331,11 @@ async def test_a_quick_reserve_is_lowered_for_the_ceilings_of_other_tiers_on_sha
             {"name": "a-limited", "sha256": digest(other_key), "tenant": "team-a", "tier": "limited"},
         ],
     )
-    stream = await proxy.client().chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": TEXT}],
-        max_tokens=200,
-        stream=True,
-        extra_headers=run_headers("big"),
-        extra_body={"fake": {"chunk_delay_s": 0.05, "reply_tokens": 60}},  # 3 s
+    stream, _chunks = await big_stream(
+        proxy, "big", max_tokens=200, fake={"chunk_delay_s": 0.05, "reply_tokens": 60}
     )
-    chunks = stream.__aiter__()
-    await chunks.__anext__()
     gate.set()
-    for _ in range(500):
-        if await reserved_input(proxy, "big") == EXACT_INPUT:
-            break
-        await asyncio.sleep(0.01)
-    assert await reserved_input(proxy, "big") == EXACT_INPUT
+    assert await lowered_to_exact(proxy, "big")  # 3 s of stream left
     # The big call is still running, its reserve lowered on the tenant's window too.
     await proxy.client(key=other_key).chat.completions.create(
         model=MODEL,
