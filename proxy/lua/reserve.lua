@@ -39,15 +39,22 @@ local stride = 1 + NM
 local amounts = {}
 for m = 1, NM do amounts[m] = tonumber(ARGV[3 + m]) end
 
+local FIELDS = {}
+for m = 1, NM do
+  FIELDS[m] = 'used:' .. METERS[m]
+  FIELDS[NM + m] = 'resv:' .. METERS[m]
+end
 local state = {}   -- state[s][m] = {ceiling, used, reserved} for limited meters
 for s = 1, nscopes do
   state[s] = {}
   local off = base + (s - 1) * stride
+  local vals = nil
   for m = 1, NM do
     local ceiling = tonumber(ARGV[off + m])
     if ceiling >= 0 then
-      local vals = redis.call('HMGET', KEYS[2 + s], 'used:' .. METERS[m], 'resv:' .. METERS[m])
-      state[s][m] = {ceiling, tonumber(vals[1]) or 0, tonumber(vals[2]) or 0}
+      -- One read per limited scope (a call costs more than the fields it names).
+      vals = vals or redis.call('HMGET', KEYS[2 + s], unpack(FIELDS))
+      state[s][m] = {ceiling, tonumber(vals[m]) or 0, tonumber(vals[NM + m]) or 0}
     end
   end
 end
@@ -114,7 +121,7 @@ for s = 1, nscopes do
   local key = KEYS[2 + s]
   for m = 1, NM do
     if amounts[m] ~= 0 then
-      local now = redis.call('HINCRBY', key, 'resv:' .. METERS[m], string.format('%d', amounts[m]))
+      local now = redis.call('HINCRBY', key, FIELDS[NM + m], string.format('%d', amounts[m]))
       if METERS[m] == 'concurrent' then
         local peak = tonumber(redis.call('HGET', key, 'peak:concurrent')) or 0
         if now > peak then redis.call('HSET', key, 'peak:concurrent', now) end
