@@ -397,7 +397,10 @@ def stack_running(
         relay = start_ready_line("relay", relay_argv, workdir)
         servers.append(relay)
         redis.start()
-        relay_redis = start_ready_line("relay-redis", [*relay_argv, "--redis", redis.url], workdir)
+        floor_argv = [*relay_argv, "--redis", redis.url]
+        if settings.extra.get("lean_floor"):
+            floor_argv.append("--pipelined")
+        relay_redis = start_ready_line("relay-redis", floor_argv, workdir)
         servers.append(relay_redis)
         config_path = workdir / "proxy.yaml"
         config_path.write_text(yaml.safe_dump(proxy_config(free_port(), upstream.url, redis.url, log_level)))
@@ -578,6 +581,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the proxy reaches Redis over a unix socket (as the embedded default does), not TCP",
     )
     parser.add_argument(
+        "--lean-floor",
+        action="store_true",
+        help="the relay+redis arm makes its two Redis calls with the proxy's pipelined client "
+        "(proxy/resp.py) instead of redis-py: the lowest floor this code base knows",
+    )
+    parser.add_argument(
         "--paced",
         nargs="+",
         default=None,
@@ -637,10 +646,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "background_concurrency": BACKGROUND_CONCURRENCY,
             "paced": paced_rates(args.paced or [], parser),
             "redis_unix": args.redis_unix,
+            "lean_floor": args.lean_floor,
         },
     )
     if args.redis_unix:
         notes.append("the proxy reaches Redis over a unix socket (--redis-unix)")
+    if args.lean_floor:
+        notes.append(
+            "--lean-floor: the relay+redis arm calls Redis with the proxy's pipelined client, not redis-py"
+        )
     if settings.extra["paced"]:
         rates = ", ".join(f"{k}={v:g}" for k, v in settings.extra["paced"].items())
         notes.append(
