@@ -43,9 +43,12 @@ from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger("proxy.relay")
-# Below this many bytes waiting for the client, a write returns at once (aiohttp drains above).
-_WRITE_BACKLOG = 32 * 1024
-CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError)
+# A write that leaves at most this many bytes waiting for the client returns at once: the
+# transport's low-water mark (asyncio's default), below which it is never paused for the client.
+_WRITE_BACKLOG = 16 * 1024
+# ConnectionError: aiohttp's drain raises a bare one ("Connection lost") for a client reset
+# while a write waits on it.
+CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError)
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
 
@@ -360,8 +363,12 @@ class Exchange:
                 "x-request-id": call.request_id,
             },
         )
-        await response.prepare(self.request)
         client_gone = False
+        try:
+            await response.prepare(self.request)
+        except CLIENT_GONE:
+            # Gone before the upstream's first byte (a slow start): a disconnect like any other.
+            client_gone = True
         failure: Outcome | None = None
         events = EventFilter(
             self.obs, dialect=call.dialect, choices=call.choices, client_wants_usage=call.client_wants_usage
@@ -386,7 +393,10 @@ class Exchange:
                 if out and not client_gone:
                     try:
                         transport = self.request.transport
-                        if transport is not None and transport.get_write_buffer_size() < _WRITE_BACKLOG:
+                        if (
+                            transport is not None
+                            and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG
+                        ):
                             await response.write(out)  # room in the buffer: no wait
                         else:
                             # A client that stops reading must not stall renewals of the lease.

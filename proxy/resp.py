@@ -157,10 +157,13 @@ class PipelinedConnection:
 
     async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
         assert protocol.transport is not None
+        # Packed first: a command that cannot be packed must leave no waiter behind, or every
+        # later reply would go to the caller before its own.
+        command = _encode(args)
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         protocol.waiters.append(waiter)
         protocol.sent_at.append(time.monotonic())
-        protocol.queue(_encode(args))
+        protocol.queue(command)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return await waiter

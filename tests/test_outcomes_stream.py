@@ -5,10 +5,13 @@ SSE error event, and a client that leaves mid-stream is still billed."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
@@ -298,6 +301,75 @@ async def test_client_disconnect_drains_and_bills_provider_usage(proxy: Proxy, f
     assert entry["outcome"] == "client_disconnected"
     assert_provider_usage(entry, fake.bill[0])
     assert fake.bill[0].completion_tokens == 40
+
+
+async def test_client_gone_before_the_first_byte_is_a_disconnect(proxy: Proxy, fake: FakeUpstream) -> None:
+    # A slow start (a reasoning model, say): the client gives up before the upstream's headers.
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 900}
+    body["fake"] = {"delay_s": 0.5, "reply_tokens": 5}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
+        with pytest.raises(TimeoutError):
+            await session.post(
+                proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
+            )
+    entry = await the_entry(proxy, "r1", wait_s=5)
+    # Not an upstream error billed at the 900-token reserve: the provider's own figures.
+    assert entry["outcome"] == "client_disconnected"
+    assert_provider_usage(entry, fake.bill[0])
+    assert fake.bill[0].completion_tokens == 5
+
+
+async def stalled_reader(proxy: Proxy, run: str, reply_tokens: int) -> socket.socket:
+    """A client that sends a stream request and then never reads (a small receive buffer)."""
+    body = orjson.dumps(
+        {
+            "model": "gpt-4o",  # no output cap in the test config: max_tokens stands
+            "messages": MSGS,
+            "stream": True,
+            "max_tokens": 2 * reply_tokens,
+            "fake": {"reply_tokens": reply_tokens},  # about 200 bytes an event, sent at once
+        }
+    )
+    host, port = proxy.url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"X-Run-Id: {run}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+async def test_a_client_that_stops_reading_is_settled_after_the_write_timeout(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Lease 6 s (upstream timeout 5 + margin 1): renewed every 2 s, writes time out after 2 s.
+    proxy = await make_proxy(limits={"lease_margin_s": 1})
+    sock = await stalled_reader(proxy, "r1", 60_000)
+    try:
+        # Held open and unread: without a bound on every blocking write, the stream stays in
+        # one write for ever, its lease renewed, its reserve never settled.
+        entry = await the_entry(proxy, "r1", wait_s=10)
+    finally:
+        sock.close()
+    assert entry["outcome"] == "client_disconnected"
+    assert_provider_usage(entry, fake.bill[0])  # drained (the default policy)
+
+
+async def test_a_client_reset_while_a_write_waits_is_a_disconnect(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(limits={"lease_margin_s": 30})  # writes time out after 5 s
+    sock = await stalled_reader(proxy, "r1", 60_000)
+    await asyncio.sleep(3)  # the proxy's buffers fill; its write waits
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # a reset, while the proxy waits for the client to take its bytes
+    entry = await the_entry(proxy, "r1", wait_s=10)
+    # Not "upstream_error" at the reserve: the client left, the provider's figures stand.
+    assert entry["outcome"] == "client_disconnected"
+    assert_provider_usage(entry, fake.bill[0])
 
 
 async def test_client_disconnect_cancel_counts_what_was_seen(

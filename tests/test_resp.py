@@ -60,3 +60,17 @@ async def test_commands_wait_for_a_reply_and_leave_together(redis_server: RedisS
         assert len(writes) <= 3, len(writes)
     finally:
         await pipe.close()
+
+
+async def test_a_command_that_cannot_be_packed_leaves_the_replies_in_step(
+    redis_server: RedisServerProcess,
+) -> None:
+    pipe = PipelinedConnection(redis_server.url, timeout_s=5)
+    try:
+        assert await pipe.call("ECHO", "warm") == "warm"
+        with pytest.raises(TypeError):
+            await pipe.call("ECHO", True)  # hiredis packs no bool
+        replies = await asyncio.wait_for(asyncio.gather(pipe.call("ECHO", "a"), pipe.call("ECHO", "b")), 3)
+        assert replies == ["a", "b"]
+    finally:
+        await pipe.close()
