@@ -14,7 +14,20 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ClusterError, NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterError,
+    MasterDownError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.resp import ConnectionLost, PipelinedConnection, RespError
@@ -36,8 +49,40 @@ from proxy.store import (
 
 # What a store call can raise: redis-py's errors, and the cluster client's own (not a RedisError).
 STORE_FAILURES = (RedisError, RedisClusterException)
-# Error replies that say "not now" rather than "never": the call may be tried again.
-TRANSIENT_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY")
+# Error replies that say "not now" rather than "never": the call may be tried again (a settle
+# refused for them is journaled and replayed, never parked). Out of memory, a failed disk
+# write, too few replicas, a replica after a failover and auth or ACL trouble all pass or get
+# fixed; what never passes is a script refusing its input.
+TRANSIENT_REPLIES = (
+    "BUSY",
+    "LOADING",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "READONLY",
+    "OOM",
+    "MISCONF",
+    "NOREPLICAS",
+    "NOAUTH",
+    "WRONGPASS",
+    "NOPERM",
+    "ERR max number of clients",
+)
+# The same replies as redis-py raises them: it strips the code off those it has a class for.
+TRANSIENT_ERRORS = (
+    ClusterError,
+    BusyLoadingError,
+    TryAgainError,
+    MasterDownError,
+    ReadOnlyError,
+    OutOfMemoryError,
+    AuthenticationError,
+    NoPermissionError,
+)
+
+
+def transient(err: ResponseError | RespError) -> bool:
+    return isinstance(err, TRANSIENT_ERRORS) or str(err).startswith(TRANSIENT_REPLIES)
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink")
 
 
@@ -161,7 +206,7 @@ class RedisStore:
             except NoScriptError:
                 return await self._client.eval(source, len(keys), *keys, *args)
         except ResponseError as err:
-            if isinstance(err, ClusterError) or "CLUSTERDOWN" in str(err) or "TRYAGAIN" in str(err):
+            if transient(err):
                 raise StoreError(f"{name}: {err}") from err
             raise StoreRejected(f"{name}: {err}") from err
         except STORE_FAILURES as err:
@@ -180,7 +225,7 @@ class RedisStore:
                     raise
                 return await self._pipe.call("EVAL", source, len(keys), *keys, *args)
         except RespError as err:
-            if str(err).startswith(TRANSIENT_REPLIES):
+            if transient(err):
                 raise StoreError(f"{name}: {err}") from err
             raise StoreRejected(f"{name}: {err}") from err
         except ConnectionLost as err:

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.errors import StoreError, StoreRejected
 from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
@@ -283,3 +284,68 @@ async def test_journal_lines_of_other_versions_are_applied_and_unreadable_ones_p
     assert sorted(e["request_id"] for _, e in await redis_client.xrange(LEDGER)) == ["newer", "older"]
     assert not orphan.exists()
     assert (journal_dir / DEAD_LETTERS).read_text() == lines[1] + "\n"
+
+
+async def test_a_settle_refused_while_redis_is_out_of_memory_is_replayed_once_memory_is_back(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    journal_dir = tmp_path / "journal"
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 1},
+        journal_dir=str(journal_dir),
+        limits={"journal_replay_s": 0.1},
+    )
+    body, headers = slow_stream("oom", chunks=10, delay_s=0.05)
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        await resp.content.readuntil(b"\n\n")
+        assert await own_client.zcard(LEASES) == 1
+        await own_client.config_set("maxmemory", "1")  # over its limit: writes get -OOM
+        rest = await resp.read()
+        assert rest.endswith(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.5)  # replays meet -OOM too
+        assert await own_client.xlen(LEDGER) == 0
+        await own_client.config_set("maxmemory", "0")
+    # A passing condition, not a refusal of the settlement: replayed, not parked.
+    await wait_for(lambda: own_client.xlen(LEDGER), timeout_s=5)
+    assert not (journal_dir / DEAD_LETTERS).exists()
+    ((_, entry),) = await own_client.xrange(LEDGER)
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+    assert await own_client.zcard(LEASES) == 0
+
+
+async def test_a_replica_refusing_writes_is_a_passing_error_on_both_clients(
+    redis_server: RedisServerProcess, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    # A client still on a master that failed over gets -READONLY: the pipelined client sees
+    # the reply as sent, redis-py (rediss://, Cluster) as its ReadOnlyError without the code.
+    await own_client.execute_command("REPLICAOF", "127.0.0.1", str(redis_server.port))
+    piped = RedisStore.from_url(own_redis.url)
+    plain = RedisStore(aioredis.Redis.from_url(own_redis.url, decode_responses=True))
+    try:
+        await wait_for(lambda: _link_up(own_client))
+        for store in (piped, plain):
+            with pytest.raises(StoreError) as raised:
+                await store.settle(
+                    tenant="t",
+                    reservation_id="r1",
+                    run_id="run",
+                    scope_keys=["lbp:{t}:run:run"],
+                    actual={"requests": 1, "input_tokens": 1},
+                    entry={"a": "b"},
+                    bill_if_lost=True,
+                    scope_ttls_s=[0],
+                )
+            assert not isinstance(raised.value, StoreRejected), raised.value
+    finally:
+        await piped.close()
+        await plain.close()
+        await own_client.execute_command("REPLICAOF", "NO", "ONE")
+
+
+async def _link_up(client: aioredis.Redis) -> bool:
+    return bool((await client.info("replication")).get("master_link_status") == "up")
