@@ -97,7 +97,8 @@ async def reserve(
     exact count in the background (``refine``). ``count_now`` counts for a reserve that waits
     (not queued behind the refinements of other calls, which ``count_later`` runs)."""
     tier = config.tiers.get(call.identity.tier)
-    scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC))
+    run_ttl_s = config.limits.run_ttl_s
+    scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC), run_ttl_s=run_ttl_s)
     if call.rates is None and any("cost_micros" in s.ceilings for s in scopes):
         raise BadRequest(
             f"The model '{call.model}' has no price in the config, and your tier limits cost; "
@@ -115,6 +116,7 @@ async def reserve(
             "upstream": call.upstream_name,
             "stream": call.stream,
             "time_ms": call.started_wall_ms,
+            "run_ttl_s": run_ttl_s,  # for a reaper's settle: how long the run's ledger index stays
         },
     ).decode()
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
@@ -130,7 +132,7 @@ async def reserve(
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
         if err.maybe_applied:
-            release_unforwarded(call, journal, [sc.key for sc in scopes])
+            release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
         raise
     assert not isinstance(result, Tentative), "a final reserve is never tentative"
     if isinstance(result, Refusal):
@@ -263,6 +265,7 @@ async def settle(
         entry=entry,
         bill_if_lost_until_ms=bill_if_lost_until_ms(call, marker_ttl_s),
         scope_ttls_s=[s.ttl_s for s in reservation.scopes],
+        runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
     )
     entry_id = await settle_or_journal(store, journal, pending)
     return Settlement(
@@ -289,7 +292,7 @@ async def settle_or_journal(store: Store, journal: Journal, pending: PendingSett
         return None
 
 
-def release_unforwarded(call: Call, journal: Journal, scopes: list[str]) -> None:
+def release_unforwarded(call: Call, journal: Journal, scopes: list[str], run_ttl_s: int) -> None:
     """A reserve whose reply was lost may still have happened: journal a zero settlement for it,
     so that, once the store answers, its reservation is released (not reaped at full reserve).
     If the reserve never happened, applying it changes nothing."""
@@ -306,6 +309,7 @@ def release_unforwarded(call: Call, journal: Journal, scopes: list[str]) -> None
             scope_keys=scopes,
             actual=zero,
             entry=entry,
+            runlog_ttl_s=run_ttl_s,
         )
     )
 

@@ -281,6 +281,10 @@ class LimitsConfig(_Frozen):
     # (false: counted before the reserve, on the estimate thread; the call waits for it).
     quick_estimates: bool = True
     lease_margin_s: float = Field(default=30.0, gt=0)
+    # A run's meters and ledger index expire this long after its last call (every reserve and
+    # settle pushes it back): a call without X-Run-Id is a run of its own, and its keys must not
+    # stay for ever. 0: runs are kept for ever. The tenant ledger keeps every entry regardless.
+    run_ttl_s: int = Field(default=7 * 24 * 3600, ge=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
     journal_replay_s: float = Field(default=1.0, gt=0)
 

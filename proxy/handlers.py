@@ -246,7 +246,8 @@ async def key_self(request: web.Request) -> web.Response:
         return store_unavailable_response()
     tier = state.config.tiers.get(identity.tier)
     windows = []
-    for scope in scopes_for(identity, "-", tier, datetime.now(UTC))[1:]:  # all but the run
+    scopes = scopes_for(identity, "-", tier, datetime.now(UTC), run_ttl_s=state.config.limits.run_ttl_s)
+    for scope in scopes[1:]:  # all but the run
         meters = await store.meters(scope.key)
         windows.append(
             {

@@ -42,6 +42,8 @@ class PendingSettlement:
     # The scope keys' TTLs (Scope.ttl_s), for keys a lost reservation's settle creates anew.
     # Empty (lines of older versions): such keys get none.
     scope_ttls_s: list[int] = field(default_factory=list)
+    # The run's ledger index expires this long after the settle (0, older versions: never).
+    runlog_ttl_s: int = 0
 
     async def apply(self, store: Store) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing."""
@@ -54,6 +56,7 @@ class PendingSettlement:
             entry=self.entry,
             bill_if_lost=time.time() * 1000 < self.bill_if_lost_until_ms,
             scope_ttls_s=self.scope_ttls_s,
+            runlog_ttl_s=self.runlog_ttl_s,
         )
 
 

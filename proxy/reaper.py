@@ -19,8 +19,9 @@ log = logging.getLogger("proxy.reaper")
 BATCH = 100
 
 
-def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], str]:
-    """Actual figures, ledger entry and run id for a lease settled at its reserve."""
+def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], str, int]:
+    """Actual figures, ledger entry, run id and the run's TTL (0: none) for a lease settled at
+    its reserve."""
     try:
         record = json.loads(lease.record)
     except ValueError:
@@ -66,7 +67,8 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
         "latency_ms": "",
         "ttft_ms": "",
     }
-    return actual, entry, run_id
+    run_ttl_s = record.get("run_ttl_s", 0)
+    return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
 
 
 async def reap_tenant(store: Store, tenant: str) -> int:
@@ -77,7 +79,7 @@ async def reap_tenant(store: Store, tenant: str) -> int:
         leases = await store.expired_leases(tenant=tenant, limit=BATCH)
         progress = 0
         for lease in leases:
-            actual, entry, run_id = lease_entry(lease)
+            actual, entry, run_id, run_ttl_s = lease_entry(lease)
             try:
                 entry_id = await store.settle(
                     tenant=tenant,
@@ -86,6 +88,7 @@ async def reap_tenant(store: Store, tenant: str) -> int:
                     scope_keys=lease.scope_keys,
                     actual=actual,
                     entry=entry,
+                    runlog_ttl_s=run_ttl_s,
                 )
             except StoreRejected as err:
                 log.error(

@@ -83,6 +83,8 @@ TRANSIENT_ERRORS = (
 
 def transient(err: ResponseError | RespError) -> bool:
     return isinstance(err, TRANSIENT_ERRORS) or str(err).startswith(TRANSIENT_REPLIES)
+
+
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink")
 
 
@@ -296,6 +298,7 @@ class RedisStore:
         entry: Mapping[str, str],
         bill_if_lost: bool = False,
         scope_ttls_s: Sequence[int] = (),
+        runlog_ttl_s: int = 0,
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -312,6 +315,7 @@ class RedisStore:
             orjson.dumps(entry),
             1 if bill_if_lost else 0,
             self._settled_marker_ttl_s,
+            runlog_ttl_s,
             *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args)

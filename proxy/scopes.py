@@ -64,9 +64,12 @@ def _key_scopes(tenant: str, key_name: str, tier: TierConfig, minute_start_s: in
     return tuple(scopes)
 
 
-def scopes_for(identity: Identity, run_id: str, tier: TierConfig | None, now: datetime) -> list[Scope]:
+def scopes_for(
+    identity: Identity, run_id: str, tier: TierConfig | None, now: datetime, *, run_ttl_s: int
+) -> list[Scope]:
     tenant = identity.tenant
-    run = Scope(name="run", key=run_key(tenant, run_id), ceilings=tier.run.meters if tier else {})
+    ceilings = tier.run.meters if tier else {}
+    run = Scope(name="run", key=run_key(tenant, run_id), ceilings=ceilings, ttl_s=run_ttl_s)
     if tier is None:
         return [run]
     minute = int(now.timestamp()) // 60 * 60

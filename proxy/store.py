@@ -140,6 +140,7 @@ class Store(Protocol):
         entry: Mapping[str, str],
         bill_if_lost: bool = False,
         scope_ttls_s: Sequence[int] = (),
+        runlog_ttl_s: int = 0,
     ) -> str | None: ...
 
     async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool: ...

@@ -265,3 +265,18 @@ async def test_client_gone_right_after_the_last_chunk_is_billed_once(
     assert entry["outcome"] in ("ok", "client_disconnected")
     assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
     assert entry["usage_source"] == "provider"
+
+
+@pytest.mark.parametrize("run_ttl_s", [3600, 0])
+async def test_a_run_expires_after_its_last_call_unless_kept_for_ever(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, run_ttl_s: int
+) -> None:
+    # A call without X-Run-Id is a run of its own: its meters and ledger index must not stay
+    # in Redis for ever. The tenant ledger keeps the entry either way.
+    proxy = await make_proxy(limits={"run_ttl_s": run_ttl_s})
+    await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=MSGS)
+    entry = await only_entry(redis_client)
+    run = entry["run_id"]
+    for key in (f"lbp:{{team-a}}:run:{run}", f"lbp:{{team-a}}:runlog:{run}"):
+        ttl = await redis_client.ttl(key)
+        assert (3500 < ttl <= 3600) if run_ttl_s else ttl == -1, (key, ttl)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -100,7 +101,7 @@ async def settle(
 
 async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
     now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-    scopes = scopes_for(IDENTITY, "run1", TIER, now)
+    scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
     assert [s.name for s in scopes] == ["run", "key", "key:minute", "tenant:month"]
     res = await reserve(store, "r1", scopes)
     assert isinstance(res, Reservation)
@@ -122,7 +123,7 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
 
 async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store: RedisStore) -> None:
     now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-    scopes = scopes_for(IDENTITY, "run1", TIER, now)
+    scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
     for rid in ("a", "b"):
         assert isinstance(await reserve(store, rid, scopes), Reservation)
     refused = await reserve(store, "c", scopes)
@@ -139,11 +140,11 @@ async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store:
 
 async def test_a_new_window_needs_no_reset(store: RedisStore) -> None:
     minute = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-    first = scopes_for(IDENTITY, "run1", TIER, minute)
+    first = scopes_for(IDENTITY, "run1", TIER, minute, run_ttl_s=0)
     for rid in ("a", "b"):
         await reserve(store, rid, first)
     assert isinstance(await reserve(store, "c", first), Refusal)
-    later = scopes_for(IDENTITY, "run1", TIER, minute + timedelta(minutes=1))
+    later = scopes_for(IDENTITY, "run1", TIER, minute + timedelta(minutes=1), run_ttl_s=0)
     assert later[2].key != first[2].key and later[3].key == first[3].key
     assert isinstance(await reserve(store, "c", later), Reservation)
 
@@ -188,13 +189,14 @@ async def test_expired_leases_are_reaped_once_and_renew_extends(store: RedisStor
     after = await store.client.zscore("lbp:{team-a}:leases", "long")
     assert after is not None and before is not None and after - before > 3_000_000  # extended
     await store.register_tenant("team-a")
-    import asyncio
 
     await asyncio.sleep(0.01)
     assert await reap_tenant(store, "team-a") == 1
     assert await reap_tenant(store, "team-a") == 0
     (entry,) = await store.run_ledger(tenant="team-a", run_id="run1")
     assert entry["outcome"] == "lease_expired" and entry["total_tokens"] == "30"
+    # No run_ttl_s in the record (a reserve of an older version): the index stays for ever.
+    assert await store.client.ttl("lbp:{team-a}:runlog:run1") == -1
     assert not await store.renew(tenant="team-a", reservation_id="short", lease_ms=1000)
     assert await settle(store, long) is not None
 
@@ -352,7 +354,7 @@ async def test_scripts_run_the_same_without_the_pipelined_connection(
 async def test_a_settled_reservation_leaves_a_marker_and_a_second_settle_changes_nothing(
     store: RedisStore,
 ) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
+    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC), run_ttl_s=0)
     res = await reserve(store, "m", scopes)
     assert isinstance(res, Reservation)
     assert await settle(store, res) is not None
@@ -370,7 +372,7 @@ async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: R
     """A Redis failover can lose a reserve the old master acknowledged but had not replicated:
     the call went out, so its live settle bills it without a reservation to release. A journal
     replay does not: it may come long after the reaper settled the call and its marker expired."""
-    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
+    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC), run_ttl_s=0)
     lost = Reservation(
         id="lost",
         tenant="team-a",
@@ -397,7 +399,7 @@ async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: R
 
 
 async def test_releasing_a_reserve_that_never_happened_writes_nothing(store: RedisStore) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
+    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC), run_ttl_s=0)
     released = await store.settle(
         tenant="team-a",
         reservation_id="never",
@@ -424,3 +426,21 @@ def test_the_window_for_billing_a_lost_reservation_runs_from_the_last_lease_conf
     assert abs(until - (now_ms + 3600 * MARKER_TRUST * 1000)) < 1000
     stale = cast(Call, SimpleNamespace(lease_confirmed_at=time.monotonic() - 3600))
     assert bill_if_lost_until_ms(stale, 3600) == 0
+
+
+async def test_a_reaped_call_keeps_its_run_index_as_long_as_its_reserve_said(store: RedisStore) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:run2", ttl_s=600)
+    await store.reserve(
+        tenant="team-a",
+        reservation_id="gone",
+        run_id="run2",
+        scopes=[scope],
+        amounts=dict(AMOUNTS),
+        lease_ms=1,
+        record='{"run_id": "run2", "run_ttl_s": 600}',
+    )
+    await store.register_tenant("team-a")
+    await asyncio.sleep(0.01)
+    assert await reap_tenant(store, "team-a") == 1
+    for key in ("lbp:{team-a}:run:run2", "lbp:{team-a}:runlog:run2"):
+        assert 590 < await store.client.ttl(key) <= 600, key

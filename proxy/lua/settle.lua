@@ -13,7 +13,8 @@ ARGV[11]     1: a call that went out, settled within its window (billing.bill_if
              billed even without a reservation; 0: anything else (late journal replays, the
              reaper, releases of unforwarded reserves), which does nothing without one
 ARGV[12]     seconds the settled marker is kept
-ARGV[13..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
+ARGV[13]     seconds the run ledger index (KEYS[4]) is kept after this settle (0 = for ever)
+ARGV[14..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
              sets it; used only when the reservation was lost, so that scope keys this settle
              writes without a reserve before it still expire (absent = 0)
 
@@ -42,6 +43,7 @@ else
 end
 -- Check every figure before the first write: a script error after a write is not rolled back.
 local marker_ttl = tonumber(ARGV[12])
+local runlog_ttl = tonumber(ARGV[13]) or 0
 if not marker_ttl or marker_ttl < 1 then
   return redis.error_reply('settle: the settled marker needs a time to live in seconds: ' .. tostring(ARGV[12]))
 end
@@ -64,7 +66,7 @@ for s = 5, #KEYS do
     local v = ARGV[1 + m]
     if v ~= '0' then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
   end
-  local ttl = tonumber(ARGV[8 + s])
+  local ttl = tonumber(ARGV[9 + s])
   if lost and ttl and ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 
@@ -79,6 +81,7 @@ if lost then
 end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
 redis.call('RPUSH', KEYS[4], id)
+if runlog_ttl > 0 then redis.call('EXPIRE', KEYS[4], runlog_ttl) end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'settled', '1')
 redis.call('EXPIRE', KEYS[1], marker_ttl)
