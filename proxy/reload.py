@@ -50,7 +50,14 @@ class ConfigReloader:
             exclude={"url"}
         ):
             log.warning("listen and redis settings change only on restart", extra={"reason": reason})
-        new = new.model_copy(update={"listen": old.listen, "redis": old.redis})
+        marker_ttl_s = old.limits.settled_marker_ttl_s
+        if new.limits.settled_marker_ttl_s != marker_ttl_s:
+            # The store writes every settled marker with the TTL it started with, and the window
+            # in which a settle bills a lost reservation must stay inside it (else a late settle
+            # finds a reaper's marker gone and bills the call twice).
+            log.warning("limits.settled_marker_ttl_s changes only on restart", extra={"reason": reason})
+        limits = new.limits.model_copy(update={"settled_marker_ttl_s": marker_ttl_s})
+        new = new.model_copy(update={"listen": old.listen, "redis": old.redis, "limits": limits})
         self._apply(new)
         log.info(
             "config reloaded",

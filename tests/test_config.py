@@ -7,9 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from proxy.config import load_config, parse_config
+from proxy.config import Config, load_config, parse_config
 from proxy.errors import ConfigError
+from proxy.reload import ConfigReloader
+from tests.conftest import base_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1"}}}
@@ -142,3 +145,20 @@ def test_a_tier_policy_overrides_only_the_fields_it_sets() -> None:
         "pass",
         "pass",
     )
+
+
+def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: Path) -> None:
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {"TEST_UPSTREAM_KEY": "x"}
+    started = load_config(path, env)
+    applied: list[Config] = []
+    raw["limits"] = {"settled_marker_ttl_s": 7200, "default_max_output_tokens": 77}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        assert ConfigReloader(path, lambda: started, applied.append).reload("test")
+    (new,) = applied
+    assert new.limits.default_max_output_tokens == 77  # the rest of the reload applies
+    assert new.limits.settled_marker_ttl_s == started.limits.settled_marker_ttl_s == 3600
