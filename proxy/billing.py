@@ -62,7 +62,7 @@ def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
     rates = worst_rates(call.rates) or {"input": 0, "output": 0}
     return Clamp(
         min_output_tokens=tier.min_output_tokens,
-        choices=call.choices,
+        choices=call.generations,  # the cap holds for every answer written, returned or not
         input_cost_exact=call.estimate.input_tokens * rates["input"],
         output_rate=rates["output"],
     )

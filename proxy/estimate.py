@@ -21,6 +21,7 @@ from proxy.payload import (
     MessagesBody,
     RequestView,
     ResponsesBody,
+    generations,
     items_parts,
     message_parts,
 )
@@ -136,12 +137,11 @@ def estimate(
             cap = model_max_output_tokens or default_max_output_tokens
     elif model_max_output_tokens is not None:
         cap = min(cap, model_max_output_tokens)
-    choices = view.n if isinstance(view, ChatBody | CompletionBody) else None
     return Estimate(
         prompt_text=text,
         prompt_overhead_tokens=overhead + id_tokens,
         input_tokens=input_tokens,
-        output_tokens=cap * (choices or 1),
+        output_tokens=cap * generations(view),
         output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
         enforce_cap=cap if asked != cap else None,
         uncounted=later,

@@ -42,6 +42,15 @@ class CompletionBody(_Body):
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = _TokenCount
     n: int | None = Field(default=None, ge=1, le=128)
+    # Generated server-side, the best n of them returned: each is billed.
+    best_of: int | None = Field(default=None, ge=1, le=128)
+
+
+def generations(view: object) -> int:
+    """How many answers the provider writes (and bills) for one request: n, or best_of."""
+    if isinstance(view, CompletionBody):
+        return max(view.n or 1, view.best_of or 1)
+    return getattr(view, "n", None) or 1
 
 
 class EmbeddingBody(_Body):

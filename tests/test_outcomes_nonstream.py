@@ -337,3 +337,15 @@ async def test_upstream_connection_refused(make_proxy: ProxyFactory, fake: FakeU
     assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "none")
     assert_zero_usage(entry)
     assert fake.bill == [] and fake.received == []
+
+
+async def test_legacy_completions_reserve_every_answer_best_of_writes(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    # best_of=3, n=1: the provider writes (and bills) three answers and returns the best.
+    async with proxy.client() as client:
+        await client.completions.create(
+            model=MODEL, prompt="write", max_tokens=50, best_of=3, extra_headers=run_headers("r1")
+        )
+    entry = await the_entry(proxy, "r1")
+    assert entry["reserved_output_tokens"] == "150"
