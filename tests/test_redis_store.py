@@ -70,16 +70,23 @@ async def store(
 
 
 async def reserve(
-    store: RedisStore, rid: str, scopes: list[Scope], lease_ms: int = 60_000, **kw: object
+    store: RedisStore,
+    rid: str,
+    scopes: list[Scope],
+    lease_ms: int = 60_000,
+    *,
+    run_id: str = "run1",
+    record: str = "{}",
+    **kw: object,
 ) -> Reservation | Refusal | Tentative:
     return await store.reserve(
         tenant="team-a",
         reservation_id=rid,
-        run_id="run1",
+        run_id=run_id,
         scopes=scopes,
         amounts=dict(AMOUNTS),
         lease_ms=lease_ms,
-        record="{}",
+        record=record,
         **kw,
     )  # type: ignore[arg-type]
 
@@ -173,15 +180,7 @@ async def test_clamp_in_the_script(store: RedisStore) -> None:
 
 async def test_expired_leases_are_reaped_once_and_renew_extends(store: RedisStore) -> None:
     scope = Scope(name="run", key="lbp:{team-a}:run:run1")
-    short = await store.reserve(
-        tenant="team-a",
-        reservation_id="short",
-        run_id="run1",
-        scopes=[scope],
-        amounts=dict(AMOUNTS),
-        lease_ms=1,
-        record='{"run_id": "run1"}',
-    )
+    short = await reserve(store, "short", [scope], lease_ms=1, record='{"run_id": "run1"}')
     long = await reserve(store, "long", [scope])
     assert isinstance(short, Reservation) and isinstance(long, Reservation)
     before = await store.client.zscore("lbp:{team-a}:leases", "long")
@@ -430,14 +429,8 @@ def test_the_window_for_billing_a_lost_reservation_runs_from_the_last_lease_conf
 
 async def test_a_reaped_call_keeps_its_run_index_as_long_as_its_reserve_said(store: RedisStore) -> None:
     scope = Scope(name="run", key="lbp:{team-a}:run:run2", ttl_s=600)
-    await store.reserve(
-        tenant="team-a",
-        reservation_id="gone",
-        run_id="run2",
-        scopes=[scope],
-        amounts=dict(AMOUNTS),
-        lease_ms=1,
-        record='{"run_id": "run2", "run_ttl_s": 600}',
+    await reserve(
+        store, "gone", [scope], lease_ms=1, run_id="run2", record='{"run_id": "run2", "run_ttl_s": 600}'
     )
     await store.register_tenant("team-a")
     await asyncio.sleep(0.01)

@@ -19,7 +19,7 @@ from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
-from tests.conftest import KEY_A, ProxyFactory, slow_stream
+from tests.conftest import KEY_A, Proxy, ProxyFactory, slow_stream
 from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
@@ -34,6 +34,30 @@ async def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
+async def journaling_proxy(
+    make_proxy: ProxyFactory, redis: RedisServerProcess, tmp_path: Path
+) -> tuple[Proxy, Path]:
+    """A proxy on a Redis of the test's own, its journal replayed every 0.1 s."""
+    journal_dir = tmp_path / "journal"
+    proxy = await make_proxy(
+        redis={"url": redis.url, "socket_timeout_s": 1},
+        journal_dir=str(journal_dir),
+        limits={"journal_replay_s": 0.1},
+    )
+    return proxy, journal_dir
+
+
+async def leased_stream(
+    session: aiohttp.ClientSession, proxy: Proxy, client: aioredis.Redis, run: str, *, chunks: int
+) -> aiohttp.ClientResponse:
+    """A slow stream, read up to its first event: reserved, its lease in Redis."""
+    body, headers = slow_stream(run, chunks=chunks, delay_s=0.05)
+    resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+    await resp.content.readuntil(b"\n\n")
+    assert await client.zcard(LEASES) == 1
+    return resp
+
+
 async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_once(
     make_proxy: ProxyFactory,
     fake: FakeUpstream,
@@ -41,17 +65,9 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     own_client: aioredis.Redis,
     tmp_path: Path,
 ) -> None:
-    journal_dir = tmp_path / "journal"
-    proxy = await make_proxy(
-        redis={"url": own_redis.url, "socket_timeout_s": 1},
-        journal_dir=str(journal_dir),
-        limits={"journal_replay_s": 0.1},
-    )
-    body, headers = slow_stream("outage", chunks=20, delay_s=0.05)
+    proxy, journal_dir = await journaling_proxy(make_proxy, own_redis, tmp_path)
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
-        await resp.content.readuntil(b"\n\n")
-        assert await own_client.zcard(LEASES) == 1
+        resp = await leased_stream(session, proxy, own_client, "outage", chunks=20)
         await asyncio.to_thread(own_redis.stop)  # graceful: the reservation is in the AOF
         rest = await resp.read()
     assert rest.endswith(b"data: [DONE]\n\n")  # the client got its whole answer
@@ -294,17 +310,9 @@ async def test_a_settle_refused_while_redis_is_out_of_memory_is_replayed_once_me
     own_client: aioredis.Redis,
     tmp_path: Path,
 ) -> None:
-    journal_dir = tmp_path / "journal"
-    proxy = await make_proxy(
-        redis={"url": own_redis.url, "socket_timeout_s": 1},
-        journal_dir=str(journal_dir),
-        limits={"journal_replay_s": 0.1},
-    )
-    body, headers = slow_stream("oom", chunks=10, delay_s=0.05)
+    proxy, journal_dir = await journaling_proxy(make_proxy, own_redis, tmp_path)
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
-        await resp.content.readuntil(b"\n\n")
-        assert await own_client.zcard(LEASES) == 1
+        resp = await leased_stream(session, proxy, own_client, "oom", chunks=10)
         await own_client.config_set("maxmemory", "1")  # over its limit: writes get -OOM
         rest = await resp.read()
         assert rest.endswith(b"data: [DONE]\n\n")
