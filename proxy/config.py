@@ -284,7 +284,16 @@ class LimitsConfig(_Frozen):
     # A run's meters and ledger index expire this long after its last call (every reserve and
     # settle pushes it back): a call without X-Run-Id is a run of its own, and its keys must not
     # stay for ever. 0: runs are kept for ever. The tenant ledger keeps every entry regardless.
-    run_ttl_s: int = Field(default=7 * 24 * 3600, ge=0)
+    run_ttl_s: int = Field(default=7 * 24 * 3600, ge=0, le=10 * 366 * 24 * 3600)
+
+    @field_validator("run_ttl_s")
+    @classmethod
+    def _run_outlives_its_calls(cls, value: int) -> int:
+        # Shorter, a run's keys could expire under a call still in flight.
+        if 0 < value < 3600:
+            raise ValueError("0 (runs kept for ever) or at least 3600 seconds")
+        return value
+
     reaper_interval_s: float = Field(default=5.0, gt=0)
     journal_replay_s: float = Field(default=1.0, gt=0)
 

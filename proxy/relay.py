@@ -8,7 +8,6 @@ rewritten or dropped, every other event is passed on byte for byte.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -402,8 +401,11 @@ class Exchange:
                             # A client that stops reading must not stall renewals of the lease.
                             async with asyncio.timeout(self._write_timeout_s):
                                 await response.write(out)
-                    except (*CLIENT_GONE, TimeoutError):
+                    except CLIENT_GONE:
                         client_gone = True
+                    except TimeoutError:
+                        client_gone = True
+                        self._abort_client()
                 if client_gone and call.policy.on_client_disconnect == "cancel":
                     break
         except TimeoutError:
@@ -456,8 +458,20 @@ class Exchange:
         return failure.tag == "upstream_error" and not self.obs.done and not self.obs.malformed
 
     async def _write_tail(self, response: web.StreamResponse, tail: bytes) -> None:
-        with contextlib.suppress(*CLIENT_GONE):
-            await response.write_eof(tail)  # one write: the tail and the end of the chunked body
+        try:
+            async with asyncio.timeout(self._write_timeout_s):
+                await response.write_eof(tail)  # one write: the tail and the end of the chunked body
+        except CLIENT_GONE:
+            pass
+        except TimeoutError:
+            self._abort_client()
+
+    def _abort_client(self) -> None:
+        """Drop a client that stopped reading: a close would wait for it to take what is buffered,
+        holding the socket and its buffer for as long as it keeps the connection."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
 
     def _arm_renewal(self, since: float | None = None) -> None:
         """Renew every third of the lease, counted from the reserve (the lease started there)."""

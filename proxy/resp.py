@@ -144,6 +144,10 @@ class PipelinedConnection:
         except TimeoutError:
             protocol._fail(ConnectionLost("Redis did not answer AUTH/SELECT in time", sent=False))
             raise ConnectionLost("Redis did not answer AUTH/SELECT in time", sent=False) from None
+        except BaseException:
+            # Refused (a wrong password, too many clients): close it, or every retry leaks one.
+            protocol._fail(ConnectionLost("AUTH/SELECT refused", sent=False))
+            raise
         return protocol
 
     async def _ready(self) -> _Protocol:

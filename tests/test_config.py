@@ -162,3 +162,8 @@ def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: 
     (new,) = applied
     assert new.limits.default_max_output_tokens == 77  # the rest of the reload applies
     assert new.limits.settled_marker_ttl_s == started.limits.settled_marker_ttl_s == 3600
+
+
+def test_a_run_ttl_outlives_its_calls() -> None:
+    assert "limits.run_ttl_s" in error_of({**UP, "limits": {"run_ttl_s": 60}})
+    assert parse_config({**UP, "limits": {"run_ttl_s": 0}}, {}).limits.run_ttl_s == 0

@@ -352,6 +352,10 @@ async def test_a_client_that_stops_reading_is_settled_after_the_write_timeout(
         # Held open and unread: without a bound on every blocking write, the stream stays in
         # one write for ever, its lease renewed, its reserve never settled.
         entry = await the_entry(proxy, "r1", wait_s=10)
+        # And the connection is ended: reading, the client comes to its end.
+        sock.settimeout(5)
+        while sock.recv(1 << 20):
+            pass
     finally:
         sock.close()
     assert entry["outcome"] == "client_disconnected"

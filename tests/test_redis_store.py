@@ -437,3 +437,22 @@ async def test_a_reaped_call_keeps_its_run_index_as_long_as_its_reserve_said(sto
     assert await reap_tenant(store, "team-a") == 1
     for key in ("lbp:{team-a}:run:run2", "lbp:{team-a}:runlog:run2"):
         assert 590 < await store.client.ttl(key) <= 600, key
+
+
+async def test_a_settle_gives_a_key_that_expired_mid_call_its_ttl_again(store: RedisStore) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:run3", ttl_s=7200)
+    reserved = await reserve(store, "mid", [scope], run_id="run3")
+    assert isinstance(reserved, Reservation)
+    await store.client.delete(scope.key)  # the run idle past its TTL while this call ran
+    await store.settle(
+        tenant="team-a",
+        reservation_id="mid",
+        run_id="run3",
+        scope_keys=[scope.key],
+        actual={"requests": 1},
+        entry={"a": "b"},
+        scope_ttls_s=[7200],
+        runlog_ttl_s=7200,
+    )
+    for key in (scope.key, "lbp:{team-a}:runlog:run3"):
+        assert 7100 < await store.client.ttl(key) <= 7200, key

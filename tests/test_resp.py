@@ -74,3 +74,19 @@ async def test_a_command_that_cannot_be_packed_leaves_the_replies_in_step(
         assert replies == ["a", "b"]
     finally:
         await pipe.close()
+
+
+async def test_a_refused_auth_closes_its_connection(redis_server: RedisServerProcess) -> None:
+    # This server has no password: AUTH is refused, and every retry must not leave a socket.
+    pipe = PipelinedConnection(redis_server.url.replace("redis://", "redis://:wrong@"), timeout_s=5)
+    check = PipelinedConnection(redis_server.url, timeout_s=5)
+    try:
+        before = len((await check.call("CLIENT", "LIST")).splitlines())
+        for _ in range(5):
+            with pytest.raises(RespError):
+                await pipe.call("PING")
+        await asyncio.sleep(0.1)
+        assert len((await check.call("CLIENT", "LIST")).splitlines()) == before
+    finally:
+        await pipe.close()
+        await check.close()

@@ -15,8 +15,8 @@ ARGV[11]     1: a call that went out, settled within its window (billing.bill_if
 ARGV[12]     seconds the settled marker is kept
 ARGV[13]     seconds the run ledger index (KEYS[4]) is kept after this settle (0 = for ever)
 ARGV[14..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
-             sets it; used only when the reservation was lost, so that scope keys this settle
-             writes without a reserve before it still expire (absent = 0)
+             sets it, set again here: a key this settle writes anew (the reservation was lost, or
+             the key expired mid-call) still expires (absent = 0: left as it is)
 
 Idempotent by reservation id: settling replaces the record by a marker {settled = 1}, kept
 ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). The live settle
@@ -43,7 +43,10 @@ else
 end
 -- Check every figure before the first write: a script error after a write is not rolled back.
 local marker_ttl = tonumber(ARGV[12])
-local runlog_ttl = tonumber(ARGV[13]) or 0
+if not string.match(ARGV[13] or '0', '^%d+$') or #(ARGV[13] or '0') > 10 then
+  return redis.error_reply('settle: the run index TTL is not a whole number of seconds: ' .. tostring(ARGV[13]))
+end
+local runlog_ttl = tonumber(ARGV[13] or '0')
 if not marker_ttl or marker_ttl < 1 then
   return redis.error_reply('settle: the settled marker needs a time to live in seconds: ' .. tostring(ARGV[12]))
 end
@@ -67,7 +70,9 @@ for s = 5, #KEYS do
     if v ~= '0' then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
   end
   local ttl = tonumber(ARGV[9 + s])
-  if lost and ttl and ttl > 0 then redis.call('EXPIRE', key, ttl) end
+  -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
+  -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
+  if ttl and ttl > 0 then redis.call('EXPIRE', key, ttl) end
 end
 
 local fields = {}
