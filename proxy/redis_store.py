@@ -71,14 +71,14 @@ TRANSIENT_REPLIES = (
 # The same replies as redis-py raises them: it strips the code off those it has a class for.
 TRANSIENT_ERRORS = (
     ClusterError,
-    BusyLoadingError,
     TryAgainError,
     MasterDownError,
     ReadOnlyError,
     OutOfMemoryError,
-    AuthenticationError,
     NoPermissionError,
 )
+# Replies redis-py raises as connection errors, though the command never ran.
+NOT_RUN_ERRORS = (AuthenticationError, BusyLoadingError)
 
 
 def transient(err: ResponseError | RespError) -> bool:
@@ -211,6 +211,8 @@ class RedisStore:
             if transient(err):
                 raise StoreError(f"{name}: {err}") from err
             raise StoreRejected(f"{name}: {err}") from err
+        except NOT_RUN_ERRORS as err:
+            raise StoreError(f"{name}: {err}") from err
         except STORE_FAILURES as err:
             # A refused connection never carried the command; a timeout or reset may have.
             sent = not ("connecting to" in str(err) or "Connection refused" in str(err))
