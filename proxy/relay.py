@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -390,22 +391,7 @@ class Exchange:
                     failure = Outcome("upstream_error")  # one event larger than we hold
                     break
                 if out and not client_gone:
-                    try:
-                        transport = self.request.transport
-                        if (
-                            transport is not None
-                            and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG
-                        ):
-                            await response.write(out)  # room in the buffer: no wait
-                        else:
-                            # A client that stops reading must not stall renewals of the lease.
-                            async with asyncio.timeout(self._write_timeout_s):
-                                await response.write(out)
-                    except CLIENT_GONE:
-                        client_gone = True
-                    except TimeoutError:
-                        client_gone = True
-                        self._abort_client()
+                    client_gone = not await self._to_client(response.write, out)
                 if client_gone and call.policy.on_client_disconnect == "cancel":
                     break
         except TimeoutError:
@@ -458,20 +444,27 @@ class Exchange:
         return failure.tag == "upstream_error" and not self.obs.done and not self.obs.malformed
 
     async def _write_tail(self, response: web.StreamResponse, tail: bytes) -> None:
-        try:
-            async with asyncio.timeout(self._write_timeout_s):
-                await response.write_eof(tail)  # one write: the tail and the end of the chunked body
-        except CLIENT_GONE:
-            pass
-        except TimeoutError:
-            self._abort_client()
+        # One write: the tail and the end of the chunked body.
+        await self._to_client(response.write_eof, tail)
 
-    def _abort_client(self) -> None:
-        """Drop a client that stopped reading: a close would wait for it to take what is buffered,
-        holding the socket and its buffer for as long as it keeps the connection."""
+    async def _to_client(self, write: Callable[[bytes], Awaitable[None]], data: bytes) -> bool:
+        """``write(data)``; False when the client is gone: it reset, or it stopped reading and was
+        dropped (a close would wait for it to take what is buffered, holding the socket)."""
         transport = self.request.transport
-        if transport is not None:
-            transport.abort()
+        try:
+            if transport is not None and transport.get_write_buffer_size() + len(data) <= _WRITE_BACKLOG:
+                await write(data)  # room in the buffer: no wait
+            else:
+                # A client that stops reading must not stall renewals of the lease.
+                async with asyncio.timeout(self._write_timeout_s):
+                    await write(data)
+        except CLIENT_GONE:
+            return False
+        except TimeoutError:
+            if transport is not None:
+                transport.abort()
+            return False
+        return True
 
     def _arm_renewal(self, since: float | None = None) -> None:
         """Renew every third of the lease, counted from the reserve (the lease started there)."""

@@ -43,10 +43,11 @@ else
 end
 -- Check every figure before the first write: a script error after a write is not rolled back.
 local marker_ttl = tonumber(ARGV[12])
-if not string.match(ARGV[13] or '0', '^%d+$') or #(ARGV[13] or '0') > 10 then
-  return redis.error_reply('settle: the run index TTL is not a whole number of seconds: ' .. tostring(ARGV[13]))
+local runlog_arg = ARGV[13] or '0'
+if not string.match(runlog_arg, '^%d+$') or #runlog_arg > 10 then
+  return redis.error_reply('settle: the run index TTL is not a whole number of seconds: ' .. runlog_arg)
 end
-local runlog_ttl = tonumber(ARGV[13] or '0')
+local runlog_ttl = tonumber(runlog_arg)
 if not marker_ttl or marker_ttl < 1 then
   return redis.error_reply('settle: the settled marker needs a time to live in seconds: ' .. tostring(ARGV[12]))
 end
