@@ -91,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument(
+        "--chunk-delay-ms",
+        type=float,
+        default=0.0,
+        help="space a stream's events (each then reaches the proxy in a read of its own, as from a "
+        "provider generating as it sends; without it reads carry several events, however the "
+        "scheduler batches them: noisier)",
+    )
     args = parser.parse_args(argv)
     scenario = next(s for s in SCENARIOS if s.name == args.scenario)
     settings = Settings(
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(scratch)
         redis = RedisServerProcess(workdir / "redis", port=free_port())
         try:
-            upstream = start_upstream(workdir, 3600)
+            upstream = start_upstream(workdir, 3600, chunk_delay_ms=args.chunk_delay_ms)
             servers.append(upstream)
             redis.start()
             proxies: dict[str, Server] = {}
@@ -148,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rate": args.rate,
                 "concurrency": args.concurrency,
                 "base": args.base,
+                "chunk_delay_ms": args.chunk_delay_ms,
                 "ratio_b_over_a_median": round(statistics.median(ratios), 4),
                 "ratio_min": round(min(ratios), 4),
                 "ratio_max": round(max(ratios), 4),

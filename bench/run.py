@@ -70,9 +70,11 @@ from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 PYTHON = sys.executable
 
 
-def start_upstream(workdir: Path, max_seconds: float) -> Server:
-    """The fast fake upstream, gone by itself after ``max_seconds`` should its driver die."""
+def start_upstream(workdir: Path, max_seconds: float, *, chunk_delay_ms: float = 0.0) -> Server:
+    """The fast fake upstream, gone by itself after ``max_seconds`` should its driver die;
+    ``chunk_delay_ms`` spaces a stream's events (a provider generating as it sends)."""
     argv = [PYTHON, str(BENCH / "upstream.py"), "--port", "0", "--max-seconds", str(int(max_seconds))]
+    argv += ["--chunk-delay-ms", str(chunk_delay_ms)]
     return start_ready_line("upstream", argv, workdir)
 
 

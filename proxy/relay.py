@@ -375,23 +375,26 @@ class Exchange:
         )
         guard = StallGuard(upstream, call.upstream.timeout_s)
         self._arm_renewal()
-        pieces = upstream.content.iter_any().__aiter__()
+        # Looked up once: the loop runs once per read of the upstream, often once per event.
+        next_piece = upstream.content.iter_any().__aiter__().__anext__
+        read, write, monotonic = events.read, response.write, time.monotonic
+        limit = self.services.config.limits.max_upstream_body_bytes
         try:
             while True:
-                guard.waiting_since = waited = time.monotonic()
+                guard.waiting_since = waited = monotonic()
                 try:
-                    piece = await pieces.__anext__()
+                    piece = await next_piece()
                 except StopAsyncIteration:
                     break
                 guard.waiting_since = None
-                self._upstream_s += time.monotonic() - waited
+                self._upstream_s += monotonic() - waited
                 # Every complete event of this read goes out in one write, as soon as it came.
-                out = events.read(piece, limit=self.services.config.limits.max_upstream_body_bytes)
+                out = read(piece, limit=limit)
                 if out is None:
                     failure = Outcome("upstream_error")  # one event larger than we hold
                     break
                 if out and not client_gone:
-                    client_gone = not await self._to_client(response.write, out)
+                    client_gone = not await self._to_client(write, out)
                 if client_gone and call.policy.on_client_disconnect == "cancel":
                     break
         except TimeoutError:

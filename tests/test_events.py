@@ -164,12 +164,28 @@ def test_a_client_that_asked_for_usage_gets_every_byte() -> None:
     assert out == stream[: -len(DONE)]
 
 
-def test_texts_with_quotes_or_line_breaks_leave_the_run_for_the_parser() -> None:
-    texts = ["a", "b", 'say "hi"', "c", "line\nbreak", "d\\", "e"]
-    stream = ROLE + b"".join(content(t) for t in texts * 5) + finish() + DONE
+def test_escaped_quotes_line_breaks_and_backslashes_stay_in_runs() -> None:
+    """Common in real answers (code, JSON): each is escaped in its string, so its event is
+    still a template event, whether read with others or alone."""
+    texts = ["a", 'say "hi"', "line\nbreak", "d\\", '\\"', "e"] * 5
+    stream = ROLE + b"".join(content(t) for t in texts) + finish() + DONE
+    first = len(ROLE) + len(content(texts[0]))
+    one_by_one = list(itertools.accumulate(len(content(t)) for t in texts))
+    for cuts in ([], [first], [len(ROLE) + n for n in one_by_one]):
+        fast = relay(stream, cuts, runs=True, wants_usage=False)
+        assert fast[1][0] == "".join(texts)
+        assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=False)[:2]
+        assert fast[2] == len(texts) - 1  # all but the first, which makes the template
+
+
+def test_a_run_ends_at_an_odd_event_and_goes_on_after_it() -> None:
+    texts = [f"t{i}" for i in range(30)]
+    odd = crafted(b'a","refusal":"no')
+    stream = ROLE + b"".join(content(t) for t in texts[:15]) + odd
+    stream += b"".join(content(t) for t in texts[15:]) + finish() + USAGE + DONE
     fast = relay(stream, [], runs=True, wants_usage=False)
-    assert fast[1][0] == "".join(texts * 5)
     assert fast[:2] == relay(stream, [], runs=False, wants_usage=False)[:2]
+    assert fast[2] == 29  # the events on both sides of the odd one, in one read
 
 
 def test_a_template_that_is_not_compact_leaves_parsed_texts_alone() -> None:
