@@ -17,7 +17,7 @@ from proxy.config import Config, PolicyConfig, UpstreamConfig
 from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
 from proxy.estimate import Estimate, estimate
-from proxy.payload import ChatBody, Endpoint, RequestView, ResponsesBody, generations
+from proxy.payload import ChatBody, Endpoint, RequestView, ResponsesBody, answers, generations
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
@@ -74,8 +74,8 @@ class Call:
     rates: dict[str, int] | None
     estimate: Estimate
     body: dict[str, Any]
-    choices: int = 1  # answers the client gets back (n)
-    generations: int = 1  # answers the provider writes and bills (best_of, when larger)
+    choices: int = 1  # answers the client gets back (n, for every prompt)
+    generations: int = 1  # answers the provider writes and bills (best_of when larger, per prompt)
     started_at: float = field(default_factory=time.monotonic)
     started_wall_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     reservation: Reservation | None = None
@@ -171,6 +171,6 @@ def plan_call(
         rates=price.rates if price else None,
         estimate=est,
         body=body,
-        choices=getattr(view, "n", None) or 1,
+        choices=answers(view),
         generations=generations(view),
     )

@@ -46,10 +46,24 @@ class CompletionBody(_Body):
     best_of: int | None = Field(default=None, ge=1, le=128)
 
 
+def prompts(view: object) -> int:
+    """How many prompts one request sends: legacy completions take a list of them (strings, or
+    token id lists), each answered n times; a flat list of ids is one prompt."""
+    if isinstance(view, CompletionBody) and isinstance(view.prompt, list) and view.prompt:
+        return 1 if isinstance(view.prompt[0], int) else len(view.prompt)
+    return 1
+
+
+def answers(view: object) -> int:
+    """How many answers the client gets back: n for every prompt."""
+    return (getattr(view, "n", None) or 1) * prompts(view)
+
+
 def generations(view: object) -> int:
-    """How many answers the provider writes (and bills) for one request: n, or best_of."""
+    """How many answers the provider writes (and bills) for one request: n, or best_of, for
+    every prompt."""
     if isinstance(view, CompletionBody):
-        return max(view.n or 1, view.best_of or 1)
+        return max(view.n or 1, view.best_of or 1) * prompts(view)
     return getattr(view, "n", None) or 1
 
 

@@ -173,6 +173,24 @@ async def test_clamp_lowers_max_tokens_to_what_the_budget_affords(
         await call(proxy, "clamp", max_tokens=100)
 
 
+async def test_clamp_caps_every_answer_of_every_prompt(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    # Legacy completions, 3 prompts, n=2: six answers written, each capped at 12 // 6 = 2.
+    proxy = await make_proxy(
+        tiers=tiers(run={"output_tokens": 12}, on_budget_short="clamp", min_output_tokens=1)
+    )
+    async with proxy.client() as client:
+        await client.completions.create(
+            model="gpt-4o-mini",
+            prompt=["a", "b", "c"],
+            max_tokens=100,
+            n=2,
+            extra_headers={"X-Run-Id": "prompts"},
+        )
+    assert fake.received[-1].body["max_tokens"] == 2
+    state = (await meters(proxy, "prompts"))["meters"]
+    assert state["output_tokens"]["used"] <= 12
+
+
 async def test_without_clamp_the_same_request_is_refused(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:

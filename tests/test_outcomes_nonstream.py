@@ -349,3 +349,22 @@ async def test_legacy_completions_reserve_every_answer_best_of_writes(
         )
     entry = await the_entry(proxy, "r1")
     assert entry["reserved_output_tokens"] == "150"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "reserved"),
+    [
+        (["one", "two", "three"], 300),  # three prompts, each answered n=2 times
+        ([[1, 2], [3], [4, 5, 6]], 300),  # the same as token id lists
+        ([1, 2, 3], 100),  # a flat list of ids is one prompt
+    ],
+)
+async def test_legacy_completions_reserve_every_prompts_answers(
+    proxy: Proxy, fake: FakeUpstream, prompt: list[Any], reserved: int
+) -> None:
+    async with proxy.client() as client:
+        await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=50, n=2, extra_headers=run_headers("r1")
+        )
+    entry = await the_entry(proxy, "r1")
+    assert entry["reserved_output_tokens"] == str(reserved)
