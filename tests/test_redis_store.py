@@ -178,6 +178,20 @@ async def test_clamp_in_the_script(store: RedisStore) -> None:
     assert isinstance(refused, Refusal)
 
 
+async def test_a_retried_reserve_gets_the_clamp_of_its_first_try(store: RedisStore) -> None:
+    """A retry after a lost reply (the cluster client retries by itself) must not send the body
+    out unclamped while Redis holds only the clamped amounts."""
+    scope = Scope(name="run", key="lbp:{team-a}:run:clamp", ceilings={"output_tokens": 12})
+    clamp = Clamp(min_output_tokens=4, choices=2, input_cost_exact=0, output_rate=0)
+    first = await reserve(store, "c1", [scope], clamp=clamp)
+    again = await reserve(store, "c1", [scope], clamp=clamp)
+    assert isinstance(first, Reservation) and isinstance(again, Reservation)
+    assert again.clamped_output_per_choice == first.clamped_output_per_choice == 6
+    assert again.amounts == first.amounts
+    state = await store.client.hgetall("lbp:{team-a}:run:clamp")
+    assert state["resv:output_tokens"] == "12"  # reserved once
+
+
 async def test_expired_leases_are_reaped_once_and_renew_extends(store: RedisStore) -> None:
     scope = Scope(name="run", key="lbp:{team-a}:run:run1")
     short = await reserve(store, "short", [scope], lease_ms=1, record='{"run_id": "run1"}')

@@ -19,14 +19,15 @@ then per scope (KEYS[3+i]):  ttl_s (0 = none), then 6 ceilings in METERS order (
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>.
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
-A reservation id that already exists is a retry: success, nothing changes.
+A reservation id that already exists is a retry: success, nothing changes, and the clamp the
+first try made is returned again (the caller must send the lowered cap Redis holds the call to).
 Returns on success {1, clamped output per choice (0 = not clamped), tightest meter, its
 remaining after this reserve (-1 = nothing limited), tightest scope index}; on refusal
 {0, scope index (1-based), meter, ceiling, used, reserved, amount}; {2} as ARGV[14] says.
 ]]
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {1, 0, '', -1, 0}
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'clamped')) or 0, '', -1, 0}
 end
 
 local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
@@ -148,6 +149,6 @@ for s = 1, nscopes do scopes[s] = KEYS[2 + s] end
 local amt = {}
 for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', table.concat(amt, ' '),
-  'record', ARGV[3], 'reserved_at_ms', now_ms)
+  'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped)
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
 return {1, clamped, tight_meter, tight_left, tight_scope}
