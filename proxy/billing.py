@@ -134,6 +134,11 @@ async def reserve(
         if err.maybe_applied:
             release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
         raise
+    except asyncio.CancelledError:
+        # Shutdown past its grace period, with a reserve in flight: it may have happened, and the
+        # call never goes out. Released (once the store answers), not reaped at its reserve.
+        release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
+        raise
     assert not isinstance(result, Tentative), "a final reserve is never tentative"
     if isinstance(result, Refusal):
         raise _refusal_error(result)

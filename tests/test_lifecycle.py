@@ -206,3 +206,54 @@ async def test_a_call_cut_during_its_settle_is_settled_and_recorded_once(
 
 def labels(**overrides: str) -> dict[str, str]:
     return {"tenant": "team-a", "model": "gpt-4o-mini", "endpoint": "chat.completions", **overrides}
+
+
+async def test_a_reserve_cut_by_shutdown_is_released_not_reaped(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Shutdown past its grace period cancels a call whose reserve script is on its way: the
+    script may still run (here: once a busy Redis gets to it), and the call never goes out. It
+    is released through the journal, not left for a reaper to bill at its reserve."""
+    raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=0.5)
+    proc = ProxyProcess(raw, tmp_path).start()
+    busy = aioredis.Redis.from_url(redis_server.url)
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    try:
+        async with aiohttp.ClientSession() as session:
+            headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "first"}
+            async with session.post(proc.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200  # the tenant is registered: the next call's first write is its reserve
+            spin = "local s = redis.call('TIME')[1] while redis.call('TIME')[1] - s < 3 do end"
+            blocking = asyncio.ensure_future(busy.eval(spin, 0))
+            await asyncio.sleep(0.2)
+            headers["X-Run-Id"] = "cut"
+            cut = asyncio.ensure_future(
+                session.post(proc.url + "/v1/chat/completions", json=body, headers=headers)
+            )
+            await asyncio.sleep(0.3)
+            proc.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait) == 0
+            cut.cancel()
+            await blocking
+    finally:
+        proc.stop()
+        await busy.aclose()
+    assert len(fake.received) == 1  # the cut call never went out
+    # Released by the journal's last replay before the process went (it waits for Redis), else
+    # by the next process on the same journal.
+    again = ProxyProcess(raw, tmp_path).start()
+    try:
+        for _ in range(100):
+            if await redis_client.zcard("lbp:{team-a}:leases") == 0:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        again.stop()
+    assert await redis_client.zcard("lbp:{team-a}:leases") == 0
+    meters = await redis_client.hgetall("lbp:{team-a}:run:cut")
+    assert all(int(v) == 0 for k, v in meters.items() if k.startswith("resv:")), meters
+    spent = {k: v for k, v in meters.items() if k.startswith("used:") and k != "used:requests"}
+    assert not any(int(v) for v in spent.values()), meters
+    # Its reserve did run (a release finding no reservation writes no entry), and was released.
+    outcomes = [entry["outcome"] for _, entry in await redis_client.xrange(LEDGER)]
+    assert outcomes[1:] == ["not_forwarded"]
