@@ -392,7 +392,7 @@ def stack_running(
     redis_unix = bool(settings.extra.get("redis_unix"))
     redis = RedisServerProcess(workdir / "redis", port=None if redis_unix else free_port())
     try:
-        upstream = start_upstream(workdir, 1800)
+        upstream = start_upstream(workdir, 1800, chunk_delay_ms=settings.extra.get("chunk_delay_ms", 0.0))
         servers.append(upstream)
         relay_argv = [PYTHON, str(BENCH / "relay.py"), "--upstream", upstream.url, "--port", "0"]
         relay_argv += ["--max-seconds", "1800"]
@@ -604,6 +604,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "are elsewhere",
     )
     parser.add_argument(
+        "--chunk-delay-ms",
+        type=float,
+        default=0.0,
+        help="the upstream spaces a stream's events by this much (as a provider generating as it "
+        "sends): each then reaches a server in a read of its own",
+    )
+    parser.add_argument(
         "--background-rate",
         type=float,
         default=BACKGROUND_RATE,
@@ -649,8 +656,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "paced": paced_rates(args.paced or [], parser),
             "redis_unix": args.redis_unix,
             "lean_floor": args.lean_floor,
+            "chunk_delay_ms": args.chunk_delay_ms,
         },
     )
+    if args.chunk_delay_ms:
+        notes.append(
+            f"--chunk-delay-ms {args.chunk_delay_ms:g}: the upstream spaces a stream's events (each "
+            "reaches the relay and the proxy in a read of its own, as from a provider generating as it "
+            "sends); without it a stream comes at once and reads carry several events"
+        )
     if args.redis_unix:
         notes.append("the proxy reaches Redis over a unix socket (--redis-unix)")
     if args.lean_floor:
