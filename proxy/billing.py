@@ -252,7 +252,8 @@ async def settle(
     reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
     entry = entry_fields(call, outcome, usage, cost, reasons)
     actual = {
-        "requests": 1,
+        # A call the upstream refused to connect to was not a request made (source "none").
+        "requests": 0 if usage.source == "none" else 1,
         "input_tokens": usage.input_tokens,
         "output_tokens": usage.output_tokens,
         "total_tokens": usage.total_tokens,

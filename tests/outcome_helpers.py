@@ -95,9 +95,9 @@ async def run_meters(proxy: Proxy, run: str, key: str = KEY_A) -> JsonDict:
     return meters
 
 
-async def the_entry(proxy: Proxy, run: str, *, wait_s: float = 0.0) -> JsonDict:
+async def the_entry(proxy: Proxy, run: str, *, wait_s: float = 0.0, requests: int = 1) -> JsonDict:
     """The one ledger entry of ``run`` (polling up to ``wait_s``), after checking that the run's
-    meters hold nothing reserved and count exactly one request."""
+    meters hold nothing reserved and count ``requests`` requests (one: the call went out)."""
     deadline = time.monotonic() + wait_s
     entries = await ledger_entries(proxy, run)
     while not entries and time.monotonic() < deadline:
@@ -107,7 +107,7 @@ async def the_entry(proxy: Proxy, run: str, *, wait_s: float = 0.0) -> JsonDict:
     meters = await run_meters(proxy, run)
     leftovers = {name: m["reserved"] for name, m in meters.items() if m["reserved"] != 0}
     assert leftovers == {}, meters
-    assert meters["requests"]["used"] == 1, meters
+    assert meters["requests"]["used"] == requests, meters
     return entries[0]
 
 

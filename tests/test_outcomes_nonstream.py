@@ -333,7 +333,8 @@ async def test_upstream_connection_refused(make_proxy: ProxyFactory, fake: FakeU
             await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
     assert caught.value.status_code == 502
     assert_no_secret(caught.value.response.headers, caught.value.response.content)
-    entry = await the_entry(proxy, "r1")
+    # Not a request made: a requests ceiling (a window of calls) is not spent on it.
+    entry = await the_entry(proxy, "r1", requests=0)
     assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "none")
     assert_zero_usage(entry)
     assert fake.bill == [] and fake.received == []

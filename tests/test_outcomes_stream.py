@@ -437,7 +437,7 @@ async def test_upstream_failure_before_the_stream(
     assert caught.value.status_code == status
     headers = caught.value.response.headers
     assert_no_secret(headers, caught.value.response.content)
-    entry = await the_entry(proxy, "r1")
+    entry = await the_entry(proxy, "r1", requests=0 if charge == "none" else 1)
     assert entry["outcome"] == headers["x-billing-outcome"] == outcome
     assert entry["usage_source"] == headers["x-billing-usage-source"]
     if charge == "reserve":
