@@ -253,7 +253,11 @@ def build_app(
         def count(n: int) -> None:
             state.metrics.leases_expired.inc(n)
 
-        task = asyncio.create_task(run_reaper(state.store, config.limits.reaper_interval_s, count))
+        task = asyncio.create_task(
+            run_reaper(
+                state.store, config.limits.reaper_interval_s, count, known=lambda: state.registered_tenants
+            )
+        )
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import ExpiredLease, Store
@@ -111,11 +111,24 @@ async def reap_all(store: Store) -> int:
     return settled
 
 
-async def run_reaper(store: Store, interval_s: float, on_settled: Callable[[int], None]) -> None:
-    """Loop until cancelled; a store outage only delays reaping."""
+async def run_reaper(
+    store: Store,
+    interval_s: float,
+    on_settled: Callable[[int], None],
+    known: Callable[[], Iterable[str]] = tuple,
+) -> None:
+    """Loop until cancelled; a store outage only delays reaping.
+
+    ``known``: the tenants this process has registered. It registers each once, so should the
+    store's set lose one (evicted, deleted), that tenant's leases would go unreaped: they are
+    registered again and reaped all the same."""
     while True:
         try:
-            for tenant in sorted(await store.tenants()):
+            tenants = await store.tenants()
+            for tenant in set(known()) - tenants:
+                await store.register_tenant(tenant)
+                tenants.add(tenant)
+            for tenant in sorted(tenants):
                 count = await reap_tenant(store, tenant)
                 if count:
                     on_settled(count)

@@ -1,0 +1,47 @@
+"""The reaper of every instance: expired leases settled at their reserve, whatever a tenant's
+registration went through."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from proxy.app import STATE
+from proxy.store import TENANTS_KEY, Reservation, Scope
+from tests.conftest import ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import MODEL, MSGS, run_headers
+
+LEASES = "lbp:{team-a}:leases"
+
+
+async def test_a_tenant_lost_from_the_registry_is_registered_again_and_reaped(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """This process registered team-a once (its first call). Should the store's set of tenants
+    lose it (evicted, deleted), a lease of team-a left by a dead instance is still reaped."""
+    proxy = await make_proxy(limits={"reaper_interval_s": 0.1})
+    async with proxy.client() as client:
+        await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
+    store = proxy.app[STATE].store
+    assert store is not None
+    orphan = await store.reserve(
+        tenant="team-a",
+        reservation_id="dead-instance",
+        run_id="r2",
+        scopes=[Scope(name="run", key="lbp:{team-a}:run:r2")],
+        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+        lease_ms=1,
+        record='{"run_id": "r2"}',
+    )
+    assert isinstance(orphan, Reservation)
+    await redis_client.delete(TENANTS_KEY)
+    for _ in range(100):
+        if await redis_client.zcard(LEASES) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await redis_client.zcard(LEASES) == 0
+    assert await redis_client.smembers(TENANTS_KEY) == {"team-a"}
+    outcomes = [entry["outcome"] for _, entry in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert outcomes == ["ok", "lease_expired"]
