@@ -93,6 +93,8 @@ class StallGuard:
     upstream's silence counts). It takes over from ``sock_read`` once the response has started
     (that still bounds the wait for headers)."""
 
+    __slots__ = ("_handle", "_response", "_timeout_s", "waiting_since")
+
     def __init__(self, response: aiohttp.ClientResponse, timeout_s: float) -> None:
         self._response = response
         self._timeout_s = timeout_s

@@ -379,6 +379,8 @@ class Exchange:
         next_piece = upstream.content.iter_any().__aiter__().__anext__
         read, write, monotonic = events.read, response.write, time.monotonic
         limit = self.services.config.limits.max_upstream_body_bytes
+        transport = self.request.transport
+        waited_s = 0.0
         try:
             while True:
                 guard.waiting_since = waited = monotonic()
@@ -387,13 +389,20 @@ class Exchange:
                 except StopAsyncIteration:
                     break
                 guard.waiting_since = None
-                self._upstream_s += monotonic() - waited
+                waited_s += monotonic() - waited
                 # Every complete event of this read goes out in one write, as soon as it came.
                 out = read(piece, limit=limit)
                 if out is None:
                     failure = Outcome("upstream_error")  # one event larger than we hold
                     break
-                if out and not client_gone:
+                if not out or client_gone:
+                    pass
+                elif transport is not None and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG:
+                    try:
+                        await write(out)  # room in the buffer: no wait (``_to_client``'s first case)
+                    except CLIENT_GONE:
+                        client_gone = True
+                else:
                     client_gone = not await self._to_client(write, out)
                 if client_gone and call.policy.on_client_disconnect == "cancel":
                     break
@@ -406,6 +415,7 @@ class Exchange:
             log.exception("stream relay failed", extra={"request_id": call.request_id})
             failure = Outcome("upstream_error")
         finally:
+            self._upstream_s += waited_s
             guard.cancel()
             if self._renewal is not None:
                 self._renewal.cancel()
