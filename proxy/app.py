@@ -255,7 +255,10 @@ def build_app(
 
         task = asyncio.create_task(
             run_reaper(
-                state.store, config.limits.reaper_interval_s, count, known=lambda: state.registered_tenants
+                state.store,
+                config.limits.reaper_interval_s,
+                count,
+                known=lambda: state.registered_tenants | state.config.tenants,
             )
         )
         yield

@@ -120,24 +120,29 @@ async def reserve(
         },
     ).decode()
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
+    in_flight = False  # a reserve sent, its answer not read yet
     try:
         if not call.estimate.input_exact and not config.limits.quick_estimates:
             await count_first(call, count_later, metrics)  # one count at a time, as configured
             asked = time.monotonic()
+        in_flight = True
         result = await _reserve(store, call, config, tier, scopes, record)
+        in_flight = False
         if isinstance(result, Tentative):
             metrics.quick_estimates.labels("counted_first").inc()
             await count_first(call, count_now, metrics)
             asked = time.monotonic()
+            in_flight = True
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
         if err.maybe_applied:
             release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
         raise
     except asyncio.CancelledError:
-        # Shutdown past its grace period, with a reserve in flight: it may have happened, and the
-        # call never goes out. Released (once the store answers), not reaped at its reserve.
-        release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
+        if in_flight:
+            # Shutdown past its grace period: the reserve may still happen, for a call that never
+            # goes out. Released (once the store answers), not reaped at its reserve.
+            release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
         raise
     assert not isinstance(result, Tentative), "a final reserve is never tentative"
     if isinstance(result, Refusal):

@@ -33,6 +33,7 @@ NOT_PLAIN_CONTENT = re.compile(
 # path's "usage" test): one event at a time such an event is parsed in full, so runs leave them
 # to that path.
 PARSED_TEXTS = frozenset({b"error", b"tool_calls", b"function_call", b"usage"})
+_QUOTED_WORD_AT_END = re.compile(rb'"(?:error|tool_calls|function_call|usage)$', re.MULTILINE)
 # Tries at learning a template per stream: a stream whose events never fit one stops trying.
 _TEMPLATE_TRIES = 3
 # Single bytes, tested as ints: ``int in bytes`` is a memchr, ``bytes in bytes`` costs a buffer
@@ -42,15 +43,19 @@ _LF, _CR, _QUOTE, _BACKSLASH = b'\n\r"\\'
 _RUN_TRIES = 4
 
 
-def leaves_string(texts: bytes) -> bool:
-    """Whether a text (or several, each followed by a line break), as the bytes between the
-    quotes of a JSON string, has an unescaped quote or ends in a lone backslash: it could close
-    its string early, or escape the closing quote."""
+def odd_texts(texts: bytes) -> bool:
+    """Whether a text (or any of several, each followed by a line break), as the bytes between
+    the quotes of a JSON string, is not one the per-event path reads as plain content: it could
+    close its string early (an unescaped quote) or escape the closing quote (a lone trailing
+    backslash), or it ends in an escaped quote and a word of PARSED_TEXTS, which the closing
+    quote makes a quoted word that path parses in full (``\\"error`` then ``"``)."""
     if _QUOTE not in texts and _BACKSLASH not in texts:
         return False
     # JSON escapes read left to right: a backslash pair first, then an escaped quote.
     unescaped = texts.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return _QUOTE in unescaped or unescaped[-1:] == b"\\" or unescaped.find(b"\\\n") >= 0
+    if _QUOTE in unescaped or unescaped[-1:] == b"\\" or unescaped.find(b"\\\n") >= 0:
+        return True
+    return _QUOTE in texts and _QUOTED_WORD_AT_END.search(texts) is not None
 
 
 class EventFilter:
@@ -125,9 +130,10 @@ class EventFilter:
         ):
             return None
         text = event[self._prefix_len : end]
-        if _LF in text or _CR in text or text in PARSED_TEXTS or leaves_string(text):
+        if _LF in text or _CR in text or text in PARSED_TEXTS or odd_texts(text):
             return None
-        self._sink.append(text)
+        if text:
+            self._sink.append(text)
         self.obs.chunks += 1
         self.run_events += 1
         if self._stripped_suffix:
@@ -184,7 +190,7 @@ class EventFilter:
         # quote, a trailing backslash); one scan of them joined checks that.
         if (
             self._prefix + self._separator.join(texts) + self._suffix != run
-            or leaves_string(b"\n".join(texts) + b"\n")
+            or odd_texts(b"\n".join(texts) + b"\n")
             or not PARSED_TEXTS.isdisjoint(texts)
         ):
             # The run ends before its first odd event, which goes through the per-event path.
@@ -208,7 +214,7 @@ class EventFilter:
                 or not line.startswith(prefix)
                 or not line.endswith(line_end)
                 or (text := self._cut(line)) in PARSED_TEXTS
-                or leaves_string(text)
+                or odd_texts(text)
             ):
                 return count
         return len(lines) // 2
@@ -332,8 +338,8 @@ class EventFilter:
             self.obs.malformed = True
             return event + b"\n\n"
         self.obs.observe(obj, streaming=True)
-        if wants_usage or b'"usage"' not in data or not isinstance(obj, dict):
-            return event + b"\n\n"
+        if wants_usage or b'"usage"' not in data or not isinstance(obj, dict) or "usage" not in obj:
+            return event + b"\n\n"  # no usage field (the bytes were in a text): as it came
         if data.endswith(_USAGE_NULL_TAIL):
             # The common case (OpenAI puts it last): cut the bytes, do not re-serialise.
             return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n"

@@ -119,9 +119,9 @@ async def run_reaper(
 ) -> None:
     """Loop until cancelled; a store outage only delays reaping.
 
-    ``known``: the tenants this process has registered. It registers each once, so should the
-    store's set lose one (evicted, deleted), that tenant's leases would go unreaped: they are
-    registered again and reaped all the same."""
+    ``known``: the tenants this process knows (its config's, those it has registered: each
+    once). Should the store's set lose one (evicted, deleted) its leases would go unreaped, those
+    of a dead instance included: it is registered again and reaped all the same."""
     while True:
         try:
             tenants = await store.tenants()

@@ -76,6 +76,10 @@ ODD = (
     crafted(b"function_call"),
     crafted(b"usage"),
     crafted(b"\\x"),
+    # Texts ending in an escaped quote and such a word: with the closing quote, a quoted word.
+    crafted(b'a\\"error'),
+    crafted(b'\\"usage'),
+    crafted(b'\\ud83d\\"tool_calls'),
     # Prefix and suffix overlapping by their shared quote: an event with no text at all.
     content("tok ").replace(b'"content":"tok "', b'"content":"'),
     content("tok ", usage_null=False),
@@ -216,3 +220,25 @@ def test_no_template_from_an_event_that_says_more_than_its_text() -> None:
 def test_no_runs_with_several_choices() -> None:
     stream = ROLE + b"".join(content(f"t{i}") for i in range(20)) + DONE
     assert relay(stream, [], runs=True, wants_usage=False, choices=2)[2] == 0
+
+
+def test_a_text_that_makes_a_quoted_word_with_its_closing_quote_is_read_alone() -> None:
+    """``\\"error`` then the string's closing quote reads "error": the per-event path parses
+    such an event in full (here it is malformed: a lone surrogate), so runs must not take it."""
+    odd = crafted(b'\\ud83d\\"error')
+    stream = ROLE + content("a") + odd + content("b") + finish() + USAGE + DONE
+    alone = len(ROLE) + len(content("a"))
+    for cuts in ([], [alone, alone + len(odd)]):
+        fast = relay(stream, cuts, runs=True, wants_usage=False)
+        assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=False)[:2]
+        assert fast[1][5] is True  # malformed, as one event at a time finds it
+
+
+def test_an_event_without_a_usage_field_passes_as_it_came() -> None:
+    """The bytes "usage" inside a text (no usage field, no "usage":null tail): nothing to strip,
+    so the event is not re-serialised (which would rewrite its escapes)."""
+    odd = content("tok ", usage_null=False).replace(b'"content":"tok "', b'"content":"\\u00e9\\"usage"')
+    stream = ROLE + content("a", usage_null=False) + odd + finish() + USAGE + DONE
+    for runs in (True, False):
+        out = relay(stream, [], runs=runs, wants_usage=False)[0]
+        assert odd in out

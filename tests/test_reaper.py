@@ -26,6 +26,7 @@ async def test_a_tenant_lost_from_the_registry_is_registered_again_and_reaped(
         await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
     store = proxy.app[STATE].store
     assert store is not None
+    await redis_client.delete(TENANTS_KEY)  # first: a lease made while registered could be reaped
     orphan = await store.reserve(
         tenant="team-a",
         reservation_id="dead-instance",
@@ -36,12 +37,39 @@ async def test_a_tenant_lost_from_the_registry_is_registered_again_and_reaped(
         record='{"run_id": "r2"}',
     )
     assert isinstance(orphan, Reservation)
-    await redis_client.delete(TENANTS_KEY)
     for _ in range(100):
         if await redis_client.zcard(LEASES) == 0:
             break
         await asyncio.sleep(0.05)
     assert await redis_client.zcard(LEASES) == 0
-    assert await redis_client.smembers(TENANTS_KEY) == {"team-a"}
+    assert "team-a" in await redis_client.smembers(TENANTS_KEY)
     outcomes = [entry["outcome"] for _, entry in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert outcomes == ["ok", "lease_expired"]
+
+
+async def test_a_tenant_of_the_config_lost_from_the_registry_is_reaped(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """team-b's only instance died with a lease out, and the registry lost team-b: this process
+    never served team-b, but its config names it."""
+    proxy = await make_proxy(limits={"reaper_interval_s": 0.1})
+    store = proxy.app[STATE].store
+    assert store is not None
+    await redis_client.delete(TENANTS_KEY)
+    orphan = await store.reserve(
+        tenant="team-b",
+        reservation_id="dead-instance",
+        run_id="r1",
+        scopes=[Scope(name="run", key="lbp:{team-b}:run:r1")],
+        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+        lease_ms=1,
+        record='{"run_id": "r1"}',
+    )
+    assert isinstance(orphan, Reservation)
+    for _ in range(100):
+        if await redis_client.zcard("lbp:{team-b}:leases") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await redis_client.zcard("lbp:{team-b}:leases") == 0
+    outcomes = [entry["outcome"] for _, entry in await redis_client.xrange("lbp:{team-b}:ledger")]
+    assert outcomes == ["lease_expired"]
