@@ -9,11 +9,33 @@ import redis.asyncio as aioredis
 
 from proxy.app import STATE
 from proxy.store import TENANTS_KEY, Reservation, Scope
-from tests.conftest import ProxyFactory
+from tests.conftest import Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, MSGS, run_headers
 
-LEASES = "lbp:{team-a}:leases"
+
+async def reaped_orphan(proxy: Proxy, redis_client: aioredis.Redis, tenant: str, run: str) -> int:
+    """Drop the tenant registry, leave a dead instance's expired lease of ``tenant`` and wait
+    up to 5 s for a reaper round: the leases of ``tenant`` left."""
+    store = proxy.app[STATE].store
+    assert store is not None
+    await redis_client.delete(TENANTS_KEY)  # first: a lease made while registered could be reaped
+    orphan = await store.reserve(
+        tenant=tenant,
+        reservation_id="dead-instance",
+        run_id=run,
+        scopes=[Scope(name="run", key=f"lbp:{{{tenant}}}:run:{run}")],
+        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+        lease_ms=1,
+        record=f'{{"run_id": "{run}"}}',
+    )
+    assert isinstance(orphan, Reservation)
+    leases = f"lbp:{{{tenant}}}:leases"
+    for _ in range(100):
+        if await redis_client.zcard(leases) == 0:
+            break
+        await asyncio.sleep(0.05)
+    return int(await redis_client.zcard(leases))
 
 
 async def test_a_tenant_lost_from_the_registry_is_registered_again_and_reaped(
@@ -24,24 +46,7 @@ async def test_a_tenant_lost_from_the_registry_is_registered_again_and_reaped(
     proxy = await make_proxy(limits={"reaper_interval_s": 0.1})
     async with proxy.client() as client:
         await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
-    store = proxy.app[STATE].store
-    assert store is not None
-    await redis_client.delete(TENANTS_KEY)  # first: a lease made while registered could be reaped
-    orphan = await store.reserve(
-        tenant="team-a",
-        reservation_id="dead-instance",
-        run_id="r2",
-        scopes=[Scope(name="run", key="lbp:{team-a}:run:r2")],
-        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-        lease_ms=1,
-        record='{"run_id": "r2"}',
-    )
-    assert isinstance(orphan, Reservation)
-    for _ in range(100):
-        if await redis_client.zcard(LEASES) == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert await redis_client.zcard(LEASES) == 0
+    assert await reaped_orphan(proxy, redis_client, "team-a", "r2") == 0
     assert "team-a" in await redis_client.smembers(TENANTS_KEY)
     outcomes = [entry["outcome"] for _, entry in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert outcomes == ["ok", "lease_expired"]
@@ -53,23 +58,6 @@ async def test_a_tenant_of_the_config_lost_from_the_registry_is_reaped(
     """team-b's only instance died with a lease out, and the registry lost team-b: this process
     never served team-b, but its config names it."""
     proxy = await make_proxy(limits={"reaper_interval_s": 0.1})
-    store = proxy.app[STATE].store
-    assert store is not None
-    await redis_client.delete(TENANTS_KEY)
-    orphan = await store.reserve(
-        tenant="team-b",
-        reservation_id="dead-instance",
-        run_id="r1",
-        scopes=[Scope(name="run", key="lbp:{team-b}:run:r1")],
-        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-        lease_ms=1,
-        record='{"run_id": "r1"}',
-    )
-    assert isinstance(orphan, Reservation)
-    for _ in range(100):
-        if await redis_client.zcard("lbp:{team-b}:leases") == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert await redis_client.zcard("lbp:{team-b}:leases") == 0
+    assert await reaped_orphan(proxy, redis_client, "team-b", "r1") == 0
     outcomes = [entry["outcome"] for _, entry in await redis_client.xrange("lbp:{team-b}:ledger")]
     assert outcomes == ["lease_expired"]
