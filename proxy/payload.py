@@ -54,17 +54,25 @@ def prompts(view: object) -> int:
     return 1
 
 
+def _n(view: object) -> int:
+    """``n`` where the API has it (validated there); elsewhere a field of that name is only
+    passed through (an extra field of any type), and one answer is what comes back."""
+    if isinstance(view, ChatBody | CompletionBody) and view.n is not None:
+        return view.n
+    return 1
+
+
 def answers(view: object) -> int:
     """How many answers the client gets back: n for every prompt."""
-    return (getattr(view, "n", None) or 1) * prompts(view)
+    return _n(view) * prompts(view)
 
 
 def generations(view: object) -> int:
     """How many answers the provider writes (and bills) for one request: n, or best_of, for
     every prompt."""
     if isinstance(view, CompletionBody):
-        return max(view.n or 1, view.best_of or 1) * prompts(view)
-    return getattr(view, "n", None) or 1
+        return max(_n(view), view.best_of or 1) * prompts(view)
+    return _n(view)
 
 
 class EmbeddingBody(_Body):

@@ -419,8 +419,10 @@ async def test_duplicate_stream_key_streams_as_validated(post: Any, fake: FakeUp
         {"model": "text-embedding-3-small", "input": "hi", "stream": True, "stream_options": "x"},
         {"model": "text-embedding-3-small", "input": "hi", "stream": "yes", "n": "many"},
         {"model": "text-embedding-3-small", "input": "hi", "n": [1, 2]},
+        {"model": "text-embedding-3-small", "input": "", "n": {"": None}},
+        {"model": "text-embedding-3-small", "input": "hi", "n": 2.5},
     ],
-    ids=["stream-options-list", "stream-options-str", "stream-str", "n-list"],
+    ids=["stream-options-list", "stream-options-str", "stream-str", "n-list", "n-object", "n-float"],
 )
 async def test_embeddings_with_chat_only_fields_is_refused_or_billed(post: Any, body: JsonDict) -> None:
     """``stream``/``n`` are not embeddings fields; the proxy must not trip over them."""
