@@ -26,6 +26,7 @@ from proxy.logs import flush_logs
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
 from proxy.redis_store import RedisStore
+from proxy.relay import Services
 from proxy.reload import ConfigReloader
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer, encoding_for_model
@@ -53,6 +54,23 @@ class State:
     registered_tenants: set[str] = field(default_factory=set)
     # Settlements under way (``Exchange._settle``): shutdown lets them finish.
     settling: set[asyncio.Future[Settlement]] = field(default_factory=set)
+    # What every exchange is given, made once per config (see ``services_for``).
+    services: Services | None = None
+
+    def services_for(self, config: Config) -> Services:
+        services = self.services
+        if services is None or services.config is not config:
+            assert self.store is not None and self.session is not None
+            services = self.services = Services(
+                store=self.store,
+                session=self.session,
+                tokenizer=self.tokenizer,
+                config=config,
+                metrics=self.metrics,
+                journal=self.journal,
+                settling=self.settling,
+            )
+        return services
 
 
 STATE = web.AppKey("state", State)

@@ -264,6 +264,14 @@ class TierConfig(_Frozen):
                 raise ValueError(f"{name}: one entry per period (merge the ceilings of a period into one)")
         return self
 
+    def __hash__(self) -> int:
+        # Hashed on every call (the key scopes' cache): pydantic's hash walks every field, each time.
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, name) for name in type(self).model_fields))
+
 
 class LimitsConfig(_Frozen):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -338,6 +346,16 @@ class Config(_Frozen):
     def tenants(self) -> frozenset[str]:
         return frozenset(key.tenant for key in self.keys)
 
+    def key_for_digest(self, digest: str) -> KeyConfig | None:
+        """The key whose secret has this SHA-256 digest: one lookup whatever the number of keys.
+        A lookup's timing can depend on the digest it is given, never on a secret's bytes: the
+        caller cannot choose a digest's bytes without the key that makes them."""
+        return self._keys_by_digest.get(digest)
+
+    @cached_property
+    def _keys_by_digest(self) -> dict[str, KeyConfig]:
+        return dict(self.key_digests)
+
     def route(self, model: str) -> tuple[str, ModelConfig] | None:
         """The config entry for a model: an exact name first, then globs in file order."""
         if model in self.models:
@@ -392,6 +410,12 @@ def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
         key = environ.get(upstream.api_key_env) if upstream.api_key_env else None
         upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
     digests = [(_digest("keys", key, environ), key) for key in config.keys]
+    named: dict[str, str] = {}
+    for digest, key_config in digests:
+        if digest in named:
+            # One secret, two keys: which tenant and tier it bills would depend on file order.
+            raise ConfigError(f"keys.{key_config.name}: the same secret as keys.{named[digest]}")
+        named[digest] = key_config.name
     admin = tuple(_digest("admin_keys", key, environ) for key in config.admin_keys)
     return config.model_copy(
         update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests), "admin_digests": admin}

@@ -20,7 +20,6 @@ from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing import reserve
 from proxy.call import SANE_ID, Call, plan_call, request_id_for, run_id_for
-from proxy.config import Config
 from proxy.dialects import DIALECTS
 from proxy.errors import (
     ApiError,
@@ -37,25 +36,12 @@ from proxy.estimate import Estimate, counted
 from proxy.forward import read_limited, upstream_headers
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
-from proxy.relay import Exchange, Services
+from proxy.relay import Exchange
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 from proxy.tokenizer import Tokenizer
 
 MODELS_LIST_LIMIT_BYTES = 4 * 1024 * 1024
-
-
-def _services(state: State, config: Config) -> Services:
-    assert state.store is not None and state.session is not None
-    return Services(
-        store=state.store,
-        session=state.session,
-        tokenizer=state.tokenizer,
-        config=config,
-        metrics=state.metrics,
-        journal=state.journal,
-        settling=state.settling,
-    )
 
 
 async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -101,7 +87,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     except StoreError:
         state.metrics.store_errors.labels("reserve").inc()
         return _refused(endpoint, request_id, StoreUnavailable())
-    return await Exchange(request, call, _services(state, config)).run()
+    return await Exchange(request, call, state.services_for(config)).run()
 
 
 async def count_later(state: State, call: Call) -> Estimate:

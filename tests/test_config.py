@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.config import Config, load_config, parse_config
+from proxy.config import Config, TierConfig, load_config, parse_config
 from proxy.errors import ConfigError
 from proxy.reload import ConfigReloader
 from tests.conftest import base_config
@@ -35,6 +35,39 @@ def test_the_example_config_loads() -> None:
     assert dev == hashlib.sha256(b"sk-dev").hexdigest()
     assert config.upstreams["openai"].api_key is not None
     assert config.upstreams["openai"].api_key.get_secret_value() == "sk-up"
+
+
+def test_one_secret_for_two_keys_is_refused() -> None:
+    """Which tenant and tier such a secret bills would otherwise depend on the keys' order."""
+    digest = hashlib.sha256(b"sk-shared").hexdigest()
+    keys = [
+        {"name": "a", "sha256": digest, "tenant": "t1"},
+        {"name": "b", "key_env": "B_KEY", "tenant": "t2"},
+    ]
+    assert "keys.b: the same secret as keys.a" in error_of({**UP, "keys": keys}, {"B_KEY": "sk-shared"})
+
+
+def test_a_key_is_found_among_many() -> None:
+    keys = [
+        {"name": f"k{i}", "sha256": hashlib.sha256(f"sk-{i}".encode()).hexdigest(), "tenant": "t"}
+        for i in range(500)
+    ]
+    config = parse_config({**UP, "keys": keys}, {})
+    found = config.key_for_digest(hashlib.sha256(b"sk-499").hexdigest())
+    assert found is not None and found.name == "k499"
+    assert config.key_for_digest(hashlib.sha256(b"sk-500").hexdigest()) is None
+    # A copy (a reload's) answers from its own keys, not from the original's lookup.
+    copy = config.model_copy(update={"key_digests": config.key_digests[:1]})
+    assert copy.key_for_digest(hashlib.sha256(b"sk-499").hexdigest()) is None
+
+
+def test_a_tier_hashes_by_value_once() -> None:
+    """Tiers key the scopes' cache: equal tiers hash equal, a changed copy does not keep the
+    original's remembered hash."""
+    tier = TierConfig(min_output_tokens=5)
+    assert hash(tier) == hash(TierConfig(min_output_tokens=5))
+    assert hash(tier.model_copy(update={"min_output_tokens": 6})) == hash(TierConfig(min_output_tokens=6))
+    assert hash(tier) != hash(TierConfig())
 
 
 def test_the_docker_config_loads() -> None:
