@@ -355,7 +355,7 @@ class Exchange:
 
     async def _relay_stream(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         call = self.call
-        response = web.StreamResponse(
+        response = _EventStream(
             status=200,
             headers={
                 "Content-Type": "text/event-stream",
@@ -364,8 +364,9 @@ class Exchange:
             },
         )
         client_gone = False
+        writer = None
         try:
-            await response.prepare(self.request)
+            writer = await response.prepare(self.request)
         except CLIENT_GONE:
             # Gone before the upstream's first byte (a slow start): a disconnect like any other.
             client_gone = True
@@ -382,14 +383,22 @@ class Exchange:
         transport = self.request.transport
         waited_s = 0.0
         try:
+            # What came with the upstream's headers goes out with ours, in one send; when nothing
+            # did, ours go out alone before the first wait, as soon as they would have anyway.
+            pending = upstream.content.read_nowait()
+            if not pending and writer is not None:
+                writer.send_headers()
             while True:
-                guard.waiting_since = waited = monotonic()
-                try:
-                    piece = await next_piece()
-                except StopAsyncIteration:
-                    break
-                guard.waiting_since = None
-                waited_s += monotonic() - waited
+                if pending:
+                    piece, pending = pending, b""
+                else:
+                    guard.waiting_since = waited = monotonic()
+                    try:
+                        piece = await next_piece()
+                    except StopAsyncIteration:
+                        break
+                    guard.waiting_since = None
+                    waited_s += monotonic() - waited
                 # Every complete event of this read goes out in one write, as soon as it came.
                 out = read(piece, limit=limit)
                 if out is None:
@@ -505,6 +514,14 @@ class Exchange:
             # Not fatal: the stream goes on; the settle (or the journal) still follows.
             self.services.metrics.store_errors.labels("renew").inc()
             log.warning("lease renewal failed", extra={"request_id": self.call.request_id, "error": str(err)})
+
+
+class _EventStream(web.StreamResponse):
+    """A stream whose headers wait in aiohttp's buffer, as ``web.Response``'s do, until the relay
+    sends them: with the first events when they came with the upstream's headers (one send, not
+    two), else alone before it waits on the upstream."""
+
+    _send_headers_immediately = False
 
 
 def provider_usage_of(parsed: Any) -> BilledUsage | None:

@@ -22,6 +22,7 @@ openai SDK: ``extra_body={"fake": {...}}``); every key is optional:
   no_usage         never send usage (still billed)
   keepalive        ": keep-alive" comments between streamed content chunks
   chunk_delay_s    sleep between streamed events
+  first_event_delay_s  sleep between a stream's headers and its first event
   delay_s          sleep before answering at all (any mode)
   two_usage        send the usage chunk twice (usage_early: before last content)
 
@@ -438,6 +439,8 @@ class FakeUpstream:
         delay = float(ctl.get("chunk_delay_s", 0))
         seen_content = False
         try:
+            if ctl.get("first_event_delay_s"):
+                await asyncio.sleep(float(ctl["first_event_delay_s"]))
             for idx, (kind, data) in enumerate(ops):
                 if kind == "trigger":
                     if mode == "cut":

@@ -319,6 +319,63 @@ async def test_client_gone_before_the_first_byte_is_a_disconnect(proxy: Proxy, f
     assert fake.bill[0].completion_tokens == 5
 
 
+async def test_headers_reach_the_client_while_the_upstream_withholds_its_first_event(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """The proxy's headers wait to go out with the first events only while those are already
+    there: an upstream that answers its headers and then thinks still lets the client see 200."""
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 50}
+    body["fake"] = {"first_event_delay_s": 3, "reply_tokens": 5}
+    async with aiohttp.ClientSession() as session:
+        post = session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
+        )
+        # Below the upstream's 3 s: only headers sent before the first event arrive in time.
+        resp = await asyncio.wait_for(post, timeout=2)
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.headers["x-request-id"]
+        resp.close()
+    entry = await the_entry(proxy, "r1", wait_s=8)
+    assert entry["outcome"] == "client_disconnected"
+    assert_provider_usage(entry, fake.bill[0])
+
+
+async def test_headers_and_first_events_arrive_as_one_valid_stream(proxy: Proxy, fake: FakeUpstream) -> None:
+    """When the upstream's first events come with its headers, ours go out with them: the
+    client still reads a well-formed response (raw bytes checked, not just the SDK's view)."""
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 50, "fake": {"reply_tokens": 3}}
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    raw_body = orjson.dumps(body)
+    writer.write(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"X-Run-Id: r1\r\nContent-Type: application/json\r\nContent-Length: {len(raw_body)}\r\n"
+        f"Connection: close\r\n\r\n".encode()
+        + raw_body
+    )
+    raw = await asyncio.wait_for(reader.read(), timeout=10)
+    writer.close()
+    head, _, chunked = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    # De-chunk: every chunk's size line must match, and the body must end with the last chunk.
+    payload, rest = b"", chunked
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        payload += rest[:size]
+        assert rest[size : size + 2] == b"\r\n"
+        rest = rest[size + 2 :]
+    assert payload.count(b"data: ") >= 5 and payload.endswith(b"data: [DONE]\n\n")
+    assert b"tok0" in payload and b"tok2" in payload
+    entry = await the_entry(proxy, "r1", wait_s=5)
+    assert entry["outcome"] == "ok"
+    assert_provider_usage(entry, fake.bill[0])
+
+
 async def stalled_reader(proxy: Proxy, run: str, reply_tokens: int) -> socket.socket:
     """A client that sends a stream request and then never reads (a small receive buffer)."""
     body = orjson.dumps(
