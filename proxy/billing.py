@@ -16,7 +16,7 @@ from proxy.errors import BadRequest, BudgetExceeded, StoreError
 from proxy.journal import Journal, PendingSettlement
 from proxy.metrics import Metrics
 from proxy.outcome import BilledUsage, Outcome
-from proxy.pricing import cost_micros, reserve_amounts, worst_rates
+from proxy.pricing import MAX_AMOUNT, cost_micros, reserve_amounts, worst_rates
 from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
 from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store, Tentative
@@ -166,12 +166,20 @@ async def _reserve(
     scopes: list[Scope],
     record: str,
 ) -> Reservation | Refusal | Tentative:
+    amounts = reserve_amounts(call.estimate, call.rates)
+    if max(amounts.values()) > MAX_AMOUNT:
+        # Thousands of prompts x best_of x max_tokens, say: refused before anything is written.
+        raise BadRequest(
+            f"This request's worst case ({amounts['output_tokens']} output tokens, "
+            f"{amounts['cost_micros']} micro-units) is more than the proxy can account for: "
+            "lower max_tokens, n, best_of or the number of prompts."
+        )
     return await store.reserve(
         tenant=call.identity.tenant,
         reservation_id=call.reservation_id,
         run_id=call.run_id,
         scopes=scopes,
-        amounts=reserve_amounts(call.estimate, call.rates),
+        amounts=amounts,
         lease_ms=lease_ms(call, config),
         record=record,
         clamp=_clamp_for(call, tier),

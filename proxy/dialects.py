@@ -25,12 +25,11 @@ Observer = Callable[[Observation, dict[str, Any]], None]
 DONE = b"data: [DONE]\n\n"
 
 
-def _count(value: Any) -> int:
-    return (
-        value
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SANE_TOKENS
-        else 0
-    )
+def _count(value: Any) -> int | None:
+    """A token count, or None when it is not one (bool is an int in Python; true is no count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SANE_TOKENS:
+        return value
+    return None
 
 
 # -- OpenAI chat completions and legacy completions ------------------------------------------
@@ -107,14 +106,21 @@ def _responses_body(obs: Observation, obj: dict[str, Any]) -> None:
 
 
 def anthropic_usage(raw: Any) -> ProviderUsage | None:
-    """Anthropic's ``input_tokens`` leaves out cache reads and writes; ours includes them."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("input_tokens"), int):
+    """Anthropic's ``input_tokens`` leaves out cache reads and writes; ours includes them. Any
+    count that is not one makes the whole unusable (None), as OpenAI usage is: the text is then
+    counted, never billed as 0."""
+    if not isinstance(raw, dict):
         return None
-    cache_read = _count(raw.get("cache_read_input_tokens"))
-    cache_creation = _count(raw.get("cache_creation_input_tokens"))
+    input_tokens = _count(raw.get("input_tokens"))
+    output_tokens = _count(raw.get("output_tokens", 0))
+    # Cache fields may be absent or null: none of that kind.
+    cache_read = _count(raw.get("cache_read_input_tokens") or 0)
+    cache_creation = _count(raw.get("cache_creation_input_tokens") or 0)
+    if input_tokens is None or output_tokens is None or cache_read is None or cache_creation is None:
+        return None
     return ProviderUsage(
-        input_tokens=_count(raw.get("input_tokens")) + cache_read + cache_creation,
-        output_tokens=_count(raw.get("output_tokens")),
+        input_tokens=input_tokens + cache_read + cache_creation,
+        output_tokens=output_tokens,
         cached_input_tokens=cache_read,
         reasoning_tokens=0,
         cache_creation_input_tokens=cache_creation,

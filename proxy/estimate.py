@@ -70,15 +70,18 @@ def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
     return replace(est, input_tokens=min(exact, est.input_tokens), uncounted=())
 
 
-def _with_tools(parts: list[str], tools: list[dict[str, Any]] | None) -> list[str]:
-    return [*(parts or [""]), orjson.dumps(tools).decode()] if tools else parts
+def _with_tools(parts: list[str], *tool_lists: list[dict[str, Any]] | None) -> list[str]:
+    for tools in tool_lists:
+        if tools:
+            parts = [*(parts or [""]), orjson.dumps(tools).decode()]
+    return parts
 
 
 def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
     """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
     and tokens given directly as token ids."""
     if isinstance(view, ChatBody):
-        parts = _with_tools(message_parts(view.messages), view.tools)
+        parts = _with_tools(message_parts(view.messages), view.tools, view.functions)
         return parts, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
     if isinstance(view, ResponsesBody):
         items = 1 if isinstance(view.input, str) else len(view.input)

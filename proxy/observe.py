@@ -111,8 +111,14 @@ class Observation:
             self.refused = True
             self.add_text(index, refusal)
         calls = part.get("tool_calls")
-        for call in calls if isinstance(calls, list) else ():
-            function = call.get("function") if isinstance(call, dict) else None
+        functions = (
+            [call.get("function") for call in calls if isinstance(call, dict)]
+            if isinstance(calls, list)
+            else []
+        )
+        # The legacy form: one function call, streamed as its name then its arguments' pieces.
+        functions.append(part.get("function_call"))
+        for function in functions:
             if isinstance(function, dict):
                 self.add_text(index, function.get("name"))
                 self.add_text(index, function.get("arguments"))

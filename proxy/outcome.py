@@ -61,6 +61,9 @@ def _json_problem(text: str) -> str | None:
         json.loads(text)
     except json.JSONDecodeError as err:
         return f"{err.msg} at line {err.lineno} column {err.colno}"
+    except RecursionError:
+        # Valid JSON perhaps, but nested past what any parser of the client's is likely to take.
+        return "nested too deeply to parse"
     return None
 
 

@@ -15,6 +15,8 @@ from proxy.errors import BadRequest
 
 Endpoint = Literal["chat.completions", "completions", "embeddings", "responses", "messages"]
 MAX_TOKENS_LIMIT = 10_000_000
+# The deepest nesting orjson writes (it reads deeper): what the proxy forwards is written by it.
+MAX_NESTING = 254
 
 _TokenCount = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
@@ -34,6 +36,8 @@ class ChatBody(_Body):
     n: int | None = Field(default=None, ge=1, le=128)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    # The legacy form of tools: sent to the model as prompt all the same.
+    functions: list[dict[str, Any]] | None = None
 
 
 class CompletionBody(_Body):
@@ -87,6 +91,7 @@ class ResponsesBody(_Body):
     max_output_tokens: int | None = _TokenCount
     stream: bool | None = None
     tools: list[dict[str, Any]] | None = None
+    background: bool | None = None
 
 
 class MessagesBody(_Body):
@@ -125,11 +130,27 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
         raise BadRequest(f"The request body is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(data, dict):
         raise BadRequest("The request body must be a JSON object.")
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:
+        # orjson reads 1024 levels but writes MAX_NESTING: a body it could not write again is
+        # refused here, not found out by the estimate or by forwarding after the reserve.
+        try:
+            orjson.dumps(data)
+        except TypeError:
+            raise BadRequest(f"The request body is nested more than {MAX_NESTING} levels deep.") from None
     try:
         view: Any = BODY_MODELS[endpoint].model_validate(data)
     except ValidationError as err:
         message, param = _describe(err)
         raise BadRequest(message, param=param) from None
+    if isinstance(view, ResponsesBody) and view.background:
+        # Queued: answered (and billed by the provider) later, to a request this proxy never sees.
+        raise BadRequest(
+            "Background responses are not supported through this proxy: it bills a call from its "
+            "answer, and a background response's answer comes later, outside it. Send it without "
+            "'background'.",
+            param="background",
+            code="unsupported_parameter",
+        )
     return data, view
 
 

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from proxy.estimate import Estimate
 
 TOKENS_PER_MILLION = 1_000_000
+# The largest figure the store takes (settle.lua: 15 digits, exact as a Lua number). A reserve past
+# it could never be settled, nor released.
+MAX_AMOUNT = 10**15 - 1
 
 
 def cost_micros(
