@@ -179,8 +179,13 @@ def message_parts(messages: list[dict[str, Any]]) -> list[str]:
             if isinstance(message.get(name), str):
                 parts.append(message[name])
         calls = message.get("tool_calls")
-        for call in calls if isinstance(calls, list) else ():
-            function = call.get("function") if isinstance(call, dict) else None
+        functions = (
+            [call.get("function") for call in calls if isinstance(call, dict)]
+            if isinstance(calls, list)
+            else []
+        )
+        functions.append(message.get("function_call"))  # the legacy form of one call
+        for function in functions:
             if isinstance(function, dict):
                 parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))
     return parts

@@ -383,15 +383,18 @@ class Exchange:
         transport = self.request.transport
         waited_s = 0.0
         try:
-            # What came with the upstream's headers goes out with ours, in one send; when nothing
-            # did, ours go out alone before the first wait, as soon as they would have anyway.
+            # What came with the upstream's headers goes out with ours, in one send; ours never
+            # wait on the upstream: they go out (if no events took them) before any wait.
             pending = upstream.content.read_nowait()
-            if not pending and writer is not None:
-                writer.send_headers()
             while True:
                 if pending:
                     piece, pending = pending, b""
                 else:
+                    if writer is not None and not client_gone:
+                        try:
+                            writer.send_headers()  # nothing once they went out
+                        except CLIENT_GONE:
+                            client_gone = True
                     guard.waiting_since = waited = monotonic()
                     try:
                         piece = await next_piece()

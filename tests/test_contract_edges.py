@@ -174,6 +174,44 @@ async def test_functions_count_against_the_input_ceiling_as_tools_do(
     assert int(run.get("used:input_tokens", 0)) <= 1000, run  # now: 4000
 
 
+async def test_legacy_function_call_in_history_counts_as_tool_calls_do(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), tiers={"standard": {"run": {"input_tokens": 1000}}}
+    )
+    script.plan = Plan(chunks=[chat_answer(4000)])
+    args = " ".join(f"word{i}" for i in range(2000))
+    user = {"role": "user", "content": "hi"}
+    call = {"name": "lookup", "arguments": args}
+    as_tool_call = [
+        user,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    as_function_call = [
+        user,
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": "lookup", "content": "ok"},
+    ]
+    for run, messages in (("r1", as_tool_call), ("r2", as_function_call)):
+        body = dumps({"model": "gpt-4o-mini", "messages": messages, "max_tokens": 5})
+        reply = await send(
+            proxy,
+            lambda: script.received,
+            redis_client,
+            "/v1/chat/completions",
+            body,
+            headers={"X-Run-Id": run},
+        )
+        assert reply.status == 429, reply.describe()
+    assert script.received == []
+
+
 # 5. Responses background mode: queued, answered later outside the proxy: refused up front -----
 
 

@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 from openai.types.chat import ChatCompletionChunk
 
 from proxy.redis_server import free_port
@@ -339,6 +340,71 @@ async def test_headers_reach_the_client_while_the_upstream_withholds_its_first_e
     entry = await the_entry(proxy, "r1", wait_s=8)
     assert entry["outcome"] == "client_disconnected"
     assert_provider_usage(entry, fake.bill[0])
+
+
+async def test_client_gone_before_the_upstreams_headers_then_a_slow_first_event(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """Our headers, written before the first wait, find the client gone: a disconnect billed
+    on the provider's figures, not an upstream error at the reserve."""
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 900}
+    body["fake"] = {"delay_s": 0.5, "first_event_delay_s": 0.2, "reply_tokens": 5}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
+        with pytest.raises(TimeoutError):
+            await session.post(
+                proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
+            )
+    entry = await the_entry(proxy, "r1", wait_s=5)
+    assert entry["outcome"] == "client_disconnected", entry
+    assert_provider_usage(entry, fake.bill[0])
+
+
+class _HeadersWithData(web.StreamResponse):
+    _send_headers_immediately = False  # the upstream's headers and first bytes in one send
+
+
+async def test_headers_are_not_held_while_the_first_event_is_incomplete(make_proxy: ProxyFactory) -> None:
+    """The upstream's headers come with part of its first event, then it thinks: the client
+    still gets our headers at once."""
+
+    def event(obj: JsonDict) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    role = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": ""}}]}
+    last = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = _HeadersWithData(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        first = event(role)
+        await resp.write(first[:-1])  # with the headers: the first event but its last line break
+        await asyncio.sleep(3)
+        await resp.write(first[-1:] + event(last) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        proxy = await make_proxy(upstreams={"openai": {"base_url": base, "api_key_env": "TEST_UPSTREAM_KEY"}})
+        body = {"model": MODEL, "messages": MSGS, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            post = session.post(proxy.url + "/v1/chat/completions", json=body, headers=auth())
+            resp = await asyncio.wait_for(post, timeout=1.5)  # the upstream's second send is 3 s away
+            assert resp.status == 200
+            assert b"data: [DONE]" in await resp.read()
+    finally:
+        await runner.cleanup()
 
 
 async def test_headers_and_first_events_arrive_as_one_valid_stream(proxy: Proxy, fake: FakeUpstream) -> None:
