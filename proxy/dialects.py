@@ -59,8 +59,7 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
         obs.error = True
     usage = parse_usage(response.get("usage"))
     if usage is not None:
-        obs.usage = usage
-        obs.usage_chunks += 1
+        obs.take_usage(usage)
     for item in response.get("output") or ():
         if not isinstance(item, dict):
             continue
@@ -112,7 +111,8 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
     if not isinstance(raw, dict):
         return None
     input_tokens = _count(raw.get("input_tokens"))
-    output_tokens = _count(raw.get("output_tokens", 0))
+    given = raw.get("output_tokens")
+    output_tokens = 0 if given is None else _count(given)
     # Cache fields may be absent or null: none of that kind.
     cache_read = _count(raw.get("cache_read_input_tokens") or 0)
     cache_creation = _count(raw.get("cache_creation_input_tokens") or 0)
@@ -124,6 +124,7 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
         cached_input_tokens=cache_read,
         reasoning_tokens=0,
         cache_creation_input_tokens=cache_creation,
+        output_known=given is not None,
     )
 
 
@@ -153,7 +154,8 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(obj.get("usage"), dict):
             obs.partial_usage.update({k: v for k, v in obj["usage"].items() if v is not None})
             obs.usage = anthropic_usage(obs.partial_usage)
-            obs.usage_final = True
+            # Final only with an output count of its own (message_start's is a placeholder).
+            obs.usage_final = _count(obj["usage"].get("output_tokens")) is not None
     elif kind == "message_stop":
         obs.done = True
     elif kind == "error":
@@ -179,6 +181,7 @@ def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
             elif block.get("type") == "thinking":
                 obs.add_text(0, block.get("thinking"), content=False)
     obs.usage = anthropic_usage(obj.get("usage"))
+    obs.usage_final = obs.usage is None or obs.usage.output_known
 
 
 # -- the table --------------------------------------------------------------------------------

@@ -70,30 +70,45 @@ def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
     return replace(est, input_tokens=min(exact, est.input_tokens), uncounted=())
 
 
-def _with_tools(parts: list[str], *tool_lists: list[dict[str, Any]] | None) -> list[str]:
-    for tools in tool_lists:
-        if tools:
-            parts = [*(parts or [""]), orjson.dumps(tools).decode()]
+def _with_json(parts: list[str], *values: Any) -> list[str]:
+    """``parts`` and, as JSON text, each value the model is also sent as prompt (tools, schemas)."""
+    for value in values:
+        if value:
+            parts = [*(parts or [""]), orjson.dumps(value).decode()]
     return parts
+
+
+def _schema(response_format: Any) -> Any:
+    """A structured-output schema (sent to the model as prompt); None for other formats."""
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        return response_format
+    return None
 
 
 def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
     """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
     and tokens given directly as token ids."""
     if isinstance(view, ChatBody):
-        parts = _with_tools(message_parts(view.messages), view.tools, view.functions)
+        parts = _with_json(
+            message_parts(view.messages), view.tools, view.functions, _schema(view.response_format)
+        )
         return parts, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
     if isinstance(view, ResponsesBody):
         items = 1 if isinstance(view.input, str) else len(view.input)
-        parts = _with_tools(items_parts(view.input, view.instructions), view.tools)
+        text_format = view.text.get("format") if view.text else None
+        variables = view.prompt.get("variables") if view.prompt else None
+        parts = _with_json(
+            items_parts(view.input, view.instructions), view.tools, _schema(text_format), variables
+        )
         return parts, TOKENS_PER_MESSAGE * (items + 1) + TOKENS_PER_REPLY, 0
     if isinstance(view, MessagesBody):
-        parts = _with_tools(items_parts(view.messages, view.system), view.tools)
+        parts = _with_json(items_parts(view.messages, view.system), view.tools)
         return parts, TOKENS_PER_MESSAGE * (len(view.messages) + 1) + TOKENS_PER_REPLY, 0
     source = view.prompt if isinstance(view, CompletionBody) else view.input
+    suffix = [view.suffix] if isinstance(view, CompletionBody) and view.suffix else []
     if isinstance(source, str):
-        return [source], 0, 0
-    texts = [s for s in source if isinstance(s, str)]
+        return [source, *suffix], 0, 0
+    texts = [s for s in source if isinstance(s, str)] + suffix
     ids = sum(1 for s in source if isinstance(s, int))
     ids += sum(len(s) for s in source if isinstance(s, list))
     return texts, 0, ids

@@ -43,6 +43,12 @@ _LF, _CR, _QUOTE, _BACKSLASH = b'\n\r"\\'
 _RUN_TRIES = 4
 
 
+def _data_event(data: bytes) -> bytes:
+    """An event carrying ``data``: one ``data:`` line per line of it (data an upstream sent on
+    several lines has line breaks, which a single line would cut short for the client)."""
+    return b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n"
+
+
 def odd_texts(texts: bytes) -> bool:
     """Whether a text (or any of several, each followed by a line break), as the bytes between
     the quotes of a JSON string, is not one the per-event path reads as plain content: it could
@@ -89,22 +95,29 @@ class EventFilter:
         self._stripped_separator = b""
         # Bytes of an event not complete yet, held until the next read.
         self._held = bytearray()
+        # The last read ended in \r: a \n starting the next one is the same line break.
+        self._after_cr = False
         self._tries = _TEMPLATE_TRIES if self._fast and runs else 0
 
     def read(self, piece: bytes, *, limit: int) -> bytes | None:
         """One read of the upstream body: the client's bytes for the events it completes (none
         held over when it ends in a blank line: no copies), or None when an event grows past
         ``limit`` bytes."""
+        if self._after_cr:
+            self._after_cr = False
+            if piece.startswith(b"\n"):
+                piece = piece[1:]  # the \n of a \r\n the last read ended inside
         held = self._held
         if not held:
             if self._prefix_len and len(piece) <= limit and (out := self._single(piece)) is not None:
                 return out
             if piece.endswith(b"\n\n") and _CR not in piece and len(piece) <= limit:
                 return self.feed(piece)
+        if _CR in piece:
+            # SSE ends a line with \r\n, \n or a lone \r (never inside JSON: it escapes \r).
+            self._after_cr = piece.endswith(b"\r")
+            piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         held += piece
-        if _CR in held:
-            # On what is held, not the piece: a read may end between \r and \n.
-            held[:] = held.replace(b"\r\n", b"\n")
         if len(held) > limit:
             return None
         complete = held.rfind(b"\n\n") + 2
@@ -317,8 +330,7 @@ class EventFilter:
         """Observe one SSE event; return the bytes the client gets, or None to drop it."""
         if event.startswith(b"data: ") and b"\n" not in event:
             data = event[6:]
-        elif b"data:" in event:
-            lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
+        elif lines := [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]:
             data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)
         else:
             return event + b"\n\n"  # comments (keep-alives) and field-only events pass through
@@ -331,7 +343,7 @@ class EventFilter:
         strip = not wants_usage and data.endswith(_USAGE_NULL_TAIL)
         if self._fast and (wants_usage or strip or b'"usage"' not in data) and self._content_only(data):
             # Most events only carry a content delta: note it without parsing the JSON.
-            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n" if strip else event + b"\n\n"
+            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}") if strip else event + b"\n\n"
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -342,7 +354,7 @@ class EventFilter:
             return event + b"\n\n"  # no usage field (the bytes were in a text): as it came
         if data.endswith(_USAGE_NULL_TAIL):
             # The common case (OpenAI puts it last): cut the bytes, do not re-serialise.
-            return b"data: " + data[: -len(_USAGE_NULL_TAIL)] + b"}\n\n"
+            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}")
         if obj.get("choices") == [] and obj.get("usage") is not None:
             return None  # the usage-only chunk the client did not ask for
         obj.pop("usage", None)

@@ -20,6 +20,9 @@ class ProviderUsage:
     cached_input_tokens: int
     reasoning_tokens: int
     cache_creation_input_tokens: int = 0
+    # False when the report gave no output count (only prompt tokens): the output is then
+    # counted from the text, never taken as 0.
+    output_known: bool = True
 
 
 # Above this a count is not a usage report but garbage (and past 2**53 Lua loses integers).
@@ -38,7 +41,8 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     if not isinstance(raw, dict):
         return None
     prompt = _count(raw.get("prompt_tokens", raw.get("input_tokens")))
-    completion = _count(raw.get("completion_tokens", raw.get("output_tokens", 0)))
+    given = raw.get("completion_tokens", raw.get("output_tokens"))
+    completion = 0 if given is None else _count(given)
     if prompt is None or completion is None:
         return None
     prompt_details = raw.get("prompt_tokens_details") or raw.get("input_tokens_details") or {}
@@ -47,7 +51,7 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     reasoning = (
         _count(completion_details.get("reasoning_tokens", 0)) if isinstance(completion_details, dict) else 0
     )
-    return ProviderUsage(prompt, completion, cached or 0, reasoning or 0)
+    return ProviderUsage(prompt, completion, cached or 0, reasoning or 0, output_known=given is not None)
 
 
 @dataclass(slots=True)
@@ -68,6 +72,12 @@ class Observation:
     # Usage that arrives in parts (Anthropic: message_start, then message_delta).
     partial_usage: dict[str, Any] = field(default_factory=dict)
     usage_final: bool = True
+
+    def take_usage(self, usage: ProviderUsage) -> None:
+        self.usage = usage
+        self.usage_chunks += 1
+        # A report without an output count is not the final word on the output (see relay).
+        self.usage_final = usage.output_known
 
     def add_text(self, index: int, piece: Any, *, content: bool = False) -> None:
         if isinstance(piece, str) and piece:
@@ -134,8 +144,7 @@ class Observation:
         if "usage" in obj and obj["usage"] is not None:
             usage = parse_usage(obj["usage"])
             if usage is not None:
-                self.usage = usage
-                self.usage_chunks += 1
+                self.take_usage(usage)
         choices = obj.get("choices")
         if not isinstance(choices, list):
             return

@@ -48,6 +48,8 @@ class CompletionBody(_Body):
     n: int | None = Field(default=None, ge=1, le=128)
     # Generated server-side, the best n of them returned: each is billed.
     best_of: int | None = Field(default=None, ge=1, le=128)
+    # Insert mode: text after the completion, prompt all the same.
+    suffix: str | None = None
 
 
 def prompts(view: object) -> int:
@@ -92,6 +94,10 @@ class ResponsesBody(_Body):
     stream: bool | None = None
     tools: list[dict[str, Any]] | None = None
     background: bool | None = None
+    # Read for what the model is sent as prompt: a structured output's schema (text.format) and
+    # a stored prompt's variables.
+    text: dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
 
 
 class MessagesBody(_Body):

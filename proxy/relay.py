@@ -99,9 +99,10 @@ class Exchange:
     def _usage(self, *, complete: bool) -> BilledUsage:
         """Provider figures first; else count a complete answer; else the reserve."""
         found = provider_usage(self.obs)
-        if found is not None and not self.obs.usage_final:
-            # Input is known (message_start) but the final output count never came: count
-            # what was streamed, never less than what the provider last said.
+        if found is not None and not self.obs.usage_final and self.obs.all_text():
+            # Input is known (message_start, a report of prompt tokens only) but the final
+            # output count never came: count what was streamed, never less than what the
+            # provider last said.
             counted = self._estimated_usage()
             if counted.output_tokens > found.output_tokens:
                 return replace(found, output_tokens=counted.output_tokens, source=counted.source)
@@ -204,7 +205,7 @@ class Exchange:
                 return await self._transport_failure(upstream)
             try:
                 self.call.upstream_status = upstream.status
-                if upstream.status >= 400:
+                if upstream.status >= 300:  # redirects are not followed: not an answer either
                     return await self._upstream_error(upstream)
                 if self.call.stream and upstream.content_type == "text/event-stream":
                     return await self._relay_stream(upstream)
@@ -258,6 +259,17 @@ class Exchange:
             # The provider refused the request (4xx) or said in its own format that it failed:
             # nothing was billed. A bare 5xx (a gateway's HTML page) may hide spent tokens.
             usage = ZERO_USAGE if status < 500 or explicit_error else self._reserve_usage()
+        if status < 400:
+            # A redirect: the provider did no work here (a base_url to fix), nothing to bill.
+            settlement = await self._settle(Outcome("upstream_error"), ZERO_USAGE)
+            return self._error(
+                502,
+                f"The upstream redirected the call (HTTP {status}); the proxy does not follow "
+                "redirects: its upstream base_url needs fixing.",
+                "upstream_error",
+                code="upstream_redirect",
+                headers=self._headers(settlement),
+            )
         settlement = await self._settle(Outcome(tag), usage)
         headers = self._headers(settlement)
         if status in (401, 403) and not self.call.upstream.passthrough_auth:

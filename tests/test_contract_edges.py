@@ -313,3 +313,359 @@ async def test_streamed_function_call_arguments_are_counted_without_usage(
     reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
     (entry,) = reply.new_entries
     assert int(entry["output_tokens"]) >= len(args) // 4, entry  # now: 0 (tool_calls: 227)
+
+
+# -- a second review -------------------------------------------------------------------------
+
+RUN = "lbp:{team-a}:run:r1"
+HDR = {"X-Run-Id": "r1"}
+
+
+def chat_body(content: str, usage: dict[str, Any]) -> bytes:
+    return dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "gpt-4o-mini",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+            ],
+            "usage": usage,
+        }
+    )
+
+
+def legacy_body(usage: dict[str, Any]) -> bytes:
+    return dumps(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "gpt-4o-mini",
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+            "usage": usage,
+        }
+    )
+
+
+def responses_body(usage: dict[str, Any], text: str = "ok") -> bytes:
+    return dumps(
+        {
+            "id": "resp_1",
+            "object": "response",
+            "status": "completed",
+            "model": "gpt-4o-mini",
+            "output": [
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+            ],
+            "usage": usage,
+        }
+    )
+
+
+# 1. Prompt text the estimate skips: a run ceiling is overspent ------------------------------
+
+DOC = "word " * 2000  # 10,000 characters: 2,000 tokens with any OpenAI encoding
+PROMPT_TOKENS = 2002  # what the provider bills for it (plus "hi")
+CEILING = 1000
+SKIPPED = {
+    # Legacy completions insert mode: the suffix is prompt text.
+    "completions-suffix": (
+        "/v1/completions",
+        {"model": "gpt-4o-mini", "prompt": "hi", "suffix": DOC, "max_tokens": 5},
+        legacy_body(
+            {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}
+        ),
+    ),
+    # Structured outputs: the schema is sent to the model as prompt.
+    "chat-json_schema": (
+        "/v1/chat/completions",
+        {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "description": DOC}},
+            },
+        },
+        chat_body(
+            "{}", {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}
+        ),
+    ),
+    "responses-text.format": (
+        "/v1/responses",
+        {
+            "model": "gpt-4o-mini",
+            "input": "hi",
+            "max_output_tokens": 5,
+            "text": {
+                "format": {
+                    "type": "json_schema",
+                    "name": "x",
+                    "schema": {"type": "object", "description": DOC},
+                }
+            },
+        },
+        responses_body(
+            {"input_tokens": PROMPT_TOKENS, "output_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}
+        ),
+    ),
+    # A stored prompt's variables are substituted into the prompt.
+    "responses-prompt.variables": (
+        "/v1/responses",
+        {
+            "model": "gpt-4o-mini",
+            "input": "hi",
+            "max_output_tokens": 5,
+            "prompt": {"id": "pmpt_1", "variables": {"doc": DOC}},
+        },
+        responses_body(
+            {"input_tokens": PROMPT_TOKENS, "output_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}
+        ),
+    ),
+    # Not covered (README): previous_response_id / conversation (an earlier conversation the
+    # proxy never sees) and images (85 to ~1,100 tokens each, by model and size).
+}
+
+
+@pytest.mark.parametrize("case", list(SKIPPED))
+async def test_prompt_text_outside_messages_counts_against_a_run_ceiling(
+    case: str, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    path, body, answer = SKIPPED[case]
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), tiers={"standard": {"run": {"total_tokens": CEILING}}}
+    )
+    script.plan = Plan(chunks=[answer])
+    reply = await send(proxy, lambda: script.received, redis_client, path, dumps(body), headers=HDR)
+    used = int(await redis_client.hget(RUN, "used:total_tokens") or 0)
+    # Before: 200, reserved_input_tokens 2-40, used:total_tokens 2003 > 1000.
+    assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()
+    assert used <= CEILING
+
+
+async def test_control_same_text_in_the_prompt_is_refused(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The same text in the prompt itself: refused before anything, as it always was."""
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), tiers={"standard": {"run": {"total_tokens": CEILING}}}
+    )
+    body = {"model": "gpt-4o-mini", "prompt": "hi" + DOC, "max_tokens": 5}
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/completions", dumps(body), headers=HDR
+    )
+    assert reply.status == 429 and reply.upstream_calls == 0
+
+
+# 2. Usage without an output count bills the output as 0 -------------------------------------
+
+ANSWER = "word " * 200  # 200 output tokens the provider wrote
+
+
+def sse(*objs: Any) -> list[bytes]:
+    return [b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n\n" for o in objs]
+
+
+def chunk(
+    delta: dict[str, Any], fr: str | None = None, usage: Any = None, choices: bool = True
+) -> dict[str, Any]:
+    return {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": fr}] if choices else [],
+        "usage": usage,
+    }
+
+
+def ev(kind: str, obj: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **obj})}\n\n".encode()
+
+
+OUTPUT_LOST = {
+    "chat": ("/v1/chat/completions", False, [chat_body(ANSWER, {"prompt_tokens": 3})]),
+    "chat-stream": (
+        "/v1/chat/completions",
+        True,
+        [
+            *sse(
+                chunk({"content": ANSWER}),
+                chunk({}, "stop"),
+                chunk({}, None, {"prompt_tokens": 3}, choices=False),
+            ),
+            b"data: [DONE]\n\n",
+        ],
+    ),
+    "responses-stream": (
+        "/v1/responses",
+        True,
+        [
+            ev("response.output_text.delta", {"delta": ANSWER}),
+            ev("response.completed", {"response": {"status": "completed", "usage": {"input_tokens": 3}}}),
+        ],
+    ),
+    "messages-stream-null-output": (
+        "/v1/messages",
+        True,
+        [
+            ev(
+                "message_start",
+                {
+                    "message": {
+                        "id": "m",
+                        "role": "assistant",
+                        "content": [],
+                        "usage": {"input_tokens": 3, "output_tokens": 1},
+                    }
+                },
+            ),
+            ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": ANSWER}}),
+            ev("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": None}}),
+            ev("message_stop", {}),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_LOST))
+async def test_usage_without_output_count_is_not_billed_as_zero_output(
+    case: str, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    path, stream, chunks = OUTPUT_LOST[case]
+    upstreams = {
+        **scripted_upstreams(script.base_url),
+        "anthropic": {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"},
+    }
+    proxy = await make_proxy(
+        upstreams=upstreams, models={"claude-*": {"upstream": "anthropic"}, "*": {"upstream": "openai"}}
+    )
+    script.plan = Plan(content_type="text/event-stream" if stream else "application/json", chunks=chunks)
+    if path == "/v1/messages":
+        body: dict[str, Any] = {
+            "model": "claude-x",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 500,
+        }
+    elif path == "/v1/responses":
+        body = {"model": "gpt-4o-mini", "input": "hi", "max_output_tokens": 500}
+    else:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
+    body["stream"] = stream
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        path,
+        dumps(body),
+        headers={"anthropic-version": "2023-06-01"},
+    )
+    (entry,) = reply.new_entries
+    # Before: outcome ok, usage_source provider, output_tokens 0 (1 for the Anthropic case).
+    assert int(entry["output_tokens"]) >= 100, entry
+
+
+# 3. Upstream SSE framing -----------------------------------------------------------------
+
+
+def _stream_body() -> bytes:
+    return dumps(
+        {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 50,
+            "stream": True,
+        }
+    )
+
+
+USAGE_CHUNK = chunk({}, None, {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, choices=False)
+
+
+async def test_sse_comment_mentioning_data_is_not_an_upstream_error(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[
+            b": heartbeat, no data: yet\n\n",  # a comment line: ignored by every SSE parser
+            *sse(chunk({"content": "hello"}), chunk({}, "stop"), USAGE_CHUNK),
+            b"data: [DONE]\n\n",
+        ],
+    )
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", _stream_body())
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "ok", entry  # before: upstream_error
+
+
+def client_events(body: bytes) -> list[str]:
+    """The data of each event as an SSE client (the openai SDK, a browser) reads it."""
+    out = []
+    for block in body.decode().replace("\r\n", "\n").split("\n\n"):
+        data = [ln[5:].removeprefix(" ") for ln in block.split("\n") if ln.startswith("data:")]
+        if data:
+            out.append("\n".join(data))
+    return out
+
+
+@pytest.mark.parametrize("client_usage", [False, True])
+async def test_multi_line_data_reaches_the_client_as_valid_events(
+    client_usage: bool, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    first = json.dumps(chunk({"content": "hello"}), separators=(",", ":"))
+    head, tail = first.split('"choices"', 1)
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[
+            b"data: " + head.encode() + b'\ndata: "choices"' + tail.encode() + b"\n\n",
+            *sse(chunk({}, "stop"), USAGE_CHUNK),
+            b"data: [DONE]\n\n",
+        ],
+    )
+    body = json.loads(_stream_body())
+    if client_usage:
+        body["stream_options"] = {"include_usage": True}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
+    for data in client_events(reply.body):
+        if data != "[DONE]":
+            json.loads(data)  # before (client_usage=False): JSONDecodeError
+
+
+async def test_cr_line_endings_are_a_complete_stream(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    events = [json.dumps(c).encode() for c in (chunk({"content": "hello"}), chunk({}, "stop"), USAGE_CHUNK)]
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[b"data: " + e + b"\r\r" for e in events] + [b"data: [DONE]\r\r"],
+    )
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", _stream_body())
+    (entry,) = reply.new_entries
+    # Before: upstream_error, usage_source reserve (9 + 50 tokens billed for a 3 + 2 answer).
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+
+
+# 4. A redirect from the upstream is not an answer -----------------------------------------
+
+
+async def test_upstream_redirect_is_not_passed_on_as_an_ok_call(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(
+        status=307,
+        chunks=[b"{}"],
+        extra_headers={"Location": "https://elsewhere.invalid/v1/chat/completions"},
+    )
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
+    (entry,) = reply.new_entries
+    # Before: HTTP 307 with body {} and no Location passed on; ledger outcome ok, usage_source chars.
+    assert entry["outcome"] != "ok", (reply.status, entry)
+    assert reply.status >= 400 and b'"error"' in reply.body, reply.describe()
