@@ -24,6 +24,8 @@ from proxy.payload import (
     generations,
     items_parts,
     message_parts,
+    prompts,
+    variable_texts,
 )
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
 
@@ -96,16 +98,17 @@ def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, in
     if isinstance(view, ResponsesBody):
         items = 1 if isinstance(view.input, str) else len(view.input)
         text_format = view.text.get("format") if view.text else None
-        variables = view.prompt.get("variables") if view.prompt else None
+        variables = variable_texts(view.prompt.get("variables")) if view.prompt else []
         parts = _with_json(
-            items_parts(view.input, view.instructions), view.tools, _schema(text_format), variables
+            items_parts(view.input, view.instructions) + variables, view.tools, _schema(text_format)
         )
         return parts, TOKENS_PER_MESSAGE * (items + 1) + TOKENS_PER_REPLY, 0
     if isinstance(view, MessagesBody):
         parts = _with_json(items_parts(view.messages, view.system), view.tools)
         return parts, TOKENS_PER_MESSAGE * (len(view.messages) + 1) + TOKENS_PER_REPLY, 0
     source = view.prompt if isinstance(view, CompletionBody) else view.input
-    suffix = [view.suffix] if isinstance(view, CompletionBody) and view.suffix else []
+    # Insert mode: each prompt of a list is sent with the suffix.
+    suffix = [view.suffix] * prompts(view) if isinstance(view, CompletionBody) and view.suffix else []
     if isinstance(source, str):
         return [source, *suffix], 0, 0
     texts = [s for s in source if isinstance(s, str)] + suffix

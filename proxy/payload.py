@@ -176,6 +176,16 @@ def _part_texts(content: Any, parts: list[str]) -> None:
                     parts.append(orjson.dumps(value).decode())
 
 
+def variable_texts(variables: Any) -> list[str]:
+    """The text of a stored prompt's variables: strings, or parts carrying text (an image or a
+    file part adds none, as in messages)."""
+    parts: list[str] = []
+    if isinstance(variables, dict):
+        for value in variables.values():
+            _part_texts(value if isinstance(value, str) else [value], parts)
+    return parts
+
+
 def message_parts(messages: list[dict[str, Any]]) -> list[str]:
     """All text a chat request sends: contents, names, refusals and tool-call arguments."""
     parts: list[str] = []

@@ -4,6 +4,7 @@ before its fix."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -669,3 +670,45 @@ async def test_upstream_redirect_is_not_passed_on_as_an_ok_call(
     # Before: HTTP 307 with body {} and no Location passed on; ledger outcome ok, usage_source chars.
     assert entry["outcome"] != "ok", (reply.status, entry)
     assert reply.status >= 400 and b'"error"' in reply.body, reply.describe()
+
+
+# -- a review of those fixes ------------------------------------------------------------------
+
+
+async def test_an_image_variable_of_a_stored_prompt_is_not_reserved_as_text(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Images reserve nothing (README), as a variable as in ``input``: its base64 is not text."""
+    image = "data:image/png;base64," + base64.b64encode(bytes(range(256)) * 1200).decode()  # ~400 KB
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), tiers={"standard": {"run": {"total_tokens": 50_000}}}
+    )
+    script.plan = Plan(chunks=[responses_body({"input_tokens": 800, "output_tokens": 20})])
+    body = {
+        "model": "gpt-4o-mini",
+        "input": "describe",
+        "max_output_tokens": 50,
+        "prompt": {"id": "pmpt_1", "variables": {"photo": {"type": "input_image", "image_url": image}}},
+    }
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/responses", dumps(body), headers=HDR
+    )
+    assert (reply.status, reply.upstream_calls) == (200, 1), reply.describe()
+
+
+async def test_the_suffix_of_each_prompt_counts_against_a_run_ceiling(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Insert mode sends the suffix with every prompt of a list: reserved once per prompt."""
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), tiers={"standard": {"run": {"total_tokens": 15_000}}}
+    )
+    script.plan = Plan(
+        chunks=[legacy_body({"prompt_tokens": 40_040, "completion_tokens": 20, "total_tokens": 40_060})]
+    )
+    body = {"model": "gpt-4o-mini", "prompt": [f"p{i}" for i in range(20)], "suffix": DOC, "max_tokens": 1}
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/completions", dumps(body), headers=HDR
+    )
+    assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()
+    assert int(await redis_client.hget(RUN, "used:total_tokens") or 0) == 0
