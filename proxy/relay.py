@@ -337,11 +337,14 @@ class Exchange:
                 headers=self._headers(settlement),
             )
         transport = self.request.transport
+        failed = self.obs.error  # an answer that says it failed (status failed, an error object)
         if transport is None or transport.is_closing():
             outcome = Outcome("client_disconnected")
+        elif failed:
+            outcome = Outcome("upstream_error")  # passed on as it came, billed as a stream's is
         else:
             outcome = classify_answer(self.obs, call.policy, json_mode=call.json_mode)
-        settlement = await self._settle(outcome, self._usage(complete=True))
+        settlement = await self._settle(outcome, self._usage(complete=not failed))
         headers = self._headers(settlement)
         if outcome.tag == "rejected":
             headers["x-should-retry"] = "false"
@@ -449,7 +452,10 @@ class Exchange:
 
         if client_gone:
             cancelled = not self.obs.done and call.policy.on_client_disconnect == "cancel"
-            usage = self._estimated_usage() if cancelled else self._usage(complete=self.obs.done)
+            # Cut by the proxy (cancel): what streamed is what was ordered, on the provider's
+            # figures when they came. Drained: a failed or unfinished answer is not complete.
+            complete = cancelled or (self.obs.done and not self.obs.error and not self.obs.malformed)
+            usage = self._usage(complete=complete)
             await self._settle(Outcome("client_disconnected"), usage)
             return response
         if failure is None and (self.obs.malformed or self.obs.error or not self.obs.done):

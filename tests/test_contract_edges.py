@@ -4,15 +4,18 @@ before its fix."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 
-from tests.conftest import Proxy, ProxyFactory
+from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import (
     Plan,
@@ -712,3 +715,204 @@ async def test_the_suffix_of_each_prompt_counts_against_a_run_ceiling(
     )
     assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()
     assert int(await redis_client.hget(RUN, "used:total_tokens") or 0) == 0
+
+
+# -- a third hunt: disconnects and failed answers ----------------------------------------------
+
+LEDGER = "lbp:{team-a}:ledger"
+AUTH = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "r1"}
+
+
+async def only_entry(client: aioredis.Redis) -> dict[str, str]:
+    for _ in range(100):
+        got = await client.xrange(LEDGER)
+        if got:
+            assert len(got) == 1, got
+            assert await client.zcard("lbp:{team-a}:leases") == 0
+            return dict(got[0][1])
+        await asyncio.sleep(0.05)
+    raise AssertionError("no ledger entry")
+
+
+class TimedUpstream:
+    """Writes (delay_s, bytes) pieces, one write each, as an SSE body."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[float, bytes]] = []
+        self.base_url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for delay, data in self.pieces:
+                await asyncio.sleep(delay)
+                await resp.write(data)
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+
+@pytest.fixture
+async def timed() -> Any:
+    up = TimedUpstream()
+    await up.start()
+    yield up
+    await up.runner.cleanup()
+
+
+async def cancel_proxy(make_proxy: ProxyFactory, timed: TimedUpstream, kind: str) -> Proxy:
+    upstream = {"base_url": timed.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 5, "kind": kind}
+    return await make_proxy(
+        upstreams={"openai": upstream},
+        models={"*": {"upstream": "openai"}},
+        policy={"on_client_disconnect": "cancel"},
+    )
+
+
+async def read_until_then_leave(proxy: Proxy, path: str, body: Any, marker: bytes) -> None:
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + path, json=body, headers=AUTH)
+        assert resp.status == 200
+        seen = b""
+        while marker not in seen:
+            piece = await asyncio.wait_for(resp.content.readany(), 5)
+            assert piece, seen
+            seen += piece
+        resp.close()
+
+
+def named_event(event: str, obj: Any) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(obj)}\n\n".encode()
+
+
+# -- a non-streaming answer that says it failed was billed ok ----------------------------------
+
+
+async def test_non_streaming_failed_response_is_an_upstream_error(
+    proxy: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    body = {"model": "gpt-4o-mini", "input": "hello", "max_output_tokens": 10, "fake": {"mode": "failed"}}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/responses", json=body, headers=AUTH) as resp:
+            header_outcome = resp.headers["x-billing-outcome"]
+    entry = await only_entry(redis_client)
+    # The same answer streamed (response.failed) is upstream_error at the reserve.
+    assert (header_outcome, entry["outcome"]) == ("upstream_error", "upstream_error"), entry
+    assert entry["usage_source"] == "reserve", entry
+
+
+# -- cancel dropped the provider's usage already read ------------------------------------------
+
+
+async def test_cancel_ignores_anthropic_final_usage(
+    make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await cancel_proxy(make_proxy, timed, "anthropic")
+    start = named_event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": "m",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": "claude-3",
+                "stop_reason": None,
+                "usage": {"input_tokens": 200, "cache_read_input_tokens": 1000, "output_tokens": 1},
+            },
+        },
+    )
+    block = named_event(
+        "content_block_start",
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    )
+    delta = named_event(
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi there"}},
+    )
+    stop = named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    final = named_event(
+        "message_delta",
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 300}},
+    )
+    end = named_event("message_stop", {"type": "message_stop"})
+    timed.pieces = [(0, start + block + delta + stop), (0.5, final), (1.0, end)]
+    body = {
+        "model": "claude-3",
+        "max_tokens": 500,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    await read_until_then_leave(proxy, "/v1/messages", body, b"content_block_stop")
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected"
+    # The proxy read message_delta (final usage: 1200 in, 300 out) before it found the client gone.
+    assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == (
+        "provider",
+        "1200",
+        "300",
+    ), entry
+
+
+async def test_cancel_ignores_chat_usage_chunk(
+    make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await cancel_proxy(make_proxy, timed, "openai")
+    base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini"}
+
+    def chunk(obj: Any) -> bytes:
+        return b"data: " + json.dumps({**base, **obj}).encode() + b"\n\n"
+
+    text = chunk({"choices": [{"index": 0, "delta": {"content": "Hi there"}, "finish_reason": None}]})
+    fin = chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    usage = chunk(
+        {"choices": [], "usage": {"prompt_tokens": 900, "completion_tokens": 250, "total_tokens": 1150}}
+    )
+    timed.pieces = [(0, text + fin), (0.5, usage), (1.0, b"data: [DONE]\n\n")]
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hello"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    await read_until_then_leave(proxy, "/v1/chat/completions", body, b'"stop"')
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected"
+    assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == (
+        "provider",
+        "900",
+        "250",
+    ), entry
+
+
+# -- drain, a disconnect, then a failed stream: billed on its text as if complete ----------------
+
+
+async def test_disconnected_failed_response_is_billed_like_a_connected_one(
+    proxy: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    body = {
+        "model": "gpt-4o-mini",
+        "input": "hello",
+        "max_output_tokens": 100,
+        "stream": True,
+        "fake": {"mode": "failed", "after_chunks": 4, "reply_tokens": 20, "chunk_delay_s": 0.2},
+    }
+    await read_until_then_leave(proxy, "/v1/responses", body, b"output_text.delta")
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected"
+    # Connected, the same stream settles upstream_error at the reserve (no usage, not complete);
+    # disconnected it is billed on the counted text of the failed answer (5 tokens, "chars").
+    assert entry["usage_source"] == "reserve", entry
