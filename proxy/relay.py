@@ -454,7 +454,8 @@ class Exchange:
             cancelled = not self.obs.done and call.policy.on_client_disconnect == "cancel"
             # Cut by the proxy (cancel): what streamed is what was ordered, on the provider's
             # figures when they came. Drained: a failed or unfinished answer is not complete.
-            complete = cancelled or (self.obs.done and not self.obs.error and not self.obs.malformed)
+            healthy = not self.obs.error and not self.obs.malformed  # it had not failed first
+            complete = healthy and (cancelled or self.obs.done)
             usage = self._usage(complete=complete)
             await self._settle(Outcome("client_disconnected"), usage)
             return response

@@ -916,3 +916,46 @@ async def test_disconnected_failed_response_is_billed_like_a_connected_one(
     # Connected, the same stream settles upstream_error at the reserve (no usage, not complete);
     # disconnected it is billed on the counted text of the failed answer (5 tokens, "chars").
     assert entry["usage_source"] == "reserve", entry
+
+
+def response_event(kind: str, obj: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **obj})}\n\n".encode()
+
+
+RESPONSE_DELTA = response_event(
+    "response.output_text.delta", {"item_id": "m", "output_index": 0, "content_index": 0, "delta": "Hi there"}
+)
+RESPONSE_ERROR = response_event(
+    "error", {"code": "server_error", "message": "The server had an error", "param": None}
+)
+RESPONSES_STREAM = {"model": "gpt-4o-mini", "input": "hello", "max_output_tokens": 500, "stream": True}
+
+
+async def test_a_failed_stream_connected_is_billed_at_its_reserve(
+    make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await cancel_proxy(make_proxy, timed, "openai")
+    timed.pieces = [(0, RESPONSE_DELTA), (0.3, RESPONSE_ERROR)]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + "/v1/responses", json=RESPONSES_STREAM, headers=AUTH) as r:
+            await r.read()
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "reserve"), entry
+
+
+@pytest.mark.parametrize("bad", [RESPONSE_ERROR, b"data: {not json\n\n"], ids=["error-event", "malformed"])
+async def test_cancel_after_the_upstream_failed_bills_the_reserve_as_connected(
+    bad: bytes, make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await cancel_proxy(make_proxy, timed, "openai")
+    # The client leaves after the delta; the upstream then fails (error event, never a
+    # response.completed). The proxy reads the error, then finds the client gone on its write.
+    timed.pieces = [(0, RESPONSE_DELTA), (0.5, bad), (1.0, b": keep-alive\n\n")]
+    await read_until_then_leave(proxy, "/v1/responses", RESPONSES_STREAM, b"output_text.delta")
+    entry = await only_entry(redis_client)
+    # Connected or drained the same stream bills its reserve (500 output): no usage, not complete.
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == (
+        "client_disconnected",
+        "reserve",
+        "500",
+    ), entry
