@@ -16,20 +16,13 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-from proxy.observe import MAX_SANE_TOKENS, Observation, ProviderUsage, parse_usage
+from proxy.observe import Observation, ProviderUsage, parse_usage, token_count
 from proxy.payload import Endpoint
 
 UpstreamKind = Literal["openai", "anthropic"]
 Observer = Callable[[Observation, dict[str, Any]], None]
 
 DONE = b"data: [DONE]\n\n"
-
-
-def _count(value: Any) -> int | None:
-    """A token count, or None when it is not one (bool is an int in Python; true is no count)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SANE_TOKENS:
-        return value
-    return None
 
 
 # -- OpenAI chat completions and legacy completions ------------------------------------------
@@ -110,12 +103,12 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
     counted, never billed as 0."""
     if not isinstance(raw, dict):
         return None
-    input_tokens = _count(raw.get("input_tokens"))
+    input_tokens = token_count(raw.get("input_tokens"))
     given = raw.get("output_tokens")
-    output_tokens = 0 if given is None else _count(given)
+    output_tokens = 0 if given is None else token_count(given)
     # Cache fields may be absent or null: none of that kind.
-    cache_read = _count(raw.get("cache_read_input_tokens") or 0)
-    cache_creation = _count(raw.get("cache_creation_input_tokens") or 0)
+    cache_read = token_count(raw.get("cache_read_input_tokens") or 0)
+    cache_creation = token_count(raw.get("cache_creation_input_tokens") or 0)
     if input_tokens is None or output_tokens is None or cache_read is None or cache_creation is None:
         return None
     return ProviderUsage(
@@ -155,7 +148,7 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             obs.partial_usage.update({k: v for k, v in obj["usage"].items() if v is not None})
             obs.usage = anthropic_usage(obs.partial_usage)
             # Final only with an output count of its own (message_start's is a placeholder).
-            obs.usage_final = _count(obj["usage"].get("output_tokens")) is not None
+            obs.usage_final = token_count(obj["usage"].get("output_tokens")) is not None
     elif kind == "message_stop":
         obs.done = True
     elif kind == "error":

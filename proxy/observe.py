@@ -29,27 +29,40 @@ class ProviderUsage:
 MAX_SANE_TOKENS = 10**12
 
 
-def _count(value: Any) -> int | None:
+def token_count(value: Any) -> int | None:
     # bool is an int in Python; a provider sending true is not a count.
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SANE_TOKENS:
         return value
     return None
 
 
+def function_calls(message: dict[str, Any]) -> list[Any]:
+    """The function objects of a message (or a delta): each of its ``tool_calls``', and its
+    legacy ``function_call``; what is not a dict is the caller's to skip."""
+    calls = message.get("tool_calls")
+    functions = (
+        [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
+    )
+    functions.append(message.get("function_call"))
+    return functions
+
+
 def parse_usage(raw: Any) -> ProviderUsage | None:
     """Provider usage, or None when absent or unusable. An explicit 0 is a real 0."""
     if not isinstance(raw, dict):
         return None
-    prompt = _count(raw.get("prompt_tokens", raw.get("input_tokens")))
+    prompt = token_count(raw.get("prompt_tokens", raw.get("input_tokens")))
     given = raw.get("completion_tokens", raw.get("output_tokens"))
-    completion = 0 if given is None else _count(given)
+    completion = 0 if given is None else token_count(given)
     if prompt is None or completion is None:
         return None
     prompt_details = raw.get("prompt_tokens_details") or raw.get("input_tokens_details") or {}
     completion_details = raw.get("completion_tokens_details") or raw.get("output_tokens_details") or {}
-    cached = _count(prompt_details.get("cached_tokens", 0)) if isinstance(prompt_details, dict) else 0
+    cached = token_count(prompt_details.get("cached_tokens", 0)) if isinstance(prompt_details, dict) else 0
     reasoning = (
-        _count(completion_details.get("reasoning_tokens", 0)) if isinstance(completion_details, dict) else 0
+        token_count(completion_details.get("reasoning_tokens", 0))
+        if isinstance(completion_details, dict)
+        else 0
     )
     return ProviderUsage(prompt, completion, cached or 0, reasoning or 0, output_known=given is not None)
 
@@ -120,15 +133,7 @@ class Observation:
         if refusal:
             self.refused = True
             self.add_text(index, refusal)
-        calls = part.get("tool_calls")
-        functions = (
-            [call.get("function") for call in calls if isinstance(call, dict)]
-            if isinstance(calls, list)
-            else []
-        )
-        # The legacy form: one function call, streamed as its name then its arguments' pieces.
-        functions.append(part.get("function_call"))
-        for function in functions:
+        for function in function_calls(part):
             if isinstance(function, dict):
                 self.add_text(index, function.get("name"))
                 self.add_text(index, function.get("arguments"))

@@ -12,6 +12,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import BadRequest
+from proxy.observe import function_calls
 
 Endpoint = Literal["chat.completions", "completions", "embeddings", "responses", "messages"]
 MAX_TOKENS_LIMIT = 10_000_000
@@ -194,14 +195,7 @@ def message_parts(messages: list[dict[str, Any]]) -> list[str]:
         for name in ("name", "refusal"):
             if isinstance(message.get(name), str):
                 parts.append(message[name])
-        calls = message.get("tool_calls")
-        functions = (
-            [call.get("function") for call in calls if isinstance(call, dict)]
-            if isinstance(calls, list)
-            else []
-        )
-        functions.append(message.get("function_call"))  # the legacy form of one call
-        for function in functions:
+        for function in function_calls(message):
             if isinstance(function, dict):
                 parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))
     return parts

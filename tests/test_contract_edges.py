@@ -13,7 +13,6 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from aiohttp import web
 
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -734,45 +733,11 @@ async def only_entry(client: aioredis.Redis) -> dict[str, str]:
     raise AssertionError("no ledger entry")
 
 
-class TimedUpstream:
-    """Writes (delay_s, bytes) pieces, one write each, as an SSE body."""
-
-    def __init__(self) -> None:
-        self.pieces: list[tuple[float, bytes]] = []
-        self.base_url = ""
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for delay, data in self.pieces:
-                await asyncio.sleep(delay)
-                await resp.write(data)
-            await resp.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass
-        return resp
+# The upstream's pieces come 0.5 s apart (Plan.delay_s): the client leaves between them.
 
 
-@pytest.fixture
-async def timed() -> Any:
-    up = TimedUpstream()
-    await up.start()
-    yield up
-    await up.runner.cleanup()
-
-
-async def cancel_proxy(make_proxy: ProxyFactory, timed: TimedUpstream, kind: str) -> Proxy:
-    upstream = {"base_url": timed.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 5, "kind": kind}
+async def cancel_proxy(make_proxy: ProxyFactory, script: ScriptedUpstream, kind: str) -> Proxy:
+    upstream = {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 5, "kind": kind}
     return await make_proxy(
         upstreams={"openai": upstream},
         models={"*": {"upstream": "openai"}},
@@ -816,9 +781,9 @@ async def test_non_streaming_failed_response_is_an_upstream_error(
 
 
 async def test_cancel_ignores_anthropic_final_usage(
-    make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
-    proxy = await cancel_proxy(make_proxy, timed, "anthropic")
+    proxy = await cancel_proxy(make_proxy, script, "anthropic")
     start = named_event(
         "message_start",
         {
@@ -848,7 +813,9 @@ async def test_cancel_ignores_anthropic_final_usage(
         {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 300}},
     )
     end = named_event("message_stop", {"type": "message_stop"})
-    timed.pieces = [(0, start + block + delta + stop), (0.5, final), (1.0, end)]
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[start + block + delta + stop, final, end], delay_s=0.5
+    )
     body = {
         "model": "claude-3",
         "max_tokens": 500,
@@ -867,9 +834,9 @@ async def test_cancel_ignores_anthropic_final_usage(
 
 
 async def test_cancel_ignores_chat_usage_chunk(
-    make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
-    proxy = await cancel_proxy(make_proxy, timed, "openai")
+    proxy = await cancel_proxy(make_proxy, script, "openai")
     base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini"}
 
     def chunk(obj: Any) -> bytes:
@@ -880,7 +847,9 @@ async def test_cancel_ignores_chat_usage_chunk(
     usage = chunk(
         {"choices": [], "usage": {"prompt_tokens": 900, "completion_tokens": 250, "total_tokens": 1150}}
     )
-    timed.pieces = [(0, text + fin), (0.5, usage), (1.0, b"data: [DONE]\n\n")]
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[text + fin, usage, b"data: [DONE]\n\n"], delay_s=0.5
+    )
     body = {
         "model": "gpt-4o-mini",
         "messages": [{"role": "user", "content": "hello"}],
@@ -932,10 +901,10 @@ RESPONSES_STREAM = {"model": "gpt-4o-mini", "input": "hello", "max_output_tokens
 
 
 async def test_a_failed_stream_connected_is_billed_at_its_reserve(
-    make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
-    proxy = await cancel_proxy(make_proxy, timed, "openai")
-    timed.pieces = [(0, RESPONSE_DELTA), (0.3, RESPONSE_ERROR)]
+    proxy = await cancel_proxy(make_proxy, script, "openai")
+    script.plan = Plan(content_type="text/event-stream", chunks=[RESPONSE_DELTA, RESPONSE_ERROR], delay_s=0.5)
     async with aiohttp.ClientSession() as s:
         async with s.post(proxy.url + "/v1/responses", json=RESPONSES_STREAM, headers=AUTH) as r:
             await r.read()
@@ -945,12 +914,14 @@ async def test_a_failed_stream_connected_is_billed_at_its_reserve(
 
 @pytest.mark.parametrize("bad", [RESPONSE_ERROR, b"data: {not json\n\n"], ids=["error-event", "malformed"])
 async def test_cancel_after_the_upstream_failed_bills_the_reserve_as_connected(
-    bad: bytes, make_proxy: ProxyFactory, timed: TimedUpstream, redis_client: aioredis.Redis
+    bad: bytes, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
-    proxy = await cancel_proxy(make_proxy, timed, "openai")
+    proxy = await cancel_proxy(make_proxy, script, "openai")
     # The client leaves after the delta; the upstream then fails (error event, never a
     # response.completed). The proxy reads the error, then finds the client gone on its write.
-    timed.pieces = [(0, RESPONSE_DELTA), (0.5, bad), (1.0, b": keep-alive\n\n")]
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[RESPONSE_DELTA, bad, b": keep-alive\n\n"], delay_s=0.5
+    )
     await read_until_then_leave(proxy, "/v1/responses", RESPONSES_STREAM, b"output_text.delta")
     entry = await only_entry(redis_client)
     # Connected or drained the same stream bills its reserve (500 output): no usage, not complete.
