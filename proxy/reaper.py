@@ -88,6 +88,7 @@ async def reap_tenant(store: Store, tenant: str) -> int:
                     scope_keys=lease.scope_keys,
                     actual=actual,
                     entry=entry,
+                    scope_ttls_s=lease.scope_ttls_s,  # a scope key written anew still expires
                     runlog_ttl_s=run_ttl_s,
                 )
             except StoreRejected as err:

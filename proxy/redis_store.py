@@ -332,10 +332,13 @@ class RedisStore:
         args.append(reservation_id)
         return int(await self._script("shrink", keys, args)) == 1
 
-    async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool:
+    async def renew(
+        self, *, tenant: str, reservation_id: str, lease_ms: int, scopes: Sequence[Scope] = ()
+    ) -> bool:
         prefix = key_prefix(tenant)
-        keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases"]
-        return int(await self._script("renew", keys, [reservation_id, lease_ms])) == 1
+        keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases", *(s.key for s in scopes)]
+        args: list[Any] = [reservation_id, lease_ms, *(s.ttl_s for s in scopes)]
+        return int(await self._script("renew", keys, args)) == 1
 
     async def expired_leases(self, *, tenant: str, limit: int) -> list[ExpiredLease]:
         prefix = key_prefix(tenant)
@@ -345,9 +348,10 @@ class RedisStore:
             found = await self._script("lease", [f"{prefix}resv:{res_id}", f"{prefix}leases"], [res_id])
             if not found:
                 continue
-            scopes, amounts, record = found
+            scopes, amounts, record, ttls = (*found, None)[:4]
             try:
                 values = [int(v) for v in str(amounts).split()]
+                scope_ttls_s = tuple(int(v) for v in str(ttls or "").split())
             except ValueError:
                 continue  # a damaged record: the reaper skips it rather than dying on it
             out.append(
@@ -357,6 +361,7 @@ class RedisStore:
                     scope_keys=tuple(str(scopes).split("\n")),
                     amounts=dict(zip(RESERVED_METERS, values, strict=False)),
                     record=str(record or ""),
+                    scope_ttls_s=scope_ttls_s,
                 )
             )
         return out

@@ -529,7 +529,10 @@ class Exchange:
         asked = time.monotonic()
         try:
             if await self.services.store.renew(
-                tenant=reservation.tenant, reservation_id=reservation.id, lease_ms=reservation.lease_ms
+                tenant=reservation.tenant,
+                reservation_id=reservation.id,
+                lease_ms=reservation.lease_ms,
+                scopes=reservation.scopes,  # a stream may outlive its run key's TTL
             ):
                 self.call.lease_confirmed_at = asked
         except StoreError as err:

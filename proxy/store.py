@@ -96,6 +96,7 @@ class ExpiredLease:
     scope_keys: tuple[str, ...]
     amounts: Mapping[str, int]
     record: str
+    scope_ttls_s: tuple[int, ...] = ()  # as reserved (records written before they were kept: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +144,9 @@ class Store(Protocol):
         runlog_ttl_s: int = 0,
     ) -> str | None: ...
 
-    async def renew(self, *, tenant: str, reservation_id: str, lease_ms: int) -> bool: ...
+    async def renew(
+        self, *, tenant: str, reservation_id: str, lease_ms: int, scopes: Sequence[Scope] = ()
+    ) -> bool: ...
 
     async def expired_leases(self, *, tenant: str, limit: int) -> list[ExpiredLease]: ...
 

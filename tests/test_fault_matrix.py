@@ -184,6 +184,34 @@ async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
     await stream_beside_a_reaper(raw, tmp_path, redis_client, {"reply_tokens": 40, "chunk_delay_s": 0.1})
 
 
+async def test_a_live_stream_keeps_its_run_key_alive(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A stream outliving its run key's TTL: the key would go with the reserve it holds, and the
+    settle would release it from a key that no longer holds it. Each renewal gives it its TTL again."""
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["upstreams"]["openai"]["timeout_s"] = 1
+    raw["limits"] = {"lease_margin_s": 0.5}  # lease 1.5 s: renewed every 0.5 s
+    proc = ProxyProcess(raw, tmp_path).start()
+    run_key = "lbp:{team-a}:run:long-stream"
+    try:
+        body = {"model": "gpt-4o-mini", "messages": MSGS, "stream": True, "max_tokens": 20}
+        body["fake"] = {"reply_tokens": 20, "chunk_delay_s": 0.1}  # about 2 s
+        headers = {**AUTH, "X-Run-Id": "long-stream"}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(proc.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                await resp.content.readany()
+                assert await redis_client.expire(run_key, 3)  # late in its life
+                await asyncio.sleep(1.0)  # a renewal or two
+                ttl = await redis_client.ttl(run_key)
+                meters = await redis_client.hgetall(run_key)
+                await resp.read()
+    finally:
+        proc.stop()
+    assert ttl > 3000, ttl  # the run TTL (default) again, not what was left
+    assert meters["resv:concurrent"] == "1"
+
+
 async def test_a_stream_silent_for_longer_than_its_lease_keeps_it(
     fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:

@@ -470,3 +470,99 @@ async def test_a_settle_gives_a_key_that_expired_mid_call_its_ttl_again(store: R
     )
     for key in (scope.key, "lbp:{team-a}:runlog:run3"):
         assert 7100 < await store.client.ttl(key) <= 7200, key
+
+
+async def _fill(store: RedisStore, scope: Scope, prefix: str) -> int:
+    """Reserve and settle calls (30 tokens each) until the scope refuses; how many fitted."""
+    for i in range(10):
+        reserved = await reserve(store, f"{prefix}{i}", [scope], run_id="run4")
+        if isinstance(reserved, Refusal):
+            return i
+        assert isinstance(reserved, Reservation)
+        await settle(store, reserved, {"requests": 1, "total_tokens": 30})
+    return 10
+
+
+async def test_a_release_from_a_key_that_expired_mid_call_leaves_no_negative_reserve(
+    store: RedisStore,
+) -> None:
+    # The key outlived by a call no longer holds its reserve: releasing it anyway left -30
+    # reserved, free room for the next calls past the ceiling.
+    scope = Scope(name="run", key="lbp:{team-a}:run:run4", ceilings={"total_tokens": 90}, ttl_s=3600)
+    long_call = await reserve(store, "long", [scope], run_id="run4")
+    assert isinstance(long_call, Reservation)
+    await store.client.delete(scope.key)  # its TTL ran out (a renewal now prevents it: below)
+    await settle(store, long_call, {"requests": 1, "total_tokens": 30})
+    meters = await store.meters(scope.key)
+    assert meters["total_tokens"].reserved == 0 and meters["concurrent"].reserved == 0
+    assert await _fill(store, scope, "next") == 2  # 30 used + 2 x 30 = the ceiling of 90
+    assert (await store.meters(scope.key))["total_tokens"].used == 90
+
+
+async def test_a_release_takes_no_more_than_the_key_holds(store: RedisStore) -> None:
+    # The key expired under call A and call B reserved into it anew: A's release must not
+    # take B's reserve (nor go below zero); B's own settle then releases what is left.
+    scope = Scope(name="run", key="lbp:{team-a}:run:run4", ceilings={"total_tokens": 90}, ttl_s=3600)
+    first = await reserve(store, "a", [scope], run_id="run4")
+    assert isinstance(first, Reservation)
+    await store.client.delete(scope.key)
+    second = await store.reserve(
+        tenant="team-a",
+        reservation_id="b",
+        run_id="run4",
+        scopes=[scope],
+        amounts={**AMOUNTS, "total_tokens": 20},
+        lease_ms=60_000,
+        record="{}",
+    )
+    assert isinstance(second, Reservation)
+    await settle(store, first, {"requests": 1, "total_tokens": 30})
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 0  # min(30, 20) released
+    await settle(store, second, {"requests": 1, "total_tokens": 20})
+    meters = await store.meters(scope.key)
+    assert meters["total_tokens"].reserved == 0 and meters["total_tokens"].used == 50
+
+
+async def test_a_shrink_takes_no_more_than_the_key_holds(store: RedisStore) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:run4", ceilings={"total_tokens": 90}, ttl_s=3600)
+    reserved = await reserve(store, "s", [scope], run_id="run4")
+    assert isinstance(reserved, Reservation)
+    await store.client.delete(scope.key)
+    assert await store.shrink(
+        tenant="team-a", reservation_id="s", scope_keys=[scope.key], amounts={**AMOUNTS, "total_tokens": 10}
+    )
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 0
+
+
+async def test_a_reaper_settling_after_the_key_expired_leaves_no_negative_reserve_and_a_ttl(
+    store: RedisStore,
+) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:run4", ceilings={"total_tokens": 90}, ttl_s=3600)
+    orphan = await reserve(store, "orphan", [scope], lease_ms=1, run_id="run4", record='{"run_id": "run4"}')
+    assert isinstance(orphan, Reservation)
+    await store.client.delete(scope.key)
+    await store.register_tenant("team-a")
+    await asyncio.sleep(0.01)
+    assert await reap_tenant(store, "team-a") == 1
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 0
+    assert 3500 < await store.client.ttl(scope.key) <= 3600  # written anew, it still expires
+    assert await _fill(store, scope, "next") == 2
+
+
+async def test_a_renewal_keeps_the_scope_keys_of_a_live_call(store: RedisStore) -> None:
+    # A stream longer than its run's TTL: each renewal gives the scope keys their TTL again, so
+    # the key never expires under the reserve it holds.
+    scope = Scope(name="run", key="lbp:{team-a}:run:run4", ceilings={"total_tokens": 90}, ttl_s=3600)
+    reserved = await reserve(store, "live", [scope], run_id="run4")
+    assert isinstance(reserved, Reservation)
+    await store.client.expire(scope.key, 5)  # late in its life
+    assert await store.renew(tenant="team-a", reservation_id="live", lease_ms=60_000, scopes=[scope])
+    assert 3500 < await store.client.ttl(scope.key) <= 3600
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 30
+
+
+async def test_a_refusal_that_writes_a_key_first_gives_it_its_ttl(store: RedisStore) -> None:
+    scope = Scope(name="run", key="lbp:{team-a}:run:run5", ceilings={"total_tokens": 10}, ttl_s=3600)
+    refused = await reserve(store, "no", [scope], run_id="run5")
+    assert isinstance(refused, Refusal)
+    assert 3500 < await store.client.ttl(scope.key) <= 3600  # was -1: a key kept for ever

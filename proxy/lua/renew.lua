@@ -1,12 +1,16 @@
---[[ renew.lua: extend the lease of a live reservation.
+--[[ renew.lua: extend the lease of a live reservation, and the life of its scope keys.
 
-KEYS[1]  reservation record (hash)   lbp:{tenant}:resv:<reservation id>
-KEYS[2]  lease index (zset)          lbp:{tenant}:leases
-ARGV[1]  reservation id
-ARGV[2]  lease length in ms from now
+KEYS[1]   reservation record (hash)   lbp:{tenant}:resv:<reservation id>
+KEYS[2]   lease index (zset)          lbp:{tenant}:leases
+KEYS[3..] the scope hashes named in the reservation (optional)
+ARGV[1]   reservation id
+ARGV[2]   lease length in ms from now
+ARGV[3..] per scope (KEYS[3..], same order): its key's TTL in seconds (0 = none)
 Returns 1 when renewed, 0 when the reservation is already settled (gone, or its settled marker)
 or its lease has run out: from then on it is the reapers' (one may have read the amounts it will
 bill), and a renewal must not make it live again under them.
+A scope key outlived by a live reserve (a stream longer than its run's TTL) would lose the
+reserve it holds: the next calls would not see it, and its settle would find nothing to release.
 ]]
 if redis.call('HEXISTS', KEYS[1], 'amounts') == 0 then return 0 end
 local t = redis.call('TIME')
@@ -14,4 +18,8 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expiry = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]))
 if not expiry or expiry <= now_ms then return 0 end
 redis.call('ZADD', KEYS[2], 'XX', now_ms + tonumber(ARGV[2]), ARGV[1])
+for s = 3, #KEYS do
+  local ttl = tonumber(ARGV[s])
+  if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[s], ttl) end
+end
 return 1

@@ -18,6 +18,8 @@ then per scope (KEYS[3+i]):  ttl_s (0 = none), then 6 ceilings in METERS order (
 
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>.
+The record keeps the scopes' keys and TTLs: renew.lua's caller and the reaper's settle set
+those TTLs again, so a scope key never expires under a live reserve nor is written anew for good.
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
 A reservation id that already exists is a retry: success, nothing changes, and the clamp the
 first try made is returned again (the caller must send the lowered cap Redis holds the call to).
@@ -113,7 +115,11 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
 end
 
 if refusal then
-  redis.call('HINCRBY', KEYS[2 + refusal[2]], 'refused:' .. refusal[3], 1)
+  local key = KEYS[2 + refusal[2]]
+  redis.call('HINCRBY', key, 'refused:' .. refusal[3], 1)
+  -- A refusal may write the key first (a run's first call): it expires as a reserve's would.
+  local ttl = tonumber(ARGV[base + (refusal[2] - 1) * stride])
+  if ttl > 0 then redis.call('EXPIRE', key, ttl) end
   return refusal
 end
 
@@ -144,11 +150,14 @@ end
 
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local scopes = {}
-for s = 1, nscopes do scopes[s] = KEYS[2 + s] end
+local scopes, ttls = {}, {}
+for s = 1, nscopes do
+  scopes[s] = KEYS[2 + s]
+  ttls[s] = ARGV[base + (s - 1) * stride]
+end
 local amt = {}
 for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', table.concat(amt, ' '),
-  'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped)
+  'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped, 'ttls', table.concat(ttls, ' '))
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
 return {1, clamped, tight_meter, tight_left, tight_scope}

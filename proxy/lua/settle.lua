@@ -25,7 +25,8 @@ reservation was lost (e.g. with writes a failed-over Redis master had not replic
 used meters and the ledger entry go in, with the field reservation = lost, and nothing is
 released. Any other settle without a record does nothing: past its window a reaper may have
 settled the call and its marker may have expired. Otherwise returns {1, ledger entry id}.
-'concurrent' is released here.
+'concurrent' is released here. A release never takes a scope's reserve below zero (its key may
+have expired mid-call and hold less than this call's reserve).
 ]]
 if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then
   return {0}
@@ -59,11 +60,17 @@ for m = 1, #ACTUAL do
 end
 local entry = cjson.decode(ARGV[2 + #ACTUAL])
 
+local RESV = {}
+for m = 1, #RESERVED do RESV[m] = 'resv:' .. RESERVED[m] end
 for s = 5, #KEYS do
   local key = KEYS[s]
-  for m = 1, #RESERVED do
-    if amounts[m] and amounts[m] ~= '0' then
-      redis.call('HINCRBY', key, 'resv:' .. RESERVED[m], '-' .. amounts[m])
+  if not lost then
+    -- Never below zero: a key that expired mid-call (written anew by a later reserve, or by
+    -- this settle) does not hold this reserve, and a negative reserve would be free room.
+    local held = redis.call('HMGET', key, unpack(RESV))
+    for m = 1, #RESERVED do
+      local release = math.min(tonumber(amounts[m]) or 0, tonumber(held[m]) or 0)
+      if release > 0 then redis.call('HINCRBY', key, RESV[m], string.format('%d', -release)) end
     end
   end
   for m = 1, #ACTUAL do

@@ -28,7 +28,12 @@ end
 for s = 3, #KEYS do
   for m = 1, #METERS do
     if less[m] > 0 then
-      redis.call('HINCRBY', KEYS[s], 'resv:' .. METERS[m], string.format('%d', -less[m]))
+      -- Never below zero, as in settle.lua: the key may hold less than this reserve.
+      local held = tonumber(redis.call('HGET', KEYS[s], 'resv:' .. METERS[m])) or 0
+      local release = math.min(less[m], held)
+      if release > 0 then
+        redis.call('HINCRBY', KEYS[s], 'resv:' .. METERS[m], string.format('%d', -release))
+      end
     end
   end
 end
