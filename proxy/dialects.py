@@ -56,8 +56,10 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
     for item in response.get("output") or ():
         if not isinstance(item, dict):
             continue
-        if item.get("type") == "function_call" and texts:
-            obs.add_text(0, item.get("arguments"), content=False)
+        if item.get("type") == "function_call":
+            obs.calls.add(0)
+            if texts:
+                obs.add_text(0, item.get("arguments"), content=False)
         for part in item.get("content") or ():
             if not isinstance(part, dict):
                 continue
@@ -77,6 +79,8 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
     elif kind in ("response.refusal.delta", "response.function_call_arguments.delta"):
         if kind == "response.refusal.delta":
             obs.refused = True
+        else:
+            obs.calls.add(0)
         obs.add_text(0, obj.get("delta"), content=False)
     elif kind in ("response.completed", "response.incomplete", "response.failed"):
         response = obj.get("response")

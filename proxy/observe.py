@@ -77,6 +77,9 @@ class Observation:
     contents: dict[int, list[str | bytes]] = field(default_factory=dict)
     extras: dict[int, list[str]] = field(default_factory=dict)
     refused: bool = False
+    # Choices that called a tool or function (OpenAI chat and Responses; the JSON policy holds
+    # no other dialect): their answer is the call, not text.
+    calls: set[int] = field(default_factory=set)
     first_token_at: float | None = None
     chunks: int = 0
     malformed: bool = False
@@ -135,6 +138,7 @@ class Observation:
             self.add_text(index, refusal)
         for function in function_calls(part):
             if isinstance(function, dict):
+                self.calls.add(index)
                 self.add_text(index, function.get("name"))
                 self.add_text(index, function.get("arguments"))
 

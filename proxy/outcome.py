@@ -74,10 +74,15 @@ def classify_answer(obs: Observation, policy: PolicyConfig, *, json_mode: bool) 
     if obs.refused or any(r in REFUSAL_REASONS for r in reasons):
         return Outcome("refused")
     if json_mode and policy.on_invalid_json == "reject":
-        for index in sorted(obs.finish_reasons) or [0]:
+        for index in sorted(set(obs.finish_reasons) | obs.calls) or [0]:
             if obs.finish_reasons.get(index) == "tool_calls":
                 continue
-            problem = _json_problem(obs.content_of(index))
+            text = obs.content_of(index)
+            if index in obs.calls and not text.strip():
+                # The answer is a call (a forced tool_choice ends with "stop", legacy functions
+                # with "function_call", Responses with its status): no text to hold to JSON.
+                continue
+            problem = _json_problem(text)
             if problem is not None:
                 if obs.finish_reasons.get(index) in TRUNCATION_REASONS:
                     return Outcome("rejected", "parse-json-truncated")

@@ -930,3 +930,139 @@ async def test_cancel_after_the_upstream_failed_bills_the_reserve_as_connected(
         "reserve",
         "500",
     ), entry
+
+
+# -- the JSON policy rejected answers that are a tool call, not text ---------------------------
+
+CALL = {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+JSON_CHAT = {
+    "model": "gpt-4o-mini",
+    "messages": [{"role": "user", "content": "weather in Paris?"}],
+    "max_tokens": 100,
+    "response_format": {"type": "json_object"},
+    "tools": CHAT_TOOLS,
+}
+SCHEMA = {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}
+
+
+def call_answer(finish: str, message: dict[str, Any]) -> bytes:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": None, **message},
+        "finish_reason": finish,
+    }
+    usage = {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
+    return dumps({"id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+                  "choices": [choice], "usage": usage})  # fmt: skip
+
+
+def chat_chunk(delta: dict[str, Any], finish: str | None = None, usage: Any = None) -> bytes:
+    choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    obj = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "gpt-4o-mini",
+        "choices": choices,
+    }
+    if usage:
+        obj["usage"] = usage
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+@pytest.mark.parametrize(
+    ("finish", "message"),
+    [
+        (
+            "stop",
+            {"tool_calls": [{"id": "call_1", "type": "function", "function": CALL}]},
+        ),  # forced tool_choice
+        ("function_call", {"function_call": CALL}),  # legacy functions
+    ],
+    ids=["forced-tool-choice", "legacy-function-call"],
+)
+async def test_a_chat_answer_that_is_a_call_is_not_rejected_as_json(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    finish: str,
+    message: Any,
+) -> None:
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), policy={"on_invalid_json": "reject"}
+    )
+    script.plan = Plan(chunks=[call_answer(finish, message)])
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(JSON_CHAT))
+    assert reply.status == 200, reply.describe()  # was 422 rejected:parse-json
+    assert reply.new_entries[0]["outcome"] == "ok", reply.describe()
+
+
+async def test_a_streamed_tool_call_ending_with_stop_is_not_rejected_as_json(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), policy={"on_invalid_json": "reject"}
+    )
+    call = {"index": 0, "id": "call_1", "type": "function", "function": CALL}
+    chunks = [
+        chat_chunk({"role": "assistant", "content": None, "tool_calls": [call]}),
+        chat_chunk({}, "stop"),
+        chat_chunk({}, usage={"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}),
+        b"data: [DONE]\n\n",
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    body = dumps({**JSON_CHAT, "stream": True})
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", body)
+    assert reply.new_entries[0]["outcome"] == "ok", reply.describe()
+    assert b"output_rejected" not in reply.body and reply.body.endswith(b"data: [DONE]\n\n"), reply.describe()
+
+
+async def test_a_responses_function_call_under_a_json_schema_is_not_rejected(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), policy={"on_invalid_json": "reject"}
+    )
+    usage = {"input_tokens": 20, "output_tokens": 7, "total_tokens": 27}
+    item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "status": "completed", **CALL}
+    answer = {"id": "resp_1", "object": "response", "status": "completed", "model": "gpt-4o-mini",
+              "output": [item], "usage": usage}  # fmt: skip
+    script.plan = Plan(chunks=[dumps(answer)])
+    body = {
+        "model": "gpt-4o-mini",
+        "input": "weather in Paris?",
+        "max_output_tokens": 100,
+        "text": {"format": SCHEMA},
+    }
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/responses", dumps(body))
+    assert reply.status == 200, reply.describe()  # was 422 rejected:parse-json
+    assert reply.new_entries[0]["outcome"] == "ok", reply.describe()
+    # Streamed: the call's arguments arrive as deltas, the status with response.completed.
+    events = [
+        named_event("response.function_call_arguments.delta", {
+            "type": "response.function_call_arguments.delta", "item_id": "fc_1", "delta": CALL["arguments"]}),
+        named_event("response.completed", {"type": "response.completed", "response": answer}),
+    ]  # fmt: skip
+    script.plan = Plan(content_type="text/event-stream", chunks=events)
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/responses", dumps({**body, "stream": True})
+    )
+    assert reply.new_entries[0]["outcome"] == "ok", reply.describe()
+
+
+async def test_a_call_with_text_that_is_not_json_is_still_rejected(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), policy={"on_invalid_json": "reject"}
+    )
+    message = {
+        "content": "Sure! here:",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": CALL}],
+    }
+    script.plan = Plan(chunks=[call_answer("stop", message)])
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(JSON_CHAT))
+    assert reply.status == 422, reply.describe()
+    assert reply.new_entries[0]["outcome"].startswith("rejected:parse-json"), reply.describe()
+    assert reply.new_entries[0]["output_tokens"] == "7"  # rejected, still billed
