@@ -23,8 +23,16 @@ class Identity:
     tenant: str
     tier: str
     key_name: str
-    # Only in pass-through mode: the caller's own key, sent upstream as is.
+    # Only in pass-through mode: the caller's own key, sent upstream as is, and the headers
+    # that scope it (OpenAI-Organization, OpenAI-Project: which of its organizations and
+    # projects the provider bills; the SDK sends them when the client was given them).
     upstream_key: str | None = None
+    upstream_scope: tuple[tuple[str, str], ...] = ()
+
+
+# Meaningful only with the caller's own key: with the proxy's, they would let a caller pick
+# which of the operator's organizations or projects pays.
+KEY_SCOPE_HEADERS = ("OpenAI-Organization", "OpenAI-Project")
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -44,8 +52,13 @@ def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> 
         )
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     if passthrough:
+        scope = tuple((name, request.headers[name]) for name in KEY_SCOPE_HEADERS if name in request.headers)
         return Identity(
-            tenant=f"pt-{digest[:12]}", tier=PASSTHROUGH_TIER, key_name=f"pt-{digest[:12]}", upstream_key=key
+            tenant=f"pt-{digest[:12]}",
+            tier=PASSTHROUGH_TIER,
+            key_name=f"pt-{digest[:12]}",
+            upstream_key=key,
+            upstream_scope=scope,
         )
     match = config.key_for_digest(digest)
     if match is None:

@@ -41,7 +41,31 @@ def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, 
             headers["x-api-key"] = key
     elif key:
         headers["Authorization"] = f"Bearer {key}"
+        if upstream.passthrough_auth:
+            headers.update(identity.upstream_scope)
     return headers
+
+
+# What of the provider's response headers reaches the client: what its SDK acts on (when and
+# whether to retry), the provider's limits, timing and version. Not its cookies, its framing
+# (the proxy re-frames) nor its organization or project (the operator's, with the proxy's key).
+PASSED_HEADERS = frozenset(
+    {"retry-after", "retry-after-ms", "x-should-retry", "openai-processing-ms", "openai-version"}
+)
+PASSED_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+# The provider's id of the call, for a support ticket; x-request-id is the proxy's (the ledger's).
+UPSTREAM_ID_HEADERS = frozenset({"x-request-id", "request-id"})
+
+
+def provider_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in upstream.headers.items():
+        low = name.lower()
+        if low in PASSED_HEADERS or low.startswith(PASSED_PREFIXES):
+            out[name] = value
+        elif low in UPSTREAM_ID_HEADERS:
+            out["x-upstream-request-id"] = value
+    return out
 
 
 def timeout_for(call: Call) -> aiohttp.ClientTimeout:

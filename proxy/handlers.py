@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
@@ -33,7 +34,7 @@ from proxy.errors import (
     store_unavailable_response,
 )
 from proxy.estimate import Estimate, counted
-from proxy.forward import read_limited, upstream_headers
+from proxy.forward import provider_headers, read_limited, upstream_headers
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange
@@ -164,6 +165,18 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     key = upstream.api_key.get_secret_value().encode() if upstream.api_key else b""
     if key and not upstream.passthrough_auth and key in body:
         body = body.replace(key, b"[REDACTED]")
+    passed = provider_headers(resp)
+    if 400 <= resp.status < 500 and _is_error_object(body):
+        if resp.status in (401, 403) and not upstream.passthrough_auth:
+            # The upstream refused the proxy's own credentials: not the caller's fault.
+            return error_response(
+                502,
+                f"The upstream refused the proxy's credentials (HTTP {resp.status}).",
+                "upstream_error",
+                code="upstream_auth",
+            )
+        # The caller's own key refused, a rate limit: the provider's answer, as for a billed call.
+        return web.Response(status=resp.status, body=body, content_type="application/json", headers=passed)
     if resp.status != 200 or not body.lstrip().startswith(b"{"):
         return error_response(
             502,
@@ -171,7 +184,15 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             "upstream_error",
             code="upstream_error",
         )
-    return web.Response(status=200, body=body, content_type="application/json")
+    return web.Response(status=200, body=body, content_type="application/json", headers=passed)
+
+
+def _is_error_object(body: bytes) -> bool:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
 
 
 def _caller(request: web.Request) -> tuple[State, Identity, Store]:

@@ -24,7 +24,7 @@ from proxy.config import Config
 from proxy.errors import StoreError
 from proxy.estimate import counted
 from proxy.events import EventFilter
-from proxy.forward import StallGuard, TransportFailure, open_upstream, read_limited
+from proxy.forward import StallGuard, TransportFailure, open_upstream, provider_headers, read_limited
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation, parse_usage
@@ -80,6 +80,7 @@ class Exchange:
         self._write_timeout_s = min(call.upstream.timeout_s, lease_s / 3)
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self._upstream_s = 0.0
+        self._provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
 
     # -- usage helpers -------------------------------------------------------------------
 
@@ -189,7 +190,11 @@ class Exchange:
         return self.call.dialect.error_response(status, message, error_type, code=code, headers=headers)
 
     def _headers(self, settlement: Settlement) -> dict[str, str]:
-        return {"x-request-id": self.call.request_id, **billing_headers(self.call, settlement)}
+        return {
+            **self._provider_headers,
+            "x-request-id": self.call.request_id,
+            **billing_headers(self.call, settlement),
+        }
 
     # -- the exchange ---------------------------------------------------------------------
 
@@ -205,6 +210,7 @@ class Exchange:
                 return await self._transport_failure(upstream)
             try:
                 self.call.upstream_status = upstream.status
+                self._provider_headers = provider_headers(upstream)
                 if upstream.status >= 300:  # redirects are not followed: not an answer either
                     return await self._upstream_error(upstream)
                 if self.call.stream and upstream.content_type == "text/event-stream":
@@ -373,6 +379,7 @@ class Exchange:
         response = _EventStream(
             status=200,
             headers={
+                **self._provider_headers,
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "x-request-id": call.request_id,

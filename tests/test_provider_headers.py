@@ -1,0 +1,180 @@
+"""What the provider says in its response headers reaches the client (retry advice, limits, its
+own request id), and what scopes a pass-through caller's own key reaches the provider."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import KEY_A, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, dumps, scripted_upstreams
+
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+PROVIDER = {
+    "x-request-id": "req_provider_1",
+    "openai-processing-ms": "12",
+    "x-ratelimit-remaining-requests": "99",
+    "x-ratelimit-reset-tokens": "6ms",
+    # not passed: the operator's account, the provider's cookies
+    "openai-organization": "org-operator",
+    "set-cookie": "__cf_bm=abc; path=/",
+}
+RATE_LIMITED = dumps(
+    {
+        "error": {
+            "message": "Rate limit reached",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
+)
+
+
+@pytest.fixture
+async def script() -> AsyncIterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream()
+    await upstream.start()
+    yield upstream
+    await upstream.close()
+
+
+async def post(url: str, body: Any) -> tuple[int, dict[str, str]]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=body, headers=AUTH) as resp:
+            await resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}
+
+
+def assert_provider_headers(headers: dict[str, str]) -> None:
+    assert headers["x-ratelimit-remaining-requests"] == "99", headers
+    assert headers["x-ratelimit-reset-tokens"] == "6ms"
+    assert headers["openai-processing-ms"] == "12"
+    assert headers["x-upstream-request-id"] == "req_provider_1"
+    assert headers["x-request-id"] != "req_provider_1"  # the proxy's own: the ledger's id
+    assert "openai-organization" not in headers and "set-cookie" not in headers
+
+
+async def test_a_json_answer_carries_the_providers_headers(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(chunks=[GOOD_BODY], extra_headers=PROVIDER)
+    status, headers = await post(proxy.url + "/v1/chat/completions", CHAT)
+    assert status == 200
+    assert_provider_headers(headers)
+    assert headers["x-billing-outcome"] == "ok"
+
+
+async def test_a_stream_carries_the_providers_headers(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy()
+    status, headers = await post(proxy.url + "/v1/chat/completions", {**CHAT, "stream": True})
+    assert status == 200 and headers["content-type"] == "text/event-stream"
+    assert headers["x-upstream-request-id"].startswith("req_"), headers  # the fake's own id
+
+
+async def test_a_provider_429_keeps_its_retry_advice(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(status=429, chunks=[RATE_LIMITED], extra_headers={"retry-after": "7", **PROVIDER})
+    status, headers = await post(proxy.url + "/v1/chat/completions", CHAT)
+    assert status == 429
+    assert headers["retry-after"] == "7"
+    assert_provider_headers(headers)
+
+
+async def test_the_sdk_follows_the_providers_advice_not_to_retry(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    # Without the provider's x-should-retry the SDK retries a 429 twice: three calls upstream.
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(status=429, chunks=[RATE_LIMITED], extra_headers={"x-should-retry": "false"})
+    client = proxy.client(max_retries=2)
+    with pytest.raises(openai.RateLimitError) as raised:
+        await client.chat.completions.create(**CHAT)
+    assert len(script.received) == 1
+    assert raised.value.response.headers["x-should-retry"] == "false"
+
+
+# -- GET /v1/models --------------------------------------------------------------------------
+
+BAD_KEY = dumps(
+    {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "param": None,
+               "code": "invalid_api_key"}}
+)  # fmt: skip
+
+
+def passthrough_upstreams(base_url: str) -> dict[str, Any]:
+    return {"openai": {"base_url": base_url, "passthrough_auth": True}}
+
+
+async def test_models_passes_on_the_providers_refusal_of_a_callers_own_key(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(passthrough=True, upstreams=passthrough_upstreams(script.base_url))
+    script.plan = Plan(status=401, chunks=[BAD_KEY])
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):  # was a 502, which the SDK retries
+        await client.models.list()
+
+
+async def test_models_passes_on_a_rate_limit_with_its_retry_advice(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(status=429, chunks=[RATE_LIMITED], extra_headers={"retry-after": "3"})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/v1/models", headers=AUTH) as resp:
+            assert resp.status == 429
+            assert resp.headers["retry-after"] == "3"
+            assert (await resp.json())["error"]["code"] == "rate_limit_exceeded"
+
+
+async def test_models_refused_with_the_proxys_own_key_is_the_proxys_fault(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(status=401, chunks=[BAD_KEY])
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/v1/models", headers=AUTH) as resp:
+            assert resp.status == 502
+            assert (await resp.json())["error"]["code"] == "upstream_auth"
+
+
+# -- pass-through: what scopes the caller's own key ---------------------------------------------
+
+
+async def test_passthrough_sends_the_callers_organization_and_project(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(passthrough=True, upstreams=passthrough_upstreams(fake.base_url))
+    fake.api_key = None  # any key: the caller's own
+    client = openai.AsyncOpenAI(
+        base_url=proxy.url + "/v1",
+        api_key="sk-own",
+        organization="org-abc",
+        project="proj_xyz",
+        max_retries=0,
+    )
+    await client.chat.completions.create(**CHAT)
+    sent = {k.lower(): v for k, v in fake.received[-1].headers.items()}
+    assert sent["authorization"] == "Bearer sk-own"
+    assert (sent.get("openai-organization"), sent.get("openai-project")) == ("org-abc", "proj_xyz"), sent
+
+
+async def test_with_the_proxys_key_the_callers_organization_is_not_sent(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # The operator's key: a caller must not pick which of its organizations or projects pays.
+    proxy = await make_proxy()
+    client = proxy.client(organization="org-other", project="proj_other")
+    await client.chat.completions.create(**CHAT)
+    sent = {k.lower() for k in fake.received[-1].headers}
+    assert "openai-organization" not in sent and "openai-project" not in sent
