@@ -134,6 +134,7 @@ def plan_call(
         tokenizer=tokenizer,
         model_max_output_tokens=model_config.max_output_tokens,
         default_max_output_tokens=config.limits.default_max_output_tokens,
+        media_part_input_tokens=model_config.media_part_input_tokens,
     )
     if est.enforce_cap is not None and est.output_cap_field:
         body[est.output_cap_field] = est.enforce_cap

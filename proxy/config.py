@@ -135,6 +135,9 @@ class ModelConfig(_Frozen):
     upstream: str
     encoding: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
+    # Input tokens reserved for each image, audio or file part of a prompt: their count depends
+    # on the model, the size and the detail, which the proxy cannot know (0: not reserved).
+    media_part_input_tokens: int = Field(default=0, ge=0, le=10_000_000)
     price_per_million: PricePerMillion | None = None
 
 

@@ -23,6 +23,7 @@ from proxy.payload import (
     ResponsesBody,
     generations,
     items_parts,
+    media_parts,
     message_parts,
     prompts,
     variable_texts,
@@ -87,6 +88,17 @@ def _schema(response_format: Any) -> Any:
     return None
 
 
+def media_of(view: RequestView) -> int:
+    """Image, audio and file parts of the prompt."""
+    if isinstance(view, ChatBody):
+        return media_parts(view.messages)
+    if isinstance(view, ResponsesBody):
+        return media_parts(view.input, view.prompt.get("variables") if view.prompt else None)
+    if isinstance(view, MessagesBody):
+        return media_parts(view.messages, view.system)
+    return 0
+
+
 def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
     """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
     and tokens given directly as token ids."""
@@ -125,9 +137,14 @@ def estimate(
     tokenizer: Tokenizer,
     model_max_output_tokens: int | None,
     default_max_output_tokens: int,
+    media_part_input_tokens: int = 0,
     quick_chars: int = QUICK_BOUND_CHARS,
 ) -> Estimate:
     parts, overhead, id_tokens = prompt_of(endpoint, view)
+    if media_part_input_tokens:
+        # A fixed part of the input, as the per-message tokens are: kept when the text is
+        # counted after a quick reserve, and charged when the provider gives no usage.
+        overhead += media_part_input_tokens * media_of(view)
     text = "\n".join(parts)
     bound, exact = tokenizer.quick_bound_of_parts(parts, encoding, quick_chars=quick_chars)
     input_tokens = bound + overhead + id_tokens

@@ -177,6 +177,29 @@ def _part_texts(content: Any, parts: list[str]) -> None:
                     parts.append(orjson.dumps(value).decode())
 
 
+# Content parts whose tokens are not text: OpenAI chat, Responses, Anthropic.
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "input_audio", "file", "input_image", "input_file", "image", "document"}
+)
+
+
+def media_parts(*sources: Any) -> int:
+    """How many image, audio and file parts the messages, items or variables of ``sources``
+    hold (at any depth: a tool result may carry an image)."""
+    count = 0
+    stack = list(sources)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            if value.get("type") in MEDIA_PART_TYPES:
+                count += 1
+                continue
+            stack.extend(v for v in value.values() if isinstance(v, list | dict))
+    return count
+
+
 def variable_texts(variables: Any) -> list[str]:
     """The text of a stored prompt's variables: strings, or parts carrying text (an image or a
     file part adds none, as in messages)."""

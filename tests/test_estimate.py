@@ -9,10 +9,13 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
 from proxy.app import STATE
+from proxy.estimate import estimate
+from proxy.payload import ChatBody
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
@@ -345,3 +348,72 @@ async def test_a_quick_reserve_is_lowered_for_the_ceilings_of_other_tiers_on_sha
     )
     await stream.close()
     assert len(fake.bill) == 2
+
+
+# -- image, audio and file parts: a per-model reserve ---------------------------------------
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 400}}
+MEDIA_MODELS = {
+    "gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 1000, "media_part_input_tokens": 1000},
+    "*": {"upstream": "openai"},
+}
+
+
+async def test_media_parts_are_reserved_at_the_models_bound(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Two images at 1,000 tokens each do not fit an input ceiling of 1,500; without the bound
+    # they were reserved as nothing and the call went out.
+    proxy = await make_proxy(models=MEDIA_MODELS, tiers=tiers(run={"input_tokens": 1500}))
+    client = proxy.client(max_retries=0)
+    two = [{"role": "user", "content": [{"type": "text", "text": "what differs?"}, IMAGE, IMAGE]}]
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(
+            model=MODEL, messages=two, max_tokens=5, extra_headers=run_headers("media")
+        )
+    assert fake.received == []
+    one = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, IMAGE]}]
+    await client.chat.completions.create(
+        model=MODEL, messages=one, max_tokens=5, extra_headers=run_headers("media")
+    )
+    (entry,) = await ledger_entries(proxy, "media")
+    assert 1000 < int(entry["reserved_input_tokens"]) < 1100, entry
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "parts"),
+    [
+        ("/v1/responses", {"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "read"}, {"type": "input_image", "image_url": "https://x/y.png"},
+            {"type": "input_file", "file_id": "file-1"}]}]}, 2),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, 1),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c", "content": [
+            {"type": "text", "text": "the chart"}, IMAGE]}]}, 1),
+    ],
+    ids=["responses-image-and-file", "chat-audio", "tool-result-image"],
+)  # fmt: skip
+async def test_every_kind_of_media_part_is_reserved(
+    make_proxy: ProxyFactory, fake: FakeUpstream, path: str, body: dict[str, Any], parts: int
+) -> None:
+    proxy = await make_proxy(models=MEDIA_MODELS)
+    headers = {"Authorization": f"Bearer {KEY_A}", **run_headers(f"m-{parts}")}
+    async with aiohttp.ClientSession() as session:
+        payload = {"model": MODEL, "max_tokens" if "chat" in path else "max_output_tokens": 5, **body}
+        async with session.post(proxy.url + path, json=payload, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    (entry,) = await ledger_entries(proxy, f"m-{parts}")
+    reserved = int(entry["reserved_input_tokens"])
+    assert parts * 1000 < reserved < parts * 1000 + 100, entry
+
+
+def test_without_a_bound_media_parts_add_nothing() -> None:
+    view = ChatBody.model_validate({"model": MODEL, "messages": [{"role": "user", "content": [IMAGE]}]})
+    tokenizer = Tokenizer({})
+    kwargs: dict[str, Any] = {"encoding": "o200k_base", "tokenizer": tokenizer, "model_max_output_tokens": 10}
+    plain = estimate("chat.completions", view, default_max_output_tokens=10, **kwargs)
+    bounded = estimate(
+        "chat.completions", view, default_max_output_tokens=10, media_part_input_tokens=700, **kwargs
+    )
+    assert bounded.input_tokens == plain.input_tokens + 700
+    assert bounded.prompt_overhead_tokens == plain.prompt_overhead_tokens + 700  # kept by counted()
