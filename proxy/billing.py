@@ -255,7 +255,9 @@ async def settle(
     reservation = call.reservation
     assert reservation is not None, "settle without reserve"
     cost = cost_micros(
-        call.rates,
+        # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
+        # (and as a reaper bills it), every token at its dearest rate.
+        worst_rates(call.rates) if usage.source == "reserve" else call.rates,
         input_tokens=usage.input_tokens,
         cached_input_tokens=usage.cached_input_tokens,
         output_tokens=usage.output_tokens,

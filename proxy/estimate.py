@@ -170,7 +170,7 @@ def estimate(
     asked = cap
     if cap is None:
         if isinstance(view, CompletionBody):
-            cap = LEGACY_DEFAULT_MAX_TOKENS
+            cap = min(LEGACY_DEFAULT_MAX_TOKENS, model_max_output_tokens or LEGACY_DEFAULT_MAX_TOKENS)
         else:
             cap = model_max_output_tokens or default_max_output_tokens
     elif model_max_output_tokens is not None:

@@ -58,13 +58,21 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         return None
     prompt_details = raw.get("prompt_tokens_details") or raw.get("input_tokens_details") or {}
     completion_details = raw.get("completion_tokens_details") or raw.get("output_tokens_details") or {}
-    cached = token_count(prompt_details.get("cached_tokens", 0)) if isinstance(prompt_details, dict) else 0
-    reasoning = (
-        token_count(completion_details.get("reasoning_tokens", 0))
-        if isinstance(completion_details, dict)
-        else 0
+    cached = written = reasoning = None
+    if isinstance(prompt_details, dict):
+        cached = token_count(prompt_details.get("cached_tokens", 0))
+        # Prompt-cache writes (a subset of the input, priced at cache_creation_input).
+        written = token_count(prompt_details.get("cache_write_tokens") or 0)
+    if isinstance(completion_details, dict):
+        reasoning = token_count(completion_details.get("reasoning_tokens", 0))
+    return ProviderUsage(
+        prompt,
+        completion,
+        cached or 0,
+        reasoning or 0,
+        cache_creation_input_tokens=written or 0,
+        output_known=given is not None,
     )
-    return ProviderUsage(prompt, completion, cached or 0, reasoning or 0, output_known=given is not None)
 
 
 @dataclass(slots=True)

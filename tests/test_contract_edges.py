@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import redis.asyncio as aioredis
 
@@ -1066,3 +1067,78 @@ async def test_a_call_with_text_that_is_not_json_is_still_rejected(
     assert reply.status == 422, reply.describe()
     assert reply.new_entries[0]["outcome"].startswith("rejected:parse-json"), reply.describe()
     assert reply.new_entries[0]["output_tokens"] == "7"  # rejected, still billed
+
+
+# -- the bill's arithmetic --------------------------------------------------------------------
+
+PRICED = {"input": "1", "output": "2", "cached_input": "0.1", "cache_creation_input": "5", "reasoning": "8"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_cache_writes_are_priced_as_cache_writes(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    # Was: cache_write_tokens never read, the written tokens priced as plain input (1 not 5).
+    proxy = await make_proxy(models={"*": {"upstream": "openai", "price_per_million": PRICED}})
+    usage = {"input_tokens": 1000, "output_tokens": 0, "input_tokens_details": {"cache_write_tokens": 1000}}
+    answer = await proxy.client().responses.create(
+        model="gpt-4o-mini", input="hello there", stream=stream, extra_body={"fake": {"usage": usage}}
+    )
+    if stream:
+        async for _ in answer:  # type: ignore[union-attr]
+            pass
+    (bill,) = fake.bill
+    assert bill.cache_creation_tokens == 1000  # the provider's own bill
+    entry = await only_entry(redis_client)
+    assert entry["cache_creation_input_tokens"] == "1000", entry
+    assert int(entry["cost_micros"]) == 5000 + bill.completion_tokens * 2
+
+
+async def test_chat_cache_writes_are_priced_as_cache_writes(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(models={"*": {"upstream": "openai", "price_per_million": PRICED}})
+    usage = {
+        "prompt_tokens": 1000,
+        "completion_tokens": 0,
+        "prompt_tokens_details": {"cache_write_tokens": 600},
+    }
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"fake": {"usage": usage}},
+    )
+    entry = await only_entry(redis_client)
+    assert entry["cache_creation_input_tokens"] == "600"
+    assert int(entry["cost_micros"]) == 400 * 1 + 600 * 5
+
+
+async def test_a_call_billed_at_its_reserve_is_priced_as_the_reserve_was(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Was: plain rates (input 1, output 2) where the reserve (and a reaper, for the same
+    # unknown spend) used the dearest (cache write 5, reasoning 8).
+    proxy = await make_proxy(models={"*": {"upstream": "openai", "price_per_million": PRICED}})
+    with pytest.raises(openai.InternalServerError):
+        await proxy.client(max_retries=0).chat.completions.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=100,
+            extra_body={"fake": {"mode": "error", "error_body": "text"}},
+        )
+    entry = await only_entry(redis_client)
+    assert entry["usage_source"] == "reserve"
+    i, o = int(entry["input_tokens"]), int(entry["output_tokens"])
+    assert int(entry["cost_micros"]) == -(-(i * 5 + o * 8) // 1)  # whole micro-units per token here
+
+
+async def test_a_legacy_completion_without_max_tokens_keeps_to_the_models_cap(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Was: reserved (and forwarded) at the legacy default of 16 past a model cap of 10.
+    proxy = await make_proxy(
+        models={"*": {"upstream": "openai", "max_output_tokens": 10}},
+        tiers={"standard": {"run": {"output_tokens": 10}}},
+    )
+    await proxy.client(max_retries=0).completions.create(model="gpt-3.5-turbo-instruct", prompt="hi")
+    assert fake.received[-1].body["max_tokens"] == 10
