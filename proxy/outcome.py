@@ -28,8 +28,9 @@ OutcomeTag = Literal[
     "not_forwarded",
 ]
 REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
-# "length" (OpenAI chat), "max_output_tokens" (Responses), "max_tokens" (Anthropic).
-TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
+# "length" (OpenAI chat), "max_output_tokens" (Responses), "max_tokens" and
+# "model_context_window_exceeded" (Anthropic: the answer filled what the context had left).
+TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens", "model_context_window_exceeded"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.config import PolicyConfig
 from proxy.observe import Observation, parse_usage, string_end
+from proxy.outcome import classify_answer
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
@@ -83,3 +85,20 @@ def test_the_fast_path_leaves_anything_unusual_to_the_parser() -> None:
         b'"usage":null}'
     )
     assert not _NOT_PLAIN_CONTENT.search(plain)
+
+
+@pytest.mark.parametrize(
+    ("reason", "tag"),
+    [
+        ("stop", "ok"),
+        ("length", "truncated"),
+        ("max_output_tokens", "truncated"),
+        ("max_tokens", "truncated"),
+        ("model_context_window_exceeded", "truncated"),  # Anthropic: was "ok"
+        ("content_filter", "refused"),
+        ("refusal", "refused"),
+    ],
+)
+def test_finish_reasons_of_every_dialect_give_their_outcome(reason: str, tag: str) -> None:
+    obs = Observation(finish_reasons={0: reason})
+    assert classify_answer(obs, PolicyConfig(), json_mode=False).tag == tag
