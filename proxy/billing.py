@@ -306,10 +306,24 @@ async def settle_or_journal(store: Store, journal: Journal, pending: PendingSett
     except StoreError as err:
         # The answer is not held back: the settlement waits in the local journal and is applied
         # when the store is back (exactly once: settling is idempotent by reservation id).
+        try:
+            journal.append(pending)
+        except OSError as disk:
+            # Not lost: its reservation stays in the store, where a reaper bills it at its
+            # reserve once the store is back. The answer still goes to the client: an error now
+            # would have its SDK retry, and pay, the same call again.
+            log.critical(
+                "settle failed and could not be journaled; a reaper will bill the reserve",
+                extra={
+                    "reservation_id": pending.reservation_id,
+                    "error": str(err),
+                    "journal_error": str(disk),
+                },
+            )
+            return None
         log.error(
             "settle failed; journaled", extra={"reservation_id": pending.reservation_id, "error": str(err)}
         )
-        journal.append(pending)
         return None
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -27,6 +28,8 @@ from proxy.redis_server import RedisServerProcess
 log = logging.getLogger("proxy.cli")
 # Allocations (net) between collections of the youngest generation; CPython's default is 700.
 GC_YOUNG_THRESHOLD = 20_000
+# Exit codes besides 0: 2 config error, 3 store error (see main), 4 cannot serve (listen).
+EXIT_CANNOT_SERVE = 4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,9 +113,7 @@ def store_url(config: Config, *, purpose: str) -> Iterator[Config]:
         log.info("stopped embedded redis-server")
 
 
-def run_worker(
-    config: Config, passthrough: bool, config_path: Path | None, worker: int, workers: int
-) -> None:
+def run_worker(config: Config, passthrough: bool, config_path: Path | None, worker: int, workers: int) -> int:
     """One serving process. With several workers they share the port (SO_REUSEPORT); all
     state is in Redis, so any worker can serve any call."""
     from proxy.app import build_app, server_options
@@ -141,17 +142,28 @@ def run_worker(
             "gc_thresholds": list(gc.get_threshold()),
         },
     )
-    web.run_app(
-        app,
-        host=config.listen.host,
-        port=config.listen.port,
-        print=None,
-        access_log=None,
-        shutdown_timeout=config.shutdown_grace_s,
-        reuse_port=workers > 1,
-        **server_options(config),
-    )
+    try:
+        web.run_app(
+            app,
+            host=config.listen.host,
+            port=config.listen.port,
+            print=None,
+            access_log=None,
+            shutdown_timeout=config.shutdown_grace_s,
+            reuse_port=workers > 1,
+            **server_options(config),
+        )
+    except OSError as err:
+        # The port taken, an address not on this host: the operator's to fix, not a traceback.
+        where = f"{config.listen.host}:{config.listen.port}"
+        print(f"llm-billing-proxy: cannot serve on {where}: {err.strerror or err}", file=sys.stderr)
+        return EXIT_CANNOT_SERVE
     log.info("stopped", extra={"worker": worker})
+    return 0
+
+
+def _worker_process(*args: Any) -> None:
+    sys.exit(run_worker(*args))
 
 
 def _supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
@@ -159,7 +171,7 @@ def _supervise(config: Config, passthrough: bool, config_path: Path | None, work
     context = multiprocessing.get_context("spawn")
     children = [
         context.Process(
-            target=run_worker, args=(config, passthrough, config_path, i, workers), name=f"worker-{i}"
+            target=_worker_process, args=(config, passthrough, config_path, i, workers), name=f"worker-{i}"
         )
         for i in range(workers)
     ]
@@ -175,7 +187,10 @@ def _supervise(config: Config, passthrough: bool, config_path: Path | None, work
         signal.signal(sig, forward)
     for child in children:
         child.join()
-    return max((child.exitcode or 0) for child in children)
+    # A worker killed by a signal (the OOM killer) has a negative exit code: a failure too,
+    # reported as a shell would (128 + the signal).
+    failed = [code if code > 0 else 128 - code for child in children if (code := child.exitcode or 0)]
+    return failed[0] if failed else 0
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -185,8 +200,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError("--workers must be at least 1")
     with store_url(config, purpose="serve") as config:
         if args.workers == 1:
-            run_worker(config, bool(args.upstream), args.config, 0, 1)
-            return 0
+            return run_worker(config, bool(args.upstream), args.config, 0, 1)
         return _supervise(config, bool(args.upstream), args.config, args.workers)
 
 

@@ -410,7 +410,7 @@ def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
             raise ConfigError(f"redis.url_env ({redis.url_env}): " + _format_validation_error(err)) from None
     upstreams = {}
     for name, upstream in config.upstreams.items():
-        key = environ.get(upstream.api_key_env) if upstream.api_key_env else None
+        key = _secret(f"upstreams.{name}.api_key_env", upstream.api_key_env, environ)
         upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
     digests = [(_digest("keys", key, environ), key) for key in config.keys]
     named: dict[str, str] = {}
@@ -429,10 +429,23 @@ def _digest(section: str, key: KeyConfig | AdminKeyConfig, environ: Mapping[str,
     if key.key_env is None:
         assert key.sha256 is not None
         return key.sha256
-    plain = environ.get(key.key_env)
+    plain = _secret(f"{section}.{key.name}.key_env", key.key_env, environ)
     if not plain:
         raise ConfigError(f"{section}.{key.name}.key_env: environment variable {key.key_env} is not set")
     return hashlib.sha256(plain.encode()).hexdigest()
+
+
+def _secret(field: str, name: str | None, environ: Mapping[str, str]) -> str | None:
+    """A secret from the environment, without the line break a secrets file or an .env often
+    ends with: as given, an upstream key could not be sent at all (no header holds one), and a
+    proxy key could never match (the presented key arrives stripped)."""
+    value = environ.get(name) if name else None
+    if value is None:
+        return None
+    value = value.strip()
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"{field}: environment variable {name} holds a control character inside the key")
+    return value
 
 
 def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
@@ -440,10 +453,14 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
     return parse_config(raw, os.environ if environ is None else environ)
 
 

@@ -90,6 +90,9 @@ async def open_upstream(
         )
     except aiohttp.ClientConnectorError as err:
         return TransportFailure("connect", f"cannot connect to upstream: {err.os_error.strerror or err}")
+    except ValueError as err:
+        # aiohttp refused to build the request (a header value it cannot send): nothing went out.
+        return TransportFailure("connect", f"cannot send the request upstream: {err}")
     except TimeoutError:
         return TransportFailure("timeout", "upstream did not answer in time")
     except aiohttp.ClientError as err:

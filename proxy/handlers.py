@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -52,7 +52,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, state.ids)
-        raw = await read_body(request)
+        raw = await read_body(request, config.limits.max_body_bytes)
         body, view = parse_body(raw, endpoint)
         # Much new text is estimated at its byte length here and counted later: before the call
         # only if the reserve needs it, else while the call runs (``billing.reserve``).
@@ -104,7 +104,10 @@ async def count_now(call: Call, *, tokenizer: Tokenizer) -> Estimate:
     return await asyncio.to_thread(counted, call.estimate, tokenizer, call.encoding)
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request, limit_bytes: int) -> bytes:
+    if request.client_max_size != limit_bytes:
+        # The limit was reloaded after the app was built with the limit of its start.
+        request = request.clone(client_max_size=limit_bytes)
     try:
         return await request.read()
     except (RequestPayloadError, BadHttpMessage) as err:
@@ -316,12 +319,28 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """aiohttp's own, except that an expectation it cannot meet is refused in OpenAI's format:
+    this runs before any middleware."""
+    if request.version != HttpVersion11:
+        return None
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if expect.lower() != "100-continue":
+        return error_response(
+            417, f"Unknown Expect: {expect[:100]}", "invalid_request_error", code="expectation_failed"
+        )
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the response proper has not started
+    return None
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_post("/v1/messages", messages)
+    post = functools.partial(app.router.add_post, expect_handler=expect_continue)
+    post("/v1/chat/completions", chat_completions)
+    post("/v1/completions", completions)
+    post("/v1/embeddings", embeddings)
+    post("/v1/responses", responses)
+    post("/v1/messages", messages)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/billing/runs/{run_id}", run_meters)
     app.router.add_get("/v1/billing/runs/{run_id}/ledger", run_ledger)

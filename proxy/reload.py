@@ -2,7 +2,9 @@
 
 A new file that does not validate is refused with a log line and the old config stays in force.
 Ceilings and prices apply to new reservations; usage is never reset (window counters are keyed
-by window start, not by config). Listen address and Redis settings need a restart.
+by window start, not by config). What is set up at start (listen address, Redis, journal, log,
+metrics listener, background loops, the settled marker's TTL) needs a restart: a reload keeps
+the running values and says which changed.
 """
 
 from __future__ import annotations
@@ -45,19 +47,21 @@ class ConfigReloader:
                 extra={"reason": reason, "error": str(err)},
             )
             return False
-        # The store and the listening socket are bound at start: keep them as they are.
-        if new.listen != old.listen or new.redis.model_dump(exclude={"url"}) != old.redis.model_dump(
-            exclude={"url"}
-        ):
-            log.warning("listen and redis settings change only on restart", extra={"reason": reason})
-        marker_ttl_s = old.limits.settled_marker_ttl_s
-        if new.limits.settled_marker_ttl_s != marker_ttl_s:
-            # The store writes every settled marker with the TTL it started with, and the window
-            # in which a settle bills a lost reservation must stay inside it (else a late settle
-            # finds a reaper's marker gone and bills the call twice).
-            log.warning("limits.settled_marker_ttl_s changes only on restart", extra={"reason": reason})
-        limits = new.limits.model_copy(update={"settled_marker_ttl_s": marker_ttl_s})
-        new = new.model_copy(update={"listen": old.listen, "redis": old.redis, "limits": limits})
+        running = _start_only(old)
+        changed = sorted(name for name, value in _start_only(new).items() if value != running[name])
+        if new.redis.url is not None and new.redis.url != old.redis.url:
+            changed.append("redis.url")
+        if changed:
+            # The store, the sockets, the journal, the logging, the metrics and the background
+            # loops are set up at start. In particular the settled marker's TTL: the store
+            # writes every marker with the one it started with, and the window in which a
+            # settle bills a lost reservation must stay inside it (else a late settle finds a
+            # reaper's marker gone and bills the call twice).
+            log.warning(
+                "these settings change only on restart; the running values stay in force",
+                extra={"reason": reason, "settings": changed},
+            )
+        new = _keep_start_only(new, old)
         self._apply(new)
         log.info(
             "config reloaded",
@@ -77,4 +81,55 @@ class ConfigReloader:
         while True:
             await asyncio.sleep(interval_s)
             if self.changed():
-                self.reload("file changed")
+                try:
+                    self.reload("file changed")
+                except Exception:
+                    # Whatever a file did to one reload, the next saves are still watched.
+                    log.exception("config reload failed; the old config stays in force")
+
+
+def _start_only(config: Config) -> dict[str, object]:
+    """The settings used only at start, by name (``redis.url`` aside: unset in a file that
+    relies on the embedded Redis, which ``serve`` fills in)."""
+    limits = config.limits
+    return {
+        "listen": config.listen,
+        "redis": config.redis.model_dump(exclude={"url"}),
+        "log": config.log,
+        "metrics.listen": config.metrics.listen,
+        "journal_dir": config.journal_dir,
+        "shutdown_grace_s": config.shutdown_grace_s,
+        "currency": config.currency,
+        "limits.settled_marker_ttl_s": limits.settled_marker_ttl_s,
+        "limits.token_count_cache_chars": limits.token_count_cache_chars,
+        "limits.reaper_interval_s": limits.reaper_interval_s,
+        "limits.journal_replay_s": limits.journal_replay_s,
+    }
+
+
+def _keep_start_only(new: Config, old: Config) -> Config:
+    """``new`` with the running values of the start-only settings: the config in force says
+    what is in force."""
+    limits = new.limits.model_copy(
+        update={
+            name: getattr(old.limits, name)
+            for name in (
+                "settled_marker_ttl_s",
+                "token_count_cache_chars",
+                "reaper_interval_s",
+                "journal_replay_s",
+            )
+        }
+    )
+    return new.model_copy(
+        update={
+            "listen": old.listen,
+            "redis": old.redis,
+            "log": old.log,
+            "metrics": new.metrics.model_copy(update={"listen": old.metrics.listen}),
+            "journal_dir": old.journal_dir,
+            "shutdown_grace_s": old.shutdown_grace_s,
+            "currency": old.currency,
+            "limits": limits,
+        }
+    )

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDictProxy
 
+from proxy.app import STATE
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
@@ -487,6 +488,46 @@ async def test_body_size_limit_boundary(
     assert_contract(at_limit)
     over = await send(proxy, lambda: fake.received, redis_client, CHAT, body(1))
     assert_refused(over, 413)
+
+
+async def test_a_reloaded_body_limit_applies_to_the_next_calls(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Was: the limit the app was built with, whatever a reload said.
+    proxy = await make_proxy(limits={"max_body_bytes": 4096})
+    state = proxy.app[STATE]
+    data = dumps({"model": MODEL, "messages": [{"role": "user", "content": "x " * 5000}]})
+    assert_refused(await send(proxy, lambda: fake.received, redis_client, CHAT, data), 413)
+    state.config = state.config.model_copy(
+        update={"limits": state.config.limits.model_copy(update={"max_body_bytes": 1024 * 1024})}
+    )
+    raised = await send(proxy, lambda: fake.received, redis_client, CHAT, data)
+    assert raised.status == 200, raised.describe()
+    state.config = state.config.model_copy(
+        update={"limits": state.config.limits.model_copy(update={"max_body_bytes": 2048})}
+    )
+    small = dumps({"model": MODEL, "messages": [{"role": "user", "content": "x " * 1500}]})
+    assert_refused(await send(proxy, lambda: fake.received, redis_client, CHAT, small), 413)
+
+
+async def test_an_unknown_expectation_is_refused_in_openais_format(proxy: Proxy) -> None:
+    body = dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {KEY_A}\r\n"
+    port = int(proxy.url.rsplit(":", 1)[1])
+
+    async def exchange(expect: str) -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"{head}Expect: {expect}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        out = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        return out.partition(b"\r\n\r\n")[0], out
+
+    status_line, whole = await exchange("foo")
+    assert status_line.startswith(b"HTTP/1.1 417") and b"application/json" in status_line, whole
+    assert json.loads(whole.rsplit(b"\r\n\r\n", 1)[1])["error"]["code"] == "expectation_failed"
+    status_line, whole = await exchange("100-continue")  # the expected kind still works
+    assert status_line.startswith(b"HTTP/1.1 100 Continue"), whole
+    assert b"HTTP/1.1 200" in whole and b'"chat.completion"' in whole
 
 
 async def test_gzip_body_is_limited_by_its_decoded_size(post: Any) -> None:

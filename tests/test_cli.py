@@ -6,14 +6,18 @@ import asyncio
 import csv
 import io
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from proxy.cli import main
-from proxy.redis_server import RedisServerProcess
+from proxy.redis_server import RedisServerProcess, free_port
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
@@ -126,3 +130,58 @@ async def test_ledger_export_and_report(
         == 0
     )
     assert capsys.readouterr().out == "no ledger entries\n"
+
+
+def test_serve_on_a_port_in_use_says_so_without_a_traceback(redis_server: RedisServerProcess) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli(
+            "serve", "--upstream", "http://127.0.0.1:9", "--port", str(port), "--redis-url", redis_server.url
+        )
+    assert result.returncode == 4, result.stderr[-600:]
+    assert "Traceback" not in result.stderr
+    assert f"cannot serve on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
+
+
+def _workers_of(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "resource_tracker" not in line]
+
+
+def test_a_worker_killed_by_a_signal_makes_serve_fail(redis_server: RedisServerProcess) -> None:
+    # Was exit 0: max(-9, 0). A supervisor restarting on failure must see the crash.
+    argv = [
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--port",
+        str(free_port()),
+        "--redis-url",
+        redis_server.url,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", *argv, "--workers", "2"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)  # as the OOM killer does
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGKILL

@@ -200,3 +200,64 @@ def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: 
 def test_a_run_ttl_outlives_its_calls() -> None:
     assert "limits.run_ttl_s" in error_of({**UP, "limits": {"run_ttl_s": 60}})
     assert parse_config({**UP, "limits": {"run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
+
+
+def test_secrets_from_the_environment_lose_their_trailing_line_break() -> None:
+    # A Kubernetes secret or an .env file often ends in "\n": as given, the upstream key could
+    # not be sent (no header holds it: every call failed, billed at its reserve) and a proxy key
+    # could never match (a presented key arrives stripped).
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    raw["keys"] = [{"name": "k", "key_env": "PROXY_KEY", "tenant": "t"}]
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-up\n", "PROXY_KEY": " sk-team\r\n"})
+    key = config.upstreams["openai"].api_key
+    assert key is not None and key.get_secret_value() == "sk-up"
+    assert config.key_for_digest(hashlib.sha256(b"sk-team").hexdigest()) is not None
+
+
+def test_a_secret_with_a_control_character_inside_is_a_config_error() -> None:
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    with pytest.raises(ConfigError, match="TEST_UPSTREAM_KEY holds a control character"):
+        parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-one\nsk-two"})
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"upstreams: {}\n# caf\xe9\n", "not UTF-8 text"), (b"a: " + b"[" * 5000, "nested too deeply")],
+    ids=["latin-1", "deep-yaml"],
+)
+def test_a_file_that_cannot_be_read_as_yaml_is_a_config_error(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
+    path = tmp_path / "proxy.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):  # was UnicodeDecodeError, RecursionError
+        load_config(path, {})
+
+
+def test_a_reload_keeps_and_names_every_setting_used_only_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {"TEST_UPSTREAM_KEY": "x"}
+    started = load_config(path, env)
+    applied: list[Config] = []
+    raw["redis"] = {"url": "redis://10.9.9.9:6379/0"}
+    raw["currency"] = "EUR"
+    raw["journal_dir"] = str(tmp_path / "elsewhere")
+    raw["limits"] = {"reaper_interval_s": 1, "max_body_bytes": 2048}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        assert ConfigReloader(path, lambda: started, applied.append).reload("test")
+    (new,) = applied
+    assert new.limits.max_body_bytes == 2048  # read at each call: applies
+    assert (new.redis, new.currency, new.journal_dir) == (
+        started.redis,
+        started.currency,
+        started.journal_dir,
+    )
+    assert new.limits.reaper_interval_s == started.limits.reaper_interval_s
+    (warning,) = [r for r in caplog.records if "only on restart" in r.getMessage()]
+    assert warning.settings == ["currency", "journal_dir", "limits.reaper_interval_s", "redis.url"]  # type: ignore[attr-defined]

@@ -1,15 +1,26 @@
-"""The stall guard of streams: only the upstream's silence while the relay waits counts."""
+"""Forwarding: the stall guard of streams (only the upstream's silence while the relay waits
+counts), and a request that cannot go out."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import aiohttp
+import redis.asyncio as aioredis
+from aiohttp import web
+from pydantic import SecretStr
 
+from proxy.app import build_app
+from proxy.config import parse_config
 from proxy.forward import StallGuard
+from proxy.redis_server import RedisServerProcess
+from proxy.tokenizer import Tokenizer
+from tests.conftest import KEY_A, UPSTREAM_KEY, base_config
+from tests.fake_upstream import FakeUpstream
 
 
 class Content:
@@ -47,3 +58,29 @@ async def test_time_spent_elsewhere_does_not_count() -> None:
     await asyncio.sleep(0.45)
     assert len(upstream.content.errors) == 1
     guard.cancel()
+
+
+async def test_a_request_aiohttp_refuses_to_send_is_not_billed(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A header value aiohttp cannot send (a key with a line break, as a secrets file gives it,
+    before the config stripped it): nothing went out, so nothing is billed. It was a 500 billed
+    at its reserve."""
+    raw = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "j"))
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+    broken = config.upstreams["openai"].model_copy(update={"api_key": SecretStr("sk-one\nsk-two")})
+    config = config.model_copy(update={"upstreams": {"openai": broken}})
+    runner = web.AppRunner(build_app(config, tokenizer=Tokenizer({}), run_reaper_task=False))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json=body, headers={"Authorization": f"Bearer {KEY_A}"}) as resp:
+                assert resp.status == 502, await resp.text()
+    finally:
+        await runner.cleanup()
+    assert fake.received == []
+    ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
+    assert (entry["usage_source"], entry["total_tokens"], entry["outcome"]) == ("none", "0", "upstream_error")

@@ -358,3 +358,42 @@ async def test_a_replica_refusing_writes_is_a_passing_error_on_both_clients(
 
 async def _link_up(client: aioredis.Redis) -> bool:
     return bool((await client.info("replication")).get("master_link_status") == "up")
+
+
+async def test_a_settle_that_cannot_be_journaled_still_delivers_the_answer(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Redis down at the settle and the journal unwritable (a full or read-only disk): the call
+    is still billed (its reservation stays; a reaper bills it at its reserve once Redis is back)
+    and the answer still goes out. It was a retryable 500: the SDK's retry paid for it twice."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")  # the journal's directory cannot be made
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 1},
+        journal_dir=str(blocker / "journal"),
+        limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.2},
+    )
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 0.5}}
+    async with aiohttp.ClientSession() as session:
+        pending = asyncio.ensure_future(
+            session.post(
+                proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+            )
+        )
+        await asyncio.sleep(0.2)  # reserved; the call is at the upstream
+        await asyncio.to_thread(own_redis.stop)
+        async with await pending as resp:
+            status, answer = resp.status, await resp.json()
+    assert status == 200 and answer["object"] == "chat.completion"
+    await asyncio.to_thread(own_redis.start)
+    for _ in range(100):
+        if await own_client.xlen(LEDGER):
+            break
+        await asyncio.sleep(0.1)
+    ((_, entry),) = await own_client.xrange(LEDGER)
+    assert entry["outcome"] == "lease_expired" and entry["usage_source"] == "reserve"
+    assert len(fake.bill) == 1
