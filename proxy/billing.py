@@ -336,17 +336,25 @@ def release_unforwarded(call: Call, journal: Journal, scopes: list[str], run_ttl
         input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
     )
     entry = entry_fields(call, Outcome("not_forwarded"), usage, 0, "")
-    journal.append(
-        PendingSettlement(
-            tenant=call.identity.tenant,
-            reservation_id=call.reservation_id,
-            run_id=call.run_id,
-            scope_keys=scopes,
-            actual=zero,
-            entry=entry,
-            runlog_ttl_s=run_ttl_s,
+    try:
+        journal.append(
+            PendingSettlement(
+                tenant=call.identity.tenant,
+                reservation_id=call.reservation_id,
+                run_id=call.run_id,
+                scope_keys=scopes,
+                actual=zero,
+                entry=entry,
+                runlog_ttl_s=run_ttl_s,
+            )
         )
-    )
+    except OSError as disk:
+        # The client still hears that nothing went out (not a 500); should the reserve have
+        # happened, a reaper bills it at its reserve, as for a process that died here.
+        log.critical(
+            "the release of an unforwarded reserve could not be journaled",
+            extra={"reservation_id": call.reservation_id, "journal_error": str(disk)},
+        )
 
 
 def budget_headers(call: Call, settlement: Settlement) -> dict[str, str]:

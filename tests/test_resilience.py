@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import Journal, PendingSettlement
@@ -68,11 +69,25 @@ async def _count(client: aioredis.Redis, n: int) -> bool:
     return len(await client.xrange(LEDGER)) == n
 
 
+@pytest.mark.parametrize("journal", ["writable", "unwritable"])
 async def test_a_reserve_whose_reply_is_lost_is_released_not_charged(
-    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+    journal: str,
 ) -> None:
+    extra: dict[str, Any] = {}
+    if journal == "unwritable":
+        # The release cannot be journaled (a full disk): still a 503 (was a 500), and the
+        # reserve, which happened, is reaped at its reserve (nobody can tell it never went out).
+        (tmp_path / "a-file").write_text("x")
+        extra = {"journal_dir": str(tmp_path / "a-file" / "journal")}
     proxy = await make_proxy(
-        redis={"url": own_redis.url, "socket_timeout_s": 0.3}, limits={"journal_replay_s": 0.1}
+        redis={"url": own_redis.url, "socket_timeout_s": 0.3},
+        limits={"journal_replay_s": 0.1, "lease_margin_s": 0.5, "reaper_interval_s": 0.2},
+        **extra,
     )
     await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=MSGS)  # warm up
     await own_client.delete(LEDGER)
@@ -95,8 +110,11 @@ async def test_a_reserve_whose_reply_is_lost_is_released_not_charged(
     assert fake.received == []  # nothing went out
     await until(lambda: _count(own_client, 1))
     ((_, entry),) = await own_client.xrange(LEDGER)
-    assert entry["outcome"] == "not_forwarded" and entry["total_tokens"] == "0"
     assert await own_client.zcard(LEASES) == 0
+    if journal == "unwritable":
+        assert entry["outcome"] == "lease_expired"
+        return
+    assert entry["outcome"] == "not_forwarded" and entry["total_tokens"] == "0"
     run = await own_client.hgetall("lbp:{team-a}:run:lost-reply")
     assert run["resv:total_tokens"] == "0" and run["resv:concurrent"] == "0"
     assert run.get("used:requests", "0") == "0"
