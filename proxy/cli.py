@@ -154,9 +154,9 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
             **server_options(config),
         )
     except OSError as err:
-        # The port taken, an address not on this host: the operator's to fix, not a traceback.
-        where = f"{config.listen.host}:{config.listen.port}"
-        print(f"llm-billing-proxy: cannot serve on {where}: {err.strerror or err}", file=sys.stderr)
+        # A port taken (the main one or the metrics one), an address not on this host: the
+        # operator's to fix, not a traceback. aiohttp's message names the address.
+        print(f"llm-billing-proxy: cannot serve: {err.strerror or err}", file=sys.stderr)
         return EXIT_CANNOT_SERVE
     log.info("stopped", extra={"worker": worker})
     return 0

@@ -93,7 +93,8 @@ def media_of(view: RequestView) -> int:
     if isinstance(view, ChatBody):
         return media_parts(view.messages)
     if isinstance(view, ResponsesBody):
-        return media_parts(view.input, view.prompt.get("variables") if view.prompt else None)
+        variables = view.prompt.get("variables") if view.prompt else None
+        return media_parts(view.input, list(variables.values()) if isinstance(variables, dict) else None)
     if isinstance(view, MessagesBody):
         return media_parts(view.messages, view.system)
     return 0

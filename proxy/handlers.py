@@ -326,7 +326,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         return None
     expect = request.headers.get(hdrs.EXPECT, "")
     if expect.lower() != "100-continue":
-        return error_response(
+        dialect = DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
+        return dialect.error_response(
             417, f"Unknown Expect: {expect[:100]}", "invalid_request_error", code="expectation_failed"
         )
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

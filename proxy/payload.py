@@ -179,13 +179,25 @@ def _part_texts(content: Any, parts: list[str]) -> None:
 
 # Content parts whose tokens are not text: OpenAI chat, Responses, Anthropic.
 MEDIA_PART_TYPES = frozenset(
-    {"image_url", "input_audio", "file", "input_image", "input_file", "image", "document"}
+    {
+        "image_url",
+        "input_audio",
+        "file",
+        "input_image",
+        "input_file",
+        "image",
+        "document",
+        "computer_screenshot",
+    }
 )
+# Where parts nest: a message's content, a tool result's content or output. Not elsewhere: a
+# tool call's own arguments ("input") are the model's JSON, whatever types they name.
+_PART_HOLDERS = ("content", "output")
 
 
 def media_parts(*sources: Any) -> int:
     """How many image, audio and file parts the messages, items or variables of ``sources``
-    hold (at any depth: a tool result may carry an image)."""
+    hold, a tool result's included."""
     count = 0
     stack = list(sources)
     while stack:
@@ -196,7 +208,7 @@ def media_parts(*sources: Any) -> int:
             if value.get("type") in MEDIA_PART_TYPES:
                 count += 1
                 continue
-            stack.extend(v for v in value.values() if isinstance(v, list | dict))
+            stack.extend(inner for key in _PART_HOLDERS if isinstance(inner := value.get(key), list | dict))
     return count
 
 

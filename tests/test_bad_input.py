@@ -525,6 +525,15 @@ async def test_an_unknown_expectation_is_refused_in_openais_format(proxy: Proxy)
     status_line, whole = await exchange("foo")
     assert status_line.startswith(b"HTTP/1.1 417") and b"application/json" in status_line, whole
     assert json.loads(whole.rsplit(b"\r\n\r\n", 1)[1])["error"]["code"] == "expectation_failed"
+    # On /v1/messages, as every error there, in Anthropic's format.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"{head.replace(CHAT, '/v1/messages')}Expect: foo\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    anthropic = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert json.loads(anthropic.rsplit(b"\r\n\r\n", 1)[1])["type"] == "error", anthropic
     status_line, whole = await exchange("100-continue")  # the expected kind still works
     assert status_line.startswith(b"HTTP/1.1 100 Continue"), whole
     assert b"HTTP/1.1 200" in whole and b'"chat.completion"' in whole

@@ -142,7 +142,8 @@ def test_serve_on_a_port_in_use_says_so_without_a_traceback(redis_server: RedisS
         )
     assert result.returncode == 4, result.stderr[-600:]
     assert "Traceback" not in result.stderr
-    assert f"cannot serve on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
+    assert f"cannot serve: error while attempting to bind on address ('127.0.0.1', {port})" in result.stderr
+    assert "in use" in result.stderr
 
 
 def _workers_of(pid: int) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 
 from proxy.app import STATE
 from proxy.estimate import estimate
-from proxy.payload import ChatBody
+from proxy.payload import ChatBody, MessagesBody, ResponsesBody
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
@@ -417,3 +417,48 @@ def test_without_a_bound_media_parts_add_nothing() -> None:
     )
     assert bounded.input_tokens == plain.input_tokens + 700
     assert bounded.prompt_overhead_tokens == plain.prompt_overhead_tokens + 700  # kept by counted()
+
+
+def test_a_tool_calls_own_arguments_are_not_media_whatever_types_they_name() -> None:
+    # A render tool's arguments from an earlier turn ({"type": "image", ...}): the model's JSON,
+    # not an image. It was reserved at the bound, and billed at it without usage.
+    body = {
+        "model": "claude-x",
+        "max_tokens": 10,
+        "messages": [
+            {"role": "user", "content": "draw a cat"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "render",
+                                               "input": {"type": "image", "subject": "cat"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "here"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "A"}}]}]},
+        ],
+    }  # fmt: skip
+    view = MessagesBody.model_validate(body)
+    kwargs: dict[str, Any] = {
+        "encoding": "o200k_base",
+        "tokenizer": Tokenizer({}),
+        "model_max_output_tokens": 10,
+    }
+    plain = estimate("messages", view, default_max_output_tokens=10, **kwargs)
+    bounded = estimate("messages", view, default_max_output_tokens=10, media_part_input_tokens=1500, **kwargs)
+    assert bounded.input_tokens == plain.input_tokens + 1500  # the tool result's image only
+
+
+def test_responses_screenshots_and_variables_are_media() -> None:
+    body = {
+        "model": MODEL,
+        "input": [{"type": "computer_call_output", "call_id": "c1",
+                   "output": {"type": "computer_screenshot", "image_url": "data:image/png;base64,AAAA"}}],
+        "prompt": {"id": "pmpt_1", "variables": {"photo": {"type": "input_image", "image_url": "https://x/y.png"},
+                                                 "city": "Paris"}},
+    }  # fmt: skip
+    view = ResponsesBody.model_validate(body)
+    kwargs: dict[str, Any] = {
+        "encoding": "o200k_base",
+        "tokenizer": Tokenizer({}),
+        "model_max_output_tokens": 10,
+    }
+    plain = estimate("responses", view, default_max_output_tokens=10, **kwargs)
+    bounded = estimate("responses", view, default_max_output_tokens=10, media_part_input_tokens=100, **kwargs)
+    assert bounded.input_tokens == plain.input_tokens + 200
