@@ -499,31 +499,36 @@ async def test_a_release_from_a_key_that_expired_mid_call_leaves_no_negative_res
     assert (await store.meters(scope.key))["total_tokens"].used == 90
 
 
-async def test_a_release_takes_no_more_than_the_key_holds(store: RedisStore) -> None:
-    # The key expired under call A and call B reserved into it anew: A's release must not
-    # take B's reserve (nor go below zero); B's own settle then releases what is left.
+async def test_a_release_never_takes_the_reserve_of_another_life_of_the_key(store: RedisStore) -> None:
+    # The key expired under call A and call B reserved into it anew: A's release must not take
+    # B's reserve (it did, down to 0: room past the ceiling while B ran).
     scope = Scope(name="run", key="lbp:{team-a}:run:run4", ceilings={"total_tokens": 90}, ttl_s=3600)
     first = await reserve(store, "a", [scope], run_id="run4")
     assert isinstance(first, Reservation)
     await store.client.delete(scope.key)
-    second = await store.reserve(
-        tenant="team-a",
-        reservation_id="b",
-        run_id="run4",
-        scopes=[scope],
-        amounts={**AMOUNTS, "total_tokens": 20},
-        lease_ms=60_000,
-        record="{}",
-    )
+
+    async def reserve_total(rid: str, total: int) -> Reservation | Refusal | Tentative:
+        return await store.reserve(
+            tenant="team-a",
+            reservation_id=rid,
+            run_id="run4",
+            scopes=[scope],
+            amounts={**AMOUNTS, "total_tokens": total},
+            lease_ms=60_000,
+            record="{}",
+        )
+
+    second = await reserve_total("b", 20)
     assert isinstance(second, Reservation)
     await settle(store, first, {"requests": 1, "total_tokens": 30})
-    assert (await store.meters(scope.key))["total_tokens"].reserved == 0  # min(30, 20) released
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 20  # B's, still held
+    assert isinstance(await reserve_total("c", 60), Refusal)  # 30 used + 20 held + 60 > 90
     await settle(store, second, {"requests": 1, "total_tokens": 20})
     meters = await store.meters(scope.key)
     assert meters["total_tokens"].reserved == 0 and meters["total_tokens"].used == 50
 
 
-async def test_a_shrink_takes_no_more_than_the_key_holds(store: RedisStore) -> None:
+async def test_a_shrink_takes_nothing_from_another_life_of_the_key(store: RedisStore) -> None:
     scope = Scope(name="run", key="lbp:{team-a}:run:run4", ceilings={"total_tokens": 90}, ttl_s=3600)
     reserved = await reserve(store, "s", [scope], run_id="run4")
     assert isinstance(reserved, Reservation)
@@ -531,7 +536,13 @@ async def test_a_shrink_takes_no_more_than_the_key_holds(store: RedisStore) -> N
     assert await store.shrink(
         tenant="team-a", reservation_id="s", scope_keys=[scope.key], amounts={**AMOUNTS, "total_tokens": 10}
     )
-    assert (await store.meters(scope.key))["total_tokens"].reserved == 0
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 0  # not below zero
+    other = await reserve(store, "o", [scope], run_id="run4")  # the key's next life: 30 held
+    assert isinstance(other, Reservation)
+    assert await store.shrink(
+        tenant="team-a", reservation_id="s", scope_keys=[scope.key], amounts={**AMOUNTS, "total_tokens": 0}
+    )
+    assert (await store.meters(scope.key))["total_tokens"].reserved == 30  # the other call's, kept
 
 
 async def test_a_reaper_settling_after_the_key_expired_leaves_no_negative_reserve_and_a_ttl(
@@ -566,3 +577,14 @@ async def test_a_refusal_that_writes_a_key_first_gives_it_its_ttl(store: RedisSt
     refused = await reserve(store, "no", [scope], run_id="run5")
     assert isinstance(refused, Refusal)
     assert 3500 < await store.client.ttl(scope.key) <= 3600  # was -1: a key kept for ever
+
+
+async def test_a_record_written_before_born_stamps_still_releases(store: RedisStore) -> None:
+    # Reserved by an older version (no 'born' in its record): released as before, never below 0.
+    scope = Scope(name="run", key="lbp:{team-a}:run:run6", ceilings={"total_tokens": 90}, ttl_s=3600)
+    reserved = await reserve(store, "old", [scope], run_id="run6")
+    assert isinstance(reserved, Reservation)
+    await store.client.hdel("lbp:{team-a}:resv:old", "born")
+    await settle(store, reserved)
+    meters = await store.meters(scope.key)
+    assert meters["total_tokens"].reserved == 0 and meters["concurrent"].reserved == 0

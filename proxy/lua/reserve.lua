@@ -17,7 +17,8 @@ ARGV[14]     1: tentative (the input amount is a quick upper bound the caller ca
 then per scope (KEYS[3+i]):  ttl_s (0 = none), then 6 ceilings in METERS order (-1 = unlimited)
 
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
-Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>.
+Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>, born (the id of
+the reserve that wrote the key first: a key that expired and was written anew is another life).
 The record keeps the scopes' keys and TTLs: renew.lua's caller and the reaper's settle set
 those TTLs again, so a scope key never expires under a live reserve nor is written anew for good.
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
@@ -124,8 +125,16 @@ if refusal then
 end
 
 local tight_meter, tight_left, tight_ratio, tight_scope = '', -1, 2, 0
+local born = {}
 for s = 1, nscopes do
   local key = KEYS[2 + s]
+  -- Which life of the key this reserve lands in: one that expired and was written anew holds
+  -- other calls' reserves, never this one's (settle.lua and shrink.lua release only from it).
+  if redis.call('HSETNX', key, 'born', ARGV[1]) == 1 then
+    born[s] = ARGV[1]
+  else
+    born[s] = redis.call('HGET', key, 'born')
+  end
   for m = 1, NM do
     if amounts[m] ~= 0 then
       local now = redis.call('HINCRBY', key, FIELDS[NM + m], string.format('%d', amounts[m]))
@@ -158,6 +167,6 @@ end
 local amt = {}
 for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', table.concat(amt, ' '),
-  'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped, 'ttls', table.concat(ttls, ' '))
+  'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped, 'ttls', table.concat(ttls, ' '), 'born', table.concat(born, ' '))
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
 return {1, clamped, tight_meter, tight_left, tight_scope}

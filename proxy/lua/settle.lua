@@ -25,8 +25,8 @@ reservation was lost (e.g. with writes a failed-over Redis master had not replic
 used meters and the ledger entry go in, with the field reservation = lost, and nothing is
 released. Any other settle without a record does nothing: past its window a reaper may have
 settled the call and its marker may have expired. Otherwise returns {1, ledger entry id}.
-'concurrent' is released here. A release never takes a scope's reserve below zero (its key may
-have expired mid-call and hold less than this call's reserve).
+'concurrent' is released here. A release is made only from the life of a scope key the reserve
+landed in (its 'born' stamp, in the record), and never below zero.
 ]]
 if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then
   return {0}
@@ -34,9 +34,13 @@ end
 local RESERVED = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
 local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros',
   'cached_input_tokens', 'reasoning_tokens', 'cache_creation_input_tokens'}
-local amounts = {}
-local raw = redis.call('HGET', KEYS[1], 'amounts')
+local amounts, born = {}, {}
+local rec = redis.call('HMGET', KEYS[1], 'amounts', 'born')
+local raw = rec[1]
 local lost = not raw  -- nothing reserved to release
+if rec[2] then
+  for v in string.gmatch(rec[2], '%S+') do born[#born + 1] = v end
+end
 if lost then
   if ARGV[11] ~= '1' then return {0} end
 else
@@ -60,17 +64,20 @@ for m = 1, #ACTUAL do
 end
 local entry = cjson.decode(ARGV[2 + #ACTUAL])
 
-local RESV = {}
-for m = 1, #RESERVED do RESV[m] = 'resv:' .. RESERVED[m] end
+local RESV = {'born'}
+for m = 1, #RESERVED do RESV[m + 1] = 'resv:' .. RESERVED[m] end
 for s = 5, #KEYS do
   local key = KEYS[s]
   if not lost then
-    -- Never below zero: a key that expired mid-call (written anew by a later reserve, or by
-    -- this settle) does not hold this reserve, and a negative reserve would be free room.
+    -- A key that expired mid-call and was written anew (by a later reserve, or by nothing yet)
+    -- does not hold this reserve: releasing it would take other calls' reserves, or go below
+    -- zero, and either is room past the ceiling. Records older than 'born': never below zero.
     local held = redis.call('HMGET', key, unpack(RESV))
-    for m = 1, #RESERVED do
-      local release = math.min(tonumber(amounts[m]) or 0, tonumber(held[m]) or 0)
-      if release > 0 then redis.call('HINCRBY', key, RESV[m], string.format('%d', -release)) end
+    if not born[s - 4] or held[1] == born[s - 4] then
+      for m = 1, #RESERVED do
+        local release = math.min(tonumber(amounts[m]) or 0, tonumber(held[m + 1]) or 0)
+        if release > 0 then redis.call('HINCRBY', key, RESV[m + 1], string.format('%d', -release)) end
+      end
     end
   end
   for m = 1, #ACTUAL do

@@ -11,8 +11,13 @@ Returns 1 when the reserve was lowered; 0 when there is nothing to lower: the ca
 already, its lease has run out (a reaper may have read the amounts it will bill: lowering them
 now would release less than it bills), or an amount would grow (then nothing changes).
 ]]
-local raw = redis.call('HGET', KEYS[1], 'amounts')
+local rec = redis.call('HMGET', KEYS[1], 'amounts', 'born')
+local raw = rec[1]
 if not raw then return 0 end
+local born = {}
+if rec[2] then
+  for v in string.gmatch(rec[2], '%S+') do born[#born + 1] = v end
+end
 local expiry = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[7]))
 local t = redis.call('TIME')
 if not expiry or expiry <= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then return 0 end
@@ -26,13 +31,15 @@ for m = 1, #METERS do
   less[m] = old[m] - new[m]
 end
 for s = 3, #KEYS do
-  for m = 1, #METERS do
-    if less[m] > 0 then
-      -- Never below zero, as in settle.lua: the key may hold less than this reserve.
-      local held = tonumber(redis.call('HGET', KEYS[s], 'resv:' .. METERS[m])) or 0
-      local release = math.min(less[m], held)
-      if release > 0 then
-        redis.call('HINCRBY', KEYS[s], 'resv:' .. METERS[m], string.format('%d', -release))
+  -- Only from the life of the key this reserve landed in, never below zero (see settle.lua).
+  if not born[s - 2] or redis.call('HGET', KEYS[s], 'born') == born[s - 2] then
+    for m = 1, #METERS do
+      if less[m] > 0 then
+        local held = tonumber(redis.call('HGET', KEYS[s], 'resv:' .. METERS[m])) or 0
+        local release = math.min(less[m], held)
+        if release > 0 then
+          redis.call('HINCRBY', KEYS[s], 'resv:' .. METERS[m], string.format('%d', -release))
+        end
       end
     end
   end
