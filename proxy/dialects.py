@@ -56,10 +56,12 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
     for item in response.get("output") or ():
         if not isinstance(item, dict):
             continue
-        if item.get("type") == "function_call":
-            obs.calls.add(0)
+        kind = item.get("type")
+        if isinstance(kind, str) and (kind.endswith("_call") or kind == "mcp_approval_request"):
+            obs.calls.add(0)  # function_call, custom_tool_call, computer_call, ...: not text
             if texts:
-                obs.add_text(0, item.get("arguments"), content=False)
+                for key in ("arguments", "input"):
+                    obs.add_text(0, item.get(key), content=False)
         for part in item.get("content") or ():
             if not isinstance(part, dict):
                 continue
@@ -71,15 +73,21 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                 obs.add_text(0, part.get("text"), content=True)
 
 
+# Deltas that are not text: base64 audio (its tokens are not its characters').
+_UNCOUNTED_DELTAS = frozenset({"response.audio.delta", "response.image_generation_call.partial_image"})
+
+
 def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
     kind = obj.get("type")
     if kind == "response.output_text.delta":
         obs.add_text(0, obj.get("delta"), content=True)
-    elif kind in ("response.refusal.delta", "response.function_call_arguments.delta"):
+    elif isinstance(kind, str) and kind.endswith(".delta") and kind not in _UNCOUNTED_DELTAS:
+        # Refusals, call arguments and inputs, reasoning text and summaries: output tokens too,
+        # counted when no usage comes (a cancelled stream, say).
         if kind == "response.refusal.delta":
             obs.refused = True
-        else:
+        elif "call" in kind:
             obs.calls.add(0)
         obs.add_text(0, obj.get("delta"), content=False)
     elif kind in ("response.completed", "response.incomplete", "response.failed"):

@@ -41,12 +41,22 @@ _TEMPLATE_TRIES = 3
 _LF, _CR, _QUOTE, _BACKSLASH = b'\n\r"\\'
 # Tries at a run per read (see ``EventFilter.feed``).
 _RUN_TRIES = 4
+_BOM = b"\xef\xbb\xbf"
 
 
-def _data_event(data: bytes) -> bytes:
+def _data_event(data: bytes, event: bytes = b"") -> bytes:
     """An event carrying ``data``: one ``data:`` line per line of it (data an upstream sent on
-    several lines has line breaks, which a single line would cut short for the client)."""
-    return b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n"
+    several lines has line breaks, which a single line would cut short for the client), after
+    the other fields of ``event`` (the one it replaces: its ``id:``, ``event:``, ``retry:``)."""
+    out = b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n"
+    if b"\n" not in event:
+        return out  # the common event: one data line and nothing else
+    fields = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
+    return b"\n".join(fields) + b"\n" + out if fields else out
+
+
+def _is_done(data: bytes) -> bool:
+    return data[:6] == b"[DONE]" and data.rstrip() == b"[DONE]"
 
 
 def odd_texts(texts: bytes) -> bool:
@@ -98,6 +108,7 @@ class EventFilter:
         # The last read ended in \r: a \n starting the next one is the same line break.
         self._after_cr = False
         self._tries = _TEMPLATE_TRIES if self._fast and runs else 0
+        self._fresh = True  # nothing read yet: a byte order mark may come first
 
     def read(self, piece: bytes, *, limit: int) -> bytes | None:
         """One read of the upstream body: the client's bytes for the events it completes (none
@@ -107,6 +118,9 @@ class EventFilter:
             self._after_cr = False
             if piece.startswith(b"\n"):
                 piece = piece[1:]  # the \n of a \r\n the last read ended inside
+        if self._fresh and piece:
+            self._fresh = False
+            piece = piece.removeprefix(_BOM)  # allowed before a stream's first field (SSE)
         held = self._held
         if not held:
             if self._prefix_len and len(piece) <= limit and (out := self._single(piece)) is not None:
@@ -117,10 +131,13 @@ class EventFilter:
             # SSE ends a line with \r\n, \n or a lone \r (never inside JSON: it escapes \r).
             self._after_cr = piece.endswith(b"\r")
             piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        # What was held holds no blank line: only the new bytes (and the one before) can end an
+        # event. Searching all of a long event at each read was quadratic in its size.
+        start = max(len(held) - 1, 0)
         held += piece
         if len(held) > limit:
             return None
-        complete = held.rfind(b"\n\n") + 2
+        complete = held.rfind(b"\n\n", start) + 2
         if complete < 2:
             return b""
         out = self.feed(bytes(held[:complete]))
@@ -334,7 +351,11 @@ class EventFilter:
             data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)
         else:
             return event + b"\n\n"  # comments (keep-alives) and field-only events pass through
-        if data == b"[DONE]":
+        if _is_done(data):
+            if not self.dialect.done_marker:
+                # Not how these APIs end (response.completed, message_stop do): passed on,
+                # never taken for a complete answer.
+                return event + b"\n\n"
             self.obs.done = True
             return None  # written after the billing comment
         if not self.dialect.injects_usage:
@@ -343,7 +364,7 @@ class EventFilter:
         strip = not wants_usage and data.endswith(_USAGE_NULL_TAIL)
         if self._fast and (wants_usage or strip or b'"usage"' not in data) and self._content_only(data):
             # Most events only carry a content delta: note it without parsing the JSON.
-            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}") if strip else event + b"\n\n"
+            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}", event) if strip else event + b"\n\n"
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -354,8 +375,8 @@ class EventFilter:
             return event + b"\n\n"  # no usage field (the bytes were in a text): as it came
         if data.endswith(_USAGE_NULL_TAIL):
             # The common case (OpenAI puts it last): cut the bytes, do not re-serialise.
-            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}")
+            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}", event)
         if obj.get("choices") == [] and obj.get("usage") is not None:
             return None  # the usage-only chunk the client did not ask for
         obj.pop("usage", None)
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
+        return _data_event(orjson.dumps(obj), event)

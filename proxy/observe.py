@@ -37,14 +37,20 @@ def token_count(value: Any) -> int | None:
 
 
 def function_calls(message: dict[str, Any]) -> list[Any]:
-    """The function objects of a message (or a delta): each of its ``tool_calls``', and its
-    legacy ``function_call``; what is not a dict is the caller's to skip."""
+    """The calls of a message (or a delta): each of its ``tool_calls``' function (its ``name``
+    and ``arguments``) or custom tool (``name`` and ``input``), and its legacy
+    ``function_call``; what is not a dict is the caller's to skip."""
     calls = message.get("tool_calls")
     functions = (
-        [call.get("function") for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
+        [call.get("function") or call.get("custom") for call in calls if isinstance(call, dict)]
+        if isinstance(calls, list)
+        else []
     )
     functions.append(message.get("function_call"))
     return functions
+
+
+CALL_TEXT_FIELDS = ("name", "arguments", "input")
 
 
 def parse_usage(raw: Any) -> ProviderUsage | None:
@@ -147,8 +153,8 @@ class Observation:
         for function in function_calls(part):
             if isinstance(function, dict):
                 self.calls.add(index)
-                self.add_text(index, function.get("name"))
-                self.add_text(index, function.get("arguments"))
+                for key in CALL_TEXT_FIELDS:
+                    self.add_text(index, function.get(key))
 
     def observe(self, obj: Any, *, streaming: bool) -> None:
         """One SSE chunk or one whole body."""

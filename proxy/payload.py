@@ -233,6 +233,8 @@ def message_parts(messages: list[dict[str, Any]]) -> list[str]:
         for function in function_calls(message):
             if isinstance(function, dict):
                 parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))
+                if function.get("input"):
+                    parts.append(str(function["input"]))  # a custom tool's
     return parts
 
 

@@ -1,0 +1,247 @@
+"""Streams of the Responses and Anthropic APIs, and odd framing of any stream, found by a hunt:
+each test failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import KEY_A, Proxy, ProxyFactory
+from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
+
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
+LEDGER = "lbp:{team-a}:ledger"
+
+
+@pytest.fixture
+async def script() -> AsyncIterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream()
+    await upstream.start()
+    yield upstream
+    await upstream.close()
+
+
+async def proxy_for(make_proxy: ProxyFactory, script: ScriptedUpstream, **overrides: Any) -> Proxy:
+    upstreams = {
+        **scripted_upstreams(script.base_url),
+        "anthropic": {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"},
+    }
+    models = {"claude-*": {"upstream": "anthropic"}, "*": {"upstream": "openai"}}
+    return await make_proxy(upstreams=upstreams, models=models, **overrides)
+
+
+def ev(kind: str, obj: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **obj}, separators=(',', ':'))}\n\n".encode()
+
+
+def chunk(choices: list[Any], usage: Any = None) -> bytes:
+    obj = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": choices}
+    return dumps({**obj, "usage": usage})
+
+
+CONTENT = chunk([{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}])
+FINISH = chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}])
+USAGE = chunk([], {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6})
+CHAT = {
+    "model": "gpt-4o-mini",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 10,
+}
+
+RESPONSE = {"id": "resp_1", "object": "response", "model": "gpt-4o-mini", "output": []}
+RESPONSES_BODY = {"model": "gpt-4o-mini", "input": "hi", "max_output_tokens": 500, "stream": True}
+MESSAGE_START = ev(
+    "message_start",
+    {"message": {"id": "m", "type": "message", "role": "assistant", "content": [], "model": "claude-x",
+                 "stop_reason": None, "usage": {"input_tokens": 700, "output_tokens": 1}}},
+)  # fmt: skip
+ANTHROPIC_BODY = {
+    "model": "claude-x",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 500,
+    "stream": True,
+}
+
+
+async def only_entry(client: aioredis.Redis) -> dict[str, str]:
+    for _ in range(100):
+        entries = await client.xrange(LEDGER)
+        if entries:
+            ((_, fields),) = entries
+            return dict(fields)
+        await asyncio.sleep(0.05)
+    raise AssertionError("no ledger entry")
+
+
+# -- [DONE] is how chat and completions streams end, not Responses or Anthropic streams ---------
+
+
+async def test_done_does_not_end_a_responses_stream_as_complete(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Was: ok on the counted text (3 tokens against a reserve of 500), the [DONE] swallowed.
+    proxy = await proxy_for(make_proxy, script)
+    events = [
+        ev("response.created", {"sequence_number": 0, "response": {**RESPONSE, "status": "in_progress"}}),
+        ev("response.output_text.delta", {"sequence_number": 1, "item_id": "m", "delta": "Hello world"}),
+        b"data: [DONE]\n\n",
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=events)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/responses", dumps(RESPONSES_BODY))
+    (entry,) = reply.new_entries
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "reserve"), entry
+    assert b"data: [DONE]\n\n" in reply.body  # passed on as it came
+
+
+async def test_done_does_not_end_an_anthropic_stream_as_complete(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_for(make_proxy, script)
+    delta = ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello"}})
+    block = ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[MESSAGE_START, block, delta, b"data: [DONE]\n\n"]
+    )
+    body = dumps(ANTHROPIC_BODY)
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", body, headers=ANTHROPIC_HEADERS
+    )
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "upstream_error", entry
+
+
+async def test_done_with_trailing_space_ends_a_chat_stream(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Was upstream_error, the "[DONE] " passed on before the billing comment.
+    proxy = await proxy_for(make_proxy, script)
+    chunks = [b"data: " + event + b"\n\n" for event in (CONTENT, FINISH, USAGE)] + [b"data: [DONE] \n\n"]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(CHAT))
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "ok", entry
+    assert reply.body.endswith(b"data: [DONE]\n\n") and reply.body.count(b"[DONE]") == 1
+
+
+# -- calls and other output that is not text ----------------------------------------------------
+
+
+async def test_a_responses_custom_tool_call_is_not_held_to_json(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_for(make_proxy, script, policy={"on_invalid_json": "reject"})
+    item = {
+        "type": "custom_tool_call",
+        "id": "ctc_1",
+        "call_id": "call_1",
+        "name": "shell",
+        "input": "ls -la",
+    }
+    answer = {
+        **RESPONSE,
+        "status": "completed",
+        "output": [item],
+        "usage": {"input_tokens": 20, "output_tokens": 7},
+    }
+    events = [
+        ev(
+            "response.output_item.added",
+            {"sequence_number": 0, "output_index": 0, "item": {**item, "input": ""}},
+        ),
+        ev(
+            "response.custom_tool_call_input.delta",
+            {"sequence_number": 1, "item_id": "ctc_1", "delta": "ls -la"},
+        ),
+        ev("response.completed", {"sequence_number": 2, "response": answer}),
+    ]
+    schema = {"type": "json_schema", "name": "a", "schema": {"type": "object"}}
+    body = {**RESPONSES_BODY, "tools": [{"type": "custom", "name": "shell"}], "text": {"format": schema}}
+    script.plan = Plan(content_type="text/event-stream", chunks=events)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/responses", dumps(body))
+    assert reply.new_entries[0]["outcome"] == "ok", reply.describe()
+    script.plan = Plan(chunks=[dumps(answer)])
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/responses", dumps({**body, "stream": False})
+    )
+    assert reply.status == 200, reply.describe()
+
+
+async def test_streamed_reasoning_summaries_are_counted_when_the_client_leaves(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Cancel bills the prompt and the streamed text counted: it counted 0 output tokens for
+    # 1,600 tokens of reasoning summary.
+    proxy = await proxy_for(make_proxy, script, policy={"on_client_disconnect": "cancel"})
+    summary = " ".join(f"step{i} considered carefully" for i in range(400))
+    live = {**RESPONSE, "status": "in_progress"}
+    first = ev("response.created", {"sequence_number": 0, "response": live}) + ev(
+        "response.reasoning_summary_text.delta", {"sequence_number": 1, "item_id": "rs_1", "delta": summary}
+    )
+    more = ev(
+        "response.reasoning_summary_text.delta", {"sequence_number": 2, "item_id": "rs_1", "delta": " more"}
+    )
+    script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/v1/responses", json=RESPONSES_BODY, headers=AUTH)
+        seen = b""
+        while b"step399" not in seen:
+            piece = await asyncio.wait_for(resp.content.readany(), 5)
+            assert piece, seen
+            seen += piece
+        resp.close()
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected"
+    assert int(entry["output_tokens"]) >= 1000, entry
+
+
+async def test_a_chat_custom_tool_call_is_counted_without_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_for(make_proxy, script)
+    command = "grep -rn TODO src/ | " * 200  # about 4 KB
+    call = {"index": 0, "id": "call_1", "type": "custom", "custom": {"name": "shell", "input": command}}
+    chunks = [
+        b"data: " + chunk([{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}}]) + b"\n\n",
+        b"data: " + chunk([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]) + b"\n\n",
+        b"data: [DONE]\n\n",  # no usage chunk
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    body = {**CHAT, "max_tokens": 2000, "tools": [{"type": "custom", "custom": {"name": "shell"}}]}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
+    (entry,) = reply.new_entries
+    assert int(entry["output_tokens"]) >= len(command) // 8, entry  # was 0
+
+
+# -- framing ----------------------------------------------------------------------------------
+
+
+async def test_the_other_fields_of_a_stripped_event_are_kept(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_for(make_proxy, script)
+    chunks = [b"id: 1\ndata: " + CONTENT + b"\n\n", b"id: 2\nretry: 500\ndata: " + FINISH + b"\n\n"]
+    chunks += [b"id: 3\ndata: " + USAGE + b"\n\n", b"data: [DONE]\n\n"]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(CHAT))
+    # The usage-only event is dropped with its id; the others keep theirs (were dropped).
+    assert reply.body.count(b"id: ") == 2 and b"id: 2\nretry: 500\ndata: " in reply.body, reply.body
+    assert b'"usage"' not in reply.body
+
+
+async def test_a_byte_order_mark_before_the_first_event(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_for(make_proxy, script)
+    chunks = [b"\xef\xbb\xbfdata: " + CONTENT + b"\n\n"] + [b"data: " + e + b"\n\n" for e in (FINISH, USAGE)]
+    script.plan = Plan(content_type="text/event-stream", chunks=[*chunks, b"data: [DONE]\n\n"])
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(CHAT))
+    assert b'"usage"' not in reply.body  # the first event was neither observed nor stripped
+    assert reply.new_entries[0]["outcome"] == "ok"
