@@ -16,6 +16,7 @@ from proxy.errors import BadRequest, BudgetExceeded, StoreError
 from proxy.journal import Journal, PendingSettlement
 from proxy.metrics import Metrics
 from proxy.outcome import BilledUsage, Outcome
+from proxy.payload import set_output_cap
 from proxy.pricing import MAX_AMOUNT, cost_micros, reserve_amounts, worst_rates
 from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
@@ -61,18 +62,35 @@ def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
         return None
     rates = worst_rates(call.rates) or {"input": 0, "output": 0}
     return Clamp(
-        min_output_tokens=tier.min_output_tokens,
+        min_output_tokens=max(tier.min_output_tokens, _least_cap_accepted(call)),
         choices=call.generations,  # the cap holds for every answer written, returned or not
         input_cost_exact=call.estimate.input_tokens * rates["input"],
         output_rate=rates["output"],
     )
 
 
+# The Responses API refuses a max_output_tokens below 16 (integer_below_min_value).
+RESPONSES_LEAST_CAP = 16
+
+
+def _least_cap_accepted(call: Call) -> int:
+    """The smallest cap the provider takes for this request: a clamp below it would have the
+    call refused upstream instead of refused (or answered) here."""
+    if call.endpoint == "responses":
+        return RESPONSES_LEAST_CAP
+    thinking = call.body.get("thinking") if call.endpoint == "messages" else None
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            return budget + 1  # Anthropic: max_tokens must be above the thinking budget
+    return 1
+
+
 def _apply_clamp(call: Call, reservation: Reservation) -> None:
     """Lower the request's own output cap to what the budget affords."""
     per_choice = reservation.clamped_output_per_choice
     field = call.estimate.output_cap_field or "max_tokens"
-    call.body[field] = per_choice
+    set_output_cap(call.body, field, per_choice)
     call.clamped = True
     call.estimate = replace(
         call.estimate, output_tokens=reservation.amounts["output_tokens"], output_cap_field=field
@@ -98,7 +116,14 @@ async def reserve(
     (not queued behind the refinements of other calls, which ``count_later`` runs)."""
     tier = config.tiers.get(call.identity.tier)
     run_ttl_s = config.limits.run_ttl_s
-    scopes = scopes_for(call.identity, call.run_id, tier, datetime.now(UTC), run_ttl_s=run_ttl_s)
+    scopes = scopes_for(
+        call.identity,
+        call.run_id,
+        tier,
+        datetime.now(UTC),
+        run_ttl_s=run_ttl_s,
+        tenant_periods=config.tenant_periods,
+    )
     if call.rates is None and any("cost_micros" in s.ceilings for s in scopes):
         raise BadRequest(
             f"The model '{call.model}' has no price in the config, and your tier limits cost; "

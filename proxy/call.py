@@ -17,7 +17,7 @@ from proxy.config import Config, PolicyConfig, UpstreamConfig
 from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
 from proxy.estimate import Estimate, estimate
-from proxy.payload import ChatBody, Endpoint, RequestView, ResponsesBody, answers, generations
+from proxy.payload import ChatBody, Endpoint, RequestView, ResponsesBody, answers, generations, set_output_cap
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
@@ -137,7 +137,7 @@ def plan_call(
         media_part_input_tokens=model_config.media_part_input_tokens,
     )
     if est.enforce_cap is not None and est.output_cap_field:
-        body[est.output_cap_field] = est.enforce_cap
+        set_output_cap(body, est.output_cap_field, est.enforce_cap)
     stream = bool(getattr(view, "stream", False))
     client_wants_usage = False
     if stream and dialect.injects_usage:

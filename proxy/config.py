@@ -349,6 +349,12 @@ class Config(_Frozen):
     def tenants(self) -> frozenset[str]:
         return frozenset(key.tenant for key in self.keys)
 
+    @cached_property
+    def tenant_periods(self) -> frozenset[Period]:
+        """The periods of tenant windows any tier limits: every key of a tenant counts in them,
+        whatever its own tier limits (else a key of another tier spends around the ceiling)."""
+        return frozenset(window.period for tier in self.tiers.values() for window in tier.tenant)
+
     def key_for_digest(self, digest: str) -> KeyConfig | None:
         """The key whose secret has this SHA-256 digest: one lookup whatever the number of keys.
         A lookup's timing can depend on the digest it is given, never on a secret's bytes: the

@@ -162,7 +162,8 @@ def estimate(
     cap_field: str | None = None
     cap: int | None = None
     if isinstance(view, ChatBody) and view.max_completion_tokens is not None:
-        cap_field, cap = "max_completion_tokens", view.max_completion_tokens
+        # Both sent (OpenAI refuses that; another upstream may honour either): the larger.
+        cap_field, cap = "max_completion_tokens", max(view.max_completion_tokens, view.max_tokens or 0)
     elif isinstance(view, ResponsesBody):
         if view.max_output_tokens is not None:
             cap_field, cap = "max_output_tokens", view.max_output_tokens

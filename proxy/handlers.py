@@ -256,7 +256,15 @@ async def key_self(request: web.Request) -> web.Response:
         return store_unavailable_response()
     tier = state.config.tiers.get(identity.tier)
     windows = []
-    scopes = scopes_for(identity, "-", tier, datetime.now(UTC), run_ttl_s=state.config.limits.run_ttl_s)
+    config = state.config
+    scopes = scopes_for(
+        identity,
+        "-",
+        tier,
+        datetime.now(UTC),
+        run_ttl_s=config.limits.run_ttl_s,
+        tenant_periods=config.tenant_periods,
+    )
     for scope in scopes[1:]:  # all but the run
         meters = await store.meters(scope.key)
         windows.append(

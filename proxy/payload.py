@@ -177,6 +177,19 @@ def _part_texts(content: Any, parts: list[str]) -> None:
                     parts.append(orjson.dumps(value).decode())
 
 
+# The fields that cap a request's output, whichever API (chat has two: max_tokens is legacy).
+OUTPUT_CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+def set_output_cap(body: dict[str, Any], field: str, cap: int) -> None:
+    """Cap ``body``'s output at ``cap`` in ``field`` and in any other cap field it carries: an
+    upstream honouring the other one must not be let past what was reserved."""
+    body[field] = cap
+    for other in OUTPUT_CAP_FIELDS:
+        if other != field and other in body:
+            body[other] = cap
+
+
 # Content parts whose tokens are not text: OpenAI chat, Responses, Anthropic.
 MEDIA_PART_TYPES = frozenset(
     {

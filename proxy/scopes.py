@@ -10,7 +10,7 @@ import functools
 from datetime import UTC, datetime, timedelta
 
 from proxy.auth import Identity
-from proxy.config import TierConfig, WindowCeilings
+from proxy.config import Period, TierConfig, WindowCeilings
 from proxy.store import Scope, key_prefix
 
 # Window keys outlive their window so reports can still read them.
@@ -54,18 +54,30 @@ def _window_scope(tenant: str, owner: str, name: str, window: WindowCeilings, no
 
 
 @functools.lru_cache(maxsize=4096)
-def _key_scopes(tenant: str, key_name: str, tier: TierConfig, minute_start_s: int) -> tuple[Scope, ...]:
+def _key_scopes(
+    tenant: str, key_name: str, tier: TierConfig, tenant_periods: frozenset[Period], minute_start_s: int
+) -> tuple[Scope, ...]:
     """The key and tenant scopes, the same for every call of a key within one minute: computed
     once per minute (window keys and TTLs are whole minutes apart at the finest)."""
     now = datetime.fromtimestamp(minute_start_s, UTC)
     scopes = [Scope(name="key", key=f"{key_prefix(tenant)}key:{key_name}:all", ceilings=tier.key.meters)]
     scopes += [_window_scope(tenant, f"key:{key_name}", "key", w, now) for w in tier.windows]
-    scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tier.tenant]
+    # A tenant window counts every key of the tenant: one whose tier does not limit that period
+    # still counts in it (unlimited for that key), or the others' ceiling would not see its spend.
+    own = {w.period: w for w in tier.tenant}
+    tenant_windows = [own.get(p) or WindowCeilings(period=p) for p in sorted(tenant_periods | own.keys())]
+    scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tenant_windows]
     return tuple(scopes)
 
 
 def scopes_for(
-    identity: Identity, run_id: str, tier: TierConfig | None, now: datetime, *, run_ttl_s: int
+    identity: Identity,
+    run_id: str,
+    tier: TierConfig | None,
+    now: datetime,
+    *,
+    run_ttl_s: int,
+    tenant_periods: frozenset[Period] = frozenset(),
 ) -> list[Scope]:
     tenant = identity.tenant
     ceilings = tier.run.meters if tier else {}
@@ -73,4 +85,4 @@ def scopes_for(
     if tier is None:
         return [run]
     minute = int(now.timestamp()) // 60 * 60
-    return [run, *_key_scopes(tenant, identity.key_name, tier, minute)]
+    return [run, *_key_scopes(tenant, identity.key_name, tier, tenant_periods, minute)]

@@ -355,3 +355,87 @@ async def test_cost_is_reserved_at_the_dearest_rates(make_proxy: ProxyFactory, f
         await call(proxy, "dear")
     proxy = await make_proxy(models=models, tiers=tiers(run={"cost_usd": "0.000145"}))
     await call(proxy, "dear2")
+
+
+async def test_a_tenant_window_counts_the_keys_of_every_tier(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Key a2's tier names no tenant window: its calls did not count in the tenant's month, so
+    # a1 (whose tier limits the tenant to 2 calls a month) could still spend past it.
+    keys = [
+        {"name": "a1", "sha256": digest("sk-a1"), "tenant": "team-a", "tier": "capped"},
+        {"name": "a2", "sha256": digest("sk-a2"), "tenant": "team-a", "tier": "free"},
+    ]
+    proxy = await make_proxy(
+        keys=keys, tiers={"capped": {"tenant": [{"period": "month", "requests": 2}]}, "free": {}}
+    )
+    for _ in range(2):
+        await proxy.client("sk-a2").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=5)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(proxy.url + "/v1/billing/keys/self", headers={"Authorization": "Bearer sk-a1"}) as resp,
+    ):
+        windows = (await resp.json())["windows"]
+    (month,) = [w for w in windows if w["scope"] == "tenant:month"]
+    assert month["meters"]["requests"]["used"] == 2
+    with pytest.raises(openai.RateLimitError):
+        await proxy.client("sk-a1").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=5)
+    # a2 itself is not limited by a1's tier: the window counts it, nothing more.
+    await proxy.client("sk-a2").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=5)
+
+
+async def _post(proxy: Proxy, path: str, body: dict[str, Any], run: str, **headers: str) -> int:
+    auth = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run, **headers}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + path, json=body, headers=auth) as resp,
+    ):
+        await resp.read()
+        return resp.status
+
+
+async def test_a_request_with_both_chat_caps_is_held_to_the_reserve_by_both(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # OpenAI refuses both at once; an upstream honouring max_tokens was let past the reserve.
+    proxy = await make_proxy(
+        tiers=tiers(run={"output_tokens": 6}, on_budget_short="clamp", min_output_tokens=2)
+    )
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "max_tokens": 100, "max_completion_tokens": 100}
+    assert await _post(proxy, "/v1/chat/completions", body, "both") == 200
+    sent = fake.received[-1].body
+    assert (sent["max_completion_tokens"], sent["max_tokens"]) == (6, 6)  # max_tokens was 100
+    # Without a clamp the reserve covers the larger of the two (it covered 10 of 900).
+    proxy = await make_proxy(tiers=tiers(run={"output_tokens": 50}))
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "max_tokens": 900, "max_completion_tokens": 10}
+    assert await _post(proxy, "/v1/chat/completions", body, "both-2") == 429
+
+
+async def test_a_clamp_never_goes_below_what_the_provider_takes(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Responses refuses max_output_tokens under 16; Anthropic a max_tokens not above the
+    # thinking budget: a clamp below those had the call refused upstream (billed 0, a 400).
+    root = fake.base_url
+    upstreams = {
+        "anthropic": {"base_url": root, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"},
+        "openai": {"base_url": root, "api_key_env": "TEST_UPSTREAM_KEY"},
+    }
+    models = {"claude-*": {"upstream": "anthropic"}, "*": {"upstream": "openai"}}
+    responses = {"model": "gpt-4o-mini", "input": "hi", "max_output_tokens": 100}
+    budget = {"type": "enabled", "budget_tokens": 2048}
+    thinking = {"model": "claude-sonnet-4", "max_tokens": 4096, "thinking": budget, "messages": MSGS}
+    version = {"anthropic-version": "2023-06-01"}
+    for ceiling, answered in ((5, False), (20, True)):
+        proxy = await make_proxy(tiers=tiers(run={"output_tokens": ceiling}, on_budget_short="clamp"))
+        status = await _post(proxy, "/v1/responses", responses, f"r{ceiling}")
+        assert status == (200 if answered else 429)
+        if answered:
+            assert fake.received[-1].body["max_output_tokens"] == 20
+    for ceiling, answered in ((1500, False), (3000, True)):
+        tier = tiers(run={"output_tokens": ceiling}, on_budget_short="clamp")
+        proxy = await make_proxy(upstreams=upstreams, models=models, tiers=tier)
+        status = await _post(proxy, "/v1/messages", thinking, f"t{ceiling}", **version)
+        assert status == (200 if answered else 429)
+        if answered:
+            assert fake.received[-1].body["max_tokens"] == 3000
