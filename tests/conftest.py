@@ -156,3 +156,14 @@ def tmp_data_dir(tmp_path: Path) -> Path:
     path = tmp_path / "data"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+async def script() -> AsyncIterator[Any]:
+    """An upstream answering exactly the bytes its ``plan`` says (tests.test_bad_input's)."""
+    from tests.test_bad_input import ScriptedUpstream
+
+    upstream = ScriptedUpstream()
+    await upstream.start()
+    yield upstream
+    await upstream.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -27,14 +26,6 @@ from tests.test_bad_input import (
     scripted_upstreams,
     send,
 )
-
-
-@pytest.fixture
-async def script() -> AsyncIterator[ScriptedUpstream]:
-    upstream = ScriptedUpstream()
-    await upstream.start()
-    yield upstream
-    await upstream.close()
 
 
 @pytest.fixture

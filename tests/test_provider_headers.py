@@ -3,7 +3,6 @@ own request id), and what scopes a pass-through caller's own key reaches the pro
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -35,14 +34,6 @@ RATE_LIMITED = dumps(
         }
     }
 )
-
-
-@pytest.fixture
-async def script() -> AsyncIterator[ScriptedUpstream]:
-    upstream = ScriptedUpstream()
-    await upstream.start()
-    yield upstream
-    await upstream.close()
 
 
 async def post(url: str, body: Any) -> tuple[int, dict[str, str]]:

@@ -5,27 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
+from tests.test_fault_matrix import only_entry
 
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
 LEDGER = "lbp:{team-a}:ledger"
-
-
-@pytest.fixture
-async def script() -> AsyncIterator[ScriptedUpstream]:
-    upstream = ScriptedUpstream()
-    await upstream.start()
-    yield upstream
-    await upstream.close()
 
 
 async def proxy_for(make_proxy: ProxyFactory, script: ScriptedUpstream, **overrides: Any) -> Proxy:
@@ -69,16 +60,6 @@ ANTHROPIC_BODY = {
     "max_tokens": 500,
     "stream": True,
 }
-
-
-async def only_entry(client: aioredis.Redis) -> dict[str, str]:
-    for _ in range(100):
-        entries = await client.xrange(LEDGER)
-        if entries:
-            ((_, fields),) = entries
-            return dict(fields)
-        await asyncio.sleep(0.05)
-    raise AssertionError("no ledger entry")
 
 
 # -- [DONE] is how chat and completions streams end, not Responses or Anthropic streams ---------
