@@ -147,10 +147,12 @@ def test_serve_on_a_port_in_use_says_so_without_a_traceback(redis_server: RedisS
 
 
 def _workers_of(pid: int) -> list[int]:
+    # -ww: without a terminal ps cuts args at 80 columns, and a long checkout path pushed
+    # the words that tell a worker from the resource tracker past the cut.
     out = subprocess.run(
-        ["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True
     ).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "resource_tracker" not in line]
+    return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
 
 
 def test_a_worker_killed_by_a_signal_makes_serve_fail(redis_server: RedisServerProcess) -> None:
