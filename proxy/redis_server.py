@@ -8,11 +8,14 @@ there is no in-process substitute for the store.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +34,35 @@ def find_server_binary() -> str:
         if path:
             return path
     raise ConfigError(INSTALL_HINT)
+
+
+# A unix socket's path must fit sun_path: 108 bytes on Linux, 104 on macOS.
+SOCKET_PATH_MAX_BYTES = 103
+
+
+def socket_path_for(data_dir: Path) -> Path:
+    """Where the server for ``data_dir`` listens: inside it when the path fits, else at a
+    short path derived from it, so that a second proxy on the same data directory still
+    finds the running server (a checkout deep in a home directory is common)."""
+    inside = data_dir / "redis.sock"
+    if len(os.fsencode(inside)) <= SOCKET_PATH_MAX_BYTES:
+        return inside
+    digest = hashlib.sha256(os.fsencode(data_dir)).hexdigest()[:16]
+    for base in (tempfile.gettempdir(), "/tmp"):
+        short = Path(base) / f"llm-billing-proxy-{os.getuid()}" / f"redis-{digest}.sock"
+        if len(os.fsencode(short)) <= SOCKET_PATH_MAX_BYTES:
+            return short
+    raise ConfigError(f"no unix socket path short enough for {data_dir}; set redis.url")
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` for our socket, refusing one another user made or can enter: the
+    socket is the store's only access control."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ConfigError(f"{path} is not a private directory of this user; remove it or set redis.url")
 
 
 def free_port() -> int:
@@ -52,15 +84,12 @@ class RedisServerProcess:
         binary: str | None = None,
     ) -> None:
         self.data_dir = data_dir
+        self.socket_path = socket_path_for(data_dir) if port is None else data_dir / "redis.sock"
         self.port = port
         self.appendonly = appendonly
         self.extra_args = extra_args
         self.binary = binary or find_server_binary()
         self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def socket_path(self) -> Path:
-        return self.data_dir / "redis.sock"
 
     @property
     def url(self) -> str:
@@ -92,6 +121,8 @@ class RedisServerProcess:
 
     def start(self, timeout_s: float = 10.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.port is None and self.socket_path.parent != self.data_dir:
+            _private_dir(self.socket_path.parent)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         self.process = subprocess.Popen(

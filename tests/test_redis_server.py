@@ -1,0 +1,68 @@
+"""The embedded server's unix socket: a data directory deep enough that its socket path does
+not fit sun_path (108 bytes) made the README's start command fail in a deep checkout."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from proxy.errors import ConfigError
+from proxy.redis_server import SOCKET_PATH_MAX_BYTES, RedisServerProcess, socket_path_for
+
+
+@pytest.fixture
+def short_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private, short temporary base, so these tests never touch the shared one."""
+    base = Path(tempfile.mkdtemp(prefix="lbp-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    yield base
+    for path in sorted(base.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+    base.rmdir()
+
+
+def _deep(tmp_path: Path) -> Path:
+    deep = tmp_path.joinpath(*(["a-rather-long-directory-name"] * 4)) / "redis"
+    assert len(os.fsencode(deep / "redis.sock")) > SOCKET_PATH_MAX_BYTES
+    return deep
+
+
+def test_a_short_data_dir_keeps_its_socket_inside(tmp_path: Path) -> None:
+    assert socket_path_for(tmp_path / "redis") == tmp_path / "redis" / "redis.sock"
+
+
+def test_a_deep_data_dir_starts_on_a_short_private_socket_found_again(
+    tmp_path: Path, short_tmp: Path
+) -> None:
+    deep = _deep(tmp_path)
+    server = RedisServerProcess(deep)
+    server.start()
+    try:
+        assert len(os.fsencode(server.socket_path)) <= SOCKET_PATH_MAX_BYTES
+        assert server.socket_path.is_relative_to(short_tmp)
+        assert stat.S_IMODE(server.socket_path.parent.stat().st_mode) == 0o700
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        client.close()
+        # A second proxy on the same data directory finds the running server, as with a
+        # socket inside it; another data directory does not.
+        assert RedisServerProcess(deep).answers_ping()
+        assert not RedisServerProcess(_deep(tmp_path / "other")).answers_ping()
+        assert (deep / "redis.log").exists()  # the data stays in the data directory
+    finally:
+        server.stop()
+
+
+def test_a_socket_directory_others_can_enter_is_refused(tmp_path: Path, short_tmp: Path) -> None:
+    server = RedisServerProcess(_deep(tmp_path))
+    server.socket_path.parent.mkdir(mode=0o755)
+    os.chmod(server.socket_path.parent, 0o755)
+    with pytest.raises(ConfigError, match="not a private directory"):
+        server.start()
+    assert server.process is None
