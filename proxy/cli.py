@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import gc
 import json
 import logging
@@ -87,8 +86,11 @@ def _config_for(args: argparse.Namespace) -> Config:
 
 
 @contextmanager
-def store_url(config: Config, *, purpose: str) -> Iterator[Config]:
-    """The config with a Redis URL: the configured one, or an embedded child server."""
+def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[Config]:
+    """The config with a Redis URL: the configured one, or an embedded child server. Without
+    ``create`` (reading the ledger) a data directory holding no store is an error: a relative
+    ``data_dir`` read from another directory would otherwise start an empty store there and
+    report an empty ledger."""
     if config.redis.url is not None:
         yield config
         return
@@ -96,6 +98,11 @@ def store_url(config: Config, *, purpose: str) -> Iterator[Config]:
     if server.answers_ping():  # another proxy on the same data directory is running it
         yield config.model_copy(update={"redis": config.redis.model_copy(update={"url": server.url})})
         return
+    if not create and not server.holds_data():
+        raise StoreError(
+            f"no ledger store in {server.data_dir} (no server running there, no data): run from "
+            "the directory the proxy serves from, or give --redis-url"
+        )
     server.start()
     log.info(
         "started embedded redis-server",
@@ -234,12 +241,9 @@ async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> Non
         for row in rows:
             sys.stdout.write(json.dumps(row, separators=(",", ":")) + "\n")
         return
-    columns: list[str] = []
-    for row in rows:
-        columns += [c for c in row if c not in columns]
-    writer = csv.DictWriter(sys.stdout, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
+    from proxy.report import csv_text
+
+    sys.stdout.write(csv_text(rows))
 
 
 def _store_config(args: argparse.Namespace) -> Config:
@@ -256,7 +260,7 @@ def _store_config(args: argparse.Namespace) -> Config:
 
 
 def ledger(args: argparse.Namespace) -> int:
-    with store_url(_store_config(args), purpose="ledger") as config:
+    with store_url(_store_config(args), purpose="ledger", create=False) as config:
         asyncio.run(_export(config, args.tenant, args.run, args.format))
     return 0
 
@@ -270,14 +274,15 @@ def _since_ms(value: str | None) -> str:
         raise ConfigError(f"--since: not a date or time: {value!r}") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return str(int(moment.timestamp() * 1000))
+    # A ledger id is milliseconds since 1970: nothing is older.
+    return str(max(0, int(moment.timestamp() * 1000)))
 
 
 def report_command(args: argparse.Namespace) -> int:
     from proxy.report import aggregate, render, rows
 
     start = _since_ms(args.since)
-    with store_url(_store_config(args), purpose="report") as config:
+    with store_url(_store_config(args), purpose="report", create=False) as config:
         entries = asyncio.run(_read_ledger(config, args.tenant, None, start))
         table = rows(aggregate(entries, args.by), args.by, config.currency)
     sys.stdout.write(render(table, args.format))

