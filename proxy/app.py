@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from proxy.journal import Journal
 from proxy.logs import flush_logs
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
+from proxy.record import record_reaped
 from proxy.redis_store import RedisStore
 from proxy.relay import Services
 from proxy.reload import ConfigReloader
@@ -268,8 +269,8 @@ def build_app(
     async def reaper_ctx(app: web.Application) -> AsyncIterator[None]:
         assert state.store is not None
 
-        def count(n: int) -> None:
-            state.metrics.leases_expired.inc(n)
+        def count(entry: Mapping[str, str]) -> None:
+            record_reaped(state.metrics, state.config, entry)
 
         task = asyncio.create_task(
             run_reaper(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import ExpiredLease, Store
@@ -71,10 +71,10 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
     return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
 
 
-async def reap_tenant(store: Store, tenant: str) -> int:
-    """Settle every expired lease of one tenant; returns how many this call settled. A lease
-    that cannot be settled is logged and skipped: it never blocks the others."""
-    settled = 0
+async def reap_tenant(store: Store, tenant: str) -> list[dict[str, str]]:
+    """Settle every expired lease of one tenant; returns the ledger entries this call wrote. A
+    lease that cannot be settled is logged and skipped: it never blocks the others."""
+    settled: list[dict[str, str]] = []
     while True:
         leases = await store.expired_leases(tenant=tenant, limit=BATCH)
         progress = 0
@@ -99,14 +99,14 @@ async def reap_tenant(store: Store, tenant: str) -> int:
                 continue
             progress += 1
             if entry_id is not None:
-                settled += 1
+                settled.append(entry)
                 log.warning("lease expired, settled at reserve", extra={"entry": entry})
         if len(leases) < BATCH or not progress:
             return settled
 
 
-async def reap_all(store: Store) -> int:
-    settled = 0
+async def reap_all(store: Store) -> list[dict[str, str]]:
+    settled: list[dict[str, str]] = []
     for tenant in sorted(await store.tenants()):
         settled += await reap_tenant(store, tenant)
     return settled
@@ -115,14 +115,15 @@ async def reap_all(store: Store) -> int:
 async def run_reaper(
     store: Store,
     interval_s: float,
-    on_settled: Callable[[int], None],
+    on_settled: Callable[[Mapping[str, str]], None],
     known: Callable[[], Iterable[str]] = tuple,
 ) -> None:
     """Loop until cancelled; a store outage only delays reaping.
 
     ``known``: the tenants this process knows (its config's, those it has registered: each
     once). Should the store's set lose one (evicted, deleted) its leases would go unreaped, those
-    of a dead instance included: it is registered again and reaped all the same."""
+    of a dead instance included: it is registered again and reaped all the same. ``on_settled``
+    gets each ledger entry this process wrote."""
     while True:
         try:
             tenants = await store.tenants()
@@ -130,9 +131,8 @@ async def run_reaper(
                 await store.register_tenant(tenant)
                 tenants.add(tenant)
             for tenant in sorted(tenants):
-                count = await reap_tenant(store, tenant)
-                if count:
-                    on_settled(count)
+                for entry in await reap_tenant(store, tenant):
+                    on_settled(entry)
         except StoreError as err:
             log.error("reaper could not reach the store", extra={"error": str(err)})
         except Exception:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 from proxy.billing import Settlement
 from proxy.call import Call
@@ -67,6 +68,22 @@ def record_call(
                 "settled": settlement.entry_id is not None,
             }
         )
+
+
+def record_reaped(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> None:
+    """A lease this process's reaper settled at its reserve: in the spend counters as any call
+    is (the ledger charged it), and counted as expired."""
+    tenant = tenant_label(entry["tenant"], config)
+    model = model_label(entry["model"], config)
+    metrics.leases_expired.inc()
+    metrics.requests.labels(tenant, model, entry["endpoint"], entry["outcome"]).inc()
+    for kind in ("input", "output"):
+        count = int(entry[f"{kind}_tokens"] or 0)
+        if count:
+            metrics.tokens.labels(tenant, model, kind, entry["usage_source"]).inc(count)
+    cost_micros = int(entry["cost_micros"] or 0)
+    if cost_micros:
+        metrics.cost_micros.labels(tenant, model).inc(cost_micros)
 
 
 def record_refusal(metrics: Metrics, config: Config, tenant: str, err: BudgetExceeded) -> None:

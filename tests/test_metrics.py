@@ -271,3 +271,65 @@ def test_labels_are_checked_and_names_unique() -> None:
         metrics.leases_expired.inc(-1)
     with pytest.raises(ValueError, match="Duplicated"):
         Metrics(registry)
+
+
+async def test_a_lease_the_reaper_settles_is_in_the_spend_counters(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    # The reaper's ledger entry at the reserve reached only leases_expired: the README's spend
+    # query (increase of llm_proxy_cost_total) under-reported what the ledger charged.
+    from proxy.app import STATE
+    from proxy.store import Reservation, Scope
+
+    models = {
+        "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "2"}},
+        "*": {"upstream": "openai"},
+    }
+    proxy = await make_proxy(
+        models=models,
+        admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}],
+        limits={"reaper_interval_s": 0.1},
+    )
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+    )
+    store = proxy.app[STATE].store
+    assert store is not None
+    # A call of a dead instance: its lease runs out and this instance's reaper bills its reserve.
+    orphan = await store.reserve(
+        tenant="team-a",
+        reservation_id="dead-instance",
+        run_id="r-dead",
+        scopes=[Scope(name="run", key="lbp:{team-a}:run:r-dead")],
+        amounts={
+            "requests": 1,
+            "input_tokens": 5,
+            "output_tokens": 700,
+            "total_tokens": 705,
+            "cost_micros": 2000,
+            "concurrent": 1,
+        },
+        lease_ms=1,
+        record='{"run_id": "r-dead", "model": "gpt-4o-mini", "endpoint": "chat.completions", "key": "a"}',
+    )
+    assert isinstance(orphan, Reservation)
+    for _ in range(100):
+        if len(await redis_client.xrange(LEDGER)) == 2:
+            break
+        await asyncio.sleep(0.05)
+    entries = [fields for _, fields in await redis_client.xrange(LEDGER)]
+    assert [e["outcome"] for e in entries] == ["ok", "lease_expired"]
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
+            values = samples(await resp.text())
+    assert total(values, "llm_proxy_leases_expired_total") == 1
+    assert total(values, "llm_proxy_requests_total", tenant="team-a") == 2
+    assert total(values, "llm_proxy_requests_total", outcome="lease_expired", model="gpt-4o-mini") == 1
+    for kind in ("input", "output"):
+        assert total(values, "llm_proxy_tokens_total", tenant="team-a", type=kind) == sum(
+            int(e[f"{kind}_tokens"]) for e in entries
+        )
+    assert total(values, "llm_proxy_tokens_total", source="reserve", type="output") == 700
+    assert round(total(values, "llm_proxy_cost_total", tenant="team-a") * 1e6) == sum(
+        int(e["cost_micros"]) for e in entries
+    )

@@ -130,7 +130,7 @@ async def test_racing_reapers_settle_an_expired_lease_once(
     finally:
         for store in stores:
             await store.close()
-    assert sum(settled) == 20
+    assert sum(map(len, settled)) == 20
     assert len(await redis_client.xrange(LEDGER)) == 20
     run = await redis_client.hgetall("lbp:{team-a}:run:reaped")
     assert run["used:requests"] == "20" and run["used:total_tokens"] == "240"
