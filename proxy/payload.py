@@ -12,7 +12,6 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import BadRequest
-from proxy.observe import function_calls
 
 Endpoint = Literal["chat.completions", "completions", "embeddings", "responses", "messages"]
 MAX_TOKENS_LIMIT = 10_000_000
@@ -161,22 +160,6 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
     return data, view
 
 
-def _part_texts(content: Any, parts: list[str]) -> None:
-    """Text of a content value: a string, or parts/blocks carrying ``text`` (any API's shape)."""
-    if isinstance(content, str):
-        parts.append(content)
-    elif isinstance(content, list):
-        for part in content:
-            if not isinstance(part, dict):
-                continue
-            for key in ("text", "input", "content", "output", "arguments"):
-                value = part.get(key)
-                if isinstance(value, str):
-                    parts.append(value)
-                elif key in ("input", "content") and isinstance(value, list | dict):
-                    parts.append(orjson.dumps(value).decode())
-
-
 # The fields that cap a request's output, whichever API (chat has two: max_tokens is legacy).
 OUTPUT_CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
@@ -218,51 +201,88 @@ def media_parts(*sources: Any) -> int:
         if isinstance(value, list):
             stack.extend(value)
         elif isinstance(value, dict):
-            if value.get("type") in MEDIA_PART_TYPES:
+            kind = value.get("type")
+            if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
                 count += 1
                 continue
             stack.extend(inner for key in _PART_HOLDERS if isinstance(inner := value.get(key), list | dict))
     return count
 
 
+# Keys whose strings are not prompt text: ids, enums, signatures, and payloads that are not
+# text (media are priced per part, by ``media_parts``; encrypted reasoning is opaque).
+_NOT_TEXT = frozenset(
+    {
+        "type",
+        "role",
+        "id",
+        "call_id",
+        "tool_call_id",
+        "tool_use_id",
+        "status",
+        "signature",
+        "encrypted_content",
+        "result",  # an image generation call's image
+        "cache_control",
+        "audio",  # a chat message's reference to earlier audio: {"id": ...}
+        "data",
+        "url",
+        "file_id",
+        "file_data",
+        "image_url",
+        "media_type",
+        "mime_type",
+        "detail",
+        "format",
+    }
+)
+# Keys whose object value is the model's own JSON (a tool call's input or arguments): sent as
+# JSON text, its keys included.
+_AS_JSON = frozenset({"input", "arguments"})
+
+
+def prompt_texts(value: Any) -> list[str]:
+    """Every string a prompt value carries, at any depth, in order: contents, refusals, names,
+    tool calls and their results, reasoning summaries, whatever an item type holds. What the
+    provider bills as input is among them, so a new item type cannot slip past the reserve."""
+    parts: list[str] = []
+    stack = [value]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            parts.append(value)
+        elif isinstance(value, list):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            kind = value.get("type")
+            if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
+                source = value.get("source")
+                if kind == "document" and isinstance(source, dict) and source.get("type") == "text":
+                    stack.append(source.get("data"))  # an Anthropic plain-text document
+                continue
+            for key, inner in reversed(value.items()):
+                if key in _NOT_TEXT:
+                    continue
+                if key in _AS_JSON and isinstance(inner, dict | list):
+                    parts.append(orjson.dumps(inner).decode())
+                else:
+                    stack.append(inner)
+    return parts
+
+
 def variable_texts(variables: Any) -> list[str]:
     """The text of a stored prompt's variables: strings, or parts carrying text (an image or a
     file part adds none, as in messages)."""
-    parts: list[str] = []
-    if isinstance(variables, dict):
-        for value in variables.values():
-            _part_texts(value if isinstance(value, str) else [value], parts)
-    return parts
+    return prompt_texts(list(variables.values())) if isinstance(variables, dict) else []
 
 
 def message_parts(messages: list[dict[str, Any]]) -> list[str]:
-    """All text a chat request sends: contents, names, refusals and tool-call arguments."""
-    parts: list[str] = []
-    for message in messages:
-        _part_texts(message.get("content"), parts)
-        for name in ("name", "refusal"):
-            if isinstance(message.get(name), str):
-                parts.append(message[name])
-        for function in function_calls(message):
-            if isinstance(function, dict):
-                parts.extend(str(function.get(k) or "") for k in ("name", "arguments"))
-                if function.get("input"):
-                    parts.append(str(function["input"]))  # a custom tool's
-    return parts
+    """All text a chat request sends: contents, names, refusals and tool calls."""
+    return prompt_texts(messages)
 
 
 def items_parts(
     items: str | list[dict[str, Any]], extra: str | list[dict[str, Any]] | None = None
 ) -> list[str]:
     """All text of a Responses ``input`` (or Anthropic ``messages``) plus instructions/system."""
-    parts: list[str] = []
-    _part_texts(extra, parts)
-    if isinstance(items, str):
-        parts.append(items)
-        return parts
-    parts.extend(message_parts(items) or [""])
-    for item in items:  # function call outputs and other non-message items
-        for key in ("output", "arguments"):
-            if isinstance(item.get(key), str):
-                parts.append(item[key])
-    return parts
+    return prompt_texts(extra) + (prompt_texts(items) or [""])

@@ -1254,3 +1254,48 @@ async def test_a_settle_the_store_refuses_never_corrupts_the_meters_on_retry(
     negative = {k: v for k, v in meters.items() if k.startswith("resv:") and int(v) < 0}
     assert negative == {}, meters
     assert int(meters.get("used:requests", 0)) <= 1, meters
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": ["image_url"], "text": "hi"}]}]},
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": {}, "text": "hi"}]}]}),
+        ("/v1/responses", {"input": [{"type": [], "role": "user", "content": "hi"}]}),
+    ],
+)
+async def test_a_part_type_that_is_not_a_string_is_no_500_when_media_parts_are_priced(
+    path: str, body: JsonDict, make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Was a 500 (TypeError: unhashable type) while looking up the part type among media types.
+    proxy = await make_proxy(models={"*": {"upstream": "openai", "media_part_input_tokens": 1000}})
+    reply = await send(
+        proxy, lambda: fake.received, redis_client, path, dumps({"model": "gpt-4o-mini", **body})
+    )
+    assert reply.status != 500, reply.describe()
+    assert_contract(reply)
+
+
+async def test_a_refusal_part_in_history_counts_against_a_run_ceiling(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # 2,000 tokens of an earlier refusal went out on a 5-token reserve past a 1,000-token ceiling.
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), tiers={"standard": {"run": {"total_tokens": 1000}}}
+    )
+    body = {
+        "model": "gpt-4o-mini",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "word " * 2000}]},
+        ],
+    }
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "skip"}
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body), headers=headers
+    )
+    assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()

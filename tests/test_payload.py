@@ -37,3 +37,150 @@ def test_n_and_best_of_where_the_api_has_them() -> None:
     assert (answers(chat), generations(chat)) == (3, 3)
     legacy = view_of("completions", {"model": "m", "prompt": ["a", "b"], "n": 2, "best_of": 5})
     assert (answers(legacy), generations(legacy)) == (4, 10)
+
+
+# -- prompt text: every string the provider reads is in the reserve -----------------------------
+
+DOC = "word " * 2000  # about 2,000 tokens
+IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 5000
+USER = {"role": "user", "content": "hi"}
+
+# Each case hides DOC where an estimate reading only the usual fields did not look.
+UNREAD_BEFORE: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat refusal part": (
+        "/v1/chat/completions",
+        {"messages": [USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": DOC}]}]},
+    ),
+    "responses custom tool call input": (
+        "/v1/responses",
+        {"input": [USER, {"type": "custom_tool_call", "call_id": "c1", "name": "code", "input": DOC}]},
+    ),
+    "responses function call output as parts": (
+        "/v1/responses",
+        {
+            "input": [
+                USER,
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [{"type": "input_text", "text": DOC}],
+                },
+            ]
+        },
+    ),
+    "responses refusal part": (
+        "/v1/responses",
+        {
+            "input": [
+                {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": DOC}]}
+            ]
+        },
+    ),
+    "responses code interpreter code": (
+        "/v1/responses",
+        {"input": [USER, {"type": "code_interpreter_call", "id": "ci", "code": DOC, "outputs": []}]},
+    ),
+    "responses mcp tool list": (
+        "/v1/responses",
+        {"input": [{"type": "mcp_list_tools", "id": "m", "tools": [{"name": "t", "description": DOC}]}]},
+    ),
+    "responses reasoning summary": (
+        "/v1/responses",
+        {"input": [{"type": "reasoning", "id": "r", "summary": [{"type": "summary_text", "text": DOC}]}]},
+    ),
+    "anthropic thinking block": (
+        "/v1/messages",
+        {
+            "messages": [
+                USER,
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": DOC, "signature": "s"}]},
+            ]
+        },
+    ),
+    "anthropic plain-text document": (
+        "/v1/messages",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "document",
+                            "source": {"type": "text", "media_type": "text/plain", "data": DOC},
+                        }
+                    ],
+                }
+            ]
+        },
+    ),
+}
+
+
+def _estimate_input_tokens(path: str, body: dict[str, Any]) -> int:
+    from proxy.estimate import counted, estimate
+    from proxy.tokenizer import Tokenizer
+
+    endpoints: dict[str, Endpoint] = {
+        "/v1/chat/completions": "chat.completions",
+        "/v1/responses": "responses",
+        "/v1/messages": "messages",
+    }
+    endpoint = endpoints[path]
+    _, view = parse_body(orjson.dumps({"model": "m", "max_tokens": 5, **body}), endpoint)
+    tokenizer = Tokenizer({})
+    est = estimate(
+        endpoint,
+        view,
+        encoding="o200k_base",
+        tokenizer=tokenizer,
+        model_max_output_tokens=None,
+        default_max_output_tokens=16,
+    )
+    return counted(est, tokenizer, "o200k_base").input_tokens
+
+
+@pytest.mark.parametrize("case", list(UNREAD_BEFORE))
+def test_text_in_any_field_of_a_prompt_is_reserved(case: str) -> None:
+    path, body = UNREAD_BEFORE[case]
+    assert _estimate_input_tokens(path, body) >= 2000
+
+
+def test_media_payloads_ids_and_signatures_are_not_counted_as_text() -> None:
+    # Media are priced per part (media_part_input_tokens); their base64 is not prompt text.
+    body = {
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": IMAGE},
+                    {"type": "input_text", "text": "hi"},
+                ],
+            },
+            {"type": "image_generation_call", "id": "ig", "status": "completed", "result": IMAGE[22:]},
+            {"type": "reasoning", "id": "r", "summary": [], "encrypted_content": IMAGE[22:]},
+            {"type": "function_call_output", "call_id": "c" * 5000, "output": "ok"},
+        ]
+    }
+    assert _estimate_input_tokens("/v1/responses", body) < 200
+    anthropic = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "source": {"type": "base64", "data": IMAGE[22:]}}],
+            },
+            {"role": "assistant", "content": [{"type": "redacted_thinking", "data": IMAGE[22:]}]},
+        ]
+    }
+    assert _estimate_input_tokens("/v1/messages", anthropic) < 200
+
+
+def test_a_tool_calls_json_input_is_counted_with_its_keys() -> None:
+    body = {
+        "messages": [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {DOC: 1}}],
+            }
+        ]
+    }
+    assert _estimate_input_tokens("/v1/messages", body) >= 2000
