@@ -289,6 +289,11 @@ async def settle(
         reasoning_tokens=usage.reasoning_tokens,
         cache_creation_input_tokens=usage.cache_creation_input_tokens,
     )
+    if cost > MAX_AMOUNT:
+        # Counts up to 10**12 are taken from a provider; at a high unit price their cost can
+        # pass what the store holds, and a settle it refuses would leave no ledger entry.
+        log.warning("cost above the store's limit, billed at the limit", extra={"cost_micros": cost})
+        cost = MAX_AMOUNT
     reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
     entry = entry_fields(call, outcome, usage, cost, reasons)
     actual = {

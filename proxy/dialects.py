@@ -104,6 +104,8 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
 def _responses_body(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
     _responses_output(obs, obj, texts=True)
+    if isinstance(obj.get("error"), dict):  # a 200 that says it failed (a response has "error": null)
+        obs.error = True
 
 
 # -- Anthropic Messages -----------------------------------------------------------------------
@@ -169,7 +171,7 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
 
 def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
-    if obj.get("type") == "error":
+    if obj.get("type") == "error" or isinstance(obj.get("error"), dict):  # a gateway's OpenAI shape
         obs.error = True
         return
     reason = obj.get("stop_reason")

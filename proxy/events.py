@@ -20,7 +20,7 @@ import re
 import orjson
 
 from proxy.dialects import Dialect
-from proxy.observe import Observation, string_end
+from proxy.observe import Observation, parse_json, string_end
 
 _USAGE_NULL_TAIL = b',"usage":null}'
 _STRIPPED_EVENT_END = (_USAGE_NULL_TAIL + b"\n\n", b"}\n\n")
@@ -311,8 +311,8 @@ class EventFilter:
     def _typed_event(self, event: bytes, data: bytes) -> bytes:
         """Responses / Anthropic events: observed, passed on unchanged."""
         try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
+            obj = parse_json(data)
+        except ValueError:
             self.obs.malformed = True
             return event + b"\n\n"
         if isinstance(obj, dict):
@@ -366,8 +366,8 @@ class EventFilter:
             # Most events only carry a content delta: note it without parsing the JSON.
             return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}", event) if strip else event + b"\n\n"
         try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
+            obj = parse_json(data)
+        except ValueError:
             self.obs.malformed = True
             return event + b"\n\n"
         self.obs.observe(obj, streaming=True)

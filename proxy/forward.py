@@ -99,9 +99,12 @@ async def open_upstream(
         return TransportFailure("transport", f"upstream connection failed: {type(err).__name__}")
 
 
-async def read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body, refusing one larger than ``limit`` bytes."""
-    chunks: list[bytes] = []
+async def read_limited(
+    response: aiohttp.ClientResponse, limit: int, chunks: list[bytes] | None = None
+) -> bytes:
+    """The whole body, refusing one larger than ``limit`` bytes. ``chunks`` keeps what came
+    should the read fail (a body cut after its last byte still carries its usage)."""
+    chunks = [] if chunks is None else chunks
     size = 0
     async for piece in response.content.iter_any():
         size += len(piece)

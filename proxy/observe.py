@@ -6,6 +6,7 @@ missing usage or a JSON policy needs: the text generated, never the raw response
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,21 +65,26 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         return None
     prompt_details = raw.get("prompt_tokens_details") or raw.get("input_tokens_details") or {}
     completion_details = raw.get("completion_tokens_details") or raw.get("output_tokens_details") or {}
-    cached = written = reasoning = None
-    if isinstance(prompt_details, dict):
-        cached = token_count(prompt_details.get("cached_tokens", 0))
-        # Prompt-cache writes (a subset of the input, priced at cache_creation_input).
-        written = token_count(prompt_details.get("cache_write_tokens") or 0)
-    if isinstance(completion_details, dict):
-        reasoning = token_count(completion_details.get("reasoning_tokens", 0))
+    # A detail absent or null is none of that kind; one that is not a count makes the whole
+    # unusable, as Anthropic's do (a cached count read as 0 would bill cache reads at full price).
+    cached = _detail(prompt_details, "cached_tokens")
+    written = _detail(prompt_details, "cache_write_tokens")  # a subset of the input
+    reasoning = _detail(completion_details, "reasoning_tokens")
+    if cached is None or written is None or reasoning is None:
+        return None
     return ProviderUsage(
         prompt,
         completion,
-        cached or 0,
-        reasoning or 0,
-        cache_creation_input_tokens=written or 0,
+        cached,
+        reasoning,
+        cache_creation_input_tokens=written,
         output_known=given is not None,
     )
+
+
+def _detail(details: Any, name: str) -> int | None:
+    value = details.get(name) if isinstance(details, dict) else None
+    return 0 if value is None else token_count(value)
 
 
 @dataclass(slots=True)
@@ -134,10 +140,10 @@ class Observation:
                 self.first_token_at = time.monotonic()
             self.contents.setdefault(index, []).append(escaped)
 
-    def _choice(self, choice: dict[str, Any], part: dict[str, Any] | None) -> None:
-        index = choice.get("index", 0)
-        if not isinstance(index, int):
-            index = 0
+    def _choice(self, choice: dict[str, Any], part: dict[str, Any] | None, position: int) -> None:
+        index = choice.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            index = position  # choices without an index keep their own finish reasons
         reason = choice.get("finish_reason")
         if isinstance(reason, str):
             self.finish_reasons[index] = reason
@@ -172,10 +178,10 @@ class Observation:
         if not isinstance(choices, list):
             return
         key = "delta" if streaming else "message"
-        for choice in choices:
+        for position, choice in enumerate(choices):
             if isinstance(choice, dict):
                 part = choice.get(key)
-                self._choice(choice, part if isinstance(part, dict) else None)
+                self._choice(choice, part if isinstance(part, dict) else None, position)
 
     def content_of(self, index: int) -> str:
         out: list[str] = []
@@ -195,6 +201,19 @@ class Observation:
     def all_text(self) -> str:
         indexes = sorted(set(self.contents) | set(self.extras))
         return "".join(self.content_of(i) + "".join(self.extras.get(i, ())) for i in indexes)
+
+
+def parse_json(data: bytes) -> Any:
+    """``data`` as JSON, fast, yet taking what the client's SDK takes (Python's ``json``): a
+    leading byte order mark, a lone surrogate escape (a text cut inside an emoji). ValueError
+    when it is not JSON."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise ValueError("JSON nested too deep") from None
 
 
 def _unescape(escaped: bytes) -> str:

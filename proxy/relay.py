@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from proxy.billing import Settlement, billing_comment, billing_headers, settle
@@ -27,7 +26,7 @@ from proxy.events import EventFilter
 from proxy.forward import StallGuard, TransportFailure, open_upstream, provider_headers, read_limited
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
-from proxy.observe import Observation, parse_usage
+from proxy.observe import Observation, parse_json, parse_usage
 from proxy.outcome import (
     ZERO_USAGE,
     BilledUsage,
@@ -256,8 +255,8 @@ class Exchange:
         except (TimeoutError, ValueError, *UPSTREAM_BROKEN):
             raw = b""
         try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            parsed = parse_json(raw)
+        except ValueError:
             parsed = None
         explicit_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
         usage = provider_usage_of(parsed)
@@ -306,9 +305,10 @@ class Exchange:
 
     async def _relay_body(self, upstream: aiohttp.ClientResponse) -> web.Response:
         call = self.call
+        came: list[bytes] = []
         try:
-            raw = await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes)
-            parsed = orjson.loads(raw)
+            raw = await read_limited(upstream, self.services.config.limits.max_upstream_body_bytes, came)
+            parsed = parse_json(raw)
         except TimeoutError:
             settlement = await self._settle(Outcome("upstream_timeout"), self._usage(complete=False))
             return self._error(
@@ -319,6 +319,7 @@ class Exchange:
                 headers=self._headers(settlement),
             )
         except (ValueError, *UPSTREAM_BROKEN):
+            self._observe_cut_body(b"".join(came))
             settlement = await self._settle(Outcome("upstream_error"), self._usage(complete=False))
             return self._error(
                 502,
@@ -364,6 +365,16 @@ class Exchange:
         return web.Response(
             status=upstream.status, body=raw, content_type="application/json", headers=headers
         )
+
+    def _observe_cut_body(self, came: bytes) -> None:
+        """A body whose connection broke after its JSON was whole (before the chunked body's
+        end): its usage is the provider's figure, billed before the reserve."""
+        try:
+            parsed = parse_json(came) if came else None
+            if isinstance(parsed, dict):
+                self.call.dialect.observe_body(self.obs, parsed)
+        except Exception:  # cut inside its JSON: nothing to read, the reserve bills it
+            pass
 
     def _rejection_message(self, settlement: Settlement) -> str:
         return (

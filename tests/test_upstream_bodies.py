@@ -1,0 +1,226 @@
+"""Non-streaming answers a provider (or a gateway before it) can send that the proxy billed or
+passed on wrongly: found by a hunt, each fixed in relay, observe or dialects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import ProxyFactory
+from tests.test_bad_input import Plan, Reply, ScriptedUpstream, send
+
+PRICE = {"input": "1", "output": "2", "cached_input": "0.5", "cache_creation_input": "1.25"}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+CHAT = (
+    "/v1/chat/completions",
+    {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 50},
+)
+RESPONSES = ("/v1/responses", {"model": "gpt-4o-mini", "input": "hello there", "max_output_tokens": 50})
+MESSAGES = (
+    "/v1/messages",
+    {"model": "claude-sonnet-4", "max_tokens": 50, "messages": [{"role": "user", "content": "hello there"}]},
+)
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value).encode()  # json, not orjson: it writes lone surrogates as escapes
+
+
+def chat_body(
+    content: str = "fine", usage: dict[str, Any] | None = USAGE, choices: Any = None
+) -> dict[str, Any]:
+    message = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+    body: dict[str, Any] = {"id": "c", "object": "chat.completion", "choices": choices or [message]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+async def proxy_before(make_proxy: ProxyFactory, base_url: str, **overrides: Any) -> Any:
+    upstream = {
+        "base_url": base_url,
+        "api_key_env": "TEST_UPSTREAM_KEY",
+        "timeout_s": 3,
+        "connect_timeout_s": 2,
+    }
+    return await make_proxy(
+        upstreams={"openai": dict(upstream), "anthropic": {**upstream, "kind": "anthropic"}},
+        models={
+            "claude-*": {"upstream": "anthropic", "max_output_tokens": 1000, "price_per_million": PRICE},
+            "gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 1000, "price_per_million": PRICE},
+            "*": {"upstream": "openai", "price_per_million": PRICE},
+        },
+        **overrides,
+    )
+
+
+async def call(
+    proxy: Any,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    request: tuple[str, Any],
+    answer: bytes,
+) -> Reply:
+    script.plan = Plan(chunks=[answer])
+    path, body = request
+    headers = {"anthropic-version": "2023-06-01"} if path == "/v1/messages" else {}
+    return await send(proxy, lambda: script.received, redis_client, path, dumps(body), headers=headers)
+
+
+@pytest.mark.parametrize("request_", [RESPONSES, MESSAGES], ids=["responses", "messages"])
+async def test_a_200_error_object_is_an_upstream_error_in_every_dialect(
+    request_: tuple[str, Any],
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+) -> None:
+    # Was "ok", billed at the counted prompt and no output (chat already knew this shape).
+    proxy = await proxy_before(make_proxy, script.base_url)
+    error = {
+        "error": {"message": "The server had an error.", "type": "server_error", "param": None, "code": None}
+    }
+    reply = await call(proxy, script, redis_client, request_, dumps(error))
+    (entry,) = reply.new_entries
+    assert reply.status == 200 and reply.body == dumps(error)  # passed on as it came
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "reserve"), entry
+
+
+async def test_usage_whose_cost_passes_the_stores_limit_still_leaves_a_ledger_entry(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # 10**12 tokens are taken from a provider; at 1,500 per million (gpt-4o's output in yen) the
+    # cost has 16 digits: settle.lua refused it, the call left no entry (reaped later).
+    proxy = await make_proxy(
+        upstreams={
+            "openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 3}
+        },
+        models={
+            "*": {
+                "upstream": "openai",
+                "max_output_tokens": 1000,
+                "price_per_million": {"input": "375", "output": "1500"},
+            }
+        },
+        currency="JPY",
+    )
+    body = chat_body(usage={"prompt_tokens": 5, "completion_tokens": 10**12})
+    reply = await call(proxy, script, redis_client, CHAT, dumps(body))
+    assert reply.status == 200 and reply.headers["x-billing-outcome"] == "ok"
+    (entry,) = reply.new_entries
+    assert entry["cost_micros"] == str(10**15 - 1)  # the most the store holds
+
+
+async def test_a_body_cut_after_its_whole_json_bills_the_usage_that_came(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    # The chunked body's end never came; its JSON, usage and all, did: the provider's figure,
+    # not the reserve (README, Faults: "provider usage if it came").
+    body = dumps(chat_body())
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n" % len(body)
+        + body
+        + b"\r\n"
+    )
+    served: list[None] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
+        await reader.readexactly(length)
+        served.append(None)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        proxy = await proxy_before(make_proxy, f"http://127.0.0.1:{port}/v1")
+        path, request = CHAT
+        reply = await send(proxy, lambda: served, redis_client, path, dumps(request))
+    finally:
+        server.close()
+    (entry,) = reply.new_entries
+    assert reply.status == 502
+    assert entry["outcome"] == "upstream_error"
+    assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("provider", "3", "1")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"\xef\xbb\xbf" + dumps(chat_body()), dumps(chat_body(content="cut mid-emoji \ud83d"))],
+    ids=["byte order mark", "lone surrogate escape"],
+)
+async def test_json_the_sdk_reads_is_json_to_the_proxy(
+    answer: bytes, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Python's json (the SDK's) takes both; orjson takes neither: was a 502 billed at the reserve.
+    assert json.loads(answer)["usage"] == USAGE
+    proxy = await proxy_before(make_proxy, script.base_url)
+    reply = await call(proxy, script, redis_client, CHAT, answer)
+    (entry,) = reply.new_entries
+    assert reply.status == 200, reply.describe()
+    assert reply.body == answer
+    assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("provider", "3", "1")
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+async def test_a_detail_count_that_is_not_a_count_voids_the_usage_in_both_dialects(
+    dialect: str, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # OpenAI's cached count as a string was read as 0 and the rest kept: cache reads billed at
+    # the full input price. Anthropic's voided the whole, as the README says of both.
+    proxy = await proxy_before(make_proxy, script.base_url)
+    if dialect == "openai":
+        request = CHAT
+        usage = {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": "4"}}
+        body: dict[str, Any] = chat_body(usage=usage)
+    else:
+        request = MESSAGES
+        body = {
+            "id": "m",
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": "fine"}],
+            "stop_reason": "end_turn",
+            "usage": {"input_tokens": 9, "output_tokens": 1, "cache_read_input_tokens": "4"},
+        }
+    reply = await call(proxy, script, redis_client, request, dumps(body))
+    (entry,) = reply.new_entries
+    assert entry["usage_source"] != "provider", entry
+
+
+async def test_a_null_detail_count_is_none_of_that_kind(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_before(make_proxy, script.base_url)
+    usage = {**USAGE, "prompt_tokens_details": {"cached_tokens": None}, "completion_tokens_details": None}
+    reply = await call(proxy, script, redis_client, CHAT, dumps(chat_body(usage=usage)))
+    (entry,) = reply.new_entries
+    assert (entry["usage_source"], entry["cached_input_tokens"]) == ("provider", "0")
+
+
+async def test_choices_without_an_index_keep_their_own_finish_reasons(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Both were taken for choice 0: the later "stop" hid the truncation.
+    proxy = await proxy_before(make_proxy, script.base_url)
+    choices = [
+        {"message": {"role": "assistant", "content": "cut"}, "finish_reason": "length"},
+        {"message": {"role": "assistant", "content": "whole"}, "finish_reason": "stop"},
+    ]
+    reply = await call(proxy, script, redis_client, CHAT, dumps(chat_body(choices=choices)))
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "truncated", entry
