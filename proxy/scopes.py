@@ -61,13 +61,28 @@ def _key_scopes(
     once per minute (window keys and TTLs are whole minutes apart at the finest)."""
     now = datetime.fromtimestamp(minute_start_s, UTC)
     scopes = [Scope(name="key", key=f"{key_prefix(tenant)}key:{key_name}:all", ceilings=tier.key.meters)]
-    scopes += [_window_scope(tenant, f"key:{key_name}", "key", w, now) for w in tier.windows]
+    scopes += [_window_scope(tenant, f"key:{key_name}", "key", w, now) for w in _windows(tier.windows)]
     # A tenant window counts every key of the tenant: one whose tier does not limit that period
     # still counts in it (unlimited for that key), or the others' ceiling would not see its spend.
-    own = {w.period: w for w in tier.tenant}
-    tenant_windows = [own.get(p) or WindowCeilings(period=p) for p in sorted(tenant_periods | own.keys())]
-    scopes += [_window_scope(tenant, "tenant", "tenant", w, now) for w in tenant_windows]
+    scopes += [
+        _window_scope(tenant, "tenant", "tenant", w, now) for w in _windows(tier.tenant, tenant_periods)
+    ]
     return tuple(scopes)
+
+
+# Counted whether or not a ceiling names them, so that a ceiling a reload adds for the day or
+# the month sees what was spent in it before (the usual periods of spend ceilings). A minute or
+# an hour window a reload adds counts from the reload: at most one short window goes unseen.
+ALWAYS_COUNTED: frozenset[Period] = frozenset({"day", "month"})
+PERIODS: tuple[Period, ...] = ("minute", "hour", "day", "month")
+
+
+def _windows(
+    limited: tuple[WindowCeilings, ...], others: frozenset[Period] = frozenset()
+) -> list[WindowCeilings]:
+    own = {w.period: w for w in limited}
+    periods = own.keys() | others | ALWAYS_COUNTED
+    return [own.get(p) or WindowCeilings(period=p) for p in PERIODS if p in periods]
 
 
 def scopes_for(

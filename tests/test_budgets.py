@@ -225,10 +225,12 @@ async def test_key_window_refusal_has_retry_after(make_proxy: ProxyFactory, fake
         session.get(f"{proxy.url}/v1/billing/keys/self", headers={"Authorization": f"Bearer {KEY_A}"}) as r,
     ):
         body = await r.json()
-    lifetime, window = body["windows"]
-    assert lifetime["scope"] == "key" and lifetime["meters"]["requests"]["used"] == 1
-    assert window["scope"] == "key:minute"
-    assert window["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": 1}
+    windows = {w["scope"]: w for w in body["windows"]}
+    assert list(windows) == ["key", "key:minute", "key:day", "key:month", "tenant:day", "tenant:month"]
+    assert windows["key"]["meters"]["requests"]["used"] == 1
+    assert windows["key:minute"]["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": 1}
+    # Day and month are counted, limited or not: reported without a ceiling.
+    assert windows["key:day"]["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": None}
 
 
 async def test_tenant_window_is_shared_by_all_keys_of_the_tenant(
@@ -439,3 +441,28 @@ async def test_a_clamp_never_goes_below_what_the_provider_takes(
         assert status == (200 if answered else 429)
         if answered:
             assert fake.received[-1].body["max_tokens"] == 3000
+
+
+@pytest.mark.parametrize("owner", ["tenant", "windows"])
+async def test_a_day_or_month_ceiling_a_reload_adds_sees_what_was_spent_before(
+    owner: str, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Was: only periods some ceiling named were counted, so a month ceiling added mid-month
+    # started from 0 and the tenant (or key) could spend it again on top of the month so far.
+    from proxy.config import parse_config
+
+    proxy = await make_proxy(tiers=tiers())
+    for i in range(3):
+        await call(proxy, f"before-{i}")  # 12 tokens each (4 input, 8 output)
+    raw = base_config(
+        fake.base_url, "redis://unused", tiers=tiers(**{owner: [{"period": "month", "total_tokens": 40}]})
+    )
+    state = proxy.app[STATE]
+    state.config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY}).model_copy(
+        update={"redis": state.config.redis, "journal_dir": state.config.journal_dir}
+    )
+    with pytest.raises(openai.RateLimitError) as caught:
+        await call(proxy, "after")  # 36 spent: 12 more passes 40
+    scope = "tenant:month" if owner == "tenant" else "key:month"
+    assert caught.value.response.headers["x-billing-refused-scope"] == scope
+    assert len(fake.bill) == 3

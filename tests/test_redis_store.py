@@ -109,7 +109,15 @@ async def settle(
 async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
     now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
     scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
-    assert [s.name for s in scopes] == ["run", "key", "key:minute", "tenant:month"]
+    assert [s.name for s in scopes] == [
+        "run",
+        "key",
+        "key:minute",
+        "key:day",
+        "key:month",
+        "tenant:day",
+        "tenant:month",
+    ]
     res = await reserve(store, "r1", scopes)
     assert isinstance(res, Reservation)
     assert res.tightest_meter == "requests" and res.tightest_remaining == 1  # the minute window
