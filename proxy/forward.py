@@ -14,7 +14,7 @@ from proxy.auth import Identity
 from proxy.call import Call
 from proxy.config import UpstreamConfig
 
-FailureKind = Literal["connect", "timeout", "transport"]
+FailureKind = Literal["connect", "timeout", "transport", "connect_timeout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,9 @@ class TransportFailure:
 
     @property
     def went_out(self) -> bool:
-        # A refused connection never carried the request; anything later may have been billed.
-        return self.kind != "connect"
+        # A connection refused or never made carried no request; anything later may have been
+        # billed.
+        return self.kind not in ("connect", "connect_timeout")
 
 
 def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, str]:
@@ -93,6 +94,8 @@ async def open_upstream(
     except ValueError as err:
         # aiohttp refused to build the request (a header value it cannot send): nothing went out.
         return TransportFailure("connect", f"cannot send the request upstream: {err}")
+    except aiohttp.ConnectionTimeoutError:
+        return TransportFailure("connect_timeout", "cannot connect to upstream: connect timed out")
     except TimeoutError:
         return TransportFailure("timeout", "upstream did not answer in time")
     except aiohttp.ClientError as err:

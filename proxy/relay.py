@@ -230,7 +230,8 @@ class Exchange:
                 await self._settle(Outcome("upstream_error"), self._usage(complete=False))
 
     async def _transport_failure(self, failure: TransportFailure) -> web.Response:
-        tag: OutcomeTag = "upstream_timeout" if failure.kind == "timeout" else "upstream_error"
+        timed_out = failure.kind in ("timeout", "connect_timeout")
+        tag: OutcomeTag = "upstream_timeout" if timed_out else "upstream_error"
         usage = (
             self._reserve_usage()
             if failure.went_out
@@ -239,7 +240,7 @@ class Exchange:
             )
         )
         settlement = await self._settle(Outcome(tag), usage)
-        status = 504 if failure.kind == "timeout" else 502
+        status = 504 if timed_out else 502
         return self._error(
             status, failure.detail, "upstream_error", code=tag, headers=self._headers(settlement)
         )
