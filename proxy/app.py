@@ -25,7 +25,7 @@ from proxy.journal import Journal
 from proxy.logs import flush_logs
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
-from proxy.record import record_reaped
+from proxy.record import record_entry, record_reaped
 from proxy.redis_store import RedisStore
 from proxy.relay import Services
 from proxy.reload import ConfigReloader
@@ -209,10 +209,13 @@ def build_app(
         assert state.store is not None
         store = state.store
 
+        def on_applied(entry: Mapping[str, str]) -> None:
+            record_entry(state.metrics, state.config, entry)
+
         async def loop() -> None:
             while True:
                 try:
-                    await state.journal.replay(store)
+                    await state.journal.replay(store, on_applied)
                 except Exception:
                     log.exception("journal replay failed")
                 await asyncio.sleep(config.limits.journal_replay_s)
@@ -223,7 +226,7 @@ def build_app(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         with contextlib.suppress(StoreError):
-            await state.journal.replay(store)  # a last try before the process goes
+            await state.journal.replay(store, on_applied)  # a last try before the process goes
         state.journal.close()
 
     async def settling_ctx(app: web.Application) -> AsyncIterator[None]:

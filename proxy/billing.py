@@ -30,10 +30,13 @@ class Settlement:
     outcome: Outcome
     usage: BilledUsage
     cost_micros: int
+    # The ledger entry this call wrote; None when the store did not answer (``stored`` False:
+    # journaled, written on replay) or the reservation was settled before (a reaper took it).
     entry_id: str | None
     finish_reasons: str
     actual: dict[str, int]
     overshoot_tokens: int
+    stored: bool = True
 
 
 def lease_ms(call: Call, config: Config) -> int:
@@ -318,8 +321,9 @@ async def settle(
         scope_ttls_s=[s.ttl_s for s in reservation.scopes],
         runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
     )
-    entry_id = await settle_or_journal(store, journal, pending)
+    entry_id, stored = await settle_or_journal(store, journal, pending)
     return Settlement(
+        stored=stored,
         outcome=outcome,
         usage=usage,
         cost_micros=cost,
@@ -330,9 +334,13 @@ async def settle(
     )
 
 
-async def settle_or_journal(store: Store, journal: Journal, pending: PendingSettlement) -> str | None:
+async def settle_or_journal(
+    store: Store, journal: Journal, pending: PendingSettlement
+) -> tuple[str | None, bool]:
+    """The ledger entry's id (None: settled before, by a reaper or an earlier try) and whether
+    the store answered (False: journaled, or left to a reaper)."""
     try:
-        return await pending.apply(store)
+        return await pending.apply(store), True
     except StoreError as err:
         # The answer is not held back: the settlement waits in the local journal and is applied
         # when the store is back (exactly once: settling is idempotent by reservation id).
@@ -350,11 +358,11 @@ async def settle_or_journal(store: Store, journal: Journal, pending: PendingSett
                     "journal_error": str(disk),
                 },
             )
-            return None
+            return None, False
         log.error(
             "settle failed; journaled", extra={"reservation_id": pending.reservation_id, "error": str(err)}
         )
-        return None
+        return None, False
 
 
 def release_unforwarded(call: Call, journal: Journal, scopes: list[str], run_ttl_s: int) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -60,6 +61,13 @@ class PendingSettlement:
         )
 
 
+OnApplied = Callable[[Mapping[str, str]], None]
+
+
+def _nothing(entry: Mapping[str, str]) -> None:
+    pass
+
+
 class Journal:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -88,14 +96,15 @@ class Journal:
     def pending(self) -> bool:
         return self._file is not None and self.path.stat().st_size > 0
 
-    async def replay(self, store: Store) -> int:
-        """Apply this process's pending lines, then any orphaned journals. Returns how many applied."""
+    async def replay(self, store: Store, on_applied: OnApplied = _nothing) -> int:
+        """Apply this process's pending lines, then any orphaned journals. Returns how many
+        applied; ``on_applied`` gets each ledger entry the store took from them."""
         applied = 0
         if self._file is not None:
             self._file.seek(0)
             text = self._file.read()
             lines = text.decode("utf-8", "replace").splitlines()
-            done = await _apply(store, lines, self.directory / DEAD_LETTERS)
+            done = await _apply(store, lines, self.directory / DEAD_LETTERS, on_applied)
             applied += done
             if done == len(lines):
                 # Lines appended while we were applying (settles failing meanwhile) stay: keep
@@ -107,10 +116,10 @@ class Journal:
                 self._file.write(rest)
                 self._file.flush()
                 os.fsync(self._file.fileno())
-        applied += await self._adopt(store)
+        applied += await self._adopt(store, on_applied)
         return applied
 
-    async def _adopt(self, store: Store) -> int:
+    async def _adopt(self, store: Store, on_applied: OnApplied) -> int:
         applied = 0
         if not self.directory.exists():
             return 0
@@ -123,7 +132,7 @@ class Journal:
                 except OSError:
                     continue  # its writer is alive and replays it itself
                 lines = handle.read().splitlines()
-                done = await _apply(store, lines, self.directory / DEAD_LETTERS)
+                done = await _apply(store, lines, self.directory / DEAD_LETTERS, on_applied)
                 applied += done
                 if done == len(lines):
                     path.unlink()
@@ -147,7 +156,7 @@ def _pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:
     return PendingSettlement(**{k: v for k, v in fields_of_line.items() if k in known})
 
 
-async def _apply(store: Store, lines: list[str], dead_letters: Path) -> int:
+async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied) -> int:
     """Settle each line in order; stop at the first store error (retried on the next round)."""
     done = 0
     for line in lines:
@@ -181,5 +190,7 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path) -> int:
             "journaled settlement applied" if entry_id else "journaled settlement was already settled",
             extra={"reservation_id": pending.reservation_id},
         )
+        if entry_id is not None:
+            on_applied(pending.entry)
         done += 1
     return done

@@ -22,23 +22,26 @@ def record_call(
     tenant = tenant_label(call.identity.tenant, config)
     model = model_label(call.model, config)
     usage = settlement.usage
-    metrics.requests.labels(tenant, model, call.endpoint, settlement.outcome.tag).inc()
-    # cached_input is the part of input served from cache; reasoning the part of output spent
-    # thinking: the same fields as the ledger entry.
-    for kind, count in (
-        ("input", usage.input_tokens),
-        ("cached_input", usage.cached_input_tokens),
-        ("output", usage.output_tokens),
-        ("reasoning", usage.reasoning_tokens),
-    ):
-        if count:
-            metrics.tokens.labels(tenant, model, kind, usage.source).inc(count)
-    if settlement.cost_micros:
-        metrics.cost_micros.labels(tenant, model).inc(settlement.cost_micros)
-    if settlement.overshoot_tokens:
-        metrics.overshoot.labels(tenant, model).inc(settlement.overshoot_tokens)
-    if call.clamped:
-        metrics.clamped.labels(tenant).inc()
+    # The spend counters count the ledger entries this process wrote, when it wrote them: a
+    # journaled settle when it is replayed, one a reaper took first by that reaper's process.
+    if settlement.entry_id is not None:
+        metrics.requests.labels(tenant, model, call.endpoint, settlement.outcome.tag).inc()
+        # cached_input is the part of input served from cache; reasoning the part of output
+        # spent thinking: the same fields as the ledger entry.
+        for kind, count in (
+            ("input", usage.input_tokens),
+            ("cached_input", usage.cached_input_tokens),
+            ("output", usage.output_tokens),
+            ("reasoning", usage.reasoning_tokens),
+        ):
+            if count:
+                metrics.tokens.labels(tenant, model, kind, usage.source).inc(count)
+        if settlement.cost_micros:
+            metrics.cost_micros.labels(tenant, model).inc(settlement.cost_micros)
+        if settlement.overshoot_tokens:
+            metrics.overshoot.labels(tenant, model).inc(settlement.overshoot_tokens)
+        if call.clamped:
+            metrics.clamped.labels(tenant).inc()
     if usage.source == "provider" and usage.input_tokens > 0:
         metrics.reserve_error.observe(call.reserved_input_tokens / usage.input_tokens)
     elapsed = time.monotonic() - call.started_at
@@ -70,20 +73,31 @@ def record_call(
         )
 
 
-def record_reaped(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> None:
-    """A lease this process's reaper settled at its reserve: in the spend counters as any call
-    is (the ledger charged it), and counted as expired."""
+def record_entry(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> None:
+    """A ledger entry this process wrote off the request path (a journaled settle replayed, a
+    lease reaped): in the spend counters as a call's own (``record_call``) would be."""
     tenant = tenant_label(entry["tenant"], config)
     model = model_label(entry["model"], config)
-    metrics.leases_expired.inc()
-    metrics.requests.labels(tenant, model, entry["endpoint"], entry["outcome"]).inc()
-    for kind in ("input", "output"):
-        count = int(entry[f"{kind}_tokens"] or 0)
+    outcome_tag = entry["outcome"].partition(":")[0]
+    metrics.requests.labels(tenant, model, entry["endpoint"], outcome_tag).inc()
+    for kind in ("input", "cached_input", "output", "reasoning"):
+        count = int(entry.get(f"{kind}_tokens") or 0)
         if count:
             metrics.tokens.labels(tenant, model, kind, entry["usage_source"]).inc(count)
-    cost_micros = int(entry["cost_micros"] or 0)
+    cost_micros = int(entry.get("cost_micros") or 0)
     if cost_micros:
         metrics.cost_micros.labels(tenant, model).inc(cost_micros)
+    overshoot = int(entry.get("overshoot_tokens") or 0)
+    if overshoot:
+        metrics.overshoot.labels(tenant, model).inc(overshoot)
+    if entry.get("clamped") == "1":
+        metrics.clamped.labels(tenant).inc()
+
+
+def record_reaped(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> None:
+    """A lease this process's reaper settled at its reserve: a call the ledger charged."""
+    metrics.leases_expired.inc()
+    record_entry(metrics, config, entry)
 
 
 def record_refusal(metrics: Metrics, config: Config, tenant: str, err: BudgetExceeded) -> None:

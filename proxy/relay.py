@@ -172,7 +172,7 @@ class Exchange:
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
         )
         overhead = time.monotonic() - self.call.started_at - self._upstream_s
-        if settlement.entry_id is None:
+        if not settlement.stored:
             self.services.metrics.store_errors.labels("settle").inc()
         record_call(self.services.metrics, self.services.config, self.call, settlement, overhead)
         return settlement

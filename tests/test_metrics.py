@@ -333,3 +333,34 @@ async def test_a_lease_the_reaper_settles_is_in_the_spend_counters(
     assert round(total(values, "llm_proxy_cost_total", tenant="team-a") * 1e6) == sum(
         int(e["cost_micros"]) for e in entries
     )
+
+
+async def test_a_call_a_reaper_billed_first_is_counted_once_and_is_no_store_error(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Its lease ran out mid-stream (a stalled instance): the reaper bills the reserve, and the
+    # stream's own settle then finds it settled. Counted twice before (the call at its end, the
+    # reaper's entry), and the settle counted as a store error though the store had answered.
+    from tests.conftest import slow_stream
+
+    proxy = await make_proxy(
+        admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}], limits={"reaper_interval_s": 0.05}
+    )
+    body, headers = slow_stream("stalled", chunks=10, delay_s=0.05)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            await resp.content.readuntil(b"\n\n")
+            (reservation,) = await redis_client.zrange("lbp:{team-a}:leases", 0, -1)
+            await redis_client.zadd("lbp:{team-a}:leases", {reservation: 0})  # ran out
+            for _ in range(100):
+                if await redis_client.xlen(LEDGER) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            await resp.read()
+        async with session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            values = samples(await r.text())
+    ((_, entry),) = await redis_client.xrange(LEDGER)
+    assert entry["outcome"] == "lease_expired"
+    assert total(values, "llm_proxy_requests_total") == 1
+    assert total(values, "llm_proxy_requests_total", outcome="lease_expired") == 1
+    assert total(values, "llm_proxy_store_errors_total") == 0

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.app import STATE
 from proxy.errors import StoreError, StoreRejected
 from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement
 from proxy.redis_server import RedisServerProcess
@@ -79,9 +80,15 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     until = json.loads(line)["bill_if_lost_until_ms"]
     assert time.time() * 1000 < until < (time.time() + 3600) * 1000
 
+    metrics = proxy.app[STATE].metrics
+    # The spend counters count what the ledger holds: not yet this call, journaled.
+    assert _counted(metrics.requests) == 0 and _counted(metrics.store_errors) == 1
     await asyncio.to_thread(own_redis.start)
     await wait_for(lambda: _ledger_len(own_client, 1))
     await asyncio.sleep(0.3)  # more replay rounds: still applied once
+    # Counted once, when the replay wrote its entry.
+    assert _counted(metrics.requests) == 1
+    assert _counted(metrics.tokens, type="output", source="provider") == 20
     ((_, entry),) = await own_client.xrange(LEDGER)
     assert entry["outcome"] == "ok" and entry["usage_source"] == "provider"
     assert int(entry["input_tokens"]) == fake.bill[0].prompt_tokens
@@ -90,6 +97,15 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     run = await own_client.hgetall("lbp:{team-a}:run:outage")
     assert run["used:requests"] == "1" and run["resv:total_tokens"] == "0"
     assert journal_file.read_text() == ""
+
+
+def _counted(family: Any, **labels: str) -> float:
+    """The sum of a metric family's values over the label sets that match ``labels``."""
+    return sum(
+        value.value
+        for names, value in family.items()
+        if all(dict(zip(family.labelnames, names, strict=True)).get(k) == v for k, v in labels.items())
+    )
 
 
 async def _ledger_len(client: aioredis.Redis, n: int) -> bool:
