@@ -47,6 +47,16 @@ def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, 
     return headers
 
 
+def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | None:
+    """The operator's key when it is what a request of ``identity`` to ``upstream`` carries
+    (None: the caller's own key goes out, or none): an upstream echoing it must not pass it
+    on, and its refusal is the operator's problem, not the caller's."""
+    if upstream.passthrough_auth and identity.upstream_key is not None:
+        return None
+    secret = upstream.api_key.get_secret_value().encode() if upstream.api_key is not None else b""
+    return secret or None
+
+
 # What of the provider's response headers reaches the client: what its SDK acts on (when and
 # whether to retry), the provider's limits, timing and version. Not its cookies, its framing
 # (the proxy re-frames) nor its organization or project (the operator's, with the proxy's key).

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import hashlib
 import hmac
+import logging
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -34,13 +35,15 @@ from proxy.errors import (
     store_unavailable_response,
 )
 from proxy.estimate import Estimate, counted
-from proxy.forward import provider_headers, read_limited, upstream_headers
+from proxy.forward import operator_key_sent, provider_headers, read_limited, upstream_headers
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 from proxy.tokenizer import Tokenizer
+
+log = logging.getLogger("proxy.handlers")
 
 MODELS_LIST_LIMIT_BYTES = 4 * 1024 * 1024
 
@@ -165,12 +168,12 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         return error_response(
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
-    key = upstream.api_key.get_secret_value().encode() if upstream.api_key else b""
-    if key and not upstream.passthrough_auth and key in body:
+    key = operator_key_sent(upstream, identity)
+    if key is not None and key in body:
         body = body.replace(key, b"[REDACTED]")
     passed = provider_headers(resp)
     if 400 <= resp.status < 500 and _is_error_object(body):
-        if resp.status in (401, 403) and not upstream.passthrough_auth:
+        if resp.status in (401, 403) and key is not None:
             # The upstream refused the proxy's own credentials: not the caller's fault.
             return error_response(
                 502,
@@ -322,7 +325,9 @@ async def readyz(request: web.Request) -> web.Response:
         await state.store.ping()
     except StoreError as err:
         state.ready = False
-        return web.json_response({"status": "unavailable", "store": str(err)[:200]}, status=503)
+        # The reason names the store's address: for the log, not for anyone who can reach here.
+        log.warning("not ready: store unreachable", extra={"error": str(err)[:200]})
+        return web.json_response({"status": "unavailable", "store": "unreachable"}, status=503)
     state.ready = True
     return web.json_response({"status": "ready"})
 

@@ -17,7 +17,13 @@ from typing import Any
 import orjson
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
-_SECRET = re.compile(r"(sk-[A-Za-z0-9_-]{6,}|Bearer\s+[^\s\"',]+)")
+# Keys of any shape after a header or field that carries one (a parser error quotes the raw
+# header line), bearer tokens in any case, and OpenAI-style keys anywhere.
+_SECRET = re.compile(
+    r"(?i)(sk-[A-Za-z0-9_-]{6,}"
+    r"|(?:x-api-key|api[-_]key|authorization)[\"']?\s*[:=]\s*[\"']?(?:bearer\s+)?[^\s\"',]+"
+    r"|bearer\s+[^\s\"',]+)"
+)
 _SECRET_FIELDS = {"authorization", "api_key", "x-api-key", "key_value", "upstream_key"}
 
 

@@ -23,7 +23,14 @@ from proxy.config import Config
 from proxy.errors import StoreError
 from proxy.estimate import counted
 from proxy.events import EventFilter
-from proxy.forward import StallGuard, TransportFailure, open_upstream, provider_headers, read_limited
+from proxy.forward import (
+    StallGuard,
+    TransportFailure,
+    open_upstream,
+    operator_key_sent,
+    provider_headers,
+    read_limited,
+)
 from proxy.journal import Journal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation, parse_json, parse_usage
@@ -49,6 +56,7 @@ _WRITE_BACKLOG = 16 * 1024
 # while a write waits on it.
 CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError)
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+REDACTED = b"[REDACTED]"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +88,10 @@ class Exchange:
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self._upstream_s = 0.0
         self._provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
+
+    @property
+    def _operator_key(self) -> bytes | None:
+        return operator_key_sent(self.call.upstream, self.call.identity)
 
     # -- usage helpers -------------------------------------------------------------------
 
@@ -278,7 +290,7 @@ class Exchange:
             )
         settlement = await self._settle(Outcome(tag), usage)
         headers = self._headers(settlement)
-        if status in (401, 403) and not self.call.upstream.passthrough_auth:
+        if status in (401, 403) and self._operator_key is not None:
             # The upstream refused the proxy's own credentials: not the caller's fault.
             return self._error(
                 502,
@@ -296,12 +308,11 @@ class Exchange:
         )
 
     def _scrub(self, raw: bytes) -> bytes:
-        """An upstream that echoes the proxy's key in an error never gets it past the proxy."""
-        key = self.call.upstream.api_key
-        if key is not None and not self.call.upstream.passthrough_auth:
-            secret = key.get_secret_value().encode()
-            if secret and secret in raw:
-                return raw.replace(secret, b"[REDACTED]")
+        """An upstream that echoes the proxy's key (in an error, a 200 error object, a stream's
+        error event) never gets it past the proxy."""
+        secret = self._operator_key
+        if secret is not None and secret in raw:
+            return raw.replace(secret, REDACTED)
         return raw
 
     async def _relay_body(self, upstream: aiohttp.ClientResponse) -> web.Response:
@@ -364,7 +375,7 @@ class Exchange:
                 headers=headers,
             )
         return web.Response(
-            status=upstream.status, body=raw, content_type="application/json", headers=headers
+            status=upstream.status, body=self._scrub(raw), content_type="application/json", headers=headers
         )
 
     def _observe_cut_body(self, came: bytes) -> None:
@@ -414,6 +425,7 @@ class Exchange:
         next_piece = upstream.content.iter_any().__aiter__().__anext__
         read, write, monotonic = events.read, response.write, time.monotonic
         limit = self.services.config.limits.max_upstream_body_bytes
+        secret = self._operator_key
         transport = self.request.transport
         waited_s = 0.0
         try:
@@ -441,6 +453,8 @@ class Exchange:
                 if out is None:
                     failure = Outcome("upstream_error")  # one event larger than we hold
                     break
+                if secret is not None and secret in out:  # whole events: a key is never cut
+                    out = out.replace(secret, REDACTED)
                 if not out or client_gone:
                     pass
                 elif transport is not None and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG:

@@ -647,3 +647,112 @@ async def test_upstream_key_never_in_logs(
     assert leaking == []
     client_keys = [record_text(r) for r in records if KEY_A in record_text(r) or KEY_B in record_text(r)]
     assert client_keys == []
+
+
+# -- the operator's key echoed by an upstream, and callers' keys in the log (found by a hunt) --
+
+CHAT_BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _echoing_upstream(handler: Any) -> tuple[web.AppRunner, dict[str, Any]]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    upstream = {"base_url": base, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 5, "connect_timeout_s": 2}
+    return runner, {"openai": upstream}
+
+
+async def _post(proxy: Proxy, body: Any) -> tuple[int, bytes]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp,
+    ):
+        return resp.status, await resp.read()
+
+
+@pytest.mark.parametrize("shape", ["200 error object", "stream error event"])
+async def test_an_upstream_echoing_the_operators_key_in_an_answer_never_passes_it_on(
+    shape: str, make_proxy: ProxyFactory
+) -> None:
+    # Scrubbed in 4xx/5xx bodies only: a 200 error object or an error event mid-stream carried
+    # the operator's key to the tenant.
+    error = {"error": {"message": f"Invalid key {UPSTREAM_KEY} for this deployment", "type": "auth"}}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if shape == "200 error object":
+            return web.json_response(error)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    runner, upstreams = await _echoing_upstream(handle)
+    try:
+        proxy = await make_proxy(upstreams=upstreams)
+        status, body = await _post(proxy, {**CHAT_BODY, "stream": shape == "stream error event"})
+    finally:
+        await runner.cleanup()
+    assert status == 200
+    assert UPSTREAM_KEY.encode() not in body and b"[REDACTED]" in body
+
+
+async def test_a_passthrough_auth_upstream_in_a_config_file_still_guards_the_operators_key(
+    make_proxy: ProxyFactory,
+) -> None:
+    # Config mode: callers present proxy keys, so the operator's key goes out even to an upstream
+    # marked passthrough_auth; its 401 echoing that key was passed on as it came.
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("Authorization", ""))
+        error = {
+            "error": {"message": f"Incorrect API key provided: {UPSTREAM_KEY}", "code": "invalid_api_key"}
+        }
+        return web.json_response(error, status=401)
+
+    runner, upstreams = await _echoing_upstream(handle)
+    upstreams["openai"]["passthrough_auth"] = True
+    try:
+        proxy = await make_proxy(upstreams=upstreams)
+        status, body = await _post(proxy, CHAT_BODY)
+    finally:
+        await runner.cleanup()
+    assert seen == [f"Bearer {UPSTREAM_KEY}"]
+    assert status == 502 and json.loads(body)["error"]["code"] == "upstream_auth"
+    assert UPSTREAM_KEY.encode() not in body
+
+
+@pytest.mark.parametrize("header", ["x-api-key: ", "authorization: bearer "])
+@pytest.mark.parametrize("bad", ["\x00", "\r"])
+async def test_a_header_line_the_parser_refuses_does_not_log_the_callers_key(
+    make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture, bad: str, header: str
+) -> None:
+    # aiohttp's error line quotes the raw header: a key not shaped sk-... (x-api-key, a
+    # lower-case bearer) went to the log as it came.
+    from proxy.logs import JsonFormatter, TextFormatter
+
+    key = "pk-live-7f3a9c2e41d84b6f"
+    keys = [{"name": "c-key", "sha256": hashlib.sha256(key.encode()).hexdigest(), "tenant": "team-c"}]
+    proxy = await make_proxy(keys=keys)
+    caplog.set_level(logging.DEBUG)
+    body = b'{"model":"claude-x","messages":[],"max_tokens":1}'
+    request = (
+        f"POST /v1/messages HTTP/1.1\r\nHost: x\r\n{header}{key}{bad}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    lines = [f().format(r) for r in caplog.records for f in (JsonFormatter, TextFormatter)]
+    assert lines and not [line for line in lines if key in line]

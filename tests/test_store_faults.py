@@ -129,6 +129,8 @@ async def test_calls_while_redis_is_down_are_refused_without_an_upstream_call(
             assert (await resp.json())["error"]["code"] == "store_unavailable"
         async with session.get(proxy.url + "/readyz") as resp:
             assert resp.status == 503
+            # Says why, but not where the store is (the page needs no key).
+            assert await resp.json() == {"status": "unavailable", "store": "unreachable"}
         await asyncio.to_thread(own_redis.start)
         async with session.post(
             proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
