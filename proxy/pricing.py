@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from proxy.config import MAX_COUNT
 from proxy.estimate import Estimate
 
 TOKENS_PER_MILLION = 1_000_000
 # The largest figure the store takes (settle.lua: 15 digits, exact as a Lua number). A reserve past
-# it could never be settled, nor released.
-MAX_AMOUNT = 10**15 - 1
+# it could never be settled, nor released. Config bounds ceilings and prices by it too.
+MAX_AMOUNT = MAX_COUNT
 
 
 def cost_micros(

@@ -466,3 +466,29 @@ async def test_a_day_or_month_ceiling_a_reload_adds_sees_what_was_spent_before(
     scope = "tenant:month" if owner == "tenant" else "key:month"
     assert caught.value.response.headers["x-billing-refused-scope"] == scope
     assert len(fake.bill) == 3
+
+
+async def test_a_clamp_in_a_large_cost_room_never_passes_the_ceiling(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Room x 10^6 past 2^53 (about 9,000 units of room: yen, won): reserve.lua worked the clamp
+    # out in doubles and picked a cap one token too large, reserving 1 micro-unit less than its
+    # settle then charged: the run ended 1 micro-unit over its ceiling.
+    ceiling_micros = 13_500_001_518
+    out_rate = 1_500_000_001  # micro-units per million output tokens (1500.000001 a million)
+    affordable = (ceiling_micros * 10**6 - 9 * 10**6) // out_rate  # input: 9 tokens at 1 a million
+    proxy = await make_proxy(
+        models={"big": {"upstream": "openai", "price_per_million": {"input": "1", "output": "1500.000001"}}},
+        tiers=tiers(run={"cost_usd": "13500.001518"}, on_budget_short="clamp"),
+    )
+    response = await proxy.client().chat.completions.with_raw_response.create(
+        model="big",
+        messages=MSGS,
+        max_tokens=10_000_000,
+        extra_headers={"X-Run-Id": "large-room"},
+        extra_body={"fake": {"usage": {"prompt_tokens": 9, "completion_tokens": affordable}}},
+    )
+    assert fake.received[-1].body["max_tokens"] == affordable  # the most that fits, exactly
+    used = (await meters(proxy, "large-room"))["meters"]["cost_micros"]
+    assert used["used"] == int(response.headers["x-billing-cost-micros"]) <= ceiling_micros
+    assert used["reserved"] == 0

@@ -261,3 +261,48 @@ def test_a_reload_keeps_and_names_every_setting_used_only_at_start(
     assert new.limits.reaper_interval_s == started.limits.reaper_interval_s
     (warning,) = [r for r in caplog.records if "only on restart" in r.getMessage()]
     assert warning.settings == ["currency", "journal_dir", "limits.reaper_interval_s", "redis.url"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("ceilings", "named"),
+    [
+        # Past the store's 15 digits: every call a 500 (decimal overflow), or a segfault in the
+        # Redis client packing a 4,300-digit integer; a remaining-budget header of -9.2e18.
+        ({"cost_usd": "1e4300"}, "cost_usd"),
+        ({"cost_usd": "1e1000000"}, "cost_usd"),
+        ({"cost_usd": 10**13}, "cost_usd"),
+        ({"total_tokens": 10**20}, "total_tokens"),
+        # Silently rounded: 1e-7 became a ceiling of 0, refusing every priced call.
+        ({"cost_usd": "1e-7"}, "cost_usd"),
+        ({"cost_usd": "0.30000000000000004"}, "cost_usd"),
+        # YAML's true / false / no: a ceiling of 1 or 0.
+        ({"requests": True}, "requests"),
+        ({"concurrent": False}, "concurrent"),
+    ],
+)
+def test_a_ceiling_the_store_cannot_hold_exactly_is_a_config_error(
+    ceilings: dict[str, Any], named: str
+) -> None:
+    raw = base_config("http://upstream.invalid/v1", "redis://unused", tiers={"standard": {"run": ceilings}})
+    assert named in error_of(raw)
+
+
+@pytest.mark.parametrize("price", ["1e1000000", "1e999999", "1000000000"])
+def test_an_absurd_price_is_a_config_error_naming_it(price: str) -> None:
+    # Was a decimal.Overflow traceback out of check-config.
+    raw = base_config("http://upstream.invalid/v1", "redis://unused")
+    raw["models"] = {"*": {"upstream": "openai", "price_per_million": {"input": price, "output": "1"}}}
+    assert "input" in error_of(raw)
+
+
+def test_the_largest_ceilings_and_prices_the_store_holds_are_taken() -> None:
+    raw = base_config(
+        "http://upstream.invalid/v1",
+        "redis://unused",
+        tiers={"standard": {"run": {"cost_usd": "999999999.999999", "total_tokens": 10**15 - 1}}},
+    )
+    raw["models"] = {
+        "*": {"upstream": "openai", "price_per_million": {"input": "999999999.999999", "output": 1}}
+    }
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "k"})
+    assert config.tiers["standard"].run.meters == {"total_tokens": 10**15 - 1, "cost_micros": 10**15 - 1}

@@ -9,8 +9,9 @@ ARGV[3]      record: opaque JSON kept for the reaper
 ARGV[4..9]   amounts for the meters, in METERS order
 ARGV[10]     clamp: smallest output per choice worth keeping (0 = never clamp, refuse instead)
 ARGV[11]     clamp: choices (n); the output reserve is per-choice cap * n
-ARGV[12]     clamp: exact input cost (input tokens * micro-units per million input tokens)
-ARGV[13]     clamp: micro-units per million output tokens
+ARGV[12]     clamp: exact input cost (input tokens * micro-units per million input tokens), an
+             integer in decimal: read as millions and the rest, exact past 2^53
+ARGV[13]     clamp: micro-units per million output tokens (an integer, read the same way)
 ARGV[14]     1: tentative (the input amount is a quick upper bound the caller can refine): amounts
              that do not fit on a token or cost meter write nothing, not even the refusal
              count, and return {2}; the caller counts exactly and reserves again. 0: final
@@ -87,6 +88,21 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
   local n = tonumber(ARGV[11])
   local input_cost = tonumber(ARGV[12])
   local out_rate = tonumber(ARGV[13])
+  -- Costs in millionths of a micro-unit pass 2^53 (a double's exact integers) with a large room
+  -- and a large price: the trial's cost is worked out in parts that stay exact.
+  local function millions(digits)
+    local len = #digits
+    if len <= 6 then return 0, tonumber(digits) end
+    return tonumber(string.sub(digits, 1, len - 6)), tonumber(string.sub(digits, len - 5))
+  end
+  local in_q, in_r = millions(ARGV[12])
+  local out_q, out_r = millions(ARGV[13])
+  local function cost_of(output)  -- ceil((input cost + output * out_rate) / 10^6), exactly
+    local hi = math.floor(output / 1000000)
+    local rest = in_r + (output - hi * 1000000) * out_r
+    local rest_q = math.floor(rest / 1000000)
+    return in_q + output * out_q + hi * out_r + rest_q + ((rest > rest_q * 1000000) and 1 or 0)
+  end
   local k = amounts[OUTPUT]
   for s = 1, nscopes do
     local st = state[s]
@@ -98,20 +114,23 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
     end
   end
   local per_choice = math.floor(k / n)
-  if per_choice >= clamp_min and per_choice * n < amounts[OUTPUT] then
+  -- k came through doubles: it may be a token or two above what fits. Each trial is checked
+  -- exactly against every ceiling, one step lower at a time, a few steps at most.
+  local steps = 3
+  while steps > 0 and per_choice >= clamp_min and per_choice * n < amounts[OUTPUT] do
     local trial = {}
     for m = 1, NM do trial[m] = amounts[m] end
     trial[OUTPUT] = per_choice * n
     trial[TOTAL] = amounts[INPUT] + trial[OUTPUT]
-    if amounts[COST] > 0 or out_rate > 0 then
-      trial[COST] = math.ceil((input_cost + trial[OUTPUT] * out_rate) / 1000000)
-    end
-    -- Exact integer recheck of every ceiling: rounding in k can never overspend.
+    if amounts[COST] > 0 or out_rate > 0 then trial[COST] = cost_of(trial[OUTPUT]) end
     if not check(trial) then
       amounts = trial
       clamped = per_choice
       refusal = nil
+      break
     end
+    steps = steps - 1
+    per_choice = per_choice - 1
   end
 end
 
