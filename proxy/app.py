@@ -300,6 +300,7 @@ def build_app(
         task = asyncio.create_task(reloader.watch(RELOAD_POLL_S))
         yield
         loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # removed means the default: terminate
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

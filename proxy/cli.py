@@ -4,31 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
-import multiprocessing
-import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-from aiohttp import web
 
 from proxy.config import Config, load_config, passthrough_config
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
 from proxy.redis_server import RedisServerProcess
+from proxy.workers import run_worker, supervise
 
 log = logging.getLogger("proxy.cli")
-# Allocations (net) between collections of the youngest generation; CPython's default is 700.
-GC_YOUNG_THRESHOLD = 20_000
-# Exit codes besides 0: 2 config error, 3 store error (see main), 4 cannot serve (listen).
-EXIT_CANNOT_SERVE = 4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,87 +111,8 @@ def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[
         log.info("stopped embedded redis-server")
 
 
-def run_worker(config: Config, passthrough: bool, config_path: Path | None, worker: int, workers: int) -> int:
-    """One serving process. With several workers they share the port (SO_REUSEPORT); all
-    state is in Redis, so any worker can serve any call."""
-    from proxy.app import build_app, server_options
-
-    setup_logging(config.log.level, config.log.format)
-    if workers > 1 and config.metrics.listen is not None:
-        # Each worker exposes its own metrics on its own port: base port + worker index.
-        listen = config.metrics.listen.model_copy(update={"port": config.metrics.listen.port + worker})
-        config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"listen": listen})})
-    app = build_app(config, passthrough=passthrough, config_path=config_path)
-    # What exists now (modules, config, tiktoken's rank tables) lives as long as the process:
-    # kept out of the collector's scans. A call allocates hundreds of containers, nearly all
-    # freed by reference counting: collect the youngest generation less often.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    log.info(
-        "listening",
-        extra={
-            "host": config.listen.host,
-            "port": config.listen.port,
-            "mode": "passthrough" if passthrough else "config",
-            "worker": worker,
-            "workers": workers,
-            "gc_frozen_objects": gc.get_freeze_count(),
-            "gc_thresholds": list(gc.get_threshold()),
-        },
-    )
-    try:
-        web.run_app(
-            app,
-            host=config.listen.host,
-            port=config.listen.port,
-            print=None,
-            access_log=None,
-            shutdown_timeout=config.shutdown_grace_s,
-            reuse_port=workers > 1,
-            **server_options(config),
-        )
-    except OSError as err:
-        # A port taken (the main one or the metrics one), an address not on this host: the
-        # operator's to fix, not a traceback. aiohttp's message names the address.
-        print(f"llm-billing-proxy: cannot serve: {err.strerror or err}", file=sys.stderr)
-        return EXIT_CANNOT_SERVE
-    log.info("stopped", extra={"worker": worker})
-    return 0
-
-
-def _worker_process(*args: Any) -> None:
-    sys.exit(run_worker(*args))
-
-
-def _supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
-    """Start the workers, pass SIGTERM/SIGINT/SIGHUP on to them, wait for all of them."""
-    context = multiprocessing.get_context("spawn")
-    children = [
-        context.Process(
-            target=_worker_process, args=(config, passthrough, config_path, i, workers), name=f"worker-{i}"
-        )
-        for i in range(workers)
-    ]
-    for child in children:
-        child.start()
-
-    def forward(signum: int, _frame: object) -> None:
-        for child in children:
-            if child.pid is not None and child.is_alive():
-                os.kill(child.pid, signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward)
-    for child in children:
-        child.join()
-    # A worker killed by a signal (the OOM killer) has a negative exit code: a failure too,
-    # reported as a shell would (128 + the signal).
-    failed = [code if code > 0 else 128 - code for child in children if (code := child.exitcode or 0)]
-    return failed[0] if failed else 0
-
-
 def serve(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until a worker's reloader takes it
     config = _config_for(args)
     setup_logging(config.log.level, config.log.format)
     if args.workers < 1:
@@ -208,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
     with store_url(config, purpose="serve") as config:
         if args.workers == 1:
             return run_worker(config, bool(args.upstream), args.config, 0, 1)
-        return _supervise(config, bool(args.upstream), args.config, args.workers)
+        return supervise(config, bool(args.upstream), args.config, args.workers)
 
 
 def check_config(args: argparse.Namespace) -> int:

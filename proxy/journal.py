@@ -174,6 +174,17 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
             continue
         try:
             entry_id = await pending.apply(store)
+        except (TypeError, AttributeError, ValueError) as err:
+            # JSON of the wrong shape (a null where a list goes): it would stop every round here,
+            # holding back every line after it. Parked, as a line the store rejects.
+            log.error(
+                "journal line of the wrong shape parked",
+                extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},
+            )
+            with dead_letters.open("a", encoding="utf-8") as parked:
+                parked.write(line + "\n")
+            done += 1
+            continue
         except StoreRejected as err:
             # The store will never take this line: park it for an operator, go on.
             log.error(

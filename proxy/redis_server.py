@@ -120,7 +120,10 @@ class RedisServerProcess:
         return args + list(self.extra_args)
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"redis.data_dir {self.data_dir}: {err.strerror or err}") from None
         if self.port is None and self.socket_path.parent != self.data_dir:
             _private_dir(self.socket_path.parent)
         with contextlib.suppress(FileNotFoundError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,16 +21,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ProxyProcess:
-    def __init__(self, raw_config: dict[str, Any], workdir: Path, *, args: tuple[str, ...] = ()) -> None:
-        self.args = args
+    """``serve`` in a session of its own (a signal to its group reaches it and its workers, as
+    systemd's stop or a terminal's Ctrl-C does); ``raw_config`` None: zero-config, ``args``
+    naming ``--upstream``."""
+
+    def __init__(
+        self, raw_config: dict[str, Any] | None, workdir: Path, *, args: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
-        raw = dict(raw_config)
-        raw["listen"] = {"host": "127.0.0.1", "port": self.port}
-        raw.setdefault("log", {"level": "info", "format": "json"})
-        raw.setdefault("journal_dir", str(workdir / "journal"))
         workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path = workdir / f"proxy-{self.port}.yaml"
-        self.config_path.write_text(yaml.safe_dump(raw))
+        if raw_config is None:
+            self.args: tuple[str, ...] = (*args, "--port", str(self.port))
+        else:
+            raw = dict(raw_config)
+            raw["listen"] = {"host": "127.0.0.1", "port": self.port}
+            raw.setdefault("log", {"level": "info", "format": "json"})
+            raw.setdefault("journal_dir", str(workdir / "journal"))
+            self.config_path = workdir / f"proxy-{self.port}.yaml"
+            self.config_path.write_text(yaml.safe_dump(raw))
+            self.args = ("--config", str(self.config_path), *args)
         self.log_path = workdir / f"proxy-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -37,17 +47,20 @@ class ProxyProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> ProxyProcess:
+    def start(self, timeout_s: float = 20.0, *, ready: bool = True) -> ProxyProcess:
         env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "serve", "--config", str(self.config_path), *self.args],
+                [sys.executable, "-m", "proxy", "serve", *self.args],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=str(ROOT),
+                start_new_session=True,
             )
+        if not ready:
+            return self
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -69,12 +82,30 @@ class ProxyProcess:
         assert self.process is not None
         return self.process.wait(timeout=timeout_s)
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def workers(self) -> list[int]:
+        """The pids of its worker processes (``--workers N``)."""
+        assert self.process is not None
+        out = subprocess.run(
+            ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.process.pid)], capture_output=True, text=True
+        ).stdout
+        return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, sig)
+
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        self.signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # workers it left behind

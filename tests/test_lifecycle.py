@@ -12,10 +12,10 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from proxy.app import STATE, build_app, server_options
-from proxy.cli import GC_YOUNG_THRESHOLD
 from proxy.config import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
+from proxy.workers import GC_YOUNG_THRESHOLD
 from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess

@@ -66,3 +66,10 @@ def test_a_socket_directory_others_can_enter_is_refused(tmp_path: Path, short_tm
     with pytest.raises(ConfigError, match="not a private directory"):
         server.start()
     assert server.process is None
+
+
+def test_a_data_dir_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> None:
+    # Was a NotADirectoryError traceback out of serve, exit 1 (not a documented code).
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=r"redis\.data_dir"):
+        RedisServerProcess(tmp_path / "a-file" / "redis").start()

@@ -415,3 +415,53 @@ async def test_a_settle_that_cannot_be_journaled_still_delivers_the_answer(
     ((_, entry),) = await own_client.xrange(LEDGER)
     assert entry["outcome"] == "lease_expired" and entry["usage_source"] == "reserve"
     assert len(fake.bill) == 1
+
+
+def _settlement_line(reservation_id: str) -> dict[str, Any]:
+    return asdict(
+        PendingSettlement(
+            tenant="team-a",
+            reservation_id=reservation_id,
+            run_id="r1",
+            scope_keys=["lbp:{team-a}:run:r1"],
+            actual={
+                "requests": 1,
+                "input_tokens": 3,
+                "output_tokens": 4,
+                "total_tokens": 7,
+                "cost_micros": 0,
+            },
+            entry={"reservation_id": reservation_id, "outcome": "ok", "tenant": "team-a", "run_id": "r1"},
+            bill_if_lost_until_ms=int(time.time() * 1000) + 600_000,
+            scope_ttls_s=[3600],
+            runlog_ttl_s=3600,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("actual", None), ("scope_keys", None), ("scope_ttls_s", None), ("actual", [1, 2]), ("entry", None)],
+)
+async def test_a_journal_line_of_the_wrong_shape_is_parked_and_the_rest_applied(
+    field: str, value: object, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    # JSON with a null where a list goes failed every replay round: the lines after it were
+    # never applied and the file never went.
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    bad = _settlement_line("bad-1")
+    bad[field] = value
+    orphan = journal_dir / "journal-99999-deadbeef.jsonl"  # a dead process's
+    orphan.write_text(json.dumps(bad) + "\n" + json.dumps(_settlement_line("good-1")) + "\n")
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    journal = Journal(journal_dir)
+    try:
+        await journal.replay(store)
+    finally:
+        journal.close()
+        await store.close()
+    assert [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)] == ["good-1"]
+    assert not orphan.exists()
+    assert "bad-1" in (journal_dir / DEAD_LETTERS).read_text()

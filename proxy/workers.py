@@ -1,0 +1,170 @@
+"""Serving processes: one, or N sharing the port under a supervisor (``serve --workers N``).
+
+Signals. A worker shuts down gracefully on its first SIGTERM or SIGINT and ignores repeats:
+systemd's stop and a terminal's Ctrl-C signal every process of the group, and the supervisor
+passes the signal on as well; a second one used to cut the grace period short (calls cut and
+billed ``shutdown``). SIGHUP is ignored until the config reloader takes it (zero-config has
+nothing to reload; it used to kill the process). A worker whose supervisor died shuts down
+gracefully rather than serve on as an orphan. A worker that fails or is killed makes the
+supervisor stop the others and exit with its code (128 + signal), for whatever restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config import Config
+from proxy.logs import setup_logging
+
+log = logging.getLogger("proxy.cli")
+# Allocations (net) between collections of the youngest generation; CPython's default is 700.
+GC_YOUNG_THRESHOLD = 20_000
+# Exit codes besides 0: 2 config error, 3 store error (see cli.main), 4 cannot serve (listen).
+EXIT_CANNOT_SERVE = 4
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def run_worker(config: Config, passthrough: bool, config_path: Path | None, worker: int, workers: int) -> int:
+    """One serving process. With several workers they share the port (SO_REUSEPORT); all
+    state is in Redis, so any worker can serve any call."""
+    from proxy.app import build_app, server_options
+
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
+    setup_logging(config.log.level, config.log.format)
+    if workers > 1 and config.metrics.listen is not None:
+        # Each worker exposes its own metrics on its own port: base port + worker index.
+        listen = config.metrics.listen.model_copy(update={"port": config.metrics.listen.port + worker})
+        config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"listen": listen})})
+    app = build_app(config, passthrough=passthrough, config_path=config_path)
+    # What exists now (modules, config, tiktoken's rank tables) lives as long as the process:
+    # kept out of the collector's scans. A call allocates hundreds of containers, nearly all
+    # freed by reference counting: collect the youngest generation less often.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    log.info(
+        "listening",
+        extra={
+            "host": config.listen.host,
+            "port": config.listen.port,
+            "mode": "passthrough" if passthrough else "config",
+            "worker": worker,
+            "workers": workers,
+            "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_thresholds": list(gc.get_threshold()),
+        },
+    )
+    loop = asyncio.new_event_loop()
+    _stop_once_on_signals(loop, watch_parent=workers > 1)
+    try:
+        web.run_app(
+            app,
+            host=config.listen.host,
+            port=config.listen.port,
+            print=None,
+            access_log=None,
+            shutdown_timeout=config.shutdown_grace_s,
+            reuse_port=workers > 1,
+            handle_signals=False,  # ours: see _stop_once_on_signals
+            loop=loop,
+            **server_options(config),
+        )
+    except OSError as err:
+        # A port taken (the main one or the metrics one), an address not on this host: the
+        # operator's to fix, not a traceback. aiohttp's message names the address.
+        print(f"llm-billing-proxy: cannot serve: {err.strerror or err}", file=sys.stderr)
+        return EXIT_CANNOT_SERVE
+    log.info("stopped", extra={"worker": worker})
+    return 0
+
+
+def _stop_once_on_signals(loop: asyncio.AbstractEventLoop, *, watch_parent: bool) -> None:
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        if stopping:
+            return  # a repeat (the group's, the supervisor's): the grace period goes on
+        stopping = True
+        raise web.GracefulExit()  # as aiohttp's own handler does: run_app shuts down
+
+    for sig in _STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop)
+    parent = multiprocessing.parent_process()
+    if watch_parent and parent is not None and parent.sentinel is not None:
+        sentinel = parent.sentinel
+
+        def parent_gone() -> None:
+            loop.remove_reader(sentinel)
+            log.error("the supervisor is gone: shutting down")
+            stop()
+
+        loop.add_reader(sentinel, parent_gone)  # readable (EOF) once the supervisor has died
+
+
+def _worker_process(*args: Any) -> None:
+    sys.exit(run_worker(*args))
+
+
+def supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
+    """Start the workers, pass SIGTERM/SIGINT/SIGHUP on to them, wait for all of them; the first
+    that fails stops the rest."""
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(
+            target=_worker_process, args=(config, passthrough, config_path, i, workers), name=f"worker-{i}"
+        )
+        for i in range(workers)
+    ]
+    # Ignored across exec: a SIGHUP while a worker starts (before its reloader) does not kill it.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for child in children:
+        child.start()
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = stopping or signum in _STOP_SIGNALS
+        _signal_all(children, signum)
+
+    for sig in (*_STOP_SIGNALS, signal.SIGHUP):
+        signal.signal(sig, forward)
+    failure = 0
+    running = list(children)
+    while running:
+        ended = multiprocessing.connection.wait([child.sentinel for child in running])
+        for child in [c for c in running if c.sentinel in ended]:
+            child.join()
+            running.remove(child)
+            code = child.exitcode or 0
+            if stopping and -code in _STOP_SIGNALS:
+                code = 0  # stopped before it could take the signal itself: a stop, not a crash
+            if code and not failure:
+                # A worker killed by a signal (the OOM killer) has a negative exit code: a
+                # failure too, reported as a shell would (128 + the signal).
+                failure = code if code > 0 else 128 - code
+                if not stopping:
+                    log.error(
+                        "a worker failed: stopping the others", extra={"worker": child.name, "code": failure}
+                    )
+                    stopping = True
+                    _signal_all(running, signal.SIGTERM)
+    return failure
+
+
+def _signal_all(children: Sequence[multiprocessing.process.BaseProcess], signum: int) -> None:
+    for child in children:
+        if child.pid is not None and child.is_alive():
+            os.kill(child.pid, signum)

@@ -1,0 +1,181 @@
+"""Serving processes as an operator runs them: signals to the whole group (systemd's stop,
+Ctrl-C), SIGHUP, a worker that cannot serve, a supervisor killed. Found by a hunt; each test
+failed before proxy/workers.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.redis_server import RedisServerProcess, free_port
+from tests.conftest import UPSTREAM_KEY, base_config, slow_stream
+from tests.fake_upstream import FakeUpstream
+from tests.procs import ProxyProcess
+
+LEDGER = "lbp:{team-a}:ledger"
+
+
+async def _until(predicate: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stop_signal_to_the_whole_group_is_still_a_graceful_shutdown(
+    sig: signal.Signals,
+    fake: FakeUpstream,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    # Each worker got the signal twice (the group's, the supervisor's): the second cut the grace
+    # period short, the stream was billed "shutdown" at its reserve and serve exited 1.
+    raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=20)
+    proxy = ProxyProcess(raw, tmp_path, args=("--workers", "2")).start()
+    try:
+        await _until(lambda: proxy.log().count('"msg":"listening"') == 2)
+        body, headers = slow_stream("group-stop", chunks=20, delay_s=0.1)
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+            await resp.content.readuntil(b"\n\n")
+            proxy.signal_group(sig)
+            rest = await resp.read()
+        code = await asyncio.to_thread(proxy.wait, 60)
+    finally:
+        proxy.stop()
+    assert rest.endswith(b"data: [DONE]\n\n")
+    assert code == 0
+    assert [(e["outcome"], e["usage_source"]) for _, e in await redis_client.xrange(LEDGER)] == [
+        ("ok", "provider")
+    ]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_sighup_to_a_zero_config_proxy_is_ignored(
+    workers: str, fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    # Nothing to reload: SIGHUP kept its default action and killed the process mid-stream.
+    args = ("--upstream", fake.base_url, "--redis-url", redis_server.url, "--workers", workers)
+    proxy = ProxyProcess(None, tmp_path, args=args).start()
+    try:
+        await _until(lambda: proxy.log().count('"msg":"listening"') == int(workers))
+        body = {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 20,
+            "fake": {"reply_tokens": 20, "chunk_delay_s": 0.05},
+        }
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                proxy.url + "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {UPSTREAM_KEY}"},
+            )
+            await resp.content.readuntil(b"\n\n")
+            proxy.signal(signal.SIGHUP)
+            rest = await resp.read()
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert proxy.process is not None and proxy.process.poll() is None
+    finally:
+        proxy.stop()
+
+
+async def test_sighup_while_workers_start_does_not_kill_them(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    # Forwarded to workers that had not yet installed their reloader: both died, serve exited 129.
+    proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
+    proxy.start(ready=False)
+    try:
+        await _until(lambda: len(proxy.workers()) == 2)
+        proxy.signal(signal.SIGHUP)
+        await _until(lambda: proxy.log().count('"msg":"listening"') == 2)
+        await asyncio.sleep(0.5)
+        assert proxy.process is not None and proxy.process.poll() is None
+        assert len(proxy.workers()) == 2
+    finally:
+        proxy.stop()
+
+
+def test_a_worker_that_cannot_serve_makes_serve_exit_with_its_code(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    # Worker 1's metrics port (base + 1) taken: it exited 4 and serve ran on with one worker
+    # until stopped. One worker alone exits 4 at once: so do N now.
+    with socket.socket() as busy:
+        while True:
+            base = free_port()
+            try:
+                busy.bind(("127.0.0.1", base + 1))
+                break
+            except OSError:
+                continue
+        busy.listen()
+        raw = base_config(fake.base_url, redis_server.url)
+        raw["metrics"] = {"listen": {"host": "127.0.0.1", "port": base}}
+        proxy = ProxyProcess(raw, tmp_path, args=("--workers", "2")).start(ready=False)
+        try:
+            assert proxy.wait(30) == 4
+        finally:
+            proxy.stop()
+    assert "a worker failed: stopping the others" in proxy.log()
+
+
+def test_the_workers_of_a_killed_supervisor_shut_down(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    # They served on as orphans, holding the port (SO_REUSEPORT) beside a restarted instance.
+    proxy = ProxyProcess(
+        base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2")
+    ).start()
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = proxy.workers()
+            time.sleep(0.1)
+        assert len(workers) == 2
+        assert proxy.process is not None
+        os.kill(proxy.process.pid, signal.SIGKILL)
+        proxy.process.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in workers if _alive(pid)]
+        assert "the supervisor is gone: shutting down" in proxy.log()
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proxy.stop()
+
+
+def test_serve_exit_code_when_stopped_is_zero(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    proxy = ProxyProcess(
+        base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2")
+    ).start()
+    try:
+        proxy.signal(signal.SIGTERM)
+        assert proxy.wait(30) == 0
+    finally:
+        proxy.stop()
