@@ -16,7 +16,7 @@ from pathlib import Path
 from proxy.config import Config, load_config, passthrough_config
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
-from proxy.redis_server import RedisServerProcess
+from proxy.redis_server import EmbeddedKeeper, RedisServerProcess
 from proxy.workers import run_worker, supervise
 
 log = logging.getLogger("proxy.cli")
@@ -86,29 +86,30 @@ def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[
         yield config
         return
     server = RedisServerProcess(config.redis.data_dir.resolve())
-    if server.answers_ping():  # another proxy on the same data directory is running it
-        yield config.model_copy(update={"redis": config.redis.model_copy(update={"url": server.url})})
-        return
-    if not create and not server.holds_data():
+    if not create and not server.answers_ping() and not server.holds_data():
         raise StoreError(
             f"no ledger store in {server.data_dir} (no server running there, no data): run from "
             "the directory the proxy serves from, or give --redis-url"
         )
-    server.start()
-    log.info(
-        "started embedded redis-server",
-        extra={
-            "binary": server.binary,
-            "socket": str(server.socket_path),
-            "data_dir": str(server.data_dir),
-            "for": purpose,
-        },
-    )
+    keeper = EmbeddedKeeper(server)
+    if keeper.ensure():
+        log.info(
+            "started embedded redis-server",
+            extra={
+                "binary": server.binary,
+                "socket": str(server.socket_path),
+                "data_dir": str(server.data_dir),
+                "for": purpose,
+            },
+        )
+    if purpose == "serve":
+        keeper.watch()
     try:
         yield config.model_copy(update={"redis": config.redis.model_copy(update={"url": server.url})})
     finally:
-        server.stop()
-        log.info("stopped embedded redis-server")
+        keeper.close()
+        if server.process is not None:
+            log.info("stopped embedded redis-server")
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -8,7 +8,9 @@ there is no in-process substitute for the store.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -16,11 +18,13 @@ import socket
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from proxy.errors import ConfigError
 
+log = logging.getLogger("proxy.redis_server")
 BINARIES = ("redis-server", "valkey-server")
 INSTALL_HINT = (
     "no redis-server or valkey-server binary found on PATH; install one "
@@ -185,3 +189,57 @@ class RedisServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+class EmbeddedKeeper:
+    """Keeps the embedded server of a data directory running for a serving proxy.
+
+    The start is decided under a lock in the data directory: two proxies starting at once on one
+    directory share one server (two on one AOF would corrupt it). A server that dies (killed,
+    out of memory) or that another proxy stopped on its way out is started again within
+    ``interval_s``, from its AOF: a proxy never serves 503s for ever while ``/healthz`` says
+    alive. On exit, the server this proxy started is stopped (another proxy still using it
+    starts it again)."""
+
+    def __init__(self, server: RedisServerProcess, *, interval_s: float = 1.0) -> None:
+        self.server = server
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def ensure(self) -> bool:
+        """A server answers on the socket once this returns; True when this call started it."""
+        try:
+            self.server.data_dir.mkdir(parents=True, exist_ok=True)
+            lock = (self.server.data_dir / "start.lock").open("a")
+        except OSError as err:
+            raise ConfigError(f"redis.data_dir {self.server.data_dir}: {err.strerror or err}") from None
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.server.answers_ping():
+                return False
+            self.server.start()
+            return True
+
+    def watch(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="embedded-redis", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.server.answers_ping():
+                continue
+            try:
+                if self.ensure():
+                    log.warning(
+                        "embedded redis-server was down: started again",
+                        extra={"socket": str(self.server.socket_path)},
+                    )
+            except ConfigError as err:
+                log.error("embedded redis-server could not be started again", extra={"error": str(err)})
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.server.stop()  # only a server this process started

@@ -4,16 +4,19 @@ not fit sun_path (108 bytes) made the README's start command fail in a deep chec
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import redis
 
 from proxy.errors import ConfigError
-from proxy.redis_server import SOCKET_PATH_MAX_BYTES, RedisServerProcess, socket_path_for
+from proxy.redis_server import SOCKET_PATH_MAX_BYTES, EmbeddedKeeper, RedisServerProcess, socket_path_for
 
 
 @pytest.fixture
@@ -73,3 +76,66 @@ def test_a_data_dir_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> Non
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match=r"redis\.data_dir"):
         RedisServerProcess(tmp_path / "a-file" / "redis").start()
+
+
+# -- the keeper: the embedded server of a serving proxy (found by a hunt) --------------------
+
+
+def _redis_pids(data_dir: Path) -> list[int]:
+    """redis-server renames its process (and is a link to redis-check-rdb on Debian); it runs
+    with its working directory in --dir."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            exe, cwd = os.readlink(f"/proc/{pid}/exe"), os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if exe.rsplit("/", 1)[-1] in ("redis-server", "redis-check-rdb") and Path(cwd) == data_dir.resolve():
+            found.append(int(pid))
+    return found
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_a_killed_embedded_server_is_started_again_from_its_aof(tmp_path: Path) -> None:
+    # Was never noticed: every call a 503 for ever while /healthz said alive.
+    keeper = EmbeddedKeeper(RedisServerProcess(tmp_path / "redis"), interval_s=0.1)
+    assert keeper.ensure()
+    keeper.watch()
+    try:
+        client = redis.Redis.from_url(keeper.server.url)
+        client.set("kept", "1")
+        client.execute_command("BGREWRITEAOF")
+        _until(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 0)
+        (pid,) = _redis_pids(tmp_path / "redis")
+        os.kill(pid, signal.SIGKILL)  # the OOM killer's choice
+        _until(lambda: bool(_redis_pids(tmp_path / "redis")) and keeper.server.answers_ping())
+        assert redis.Redis.from_url(keeper.server.url).get("kept") == b"1"
+    finally:
+        keeper.close()
+    assert not _redis_pids(tmp_path / "redis")
+
+
+def test_proxies_on_one_data_dir_share_one_server_and_outlive_each_other(tmp_path: Path) -> None:
+    # Two starting at once each started a server on one AOF; the one that attached lost its
+    # store for good when the other stopped on its way out.
+    keepers = [EmbeddedKeeper(RedisServerProcess(tmp_path / "redis"), interval_s=0.1) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        started = list(pool.map(lambda keeper: keeper.ensure(), keepers))
+    try:
+        assert sorted(started) == [False, False, False, True]
+        assert len(_redis_pids(tmp_path / "redis")) == 1
+        for keeper in keepers:
+            keeper.watch()
+        owner = keepers[started.index(True)]
+        owner.close()  # stops the server it started
+        _until(lambda: len(_redis_pids(tmp_path / "redis")) == 1 and keepers[0].server.answers_ping())
+    finally:
+        for keeper in keepers:
+            keeper.close()
+    assert not _redis_pids(tmp_path / "redis")
