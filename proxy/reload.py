@@ -35,6 +35,13 @@ class ConfigReloader:
         self._current = current
         self._apply = apply
         self._stamp = _stamp(path)
+        # Start-only settings are compared with the file as it was at start, not with the config
+        # in force: that one carries what the command line and the worker set (--port,
+        # --redis-url, a worker's metrics port), which no file ever says.
+        try:
+            self._started_from: Config | None = load_config(path, os.environ)
+        except ConfigError:
+            self._started_from = None
 
     def reload(self, reason: str) -> bool:
         self._stamp = _stamp(self.path)
@@ -47,9 +54,10 @@ class ConfigReloader:
                 extra={"reason": reason, "error": str(err)},
             )
             return False
-        running = _start_only(old)
+        baseline = self._started_from or old
+        running = _start_only(baseline)
         changed = sorted(name for name, value in _start_only(new).items() if value != running[name])
-        if new.redis.url is not None and new.redis.url != old.redis.url:
+        if new.redis.url is not None and new.redis.url != baseline.redis.url:
             changed.append("redis.url")
         if changed:
             # The store, the sockets, the journal, the logging, the metrics and the background

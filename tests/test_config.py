@@ -243,14 +243,15 @@ def test_a_reload_keeps_and_names_every_setting_used_only_at_start(
     env = {"TEST_UPSTREAM_KEY": "x"}
     started = load_config(path, env)
     applied: list[Config] = []
-    raw["redis"] = {"url": "redis://10.9.9.9:6379/0"}
-    raw["currency"] = "EUR"
-    raw["journal_dir"] = str(tmp_path / "elsewhere")
-    raw["limits"] = {"reaper_interval_s": 1, "max_body_bytes": 2048}
-    path.write_text(yaml.safe_dump(raw))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("proxy.reload.os.environ", env)
-        assert ConfigReloader(path, lambda: started, applied.append).reload("test")
+        reloader = ConfigReloader(path, lambda: started, applied.append)  # at start
+        raw["redis"] = {"url": "redis://10.9.9.9:6379/0"}
+        raw["currency"] = "EUR"
+        raw["journal_dir"] = str(tmp_path / "elsewhere")
+        raw["limits"] = {"reaper_interval_s": 1, "max_body_bytes": 2048}
+        path.write_text(yaml.safe_dump(raw))
+        assert reloader.reload("test")
     (new,) = applied
     assert new.limits.max_body_bytes == 2048  # read at each call: applies
     assert (new.redis, new.currency, new.journal_dir) == (
@@ -261,6 +262,34 @@ def test_a_reload_keeps_and_names_every_setting_used_only_at_start(
     assert new.limits.reaper_interval_s == started.limits.reaper_interval_s
     (warning,) = [r for r in caplog.records if "only on restart" in r.getMessage()]
     assert warning.settings == ["currency", "journal_dir", "limits.reaper_interval_s", "redis.url"]  # type: ignore[attr-defined]
+
+
+def test_a_reload_of_an_unchanged_file_names_nothing_the_command_line_or_a_worker_set(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Compared with the config in force, --port, --redis-url and a worker's own metrics port
+    # (base + its index) were named as changed at every reload.
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    raw["metrics"] = {"listen": {"host": "127.0.0.1", "port": 9100}}
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {"TEST_UPSTREAM_KEY": "x"}
+    from_file = load_config(path, env)
+    running = from_file.model_copy(
+        update={
+            "listen": from_file.listen.model_copy(update={"port": 18080}),
+            "redis": from_file.redis.model_copy(update={"url": "redis://10.0.0.5:6379/0"}),
+            "metrics": from_file.metrics.model_copy(
+                update={"listen": from_file.metrics.listen.model_copy(update={"port": 9101})}  # type: ignore[union-attr]
+            ),
+        }
+    )
+    applied: list[Config] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        assert ConfigReloader(path, lambda: running, applied.append).reload("SIGHUP")
+    assert not [r for r in caplog.records if "only on restart" in r.getMessage()]
+    assert applied[0].listen.port == 18080 and applied[0].redis.url == "redis://10.0.0.5:6379/0"
 
 
 @pytest.mark.parametrize(
