@@ -32,6 +32,7 @@ from proxy.reload import ConfigReloader
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
+STOP_LOOP_S = 5.0
 log = logging.getLogger("proxy.app")
 
 
@@ -163,6 +164,17 @@ def _error(
     return dialect.error_response(status, message, error_type, code=code, headers=headers)
 
 
+async def _stopped(task: asyncio.Task[None]) -> None:
+    """Cancel a background loop and wait for it, a bounded time: a cancel delivered inside a
+    store client that swallows it (redis-py may, mid-command) must not hang shutdown."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=STOP_LOOP_S)
+    if not done:
+        log.error("a background task did not stop when cancelled", extra={"task": task.get_name()})
+    elif not task.cancelled() and task.exception() is not None:
+        log.error("a background task failed", exc_info=task.exception())
+
+
 def build_app(
     config: Config,
     *,
@@ -218,13 +230,14 @@ def build_app(
                     await state.journal.replay(store, on_applied)
                 except Exception:
                     log.exception("journal replay failed")
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    return  # a cancel a store client swallowed
                 await asyncio.sleep(config.limits.journal_replay_s)
 
         task = asyncio.create_task(loop())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stopped(task)
         with contextlib.suppress(StoreError):
             await state.journal.replay(store, on_applied)  # a last try before the process goes
         state.journal.close()
@@ -264,9 +277,7 @@ def build_app(
 
         task = asyncio.create_task(loop())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stopped(task)
         flush_logs()
 
     async def reaper_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -284,9 +295,7 @@ def build_app(
             )
         )
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stopped(task)
 
     async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
         assert config_path is not None
@@ -301,9 +310,7 @@ def build_app(
         yield
         loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # removed means the default: terminate
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stopped(task)
 
     async def metrics_site_ctx(app: web.Application) -> AsyncIterator[None]:
         listen = config.metrics.listen

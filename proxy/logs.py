@@ -21,7 +21,7 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"messa
 # header line), bearer tokens in any case, and OpenAI-style keys anywhere.
 _SECRET = re.compile(
     r"(?i)(sk-[A-Za-z0-9_-]{6,}"
-    r"|(?:x-api-key|api[-_]key|authorization)[\"']?\s*[:=]\s*[\"']?(?:bearer\s+)?[^\s\"',]+"
+    r"|(?:x-api-key|api[-_]key|authorization)[\"']?\s*[:=]\s*[\"']?(?:[a-z]+\s+)?[^\s\"',]+"
     r"|bearer\s+[^\s\"',]+)"
 )
 _SECRET_FIELDS = {"authorization", "api_key", "x-api-key", "key_value", "upstream_key"}

@@ -256,9 +256,8 @@ def prompt_texts(value: Any) -> list[str]:
         elif isinstance(value, dict):
             kind = value.get("type")
             if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
-                source = value.get("source")
-                if kind == "document" and isinstance(source, dict) and source.get("type") == "text":
-                    stack.append(source.get("data"))  # an Anthropic plain-text document
+                if kind == "document":
+                    stack.extend(reversed(_document_texts(value)))
                 continue
             for key, inner in reversed(value.items()):
                 if key in _NOT_TEXT:
@@ -268,6 +267,19 @@ def prompt_texts(value: Any) -> list[str]:
                 else:
                     stack.append(inner)
     return parts
+
+
+def _document_texts(document: dict[str, Any]) -> list[Any]:
+    """What of an Anthropic document is text the model reads: its title and context, and a
+    plain-text or content-block source (a PDF, a URL or a file is priced per part)."""
+    source = document.get("source")
+    texts = [document.get("title"), document.get("context")]
+    if isinstance(source, dict):
+        if source.get("type") == "text":
+            texts.append(source.get("data"))
+        elif source.get("type") == "content":
+            texts.append(source.get("content"))
+    return texts
 
 
 def variable_texts(variables: Any) -> list[str]:

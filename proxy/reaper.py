@@ -137,4 +137,7 @@ async def run_reaper(
             log.error("reaper could not reach the store", extra={"error": str(err)})
         except Exception:
             log.exception("reaper round failed")
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            return  # cancelled inside a store client that swallowed it (redis-py may, mid-command)
         await asyncio.sleep(interval_s)

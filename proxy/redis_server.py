@@ -123,7 +123,9 @@ class RedisServerProcess:
             args += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         return args + list(self.extra_args)
 
-    def start(self, timeout_s: float = 10.0) -> None:
+    def start(self, timeout_s: float = 10.0, *, keep_fds: tuple[int, ...] = ()) -> None:
+        """Start and wait for its PONG; ``keep_fds`` are handed to the server (a lock it holds
+        for as long as it lives)."""
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -134,6 +136,7 @@ class RedisServerProcess:
             self.socket_path.unlink()
         self.process = subprocess.Popen(
             self._args(),
+            pass_fds=keep_fds,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -194,32 +197,52 @@ class RedisServerProcess:
 class EmbeddedKeeper:
     """Keeps the embedded server of a data directory running for a serving proxy.
 
-    The start is decided under a lock in the data directory: two proxies starting at once on one
-    directory share one server (two on one AOF would corrupt it). A server that dies (killed,
+    The server holds a lock in the data directory for its life: two proxies starting at once on
+    one directory share one server (two on one AOF would corrupt it). A server that dies (killed,
     out of memory) or that another proxy stopped on its way out is started again within
     ``interval_s``, from its AOF: a proxy never serves 503s for ever while ``/healthz`` says
     alive. On exit, the server this proxy started is stopped (another proxy still using it
     starts it again)."""
 
-    def __init__(self, server: RedisServerProcess, *, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, server: RedisServerProcess, *, interval_s: float = 1.0, start_timeout_s: float = 60.0
+    ) -> None:
         self.server = server
         self.interval_s = interval_s
+        self.start_timeout_s = start_timeout_s  # loading a large AOF takes a while
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def ensure(self) -> bool:
-        """A server answers on the socket once this returns; True when this call started it."""
+        """A server answers on the socket once this returns (or ``start_timeout_s`` passed);
+        True when this call started it.
+
+        Whether a server of this directory lives is told by a lock the server itself holds for
+        its whole life (its copy of the locked file), not by a PING: a server that is slow to
+        answer (an AOF rewrite's fork, a long script, loading) is alive, and a second one on
+        its AOF would corrupt it."""
         try:
             self.server.data_dir.mkdir(parents=True, exist_ok=True)
-            lock = (self.server.data_dir / "start.lock").open("a")
+            fd = os.open(self.server.data_dir / "server.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
             raise ConfigError(f"redis.data_dir {self.server.data_dir}: {err.strerror or err}") from None
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if self.server.answers_ping():
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._until_it_answers()  # a server lives, or another proxy is starting it
                 return False
-            self.server.start()
+            if self.server.answers_ping():
+                return False  # one that holds no lock (started by hand, or by an older version)
+            self.server.start(self.start_timeout_s, keep_fds=(fd,))
             return True
+        finally:
+            os.close(fd)  # the server keeps its copy, and with it the lock
+
+    def _until_it_answers(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.answers_ping() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def watch(self) -> None:
         self._thread = threading.Thread(target=self._run, name="embedded-redis", daemon=True)
@@ -235,8 +258,10 @@ class EmbeddedKeeper:
                         "embedded redis-server was down: started again",
                         extra={"socket": str(self.server.socket_path)},
                     )
-            except ConfigError as err:
-                log.error("embedded redis-server could not be started again", extra={"error": str(err)})
+            except Exception as err:  # out of memory, a start that failed: tried again next round
+                log.error(
+                    "embedded redis-server could not be started again", extra={"error": repr(err)[:300]}
+                )
 
     def close(self) -> None:
         self._stop.set()

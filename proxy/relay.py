@@ -8,6 +8,7 @@ rewritten or dropped, every other event is passed on byte for byte.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -89,7 +90,7 @@ class Exchange:
         self._upstream_s = 0.0
         self._provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
 
-    @property
+    @functools.cached_property
     def _operator_key(self) -> bytes | None:
         return operator_key_sent(self.call.upstream, self.call.identity)
 
@@ -330,8 +331,9 @@ class Exchange:
                 code="upstream_timeout",
                 headers=self._headers(settlement),
             )
-        except (ValueError, *UPSTREAM_BROKEN):
-            self._observe_cut_body(b"".join(came))
+        except (ValueError, *UPSTREAM_BROKEN) as err:
+            if not isinstance(err, ValueError):  # cut, not too large nor unparseable: read what came
+                self._observe_cut_body(b"".join(came))
             settlement = await self._settle(Outcome("upstream_error"), self._usage(complete=False))
             return self._error(
                 502,

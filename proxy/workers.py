@@ -39,9 +39,14 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def run_worker(config: Config, passthrough: bool, config_path: Path | None, worker: int, workers: int) -> int:
     """One serving process. With several workers they share the port (SO_REUSEPORT); all
     state is in Redis, so any worker can serve any call."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
+    # A stop before the app has started (imports, tokenizer tables) is kept for when it has:
+    # cutting the start short half way leaves it neither serving nor shut down.
+    early: list[int] = []
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: early.append(signum))
     from proxy.app import build_app, server_options
 
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
     setup_logging(config.log.level, config.log.format)
     if workers > 1 and config.metrics.listen is not None:
         # Each worker exposes its own metrics on its own port: base port + worker index.
@@ -67,7 +72,14 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
         },
     )
     loop = asyncio.new_event_loop()
-    _stop_once_on_signals(loop, watch_parent=workers > 1)
+    stop = _stop_once_on_signals(loop, watch_parent=workers > 1)
+
+    async def started(_app: web.Application) -> None:
+        stop.started = True
+        if early or stop.asked:
+            loop.call_soon(stop)
+
+    app.on_startup.append(started)  # after the cleanup contexts' start: the app is whole
     try:
         web.run_app(
             app,
@@ -90,16 +102,25 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
     return 0
 
 
-def _stop_once_on_signals(loop: asyncio.AbstractEventLoop, *, watch_parent: bool) -> None:
-    stopping = False
+class _Stop:
+    """Starts the graceful shutdown once: repeats (the group's signal, the supervisor's) are
+    ignored, and one that comes before the app has started waits for it."""
 
-    def stop() -> None:
-        nonlocal stopping
-        if stopping:
-            return  # a repeat (the group's, the supervisor's): the grace period goes on
-        stopping = True
+    def __init__(self) -> None:
+        self.started = False
+        self.asked = False
+        self.stopping = False
+
+    def __call__(self) -> None:
+        self.asked = True
+        if not self.started or self.stopping:
+            return
+        self.stopping = True
         raise web.GracefulExit()  # as aiohttp's own handler does: run_app shuts down
 
+
+def _stop_once_on_signals(loop: asyncio.AbstractEventLoop, *, watch_parent: bool) -> _Stop:
+    stop = _Stop()
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
     parent = multiprocessing.parent_process()
@@ -112,6 +133,7 @@ def _stop_once_on_signals(loop: asyncio.AbstractEventLoop, *, watch_parent: bool
             stop()
 
         loop.add_reader(sentinel, parent_gone)  # readable (EOF) once the supervisor has died
+    return stop
 
 
 def _worker_process(*args: Any) -> None:
@@ -128,10 +150,6 @@ def supervise(config: Config, passthrough: bool, config_path: Path | None, worke
         )
         for i in range(workers)
     ]
-    # Ignored across exec: a SIGHUP while a worker starts (before its reloader) does not kill it.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    for child in children:
-        child.start()
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -139,12 +157,28 @@ def supervise(config: Config, passthrough: bool, config_path: Path | None, worke
         stopping = stopping or signum in _STOP_SIGNALS
         _signal_all(children, signum)
 
-    for sig in (*_STOP_SIGNALS, signal.SIGHUP):
+    signal.signal(signal.SIGTERM, forward)
+    # Ignored across exec while the workers start: a SIGHUP before a worker's reloader would
+    # kill it, a Ctrl-C in its bootstrap would end it with a traceback (exit 1).
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    for child in children:
+        child.start()
+    for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    if stopping:
+        _signal_all(children, signal.SIGTERM)  # asked while some were not started yet
     failure = 0
     running = list(children)
     while running:
-        ended = multiprocessing.connection.wait([child.sentinel for child in running])
+        # While stopping, asked again every second: a worker still in its bootstrap may have
+        # missed the first (ignored there, or before its handler); a worker already shutting
+        # down ignores repeats.
+        ended = multiprocessing.connection.wait(
+            [child.sentinel for child in running], timeout=1.0 if stopping else None
+        )
+        if stopping and not ended:
+            _signal_all(running, signal.SIGTERM)
         for child in [c for c in running if c.sentinel in ended]:
             child.join()
             running.remove(child)
@@ -155,12 +189,12 @@ def supervise(config: Config, passthrough: bool, config_path: Path | None, worke
                 # A worker killed by a signal (the OOM killer) has a negative exit code: a
                 # failure too, reported as a shell would (128 + the signal).
                 failure = code if code > 0 else 128 - code
-                if not stopping:
-                    log.error(
-                        "a worker failed: stopping the others", extra={"worker": child.name, "code": failure}
-                    )
-                    stopping = True
-                    _signal_all(running, signal.SIGTERM)
+            if not stopping:
+                # Whatever ended it (a failure, a signal of its own), the service is not what
+                # was started: all stop, for whatever restarts it.
+                log.error("a worker ended: stopping the others", extra={"worker": child.name, "code": code})
+                stopping = True
+                _signal_all(running, signal.SIGTERM)
     return failure
 
 

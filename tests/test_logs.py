@@ -60,3 +60,14 @@ async def test_a_process_writes_one_line_per_call(
     assert [line["stream"] for line in lines] == [False, True, False]
     ledger = await redis_client.xrange("lbp:{team-a}:ledger")
     assert [int(entry["input_tokens"]) for _, entry in ledger] == [line["input_tokens"] for line in lines]
+
+
+def test_an_authorization_value_of_any_scheme_is_redacted() -> None:
+    from proxy.logs import redact
+
+    for line in (
+        "Authorization: Basic dXNlcjpwYXNzd29yZA==",
+        "authorization: Token abc123",
+        "x-api-key: pk-1",
+    ):
+        assert redact(line) == "[REDACTED]", line

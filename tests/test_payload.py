@@ -184,3 +184,21 @@ def test_a_tool_calls_json_input_is_counted_with_its_keys() -> None:
         ]
     }
     assert _estimate_input_tokens("/v1/messages", body) >= 2000
+
+
+def test_an_anthropic_document_of_content_blocks_is_counted_with_its_title_and_context() -> None:
+    # Only a plain-text source was read: content blocks, a title and a context went unreserved.
+    from proxy.payload import prompt_texts
+
+    document = {
+        "type": "document",
+        "source": {"type": "content", "content": [{"type": "text", "text": "DOC BODY"}]},
+        "title": "TITLE",
+        "context": "CONTEXT",
+    }
+    pdf = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"},
+    }
+    texts = prompt_texts([{"role": "user", "content": [document, pdf]}])
+    assert texts == ["TITLE", "CONTEXT", "DOC BODY"]

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -138,4 +140,51 @@ def test_proxies_on_one_data_dir_share_one_server_and_outlive_each_other(tmp_pat
     finally:
         for keeper in keepers:
             keeper.close()
+    assert not _redis_pids(tmp_path / "redis")
+
+
+def test_a_live_server_slow_to_answer_gets_no_second_server_on_its_aof(tmp_path: Path) -> None:
+    # A PING unanswered (an AOF rewrite's fork, a long script) was taken for death: a second
+    # server started on the same AOF and the live one's socket was unlinked.
+    data = tmp_path / "redis"
+    owner = EmbeddedKeeper(RedisServerProcess(data), interval_s=0.1, start_timeout_s=1)
+    assert owner.ensure()
+    other = EmbeddedKeeper(RedisServerProcess(data), interval_s=0.1, start_timeout_s=1)
+    assert not other.ensure()
+    other.watch()
+    (pid,) = _redis_pids(data)
+    try:
+        os.kill(pid, signal.SIGSTOP)  # alive, not answering
+        time.sleep(1.5)
+        assert _redis_pids(data) == [pid]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        other.close()
+        owner.close()
+    assert not _redis_pids(data)
+
+
+def test_a_start_that_fails_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One OSError (a fork refused under the memory pressure that killed the server) ended the
+    # keeper's thread: the server was never started again.
+    keeper = EmbeddedKeeper(RedisServerProcess(tmp_path / "redis"), interval_s=0.1)
+    assert keeper.ensure()
+    keeper.watch()
+    popen = subprocess.Popen
+    refused: list[int] = []
+
+    def refuse_once(*args: Any, **kwargs: Any) -> Any:
+        if not refused:
+            refused.append(1)
+            raise OSError(12, "Cannot allocate memory")
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", refuse_once)
+    try:
+        (pid,) = _redis_pids(tmp_path / "redis")
+        os.kill(pid, signal.SIGKILL)
+        _until(lambda: bool(refused) and keeper.server.answers_ping())
+        assert keeper._thread is not None and keeper._thread.is_alive()
+    finally:
+        keeper.close()
     assert not _redis_pids(tmp_path / "redis")

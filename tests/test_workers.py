@@ -136,7 +136,7 @@ def test_a_worker_that_cannot_serve_makes_serve_exit_with_its_code(
             assert proxy.wait(30) == 4
         finally:
             proxy.stop()
-    assert "a worker failed: stopping the others" in proxy.log()
+    assert "a worker ended: stopping the others" in proxy.log()
 
 
 def test_the_workers_of_a_killed_supervisor_shut_down(
@@ -179,3 +179,21 @@ def test_serve_exit_code_when_stopped_is_zero(
         assert proxy.wait(30) == 0
     finally:
         proxy.stop()
+
+
+async def test_ctrl_c_while_the_workers_start_is_a_clean_stop(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    # A KeyboardInterrupt in a worker's bootstrap made serve exit 1; a stop cut into the app's
+    # start hung the worker for good (a cancel redis-py swallowed mid-command left the reaper
+    # looping, and shutdown waiting on it).
+    proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
+    proxy.start(ready=False)
+    try:
+        await _until(lambda: len(proxy.workers()) == 2)
+        await asyncio.sleep(0.3)  # in run_worker's imports or the app's start
+        proxy.signal_group(signal.SIGINT)
+        code = await asyncio.to_thread(proxy.wait, 60)
+    finally:
+        proxy.stop()
+    assert code == 0, proxy.log()[-2000:]
