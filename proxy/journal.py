@@ -156,6 +156,12 @@ def _pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:
     return PendingSettlement(**{k: v for k, v in fields_of_line.items() if k in known})
 
 
+def _park(dead_letters: Path, line: str) -> None:
+    """Never dropped: kept for an operator with the other lines the store cannot take."""
+    with dead_letters.open("a", encoding="utf-8") as parked:
+        parked.write(line + "\n")
+
+
 async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied) -> int:
     """Settle each line in order; stop at the first store error (retried on the next round)."""
     done = 0
@@ -168,8 +174,7 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
         except (ValueError, TypeError, AttributeError):
             # Never dropped: parked for an operator with the lines the store rejects.
             log.error("unreadable journal line parked", extra={"line": line[:200]})
-            with dead_letters.open("a", encoding="utf-8") as parked:
-                parked.write(line + "\n")
+            _park(dead_letters, line)
             done += 1
             continue
         try:
@@ -181,8 +186,7 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
                 "journal line of the wrong shape parked",
                 extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},
             )
-            with dead_letters.open("a", encoding="utf-8") as parked:
-                parked.write(line + "\n")
+            _park(dead_letters, line)
             done += 1
             continue
         except StoreRejected as err:
@@ -191,8 +195,7 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
                 "journaled settlement rejected by the store; parked",
                 extra={"reservation_id": pending.reservation_id, "error": str(err)},
             )
-            with dead_letters.open("a", encoding="utf-8") as parked:
-                parked.write(line + "\n")
+            _park(dead_letters, line)
             done += 1
             continue
         except StoreError:

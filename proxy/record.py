@@ -25,23 +25,23 @@ def record_call(
     # The spend counters count the ledger entries this process wrote, when it wrote them: a
     # journaled settle when it is replayed, one a reaper took first by that reaper's process.
     if settlement.entry_id is not None:
-        metrics.requests.labels(tenant, model, call.endpoint, settlement.outcome.tag).inc()
-        # cached_input is the part of input served from cache; reasoning the part of output
-        # spent thinking: the same fields as the ledger entry.
-        for kind, count in (
-            ("input", usage.input_tokens),
-            ("cached_input", usage.cached_input_tokens),
-            ("output", usage.output_tokens),
-            ("reasoning", usage.reasoning_tokens),
-        ):
-            if count:
-                metrics.tokens.labels(tenant, model, kind, usage.source).inc(count)
-        if settlement.cost_micros:
-            metrics.cost_micros.labels(tenant, model).inc(settlement.cost_micros)
-        if settlement.overshoot_tokens:
-            metrics.overshoot.labels(tenant, model).inc(settlement.overshoot_tokens)
-        if call.clamped:
-            metrics.clamped.labels(tenant).inc()
+        _count_spend(
+            metrics,
+            tenant,
+            model,
+            endpoint=call.endpoint,
+            outcome_tag=settlement.outcome.tag,
+            source=usage.source,
+            tokens=(
+                usage.input_tokens,
+                usage.cached_input_tokens,
+                usage.output_tokens,
+                usage.reasoning_tokens,
+            ),
+            cost_micros=settlement.cost_micros,
+            overshoot_tokens=settlement.overshoot_tokens,
+            clamped=call.clamped,
+        )
     if usage.source == "provider" and usage.input_tokens > 0:
         metrics.reserve_error.observe(call.reserved_input_tokens / usage.input_tokens)
     elapsed = time.monotonic() - call.started_at
@@ -73,25 +73,52 @@ def record_call(
         )
 
 
+# cached_input is the part of input served from cache; reasoning the part of output spent
+# thinking: the same fields as the ledger entry.
+TOKEN_KINDS = ("input", "cached_input", "output", "reasoning")
+
+
+def _count_spend(
+    metrics: Metrics,
+    tenant: str,
+    model: str,
+    *,
+    endpoint: str,
+    outcome_tag: str,
+    source: str,
+    tokens: tuple[int, int, int, int],
+    cost_micros: int,
+    overshoot_tokens: int,
+    clamped: bool,
+) -> None:
+    metrics.requests.labels(tenant, model, endpoint, outcome_tag).inc()
+    for kind, count in zip(TOKEN_KINDS, tokens, strict=True):
+        if count:
+            metrics.tokens.labels(tenant, model, kind, source).inc(count)
+    if cost_micros:
+        metrics.cost_micros.labels(tenant, model).inc(cost_micros)
+    if overshoot_tokens:
+        metrics.overshoot.labels(tenant, model).inc(overshoot_tokens)
+    if clamped:
+        metrics.clamped.labels(tenant).inc()
+
+
 def record_entry(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> None:
     """A ledger entry this process wrote off the request path (a journaled settle replayed, a
     lease reaped): in the spend counters as a call's own (``record_call``) would be."""
-    tenant = tenant_label(entry["tenant"], config)
-    model = model_label(entry["model"], config)
-    outcome_tag = entry["outcome"].partition(":")[0]
-    metrics.requests.labels(tenant, model, entry["endpoint"], outcome_tag).inc()
-    for kind in ("input", "cached_input", "output", "reasoning"):
-        count = int(entry.get(f"{kind}_tokens") or 0)
-        if count:
-            metrics.tokens.labels(tenant, model, kind, entry["usage_source"]).inc(count)
-    cost_micros = int(entry.get("cost_micros") or 0)
-    if cost_micros:
-        metrics.cost_micros.labels(tenant, model).inc(cost_micros)
-    overshoot = int(entry.get("overshoot_tokens") or 0)
-    if overshoot:
-        metrics.overshoot.labels(tenant, model).inc(overshoot)
-    if entry.get("clamped") == "1":
-        metrics.clamped.labels(tenant).inc()
+    in_tokens, cached, out_tokens, reasoning = (int(entry.get(f"{kind}_tokens") or 0) for kind in TOKEN_KINDS)
+    _count_spend(
+        metrics,
+        tenant_label(entry["tenant"], config),
+        model_label(entry["model"], config),
+        endpoint=entry["endpoint"],
+        outcome_tag=entry["outcome"].partition(":")[0],
+        source=entry["usage_source"],
+        tokens=(in_tokens, cached, out_tokens, reasoning),
+        cost_micros=int(entry.get("cost_micros") or 0),
+        overshoot_tokens=int(entry.get("overshoot_tokens") or 0),
+        clamped=entry.get("clamped") == "1",
+    )
 
 
 def record_reaped(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> None:

@@ -42,9 +42,9 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
     # A stop before the app has started (imports, tokenizer tables) is kept for when it has:
     # cutting the start short half way leaves it neither serving nor shut down.
-    early: list[int] = []
+    stop = _Stop()
     for sig in _STOP_SIGNALS:
-        signal.signal(sig, lambda signum, _frame: early.append(signum))
+        signal.signal(sig, lambda _signum, _frame: setattr(stop, "asked", True))
     from proxy.app import build_app, server_options
 
     setup_logging(config.log.level, config.log.format)
@@ -72,11 +72,11 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
         },
     )
     loop = asyncio.new_event_loop()
-    stop = _stop_once_on_signals(loop, watch_parent=workers > 1)
+    _stop_once_on_signals(loop, stop, watch_parent=workers > 1)
 
     async def started(_app: web.Application) -> None:
         stop.started = True
-        if early or stop.asked:
+        if stop.asked:
             loop.call_soon(stop)
 
     app.on_startup.append(started)  # after the cleanup contexts' start: the app is whole
@@ -119,8 +119,7 @@ class _Stop:
         raise web.GracefulExit()  # as aiohttp's own handler does: run_app shuts down
 
 
-def _stop_once_on_signals(loop: asyncio.AbstractEventLoop, *, watch_parent: bool) -> _Stop:
-    stop = _Stop()
+def _stop_once_on_signals(loop: asyncio.AbstractEventLoop, stop: _Stop, *, watch_parent: bool) -> None:
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
     parent = multiprocessing.parent_process()
@@ -133,7 +132,6 @@ def _stop_once_on_signals(loop: asyncio.AbstractEventLoop, *, watch_parent: bool
             stop()
 
         loop.add_reader(sentinel, parent_gone)  # readable (EOF) once the supervisor has died
-    return stop
 
 
 def _worker_process(*args: Any) -> None:

@@ -20,6 +20,10 @@ from tests.conftest import KEY_A, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
 
 ADMIN = "sk-admin-ops"
+PRICED_MODELS = {
+    "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "2"}},
+    "*": {"upstream": "openai"},
+}
 LEDGER = "lbp:{team-a}:ledger"
 MSGS: list[Any] = [{"role": "user", "content": "hello metrics"}]
 
@@ -30,6 +34,15 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for sample in family.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
+
+
+async def scrape(proxy: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The main port's /metrics, read with the admin key."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp,
+    ):
+        return samples(await resp.text())
 
 
 def total(values: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
@@ -88,12 +101,8 @@ async def disconnect(url: str) -> None:
 async def test_counters_equal_the_ledger(
     make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
 ) -> None:
-    models = {
-        "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "2"}},
-        "*": {"upstream": "openai"},
-    }
     proxy = await make_proxy(
-        models=models,
+        models=PRICED_MODELS,
         admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}],
         policy={"on_invalid_json": "reject"},
         tiers={"standard": {"run": {"requests": 1}}},
@@ -281,12 +290,8 @@ async def test_a_lease_the_reaper_settles_is_in_the_spend_counters(
     from proxy.app import STATE
     from proxy.store import Reservation, Scope
 
-    models = {
-        "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "2"}},
-        "*": {"upstream": "openai"},
-    }
     proxy = await make_proxy(
-        models=models,
+        models=PRICED_MODELS,
         admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}],
         limits={"reaper_interval_s": 0.1},
     )
@@ -319,9 +324,7 @@ async def test_a_lease_the_reaper_settles_is_in_the_spend_counters(
         await asyncio.sleep(0.05)
     entries = [fields for _, fields in await redis_client.xrange(LEDGER)]
     assert [e["outcome"] for e in entries] == ["ok", "lease_expired"]
-    async with aiohttp.ClientSession() as session:
-        async with session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
-            values = samples(await resp.text())
+    values = await scrape(proxy)
     assert total(values, "llm_proxy_leases_expired_total") == 1
     assert total(values, "llm_proxy_requests_total", tenant="team-a") == 2
     assert total(values, "llm_proxy_requests_total", outcome="lease_expired", model="gpt-4o-mini") == 1
@@ -357,8 +360,7 @@ async def test_a_call_a_reaper_billed_first_is_counted_once_and_is_no_store_erro
                     break
                 await asyncio.sleep(0.02)
             await resp.read()
-        async with session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
-            values = samples(await r.text())
+    values = await scrape(proxy)
     ((_, entry),) = await redis_client.xrange(LEDGER)
     assert entry["outcome"] == "lease_expired"
     assert total(values, "llm_proxy_requests_total") == 1

@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -30,6 +31,15 @@ async def _until(predicate: object, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
+def _two_workers(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path, raw: dict[str, Any] | None = None
+) -> ProxyProcess:
+    """``serve --workers 2`` on ``raw`` (default: the tests' base config)."""
+    return ProxyProcess(
+        raw or base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2")
+    )
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -48,7 +58,7 @@ async def test_a_stop_signal_to_the_whole_group_is_still_a_graceful_shutdown(
     # Each worker got the signal twice (the group's, the supervisor's): the second cut the grace
     # period short, the stream was billed "shutdown" at its reserve and serve exited 1.
     raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=20)
-    proxy = ProxyProcess(raw, tmp_path, args=("--workers", "2")).start()
+    proxy = _two_workers(fake, redis_server, tmp_path, raw).start()
     try:
         await _until(lambda: proxy.log().count('"msg":"listening"') == 2)
         body, headers = slow_stream("group-stop", chunks=20, delay_s=0.1)
@@ -102,7 +112,7 @@ async def test_sighup_while_workers_start_does_not_kill_them(
     fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
 ) -> None:
     # Forwarded to workers that had not yet installed their reloader: both died, serve exited 129.
-    proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
+    proxy = _two_workers(fake, redis_server, tmp_path)
     proxy.start(ready=False)
     try:
         await _until(lambda: len(proxy.workers()) == 2)
@@ -131,7 +141,7 @@ def test_a_worker_that_cannot_serve_makes_serve_exit_with_its_code(
         busy.listen()
         raw = base_config(fake.base_url, redis_server.url)
         raw["metrics"] = {"listen": {"host": "127.0.0.1", "port": base}}
-        proxy = ProxyProcess(raw, tmp_path, args=("--workers", "2")).start(ready=False)
+        proxy = _two_workers(fake, redis_server, tmp_path, raw).start(ready=False)
         try:
             assert proxy.wait(30) == 4
         finally:
@@ -143,9 +153,7 @@ def test_the_workers_of_a_killed_supervisor_shut_down(
     fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
 ) -> None:
     # They served on as orphans, holding the port (SO_REUSEPORT) beside a restarted instance.
-    proxy = ProxyProcess(
-        base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2")
-    ).start()
+    proxy = _two_workers(fake, redis_server, tmp_path).start()
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 30
@@ -171,9 +179,7 @@ def test_the_workers_of_a_killed_supervisor_shut_down(
 def test_serve_exit_code_when_stopped_is_zero(
     fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
 ) -> None:
-    proxy = ProxyProcess(
-        base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2")
-    ).start()
+    proxy = _two_workers(fake, redis_server, tmp_path).start()
     try:
         proxy.signal(signal.SIGTERM)
         assert proxy.wait(30) == 0
@@ -187,7 +193,7 @@ async def test_ctrl_c_while_the_workers_start_is_a_clean_stop(
     # A KeyboardInterrupt in a worker's bootstrap made serve exit 1; a stop cut into the app's
     # start hung the worker for good (a cancel redis-py swallowed mid-command left the reaper
     # looping, and shutdown waiting on it).
-    proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
+    proxy = _two_workers(fake, redis_server, tmp_path)
     proxy.start(ready=False)
     try:
         await _until(lambda: len(proxy.workers()) == 2)
