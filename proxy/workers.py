@@ -171,10 +171,9 @@ def supervise(config: Config, passthrough: bool, config_path: Path | None, worke
     while running:
         # While stopping, asked again every second: a worker still in its bootstrap may have
         # missed the first (ignored there, or before its handler); a worker already shutting
-        # down ignores repeats.
-        ended = multiprocessing.connection.wait(
-            [child.sentinel for child in running], timeout=1.0 if stopping else None
-        )
+        # down ignores repeats. Never an endless wait: a signal handled during one does not end
+        # it (the wait is retried), and a stop asked then would never be asked again.
+        ended = multiprocessing.connection.wait([child.sentinel for child in running], timeout=1.0)
         if stopping and not ended:
             _signal_all(running, signal.SIGTERM)
         for child in [c for c in running if c.sentinel in ended]:
