@@ -1,0 +1,157 @@
+"""Relay an answer that comes as one JSON body: a non-streaming answer, or an upstream's error.
+
+The body is read whole (bounded), observed, classified by the policy, settled, and passed on as
+it came (the operator's key scrubbed); an answer the policy rejects is replaced by a 422 that
+says what was billed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.forward import read_limited
+from proxy.observe import Observation, parse_json, parse_usage
+from proxy.outcome import ZERO_USAGE, BilledUsage, Outcome, OutcomeTag, classify_answer, provider_usage
+
+if TYPE_CHECKING:
+    from proxy.relay import Exchange
+
+UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+
+
+async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
+    call = ex.call
+    came: list[bytes] = []
+    try:
+        raw = await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came)
+        parsed = parse_json(raw)
+    except TimeoutError:
+        settlement = await ex.settle(Outcome("upstream_timeout"), ex.usage(complete=False))
+        return ex.error(
+            504,
+            "The upstream did not finish its answer in time.",
+            "upstream_error",
+            code="upstream_timeout",
+            headers=ex.headers(settlement),
+        )
+    except (ValueError, *UPSTREAM_BROKEN) as err:
+        if not isinstance(err, ValueError):  # cut, not too large nor unparseable: read what came
+            _observe_cut_body(ex, b"".join(came))
+        settlement = await ex.settle(Outcome("upstream_error"), ex.usage(complete=False))
+        return ex.error(
+            502,
+            "The upstream sent a broken or non-JSON answer.",
+            "upstream_error",
+            code="upstream_error",
+            headers=ex.headers(settlement),
+        )
+    try:
+        if not isinstance(parsed, dict):
+            raise TypeError("not an object")
+        call.dialect.observe_body(ex.obs, parsed)
+    except Exception:
+        ex.obs.malformed = True
+    if ex.obs.malformed:
+        settlement = await ex.settle(Outcome("upstream_error"), ex.usage(complete=False))
+        return ex.error(
+            502,
+            "The upstream answer is not a JSON object.",
+            "upstream_error",
+            code="upstream_error",
+            headers=ex.headers(settlement),
+        )
+    transport = ex.request.transport
+    failed = ex.obs.error  # an answer that says it failed (status failed, an error object)
+    if transport is None or transport.is_closing():
+        outcome = Outcome("client_disconnected")
+    elif failed:
+        outcome = Outcome("upstream_error")  # passed on as it came, billed as a stream's is
+    else:
+        outcome = classify_answer(ex.obs, call.policy, json_mode=call.json_mode)
+    settlement = await ex.settle(outcome, ex.usage(complete=not failed))
+    headers = ex.headers(settlement)
+    if outcome.tag == "rejected":
+        headers["x-should-retry"] = "false"
+        return ex.error(
+            422,
+            ex.rejection_message(settlement),
+            "output_rejected",
+            code="output_rejected",
+            headers=headers,
+        )
+    return web.Response(
+        status=upstream.status, body=ex.scrub(raw), content_type="application/json", headers=headers
+    )
+
+
+def _observe_cut_body(ex: Exchange, came: bytes) -> None:
+    """A body whose connection broke after its JSON was whole (before the chunked body's end):
+    its usage is the provider's figure, billed before the reserve."""
+    try:
+        parsed = parse_json(came) if came else None
+        if isinstance(parsed, dict):
+            ex.call.dialect.observe_body(ex.obs, parsed)
+    except Exception:  # cut inside its JSON: nothing to read, the reserve bills it
+        pass
+
+
+async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
+    """An answer with a status of 300 or more: a refusal, a failure or a redirect."""
+    status = upstream.status
+    tag: OutcomeTag = "upstream_4xx" if status < 500 else "upstream_error"
+    parsed: Any = None
+    try:
+        raw = ex.scrub(await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes))
+    except (TimeoutError, ValueError, *UPSTREAM_BROKEN):
+        raw = b""
+    try:
+        parsed = parse_json(raw)
+    except ValueError:
+        parsed = None
+    explicit_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+    usage = provider_usage_of(parsed)
+    if usage is None:
+        # The provider refused the request (4xx) or said in its own format that it failed:
+        # nothing was billed. A bare 5xx (a gateway's HTML page) may hide spent tokens.
+        usage = ZERO_USAGE if status < 500 or explicit_error else ex.reserve_usage()
+    if status < 400:
+        # A redirect: the provider did no work here (a base_url to fix), nothing to bill.
+        settlement = await ex.settle(Outcome("upstream_error"), ZERO_USAGE)
+        return ex.error(
+            502,
+            f"The upstream redirected the call (HTTP {status}); the proxy does not follow "
+            "redirects: its upstream base_url needs fixing.",
+            "upstream_error",
+            code="upstream_redirect",
+            headers=ex.headers(settlement),
+        )
+    settlement = await ex.settle(Outcome(tag), usage)
+    headers = ex.headers(settlement)
+    if status in (401, 403) and ex.operator_key is not None:
+        # The upstream refused the proxy's own credentials: not the caller's fault.
+        return ex.error(
+            502,
+            f"The upstream refused the proxy's credentials (HTTP {status}).",
+            "upstream_error",
+            code="upstream_auth",
+            headers=headers,
+        )
+    if explicit_error:
+        return web.Response(status=status, body=raw, content_type="application/json", headers=headers)
+    snippet = raw[:200].decode("utf-8", "replace").strip() or "no body"
+    error_type = "invalid_request_error" if status < 500 else "upstream_error"
+    return ex.error(
+        status, f"Upstream returned HTTP {status}: {snippet}", error_type, code=tag, headers=headers
+    )
+
+
+def provider_usage_of(parsed: Any) -> BilledUsage | None:
+    if not isinstance(parsed, dict):
+        return None
+    usage = parse_usage(parsed.get("usage"))
+    if usage is None:
+        return None
+    return provider_usage(Observation(usage=usage))

@@ -1,0 +1,186 @@
+"""Relay an event stream as it arrives, then settle it and end it with the billing comment.
+
+Every complete event of a read goes out in one write as soon as it came; only events the client
+must not see (usage it did not ask for) are rewritten or dropped (``events.EventFilter``), every
+other one is passed on byte for byte. A client that stops reading is dropped after a bounded
+wait, so the lease keeps being renewed and the call is settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from proxy.billing import billing_comment
+from proxy.events import EventFilter
+from proxy.forward import StallGuard
+from proxy.lease import LeaseRenewal
+from proxy.outcome import Outcome, classify_answer
+
+if TYPE_CHECKING:
+    from proxy.relay import Exchange
+
+log = logging.getLogger("proxy.relay")
+# A write that leaves at most this many bytes waiting for the client returns at once: the
+# transport's low-water mark (asyncio's default), below which it is never paused for the client.
+_WRITE_BACKLOG = 16 * 1024
+# ConnectionError: aiohttp's drain raises a bare one ("Connection lost") for a client reset
+# while a write waits on it.
+CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError)
+UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+REDACTED = b"[REDACTED]"
+
+
+class _EventStream(web.StreamResponse):
+    """A stream whose headers wait in aiohttp's buffer, as ``web.Response``'s do, until the relay
+    sends them: with the first events when they came with the upstream's headers (one send, not
+    two), else alone before it waits on the upstream."""
+
+    _send_headers_immediately = False
+
+
+async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    call = ex.call
+    obs = ex.obs
+    response = _EventStream(
+        status=200,
+        headers={
+            **ex.provider_headers,
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "x-request-id": call.request_id,
+        },
+    )
+    client_gone = False
+    writer = None
+    try:
+        writer = await response.prepare(ex.request)
+    except CLIENT_GONE:
+        # Gone before the upstream's first byte (a slow start): a disconnect like any other.
+        client_gone = True
+    failure: Outcome | None = None
+    events = EventFilter(
+        obs, dialect=call.dialect, choices=call.choices, client_wants_usage=call.client_wants_usage
+    )
+    guard = StallGuard(upstream, call.upstream.timeout_s)
+    renewal = LeaseRenewal(call, ex.services.store, ex.services.metrics)
+    # Looked up once: the loop runs once per read of the upstream, often once per event.
+    next_piece = upstream.content.iter_any().__aiter__().__anext__
+    read, write, monotonic = events.read, response.write, time.monotonic
+    limit = ex.services.config.limits.max_upstream_body_bytes
+    secret = ex.operator_key
+    transport = ex.request.transport
+    waited_s = 0.0
+    try:
+        # What came with the upstream's headers goes out with ours, in one send; ours never
+        # wait on the upstream: they go out (if no events took them) before any wait.
+        pending = upstream.content.read_nowait()
+        while True:
+            if pending:
+                piece, pending = pending, b""
+            else:
+                if writer is not None and not client_gone:
+                    try:
+                        writer.send_headers()  # nothing once they went out
+                    except CLIENT_GONE:
+                        client_gone = True
+                guard.waiting_since = waited = monotonic()
+                try:
+                    piece = await next_piece()
+                except StopAsyncIteration:
+                    break
+                guard.waiting_since = None
+                waited_s += monotonic() - waited
+            # Every complete event of this read goes out in one write, as soon as it came.
+            out = read(piece, limit=limit)
+            if out is None:
+                failure = Outcome("upstream_error")  # one event larger than we hold
+                break
+            if secret is not None and secret in out:  # whole events: a key is never cut
+                out = out.replace(secret, REDACTED)
+            if not out or client_gone:
+                pass
+            elif transport is not None and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG:
+                try:
+                    await write(out)  # room in the buffer: no wait (``_to_client``'s first case)
+                except CLIENT_GONE:
+                    client_gone = True
+            else:
+                client_gone = not await _to_client(ex, write, out)
+            if client_gone and call.policy.on_client_disconnect == "cancel":
+                break
+    except TimeoutError:
+        failure = Outcome("upstream_timeout")
+    except UPSTREAM_BROKEN:
+        failure = Outcome("upstream_error")
+    except Exception:
+        # Our own fault, after the response started: still settle, still end the stream.
+        log.exception("stream relay failed", extra={"request_id": call.request_id})
+        failure = Outcome("upstream_error")
+    finally:
+        ex.upstream_s += waited_s
+        guard.cancel()
+        renewal.stop()
+    if events.incomplete and failure is None and not client_gone:
+        failure = Outcome("upstream_error")  # the stream ended inside an event
+
+    if client_gone:
+        cancelled = not obs.done and call.policy.on_client_disconnect == "cancel"
+        # Cut by the proxy (cancel): what streamed is what was ordered, on the provider's
+        # figures when they came. Drained: a failed or unfinished answer is not complete.
+        healthy = not obs.error and not obs.malformed  # it had not failed first
+        complete = healthy and (cancelled or obs.done)
+        await ex.settle(Outcome("client_disconnected"), ex.usage(complete=complete))
+        return response
+    if failure is None and (obs.malformed or obs.error or not obs.done):
+        failure = Outcome("upstream_error")
+    if failure is not None:
+        settlement = await ex.settle(failure, ex.usage(complete=False))
+        tail = billing_comment(call, settlement)
+        broken_transport = failure.tag == "upstream_error" and not obs.done and not obs.malformed
+        if (not obs.done and failure.tag != "upstream_error") or broken_transport:
+            tail += call.dialect.error_event(
+                f"The upstream stream failed ({failure.tag}).", "upstream_error", failure.tag
+            )
+        elif obs.done and call.dialect.done_marker:
+            tail += call.dialect.done_marker
+        await _to_client(ex, response.write_eof, tail)  # one write: the tail and the body's end
+        return response
+
+    outcome = classify_answer(obs, call.policy, json_mode=call.json_mode)
+    settlement = await ex.settle(outcome, ex.usage(complete=True))
+    tail = billing_comment(call, settlement)
+    if outcome.tag == "rejected":
+        tail += call.dialect.error_event(
+            ex.rejection_message(settlement), "output_rejected", "output_rejected"
+        )
+    elif call.dialect.done_marker:
+        tail += call.dialect.done_marker
+    await _to_client(ex, response.write_eof, tail)
+    return response
+
+
+async def _to_client(ex: Exchange, write: Callable[[bytes], Awaitable[None]], data: bytes) -> bool:
+    """``write(data)``; False when the client is gone: it reset, or it stopped reading and was
+    dropped (a close would wait for it to take what is buffered, holding the socket)."""
+    transport = ex.request.transport
+    try:
+        if transport is not None and transport.get_write_buffer_size() + len(data) <= _WRITE_BACKLOG:
+            await write(data)  # room in the buffer: no wait
+        else:
+            # A client that stops reading must not stall renewals of the lease.
+            async with asyncio.timeout(ex.write_timeout_s):
+                await write(data)
+    except CLIENT_GONE:
+        return False
+    except TimeoutError:
+        if transport is not None:
+            transport.abort()
+        return False
+    return True
