@@ -17,9 +17,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy.billing import Settlement
-from proxy.call import IdSource
+from proxy.call import REQUEST_ID, IdSource, request_id_for
 from proxy.config import Config
-from proxy.dialects import DIALECTS
+from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import ApiError, StoreError, StoreUnavailable
 from proxy.journal import Journal
 from proxy.logs import flush_logs
@@ -118,12 +118,17 @@ async def error_middleware(
 ) -> web.StreamResponse:
     """Every error leaves in the format of the API called (OpenAI's, or Anthropic's on
     ``/v1/messages``); no stack trace ever reaches a client."""
-    limit = request.app[STATE].config.limits.max_header_bytes
+    state = request.app[STATE]
+    request[REQUEST_ID] = request_id_for(request, state.ids)
+    limit = state.config.limits.max_header_bytes
     if sum(len(name) + len(value) for name, value in request.raw_headers) > limit:
         return _error(request, 431, f"The request headers exceed {limit} bytes.", code="headers_too_large")
     try:
         response = await handler(request)  # type: ignore[misc]
         assert isinstance(response, web.StreamResponse)
+        if not response.prepared:  # a stream's went out with its headers
+            for name, value in _dialect(request).id_headers(request[REQUEST_ID]).items():
+                response.headers.setdefault(name, value)
         return response
     except ApiError as err:
         return _error(request, err.status, err.message, err.error_type, code=err.code, headers=err.headers)
@@ -160,8 +165,13 @@ def _error(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    dialect = DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
-    return dialect.error_response(status, message, error_type, code=code, headers=headers)
+    dialect = _dialect(request)
+    ids = dialect.id_headers(request[REQUEST_ID])
+    return dialect.error_response(status, message, error_type, code=code, headers={**(headers or {}), **ids})
+
+
+def _dialect(request: web.Request) -> Dialect:
+    return DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
 
 
 async def _stopped(task: asyncio.Task[None]) -> None:

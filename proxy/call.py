@@ -7,6 +7,7 @@ import itertools
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,10 @@ class IdSource:
 
     def new(self) -> str:
         return f"{self._prefix}{self._next():x}"
+
+
+# The call's id, set once by the error middleware for every request (and every answer's headers).
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def request_id_for(request: web.Request, ids: IdSource) -> str:
@@ -88,6 +93,8 @@ class Call:
     # A quick reserve being lowered to the exact count (``billing.refine``); the settle cancels
     # what it has not done yet.
     refining: asyncio.Future[None] | None = None
+    # The client's feature switches for the provider (``forward.feature_headers``).
+    feature_headers: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def reserved_input_tokens(self) -> int:

@@ -205,6 +205,13 @@ class Dialect:
     done_marker: bytes | None  # written after the billing comment
     anthropic_errors: bool
 
+    def id_headers(self, request_id: str) -> dict[str, str]:
+        """The proxy's id of the call, where the client's SDK reads it (OpenAI's x-request-id;
+        Anthropic's SDK reads request-id)."""
+        if self.anthropic_errors:
+            return {"x-request-id": request_id, "request-id": request_id}
+        return {"x-request-id": request_id}
+
     def error_body(
         self,
         message: str,

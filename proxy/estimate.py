@@ -109,17 +109,17 @@ def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, in
         )
         return parts, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
     if isinstance(view, ResponsesBody):
-        items = 1 if isinstance(view.input, str) else len(view.input)
+        items = 1 if isinstance(view.input, str) else len(view.input or ())
         text_format = view.text.get("format") if view.text else None
         variables = variable_texts(view.prompt.get("variables")) if view.prompt else []
         parts = _with_json(
-            items_parts(view.input, view.instructions) + variables, view.tools, _schema(text_format)
+            items_parts(view.input or [], view.instructions) + variables, view.tools, _schema(text_format)
         )
         return parts, TOKENS_PER_MESSAGE * (items + 1) + TOKENS_PER_REPLY, 0
     if isinstance(view, MessagesBody):
         parts = _with_json(items_parts(view.messages, view.system), view.tools)
         return parts, TOKENS_PER_MESSAGE * (len(view.messages) + 1) + TOKENS_PER_REPLY, 0
-    source = view.prompt if isinstance(view, CompletionBody) else view.input
+    source = (view.prompt if isinstance(view, CompletionBody) else view.input) or ""
     # Insert mode: each prompt of a list is sent with the suffix.
     suffix = [view.suffix] * prompts(view) if isinstance(view, CompletionBody) and view.suffix else []
     if isinstance(source, str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +46,21 @@ def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, 
         if upstream.passthrough_auth:
             headers.update(identity.upstream_scope)
     return headers
+
+
+# Request headers that switch a provider's features on, passed on as the client sent them (its
+# SDK sets them: ``betas=[...]``). Usage still comes from the provider, so billing holds; what a
+# beta costs per token is the operator's price list.
+FEATURE_HEADERS: dict[str, tuple[str, ...]] = {"anthropic": ("anthropic-beta",), "openai": ()}
+
+
+def feature_headers(request_headers: Mapping[str, str], upstream: UpstreamConfig) -> dict[str, str]:
+    out = {}
+    for name in FEATURE_HEADERS.get(upstream.kind, ()):
+        value = request_headers.get(name)
+        if value:
+            out[name] = value
+    return out
 
 
 def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | None:
@@ -96,6 +112,7 @@ async def open_upstream(
     data = orjson.dumps(call.body)
     try:
         headers = upstream_headers(call.upstream, call.identity)
+        headers.update(call.feature_headers)
         return await session.post(
             url, data=data, headers=headers, timeout=timeout_for(call), allow_redirects=False
         )

@@ -21,7 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing import reserve
-from proxy.call import SANE_ID, Call, plan_call, request_id_for, run_id_for
+from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, run_id_for
 from proxy.dialects import DIALECTS
 from proxy.errors import (
     ApiError,
@@ -35,7 +35,13 @@ from proxy.errors import (
     store_unavailable_response,
 )
 from proxy.estimate import Estimate, counted
-from proxy.forward import operator_key_sent, provider_headers, read_limited, upstream_headers
+from proxy.forward import (
+    feature_headers,
+    operator_key_sent,
+    provider_headers,
+    read_limited,
+    upstream_headers,
+)
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange
@@ -51,7 +57,7 @@ MODELS_LIST_LIMIT_BYTES = 4 * 1024 * 1024
 async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
-    request_id = request_id_for(request, state.ids)
+    request_id = request[REQUEST_ID]
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, state.ids)
@@ -70,6 +76,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             tokenizer=state.tokenizer,
             ids=state.ids,
         )
+        call.feature_headers = feature_headers(request.headers, call.upstream)
         if state.store is None:
             raise StoreError("store not opened")
         if identity.tenant not in state.registered_tenants:
@@ -126,7 +133,7 @@ def _refused(endpoint: Endpoint, request_id: str, err: ApiError) -> web.Response
         err.error_type,
         code=err.code,
         param=err.param,
-        headers={**err.headers, "x-request-id": request_id},
+        headers={**err.headers, **DIALECTS[endpoint].id_headers(request_id)},
     )
 
 
@@ -180,6 +187,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
                 f"The upstream refused the proxy's credentials (HTTP {resp.status}).",
                 "upstream_error",
                 code="upstream_auth",
+                headers={"x-should-retry": "false"},
             )
         # The caller's own key refused, a rate limit: the provider's answer, as for a billed call.
         return web.Response(status=resp.status, body=body, content_type="application/json", headers=passed)

@@ -41,7 +41,8 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Null is the API's "<|endoftext|>": named, but empty.
+    prompt: str | list[str] | list[int] | list[list[int]] | None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = _TokenCount
@@ -88,7 +89,8 @@ class EmbeddingBody(_Body):
 class ResponsesBody(_Body):
     """OpenAI Responses API."""
 
-    input: str | list[dict[str, Any]]
+    # Optional: a stored prompt or a previous response may be all the input there is.
+    input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = _TokenCount
     stream: bool | None = None
@@ -169,7 +171,9 @@ def set_output_cap(body: dict[str, Any], field: str, cap: int) -> None:
     upstream honouring the other one must not be let past what was reserved."""
     body[field] = cap
     for other in OUTPUT_CAP_FIELDS:
-        if other != field and other in body:
+        # A null one is unset (the SDK sends None as null): giving it a value would send both
+        # of chat's caps, which OpenAI refuses.
+        if other != field and body.get(other) is not None:
             body[other] = cap
 
 

@@ -176,7 +176,7 @@ class Exchange:
     def headers(self, settlement: Settlement) -> dict[str, str]:
         return {
             **self.provider_headers,
-            "x-request-id": self.call.request_id,
+            **self.call.dialect.id_headers(self.call.request_id),
             **billing_headers(self.call, settlement),
         }
 

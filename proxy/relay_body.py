@@ -126,12 +126,14 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
             "redirects: its upstream base_url needs fixing.",
             "upstream_error",
             code="upstream_redirect",
-            headers=ex.headers(settlement),
+            headers={**ex.headers(settlement), "x-should-retry": "false"},
         )
     settlement = await ex.settle(Outcome(tag), usage)
     headers = ex.headers(settlement)
     if status in (401, 403) and ex.operator_key is not None:
-        # The upstream refused the proxy's own credentials: not the caller's fault.
+        # The upstream refused the proxy's own credentials: not the caller's fault, and not one
+        # a retry mends (the SDK retries a 502 unless told not to: each retry a billed call).
+        headers["x-should-retry"] = "false"
         return ex.error(
             502,
             f"The upstream refused the proxy's credentials (HTTP {status}).",

@@ -54,7 +54,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
             **ex.provider_headers,
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
-            "x-request-id": call.request_id,
+            **call.dialect.id_headers(call.request_id),
         },
     )
     client_gone = False
@@ -143,7 +143,11 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     if failure is not None:
         settlement = await ex.settle(failure, ex.usage(complete=False))
         tail = billing_comment(call, settlement)
-        broken_transport = failure.tag == "upstream_error" and not obs.done and not obs.malformed
+        # Cut short, not ended by the provider's own error event (passed on as it came: an SDK
+        # reads that one as the provider's failure and its code; a second, ours, would hide it).
+        broken_transport = (
+            failure.tag == "upstream_error" and not obs.done and not obs.malformed and not obs.error
+        )
         if (not obs.done and failure.tag != "upstream_error") or broken_transport:
             tail += call.dialect.error_event(
                 f"The upstream stream failed ({failure.tag}).", "upstream_error", failure.tag

@@ -1,0 +1,244 @@
+"""What an SDK user sees through the proxy, as they would from the provider: retries asked for
+where a retry helps and refused where it cannot, optional fields left optional, feature headers
+passed on, an id on every answer where the SDK reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import ledger_entries, run_meters
+from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams
+
+MODEL = "gpt-4o-mini"
+MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
+CLAUDE = {
+    "upstreams": {"claude": {"base_url": "", "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}},
+    "models": {"claude-*": {"upstream": "claude"}},
+}
+
+
+async def _claude_proxy(make_proxy: ProxyFactory, fake: FakeUpstream) -> Proxy:
+    upstreams = {"claude": {**CLAUDE["upstreams"]["claude"], "base_url": fake.base_url}}
+    return await make_proxy(upstreams=upstreams, models=CLAUDE["models"])
+
+
+# -- retries --------------------------------------------------------------------------------
+
+
+async def _second_call_while_first_in_flight(proxy: Proxy, run: str) -> Any:
+    headers = {"X-Run-Id": run}
+    async with proxy.client(max_retries=0) as slow_client, proxy.client(max_retries=2) as client:
+        slow = asyncio.create_task(
+            slow_client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=10,
+                extra_headers=headers,
+                extra_body={"fake": {"delay_s": 0.4}},
+            )
+        )
+        await asyncio.sleep(0.1)  # the first call holds its slot or its reserve a while yet
+        try:
+            second: Any = await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=10, extra_headers=headers
+            )
+        except openai.RateLimitError as err:
+            second = err
+        await slow
+    return second
+
+
+async def test_a_concurrency_refusal_is_retried_by_the_sdk(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tiers={"standard": {"key": {"concurrent": 1}}})
+    second = await _second_call_while_first_in_flight(proxy, "conc")
+    assert not isinstance(second, openai.RateLimitError), second.response.headers
+    assert fake.calls == 2
+
+
+async def test_room_held_only_by_reserves_in_flight_is_retried(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    # A call reserves 19 total tokens and uses 12: a second one fits once the first settled.
+    proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 31}}})
+    second = await _second_call_while_first_in_flight(proxy, "inflight")
+    assert not isinstance(second, openai.RateLimitError), second.response.headers
+    assert fake.calls == 2
+
+
+async def test_a_refusal_no_wait_mends_stays_final(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tiers={"standard": {"run": {"requests": 1}}})
+    async with proxy.client(max_retries=2) as client:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "one"})
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "one"})
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert fake.calls == 1
+
+
+async def test_the_operators_key_refused_upstream_is_not_retried(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    fake.api_key = "sk-rotated"  # the operator's key no longer works: no retry mends that
+    proxy = await make_proxy()
+    async with proxy.client(max_retries=2) as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "auth"})
+        with pytest.raises(openai.InternalServerError) as listed:
+            await client.models.list()
+    assert caught.value.code == "upstream_auth"
+    assert listed.value.response.headers["x-should-retry"] == "false"
+    meters = await run_meters(proxy, "auth")
+    assert meters["requests"]["used"] == 1
+
+
+# -- optional fields ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": {"id": "pmpt_abc", "variables": {"city": "Paris"}}},
+        {"previous_response_id": "resp_1", "instructions": "continue"},
+    ],
+)
+async def test_a_responses_call_without_input_is_forwarded(
+    proxy: Proxy, fake: FakeUpstream, fields: dict[str, Any]
+) -> None:
+    async with proxy.client() as client:
+        reply = await client.responses.create(model=MODEL, extra_headers={"X-Run-Id": "np"}, **fields)
+    assert reply.status == "completed" and fake.calls == 1
+
+
+async def test_a_completion_with_a_null_prompt_is_forwarded(proxy: Proxy, fake: FakeUpstream) -> None:
+    async with proxy.client() as client:
+        reply = await client.completions.create(model="gpt-3.5-turbo-instruct", prompt=None, max_tokens=5)
+    assert reply.choices and fake.calls == 1
+
+
+async def test_a_null_cap_stays_unset(proxy: Proxy, fake: FakeUpstream) -> None:
+    # The SDK sends None as null ("not set"): the proxy's cap goes in one field, never both
+    # (OpenAI refuses max_tokens beside max_completion_tokens).
+    async with proxy.client() as client:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=None)
+    sent = fake.received[-1].body
+    assert sent["max_completion_tokens"] == 1000
+    assert sent.get("max_tokens") is None, sent
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+
+def _sse(kind: str, obj: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(obj)}\n\n".encode()
+
+
+_RESPONSE = {
+    "id": "resp_1",
+    "object": "response",
+    "created_at": 1,
+    "status": "in_progress",
+    "model": MODEL,
+    "output": [],
+    "parallel_tool_calls": True,
+    "tool_choice": "auto",
+    "tools": [],
+    "usage": None,
+    "error": None,
+    "incomplete_details": None,
+    "instructions": None,
+    "metadata": {},
+    "temperature": 1.0,
+    "top_p": 1.0,
+}
+_ENDED_BY_AN_ERROR = [
+    _sse("response.created", {"type": "response.created", "response": _RESPONSE, "sequence_number": 0}),
+    _sse(
+        "response.output_text.delta",
+        {
+            "type": "response.output_text.delta",
+            "item_id": "msg_1",
+            "output_index": 0,
+            "content_index": 0,
+            "delta": "Hel",
+            "logprobs": [],
+            "sequence_number": 1,
+        },
+    ),
+    _sse(
+        "error",
+        {"type": "error", "code": "server_error", "message": "boom", "param": None, "sequence_number": 2},
+    ),
+]
+
+
+async def _event_types(client: openai.AsyncOpenAI) -> list[str]:
+    stream = await client.responses.create(model=MODEL, input="hi", stream=True, extra_headers={"X-Run-Id": "re"})
+    return [event.type async for event in stream]
+
+
+async def test_a_stream_the_provider_ends_with_its_error_reaches_the_sdk_as_it_sent_it(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    script.plan = Plan(content_type="text/event-stream", chunks=_ENDED_BY_AN_ERROR)
+    async with openai.AsyncOpenAI(base_url=script.base_url, api_key=UPSTREAM_KEY, max_retries=0) as direct:
+        want = await _event_types(direct)
+    assert want == ["response.created", "response.output_text.delta", "error"]
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    async with proxy.client() as client:
+        assert await _event_types(client) == want
+    [entry] = await ledger_entries(proxy, "re")
+    assert entry["outcome"] == "upstream_error"  # billed as before: a failed answer
+
+
+# -- headers ----------------------------------------------------------------------------------
+
+
+async def test_anthropic_betas_reach_the_upstream(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await _claude_proxy(make_proxy, fake)
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    await client.beta.messages.create(
+        model="claude-x", max_tokens=50, messages=MESSAGES, betas=["context-1m-2025-08-07"]
+    )
+    sent = {k.lower(): v for k, v in fake.received[-1].headers.items()}
+    assert sent.get("anthropic-beta") == "context-1m-2025-08-07"
+
+
+async def test_the_anthropic_sdk_reads_the_calls_id(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await _claude_proxy(make_proxy, fake)
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    message = await client.messages.create(
+        model="claude-x", max_tokens=20, messages=MESSAGES, extra_headers={"X-Run-Id": "ids"}
+    )
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        await client.messages.create(
+            model="claude-x",
+            max_tokens=20,
+            messages=MESSAGES,
+            extra_body={"fake": {"mode": "error", "status": 500}},
+        )
+    with pytest.raises(anthropic.APIStatusError) as refused:
+        await client.messages.create(model="claude-x", max_tokens=-1, messages=MESSAGES)
+    async with client.messages.stream(model="claude-x", max_tokens=20, messages=MESSAGES) as stream:
+        await stream.get_final_message()
+        streamed = stream.response.headers.get("request-id")
+    assert message._request_id and failed.value.request_id and refused.value.request_id and streamed
+    assert message._request_id == (await ledger_entries(proxy, "ids"))[0]["request_id"]
+
+
+async def test_every_answer_carries_an_id(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(limits={"max_body_bytes": 2048})
+    async with proxy.client() as client:
+        listed = await client.models.with_raw_response.list()
+        with pytest.raises(openai.APIStatusError) as too_large:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 5000}])
+    async with proxy.client("sk-wrong") as stranger:
+        with pytest.raises(openai.AuthenticationError) as unknown:
+            await stranger.models.list()
+    assert listed.headers.get("x-request-id")
+    assert too_large.value.status_code == 413 and too_large.value.request_id
+    assert unknown.value.request_id
