@@ -363,6 +363,17 @@ class Config(_Frozen):
         names = [key.name for key in self.keys]
         if len(names) != len(set(names)):
             raise ValueError("keys: names must be unique")
+        run_ttl_s = self.limits.run_ttl_s
+        for name, upstream in self.upstreams.items():
+            # A non-streaming call does not renew its reservation (a stream does): the run's keys
+            # must outlive its lease, or its reserve and the run's past spend expire under it.
+            lease_s = upstream.timeout_s + self.limits.lease_margin_s
+            if run_ttl_s and run_ttl_s <= lease_s:
+                raise ValueError(
+                    f"limits.run_ttl_s ({run_ttl_s}) must be 0 (runs kept for ever) or longer than "
+                    f"upstreams.{name}.timeout_s plus limits.lease_margin_s ({lease_s:g} s): a run's "
+                    "meters would expire under a call still in flight"
+                )
         return self
 
     @cached_property

@@ -492,3 +492,44 @@ async def test_a_clamp_in_a_large_cost_room_never_passes_the_ceiling(
     used = (await meters(proxy, "large-room"))["meters"]["cost_micros"]
     assert used["used"] == int(response.headers["x-billing-cost-micros"]) <= ceiling_micros
     assert used["reserved"] == 0
+
+
+async def test_a_reload_to_keep_runs_for_ever_keeps_a_live_run_for_ever(
+    fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    # The run's keys had the TTL of the old setting: left, the run would expire under its next
+    # calls and its ceiling be spent again.
+    from aiohttp import web
+
+    from proxy.app import build_app
+    from proxy.config import load_config
+    from proxy.tokenizer import Tokenizer
+
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["limits"] = {"run_ttl_s": 3600}
+    raw["tiers"] = tiers(run={"requests": 5})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
+    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    proxy = Proxy(
+        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
+    )
+    keys = ("lbp:{team-a}:run:for-ever", "lbp:{team-a}:runlog:for-ever")
+    try:
+        await call(proxy, "for-ever")
+        assert all([await redis_client.ttl(key) > 0 for key in keys])
+        raw["limits"] = {"run_ttl_s": 0}
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(100):
+            if app[STATE].config.limits.run_ttl_s == 0:
+                break
+            await asyncio.sleep(0.02)
+        await call(proxy, "for-ever")
+        assert [await redis_client.ttl(key) for key in keys] == [-1, -1]
+    finally:
+        await runner.cleanup()

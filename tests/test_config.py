@@ -200,6 +200,11 @@ def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: 
 def test_a_run_ttl_outlives_its_calls() -> None:
     assert "limits.run_ttl_s" in error_of({**UP, "limits": {"run_ttl_s": 60}})
     assert parse_config({**UP, "limits": {"run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
+    # A non-streaming call renews nothing: a run's keys must outlive the longest call's lease.
+    slow = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1", "timeout_s": 7200}}}
+    assert "upstreams.openai.timeout_s" in error_of({**slow, "limits": {"run_ttl_s": 3600}})
+    assert parse_config({**slow, "limits": {"run_ttl_s": 7231}}, {}).limits.run_ttl_s == 7231
+    assert parse_config({**slow, "limits": {"run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
 
 
 def test_secrets_from_the_environment_lose_their_trailing_line_break() -> None:

@@ -596,3 +596,52 @@ async def test_a_record_written_before_born_stamps_still_releases(store: RedisSt
     await settle(store, reserved)
     meters = await store.meters(scope.key)
     assert meters["total_tokens"].reserved == 0 and meters["concurrent"].reserved == 0
+
+
+async def _settle_with_ttls(store: RedisStore, res: Reservation, ttl_s: int) -> None:
+    await store.settle(
+        tenant="team-a",
+        reservation_id=res.id,
+        run_id=res.run_id,
+        scope_keys=[s.key for s in res.scopes],
+        actual={"requests": 1},
+        entry={"a": "b"},
+        scope_ttls_s=[ttl_s],
+        runlog_ttl_s=ttl_s,
+    )
+
+
+async def test_runs_kept_for_ever_after_a_reload_lose_the_ttl_an_earlier_setting_gave_them(
+    store: RedisStore,
+) -> None:
+    # run_ttl_s reloaded from 3600 to 0 ("kept for ever"): the next call's reserve and settle
+    # end the TTL the old setting gave the run's keys, or the run would expire and its ceiling
+    # be spent again. A call reserved under the old setting and settled after does not bring
+    # the TTL back.
+    old = Scope(name="run", key="lbp:{team-a}:run:kept", ttl_s=3600)
+    new = Scope(name="run", key=old.key, ttl_s=0)
+    before = await reserve(store, "before", [old], run_id="kept")
+    straddling = await reserve(store, "straddling", [old], run_id="kept")
+    assert isinstance(before, Reservation) and isinstance(straddling, Reservation)
+    await _settle_with_ttls(store, before, 3600)
+    assert await store.client.ttl("lbp:{team-a}:runlog:kept") > 0
+    after = await reserve(store, "after", [new], run_id="kept")
+    assert isinstance(after, Reservation)
+    assert await store.client.ttl(old.key) == -1
+    await _settle_with_ttls(store, after, 0)
+    await _settle_with_ttls(store, straddling, 3600)
+    for key in (old.key, "lbp:{team-a}:runlog:kept"):
+        assert await store.client.ttl(key) == -1, key
+
+
+async def test_a_settle_under_an_older_shorter_setting_does_not_shorten_a_run(store: RedisStore) -> None:
+    old = Scope(name="run", key="lbp:{team-a}:run:longer", ttl_s=3600)
+    new = Scope(name="run", key=old.key, ttl_s=86400)
+    straddling = await reserve(store, "straddling", [old], run_id="longer")
+    after = await reserve(store, "after", [new], run_id="longer")
+    assert isinstance(straddling, Reservation) and isinstance(after, Reservation)
+    await _settle_with_ttls(store, after, 86400)
+    await _settle_with_ttls(store, straddling, 3600)
+    assert await store.renew(tenant="team-a", reservation_id="gone", lease_ms=1000, scopes=[old]) is False
+    for key in (old.key, "lbp:{team-a}:runlog:longer"):
+        assert 86000 < await store.client.ttl(key) <= 86400, key

@@ -57,14 +57,18 @@ async def _second_call_while_first_in_flight(proxy: Proxy, run: str) -> Any:
     return second
 
 
-async def test_a_concurrency_refusal_is_retried_by_the_sdk(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+async def test_a_concurrency_refusal_is_retried_by_the_sdk(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
     proxy = await make_proxy(tiers={"standard": {"key": {"concurrent": 1}}})
     second = await _second_call_while_first_in_flight(proxy, "conc")
     assert not isinstance(second, openai.RateLimitError), second.response.headers
     assert fake.calls == 2
 
 
-async def test_room_held_only_by_reserves_in_flight_is_retried(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+async def test_room_held_only_by_reserves_in_flight_is_retried(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
     # A call reserves 19 total tokens and uses 12: a second one fits once the first settled.
     proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 31}}})
     second = await _second_call_while_first_in_flight(proxy, "inflight")
@@ -75,19 +79,27 @@ async def test_room_held_only_by_reserves_in_flight_is_retried(make_proxy: Proxy
 async def test_a_refusal_no_wait_mends_stays_final(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     proxy = await make_proxy(tiers={"standard": {"run": {"requests": 1}}})
     async with proxy.client(max_retries=2) as client:
-        await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "one"})
+        await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "one"}
+        )
         with pytest.raises(openai.RateLimitError) as caught:
-            await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "one"})
+            await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "one"}
+            )
     assert caught.value.response.headers["x-should-retry"] == "false"
     assert fake.calls == 1
 
 
-async def test_the_operators_key_refused_upstream_is_not_retried(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+async def test_the_operators_key_refused_upstream_is_not_retried(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
     fake.api_key = "sk-rotated"  # the operator's key no longer works: no retry mends that
     proxy = await make_proxy()
     async with proxy.client(max_retries=2) as client:
         with pytest.raises(openai.InternalServerError) as caught:
-            await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "auth"})
+            await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, extra_headers={"X-Run-Id": "auth"}
+            )
         with pytest.raises(openai.InternalServerError) as listed:
             await client.models.list()
     assert caught.value.code == "upstream_auth"
@@ -177,7 +189,9 @@ _ENDED_BY_AN_ERROR = [
 
 
 async def _event_types(client: openai.AsyncOpenAI) -> list[str]:
-    stream = await client.responses.create(model=MODEL, input="hi", stream=True, extra_headers={"X-Run-Id": "re"})
+    stream = await client.responses.create(
+        model=MODEL, input="hi", stream=True, extra_headers={"X-Run-Id": "re"}
+    )
     return [event.type async for event in stream]
 
 
@@ -235,7 +249,9 @@ async def test_every_answer_carries_an_id(make_proxy: ProxyFactory, fake: FakeUp
     async with proxy.client() as client:
         listed = await client.models.with_raw_response.list()
         with pytest.raises(openai.APIStatusError) as too_large:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 5000}])
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x" * 5000}]
+            )
     async with proxy.client("sk-wrong") as stranger:
         with pytest.raises(openai.AuthenticationError) as unknown:
             await stranger.models.list()

@@ -18,8 +18,14 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expiry = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]))
 if not expiry or expiry <= now_ms then return 0 end
 redis.call('ZADD', KEYS[2], 'XX', now_ms + tonumber(ARGV[2]), ARGV[1])
+-- As settle.lua: TTLs of the reserve's setting never shorten a key nor end one kept for ever.
 for s = 3, #KEYS do
   local ttl = tonumber(ARGV[s])
-  if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[s], ttl) end
+  if ttl == 0 then
+    redis.call('PERSIST', KEYS[s])
+  elseif ttl then
+    local left = redis.call('PTTL', KEYS[s])
+    if left >= 0 and left < ttl * 1000 then redis.call('EXPIRE', KEYS[s], ttl) end
+  end
 end
 return 1

@@ -15,7 +15,7 @@ ARGV[13]     clamp: micro-units per million output tokens (an integer, read the 
 ARGV[14]     1: tentative (the input amount is a quick upper bound the caller can refine): amounts
              that do not fit on a token or cost meter write nothing, not even the refusal
              count, and return {2}; the caller counts exactly and reserves again. 0: final
-then per scope (KEYS[3+i]):  ttl_s (0 = none), then 6 ceilings in METERS order (-1 = unlimited)
+then per scope (KEYS[3+i]):  ttl_s (0 = none: the key is made persistent), then 6 ceilings in METERS order (-1 = unlimited)
 
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>, born (the id of
@@ -32,6 +32,13 @@ remaining after this reserve (-1 = nothing limited), tightest scope index}; on r
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {1, tonumber(redis.call('HGET', KEYS[1], 'clamped')) or 0, '', -1, 0}
+end
+
+-- The TTL this call's config gives a scope key, which an operator's reload may have changed:
+-- 0 is none (runs kept for ever, a key's all-time scope), so a TTL an earlier setting gave the
+-- key goes. The reserve's setting is the newest a key sees (settle.lua only lengthens).
+local function set_ttl(key, ttl)
+  if ttl > 0 then redis.call('EXPIRE', key, ttl) else redis.call('PERSIST', key) end
 end
 
 local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
@@ -139,7 +146,7 @@ if refusal then
   redis.call('HINCRBY', key, 'refused:' .. refusal[3], 1)
   -- A refusal may write the key first (a run's first call): it expires as a reserve's would.
   local ttl = tonumber(ARGV[base + (refusal[2] - 1) * stride])
-  if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+  set_ttl(key, ttl)
   return refusal
 end
 
@@ -172,8 +179,7 @@ for s = 1, nscopes do
       end
     end
   end
-  local ttl = tonumber(ARGV[base + (s - 1) * stride])
-  if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+  set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]))
 end
 
 local t = redis.call('TIME')

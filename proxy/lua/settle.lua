@@ -66,13 +66,27 @@ local entry = cjson.decode(ARGV[2 + #ACTUAL])
 
 local RESV = {'born'}
 for m = 1, #RESERVED do RESV[m + 1] = 'resv:' .. RESERVED[m] end
+-- The TTLs here are those of the call's reserve, whose setting a reload may have changed since:
+-- a settle never shortens a key's life nor ends a key kept for ever (a later reserve, under
+-- the newer setting, decides those), save for a key it writes first. 0 is none.
+local function extend(key, ttl, new)
+  if ttl == 0 then
+    redis.call('PERSIST', key)
+  elseif new then
+    redis.call('EXPIRE', key, ttl)
+  else
+    local left = redis.call('PTTL', key)
+    if left >= 0 and left < ttl * 1000 then redis.call('EXPIRE', key, ttl) end
+  end
+end
+
 for s = 5, #KEYS do
   local key = KEYS[s]
+  local held = redis.call('HMGET', key, unpack(RESV))
   if not lost then
     -- A key that expired mid-call and was written anew (by a later reserve, or by nothing yet)
     -- does not hold this reserve: releasing it would take other calls' reserves, or go below
     -- zero, and either is room past the ceiling. Records older than 'born': never below zero.
-    local held = redis.call('HMGET', key, unpack(RESV))
     if not born[s - 4] or held[1] == born[s - 4] then
       for m = 1, #RESERVED do
         local release = math.min(tonumber(amounts[m]) or 0, tonumber(held[m + 1]) or 0)
@@ -87,7 +101,7 @@ for s = 5, #KEYS do
   local ttl = tonumber(ARGV[9 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
-  if ttl and ttl > 0 then redis.call('EXPIRE', key, ttl) end
+  if ttl then extend(key, ttl, not held[1]) end
 end
 
 local fields = {}
@@ -100,8 +114,7 @@ if lost then
   fields[#fields + 1] = 'lost'
 end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
-redis.call('RPUSH', KEYS[4], id)
-if runlog_ttl > 0 then redis.call('EXPIRE', KEYS[4], runlog_ttl) end
+extend(KEYS[4], runlog_ttl, redis.call('RPUSH', KEYS[4], id) == 1)
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'settled', '1')
 redis.call('EXPIRE', KEYS[1], marker_ttl)
