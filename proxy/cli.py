@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from proxy.config import Config, load_config, passthrough_config
+from proxy.config import Config
+from proxy.config_load import load_config, passthrough_config
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
 from proxy.redis_server import EmbeddedKeeper, RedisServerProcess

@@ -1,15 +1,12 @@
-"""Configuration: the one place that reads the YAML file and the environment.
+"""Configuration's shape: frozen pydantic models, validated as a whole.
 
-Everything here is a frozen pydantic model. ``load_config`` is called at start and on reload;
-the resulting ``Config`` is passed down explicitly. Secrets named by ``*_env`` fields are read
-from the environment here and nowhere else.
+``config_load.load_config`` reads the file and the environment into a ``Config`` at start and on
+reload; it is passed down explicitly.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import os
 import re
 from collections.abc import Mapping
 from decimal import Decimal
@@ -17,18 +14,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SecretStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from proxy.errors import ConfigError
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
 
 MICROS_PER_UNIT = 1_000_000
@@ -417,96 +411,3 @@ class Config(_Frozen):
             changes = {k: v for k, v in tier.policy.model_dump().items() if v is not None}
             policies[name] = self.policy.model_copy(update=changes) if changes else self.policy
         return policies
-
-
-def _format_validation_error(err: ValidationError) -> str:
-    lines = []
-    for item in err.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "config"
-        message = str(item["msg"]).removeprefix("Value error, ")
-        lines.append(f"{where}: {message}")
-    return "; ".join(lines)
-
-
-def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
-    """Validate a parsed YAML document and resolve the secrets it names from ``environ``."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError("config: the top level must be a mapping")
-    try:
-        config = Config.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
-
-    redis = config.redis
-    if redis.url_env and environ.get(redis.url_env):
-        try:
-            redis = RedisConfig.model_validate({**redis.model_dump(), "url": environ[redis.url_env]})
-        except ValidationError as err:
-            raise ConfigError(f"redis.url_env ({redis.url_env}): " + _format_validation_error(err)) from None
-    upstreams = {}
-    for name, upstream in config.upstreams.items():
-        key = _secret(f"upstreams.{name}.api_key_env", upstream.api_key_env, environ)
-        upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
-    digests = [(_digest("keys", key, environ), key) for key in config.keys]
-    named: dict[str, str] = {}
-    for digest, key_config in digests:
-        if digest in named:
-            # One secret, two keys: which tenant and tier it bills would depend on file order.
-            raise ConfigError(f"keys.{key_config.name}: the same secret as keys.{named[digest]}")
-        named[digest] = key_config.name
-    admin = tuple(_digest("admin_keys", key, environ) for key in config.admin_keys)
-    return config.model_copy(
-        update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests), "admin_digests": admin}
-    )
-
-
-def _digest(section: str, key: KeyConfig | AdminKeyConfig, environ: Mapping[str, str]) -> str:
-    if key.key_env is None:
-        assert key.sha256 is not None
-        return key.sha256
-    plain = _secret(f"{section}.{key.name}.key_env", key.key_env, environ)
-    if not plain:
-        raise ConfigError(f"{section}.{key.name}.key_env: environment variable {key.key_env} is not set")
-    return hashlib.sha256(plain.encode()).hexdigest()
-
-
-def _secret(field: str, name: str | None, environ: Mapping[str, str]) -> str | None:
-    """A secret from the environment, without the line break a secrets file or an .env often
-    ends with: as given, an upstream key could not be sent at all (no header holds one), and a
-    proxy key could never match (the presented key arrives stripped)."""
-    value = environ.get(name) if name else None
-    if value is None:
-        return None
-    value = value.strip()
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise ConfigError(f"{field}: environment variable {name} holds a control character inside the key")
-    return value
-
-
-def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: invalid YAML: {err}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
-    return parse_config(raw, os.environ if environ is None else environ)
-
-
-def passthrough_config(upstream_url: str, *, host: str, port: int, redis_url: str | None) -> Config:
-    """Zero-config mode: every model goes to one upstream with the caller's own key."""
-    raw = {
-        "listen": {"host": host, "port": port},
-        "redis": {"url": redis_url},
-        "upstreams": {"default": {"base_url": upstream_url, "passthrough_auth": True}},
-        "models": {"*": {"upstream": "default"}},
-    }
-    return parse_config(raw, {})

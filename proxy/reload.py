@@ -15,7 +15,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from proxy.config import Config, load_config
+from proxy.config import Config
+from proxy.config_load import load_config
 from proxy.errors import ConfigError
 
 log = logging.getLogger("proxy.reload")

@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from proxy.app import build_app, server_options
-from proxy.config import Config, parse_config
+from proxy.config import Config
+from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
 from tests.fake_upstream import FakeUpstream

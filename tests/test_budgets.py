@@ -251,7 +251,7 @@ async def test_reload_applies_new_prices_and_ceilings_and_keeps_usage(
     fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess, redis_client: aioredis.Redis
 ) -> None:
     from proxy.app import build_app
-    from proxy.config import load_config
+    from proxy.config_load import load_config
     from proxy.tokenizer import Tokenizer
 
     raw = base_config(fake.base_url, redis_server.url)
@@ -449,7 +449,7 @@ async def test_a_day_or_month_ceiling_a_reload_adds_sees_what_was_spent_before(
 ) -> None:
     # Was: only periods some ceiling named were counted, so a month ceiling added mid-month
     # started from 0 and the tenant (or key) could spend it again on top of the month so far.
-    from proxy.config import parse_config
+    from proxy.config_load import parse_config
 
     proxy = await make_proxy(tiers=tiers())
     for i in range(3):
@@ -502,7 +502,7 @@ async def test_a_reload_to_keep_runs_for_ever_keeps_a_live_run_for_ever(
     from aiohttp import web
 
     from proxy.app import build_app
-    from proxy.config import load_config
+    from proxy.config_load import load_config
     from proxy.tokenizer import Tokenizer
 
     raw = base_config(fake.base_url, redis_server.url)

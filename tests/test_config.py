@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.config import Config, TierConfig, load_config, parse_config
+from proxy.config import Config, TierConfig
+from proxy.config_load import load_config, parse_config
 from proxy.errors import ConfigError
 from proxy.reload import ConfigReloader
 from tests.conftest import base_config

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from proxy.app import build_app
-from proxy.config import parse_config
+from proxy.config_load import parse_config
 from proxy.forward import StallGuard
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from proxy.app import STATE, build_app, server_options
-from proxy.config import parse_config
+from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
 from proxy.workers import GC_YOUNG_THRESHOLD
