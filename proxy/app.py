@@ -16,7 +16,6 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy.billing import Settlement
 from proxy.call import REQUEST_ID, IdSource, request_id_for
 from proxy.config import Config
 from proxy.dialects import DIALECTS, Dialect
@@ -29,6 +28,7 @@ from proxy.record import record_entry, record_reaped
 from proxy.redis_store import RedisStore
 from proxy.relay import Services
 from proxy.reload import ConfigReloader
+from proxy.settle import Settlement
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer, encoding_for_model
 

@@ -90,7 +90,7 @@ class Call:
     upstream_status: int = 0
     first_token_at: float | None = None
     clamped: bool = False
-    # A quick reserve being lowered to the exact count (``billing.refine``); the settle cancels
+    # A quick reserve being lowered to the exact count (``refine.refine``); the settle cancels
     # what it has not done yet.
     refining: asyncio.Future[None] | None = None
     # The client's feature switches for the provider (``forward.feature_headers``).

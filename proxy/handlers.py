@@ -20,7 +20,6 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
-from proxy.billing import reserve
 from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, run_id_for
 from proxy.dialects import DIALECTS
 from proxy.errors import (
@@ -45,6 +44,7 @@ from proxy.forward import (
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange
+from proxy.reserve import reserve
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 from proxy.tokenizer import Tokenizer
@@ -64,7 +64,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         raw = await read_body(request, config.limits.max_body_bytes)
         body, view = parse_body(raw, endpoint)
         # Much new text is estimated at its byte length here and counted later: before the call
-        # only if the reserve needs it, else while the call runs (``billing.reserve``).
+        # only if the reserve needs it, else while the call runs (``reserve.reserve``).
         call = plan_call(
             request_id=request_id,
             identity=identity,

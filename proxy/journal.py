@@ -38,7 +38,7 @@ class PendingSettlement:
     entry: dict[str, str]
     # Until when (wall clock, ms) a call that went out is billed even if the store lost its
     # reservation: while a reaper's settle of it would still have left its marker (see
-    # billing.settle). 0 (releases of unforwarded reserves, lines of older versions): never.
+    # settle.settle). 0 (releases of unforwarded reserves, lines of older versions): never.
     bill_if_lost_until_ms: int = 0
     # The scope keys' TTLs (Scope.ttl_s), for keys a lost reservation's settle creates anew.
     # Empty (lines of older versions): such keys get none.

@@ -6,12 +6,12 @@ import logging
 import time
 from collections.abc import Mapping
 
-from proxy.billing import Settlement
 from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import BudgetExceeded
 from proxy.logs import CALL_LOGGER, log_call, redact
 from proxy.metrics import Metrics, model_label, tenant_label
+from proxy.settle import Settlement
 
 call_log = logging.getLogger(CALL_LOGGER)
 

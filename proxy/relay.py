@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 import aiohttp
 from aiohttp import web
 
-from proxy.billing import Settlement, billing_headers, settle
 from proxy.call import Call
 from proxy.config import Config
 from proxy.estimate import counted
@@ -28,6 +27,7 @@ from proxy.outcome import BilledUsage, Outcome, OutcomeTag, estimated_usage, pro
 from proxy.record import record_call
 from proxy.relay_body import relay_body, relay_upstream_error
 from proxy.relay_stream import REDACTED, relay_stream
+from proxy.settle import Settlement, billing_headers, settle
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from proxy.billing import billing_comment
 from proxy.events import EventFilter
 from proxy.forward import StallGuard
 from proxy.lease import LeaseRenewal
 from proxy.outcome import Outcome, classify_answer
+from proxy.settle import billing_comment
 
 if TYPE_CHECKING:
     from proxy.relay import Exchange

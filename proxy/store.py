@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-# How long a settled reservation's marker is kept (see billing.bill_if_lost_until_ms).
+# How long a settled reservation's marker is kept (see settle.bill_if_lost_until_ms).
 DEFAULT_SETTLED_MARKER_TTL_S = 3600
 
 # Meters a reservation holds, in the order the Lua scripts expect them.

@@ -438,8 +438,8 @@ def test_the_window_for_billing_a_lost_reservation_runs_from_the_last_lease_conf
     from types import SimpleNamespace
     from typing import cast
 
-    from proxy.billing import MARKER_TRUST, bill_if_lost_until_ms
     from proxy.call import Call
+    from proxy.settle import MARKER_TRUST, bill_if_lost_until_ms
 
     now_ms = time.time() * 1000
     fresh = cast(Call, SimpleNamespace(lease_confirmed_at=time.monotonic()))

@@ -1,28 +1,23 @@
-"""Reserve before the call, settle after it: the two store steps of the billing path."""
+"""Settle after the call: the real figures replace the reserve, and the ledger entry is written
+in the same script, once; what the client is told of its bill (headers, the stream's comment).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from dataclasses import dataclass
 
 import orjson
 
 from proxy.call import Call
-from proxy.config import Config, TierConfig
-from proxy.errors import BadRequest, BudgetExceeded, StoreError
+from proxy.errors import StoreError
 from proxy.journal import Journal, PendingSettlement
-from proxy.metrics import Metrics
 from proxy.outcome import BilledUsage, Outcome
-from proxy.payload import set_output_cap
-from proxy.pricing import MAX_AMOUNT, cost_micros, reserve_amounts, worst_rates
-from proxy.refine import Counter, count_first, refine
-from proxy.scopes import scopes_for
-from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Store, Tentative
+from proxy.pricing import MAX_AMOUNT, cost_micros, worst_rates
+from proxy.store import ACTUAL_METERS, Store
 
-log = logging.getLogger("proxy.billing")
+log = logging.getLogger("proxy.settle")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,200 +32,6 @@ class Settlement:
     actual: dict[str, int]
     overshoot_tokens: int
     stored: bool = True
-
-
-def lease_ms(call: Call, config: Config) -> int:
-    return int((call.upstream.timeout_s + config.limits.lease_margin_s) * 1000)
-
-
-def _refusal_error(refusal: Refusal) -> BudgetExceeded:
-    scope = refusal.scope
-    needed = refusal.amount
-    message = (
-        f"Budget exceeded: scope '{scope.name}', meter '{refusal.meter}', ceiling {refusal.ceiling}, "
-        f"used {refusal.used}, reserved {refusal.reserved}, this request needs {needed}."
-    )
-    if passing(refusal):
-        message += " Calls in flight hold that room: the same request may fit when they end."
-    headers = {
-        "x-should-retry": "true" if passing(refusal) else "false",
-        "x-billing-refused-meter": refusal.meter,
-        "x-billing-refused-scope": scope.name,
-    }
-    if passing(refusal):
-        headers["retry-after"] = "1"
-    elif scope.resets_at_s is not None:
-        headers["retry-after"] = str(max(1, scope.resets_at_s - int(time.time())))
-    return BudgetExceeded(message, headers=headers)
-
-
-def passing(refusal: Refusal) -> bool:
-    """Whether the room this call lacks is held only by calls in flight: a concurrency ceiling,
-    or token or cost reserves that settle at what the calls really used. A retry may fit
-    moments later (the SDK retries when told to). Requests in flight all count when they
-    settle: a request ceiling never frees itself that way."""
-    if refusal.meter == "concurrent":
-        return True
-    return (
-        refusal.meter != "requests"
-        and refusal.reserved > 0
-        and refusal.used + refusal.amount <= refusal.ceiling
-    )
-
-
-def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
-    if tier is None or tier.on_budget_short != "clamp" or call.endpoint == "embeddings":
-        return None
-    rates = worst_rates(call.rates) or {"input": 0, "output": 0}
-    return Clamp(
-        min_output_tokens=max(tier.min_output_tokens, _least_cap_accepted(call)),
-        choices=call.generations,  # the cap holds for every answer written, returned or not
-        input_cost_exact=call.estimate.input_tokens * rates["input"],
-        output_rate=rates["output"],
-    )
-
-
-# The Responses API refuses a max_output_tokens below 16 (integer_below_min_value).
-RESPONSES_LEAST_CAP = 16
-
-
-def _least_cap_accepted(call: Call) -> int:
-    """The smallest cap the provider takes for this request: a clamp below it would have the
-    call refused upstream instead of refused (or answered) here."""
-    if call.endpoint == "responses":
-        return RESPONSES_LEAST_CAP
-    thinking = call.body.get("thinking") if call.endpoint == "messages" else None
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        budget = thinking.get("budget_tokens")
-        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-            return budget + 1  # Anthropic: max_tokens must be above the thinking budget
-    return 1
-
-
-def _apply_clamp(call: Call, reservation: Reservation) -> None:
-    """Lower the request's own output cap to what the budget affords."""
-    per_choice = reservation.clamped_output_per_choice
-    field = call.estimate.output_cap_field or "max_tokens"
-    set_output_cap(call.body, field, per_choice)
-    call.clamped = True
-    call.estimate = replace(
-        call.estimate, output_tokens=reservation.amounts["output_tokens"], output_cap_field=field
-    )
-
-
-async def reserve(
-    store: Store,
-    journal: Journal,
-    call: Call,
-    config: Config,
-    *,
-    metrics: Metrics,
-    count_now: Counter,
-    count_later: Counter,
-) -> Reservation:
-    """Reserve the worst case against every scope, all or nothing; raise when it does not fit.
-
-    A quick estimate (much new text at its byte length) reserves tentatively: when that does not
-    fit, the input is counted exactly first and reserved again, so a budget refuses or clamps only
-    on the exact count; when it fits, the call goes on at once and the reserve is lowered to the
-    exact count in the background (``refine``). ``count_now`` counts for a reserve that waits
-    (not queued behind the refinements of other calls, which ``count_later`` runs)."""
-    tier = config.tiers.get(call.identity.tier)
-    run_ttl_s = config.limits.run_ttl_s
-    scopes = scopes_for(
-        call.identity,
-        call.run_id,
-        tier,
-        datetime.now(UTC),
-        run_ttl_s=run_ttl_s,
-        tenant_periods=config.tenant_periods,
-    )
-    if call.rates is None and any("cost_micros" in s.ceilings for s in scopes):
-        raise BadRequest(
-            f"The model '{call.model}' has no price in the config, and your tier limits cost; "
-            "refusing rather than pricing it at 0.",
-            param="model",
-            code="model_not_priced",
-        )
-    record = orjson.dumps(
-        {
-            "request_id": call.request_id,
-            "run_id": call.run_id,
-            "key": call.identity.key_name,
-            "endpoint": call.endpoint,
-            "model": call.model,
-            "upstream": call.upstream_name,
-            "stream": call.stream,
-            "time_ms": call.started_wall_ms,
-            "run_ttl_s": run_ttl_s,  # for a reaper's settle: how long the run's ledger index stays
-        },
-    ).decode()
-    asked = time.monotonic()  # the lease runs from the script's run, a little after this
-    in_flight = False  # a reserve sent, its answer not read yet
-    try:
-        if not call.estimate.input_exact and not config.limits.quick_estimates:
-            await count_first(call, count_later, metrics)  # one count at a time, as configured
-            asked = time.monotonic()
-        in_flight = True
-        result = await _reserve(store, call, config, tier, scopes, record)
-        in_flight = False
-        if isinstance(result, Tentative):
-            metrics.quick_estimates.labels("counted_first").inc()
-            await count_first(call, count_now, metrics)
-            asked = time.monotonic()
-            in_flight = True
-            result = await _reserve(store, call, config, tier, scopes, record)
-    except StoreError as err:
-        if err.maybe_applied:
-            release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
-        raise
-    except asyncio.CancelledError:
-        if in_flight:
-            # Shutdown past its grace period: the reserve may still happen, for a call that never
-            # goes out. Released (once the store answers), not reaped at its reserve.
-            release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
-        raise
-    assert not isinstance(result, Tentative), "a final reserve is never tentative"
-    if isinstance(result, Refusal):
-        raise _refusal_error(result)
-    if result.clamped_output_per_choice:
-        _apply_clamp(call, result)
-    call.reservation = result
-    call.lease_confirmed_at = asked
-    if not call.estimate.input_exact:
-        # Counted and lowered whatever this call's own ceilings: its counters (a run, a tenant
-        # window) are shared with keys of other tiers, whose ceilings must not meet the bound.
-        call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
-    return result
-
-
-async def _reserve(
-    store: Store,
-    call: Call,
-    config: Config,
-    tier: TierConfig | None,
-    scopes: list[Scope],
-    record: str,
-) -> Reservation | Refusal | Tentative:
-    amounts = reserve_amounts(call.estimate, call.rates)
-    if max(amounts.values()) > MAX_AMOUNT:
-        # Thousands of prompts x best_of x max_tokens, say: refused before anything is written.
-        raise BadRequest(
-            f"This request's worst case ({amounts['output_tokens']} output tokens, "
-            f"{amounts['cost_micros']} micro-units) is more than the proxy can account for: "
-            "lower max_tokens, n, best_of or the number of prompts."
-        )
-    return await store.reserve(
-        tenant=call.identity.tenant,
-        reservation_id=call.reservation_id,
-        run_id=call.run_id,
-        scopes=scopes,
-        amounts=amounts,
-        lease_ms=lease_ms(call, config),
-        record=record,
-        clamp=_clamp_for(call, tier),
-        tentative=not call.estimate.input_exact,
-    )
 
 
 # The part of the settled marker's life the proxy counts on (clocks and delays differ).
