@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import aiohttp
 import orjson
+from multidict import CIMultiDictProxy
 
 from proxy.auth import Identity
 from proxy.call import Call
@@ -54,10 +54,11 @@ def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, 
 FEATURE_HEADERS: dict[str, tuple[str, ...]] = {"anthropic": ("anthropic-beta",), "openai": ()}
 
 
-def feature_headers(request_headers: Mapping[str, str], upstream: UpstreamConfig) -> dict[str, str]:
+def feature_headers(request_headers: CIMultiDictProxy[str], upstream: UpstreamConfig) -> dict[str, str]:
     out = {}
     for name in FEATURE_HEADERS.get(upstream.kind, ()):
-        value = request_headers.get(name)
+        # Two lines of a header are one comma-separated list (RFC 9110): each beta counts.
+        value = ",".join(request_headers.getall(name, []))
         if value:
             out[name] = value
     return out

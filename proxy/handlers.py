@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
-from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, run_id_for
+from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, request_id_for, run_id_for
 from proxy.dialects import DIALECTS
 from proxy.errors import (
     ApiError,
@@ -349,7 +349,11 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     if expect.lower() != "100-continue":
         dialect = DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
         return dialect.error_response(
-            417, f"Unknown Expect: {expect[:100]}", "invalid_request_error", code="expectation_failed"
+            417,
+            f"Unknown Expect: {expect[:100]}",
+            "invalid_request_error",
+            code="expectation_failed",
+            headers=dialect.id_headers(request_id_for(request, request.app[STATE].ids)),
         )
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the response proper has not started

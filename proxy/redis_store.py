@@ -279,7 +279,7 @@ class RedisStore:
                 tightest_meter=str(meter) or None,
                 tightest_remaining=int(remaining),
             )
-        _, index, meter, ceiling, used, reserved, amount = result
+        _, index, meter, ceiling, used, reserved, amount, *clears = result
         return Refusal(
             scope=scopes[int(index) - 1],
             meter=str(meter),
@@ -287,6 +287,7 @@ class RedisStore:
             used=int(used),
             reserved=int(reserved),
             amount=int(amount),
+            clears=bool(clears and int(clears[0])),
         )
 
     async def settle(
@@ -310,6 +311,7 @@ class RedisStore:
             f"{prefix}runlog:{run_id}",
             *scope_keys,
         ]
+        run_key = f"{prefix}run:{run_id}"
         # One JSON argument rather than 2 x 26: packing arguments is the client's main cost.
         args: list[Any] = [
             reservation_id,
@@ -318,6 +320,7 @@ class RedisStore:
             1 if bill_if_lost else 0,
             self._settled_marker_ttl_s,
             runlog_ttl_s,
+            list(scope_keys).index(run_key) + 1 if run_key in scope_keys else 0,
             *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args)

@@ -37,32 +37,18 @@ def _refusal_error(refusal: Refusal) -> BudgetExceeded:
         f"Budget exceeded: scope '{scope.name}', meter '{refusal.meter}', ceiling {refusal.ceiling}, "
         f"used {refusal.used}, reserved {refusal.reserved}, this request needs {needed}."
     )
-    if passing(refusal):
+    if refusal.clears:
         message += " Calls in flight hold that room: the same request may fit when they end."
     headers = {
-        "x-should-retry": "true" if passing(refusal) else "false",
+        "x-should-retry": "true" if refusal.clears else "false",
         "x-billing-refused-meter": refusal.meter,
         "x-billing-refused-scope": scope.name,
     }
-    if passing(refusal):
+    if refusal.clears:
         headers["retry-after"] = "1"
     elif scope.resets_at_s is not None:
         headers["retry-after"] = str(max(1, scope.resets_at_s - int(time.time())))
     return BudgetExceeded(message, headers=headers)
-
-
-def passing(refusal: Refusal) -> bool:
-    """Whether the room this call lacks is held only by calls in flight: a concurrency ceiling,
-    or token or cost reserves that settle at what the calls really used. A retry may fit
-    moments later (the SDK retries when told to). Requests in flight all count when they
-    settle: a request ceiling never frees itself that way."""
-    if refusal.meter == "concurrent":
-        return True
-    return (
-        refusal.meter != "requests"
-        and refusal.reserved > 0
-        and refusal.used + refusal.amount <= refusal.ceiling
-    )
 
 
 def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:

@@ -57,6 +57,9 @@ class Refusal:
     used: int
     reserved: int
     amount: int
+    # Every limited meter would fit once the calls in flight end (their reserves gone; requests
+    # in flight all count): the same request may fit soon.
+    clears: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

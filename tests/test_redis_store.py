@@ -645,3 +645,20 @@ async def test_a_settle_under_an_older_shorter_setting_does_not_shorten_a_run(st
     assert await store.renew(tenant="team-a", reservation_id="gone", lease_ms=1000, scopes=[old]) is False
     for key in (old.key, "lbp:{team-a}:runlog:longer"):
         assert 86000 < await store.client.ttl(key) <= 86400, key
+
+
+async def test_a_runs_ledger_index_lives_as_long_as_its_meters(store: RedisStore) -> None:
+    # Kept for ever under run_ttl_s 0, then the setting is N again: the index follows the run's
+    # meters (it kept no TTL for ever, a leak that listed an expired run's earlier life).
+    run = Scope(name="run", key="lbp:{team-a}:run:follows", ttl_s=0)
+    first = await reserve(store, "under-0", [run], run_id="follows")
+    assert isinstance(first, Reservation)
+    await _settle_with_ttls(store, first, 0)
+    assert await store.client.ttl("lbp:{team-a}:runlog:follows") == -1
+    for rid in ("under-n", "under-n-again"):
+        reserved = await reserve(store, rid, [Scope(name="run", key=run.key, ttl_s=3600)], run_id="follows")
+        assert isinstance(reserved, Reservation)
+        await _settle_with_ttls(store, reserved, 3600)
+    meters_ms = await store.client.pttl(run.key)
+    assert 0 < meters_ms <= 3_600_000
+    assert abs(await store.client.pttl("lbp:{team-a}:runlog:follows") - meters_ms) < 1000

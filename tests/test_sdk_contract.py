@@ -9,9 +9,11 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import pytest
+from multidict import CIMultiDict
 
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -74,6 +76,44 @@ async def test_room_held_only_by_reserves_in_flight_is_retried(
     second = await _second_call_while_first_in_flight(proxy, "inflight")
     assert not isinstance(second, openai.RateLimitError), second.response.headers
     assert fake.calls == 2
+
+
+async def test_a_concurrency_ceiling_of_zero_is_final(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    proxy = await make_proxy(tiers={"standard": {"key": {"concurrent": 0}}})
+    async with proxy.client(max_retries=2) as client:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert "may fit" not in caught.value.message
+
+
+async def test_a_refusal_is_final_when_any_ceiling_never_clears(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # The run's tokens are held by a call in flight (that would clear), but the key's requests
+    # are spent for good: the script reports the first; the answer must not say "retry".
+    proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 31}, "key": {"requests": 2}}})
+    async with proxy.client() as client:
+        await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, extra_headers={"X-Run-Id": "other"}
+        )
+        slow = asyncio.create_task(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=10,
+                extra_headers={"X-Run-Id": "r"},
+                extra_body={"fake": {"delay_s": 0.5}},
+            )
+        )
+        await asyncio.sleep(0.2)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=10, extra_headers={"X-Run-Id": "r"}
+            )
+        await slow
+    assert caught.value.response.headers["x-billing-refused-scope"] == "run"
+    assert caught.value.response.headers["x-should-retry"] == "false"
 
 
 async def test_a_refusal_no_wait_mends_stays_final(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
@@ -222,6 +262,27 @@ async def test_anthropic_betas_reach_the_upstream(make_proxy: ProxyFactory, fake
     assert sent.get("anthropic-beta") == "context-1m-2025-08-07"
 
 
+async def test_every_anthropic_beta_line_goes_upstream(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
+    # Two lines of a header are one comma-separated list (RFC 9110).
+    proxy = await _claude_proxy(make_proxy, fake)
+    headers = CIMultiDict(
+        [
+            ("x-api-key", KEY_A),
+            ("anthropic-version", "2023-06-01"),
+            ("anthropic-beta", "context-1m-2025-08-07"),
+            ("anthropic-beta", "interleaved-thinking-2025-05-14"),
+        ]
+    )
+    body = {"model": "claude-x", "max_tokens": 20, "messages": MESSAGES}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/messages", json=body, headers=headers) as response,
+    ):
+        assert response.status == 200
+    sent = {k.lower(): v for k, v in fake.received[-1].headers.items()}
+    assert sent["anthropic-beta"] == "context-1m-2025-08-07,interleaved-thinking-2025-05-14"
+
+
 async def test_the_anthropic_sdk_reads_the_calls_id(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     proxy = await _claude_proxy(make_proxy, fake)
     client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
@@ -255,6 +316,19 @@ async def test_every_answer_carries_an_id(make_proxy: ProxyFactory, fake: FakeUp
     async with proxy.client("sk-wrong") as stranger:
         with pytest.raises(openai.AuthenticationError) as unknown:
             await stranger.models.list()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url + "/v1/chat/completions",
+            data=b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}',
+            headers={
+                "Authorization": f"Bearer {KEY_A}",
+                "Expect": "200-ok",
+                "Content-Type": "application/json",
+            },
+        ) as expectation,
+    ):
+        assert expectation.status == 417 and expectation.headers.get("x-request-id")
     assert listed.headers.get("x-request-id")
     assert too_large.value.status_code == 413 and too_large.value.request_id
     assert unknown.value.request_id

@@ -27,7 +27,9 @@ A reservation id that already exists is a retry: success, nothing changes, and t
 first try made is returned again (the caller must send the lowered cap Redis holds the call to).
 Returns on success {1, clamped output per choice (0 = not clamped), tightest meter, its
 remaining after this reserve (-1 = nothing limited), tightest scope index}; on refusal
-{0, scope index (1-based), meter, ceiling, used, reserved, amount}; {2} as ARGV[14] says.
+{0, scope index (1-based), meter, ceiling, used, reserved, amount, clears (1: every limited meter
+of every scope would fit once the calls in flight end: their reserves gone, save requests, which
+all count when they settle; the client may try again soon)}; {2} as ARGV[14] says.
 ]]
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -142,6 +144,17 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
 end
 
 if refusal then
+  local clears = 1
+  for s = 1, nscopes do
+    for m = 1, NM do
+      local st = state[s][m]
+      if st and amounts[m] > 0 then
+        local in_flight = (METERS[m] == 'requests') and st[3] or 0
+        if st[2] + in_flight + amounts[m] > st[1] then clears = 0 end
+      end
+    end
+  end
+  refusal[8] = clears
   local key = KEYS[2 + refusal[2]]
   redis.call('HINCRBY', key, 'refused:' .. refusal[3], 1)
   -- A refusal may write the key first (a run's first call): it expires as a reserve's would.

@@ -13,10 +13,13 @@ ARGV[11]     1: a call that went out, settled within its window (billing.bill_if
              billed even without a reservation; 0: anything else (late journal replays, the
              reaper, releases of unforwarded reserves), which does nothing without one
 ARGV[12]     seconds the settled marker is kept
-ARGV[13]     seconds the run ledger index (KEYS[4]) is kept after this settle (0 = for ever)
-ARGV[14..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
+ARGV[13]     seconds the run ledger index (KEYS[4]) is kept after this settle (0 = for ever), when
+             ARGV[14] names no run scope
+ARGV[14]     which of KEYS[5..] is the run's scope key (1-based; 0 = none): the ledger index then
+             lives exactly as long as the run's meters
+ARGV[15..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
              sets it, set again here: a key this settle writes anew (the reservation was lost, or
-             the key expired mid-call) still expires (absent = 0: left as it is)
+             the key expired mid-call) still expires (absent: left as it is)
 
 Idempotent by reservation id: settling replaces the record by a marker {settled = 1}, kept
 ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). The live settle
@@ -98,7 +101,7 @@ for s = 5, #KEYS do
     local v = ARGV[1 + m]
     if v ~= '0' then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
   end
-  local ttl = tonumber(ARGV[9 + s])
+  local ttl = tonumber(ARGV[10 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
   if ttl then extend(key, ttl, not held[1]) end
@@ -114,7 +117,18 @@ if lost then
   fields[#fields + 1] = 'lost'
 end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
-extend(KEYS[4], runlog_ttl, redis.call('RPUSH', KEYS[4], id) == 1)
+local first = redis.call('RPUSH', KEYS[4], id) == 1
+local run_scope = tonumber(ARGV[14]) or 0
+if run_scope > 0 and KEYS[4 + run_scope] then
+  local left = redis.call('PTTL', KEYS[4 + run_scope])
+  if left == -1 then
+    redis.call('PERSIST', KEYS[4])
+  elseif left > 0 then
+    redis.call('PEXPIRE', KEYS[4], left)
+  end
+else
+  extend(KEYS[4], runlog_ttl, first)
+end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'settled', '1')
 redis.call('EXPIRE', KEYS[1], marker_ttl)
