@@ -98,8 +98,13 @@ class PricePerMillion(_Frozen):
     output: Decimal = Field(ge=0, le=MAX_UNITS)
     cached_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
     reasoning: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
-    # Anthropic prompt-cache writes; priced as input unless given.
+    # Anthropic prompt-cache writes; priced as input unless given. Those kept an hour (a dearer
+    # write): as cache_creation_input unless given.
     cache_creation_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    cache_creation_input_1h: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    # Audio tokens (OpenAI audio models), parts of input and output: as text unless given.
+    audio_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    audio_output: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
 
     @cached_property
     def rates(self) -> dict[str, int]:
@@ -113,14 +118,19 @@ class PricePerMillion(_Frozen):
                 raise ValueError("prices are limited to 6 decimal places per million tokens")
             return int(scaled)
 
+        def given(price: Decimal | None, otherwise: Decimal) -> Decimal:
+            return otherwise if price is None else price
+
+        creation = given(self.cache_creation_input, self.input)
         return {
             "input": micros(self.input),
-            "cached_input": micros(self.cached_input if self.cached_input is not None else self.input),
+            "cached_input": micros(given(self.cached_input, self.input)),
+            "cache_creation_input": micros(creation),
+            "cache_creation_input_1h": micros(given(self.cache_creation_input_1h, creation)),
+            "audio_input": micros(given(self.audio_input, self.input)),
             "output": micros(self.output),
-            "reasoning": micros(self.reasoning if self.reasoning is not None else self.output),
-            "cache_creation_input": micros(
-                self.cache_creation_input if self.cache_creation_input is not None else self.input
-            ),
+            "reasoning": micros(given(self.reasoning, self.output)),
+            "audio_output": micros(given(self.audio_output, self.output)),
         }
 
     @model_validator(mode="after")

@@ -123,7 +123,12 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
     # Cache fields may be absent or null: none of that kind.
     cache_read = token_count(raw.get("cache_read_input_tokens") or 0)
     cache_creation = token_count(raw.get("cache_creation_input_tokens") or 0)
+    # Writes kept an hour cost more than those kept five minutes: their share of the writes.
+    split = raw.get("cache_creation")
+    hour = token_count((split.get("ephemeral_1h_input_tokens") if isinstance(split, dict) else None) or 0)
     if input_tokens is None or output_tokens is None or cache_read is None or cache_creation is None:
+        return None
+    if hour is None:
         return None
     return ProviderUsage(
         input_tokens=input_tokens + cache_read + cache_creation,
@@ -131,6 +136,7 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
         cached_input_tokens=cache_read,
         reasoning_tokens=0,
         cache_creation_input_tokens=cache_creation,
+        cache_creation_1h_input_tokens=min(hour, cache_creation),
         output_known=given is not None,
     )
 

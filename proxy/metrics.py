@@ -176,7 +176,7 @@ class Metrics:
         )
         self.tokens = Counter(
             "llm_proxy_tokens",
-            "Tokens charged, by type (input, cached_input, output, reasoning) and usage source.",
+            "Tokens charged, by type (input, output and their parts priced apart) and usage source.",
             ["tenant", "model", "type", "source"],
         )
         # Counted in integer micro-units, exported in whole units: no float drift in the sum.

@@ -21,6 +21,11 @@ class ProviderUsage:
     cached_input_tokens: int
     reasoning_tokens: int
     cache_creation_input_tokens: int = 0
+    # Parts of the input and output priced apart: audio (OpenAI), and the cache writes kept an
+    # hour (Anthropic; a part of cache_creation_input_tokens).
+    audio_input_tokens: int = 0
+    audio_output_tokens: int = 0
+    cache_creation_1h_input_tokens: int = 0
     # False when the report gave no output count (only prompt tokens): the output is then
     # counted from the text, never taken as 0.
     output_known: bool = True
@@ -70,7 +75,9 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     cached = _detail(prompt_details, "cached_tokens")
     written = _detail(prompt_details, "cache_write_tokens")  # a subset of the input
     reasoning = _detail(completion_details, "reasoning_tokens")
-    if cached is None or written is None or reasoning is None:
+    audio_in = _detail(prompt_details, "audio_tokens")
+    audio_out = _detail(completion_details, "audio_tokens")
+    if cached is None or written is None or reasoning is None or audio_in is None or audio_out is None:
         return None
     return ProviderUsage(
         prompt,
@@ -78,6 +85,8 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         cached,
         reasoning,
         cache_creation_input_tokens=written,
+        audio_input_tokens=audio_in,
+        audio_output_tokens=audio_out,
         output_known=given is not None,
     )
 

@@ -51,10 +51,36 @@ class BilledUsage:
     reasoning_tokens: int
     source: UsageSource
     cache_creation_input_tokens: int = 0
+    cache_creation_1h_input_tokens: int = 0
+    audio_input_tokens: int = 0
+    audio_output_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
+
+    def by_kind(self) -> tuple[tuple[str, int], ...]:
+        """Each kind's count (``TOKEN_KINDS``): the ledger's ``<kind>_tokens`` fields."""
+        return (
+            ("input", self.input_tokens),
+            ("cached_input", self.cached_input_tokens),
+            ("cache_creation_input", self.cache_creation_input_tokens),
+            ("cache_creation_1h_input", self.cache_creation_1h_input_tokens),
+            ("audio_input", self.audio_input_tokens),
+            ("output", self.output_tokens),
+            ("reasoning", self.reasoning_tokens),
+            ("audio_output", self.audio_output_tokens),
+        )
+
+
+# Token kinds a bill names: input and output, and the parts of them priced apart (cache reads
+# and writes, writes kept an hour, audio, reasoning).
+TOKEN_KINDS = tuple(
+    kind
+    for kind, _ in BilledUsage(
+        input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
+    ).by_kind()
+)
 
 
 def _json_problem(text: str) -> str | None:
@@ -123,6 +149,9 @@ def provider_usage(obs: Observation) -> BilledUsage | None:
         reasoning_tokens=u.reasoning_tokens,
         source="provider",
         cache_creation_input_tokens=u.cache_creation_input_tokens,
+        cache_creation_1h_input_tokens=u.cache_creation_1h_input_tokens,
+        audio_input_tokens=u.audio_input_tokens,
+        audio_output_tokens=u.audio_output_tokens,
     )
 
 

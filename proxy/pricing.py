@@ -25,37 +25,46 @@ def cost_micros(
     output_tokens: int,
     reasoning_tokens: int = 0,
     cache_creation_input_tokens: int = 0,
+    cache_creation_1h_input_tokens: int = 0,
+    audio_input_tokens: int = 0,
+    audio_output_tokens: int = 0,
 ) -> int:
-    """``rates`` are micro-units per million tokens (``PricePerMillion.micros_per_million``)."""
+    """``rates`` are micro-units per million tokens (``PricePerMillion.micros_per_million``).
+    Each part is taken out of what is left of its whole (never below zero): a provider's parts
+    that overlap or pass the whole are never billed twice."""
     if rates is None:
         return 0
     cached = min(cached_input_tokens, input_tokens)
     creation = min(cache_creation_input_tokens, input_tokens - cached)
+    creation_1h = min(cache_creation_1h_input_tokens, creation)
+    audio_in = min(audio_input_tokens, input_tokens - cached - creation)
     reasoning = min(reasoning_tokens, output_tokens)
+    audio_out = min(audio_output_tokens, output_tokens - reasoning)
     exact = (
-        (input_tokens - cached - creation) * rates["input"]
+        (input_tokens - cached - creation - audio_in) * rates["input"]
         + cached * rates["cached_input"]
-        + creation * rates["cache_creation_input"]
-        + (output_tokens - reasoning) * rates["output"]
+        + (creation - creation_1h) * rates["cache_creation_input"]
+        + creation_1h * rates["cache_creation_input_1h"]
+        + audio_in * rates["audio_input"]
+        + (output_tokens - reasoning - audio_out) * rates["output"]
         + reasoning * rates["reasoning"]
+        + audio_out * rates["audio_output"]
     )
     return -(-exact // TOKENS_PER_MILLION)
 
 
+INPUT_RATES = ("input", "cached_input", "cache_creation_input", "cache_creation_input_1h", "audio_input")
+OUTPUT_RATES = ("output", "reasoning", "audio_output")
+
+
 def worst_rates(rates: dict[str, int] | None) -> dict[str, int] | None:
-    """For the reserve, every input token at the dearest input rate (a cache write can cost more
-    than plain input) and every output token at the dearest output rate (reasoning)."""
+    """For the reserve, every input token at the dearest input rate (a cache write or audio can
+    cost more than plain text) and every output token at the dearest output rate."""
     if rates is None:
         return None
-    top_in = max(rates["input"], rates["cache_creation_input"], rates["cached_input"])
-    top_out = max(rates["output"], rates["reasoning"])
-    return {
-        "input": top_in,
-        "cached_input": top_in,
-        "cache_creation_input": top_in,
-        "output": top_out,
-        "reasoning": top_out,
-    }
+    top_in = max(rates[kind] for kind in INPUT_RATES)
+    top_out = max(rates[kind] for kind in OUTPUT_RATES)
+    return {**dict.fromkeys(INPUT_RATES, top_in), **dict.fromkeys(OUTPUT_RATES, top_out)}
 
 
 def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, int]:

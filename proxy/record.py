@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from proxy.call import Call
 from proxy.config import Config
 from proxy.errors import BudgetExceeded
 from proxy.logs import CALL_LOGGER, log_call, redact
 from proxy.metrics import Metrics, model_label, tenant_label
+from proxy.outcome import TOKEN_KINDS
 from proxy.settle import Settlement
 
 call_log = logging.getLogger(CALL_LOGGER)
@@ -32,12 +33,7 @@ def record_call(
             endpoint=call.endpoint,
             outcome_tag=settlement.outcome.tag,
             source=usage.source,
-            tokens=(
-                usage.input_tokens,
-                usage.cached_input_tokens,
-                usage.output_tokens,
-                usage.reasoning_tokens,
-            ),
+            tokens=usage.by_kind(),
             cost_micros=settlement.cost_micros,
             overshoot_tokens=settlement.overshoot_tokens,
             clamped=call.clamped,
@@ -73,11 +69,6 @@ def record_call(
         )
 
 
-# cached_input is the part of input served from cache; reasoning the part of output spent
-# thinking: the same fields as the ledger entry.
-TOKEN_KINDS = ("input", "cached_input", "output", "reasoning")
-
-
 def _count_spend(
     metrics: Metrics,
     tenant: str,
@@ -86,13 +77,13 @@ def _count_spend(
     endpoint: str,
     outcome_tag: str,
     source: str,
-    tokens: tuple[int, int, int, int],
+    tokens: Iterable[tuple[str, int]],
     cost_micros: int,
     overshoot_tokens: int,
     clamped: bool,
 ) -> None:
     metrics.requests.labels(tenant, model, endpoint, outcome_tag).inc()
-    for kind, count in zip(TOKEN_KINDS, tokens, strict=True):
+    for kind, count in tokens:  # cached_input a part of input, reasoning of output...: as the ledger
         if count:
             metrics.tokens.labels(tenant, model, kind, source).inc(count)
     if cost_micros:
@@ -106,7 +97,6 @@ def _count_spend(
 def record_entry(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> None:
     """A ledger entry this process wrote off the request path (a journaled settle replayed, a
     lease reaped): in the spend counters as a call's own (``record_call``) would be."""
-    in_tokens, cached, out_tokens, reasoning = (int(entry.get(f"{kind}_tokens") or 0) for kind in TOKEN_KINDS)
     _count_spend(
         metrics,
         tenant_label(entry["tenant"], config),
@@ -114,7 +104,7 @@ def record_entry(metrics: Metrics, config: Config, entry: Mapping[str, str]) -> 
         endpoint=entry["endpoint"],
         outcome_tag=entry["outcome"].partition(":")[0],
         source=entry["usage_source"],
-        tokens=(in_tokens, cached, out_tokens, reasoning),
+        tokens=[(kind, int(entry.get(f"{kind}_tokens") or 0)) for kind in TOKEN_KINDS],
         cost_micros=int(entry.get("cost_micros") or 0),
         overshoot_tokens=int(entry.get("overshoot_tokens") or 0),
         clamped=entry.get("clamped") == "1",

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from proxy.config import MICROS_PER_UNIT
+from proxy.outcome import TOKEN_KINDS
 
 GROUPS = {"model": "model", "run": "run_id", "key": "key"}
-TOKEN_FIELDS = ("input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens")
+TOKEN_FIELDS = tuple(f"{kind}_tokens" for kind in TOKEN_KINDS)
 
 
 @dataclass

@@ -56,7 +56,7 @@ def entry_fields(
     overshoot = max(
         0, usage.input_tokens + usage.output_tokens - call.reserved_input_tokens - call.reserved_output_tokens
     )
-    return {
+    entry = {
         "request_id": call.request_id,
         "reservation_id": call.reservation_id,
         "time_ms": str(call.started_wall_ms),
@@ -85,6 +85,11 @@ def entry_fields(
         "latency_ms": str(int((now - call.started_at) * 1000)),
         "ttft_ms": ttft_ms,
     }
+    # Kinds most calls have none of: only when there are some (an entry is kept for good).
+    for kind, count in usage.by_kind():
+        if count and f"{kind}_tokens" not in entry:
+            entry[f"{kind}_tokens"] = str(count)
+    return entry
 
 
 async def settle(
@@ -110,6 +115,9 @@ async def settle(
         output_tokens=usage.output_tokens,
         reasoning_tokens=usage.reasoning_tokens,
         cache_creation_input_tokens=usage.cache_creation_input_tokens,
+        cache_creation_1h_input_tokens=usage.cache_creation_1h_input_tokens,
+        audio_input_tokens=usage.audio_input_tokens,
+        audio_output_tokens=usage.audio_output_tokens,
     )
     if cost > MAX_AMOUNT:
         # Counts up to 10**12 are taken from a provider; at a high unit price their cost can
@@ -239,15 +247,19 @@ def billing_headers(call: Call, settlement: Settlement) -> dict[str, str]:
 
 def billing_comment(call: Call, settlement: Settlement) -> bytes:
     """An SSE comment SDKs ignore, carrying the tag a non-streaming call gets as headers."""
-    payload = {
+    usage = settlement.usage
+    payload: dict[str, str | int] = {
         "request_id": call.request_id,
         "run_id": call.run_id,
         "outcome": settlement.outcome.label,
-        "input_tokens": settlement.usage.input_tokens,
-        "cached_input_tokens": settlement.usage.cached_input_tokens,
-        "output_tokens": settlement.usage.output_tokens,
-        "reasoning_tokens": settlement.usage.reasoning_tokens,
-        "usage_source": settlement.usage.source,
-        "cost_micros": settlement.cost_micros,
+        "input_tokens": usage.input_tokens,
+        "cached_input_tokens": usage.cached_input_tokens,
+        "output_tokens": usage.output_tokens,
+        "reasoning_tokens": usage.reasoning_tokens,
     }
+    for kind, count in usage.by_kind():  # the kinds most calls have none of, when there are some
+        if count and f"{kind}_tokens" not in payload:
+            payload[f"{kind}_tokens"] = count
+    payload["usage_source"] = usage.source
+    payload["cost_micros"] = settlement.cost_micros
     return b": billing " + orjson.dumps(payload) + b"\n\n"

@@ -134,6 +134,9 @@ def test_prices_are_exact_integers_per_million() -> None:
         "output": 600_000,
         "reasoning": 600_000,
         "cache_creation_input": 150_000,
+        "cache_creation_input_1h": 150_000,  # as cache_creation_input, as text unless given
+        "audio_input": 150_000,
+        "audio_output": 600_000,
     }
 
 

@@ -1,0 +1,200 @@
+"""Token kinds a provider prices apart from plain text: each billed at its own price, and named
+alike in the ledger, the stream's billing comment, the token counters and the report.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import generate_latest
+
+from proxy.app import STATE
+from proxy.report import TOKEN_FIELDS
+from tests.conftest import KEY_A, ProxyFactory
+from tests.test_bad_input import Plan, ScriptedUpstream
+
+# gpt-4o-audio-preview's list prices per million: text 2.5 in, 10 out; audio 40 in, 80 out.
+AUDIO_PRICE = {"input": "2.5", "output": "10", "audio_input": "40", "audio_output": "80"}
+# Claude Sonnet 4.5's: input 3, output 15, cache reads 0.30, writes 3.75 (5 minutes), 6 (an hour).
+CLAUDE_PRICE = {
+    "input": "3",
+    "output": "15",
+    "cached_input": "0.3",
+    "cache_creation_input": "3.75",
+    "cache_creation_input_1h": "6",
+}
+
+
+def _sse(event: str, obj: Any) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(obj)}\n\n".encode()
+
+
+async def _post(url: str, path: str, body: dict[str, Any], run: str) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run, "anthropic-version": "2023-06-01"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + path, json=body, headers=headers) as resp,
+    ):
+        return resp.status, await resp.read()
+
+
+async def _entry(redis_client: aioredis.Redis) -> dict[str, str]:
+    [(_, fields)] = await redis_client.xrange("lbp:{team-a}:ledger")
+    return dict(fields)
+
+
+async def test_audio_tokens_are_billed_at_their_own_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-4o-audio-preview": {"upstream": "openai", "price_per_million": AUDIO_PRICE}},
+    )
+    usage = {
+        "prompt_tokens": 100,
+        "completion_tokens": 500,
+        "total_tokens": 600,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 80, "text_tokens": 20},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 400, "text_tokens": 100},
+    }
+    answer = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "gpt-4o-audio-preview",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": usage,
+    }
+    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    request = {
+        "model": "gpt-4o-audio-preview",
+        "modalities": ["text", "audio"],
+        "messages": [{"role": "user", "content": "say hi"}],
+        "max_completion_tokens": 1000,
+    }
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "audio")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == 20 * 2.5 + 80 * 40 + 100 * 10 + 400 * 80  # 36,250, not 5,250
+    assert (entry["audio_input_tokens"], entry["audio_output_tokens"]) == ("80", "400")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_cache_writes_kept_an_hour_are_billed_at_their_price(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    proxy = await make_proxy(
+        upstreams={
+            "anthropic": {
+                "base_url": script.base_url,
+                "kind": "anthropic",
+                "api_key_env": "TEST_UPSTREAM_KEY",
+            }
+        },
+        models={"claude-sonnet-4-5": {"upstream": "anthropic", "price_per_million": CLAUDE_PRICE}},
+    )
+    usage = {
+        "input_tokens": 50,
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 100_000,
+        "cache_creation": {"ephemeral_5m_input_tokens": 40_000, "ephemeral_1h_input_tokens": 60_000},
+        "output_tokens": 20,
+    }
+    message = {
+        "id": "m",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [{"type": "text", "text": "hi"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    if stream:
+        start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+        chunks = [
+            _sse("message_start", {"type": "message_start", "message": start}),
+            _sse(
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            ),
+            _sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+            ),
+            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "end_turn"},
+                    "usage": {"output_tokens": 20},
+                },
+            ),
+            _sse("message_stop", {"type": "message_stop"}),
+        ]
+        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    else:
+        script.plan = Plan(chunks=[json.dumps(message).encode()])
+    request = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 100,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    status, raw = await _post(proxy.url, "/v1/messages", request, "hour")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == 50 * 3 + 40_000 * 3.75 + 60_000 * 6 + 20 * 15  # 510,450
+    assert (entry["cache_creation_input_tokens"], entry["cache_creation_1h_input_tokens"]) == (
+        "100000",
+        "60000",
+    )
+    if stream:
+        comment = next(line for line in raw.split(b"\n") if line.startswith(b": billing "))
+        billed = json.loads(comment.removeprefix(b": billing "))
+        assert billed["cache_creation_input_tokens"] == 100_000
+        assert billed["cache_creation_1h_input_tokens"] == 60_000
+
+
+async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    # An operator rebuilds a bill from the report or the token counters: the cache writes and
+    # the audio tokens were missing from both.
+    for kind in ("cache_creation_input", "cache_creation_1h_input", "audio_input", "audio_output"):
+        assert f"{kind}_tokens" in TOKEN_FIELDS
+    proxy = await make_proxy(
+        upstreams={
+            "anthropic": {
+                "base_url": script.base_url,
+                "kind": "anthropic",
+                "api_key_env": "TEST_UPSTREAM_KEY",
+            }
+        },
+        models={"claude-sonnet-4-5": {"upstream": "anthropic", "price_per_million": CLAUDE_PRICE}},
+    )
+    usage = {"input_tokens": 5, "cache_creation_input_tokens": 700, "output_tokens": 2}
+    message = {
+        "id": "m",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [{"type": "text", "text": "hi"}],
+        "stop_reason": "end_turn",
+        "usage": usage,
+    }
+    script.plan = Plan(chunks=[json.dumps(message).encode()])
+    request = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    assert (await _post(proxy.url, "/v1/messages", request, "kinds"))[0] == 200
+    exported = generate_latest(proxy.app[STATE].metrics.registry).decode()
+    written = [line for line in exported.splitlines() if 'type="cache_creation_input"' in line]
+    assert written[0].endswith(" 700.0")
