@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.auth import Identity
-from proxy.config import Config, PolicyConfig, UpstreamConfig
+from proxy.config import Config, ModelConfig, PolicyConfig, UpstreamConfig
 from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
 from proxy.estimate import Estimate, estimate
@@ -93,6 +93,8 @@ class Call:
     # A quick reserve being lowered to the exact count (``refine.refine``); the settle cancels
     # what it has not done yet.
     refining: asyncio.Future[None] | None = None
+    # The processing tier the client asked for, when not the default (priced apart).
+    service_tier: str | None = None
     # The client's feature switches for the provider (``forward.feature_headers``).
     feature_headers: Mapping[str, str] = field(default_factory=dict)
 
@@ -103,6 +105,31 @@ class Call:
     @property
     def reserved_output_tokens(self) -> int:
         return self.estimate.output_tokens
+
+
+# Tiers that are the default's price: OpenAI's "auto" is the project's default tier.
+DEFAULT_SERVICE_TIERS = frozenset({"auto", "default"})
+
+
+def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[str, int] | None]:
+    """The tier a request asks for (None: the default) and its prices per million tokens, or
+    the refusal of a tier the operator did not price (billing it at the default's prices would
+    charge a priority call at half its cost)."""
+    asked = view.service_tier if isinstance(view, ChatBody | ResponsesBody) else None
+    price = model.price_per_million
+    if asked is None or asked in DEFAULT_SERVICE_TIERS:
+        return None, price.rates if price else None
+    if price is None:  # an unpriced model: its cost is not counted, whatever the tier
+        return asked, None
+    tier_price = model.service_tiers.get(asked)
+    if tier_price is None:
+        raise BadRequest(
+            f"The service tier '{asked[:64]}' has no price for the model '{view.model}' in this proxy's "
+            "config: leave service_tier unset, or ask the operator to price that tier.",
+            param="service_tier",
+            code="unsupported_service_tier",
+        )
+    return asked, tier_price.rates
 
 
 def plan_call(
@@ -159,7 +186,7 @@ def plan_call(
         text = body.get("text")
         form = text.get("format") if isinstance(text, dict) else None
         json_mode = isinstance(form, dict) and form.get("type") in ("json_object", "json_schema")
-    price = model_config.price_per_million
+    service_tier, rates = rates_for(view, model_config)
     return Call(
         request_id=request_id,
         reservation_id=ids.new(),
@@ -176,7 +203,8 @@ def plan_call(
         client_wants_usage=client_wants_usage,
         json_mode=json_mode,
         policy=config.policy_for(identity.tier),
-        rates=price.rates if price else None,
+        rates=rates,
+        service_tier=service_tier,
         estimate=est,
         body=body,
         choices=answers(view),

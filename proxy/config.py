@@ -147,6 +147,9 @@ class ModelConfig(_Frozen):
     # on the model, the size and the detail, which the proxy cannot know (0: not reserved).
     media_part_input_tokens: int = Field(default=0, ge=0, le=10_000_000)
     price_per_million: PricePerMillion | None = None
+    # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
+    # flex), beside the default's; a priced model refuses a tier not priced here.
+    service_tiers: dict[str, PricePerMillion] = {}
 
 
 def _check_digest(value: str | None) -> str | None:

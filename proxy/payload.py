@@ -29,6 +29,8 @@ class _Body(BaseModel):
 
 class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    # Priority or flex processing is priced apart (``call.rates_for``).
+    service_tier: str | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = _TokenCount
@@ -91,6 +93,7 @@ class ResponsesBody(_Body):
 
     # Optional: a stored prompt or a previous response may be all the input there is.
     input: str | list[dict[str, Any]] | None = None
+    service_tier: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = _TokenCount
     stream: bool | None = None

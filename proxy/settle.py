@@ -85,6 +85,8 @@ def entry_fields(
         "latency_ms": str(int((now - call.started_at) * 1000)),
         "ttft_ms": ttft_ms,
     }
+    if call.service_tier is not None:
+        entry["service_tier"] = call.service_tier
     # Kinds most calls have none of: only when there are some (an entry is kept for good).
     for kind, count in usage.by_kind():
         if count and f"{kind}_tokens" not in entry:

@@ -198,3 +198,65 @@ async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
     exported = generate_latest(proxy.app[STATE].metrics.registry).decode()
     written = [line for line in exported.splitlines() if 'type="cache_creation_input"' in line]
     assert written[0].endswith(" 700.0")
+
+
+# gpt-5's list prices per million: 1.25 in, 10 out; priority processing 2.5 in, 20 out; flex half.
+GPT5 = {
+    "upstream": "openai",
+    "price_per_million": {"input": "1.25", "output": "10"},
+    "service_tiers": {
+        "priority": {"input": "2.5", "output": "20"},
+        "flex": {"input": "0.625", "output": "5"},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("tier", "cost_micros"),
+    [(None, 10_000 * 1.25 + 2_000 * 10), ("auto", 32_500), ("priority", 65_000), ("flex", 16_250)],
+)
+async def test_a_processing_tier_is_billed_at_its_own_prices(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    tier: str | None,
+    cost_micros: float,
+) -> None:
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": GPT5},
+    )
+    usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
+    answer = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "gpt-5",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": usage,
+    }
+    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
+    if tier is not None:
+        request["service_tier"] = tier
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "tier")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == cost_micros
+    assert entry.get("service_tier") == (tier if tier in ("priority", "flex") else None)
+
+
+async def test_a_processing_tier_the_operator_did_not_price_is_refused(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    # Forwarded and billed at the default's prices, a priority call cost the operator twice what
+    # the tenant was charged.
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": {"upstream": "openai", "price_per_million": {"input": "1.25", "output": "10"}}},
+    )
+    request = {"model": "gpt-5", "service_tier": "priority", "messages": [{"role": "user", "content": "hi"}]}
+    status, raw = await _post(proxy.url, "/v1/chat/completions", request, "unpriced")
+    assert status == 400
+    assert json.loads(raw)["error"]["code"] == "unsupported_service_tier"
+    assert script.received == []
