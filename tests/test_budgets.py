@@ -247,31 +247,36 @@ async def test_tenant_window_is_shared_by_all_keys_of_the_tenant(
     assert len(fake.bill) == 1
 
 
-async def test_reload_applies_new_prices_and_ceilings_and_keeps_usage(
-    fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess, redis_client: aioredis.Redis
-) -> None:
+async def _proxy_from_file(raw: dict[str, Any], path: Path) -> Proxy:
+    """A proxy serving the config file ``path`` (written from ``raw``), reloaded on SIGHUP."""
+    from aiohttp import web
+
     from proxy.app import build_app
     from proxy.config_load import load_config
     from proxy.tokenizer import Tokenizer
 
+    path.write_text(yaml.safe_dump(raw))
+    os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
+    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return Proxy(
+        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
+    )
+
+
+async def test_reload_applies_new_prices_and_ceilings_and_keeps_usage(
+    fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
     raw = base_config(fake.base_url, redis_server.url)
     raw["models"] = {
         "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "1"}}
     }
     raw["tiers"] = tiers(run={"requests": 3})
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
-    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
-    from aiohttp import web
-
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    proxy = Proxy(
-        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
-    )
+    proxy = await _proxy_from_file(raw, path)
+    app, runner = proxy.app, proxy.runner
     try:
         first = await call(proxy, "reload")
         assert first.headers["x-billing-cost-micros"] == "12"  # 4 input + 8 output at 1 per token
@@ -499,25 +504,12 @@ async def test_a_reload_to_keep_runs_for_ever_keeps_a_live_run_for_ever(
 ) -> None:
     # The run's keys had the TTL of the old setting: left, the run would expire under its next
     # calls and its ceiling be spent again.
-    from aiohttp import web
-
-    from proxy.app import build_app
-    from proxy.config_load import load_config
-    from proxy.tokenizer import Tokenizer
-
     raw = base_config(fake.base_url, redis_server.url)
     raw["limits"] = {"run_ttl_s": 3600}
     raw["tiers"] = tiers(run={"requests": 5})
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
-    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    proxy = Proxy(
-        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
-    )
+    proxy = await _proxy_from_file(raw, path)
+    app, runner = proxy.app, proxy.runner
     keys = ("lbp:{team-a}:run:for-ever", "lbp:{team-a}:runlog:for-ever")
     try:
         await call(proxy, "for-ever")

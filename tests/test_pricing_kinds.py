@@ -42,6 +42,18 @@ async def _post(url: str, path: str, body: dict[str, Any], run: str) -> tuple[in
         return resp.status, await resp.read()
 
 
+def _chat_answer(model: str, usage: dict[str, Any]) -> Plan:
+    answer = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": usage,
+    }
+    return Plan(chunks=[json.dumps(answer).encode()])
+
+
 async def _entry(redis_client: aioredis.Redis) -> dict[str, str]:
     [(_, fields)] = await redis_client.xrange("lbp:{team-a}:ledger")
     return dict(fields)
@@ -61,15 +73,7 @@ async def test_audio_tokens_are_billed_at_their_own_prices(
         "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 80, "text_tokens": 20},
         "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 400, "text_tokens": 100},
     }
-    answer = {
-        "id": "c",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "gpt-4o-audio-preview",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-        "usage": usage,
-    }
-    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    script.plan = _chat_answer("gpt-4o-audio-preview", usage)
     request = {
         "model": "gpt-4o-audio-preview",
         "modalities": ["text", "audio"],
@@ -227,15 +231,7 @@ async def test_a_processing_tier_is_billed_at_its_own_prices(
         models={"gpt-5": GPT5},
     )
     usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
-    answer = {
-        "id": "c",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "gpt-5",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-        "usage": usage,
-    }
-    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    script.plan = _chat_answer("gpt-5", usage)
     request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
     if tier is not None:
         request["service_tier"] = tier
