@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from proxy.config import Config
-from proxy.config_load import load_config, passthrough_config
+from proxy.config_load import load_config, passthrough_config, with_flags
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
 from proxy.redis_server import EmbeddedKeeper, RedisServerProcess
@@ -66,15 +66,12 @@ def _config_for(args: argparse.Namespace) -> Config:
         )
     if not args.config:
         raise ConfigError("give --config FILE (or --upstream URL for a zero-config start)")
-    config = load_config(args.config)
-    updates: dict[str, object] = {}
-    if getattr(args, "host", None) or getattr(args, "port", None) is not None:
-        updates["listen"] = config.listen.model_copy(
-            update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        )
-    if args.redis_url:
-        updates["redis"] = config.redis.model_copy(update={"url": args.redis_url})
-    return config.model_copy(update=updates) if updates else config
+    return with_flags(
+        load_config(args.config),
+        host=getattr(args, "host", None) or None,
+        port=getattr(args, "port", None),
+        redis_url=args.redis_url or None,
+    )
 
 
 @contextmanager
@@ -167,8 +164,7 @@ def _store_config(args: argparse.Namespace) -> Config:
         config = passthrough_config("http://unused.invalid", host="127.0.0.1", port=0, redis_url=None)
     else:
         raise ConfigError("give --config FILE or --redis-url URL")
-    if args.redis_url:
-        config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": args.redis_url})})
+    config = with_flags(config, redis_url=args.redis_url or None)
     setup_logging("warning", "text")
     return config
 

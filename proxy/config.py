@@ -13,6 +13,7 @@ from decimal import Decimal
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -66,8 +67,17 @@ class RedisConfig(_Frozen):
     @field_validator("url")
     @classmethod
     def _url_scheme(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^(redis|rediss|unix)://", value):
+        if value is None:
+            return value
+        if not re.match(r"^(redis|rediss|unix)://", value):
             raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)")
+        parts = urlsplit(value)
+        try:
+            parts.port  # noqa: B018 (raises for a port that is not one)
+        except ValueError:
+            raise ValueError(f"invalid Redis URL: the port of {parts.netloc!r} is not a port") from None
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError("invalid Redis URL: unix:// needs the socket's path")
         return value
 
 
@@ -150,6 +160,16 @@ class ModelConfig(_Frozen):
     # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
     # flex), beside the default's; a priced model refuses a tier not priced here.
     service_tiers: dict[str, PricePerMillion] = {}
+
+    @model_validator(mode="after")
+    def _tiers_beside_a_price(self) -> ModelConfig:
+        if self.service_tiers and self.price_per_million is None:
+            # An unpriced model's calls cost 0: a tier's prices would be ignored.
+            raise ValueError("service_tiers: price_per_million (the default tier's prices) is needed too")
+        for name in self.service_tiers:
+            if name in ("auto", "default"):
+                raise ValueError(f"service_tiers.{name}: the default tier's prices are price_per_million")
+        return self
 
 
 def _check_digest(value: str | None) -> str | None:

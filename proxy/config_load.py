@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, ValidationError
 
-from proxy.config import AdminKeyConfig, Config, KeyConfig, RedisConfig
+from proxy.config import AdminKeyConfig, Config, KeyConfig, ListenConfig, RedisConfig
 from proxy.errors import ConfigError
 
 
@@ -60,6 +60,22 @@ def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
     return config.model_copy(
         update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests), "admin_digests": admin}
     )
+
+
+def with_flags(
+    config: Config, *, host: str | None = None, port: int | None = None, redis_url: str | None = None
+) -> Config:
+    """``config`` with the command line's overrides, validated as the file's values are."""
+    updates: dict[str, object] = {}
+    try:
+        if host is not None or port is not None:
+            listen = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+            updates["listen"] = ListenConfig.model_validate({**config.listen.model_dump(), **listen})
+        if redis_url is not None:
+            updates["redis"] = RedisConfig.model_validate({**config.redis.model_dump(), "url": redis_url})
+    except ValidationError as err:
+        raise ConfigError("command line: " + _format_validation_error(err)) from None
+    return config.model_copy(update=updates) if updates else config
 
 
 def _digest(section: str, key: KeyConfig | AdminKeyConfig, environ: Mapping[str, str]) -> str:

@@ -67,6 +67,8 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
         "latency_ms": "",
         "ttft_ms": "",
     }
+    if isinstance(record.get("service_tier"), str):
+        entry["service_tier"] = record["service_tier"]
     run_ttl_s = record.get("run_ttl_s", 0)
     return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
 

@@ -279,7 +279,8 @@ class RedisStore:
                 tightest_meter=str(meter) or None,
                 tightest_remaining=int(remaining),
             )
-        _, index, meter, ceiling, used, reserved, amount, *clears = result
+        _, index, meter, ceiling, used, reserved, amount, *after = result
+        waits_on = tuple(scopes[int(i) - 1] for i in str(after[1]).split()) if len(after) > 1 else ()
         return Refusal(
             scope=scopes[int(index) - 1],
             meter=str(meter),
@@ -287,7 +288,8 @@ class RedisStore:
             used=int(used),
             reserved=int(reserved),
             amount=int(amount),
-            clears=bool(clears and int(clears[0])),
+            clears=bool(after and int(after[0])),
+            waits_on=waits_on,
         )
 
     async def settle(

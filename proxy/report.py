@@ -76,7 +76,10 @@ def csv_text(table: Iterable[Mapping[str, object]]) -> str:
     for row in table:
         columns += [c for c in row if c not in columns]
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    # RFC 4180's terminator: the writer then quotes a cell holding a lone CR as well as an LF (a
+    # bare CR ends a row for every reader, and a row of the client's choosing could start with a
+    # formula past the guard).
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\r\n")
     writer.writeheader()
     writer.writerows({k: _inert(v) for k, v in row.items()} for row in table)
     return buffer.getvalue()

@@ -44,10 +44,13 @@ def _refusal_error(refusal: Refusal) -> BudgetExceeded:
         "x-billing-refused-meter": refusal.meter,
         "x-billing-refused-scope": scope.name,
     }
+    resets = [s.resets_at_s for s in refusal.waits_on or (scope,)]
     if refusal.clears:
         headers["retry-after"] = "1"
-    elif scope.resets_at_s is not None:
-        headers["retry-after"] = str(max(1, scope.resets_at_s - int(time.time())))
+    elif all(at is not None for at in resets):
+        # When the last window that refuses it has reset (a scope for good, such as a key's
+        # lifetime: none).
+        headers["retry-after"] = str(max(1, max(at for at in resets if at is not None) - int(time.time())))
     return BudgetExceeded(message, headers=headers)
 
 
@@ -135,6 +138,7 @@ async def reserve(
             "upstream": call.upstream_name,
             "stream": call.stream,
             "time_ms": call.started_wall_ms,
+            "service_tier": call.service_tier,
             "run_ttl_s": run_ttl_s,  # for a reaper's settle: how long the run's ledger index stays
         },
     ).decode()

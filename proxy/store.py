@@ -60,6 +60,8 @@ class Refusal:
     # Every limited meter would fit once the calls in flight end (their reserves gone; requests
     # in flight all count): the same request may fit soon.
     clears: bool = False
+    # The scopes that would still refuse it then (the refused one, or others).
+    waits_on: tuple[Scope, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -265,3 +265,58 @@ def test_reading_the_ledger_where_no_store_is_refuses_instead_of_making_an_empty
         assert main([command, "--config", str(config), "--tenant", "team-a"]) == 3
         assert "no ledger store in" in capsys.readouterr().err
     assert not (elsewhere / ".llm-billing-proxy").exists()
+
+
+FORMULA_AFTER_CR = "gpt-4o\r=cmd|' /C calc'!A0"
+
+
+@pytest.mark.parametrize("command", ["ledger", "report"])
+async def test_a_carriage_return_in_a_model_neither_splits_a_csv_row_nor_starts_a_formula(
+    make_proxy: ProxyFactory,
+    redis_server: RedisServerProcess,
+    redis_client: object,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    # A bare CR ends a row for every CSV reader: the writer left such a cell unquoted, and the
+    # next "row" started with a cell of the client's choosing, past the formula guard.
+    proxy = await make_proxy()
+    await proxy.client().chat.completions.create(
+        model=FORMULA_AFTER_CR, messages=[{"role": "user", "content": "hi"}]
+    )
+    base = ["--redis-url", redis_server.url, "--tenant", "team-a", "--format", "csv"]
+    assert await asyncio.to_thread(main, [command, *base]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out, newline="")))
+    assert len(rows) == 2, rows
+    assert not any(cell.startswith("=") for row in rows for cell in row), rows
+
+
+BAD_FLAG_CONFIG = (
+    "upstreams: {openai: {base_url: 'http://127.0.0.1:9/v1'}}\n"
+    "models: {'*': {upstream: openai}}\n"
+    "redis: {url: 'redis://127.0.0.1:1'}\n"
+    "log: {format: text}\n"
+)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ledger", "--redis-url", "notaurl", "--tenant", "team-a"],
+        ["report", "--redis-url", "localhost:6379", "--tenant", "team-a"],
+        ["ledger", "--redis-url", "redis://127.0.0.1:notaport", "--tenant", "team-a"],
+        ["serve", "--config", "{config}", "--port", "70000"],
+        ["serve", "--config", "{config}", "--redis-url", "notaurl"],
+        ["check-config", "{bad_port_config}"],
+    ],
+)
+def test_a_bad_value_on_the_command_line_is_a_config_error_not_a_traceback(
+    tmp_path: Path, args: list[str]
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(BAD_FLAG_CONFIG)
+    bad_port = tmp_path / "bad.yaml"
+    bad_port.write_text(BAD_FLAG_CONFIG.replace("redis://127.0.0.1:1", "redis://127.0.0.1:notaport"))
+    result = run_cli(*(a.format(config=config, bad_port_config=bad_port) for a in args))
+    assert "Traceback" not in result.stderr, result.stderr[-300:]
+    assert result.returncode == 2, (result.stdout, result.stderr)

@@ -344,3 +344,14 @@ def test_the_largest_ceilings_and_prices_the_store_holds_are_taken() -> None:
     }
     config = parse_config(raw, {"TEST_UPSTREAM_KEY": "k"})
     assert config.tiers["standard"].run.meters == {"total_tokens": 10**15 - 1, "cost_micros": 10**15 - 1}
+
+
+def test_tier_prices_need_the_default_tiers_price() -> None:
+    # Tier prices on an unpriced model were ignored: a priority call was billed 0.
+    tiers = {"priority": {"input": "2.5", "output": "20"}}
+    models = {"gpt-5": {"upstream": "openai", "service_tiers": tiers}}
+    assert "price_per_million" in error_of({**UP, "models": models})
+    priced = {"upstream": "openai", "price_per_million": {"input": "1", "output": "1"}}
+    assert "service_tiers.auto" in error_of(
+        {**UP, "models": {"m": {**priced, "service_tiers": {"auto": tiers["priority"]}}}}
+    )

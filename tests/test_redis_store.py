@@ -16,7 +16,7 @@ from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
-from proxy.store import Clamp, Refusal, Reservation, Scope, Tentative
+from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Tentative
 from tests.cluster import RedisClusterProcesses
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -662,3 +662,48 @@ async def test_a_runs_ledger_index_lives_as_long_as_its_meters(store: RedisStore
     meters_ms = await store.client.pttl(run.key)
     assert 0 < meters_ms <= 3_600_000
     assert abs(await store.client.pttl("lbp:{team-a}:runlog:follows") - meters_ms) < 1000
+
+
+ZERO = dict.fromkeys(ACTUAL_METERS, 0)
+
+
+async def test_zero_settle_of_a_lost_reservation_leaves_the_run_index_for_good(store: RedisStore) -> None:
+    # A live settle of a call whose reservation a failover lost (bill_if_lost), the upstream having
+    # refused the connection (source "none": every actual 0): the run's key is never written.
+    run = Scope(name="run", key="lbp:{team-a}:run:lost", ttl_s=3600)
+    entry_id = await store.settle(
+        tenant="team-a",
+        reservation_id="r-lost",
+        run_id="lost",
+        scope_keys=[run.key],
+        actual=ZERO,
+        entry={"outcome": "upstream_error"},
+        bill_if_lost=True,
+        scope_ttls_s=[3600],
+        runlog_ttl_s=3600,
+    )
+    assert entry_id is not None
+    assert await store.client.exists(run.key) == 0
+    ttl = await store.client.ttl("lbp:{team-a}:runlog:lost")
+    assert 0 < ttl <= 3600, ttl  # -1: kept for ever
+
+
+async def test_zero_release_after_the_run_key_expired_leaves_the_run_index_for_good(
+    store: RedisStore,
+) -> None:
+    # release_unforwarded's journaled zero settlement, replayed after the run's key expired.
+    run = Scope(name="run", key="lbp:{team-a}:run:late", ttl_s=3600)
+    res = await reserve(store, "r-late", [run], run_id="late")
+    assert isinstance(res, Reservation)
+    await store.client.delete(run.key)  # expired
+    await store.settle(
+        tenant="team-a",
+        reservation_id="r-late",
+        run_id="late",
+        scope_keys=[run.key],
+        actual=ZERO,
+        entry={"outcome": "not_forwarded"},
+        runlog_ttl_s=3600,
+    )
+    ttl = await store.client.ttl("lbp:{team-a}:runlog:late")
+    assert 0 < ttl <= 3600, ttl

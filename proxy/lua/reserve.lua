@@ -29,7 +29,9 @@ Returns on success {1, clamped output per choice (0 = not clamped), tightest met
 remaining after this reserve (-1 = nothing limited), tightest scope index}; on refusal
 {0, scope index (1-based), meter, ceiling, used, reserved, amount, clears (1: every limited meter
 of every scope would fit once the calls in flight end: their reserves gone, save requests, which
-all count when they settle; the client may try again soon)}; {2} as ARGV[14] says.
+all count when they settle; under a clamp, at the least output it keeps; the client may try again
+soon), the indices of the scopes that would still refuse then (space-separated)}; {2} as ARGV[14]
+says.
 ]]
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -91,27 +93,35 @@ if refusal and ARGV[14] == '1' and refusal[3] ~= 'requests' and refusal[3] ~= 'c
   return {2}
 end
 local clamp_min = tonumber(ARGV[10])
+local n = tonumber(ARGV[11])
+local input_cost = tonumber(ARGV[12])
+local out_rate = tonumber(ARGV[13])
+-- Costs in millionths of a micro-unit pass 2^53 (a double's exact integers) with a large room
+-- and a large price: a clamped output's cost is worked out in parts that stay exact.
+local function millions(digits)
+  local len = #digits
+  if len <= 6 then return 0, tonumber(digits) end
+  return tonumber(string.sub(digits, 1, len - 6)), tonumber(string.sub(digits, len - 5))
+end
+local function cost_of(output)  -- ceil((input cost + output * out_rate) / 10^6), exactly
+  local in_q, in_r = millions(ARGV[12])
+  local out_q, out_r = millions(ARGV[13])
+  local hi = math.floor(output / 1000000)
+  local rest = in_r + (output - hi * 1000000) * out_r
+  local rest_q = math.floor(rest / 1000000)
+  return in_q + output * out_q + hi * out_r + rest_q + ((rest > rest_q * 1000000) and 1 or 0)
+end
+local function with_output(output)  -- the amounts with this output: its total and cost follow
+  local trial = {}
+  for m = 1, NM do trial[m] = amounts[m] end
+  trial[OUTPUT] = output
+  trial[TOTAL] = amounts[INPUT] + output
+  if amounts[COST] > 0 or out_rate > 0 then trial[COST] = cost_of(output) end
+  return trial
+end
 if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] == 'total_tokens'
     or refusal[3] == 'cost_micros') then
   -- The largest output the tightest scope can still pay for.
-  local n = tonumber(ARGV[11])
-  local input_cost = tonumber(ARGV[12])
-  local out_rate = tonumber(ARGV[13])
-  -- Costs in millionths of a micro-unit pass 2^53 (a double's exact integers) with a large room
-  -- and a large price: the trial's cost is worked out in parts that stay exact.
-  local function millions(digits)
-    local len = #digits
-    if len <= 6 then return 0, tonumber(digits) end
-    return tonumber(string.sub(digits, 1, len - 6)), tonumber(string.sub(digits, len - 5))
-  end
-  local in_q, in_r = millions(ARGV[12])
-  local out_q, out_r = millions(ARGV[13])
-  local function cost_of(output)  -- ceil((input cost + output * out_rate) / 10^6), exactly
-    local hi = math.floor(output / 1000000)
-    local rest = in_r + (output - hi * 1000000) * out_r
-    local rest_q = math.floor(rest / 1000000)
-    return in_q + output * out_q + hi * out_r + rest_q + ((rest > rest_q * 1000000) and 1 or 0)
-  end
   local k = amounts[OUTPUT]
   for s = 1, nscopes do
     local st = state[s]
@@ -127,11 +137,7 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
   -- exactly against every ceiling, one step lower at a time, a few steps at most.
   local steps = 3
   while steps > 0 and per_choice >= clamp_min and per_choice * n < amounts[OUTPUT] do
-    local trial = {}
-    for m = 1, NM do trial[m] = amounts[m] end
-    trial[OUTPUT] = per_choice * n
-    trial[TOTAL] = amounts[INPUT] + trial[OUTPUT]
-    if amounts[COST] > 0 or out_rate > 0 then trial[COST] = cost_of(trial[OUTPUT]) end
+    local trial = with_output(per_choice * n)
     if not check(trial) then
       amounts = trial
       clamped = per_choice
@@ -144,17 +150,29 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
 end
 
 if refusal then
-  local clears = 1
+  -- Would the call fit once the calls in flight end (their reserves gone, save requests, which
+  -- all count when they settle)? Under a clamp, at the least output the clamp keeps.
+  local least = amounts
+  if clamp_min > 0 then least = with_output(math.min(amounts[OUTPUT], clamp_min * n)) end
+  local clears, tokens_wait, calls_wait, waits = 1, false, false, {}
   for s = 1, nscopes do
     for m = 1, NM do
       local st = state[s][m]
-      if st and amounts[m] > 0 then
+      if st and least[m] > 0 then
         local in_flight = (METERS[m] == 'requests') and st[3] or 0
-        if st[2] + in_flight + amounts[m] > st[1] then clears = 0 end
+        if st[2] + in_flight + least[m] > st[1] then
+          clears = 0
+          if METERS[m] == 'requests' or METERS[m] == 'concurrent' then calls_wait = true else tokens_wait = true end
+          if waits[#waits] ~= s then waits[#waits + 1] = s end
+        end
       end
     end
   end
+  -- A tentative input is an upper bound: a token or cost ceiling it passes may take the exact
+  -- count, which decides (a ceiling on calls that does not clear decides at once).
+  if ARGV[14] == '1' and tokens_wait and not calls_wait then return {2} end
   refusal[8] = clears
+  refusal[9] = table.concat(waits, ' ')
   local key = KEYS[2 + refusal[2]]
   redis.call('HINCRBY', key, 'refused:' .. refusal[3], 1)
   -- A refusal may write the key first (a run's first call): it expires as a reserve's would.

@@ -119,13 +119,12 @@ end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
 local first = redis.call('RPUSH', KEYS[4], id) == 1
 local run_scope = tonumber(ARGV[14]) or 0
-if run_scope > 0 and KEYS[4 + run_scope] then
-  local left = redis.call('PTTL', KEYS[4 + run_scope])
-  if left == -1 then
-    redis.call('PERSIST', KEYS[4])
-  elseif left > 0 then
-    redis.call('PEXPIRE', KEYS[4], left)
-  end
+-- PTTL -2: no run key (a settle that wrote no meter, the key gone): the index's own TTL then.
+local left = (run_scope > 0 and KEYS[4 + run_scope]) and redis.call('PTTL', KEYS[4 + run_scope]) or -2
+if left == -1 then
+  redis.call('PERSIST', KEYS[4])
+elseif left > 0 then
+  redis.call('PEXPIRE', KEYS[4], left)
 else
   extend(KEYS[4], runlog_ttl, first)
 end
