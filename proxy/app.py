@@ -144,9 +144,10 @@ async def error_middleware(
                 "it can bill."
             )
             return _error(request, 404, message, code="unknown_url")
-        if err.status == 405:
+        if isinstance(err, web.HTTPMethodNotAllowed):
             message = f"Method {request.method} is not allowed on {request.path}."
-            return _error(request, 405, message, code="method_not_allowed")
+            allowed = {"Allow": ", ".join(sorted(err.allowed_methods))}  # RFC 9110 asks for it
+            return _error(request, 405, message, code="method_not_allowed", headers=allowed)
         if err.status == 413:
             return _error(request, 413, "The request body is too large.", code="body_too_large")
         return _error(request, err.status, err.reason)

@@ -107,6 +107,13 @@ def clamped_amounts(amounts: Mapping[str, int], per_choice: int, clamp: Clamp) -
     return out
 
 
+def _run_scope(prefix: str, run_id: str, scope_keys: Sequence[str]) -> int:
+    """Which of ``scope_keys`` is the run's (1-based; 0: none): the scripts keep the run's ledger
+    index alive exactly as long as it."""
+    run_key = f"{prefix}run:{run_id}"
+    return list(scope_keys).index(run_key) + 1 if run_key in scope_keys else 0
+
+
 class RedisStore:
     def __init__(
         self,
@@ -260,6 +267,10 @@ class RedisStore:
         for scope in scopes:
             args.append(scope.ttl_s)
             args += [scope.ceilings.get(m, -1) for m in RESERVED_METERS]
+        run_scope = _run_scope(prefix, run_id, [s.key for s in scopes])
+        if run_scope:
+            keys.append(f"{prefix}runlog:{run_id}")
+        args.append(run_scope)
         result = await self._script("reserve", keys, args)
         if int(result[0]) == 2:
             return Tentative()
@@ -313,7 +324,6 @@ class RedisStore:
             f"{prefix}runlog:{run_id}",
             *scope_keys,
         ]
-        run_key = f"{prefix}run:{run_id}"
         # One JSON argument rather than 2 x 26: packing arguments is the client's main cost.
         args: list[Any] = [
             reservation_id,
@@ -322,7 +332,7 @@ class RedisStore:
             1 if bill_if_lost else 0,
             self._settled_marker_ttl_s,
             runlog_ttl_s,
-            list(scope_keys).index(run_key) + 1 if run_key in scope_keys else 0,
+            _run_scope(prefix, run_id, scope_keys),
             *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args)
@@ -342,7 +352,11 @@ class RedisStore:
     ) -> bool:
         prefix = key_prefix(tenant)
         keys = [f"{prefix}resv:{reservation_id}", f"{prefix}leases", *(s.key for s in scopes)]
-        args: list[Any] = [reservation_id, lease_ms, *(s.ttl_s for s in scopes)]
+        run_id = next((s.key.removeprefix(f"{prefix}run:") for s in scopes if s.name == "run"), None)
+        run_scope = _run_scope(prefix, run_id, keys[2:]) if run_id is not None else 0
+        if run_scope:
+            keys.append(f"{prefix}runlog:{run_id}")
+        args: list[Any] = [reservation_id, lease_ms, run_scope, *(s.ttl_s for s in scopes)]
         return int(await self._script("renew", keys, args)) == 1
 
     async def expired_leases(self, *, tenant: str, limit: int) -> list[ExpiredLease]:

@@ -707,3 +707,23 @@ async def test_zero_release_after_the_run_key_expired_leaves_the_run_index_for_g
     )
     ttl = await store.client.ttl("lbp:{team-a}:runlog:late")
     assert 0 < ttl <= 3600, ttl
+
+
+async def test_a_reserve_and_a_renewal_keep_the_runs_ledger_index_as_long_as_its_meters(
+    store: RedisStore,
+) -> None:
+    # A call reserved late in the run's life (or a stream longer than it) outlived the index's old
+    # TTL: the index expired mid-call and the run's earlier entries left its ledger view.
+    run = Scope(name="run", key="lbp:{team-a}:run:late-call", ttl_s=3600)
+    index = "lbp:{team-a}:runlog:late-call"
+    first = await reserve(store, "first", [run], run_id="late-call")
+    assert isinstance(first, Reservation)
+    await _settle_with_ttls(store, first, 3600)
+    for key in (run.key, index):
+        await store.client.pexpire(key, 1000)  # the run idle for nearly its TTL
+    late = await reserve(store, "late", [run], run_id="late-call")
+    assert isinstance(late, Reservation)
+    assert await store.client.ttl(index) > 3500
+    await store.client.pexpire(index, 1000)
+    assert await store.renew(tenant="team-a", reservation_id="late", lease_ms=60_000, scopes=[run])
+    assert await store.client.ttl(index) > 3500

@@ -332,3 +332,44 @@ async def test_every_answer_carries_an_id(make_proxy: ProxyFactory, fake: FakeUp
     assert listed.headers.get("x-request-id")
     assert too_large.value.status_code == 413 and too_large.value.request_id
     assert unknown.value.request_id
+
+
+async def _raw_get(port: int, path: str, extra: str) -> tuple[bytes, dict[str, str], bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{extra}Connection: close\r\n\r\n".encode())
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {
+        k.strip().lower().decode(): v.strip().decode() for k, _, v in (x.partition(b":") for x in lines[1:])
+    }
+    return lines[0], headers, body
+
+
+@pytest.mark.parametrize("path", ["/v1/billing/runs/r1", "/v1/billing/keys/self", "/metrics", "/readyz"])
+async def test_an_unknown_expectation_on_a_get_is_refused_in_the_apis_format(proxy: Proxy, path: str) -> None:
+    port = int(proxy.url.rsplit(":", 1)[1])
+    status, headers, body = await _raw_get(port, path, f"Authorization: Bearer {KEY_A}\r\nExpect: foo\r\n")
+    assert b" 417 " in status and "x-request-id" in headers
+    assert json.loads(body)["error"]["code"] == "expectation_failed"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("POST", "/v1/billing/keys/self", "GET"),
+        ("GET", "/v1/chat/completions", "POST"),
+        ("DELETE", "/metrics", "GET"),
+    ],
+)
+async def test_a_method_not_allowed_names_the_allowed_ones(
+    proxy: Proxy, method: str, path: str, allowed: str
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, proxy.url + path, headers={"Authorization": f"Bearer {KEY_A}"}) as response,
+    ):
+        assert response.status == 405
+        assert allowed in response.headers.get("Allow", "")

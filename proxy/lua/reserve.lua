@@ -3,6 +3,8 @@
 KEYS[1]      reservation record (hash)              lbp:{tenant}:resv:<reservation id>
 KEYS[2]      lease index (zset: id -> expiry ms)    lbp:{tenant}:leases
 KEYS[3..]    scope meters (hash), one per scope     lbp:{tenant}:run:<run> / :key:... / :tenant:...
+KEYS[last]   the run's ledger index (list), when ARGV[last] names the run's scope: it then lives
+             as long as the run's meters (a call reserved late in their life outlives the old TTL)
 ARGV[1]      reservation id
 ARGV[2]      lease length in ms
 ARGV[3]      record: opaque JSON kept for the reaper
@@ -16,6 +18,7 @@ ARGV[14]     1: tentative (the input amount is a quick upper bound the caller ca
              that do not fit on a token or cost meter write nothing, not even the refusal
              count, and return {2}; the caller counts exactly and reserves again. 0: final
 then per scope (KEYS[3+i]):  ttl_s (0 = none: the key is made persistent), then 6 ceilings in METERS order (-1 = unlimited)
+ARGV[last]   which scope is the run's (1-based; 0 = none, and no ledger index among KEYS)
 
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>, born (the id of
@@ -48,7 +51,8 @@ end
 local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
 local NM = #METERS
 local OUTPUT, TOTAL, COST, INPUT = 3, 4, 5, 2
-local nscopes = #KEYS - 2
+local run_scope = tonumber(ARGV[#ARGV]) or 0
+local nscopes = #KEYS - 2 - ((run_scope > 0) and 1 or 0)
 local base = 15
 local stride = 1 + NM
 
@@ -225,4 +229,12 @@ for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', table.concat(amt, ' '),
   'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped, 'ttls', table.concat(ttls, ' '), 'born', table.concat(born, ' '))
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
+if run_scope > 0 then
+  local left = redis.call('PTTL', KEYS[2 + run_scope])
+  if left == -1 then
+    redis.call('PERSIST', KEYS[#KEYS])
+  elseif left > 0 then
+    redis.call('PEXPIRE', KEYS[#KEYS], left)
+  end
+end
 return {1, clamped, tight_meter, tight_left, tight_scope}
