@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 from proxy.app import STATE
 from proxy.report import TOKEN_FIELDS
-from tests.conftest import KEY_A, ProxyFactory
+from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream
 
 # gpt-4o-audio-preview's list prices per million: text 2.5 in, 10 out; audio 40 in, 80 out.
@@ -40,6 +40,14 @@ async def _post(url: str, path: str, body: dict[str, Any], run: str) -> tuple[in
         session.post(url + path, json=body, headers=headers) as resp,
     ):
         return resp.status, await resp.read()
+
+
+async def _claude_proxy(make_proxy: ProxyFactory, script: ScriptedUpstream) -> Proxy:
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    return await make_proxy(
+        upstreams={"anthropic": upstream},
+        models={"claude-sonnet-4-5": {"upstream": "anthropic", "price_per_million": CLAUDE_PRICE}},
+    )
 
 
 def _chat_answer(model: str, usage: dict[str, Any]) -> Plan:
@@ -91,16 +99,7 @@ async def test_audio_tokens_are_billed_at_their_own_prices(
 async def test_cache_writes_kept_an_hour_are_billed_at_their_price(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
 ) -> None:
-    proxy = await make_proxy(
-        upstreams={
-            "anthropic": {
-                "base_url": script.base_url,
-                "kind": "anthropic",
-                "api_key_env": "TEST_UPSTREAM_KEY",
-            }
-        },
-        models={"claude-sonnet-4-5": {"upstream": "anthropic", "price_per_million": CLAUDE_PRICE}},
-    )
+    proxy = await _claude_proxy(make_proxy, script)
     usage = {
         "input_tokens": 50,
         "cache_read_input_tokens": 0,
@@ -172,16 +171,7 @@ async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
     # the audio tokens were missing from both.
     for kind in ("cache_creation_input", "cache_creation_1h_input", "audio_input", "audio_output"):
         assert f"{kind}_tokens" in TOKEN_FIELDS
-    proxy = await make_proxy(
-        upstreams={
-            "anthropic": {
-                "base_url": script.base_url,
-                "kind": "anthropic",
-                "api_key_env": "TEST_UPSTREAM_KEY",
-            }
-        },
-        models={"claude-sonnet-4-5": {"upstream": "anthropic", "price_per_million": CLAUDE_PRICE}},
-    )
+    proxy = await _claude_proxy(make_proxy, script)
     usage = {"input_tokens": 5, "cache_creation_input_tokens": 700, "output_tokens": 2}
     message = {
         "id": "m",

@@ -25,18 +25,24 @@ MODEL = "gpt-4o-mini"
 SHORT = [{"role": "user", "content": "hi"}]
 
 
-async def _refused_while_one_in_flight(proxy: Any, messages: list[dict[str, Any]], **kw: Any) -> Any:
-    client = proxy.client()
+async def _in_flight(client: openai.AsyncOpenAI, *, max_tokens: int, **fake: Any) -> asyncio.Task[Any]:
+    """A call that holds its reserve (and its concurrency slot) for 0.6 s, well under way."""
     slow = asyncio.create_task(
         client.chat.completions.create(
             model=MODEL,
             messages=SHORT,
-            max_tokens=5,
+            max_tokens=max_tokens,
             extra_headers={"X-Run-Id": "slow"},
-            extra_body={"fake": {"delay_s": 0.6}},
+            extra_body={"fake": {"delay_s": 0.6, **fake}},
         )
     )
     await asyncio.sleep(0.25)
+    return slow
+
+
+async def _refused_while_one_in_flight(proxy: Any, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    client = proxy.client()
+    slow = await _in_flight(client, max_tokens=5)
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(
             model=MODEL, messages=messages, extra_headers={"X-Run-Id": "next"}, **kw
@@ -99,16 +105,7 @@ async def test_clamp_tier_refusal_that_clears_once_in_flight_ends_says_retry(
         },
     )
     client = proxy.client()
-    slow = asyncio.create_task(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=SHORT,
-            max_tokens=95,
-            extra_headers={"X-Run-Id": "slow"},
-            extra_body={"fake": {"delay_s": 0.6, "reply_tokens": 2}},
-        )
-    )
-    await asyncio.sleep(0.25)
+    slow = await _in_flight(client, max_tokens=95, reply_tokens=2)
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(
             model=MODEL, messages=SHORT, max_tokens=200, extra_headers={"X-Run-Id": "next"}
