@@ -62,7 +62,10 @@ def _config_for(args: argparse.Namespace) -> Config:
         if args.config:
             raise ConfigError("give either --config or --upstream, not both")
         return passthrough_config(
-            args.upstream, host=args.host or "127.0.0.1", port=args.port or 8080, redis_url=args.redis_url
+            args.upstream,
+            host=args.host or "127.0.0.1",
+            port=8080 if args.port is None else args.port,
+            redis_url=args.redis_url,
         )
     if not args.config:
         raise ConfigError("give --config FILE (or --upstream URL for a zero-config start)")

@@ -320,3 +320,12 @@ def test_a_bad_value_on_the_command_line_is_a_config_error_not_a_traceback(
     result = run_cli(*(a.format(config=config, bad_port_config=bad_port) for a in args))
     assert "Traceback" not in result.stderr, result.stderr[-300:]
     assert result.returncode == 2, (result.stdout, result.stderr)
+
+
+def test_a_zero_config_start_on_port_0_listens_on_a_free_port() -> None:
+    from proxy.cli import _config_for, _parser
+
+    args = _parser().parse_args(
+        ["serve", "--upstream", "http://127.0.0.1:9", "--port", "0", "--redis-url", "redis://127.0.0.1:1"]
+    )
+    assert _config_for(args).listen.port == 0  # was 8080: 0 read as "not given"

@@ -727,3 +727,43 @@ async def test_a_reserve_and_a_renewal_keep_the_runs_ledger_index_as_long_as_its
     await store.client.pexpire(index, 1000)
     assert await store.renew(tenant="team-a", reservation_id="late", lease_ms=60_000, scopes=[run])
     assert await store.client.ttl(index) > 3500
+
+
+async def test_a_refusal_that_keeps_a_spent_run_alive_keeps_its_ledger_index_too(store: RedisStore) -> None:
+    # An agent retrying on a spent run: each refusal renewed the run's meters but not its index,
+    # and the run's ledger view came back empty while its meters still showed the spend.
+    run = Scope(name="run", key="lbp:{team-a}:run:spent", ceilings={"requests": 1}, ttl_s=3600)
+    index = "lbp:{team-a}:runlog:spent"
+    first = await reserve(store, "first", [run], run_id="spent")
+    assert isinstance(first, Reservation)
+    await _settle_with_ttls(store, first, 3600)
+    for key in (run.key, index):
+        await store.client.pexpire(key, 1000)
+    assert isinstance(await reserve(store, "again", [run], run_id="spent"), Refusal)
+    assert await store.client.ttl(index) > 3500
+
+
+async def test_a_quick_reserve_refused_on_calls_waits_for_the_windows_the_exact_count_meets(
+    store: RedisStore,
+) -> None:
+    # The byte-length bound passes a month's token ceiling that the exact count fits: the month
+    # is not a window the call waits for (a retry-after of a month for a minute's refusal).
+    minute = Scope(name="key:minute", key="lbp:{team-a}:key:k:minute:x", ceilings={"requests": 1}, ttl_s=600)
+    month = Scope(
+        name="tenant:month", key="lbp:{team-a}:tenant:month:x", ceilings={"input_tokens": 15}, ttl_s=600
+    )
+    assert isinstance(await reserve(store, "fills-the-minute", [minute, month]), Reservation)
+    quick = {**AMOUNTS, "input_tokens": 40, "total_tokens": 60}
+    found = await store.reserve(
+        tenant="team-a",
+        reservation_id="quick",
+        run_id="run1",
+        scopes=[minute, month],
+        amounts=quick,
+        lease_ms=60_000,
+        record="{}",
+        tentative=True,
+    )
+    assert isinstance(found, Tentative)  # counted exactly first: the final reserve decides
+    exact = await reserve(store, "quick", [minute, month])
+    assert isinstance(exact, Refusal) and exact.waits_on == (minute,)

@@ -53,6 +53,17 @@ local NM = #METERS
 local OUTPUT, TOTAL, COST, INPUT = 3, 4, 5, 2
 local run_scope = tonumber(ARGV[#ARGV]) or 0
 local nscopes = #KEYS - 2 - ((run_scope > 0) and 1 or 0)
+-- The run's ledger index lives as long as the run's meters, whatever a reserve or a refusal
+-- (which writes the run key too) did to their TTL.
+local function index_follows_run()
+  if run_scope == 0 then return end
+  local left = redis.call('PTTL', KEYS[2 + run_scope])
+  if left == -1 then
+    redis.call('PERSIST', KEYS[#KEYS])
+  elseif left > 0 then
+    redis.call('PEXPIRE', KEYS[#KEYS], left)
+  end
+end
 local base = 15
 local stride = 1 + NM
 
@@ -158,7 +169,7 @@ if refusal then
   -- all count when they settle)? Under a clamp, at the least output the clamp keeps.
   local least = amounts
   if clamp_min > 0 then least = with_output(math.min(amounts[OUTPUT], clamp_min * n)) end
-  local clears, tokens_wait, calls_wait, waits = 1, false, false, {}
+  local clears, tokens_wait, waits = 1, false, {}
   for s = 1, nscopes do
     for m = 1, NM do
       local st = state[s][m]
@@ -166,15 +177,15 @@ if refusal then
         local in_flight = (METERS[m] == 'requests') and st[3] or 0
         if st[2] + in_flight + least[m] > st[1] then
           clears = 0
-          if METERS[m] == 'requests' or METERS[m] == 'concurrent' then calls_wait = true else tokens_wait = true end
+          if METERS[m] ~= 'requests' and METERS[m] ~= 'concurrent' then tokens_wait = true end
           if waits[#waits] ~= s then waits[#waits + 1] = s end
         end
       end
     end
   end
   -- A tentative input is an upper bound: a token or cost ceiling it passes may take the exact
-  -- count, which decides (a ceiling on calls that does not clear decides at once).
-  if ARGV[14] == '1' and tokens_wait and not calls_wait then return {2} end
+  -- count, which then decides what clears and which windows are in the way.
+  if ARGV[14] == '1' and tokens_wait then return {2} end
   refusal[8] = clears
   refusal[9] = table.concat(waits, ' ')
   local key = KEYS[2 + refusal[2]]
@@ -182,6 +193,7 @@ if refusal then
   -- A refusal may write the key first (a run's first call): it expires as a reserve's would.
   local ttl = tonumber(ARGV[base + (refusal[2] - 1) * stride])
   set_ttl(key, ttl)
+  if refusal[2] == run_scope then index_follows_run() end
   return refusal
 end
 
@@ -229,12 +241,5 @@ for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', table.concat(amt, ' '),
   'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped, 'ttls', table.concat(ttls, ' '), 'born', table.concat(born, ' '))
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
-if run_scope > 0 then
-  local left = redis.call('PTTL', KEYS[2 + run_scope])
-  if left == -1 then
-    redis.call('PERSIST', KEYS[#KEYS])
-  elseif left > 0 then
-    redis.call('PEXPIRE', KEYS[#KEYS], left)
-  end
-end
+index_follows_run()
 return {1, clamped, tight_meter, tight_left, tight_scope}
