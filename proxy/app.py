@@ -218,6 +218,7 @@ def build_app(
         try:
             await store.ping()
             await store.load_scripts()
+            state.journal.store_id = await store.store_id()
             state.ready = True
             warning = await store.persistence_warning()
             if warning:

@@ -465,3 +465,47 @@ async def test_a_journal_line_of_the_wrong_shape_is_parked_and_the_rest_applied(
     assert [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)] == ["good-1"]
     assert not orphan.exists()
     assert "bad-1" in (journal_dir / DEAD_LETTERS).read_text()
+
+
+async def test_a_journal_is_replayed_only_into_the_store_it_belongs_to(
+    tmp_path: Path, redis_server: RedisServerProcess, own_redis: RedisServerProcess, redis_client: Any
+) -> None:
+    # Two proxies of two stores sharing a journal directory (the default one, relative to where
+    # they start): one's journaled settle was adopted by the other, the call billed in both
+    # stores (as a lost reservation there) and its real figures never reached its own.
+    mine, theirs = RedisStore.from_url(redis_server.url), RedisStore.from_url(own_redis.url)
+    scope = Scope(name="run", key="lbp:{team-a}:run:shared-dir")
+    amounts = {"requests": 1, "input_tokens": 1, "output_tokens": 1, "total_tokens": 2, "concurrent": 1}
+    try:
+        await mine.reserve(
+            tenant="team-a",
+            reservation_id="shared",
+            run_id="shared-dir",
+            scopes=[scope],
+            amounts=amounts,
+            lease_ms=600_000,
+            record="{}",
+        )
+        dead = Journal(tmp_path)
+        dead.store_id = await mine.store_id()
+        dead.append(
+            PendingSettlement(
+                tenant="team-a",
+                reservation_id="shared",
+                run_id="shared-dir",
+                scope_keys=[scope.key],
+                actual={"requests": 1, "total_tokens": 2},
+                entry={"outcome": "ok"},
+                bill_if_lost_until_ms=int(time.time() * 1000) + 600_000,
+            )
+        )
+        dead.close()  # its writer died: the file is anyone's to adopt
+        other = Journal(tmp_path)
+        assert await other.replay(theirs) == 0
+        assert await theirs.client.xlen("lbp:{team-a}:ledger") == 0
+        own = Journal(tmp_path)
+        assert await own.replay(mine) == 1
+        assert list(tmp_path.glob("journal-*.jsonl")) == []
+    finally:
+        await mine.close()
+        await theirs.close()
