@@ -208,7 +208,7 @@ def build_app(
             else Tokenizer.load(encodings_in(config), cache_chars=config.limits.token_count_cache_chars)
         ),
         metrics=Metrics(registry if registry is not None else CollectorRegistry(), currency=config.currency),
-        journal=Journal(config.journal_dir),
+        journal=Journal(config.journal_dir, store_url=config.redis.url),
     )
     app[STATE] = state
 
@@ -218,7 +218,6 @@ def build_app(
         try:
             await store.ping()
             await store.load_scripts()
-            state.journal.store_id = await store.store_id()
             state.ready = True
             warning = await store.persistence_warning()
             if warning:

@@ -5,15 +5,16 @@ idempotent by reservation id.
 Each process writes its own file and holds an exclusive ``flock`` on it while alive. At start,
 and on every replay round, a process adopts the files whose lock it can take (their writer
 died) and replays them too; a file is removed once every line in it is applied. A file's name
-carries the id of the store its lines belong to (``Store.store_id``): a process of another
-store sharing the directory leaves it alone (applied there, a call would be billed in two
-stores, and the real figures never reach its own).
+carries a tag of the store its lines belong to (its address, credentials left out): a process
+of another store sharing the directory leaves it alone and says so (applied there, a call
+would be billed in two stores, and its real figures would never reach its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import Store
@@ -72,33 +74,32 @@ def _nothing(entry: Mapping[str, str]) -> None:
     pass
 
 
-# journal-<store id>-<pid>-<random>.jsonl; "unknown" before the store was first reached; older
-# versions' files (journal-<pid>-<random>.jsonl) name no store.
-_NAMED = re.compile(r"journal-([0-9a-f]{32}|unknown)-\d+-[0-9a-f]{8}\.jsonl")
+# journal-<store tag>-<pid>-<random>.jsonl; older versions' (and untagged) journal-<pid>-<random>.
+_TAGGED = re.compile(r"journal-([0-9a-f]{16})-\d+-[0-9a-f]{8}\.jsonl")
+
+
+def store_tag(url: str) -> str:
+    """The store a journal belongs to: its address without credentials (a password changed or
+    given apart leaves it the same store)."""
+    parts = urlsplit(url)
+    address = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return hashlib.sha256(address.encode()).hexdigest()[:16]
 
 
 class Journal:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, store_url: str | None = None) -> None:
         self.directory = directory
-        # Set once the store first answers (``replay`` asks it): the name of the file written.
-        self.store_id: str | None = None
-        self._suffix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        # None (tests, tools): untagged, as older versions' files: adopted by and adopting any.
+        self.tag = store_tag(store_url) if store_url else None
+        prefix = f"journal-{self.tag}-" if self.tag else "journal-"
+        self.path = directory / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._file: BinaryIO | None = None
-        self._path = self._named()
-
-    def _named(self) -> Path:
-        return self.directory / f"journal-{self.store_id or 'unknown'}-{self._suffix}"
-
-    @property
-    def path(self) -> Path:
-        """The file this process writes: named when first written (the store id may come later)."""
-        return self._path if self._file is not None else self._named()
+        self._foreign_seen: set[Path] = set()
 
     def _open(self) -> BinaryIO:
         if self._file is None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._path = self._named()
-            self._file = self._path.open("a+b")
+            self._file = self.path.open("a+b")
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return self._file
 
@@ -110,22 +111,17 @@ class Journal:
         os.fsync(handle.fileno())
         log.warning(
             "settlement journaled until the store is back",
-            extra={"reservation_id": pending.reservation_id, "journal": str(self._path)},
+            extra={"reservation_id": pending.reservation_id, "journal": str(self.path)},
         )
 
     @property
     def pending(self) -> bool:
-        return self._file is not None and self._path.stat().st_size > 0
+        return self._file is not None and self.path.stat().st_size > 0
 
     async def replay(self, store: Store, on_applied: OnApplied = _nothing) -> int:
         """Apply this process's pending lines, then any orphaned journals. Returns how many
         applied; ``on_applied`` gets each ledger entry the store took from them."""
         applied = 0
-        if self.store_id is None:
-            try:
-                self.store_id = await store.store_id()
-            except StoreError:
-                return 0  # down: nothing can be applied this round
         if self._file is not None:
             self._file.seek(0)
             text = self._file.read()
@@ -150,11 +146,17 @@ class Journal:
         if not self.directory.exists():
             return 0
         for path in sorted(self.directory.glob("journal-*.jsonl")):
-            if self._file is not None and path == self._path:
+            if path == self.path:
                 continue
-            named = _NAMED.fullmatch(path.name)
-            if named and named.group(1) not in (self.store_id, "unknown"):
-                continue  # another store's lines: its own processes replay them
+            tagged = _TAGGED.fullmatch(path.name)
+            if tagged and self.tag and tagged.group(1) != self.tag:
+                if path not in self._foreign_seen:
+                    self._foreign_seen.add(path)
+                    log.warning(
+                        "a journal of another store left alone: a proxy of that store replays it",
+                        extra={"journal": str(path)},
+                    )
+                continue
             with path.open("r+", encoding="utf-8") as handle:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -170,12 +172,12 @@ class Journal:
 
     def close(self) -> None:
         if self._file is not None:
-            empty = self._path.stat().st_size == 0
+            empty = self.path.stat().st_size == 0
             self._file.close()
             self._file = None
             if empty:
                 with contextlib.suppress(FileNotFoundError):
-                    self._path.unlink()
+                    self.path.unlink()
 
 
 def _pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:

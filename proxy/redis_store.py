@@ -7,7 +7,6 @@ keys of one tenant (see ``store.key_prefix``).
 from __future__ import annotations
 
 import hashlib
-import uuid
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -37,7 +36,6 @@ from proxy.store import (
     ALL_METERS,
     DEFAULT_SETTLED_MARKER_TTL_S,
     RESERVED_METERS,
-    STORE_ID_KEY,
     TENANTS_KEY,
     Clamp,
     ExpiredLease,
@@ -131,7 +129,6 @@ class RedisStore:
         # Single-node only: the hot-path scripts share one pipelined connection.
         self._pipe = pipe
         self._scripts = _load_scripts()
-        self._store_id: str | None = None
 
     @classmethod
     def from_url(
@@ -186,17 +183,6 @@ class RedisStore:
             await self._client.ping()
         except STORE_FAILURES as err:
             raise StoreError(f"ping: {err}") from err
-
-    async def store_id(self) -> str:
-        """A random id this store keeps for good (the first process to ask makes it)."""
-        if self._store_id is None:
-            try:
-                await self._client.set(STORE_ID_KEY, uuid.uuid4().hex, nx=True)
-                found: Any = await self._client.get(STORE_ID_KEY)
-            except STORE_FAILURES as err:
-                raise StoreError(f"store id: {err}") from err
-            self._store_id = str(found)
-        return self._store_id
 
     async def load_scripts(self) -> None:
         try:

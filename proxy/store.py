@@ -29,10 +29,8 @@ ACTUAL_METERS = (
 ALL_METERS = (*ACTUAL_METERS, "concurrent")
 
 
-# The keys outside any tenant's slot: which tenants exist, for the lease reapers; the store's
-# own random id, which the journal's lines carry (replayed into that store only).
+# The one key outside any tenant's slot: which tenants exist, for the lease reapers.
 TENANTS_KEY = "lbp:tenants"
-STORE_ID_KEY = "lbp:store-id"
 
 
 def key_prefix(tenant: str) -> str:
@@ -116,8 +114,6 @@ class Store(Protocol):
     async def ping(self) -> None: ...
 
     async def load_scripts(self) -> None: ...
-
-    async def store_id(self) -> str: ...
 
     async def persistence_warning(self) -> str | None: ...
 

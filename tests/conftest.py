@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -168,3 +169,12 @@ async def script() -> AsyncIterator[Any]:
     await upstream.start()
     yield upstream
     await upstream.close()
+
+
+async def until_upstream_received(fake: FakeUpstream, count: int, timeout_s: float = 10.0) -> None:
+    """Until the fake upstream has ``count`` requests: a call is then reserved and in flight
+    (a fixed sleep is too short on a loaded machine)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len(fake.received) < count:
+        assert asyncio.get_running_loop().time() < deadline, f"the upstream got {len(fake.received)} calls"
+        await asyncio.sleep(0.01)

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, ProxyFactory
+from tests.conftest import KEY_A, ProxyFactory, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import ScriptedUpstream
 from tests.test_estimate import EXACT_INPUT, TEXT, QuarterEncoding
@@ -25,7 +25,9 @@ MODEL = "gpt-4o-mini"
 SHORT = [{"role": "user", "content": "hi"}]
 
 
-async def _in_flight(client: openai.AsyncOpenAI, *, max_tokens: int, **fake: Any) -> asyncio.Task[Any]:
+async def _in_flight(
+    client: openai.AsyncOpenAI, upstream: FakeUpstream, *, max_tokens: int, **fake: Any
+) -> asyncio.Task[Any]:
     """A call that holds its reserve (and its concurrency slot) for 0.6 s, well under way."""
     slow = asyncio.create_task(
         client.chat.completions.create(
@@ -36,13 +38,15 @@ async def _in_flight(client: openai.AsyncOpenAI, *, max_tokens: int, **fake: Any
             extra_body={"fake": {"delay_s": 0.6, **fake}},
         )
     )
-    await asyncio.sleep(0.25)
+    await until_upstream_received(upstream, len(upstream.received) + 1)
     return slow
 
 
-async def _refused_while_one_in_flight(proxy: Any, messages: list[dict[str, Any]], **kw: Any) -> Any:
+async def _refused_while_one_in_flight(
+    proxy: Any, upstream: FakeUpstream, messages: list[dict[str, Any]], **kw: Any
+) -> Any:
     client = proxy.client()
-    slow = await _in_flight(client, max_tokens=5)
+    slow = await _in_flight(client, upstream, max_tokens=5)
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(
             model=MODEL, messages=messages, extra_headers={"X-Run-Id": "next"}, **kw
@@ -69,7 +73,9 @@ async def test_tentative_reserve_refused_on_concurrency_says_retry(
             }
         },
     )
-    response = await _refused_while_one_in_flight(proxy, [{"role": "user", "content": TEXT}], max_tokens=5)
+    response = await _refused_while_one_in_flight(
+        proxy, fake, [{"role": "user", "content": TEXT}], max_tokens=5
+    )
     assert response.headers["x-billing-refused-meter"] == "concurrent"
     # The room lacking is held only by the call in flight: the retry above was served.
     assert response.headers["x-should-retry"] == "true", dict(response.headers)
@@ -86,7 +92,7 @@ async def test_exact_reserve_refused_on_concurrency_says_retry_control(
             }
         },
     )
-    response = await _refused_while_one_in_flight(proxy, SHORT, max_tokens=5)
+    response = await _refused_while_one_in_flight(proxy, fake, SHORT, max_tokens=5)
     assert response.headers["x-should-retry"] == "true"
 
 
@@ -105,7 +111,7 @@ async def test_clamp_tier_refusal_that_clears_once_in_flight_ends_says_retry(
         },
     )
     client = proxy.client()
-    slow = await _in_flight(client, max_tokens=95, reply_tokens=2)
+    slow = await _in_flight(client, fake, max_tokens=95, reply_tokens=2)
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(
             model=MODEL, messages=SHORT, max_tokens=200, extra_headers={"X-Run-Id": "next"}
@@ -125,12 +131,7 @@ async def test_a_window_that_blocks_gives_its_reset_even_when_another_scope_is_r
         tiers={"standard": {"key": {"concurrent": 1}, "windows": [{"period": "minute", "requests": 1}]}}
     )
     client = proxy.client()
-    slow = asyncio.create_task(
-        client.chat.completions.create(
-            model=MODEL, messages=SHORT, max_tokens=5, extra_body={"fake": {"delay_s": 0.5}}
-        )
-    )
-    await asyncio.sleep(0.2)
+    slow = await _in_flight(client, fake, max_tokens=5)
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=5)
     await slow

@@ -148,7 +148,6 @@ async def test_lines_appended_during_a_replay_survive_it(
                 entry={"outcome": "ok"},
             )
         )
-    journal.store_id = await store.store_id()  # as the app learns it at start
     journal.append(pending[0])
     journal.append(pending[1])
     replay = asyncio.create_task(journal.replay(store))

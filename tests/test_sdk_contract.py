@@ -15,7 +15,7 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries, run_meters
 from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams
@@ -36,7 +36,7 @@ async def _claude_proxy(make_proxy: ProxyFactory, fake: FakeUpstream) -> Proxy:
 # -- retries --------------------------------------------------------------------------------
 
 
-async def _second_call_while_first_in_flight(proxy: Proxy, run: str) -> Any:
+async def _second_call_while_first_in_flight(proxy: Proxy, fake: FakeUpstream, run: str) -> Any:
     headers = {"X-Run-Id": run}
     async with proxy.client(max_retries=0) as slow_client, proxy.client(max_retries=2) as client:
         slow = asyncio.create_task(
@@ -48,7 +48,7 @@ async def _second_call_while_first_in_flight(proxy: Proxy, run: str) -> Any:
                 extra_body={"fake": {"delay_s": 0.4}},
             )
         )
-        await asyncio.sleep(0.1)  # the first call holds its slot or its reserve a while yet
+        await until_upstream_received(fake, 1)  # the first call holds its slot or its reserve
         try:
             second: Any = await client.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=10, extra_headers=headers
@@ -63,7 +63,7 @@ async def test_a_concurrency_refusal_is_retried_by_the_sdk(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
     proxy = await make_proxy(tiers={"standard": {"key": {"concurrent": 1}}})
-    second = await _second_call_while_first_in_flight(proxy, "conc")
+    second = await _second_call_while_first_in_flight(proxy, fake, "conc")
     assert not isinstance(second, openai.RateLimitError), second.response.headers
     assert fake.calls == 2
 
@@ -73,7 +73,7 @@ async def test_room_held_only_by_reserves_in_flight_is_retried(
 ) -> None:
     # A call reserves 19 total tokens and uses 12: a second one fits once the first settled.
     proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 31}}})
-    second = await _second_call_while_first_in_flight(proxy, "inflight")
+    second = await _second_call_while_first_in_flight(proxy, fake, "inflight")
     assert not isinstance(second, openai.RateLimitError), second.response.headers
     assert fake.calls == 2
 
@@ -106,7 +106,7 @@ async def test_a_refusal_is_final_when_any_ceiling_never_clears(
                 extra_body={"fake": {"delay_s": 0.5}},
             )
         )
-        await asyncio.sleep(0.2)
+        await until_upstream_received(fake, 2)
         with pytest.raises(openai.RateLimitError) as caught:
             await client.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=10, extra_headers={"X-Run-Id": "r"}

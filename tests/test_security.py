@@ -27,7 +27,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from proxy.redis_server import free_port
-from proxy.store import STORE_ID_KEY, TENANTS_KEY
+from proxy.store import TENANTS_KEY
 from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
@@ -185,9 +185,8 @@ async def test_wrong_key_is_a_401_and_nothing_is_forwarded(
     assert KEY_A not in error["message"]
     assert_no_upstream_key(reply)
     assert fake.received == []
-    # Nothing of the call; the registry of the config's tenants is the reaper's, written anyway,
-    # and the store's id (the journal's) at start.
-    assert set(await redis_client.keys("lbp:*")) <= {TENANTS_KEY, STORE_ID_KEY}
+    # Nothing of the call; the registry of the config's tenants is the reaper's, written anyway.
+    assert set(await redis_client.keys("lbp:*")) <= {TENANTS_KEY}
 
 
 async def test_x_api_key_authenticates_like_bearer(proxy: Proxy, fake: FakeUpstream) -> None:

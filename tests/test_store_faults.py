@@ -486,8 +486,7 @@ async def test_a_journal_is_replayed_only_into_the_store_it_belongs_to(
             lease_ms=600_000,
             record="{}",
         )
-        dead = Journal(tmp_path)
-        dead.store_id = await mine.store_id()
+        dead = Journal(tmp_path, store_url=redis_server.url)
         dead.append(
             PendingSettlement(
                 tenant="team-a",
@@ -499,11 +498,13 @@ async def test_a_journal_is_replayed_only_into_the_store_it_belongs_to(
                 bill_if_lost_until_ms=int(time.time() * 1000) + 600_000,
             )
         )
-        dead.close()  # its writer died: the file is anyone's to adopt
-        other = Journal(tmp_path)
+        dead.close()  # its writer died: the file is its store's processes' to adopt
+        other = Journal(tmp_path, store_url=own_redis.url)
         assert await other.replay(theirs) == 0
         assert await theirs.client.xlen("lbp:{team-a}:ledger") == 0
-        own = Journal(tmp_path)
+        # The same store, its password given in the address or not: the same journal.
+        user, _, rest = redis_server.url.partition("://")
+        own = Journal(tmp_path, store_url=f"{user}://:secret@{rest}")
         assert await own.replay(mine) == 1
         assert list(tmp_path.glob("journal-*.jsonl")) == []
     finally:
