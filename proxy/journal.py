@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
+
+from redis.connection import parse_url
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import Store
@@ -79,10 +80,18 @@ _TAGGED = re.compile(r"journal-([0-9a-f]{16})-\d+-[0-9a-f]{8}\.jsonl")
 
 
 def store_tag(url: str) -> str:
-    """The store a journal belongs to: its address without credentials (a password changed or
-    given apart leaves it the same store)."""
-    parts = urlsplit(url)
-    address = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    """The store a journal belongs to: where its connection goes (host, port, database; or the
+    socket's path), as redis-py reads the URL: credentials, options and the URL's spelling
+    (the default port given or not, ``/0`` or ``?db=0``) leave it the same store."""
+    try:
+        where = parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError:
+        where = {}
+    db = where.get("db") or 0
+    if where.get("path"):
+        address = f"unix:{os.path.normpath(where['path'])}/{db}"
+    else:
+        address = f"tcp:{str(where.get('host', '')).lower()}:{where.get('port') or 6379}/{db}"
     return hashlib.sha256(address.encode()).hexdigest()[:16]
 
 

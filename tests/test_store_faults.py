@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from proxy.app import STATE
 from proxy.errors import StoreError, StoreRejected
-from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement
+from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement, store_tag
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
@@ -510,3 +510,27 @@ async def test_a_journal_is_replayed_only_into_the_store_it_belongs_to(
     finally:
         await mine.close()
         await theirs.close()
+
+
+@pytest.mark.parametrize(
+    ("one", "same"),
+    [
+        ("redis://db.example:6379", "redis://db.example:6379/"),
+        ("redis://db.example:6379", "redis://db.example"),
+        ("redis://db.example:6379/0", "redis://db.example:6379?db=0"),
+        ("redis://db.example:6379/0", "redis://db.example:6379/0?socket_timeout=5"),
+        ("redis://:old@db.example:6379/0", "redis://user:new@DB.example:6379/0"),
+        ("unix:///run/redis.sock?db=0", "unix://:pw@/run/redis.sock"),
+    ],
+)
+def test_a_store_written_another_way_keeps_its_journals(one: str, same: str) -> None:
+    # A config edit that leaves the store as it is (a slash, the default port, a password
+    # rotated) stranded the journals of the processes before it.
+    assert store_tag(one) == store_tag(same)
+
+
+def test_other_stores_have_other_journals() -> None:
+    tags = {
+        store_tag(url) for url in ("redis://h:6379/0", "redis://h:6379/1", "redis://h:6380/0", "redis://g/0")
+    }
+    assert len(tags) == 4
