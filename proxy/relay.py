@@ -224,11 +224,17 @@ class Exchange:
                 input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
             )
         )
-        settlement = await self.settle(Outcome(tag), usage)
-        status = 504 if timed_out else 502
-        return self.error(
-            status, failure.detail, "upstream_error", code=tag, headers=self.headers(settlement)
+        return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage)
+
+    async def failed(
+        self, tag: OutcomeTag, status: int, message: str, usage: BilledUsage | None = None
+    ) -> web.Response:
+        """Settle a call the upstream failed (at ``usage``, else what was seen or the reserve)
+        and answer the client with the API's error, the bill in its headers."""
+        settlement = await self.settle(
+            Outcome(tag), usage if usage is not None else self.usage(complete=False)
         )
+        return self.error(status, message, "upstream_error", code=tag, headers=self.headers(settlement))
 
     def scrub(self, raw: bytes) -> bytes:
         """An upstream that echoes the proxy's key (in an error, a 200 error object, a stream's

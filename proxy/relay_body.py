@@ -29,25 +29,11 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
         raw = await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came)
         parsed = parse_json(raw)
     except TimeoutError:
-        settlement = await ex.settle(Outcome("upstream_timeout"), ex.usage(complete=False))
-        return ex.error(
-            504,
-            "The upstream did not finish its answer in time.",
-            "upstream_error",
-            code="upstream_timeout",
-            headers=ex.headers(settlement),
-        )
+        return await ex.failed("upstream_timeout", 504, "The upstream did not finish its answer in time.")
     except (ValueError, *UPSTREAM_BROKEN) as err:
         if not isinstance(err, ValueError):  # cut, not too large nor unparseable: read what came
             _observe_cut_body(ex, b"".join(came))
-        settlement = await ex.settle(Outcome("upstream_error"), ex.usage(complete=False))
-        return ex.error(
-            502,
-            "The upstream sent a broken or non-JSON answer.",
-            "upstream_error",
-            code="upstream_error",
-            headers=ex.headers(settlement),
-        )
+        return await ex.failed("upstream_error", 502, "The upstream sent a broken or non-JSON answer.")
     try:
         if not isinstance(parsed, dict):
             raise TypeError("not an object")
@@ -55,14 +41,7 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
     except Exception:
         ex.obs.malformed = True
     if ex.obs.malformed:
-        settlement = await ex.settle(Outcome("upstream_error"), ex.usage(complete=False))
-        return ex.error(
-            502,
-            "The upstream answer is not a JSON object.",
-            "upstream_error",
-            code="upstream_error",
-            headers=ex.headers(settlement),
-        )
+        return await ex.failed("upstream_error", 502, "The upstream answer is not a JSON object.")
     transport = ex.request.transport
     failed = ex.obs.error  # an answer that says it failed (status failed, an error object)
     if transport is None or transport.is_closing():

@@ -50,6 +50,19 @@ async def _claude_proxy(make_proxy: ProxyFactory, script: ScriptedUpstream) -> P
     )
 
 
+def _claude_message(usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": "m",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [{"type": "text", "text": "hi"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": usage,
+    }
+
+
 def _chat_answer(model: str, usage: dict[str, Any]) -> Plan:
     answer = {
         "id": "c",
@@ -107,16 +120,7 @@ async def test_cache_writes_kept_an_hour_are_billed_at_their_price(
         "cache_creation": {"ephemeral_5m_input_tokens": 40_000, "ephemeral_1h_input_tokens": 60_000},
         "output_tokens": 20,
     }
-    message = {
-        "id": "m",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-sonnet-4-5",
-        "content": [{"type": "text", "text": "hi"}],
-        "stop_reason": "end_turn",
-        "stop_sequence": None,
-        "usage": usage,
-    }
+    message = _claude_message(usage)
     if stream:
         start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
         chunks = [
@@ -173,15 +177,7 @@ async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
         assert f"{kind}_tokens" in TOKEN_FIELDS
     proxy = await _claude_proxy(make_proxy, script)
     usage = {"input_tokens": 5, "cache_creation_input_tokens": 700, "output_tokens": 2}
-    message = {
-        "id": "m",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-sonnet-4-5",
-        "content": [{"type": "text", "text": "hi"}],
-        "stop_reason": "end_turn",
-        "usage": usage,
-    }
+    message = _claude_message(usage)
     script.plan = Plan(chunks=[json.dumps(message).encode()])
     request = {
         "model": "claude-sonnet-4-5",
