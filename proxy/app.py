@@ -315,6 +315,8 @@ def build_app(
             state.config = new
 
         reloader = ConfigReloader(config_path, lambda: state.config, apply)
+        if reloader.changed():
+            reloader.reload("file changed while starting")
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
         task = asyncio.create_task(reloader.watch(RELOAD_POLL_S))

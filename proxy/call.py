@@ -17,7 +17,7 @@ from proxy.auth import Identity
 from proxy.config import Config, ModelConfig, PolicyConfig, UpstreamConfig
 from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
-from proxy.estimate import Estimate, estimate
+from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS, Estimate, estimate
 from proxy.payload import ChatBody, Endpoint, RequestView, ResponsesBody, answers, generations, set_output_cap
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
@@ -132,6 +132,12 @@ def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[s
     return asked, tier_price.rates
 
 
+def tools_input_tokens(model: ModelConfig, upstream: UpstreamConfig) -> int:
+    if model.tools_input_tokens is not None:
+        return model.tools_input_tokens
+    return ANTHROPIC_TOOLS_INPUT_TOKENS if upstream.kind == "anthropic" else 0
+
+
 def plan_call(
     *,
     request_id: str,
@@ -169,6 +175,7 @@ def plan_call(
         model_max_output_tokens=model_config.max_output_tokens,
         default_max_output_tokens=config.limits.default_max_output_tokens,
         media_part_input_tokens=model_config.media_part_input_tokens,
+        tools_input_tokens=tools_input_tokens(model_config, upstream),
     )
     if est.enforce_cap is not None and est.output_cap_field:
         set_output_cap(body, est.output_cap_field, est.enforce_cap)

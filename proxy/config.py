@@ -156,6 +156,9 @@ class ModelConfig(_Frozen):
     # Input tokens reserved for each image, audio or file part of a prompt: their count depends
     # on the model, the size and the detail, which the proxy cannot know (0: not reserved).
     media_part_input_tokens: int = Field(default=0, ge=0, le=10_000_000)
+    # Input tokens a provider adds to a call that carries tools, beyond their definitions (the
+    # system prompt of Anthropic's tool use). None: 600 for an Anthropic upstream, else 0.
+    tools_input_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
     price_per_million: PricePerMillion | None = None
     # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
     # flex), beside the default's; a priced model refuses a tier not priced here.
@@ -195,6 +198,14 @@ class KeyConfig(_Frozen):
     def _tenant_name(cls, value: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
             raise ValueError("tenant names use letters, digits, '.', '_' and '-' (at most 64)")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _key_name(cls, value: str) -> str:
+        # Part of Redis keys, of the lease record (one scope key a line) and of log lines.
+        if not re.fullmatch(r"[A-Za-z0-9._@/+-]{1,128}", value):
+            raise ValueError("key names use letters, digits and '.', '_', '@', '/', '+', '-' (at most 128)")
         return value
 
     @model_validator(mode="after")

@@ -114,6 +114,10 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
         raise ConfigError(f"{path}: invalid YAML: {err}") from None
     except RecursionError:
         raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+    except (ValueError, OverflowError) as err:
+        # A value PyYAML parses but cannot build: a date that does not exist (2001-02-30), an
+        # int or float tag on what is none (!!int 0x).
+        raise ConfigError(f"{path}: invalid YAML value: {err}") from None
     return parse_config(raw, os.environ if environ is None else environ)
 
 

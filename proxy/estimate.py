@@ -43,6 +43,11 @@ DEFAULT_CAP_FIELD: dict[Endpoint, str] = {
 }
 # OpenAI's legacy completions endpoint defaults max_tokens to 16.
 LEGACY_DEFAULT_MAX_TOKENS = 16
+# Anthropic's tool-use system prompt: 346 tokens on current models, at most 530 (Claude 3 Opus).
+ANTHROPIC_TOOLS_INPUT_TOKENS = 600
+# The input Anthropic adds for each of its own tools, by type prefix (its published figures: the
+# computer tool's definition and its system prompt).
+ANTHROPIC_TOOL_TOKENS = (("bash_", 245), ("text_editor_", 700), ("computer_", 735 + 499))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +105,22 @@ def media_of(view: RequestView) -> int:
     return 0
 
 
+def tools_overhead(view: RequestView, tools_input_tokens: int) -> int:
+    """Input a provider adds to a call with tools beyond their JSON, which the text count holds:
+    the model's tool-use system prompt (``tools_input_tokens``) and, for Anthropic's own tools,
+    the definitions it writes for them (its published figures; a tool's JSON here is one line)."""
+    tools = getattr(view, "tools", None)
+    if not tools:
+        return 0
+    tokens = tools_input_tokens
+    if isinstance(view, MessagesBody):
+        for tool in tools:
+            kind = tool.get("type")
+            if isinstance(kind, str):
+                tokens += next((n for prefix, n in ANTHROPIC_TOOL_TOKENS if kind.startswith(prefix)), 0)
+    return tokens
+
+
 def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
     """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
     and tokens given directly as token ids."""
@@ -139,9 +160,11 @@ def estimate(
     model_max_output_tokens: int | None,
     default_max_output_tokens: int,
     media_part_input_tokens: int = 0,
+    tools_input_tokens: int = 0,
     quick_chars: int = QUICK_BOUND_CHARS,
 ) -> Estimate:
     parts, overhead, id_tokens = prompt_of(endpoint, view)
+    overhead += tools_overhead(view, tools_input_tokens)
     if media_part_input_tokens:
         # A fixed part of the input, as the per-message tokens are: kept when the text is
         # counted after a quick reserve, and charged when the provider gives no usage.

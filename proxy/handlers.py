@@ -62,6 +62,12 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, state.ids)
         raw = await read_body(request, config.limits.max_body_bytes)
+        if state.config is not config:
+            # Reloaded while the body came (a client decides how long that takes): the call is
+            # reserved, so judged, under the config in force now (a key it revoked, a ceiling
+            # or a price it changed).
+            config = state.config
+            identity = authenticate(request, config, passthrough=state.passthrough)
         body, view = parse_body(raw, endpoint)
         # Much new text is estimated at its byte length here and counted later: before the call
         # only if the reserve needs it, else while the call runs (``reserve.reserve``).

@@ -243,9 +243,10 @@ _NOT_TEXT = frozenset(
         "format",
     }
 )
-# Keys whose object value is the model's own JSON (a tool call's input or arguments): sent as
-# JSON text, its keys included.
-_AS_JSON = frozenset({"input", "arguments"})
+# Keys whose object value the model reads as JSON, its keys included: a tool call's input or
+# arguments, and a tool's schema (an MCP tool list passed back among the items; a schema's
+# property names are keys, its "type"s would be dropped as enums).
+_AS_JSON = frozenset({"input", "arguments", "input_schema", "parameters", "schema"})
 
 
 def prompt_texts(value: Any) -> list[str]:

@@ -43,6 +43,11 @@ class ConfigReloader:
             self._started_from: Config | None = load_config(path, os.environ)
         except ConfigError:
             self._started_from = None
+        in_force = current()
+        if self._started_from is None or _keep_start_only(self._started_from, in_force) != in_force:
+            # The file changed after the config in force was read from it: saved while the
+            # proxy started (its SIGHUP ignored until now). ``changed`` says so at once.
+            self._stamp = None
 
     def reload(self, reason: str) -> bool:
         self._stamp = _stamp(self.path)

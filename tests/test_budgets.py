@@ -525,3 +525,108 @@ async def test_a_reload_to_keep_runs_for_ever_keeps_a_live_run_for_ever(
         assert [await redis_client.ttl(key) for key in keys] == [-1, -1]
     finally:
         await runner.cleanup()
+
+
+async def _send_head(
+    proxy: Proxy, body: bytes, run: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A call's request line and headers, its body held back."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nAuthorization: Bearer {KEY_A}\r\nX-Run-Id: {run}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    writer.write(head.encode())
+    await writer.drain()
+    return reader, writer
+
+
+async def _send_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> int:
+    writer.write(body)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    return int(answer.split(b" ", 2)[1])
+
+
+async def _reload_to(proxy: Proxy, raw: dict[str, Any], path: Path) -> None:
+    before = proxy.app[STATE].config
+    path.write_text(yaml.safe_dump(raw))
+    os.kill(os.getpid(), signal.SIGHUP)
+    for _ in range(500):
+        if proxy.app[STATE].config is not before:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not reloaded")
+
+
+@pytest.mark.parametrize("change", ["key revoked", "ceiling lowered", "price raised"])
+async def test_a_body_that_comes_after_a_reload_is_judged_by_the_new_config(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    change: str,
+) -> None:
+    """The headers came before the reload, the body after it (a client decides when): the call is
+    reserved after the reload, so under the new config, whatever the handler read first."""
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    raw["tiers"] = tiers(key={"requests": 100})
+    raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "1", "output": "1"}
+    path = tmp_path / "config.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    body = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
+    run = change.replace(" ", "-")
+    try:
+        reader, writer = await _send_head(proxy, body, run)
+        await asyncio.sleep(0.2)  # the handler authenticated and waits on the body
+        if change == "key revoked":
+            raw["keys"] = [k for k in raw["keys"] if k["name"] != "a-ci"]
+        elif change == "ceiling lowered":
+            raw["tiers"] = tiers(key={"requests": 0})
+        else:
+            raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "100", "output": "100"}
+        await _reload_to(proxy, raw, path)
+        status = await _send_body(reader, writer, body)
+        if change == "price raised":
+            assert status == 200
+            ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
+            tokens = int(entry["input_tokens"]) + int(entry["output_tokens"])
+            assert int(entry["cost_micros"]) == 100 * tokens  # 100 per million: micro-units a token
+        else:
+            assert status == (401 if change == "key revoked" else 429)
+            assert fake.received == []
+    finally:
+        await proxy.runner.cleanup()
+
+
+async def test_a_file_saved_while_the_proxy_starts_is_in_force_once_it_serves(
+    fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """Saved between the load of the config and the reloader's start (the store, the tokenizer,
+    the workers: seconds, a SIGHUP then ignored): applied when the proxy starts serving."""
+    from aiohttp import web
+
+    from proxy.app import build_app
+    from proxy.config_load import load_config
+    from proxy.tokenizer import Tokenizer
+
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    raw["tiers"] = tiers(key={"requests": 100})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
+    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
+    raw["tiers"] = tiers(key={"requests": 1})
+    path.write_text(yaml.safe_dump(raw))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        tier = app[STATE].config.tiers["standard"]
+        assert tier.key is not None and tier.key.requests == 1
+    finally:
+        await runner.cleanup()

@@ -355,3 +355,50 @@ def test_tier_prices_need_the_default_tiers_price() -> None:
     assert "service_tiers.auto" in error_of(
         {**UP, "models": {"m": {**priced, "service_tiers": {"auto": tiers["priority"]}}}}
     )
+
+
+@pytest.mark.parametrize("value", ["2001-02-30", "!!int 0x", "!!float x"])
+def test_a_yaml_value_that_cannot_be_built_is_a_config_error(tmp_path: Path, value: str) -> None:
+    """A date that does not exist, a tag on what it does not fit: named, not a traceback, and a
+    reload of such a file is refused (the old config stays) instead of raising."""
+    from proxy.cli import main
+
+    path = tmp_path / "config.yaml"
+    raw = base_config("http://127.0.0.1:9", "redis://127.0.0.1:1")
+    path.write_text(yaml.safe_dump(raw))
+    running = load_config(path, {"TEST_UPSTREAM_KEY": "k"})
+    applied: list[Config] = []
+    reloader = ConfigReloader(path, lambda: running, applied.append)
+    path.write_text(yaml.safe_dump(raw) + f"currency: {value}\n")
+    with pytest.raises(ConfigError, match="invalid YAML value"):
+        load_config(path, {})
+    assert main(["check-config", str(path)]) == 2
+    assert reloader.reload("SIGHUP") is False
+    assert applied == []
+
+
+def test_a_file_saved_after_the_config_in_force_was_read_is_seen_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved while the proxy started (the store, the tokenizer, the workers: seconds; a SIGHUP
+    then is ignored): the reloader's first look says the file changed."""
+    path = tmp_path / "config.yaml"
+    raw = base_config("http://127.0.0.1:9", "redis://127.0.0.1:1")
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "k")
+    loaded = load_config(path)
+    # As serve's command line and a worker set them: not a change of the file.
+    running = loaded.model_copy(update={"listen": loaded.listen.model_copy(update={"port": 1234})})
+    assert not ConfigReloader(path, lambda: running, lambda _: None).changed()
+    raw["tiers"] = {"standard": {"key": {"requests": 1}}}
+    path.write_text(yaml.safe_dump(raw))
+    assert ConfigReloader(path, lambda: running, lambda _: None).changed()
+
+
+@pytest.mark.parametrize("name", ["ci\nbot", "ci bot", "a:day", "{x}", "", "k" * 129])
+def test_a_key_name_that_cannot_be_part_of_a_redis_key_is_refused(name: str) -> None:
+    """A line break split the lease record's scope keys (one a line): the reaper released a
+    reserve from keys that were not its own and left the key's for good."""
+    assert "keys.0.name" in error_of({**UP, "keys": [{"name": name, "sha256": "0" * 64, "tenant": "t"}]})
+    ok = {**UP, "keys": [{"name": "ci-bot@team.example/2+x_y", "sha256": "0" * 64, "tenant": "t"}]}
+    assert parse_config(ok, {}).keys[0].name == "ci-bot@team.example/2+x_y"

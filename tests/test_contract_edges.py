@@ -1133,3 +1133,83 @@ async def test_a_legacy_completion_without_max_tokens_keeps_to_the_models_cap(
     )
     await proxy.client(max_retries=0).completions.create(model="gpt-3.5-turbo-instruct", prompt="hi")
     assert fake.received[-1].body["max_tokens"] == 10
+
+
+def _claude_answer(input_tokens: int) -> bytes:
+    return dumps(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-sonnet-4-5",
+            "content": [{"type": "text", "text": "ok"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 1},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("tool", "billed_input"),
+    [
+        # Anthropic's figures: its tool-use system prompt (346 on current models), a tool's own
+        # definition (bash: 245), and the few tokens of the definition and the message.
+        ({"name": "f", "input_schema": {"type": "object"}}, 346 + 15 + 8),
+        ({"type": "bash_20250124", "name": "bash"}, 346 + 245 + 8),
+    ],
+    ids=["custom-tool", "bash-tool"],
+)
+async def test_anthropic_tool_use_input_is_reserved(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    tool: dict[str, Any],
+    billed_input: int,
+) -> None:
+    """A Messages call with tools is billed a system prompt the request does not carry: the
+    reserve holds it, so a run ceiling the call would pass refuses it first."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    proxy = await make_proxy(
+        upstreams={"anthropic": upstream},
+        models={"claude-*": {"upstream": "anthropic"}},
+        tiers={"standard": {"run": {"total_tokens": 300}}},
+    )
+    script.plan = Plan(chunks=[_claude_answer(billed_input)])
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 16,
+        "tools": [tool],
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        "/v1/messages",
+        dumps(body),
+        headers={"X-Run-Id": "tools"},
+    )
+    assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()
+    # Without tools the same call fits, and with the operator's own figure for its models too.
+    del body["tools"]
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        "/v1/messages",
+        dumps(body),
+        headers={"X-Run-Id": "plain"},
+    )
+    assert reply.status == 200, reply.describe()
+
+
+def test_the_tool_use_input_of_a_model_is_the_operator_s_to_set() -> None:
+    from proxy.call import tools_input_tokens
+    from proxy.config import ModelConfig, UpstreamConfig
+
+    anthropic = UpstreamConfig(base_url="http://a", kind="anthropic")
+    openai_upstream = UpstreamConfig(base_url="http://o")
+    assert tools_input_tokens(ModelConfig(upstream="a"), anthropic) == 600
+    assert tools_input_tokens(ModelConfig(upstream="o"), openai_upstream) == 0
+    assert tools_input_tokens(ModelConfig(upstream="a", tools_input_tokens=350), anthropic) == 350

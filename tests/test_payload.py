@@ -186,6 +186,21 @@ def test_a_tool_calls_json_input_is_counted_with_its_keys() -> None:
     assert _estimate_input_tokens("/v1/messages", body) >= 2000
 
 
+def test_a_tool_schema_among_the_items_is_counted_with_its_property_names() -> None:
+    """An MCP tool list passed back (stateless clients do): its schema's property names are
+    keys, and the schema is what the model reads of the tool."""
+    names = [f"customer_shipping_address_field_number_{i}" for i in range(150)]
+    schema = {"type": "object", "properties": {name: {"type": "string"} for name in names}}
+    listed = {
+        "type": "mcp_list_tools",
+        "id": "m",
+        "server_label": "crm",
+        "tools": [{"name": "update", "input_schema": schema}],
+    }
+    body = {"input": [listed, {"role": "user", "content": "go"}]}
+    assert _estimate_input_tokens("/v1/responses", body) >= len(orjson.dumps(schema))
+
+
 def test_an_anthropic_document_of_content_blocks_is_counted_with_its_title_and_context() -> None:
     # Only a plain-text source was read: content blocks, a title and a context went unreserved.
     from proxy.payload import prompt_texts
