@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         "provider generating as it sends; without it reads carry several events, however the "
         "scheduler batches them: noisier)",
     )
+    parser.add_argument(
+        "--obfuscation", action="store_true", help="stream chunks end in OpenAI's padding field (run.py)"
+    )
     args = parser.parse_args(argv)
     scenario = next(s for s in SCENARIOS if s.name == args.scenario)
     settings = Settings(
@@ -116,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(scratch)
         redis = RedisServerProcess(workdir / "redis", port=free_port())
         try:
-            upstream = start_upstream(workdir, 3600, chunk_delay_ms=args.chunk_delay_ms)
+            upstream = start_upstream(
+                workdir, 3600, chunk_delay_ms=args.chunk_delay_ms, obfuscation=args.obfuscation
+            )
             servers.append(upstream)
             redis.start()
             proxies: dict[str, Server] = {}
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 "concurrency": args.concurrency,
                 "base": args.base,
                 "chunk_delay_ms": args.chunk_delay_ms,
+                "obfuscation": args.obfuscation,
                 "ratio_b_over_a_median": round(statistics.median(ratios), 4),
                 "ratio_min": round(min(ratios), 4),
                 "ratio_max": round(max(ratios), 4),

@@ -70,11 +70,16 @@ from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 PYTHON = sys.executable
 
 
-def start_upstream(workdir: Path, max_seconds: float, *, chunk_delay_ms: float = 0.0) -> Server:
+def start_upstream(
+    workdir: Path, max_seconds: float, *, chunk_delay_ms: float = 0.0, obfuscation: bool = False
+) -> Server:
     """The fast fake upstream, gone by itself after ``max_seconds`` should its driver die;
-    ``chunk_delay_ms`` spaces a stream's events (a provider generating as it sends)."""
+    ``chunk_delay_ms`` spaces a stream's events (a provider generating as it sends);
+    ``obfuscation``: chunks end in OpenAI's padding field."""
     argv = [PYTHON, str(BENCH / "upstream.py"), "--port", "0", "--max-seconds", str(int(max_seconds))]
     argv += ["--chunk-delay-ms", str(chunk_delay_ms)]
+    if obfuscation:
+        argv.append("--obfuscation")
     return start_ready_line("upstream", argv, workdir)
 
 
@@ -392,7 +397,12 @@ def stack_running(
     redis_unix = bool(settings.extra.get("redis_unix"))
     redis = RedisServerProcess(workdir / "redis", port=None if redis_unix else free_port())
     try:
-        upstream = start_upstream(workdir, 1800, chunk_delay_ms=settings.extra.get("chunk_delay_ms", 0.0))
+        upstream = start_upstream(
+            workdir,
+            1800,
+            chunk_delay_ms=settings.extra.get("chunk_delay_ms", 0.0),
+            obfuscation=settings.extra.get("obfuscation", False),
+        )
         servers.append(upstream)
         relay_argv = [PYTHON, str(BENCH / "relay.py"), "--upstream", upstream.url, "--port", "0"]
         relay_argv += ["--max-seconds", "1800"]
@@ -611,6 +621,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sends): each then reaches a server in a read of its own",
     )
     parser.add_argument(
+        "--obfuscation",
+        action="store_true",
+        help='stream chunks end, as OpenAI\'s do by default, in an "obfuscation" field of random '
+        "padding (its length varies from chunk to chunk)",
+    )
+    parser.add_argument(
         "--background-rate",
         type=float,
         default=BACKGROUND_RATE,
@@ -657,8 +673,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "redis_unix": args.redis_unix,
             "lean_floor": args.lean_floor,
             "chunk_delay_ms": args.chunk_delay_ms,
+            "obfuscation": args.obfuscation,
         },
     )
+    if args.obfuscation:
+        notes.append(
+            "--obfuscation: stream chunks end in OpenAI's padding field, of a length that varies from "
+            'chunk to chunk ("usage":null then comes before it)'
+        )
     if args.chunk_delay_ms:
         notes.append(
             f"--chunk-delay-ms {args.chunk_delay_ms:g}: the upstream spaces a stream's events (each "

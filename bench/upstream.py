@@ -6,7 +6,9 @@
 * ``"stream": true``: ``--chunks N`` content chunks framed exactly like OpenAI
   (``data: {...}\\n\\n``), a finish chunk, and when the request has
   ``stream_options.include_usage`` a ``"usage": null`` field on every chunk plus a final
-  ``"choices": []`` usage chunk; then ``data: [DONE]\\n\\n``.
+  ``"choices": []`` usage chunk; then ``data: [DONE]\\n\\n``. With ``--obfuscation`` every chunk
+  ends, as OpenAI's do unless ``stream_options.include_obfuscation`` is false, in an
+  ``"obfuscation"`` field of random letters and digits whose length varies from chunk to chunk.
 
 A request may override the chunk count with an extra body field ``"x_bench_chunks": N`` (the
 proxy and the relay forward unknown fields unchanged). Chunk bodies are rendered once per
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import signal
+import string
 import sys
 import time
 from typing import Any
@@ -30,6 +34,7 @@ from aiohttp import web
 Json = dict[str, Any]
 REPLY_WORD = "tok "
 FINGERPRINT = "fp_bench"
+PAD_ALPHABET = string.ascii_letters + string.digits
 
 
 def _dumps(obj: Any) -> bytes:
@@ -37,20 +42,24 @@ def _dumps(obj: Any) -> bytes:
 
 
 class Upstream:
-    def __init__(self, *, chunks: int, reply_tokens: int, chunk_delay_s: float) -> None:
+    def __init__(
+        self, *, chunks: int, reply_tokens: int, chunk_delay_s: float, obfuscation: bool = False
+    ) -> None:
         self.chunks = chunks
+        self.obfuscation = obfuscation
+        self._padding = random.Random(7)
         self.reply_tokens = reply_tokens
         self.chunk_delay_s = chunk_delay_s
         self.counter = 0
-        self._stream_cache: dict[tuple[int, bool, str], tuple[list[bytes], bytes | None]] = {}
+        self._stream_cache: dict[tuple[int, bool, str, bool], tuple[list[bytes], bytes | None]] = {}
 
     # -- rendering ----------------------------------------------------------------------
 
     def _stream_events(
-        self, chunks: int, include_usage: bool, model: str
+        self, chunks: int, include_usage: bool, model: str, padded: bool = False
     ) -> tuple[list[bytes], bytes | None]:
         """(the content events incl. role and finish chunks, the usage-chunk template or None)."""
-        key = (chunks, include_usage, model)
+        key = (chunks, include_usage, model, padded)
         cached = self._stream_cache.get(key)
         if cached is not None:
             return cached
@@ -66,6 +75,9 @@ class Upstream:
             obj = {**base, "choices": choices}
             if include_usage:
                 obj["usage"] = None
+            if padded:
+                length = self._padding.randint(1, 12)
+                obj["obfuscation"] = "".join(self._padding.choices(PAD_ALPHABET, k=length))
             return b"data: " + _dumps(obj) + b"\n\n"
 
         def choice(delta: Json, finish: str | None) -> Json:
@@ -141,7 +153,9 @@ class Upstream:
         chunks = chunks if isinstance(chunks, int) and 0 <= chunks <= 100_000 else self.chunks
         opts = body.get("stream_options")
         include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-        events, usage_template = self._stream_events(chunks, include_usage, model)
+        declined = isinstance(opts, dict) and opts.get("include_obfuscation") is False
+        padded = self.obfuscation and not declined
+        events, usage_template = self._stream_events(chunks, include_usage, model, padded)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
         )
@@ -202,12 +216,18 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=20, help="content chunks per stream (default 20)")
     parser.add_argument("--reply-tokens", type=int, default=16, help="completion tokens, non-streaming")
     parser.add_argument("--chunk-delay-ms", type=float, default=0.0, help="sleep between stream events")
+    parser.add_argument(
+        "--obfuscation", action="store_true", help="chunks end in OpenAI's padding field, of a varying length"
+    )
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (safety)")
     args = parser.parse_args()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         parser.error("the benchmark upstream listens on loopback only")
     upstream = Upstream(
-        chunks=args.chunks, reply_tokens=args.reply_tokens, chunk_delay_s=args.chunk_delay_ms / 1000
+        chunks=args.chunks,
+        reply_tokens=args.reply_tokens,
+        chunk_delay_s=args.chunk_delay_ms / 1000,
+        obfuscation=args.obfuscation,
     )
     asyncio.run(serve(args.host, args.port, upstream, args.max_seconds))
     return 0

@@ -14,8 +14,10 @@ per-event path, so the template only ever changes the cost, never the result.
 
 from __future__ import annotations
 
+import json
 import operator
 import re
+from typing import Any
 
 import orjson
 
@@ -23,7 +25,10 @@ from proxy.dialects import Dialect
 from proxy.observe import Observation, parse_json, string_end
 
 _USAGE_NULL_TAIL = b',"usage":null}'
-_STRIPPED_EVENT_END = (_USAGE_NULL_TAIL + b"\n\n", b"}\n\n")
+_USAGE_NULL_FIELD = b',"usage":null'
+# OpenAI's padding field (stream_options.include_obfuscation, on by default), last in a chunk.
+_PAD_FIELD = b',"obfuscation":"'
+_PAD_END = b'"}\n\n'
 # Anything in a chunk besides a content delta: these go through the full JSON parse.
 NOT_PLAIN_CONTENT = re.compile(
     rb'"finish_reason"\s*:\s*"|"usage"\s*:\s*\{|"refusal"\s*:\s*"|"tool_calls"|"function_call"|"error"'
@@ -38,7 +43,11 @@ _QUOTED_WORD_AT_END = re.compile(rb'"(?:error|tool_calls|function_call|usage)$',
 _TEMPLATE_TRIES = 3
 # Single bytes, tested as ints: ``int in bytes`` is a memchr, ``bytes in bytes`` costs a buffer
 # export on top (140 ns against 20 for a short text, per event).
-_LF, _CR, _QUOTE, _BACKSLASH = b'\n\r"\\'
+_LF, _CR, _QUOTE, _BACKSLASH, _COMMA = b'\n\r"\\,'
+# Bytes JSON refuses raw in a string (a line break is the texts' separator: see odd_texts),
+# found by deleting them (bytes.translate: a tenth of a regex's time over a run's texts).
+_CONTROL = bytes(range(0x0A)) + bytes(range(0x0B, 0x20))
+_JSON_ESCAPE = re.compile(rb'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})')
 # Tries at a run per read (see ``EventFilter.feed``).
 _RUN_TRIES = 4
 _BOM = b"\xef\xbb\xbf"
@@ -55,21 +64,61 @@ def _data_event(data: bytes, event: bytes = b"") -> bytes:
     return b"\n".join(fields) + b"\n" + out if fields else out
 
 
+def _event_over(events: bytes | bytearray, limit: int) -> bool:
+    """Whether one of ``events`` (the last maybe not complete yet) is longer than ``limit``: the
+    limit bounds an event, not a read, which may carry many (a fast upstream, a slow client)."""
+    if len(events) <= limit:
+        return False
+    pos = 0
+    while True:
+        sep = events.find(b"\n\n", pos)
+        if (len(events) if sep < 0 else sep) - pos > limit:
+            return True
+        if sep < 0:
+            return False
+        pos = sep + 2
+
+
+def _without_usage_null(data: bytes) -> bytes | None:
+    """``data`` (a chunk whose top-level ``usage`` is null) with that field cut out of its bytes,
+    every other byte as it came; None when the bytes do not say where it is for sure."""
+    if data.endswith(_USAGE_NULL_TAIL):  # OpenAI's place for it, before the object's end
+        return data[: -len(_USAGE_NULL_TAIL)] + b"}"
+    # Before another field (OpenAI's "obfuscation"): the one "usage" of the bytes is then the
+    # top-level field (a quoted word is a key or a whole string, never part of a text).
+    at = data.find(_USAGE_NULL_FIELD)
+    if at < 0 or data.count(b'"usage"') != 1 or data[at + len(_USAGE_NULL_FIELD)] != _COMMA:
+        return None
+    return data[:at] + data[at + len(_USAGE_NULL_FIELD) :]
+
+
+def _dumps(obj: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        # A lone surrogate (a text cut inside an emoji), which parse_json takes: escaped again.
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _is_done(data: bytes) -> bool:
     return data[:6] == b"[DONE]" and data.rstrip() == b"[DONE]"
 
 
 def odd_texts(texts: bytes) -> bool:
     """Whether a text (or any of several, each followed by a line break), as the bytes between
-    the quotes of a JSON string, is not one the per-event path reads as plain content: it could
-    close its string early (an unescaped quote) or escape the closing quote (a lone trailing
-    backslash), or it ends in an escaped quote and a word of PARSED_TEXTS, which the closing
-    quote makes a quoted word that path parses in full (``\\"error`` then ``"``)."""
+    the quotes of a JSON string, is not one the per-event path reads as plain content: it is not
+    JSON (a raw control byte, an escape JSON has not, which the client's SDK would refuse), it
+    could close its string early (an unescaped quote) or escape the closing quote (a lone
+    trailing backslash), or it ends in an escaped quote and a word of PARSED_TEXTS, which the
+    closing quote makes a quoted word that path parses in full (``\\"error`` then ``"``)."""
+    if len(texts.translate(None, _CONTROL)) != len(texts):
+        return True
     if _QUOTE not in texts and _BACKSLASH not in texts:
         return False
-    # JSON escapes read left to right: a backslash pair first, then an escaped quote.
-    unescaped = texts.replace(b"\\\\", b"").replace(b'\\"', b"")
-    if _QUOTE in unescaped or unescaped[-1:] == b"\\" or unescaped.find(b"\\\n") >= 0:
+    # JSON's escapes, read left to right as a parser does: what is left must hold no quote nor
+    # backslash.
+    unescaped = _JSON_ESCAPE.sub(b"", texts)
+    if _QUOTE in unescaped or _BACKSLASH in unescaped:
         return True
     return _QUOTE in texts and _QUOTED_WORD_AT_END.search(texts) is not None
 
@@ -103,6 +152,10 @@ class EventFilter:
         # The client's version of the template when it did not ask for usage (empty: the same).
         self._stripped_suffix = b""
         self._stripped_separator = b""
+        # A padded template (OpenAI's chunks end in padding of a random length): its suffix is
+        # this, the padding, then _PAD_END; the client's version of it (None: the same).
+        self._pad_mid = b""
+        self._pad_mid_stripped: bytes | None = None
         # Bytes of an event not complete yet, held until the next read.
         self._held = bytearray()
         # The last read ended in \r: a \n starting the next one is the same line break.
@@ -125,7 +178,7 @@ class EventFilter:
         if not held:
             if self._prefix_len and len(piece) <= limit and (out := self._single(piece)) is not None:
                 return out
-            if piece.endswith(b"\n\n") and _CR not in piece and len(piece) <= limit:
+            if piece.endswith(b"\n\n") and _CR not in piece and not _event_over(piece, limit):
                 return self.feed(piece)
         if _CR in piece:
             # SSE ends a line with \r\n, \n or a lone \r (never inside JSON: it escapes \r).
@@ -135,7 +188,7 @@ class EventFilter:
         # event. Searching all of a long event at each read was quadratic in its size.
         start = max(len(held) - 1, 0)
         held += piece
-        if len(held) > limit:
+        if _event_over(held, limit):
             return None
         complete = held.rfind(b"\n\n", start) + 2
         if complete < 2:
@@ -151,6 +204,8 @@ class EventFilter:
         no line break whose quotes are all escaped cannot hold a second event, nor leave its
         string; the text goes straight to the observation's list (its first token was seen when
         the template was learned)."""
+        if self._pad_mid:
+            return self._single_padded(event)
         size = len(event)
         end = size - self._suffix_len
         if (
@@ -170,6 +225,27 @@ class EventFilter:
             return self._prefix + text + self._stripped_suffix
         return event
 
+    def _single_padded(self, event: bytes) -> bytes | None:
+        """``_single`` for a padded template: the padding (letters and digits) after its field's
+        opening quote, the text before the field's fixed bytes (which hold quotes no text
+        leaves unescaped)."""
+        if not event.startswith(self._prefix) or not event.endswith(_PAD_END):
+            return None
+        at = event.rfind(self._pad_mid)
+        pad = event[at + len(self._pad_mid) : -len(_PAD_END)]
+        if at < self._prefix_len or (pad and not pad.isalnum()):
+            return None
+        text = event[self._prefix_len : at]
+        if _LF in text or _CR in text or text in PARSED_TEXTS or odd_texts(text):
+            return None
+        if text:
+            self._sink.append(text)
+        self.obs.chunks += 1
+        self.run_events += 1
+        if self._pad_mid_stripped is not None:
+            return self._prefix + text + self._pad_mid_stripped + pad + _PAD_END
+        return event
+
     @property
     def incomplete(self) -> bool:
         """Whether the body so far ends inside an event."""
@@ -184,7 +260,7 @@ class EventFilter:
         # many odd events (each a run's end) is not split again at each of them.
         tries = _RUN_TRIES
         while pos < size:
-            if tries and self._prefix_len and events.startswith(self._prefix, pos):
+            if tries and self._prefix_len and not self._pad_mid and events.startswith(self._prefix, pos):
                 tries -= 1
                 found = self._run(events, pos)
                 if found is not None:
@@ -195,7 +271,10 @@ class EventFilter:
             sep = events.find(b"\n\n", pos)
             if sep < 0:  # not a complete event: the caller only hands over complete ones
                 sep = size
-            passed = self.safe_event(events[pos:sep])
+            # Padded template events differ from each other beyond their texts: one at a time.
+            passed = self._single_padded(events[pos : sep + 2]) if self._pad_mid else None
+            if passed is None:
+                passed = self.safe_event(events[pos:sep])
             if passed is not None:
                 out.append(passed)
             pos = sep + 2
@@ -287,14 +366,27 @@ class EventFilter:
         suffix = data[end:] + b"\n\n"
         if b"\n" in prefix or b"\n" in suffix[:-2] or b"\r" in prefix + suffix:
             return
+        stripped = b""
+        if self._strip and b'"usage"' in data:
+            # The client's version cuts the usage field out of the bytes after the text.
+            cut = _without_usage_null(data)
+            if cut is None or cut[:end] != data[:end]:
+                return
+            stripped = cut[end:] + b"\n\n"
+        pad_at = suffix.rfind(_PAD_FIELD) + len(_PAD_FIELD)
+        pad = suffix[pad_at : -len(_PAD_END)]
+        if pad_at >= len(_PAD_FIELD) and suffix.endswith(_PAD_END) and (not pad or pad.isalnum()):
+            self._pad_mid = suffix[:pad_at]
+            if stripped:
+                self._pad_mid_stripped = stripped[: len(stripped) - len(pad) - len(_PAD_END)]
         self._prefix, self._suffix = prefix, suffix
         self._prefix_len, self._suffix_len = len(prefix), len(suffix)
         self._cut = operator.itemgetter(slice(len(prefix), 2 - len(suffix)))
         self._sink = self.obs.contents.setdefault(0, [])
         self._separator = suffix + prefix
-        if self._strip and suffix.endswith(_STRIPPED_EVENT_END[0]):
-            self._stripped_suffix = suffix[: -len(_STRIPPED_EVENT_END[0])] + _STRIPPED_EVENT_END[1]
-            self._stripped_separator = self._stripped_suffix + prefix
+        if stripped:
+            self._stripped_suffix = stripped
+            self._stripped_separator = stripped + prefix
         self._tries = 0
 
     # -- one event at a time ---------------------------------------------------------------
@@ -321,27 +413,19 @@ class EventFilter:
             self.obs.malformed = True
         return event + b"\n\n"
 
-    def _content_only(self, data: bytes) -> bool:
-        """True (and observed) when ``data`` is a compact chunk whose one choice carries only
-        a content delta; anything else (finish reasons, usage, refusals, tool calls, errors,
-        unusual formatting) goes through the full parse."""
-        if not data.startswith(b"{") or not data.endswith(b"}") or NOT_PLAIN_CONTENT.search(data):
-            return False
+    def _try_template(self, data: bytes) -> None:
+        """Learn the template from ``data`` when it is a compact chunk whose one choice carries
+        only a non-empty text (the role chunk's empty one makes none)."""
+        if NOT_PLAIN_CONTENT.search(data):
+            return
         key = self._content_key
         found = data.find(key)
         if found < 0:
-            if self._content_field in data:
-                return False  # formatted differently: let the parser read it
-            self.obs.raw_content(0, b"")
-            return True
+            return
         start = found + len(key)
         end = string_end(data, start)
-        if end < 0 or data.find(key, end) >= 0:
-            return False
-        self.obs.raw_content(0, data[start:end])
-        if self._tries and end > start:  # an empty text (the role chunk's) makes no template
+        if end > start and data.find(key, end) < 0:
             self._learn(data, start, end)
-        return True
 
     def _event(self, event: bytes) -> bytes | None:
         """Observe one SSE event; return the bytes the client gets, or None to drop it."""
@@ -360,23 +444,23 @@ class EventFilter:
             return None  # written after the billing comment
         if not self.dialect.injects_usage:
             return self._typed_event(event, data)
-        wants_usage = self.client_wants_usage
-        strip = not wants_usage and data.endswith(_USAGE_NULL_TAIL)
-        if self._fast and (wants_usage or strip or b'"usage"' not in data) and self._content_only(data):
-            # Most events only carry a content delta: note it without parsing the JSON.
-            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}", event) if strip else event + b"\n\n"
+        # Parsed whole, even a plain content delta: the SDK parses it too, and a chunk it
+        # cannot read is a malformed answer. (Runs of template events skip this: see _run.)
         try:
             obj = parse_json(data)
         except ValueError:
             self.obs.malformed = True
             return event + b"\n\n"
         self.obs.observe(obj, streaming=True)
-        if wants_usage or b'"usage"' not in data or not isinstance(obj, dict) or "usage" not in obj:
-            return event + b"\n\n"  # no usage field (the bytes were in a text): as it came
-        if data.endswith(_USAGE_NULL_TAIL):
-            # The common case (OpenAI puts it last): cut the bytes, do not re-serialise.
-            return _data_event(data[: -len(_USAGE_NULL_TAIL)] + b"}", event)
-        if obj.get("choices") == [] and obj.get("usage") is not None:
+        if self._tries:
+            self._try_template(data)
+        if self.client_wants_usage or not isinstance(obj, dict) or "usage" not in obj:
+            return event + b"\n\n"  # no usage field: as it came
+        if obj["usage"] is None:
+            cut = _without_usage_null(data)
+            if cut is not None:
+                return _data_event(cut, event)
+        elif obj.get("choices") == []:
             return None  # the usage-only chunk the client did not ask for
-        obj.pop("usage", None)
-        return _data_event(orjson.dumps(obj), event)
+        obj.pop("usage")
+        return _data_event(_dumps(obj), event)

@@ -227,8 +227,9 @@ def parse_json(data: bytes) -> Any:
 
 def _unescape(escaped: bytes) -> str:
     try:
-        value = orjson.loads(b'"' + escaped + b'"')
-    except orjson.JSONDecodeError:
+        # As the client's SDK reads it (a lone surrogate escape too, which orjson refuses).
+        value = parse_json(b'"' + escaped + b'"')
+    except ValueError:
         return escaped.decode("utf-8", "replace")
     return value if isinstance(value, str) else ""
 

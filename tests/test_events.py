@@ -34,6 +34,11 @@ def finish(reason: str = "stop") -> bytes:
     return event({**BASE, "choices": [choice]})
 
 
+def obfuscated(text: str, padding: str) -> bytes:
+    """A content chunk as OpenAI sends it (``include_obfuscation`` defaults to true)."""
+    return content(text)[:-3] + b',"obfuscation":"' + padding.encode() + b'"}\n\n'
+
+
 def crafted(raw_text: bytes) -> bytes:
     """A template event whose text bytes are ``raw_text`` as sent, escaped or not."""
     return content("tok ").replace(b'"content":"tok "', b'"content":"' + raw_text + b'"')
@@ -86,9 +91,22 @@ ODD = (
     content("tok ", created=2),
     b'data: {"error":{"message":"boom"}}\n\n',
     b"event: x\ndata: " + content("multi")[6:],
+    # Not JSON, which the client's SDK refuses: a raw control byte, escapes JSON has not.
+    crafted(b"a\tb"),
+    crafted(b"a\x00"),
+    crafted(b"a\\qb"),
+    crafted(b"\\u12"),
+    crafted(b"\\\\\\x"),
+    # OpenAI's own shape: "usage":null before a field of padding of its own length.
+    obfuscated("x", "Ab3"),
 )
 ODD_EVENTS = st.sampled_from(ODD)
-EVENTS = st.lists(st.one_of(TEXTS.map(content), TEXTS.map(content), ODD_EVENTS), max_size=40)
+PADDING = st.text(alphabet="aB3Zy9", max_size=6) | st.sampled_from(["a-b", "a\\", "é", 'a"'])
+EVENTS = st.lists(
+    st.one_of(TEXTS.map(content), TEXTS.map(content), st.builds(obfuscated, TEXTS, PADDING), ODD_EVENTS),
+    max_size=40,
+)
+PADDED_STREAMS = st.lists(st.builds(obfuscated, TEXTS, PADDING), max_size=30)
 
 
 def relay(stream: bytes, cuts: list[int], *, runs: bool, wants_usage: bool, choices: int = 1) -> Any:
@@ -243,3 +261,87 @@ def test_an_event_without_a_usage_field_passes_as_it_came() -> None:
     for runs in (True, False):
         out = relay(stream, [], runs=runs, wants_usage=False)[0]
         assert odd in out
+
+
+def test_many_events_in_one_read_are_not_one_large_event() -> None:
+    """The limit bounds one event: a read of many small ones (a fast upstream, a slow client)
+    is not refused, one event past it is, however it comes."""
+    events = b"".join(content(f"word{i} ") for i in range(40))
+    assert len(content("word1 ")) < 4096 < len(events)
+    for runs in (True, False):
+        obs = Observation()
+        filt = EventFilter(
+            obs, dialect=DIALECTS["chat.completions"], choices=1, client_wants_usage=False, runs=runs
+        )
+        for piece in (ROLE + events[:1000], events[1000:] + finish()[:20], finish()[20:] + USAGE + DONE):
+            assert filt.read(piece, limit=4096) is not None
+        assert obs.content_of(0) == "".join(f"word{i} " for i in range(40)) and obs.done
+    large = content("x" * 5000)
+    for pieces in ([large], [large[:3000], large[3000:]], [content("a") + large[:4000], large[4000:]]):
+        filt = EventFilter(
+            Observation(), dialect=DIALECTS["chat.completions"], choices=1, client_wants_usage=False
+        )
+        assert [filt.read(piece, limit=4096) for piece in pieces][-1] is None
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_usage_null_before_another_field_is_cut_from_the_bytes(runs: bool) -> None:
+    """OpenAI's chunks end in "obfuscation" (padding of a random length), after "usage":null:
+    the client that did not ask for usage gets every other byte as it came, the text's escapes
+    and a lone surrogate (half an emoji, which orjson cannot write again) included."""
+    events = [obfuscated("a", "x1"), obfuscated("b", "yy2"), obfuscated("c", "x1"), obfuscated("c", "x1")]
+    odd = obfuscated("x", "p").replace(b'"content":"x"', b'"content":"\\ud83d\\u00e9"')
+    stream = ROLE + b"".join(events) + odd + finish() + USAGE + DONE
+    for cuts in ([], [len(ROLE) + len(events[0]) + 3]):
+        out, seen, _ = relay(stream, cuts, runs=runs, wants_usage=False)
+        assert b'"usage"' not in out
+        expected = ROLE + b"".join(events) + odd + finish()
+        assert out == expected.replace(b',"usage":null', b"")
+        assert seen[0] == "abcc\ud83d\u00e9"
+        assert seen[5] is False  # not malformed
+        assert relay(stream, cuts, runs=runs, wants_usage=True)[0] == stream[: -len(DONE)]
+
+
+@pytest.mark.parametrize("text", [b"a\tb", b"a\x01", b"a\\qb", b"\\u12", b"\\u12zz", b"\\\\\\"], ids=repr)
+def test_a_text_that_is_not_json_is_a_malformed_answer(text: bytes) -> None:
+    """The client's SDK cannot read such a chunk: never an answer billed as good, alone, in a run
+    after the template was learned, or before any template."""
+    bad = crafted(text)
+    stream = ROLE + content("a") + content("b") + bad + content("c") + finish() + USAGE + DONE
+    alone = len(ROLE) + len(content("a")) * 2
+    for runs in (True, False):
+        for cuts in ([], [alone, alone + len(bad)], [len(ROLE) + 3]):
+            assert relay(stream, cuts, runs=runs, wants_usage=False)[1][5] is True
+    assert relay(ROLE + bad + finish() + DONE, [], runs=True, wants_usage=False)[1][5] is True
+    broken = content("x").replace(b"}]", b"}]}}")  # extra closing braces: not JSON
+    assert relay(ROLE + broken + finish() + DONE, [], runs=True, wants_usage=False)[1][5] is True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=PADDED_STREAMS,
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6),
+    wants_usage=st.booleans(),
+)
+def test_padded_events_give_what_one_event_at_a_time_gives(
+    body: list[bytes], cuts: list[int], wants_usage: bool
+) -> None:
+    """OpenAI's chunks, each padded to its own length: after the first, each is read as a
+    template event (no parse), and the client and the observation see what the full parse of
+    every event gives."""
+    stream = b"".join([ROLE, *body, finish(), USAGE, DONE])
+    fast = relay(stream, cuts, runs=True, wants_usage=wants_usage)
+    assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=wants_usage)[:2]
+
+
+def test_a_padded_stream_is_read_without_parsing_each_event() -> None:
+    texts = [f"tok{i} " for i in range(50)]
+    pads = ["x", "Ab3", "q9Z0pLm", "", "kJ"]
+    stream = (
+        ROLE + b"".join(obfuscated(t, pads[i % 5]) for i, t in enumerate(texts)) + finish() + USAGE + DONE
+    )
+    for cuts in ([], [len(ROLE) + 500, 4000]):
+        out, seen, templated = relay(stream, cuts, runs=True, wants_usage=False)
+        assert seen[0] == "".join(texts) and templated == 49  # all but the one that made the template
+        assert b'"usage"' not in out and out.count(b'"obfuscation":"') == 50
+        assert (out, seen) == relay(stream, cuts, runs=False, wants_usage=False)[:2]

@@ -1,0 +1,107 @@
+"""Streams as providers shape them, through the `openai` SDK: OpenAI's padded chunks, many events
+in one read, texts that are not JSON, half an emoji in a JSON answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import KEY_A, ProxyFactory
+from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_fault_matrix import only_entry
+from tests.test_stream_dialects import proxy_for
+
+HEAD = '{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+
+
+def content(escaped_text: str, tail: str = "") -> bytes:
+    """A content chunk whose text is ``escaped_text`` as sent; ``tail``: fields after usage."""
+    delta = '"delta":{"content":"' + escaped_text + '"},"logprobs":null,"finish_reason":null}],'
+    return ("data: " + HEAD + delta + '"usage":null' + tail + "}\n\n").encode()
+
+
+FINISH = ("data: " + HEAD + '"delta":{},"logprobs":null,"finish_reason":"stop"}],"usage":null}\n\n').encode()
+
+
+def usage(output_tokens: int) -> bytes:
+    counts = f'"prompt_tokens":9,"completion_tokens":{output_tokens},"total_tokens":{9 + output_tokens}'
+    head = '{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{'
+    return f"data: {head}{counts}}}}}\n\n".encode()
+
+
+async def read_stream(client: openai.AsyncOpenAI, **extra: Any) -> tuple[str, Exception | None]:
+    text, error = "", None
+    stream = await client.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], stream=True, **extra
+    )
+    try:
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+    except (openai.APIError, ValueError) as err:
+        error = err
+    return text, error
+
+
+async def test_many_small_events_in_one_read_are_billed_on_the_provider_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_for(make_proxy, script, limits={"max_upstream_body_bytes": 4096})
+    events = b"".join(content(f"word{i} ") for i in range(40))  # about 6 KB, 170 bytes an event
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[events + FINISH[:20], FINISH[20:] + usage(40) + b"data: [DONE]\n\n"],
+        delay_s=0.2,
+    )
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0)
+    text, error = await read_stream(client)
+    assert error is None and text == "".join(f"word{i} " for i in range(40))
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "40")
+
+
+@pytest.mark.parametrize("tail", ["", ',"obfuscation":"Xy3"'], ids=["usage-last", "openai-padding"])
+async def test_half_an_emoji_in_a_json_answer_is_valid_json(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, tail: str
+) -> None:
+    """A lone surrogate escape (a text cut inside an emoji) is JSON to the client's SDK: the
+    proxy reads it so too, and cuts the usage field out without writing the chunk again."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_invalid_json": "reject"})
+    pieces = ['{\\"emoji\\": \\"', "\\ud83d", '\\"}']
+    chunks = [content(p, tail) for p in pieces] + [FINISH, usage(7), b"data: [DONE]\n\n"]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0)
+    text, error = await read_stream(client, response_format={"type": "json_object"})
+    assert error is None and json.loads(text) == {"emoji": "\ud83d"}
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["output_tokens"]) == ("ok", "7")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        content("x").replace(b"}],", b"}]}},"),  # extra closing braces
+        content("a\tb"),  # a raw tab in the string
+        content("a\\qb"),  # an escape JSON has not
+    ],
+    ids=["extra-braces", "raw-tab", "bad-escape"],
+)
+async def test_a_chunk_that_is_not_json_is_an_upstream_error(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, bad: bytes
+) -> None:
+    proxy = await proxy_for(make_proxy, script)
+    good = content("hello")
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[good, bad, good, FINISH, usage(3), b"data: [DONE]\n\n"],
+    )
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0)
+    _, error = await read_stream(client)
+    assert isinstance(error, ValueError)  # the SDK cannot read the answer
+    entry = await only_entry(redis_client)
+    # Billed all the same, on the provider's figures, and tagged as the failure it is.
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "provider")
