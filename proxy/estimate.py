@@ -26,6 +26,7 @@ from proxy.payload import (
     media_parts,
     message_parts,
     prompts,
+    search_result_bytes,
     variable_texts,
 )
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
@@ -165,6 +166,8 @@ def estimate(
 ) -> Estimate:
     parts, overhead, id_tokens = prompt_of(endpoint, view)
     overhead += tools_overhead(view, tools_input_tokens)
+    if isinstance(view, MessagesBody):
+        overhead += search_result_bytes(view.messages)
     if media_part_input_tokens:
         # A fixed part of the input, as the per-message tokens are: kept when the text is
         # counted after a quick reserve, and charged when the provider gives no usage.

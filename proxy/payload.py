@@ -198,6 +198,24 @@ MEDIA_PART_TYPES = frozenset(
 _PART_HOLDERS = ("content", "output")
 
 
+def search_result_bytes(*sources: Any) -> int:
+    """The length of the page text Anthropic's web search results carry back encrypted (billed as
+    input again in later turns): counted in bytes, as no tokenizer can read it."""
+    total = 0
+    stack = list(sources)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            if value.get("type") == "web_search_result":
+                blob = value.get("encrypted_content")
+                total += len(blob) if isinstance(blob, str) else 0
+                continue
+            stack.extend(inner for key in _PART_HOLDERS if isinstance(inner := value.get(key), list | dict))
+    return total
+
+
 def media_parts(*sources: Any) -> int:
     """How many image, audio and file parts the messages, items or variables of ``sources``
     hold, a tool result's included."""

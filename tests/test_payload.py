@@ -217,3 +217,28 @@ def test_an_anthropic_document_of_content_blocks_is_counted_with_its_title_and_c
     }
     texts = prompt_texts([{"role": "user", "content": [document, pdf]}])
     assert texts == ["TITLE", "CONTEXT", "DOC BODY"]
+
+
+def test_anthropic_search_results_in_the_history_are_reserved_at_their_encrypted_length() -> None:
+    """Their page text is billed as input again in later turns, and travels encrypted: its
+    length in bytes is the bound (no tokenizer reads it)."""
+    results = [
+        {
+            "type": "web_search_result",
+            "url": f"https://e.com/{i}",
+            "title": "t",
+            "encrypted_content": "E" * 8000,
+        }
+        for i in range(5)
+    ]
+    assistant = [
+        {"type": "server_tool_use", "id": "s1", "name": "web_search", "input": {"query": "news"}},
+        {"type": "web_search_tool_result", "tool_use_id": "s1", "content": results},
+        {"type": "text", "text": "Here."},
+    ]
+    messages = [
+        {"role": "user", "content": "news?"},
+        {"role": "assistant", "content": assistant},
+        {"role": "user", "content": "more?"},
+    ]
+    assert _estimate_input_tokens("/v1/messages", {"messages": messages}) >= 5 * 8000
