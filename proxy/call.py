@@ -8,7 +8,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -177,6 +177,11 @@ def plan_call(
         media_part_input_tokens=model_config.media_part_input_tokens,
         tools_input_tokens=tools_input_tokens(model_config, upstream),
     )
+    if est.output_cap_field == "max_completion_tokens" and upstream.chat_output_cap_field == "max_tokens":
+        # An upstream that reads only max_tokens: the cap goes there, always (it may have none
+        # of its own), and the field it ignores or refuses does not go at all.
+        body.pop("max_completion_tokens", None)
+        est = replace(est, output_cap_field="max_tokens", enforce_cap=est.output_cap)
     if est.enforce_cap is not None and est.output_cap_field:
         set_output_cap(body, est.output_cap_field, est.enforce_cap)
     stream = bool(getattr(view, "stream", False))

@@ -92,6 +92,10 @@ class UpstreamConfig(_Frozen):
     connect_timeout_s: float = Field(default=10.0, gt=0)
     # Pass the caller's own bearer key upstream (the zero-config ``--upstream`` mode).
     passthrough_auth: bool = False
+    # Where a chat call's output cap goes: OpenAI's field, or the older one that many
+    # OpenAI-compatible servers read alone (one that ignores the cap would write past the
+    # reserve; one that refuses unknown fields would fail every call).
+    chat_output_cap_field: Literal["max_completion_tokens", "max_tokens"] = "max_completion_tokens"
 
     @field_validator("base_url")
     @classmethod

@@ -61,6 +61,8 @@ class Estimate:
     # The per-choice cap to forward when the request's own cap is absent or above what was
     # reserved: the upstream must never be allowed more output than the reserve covers.
     enforce_cap: int | None = None
+    # The output reserved per choice (what the cap field holds once forwarded).
+    output_cap: int = 0
     # Texts input_tokens bounds by their UTF-8 bytes (a quick estimate), to be counted exactly
     # (``counted``) once the reserve is made; empty: the bound is final (the count, or the byte
     # length where no count can be had).
@@ -210,5 +212,6 @@ def estimate(
         output_tokens=cap * generations(view),
         output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
         enforce_cap=cap if asked != cap else None,
+        output_cap=cap,
         uncounted=later,
     )

@@ -339,6 +339,29 @@ async def test_a_100kb_prompt_is_estimated_off_the_event_loop_and_bounded(
     assert entry["reserved_input_tokens"] == str(len(prompt.encode()) + 4 + 3)
 
 
+async def test_an_upstream_that_reads_only_max_tokens_gets_the_cap_there(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Many OpenAI-compatible servers read only max_tokens (and some refuse a field they do not
+    know): with no cap of the client's own, one would write past the reserve."""
+    upstream = {
+        "base_url": fake.base_url,
+        "api_key_env": "TEST_UPSTREAM_KEY",
+        "chat_output_cap_field": "max_tokens",
+    }
+    proxy = await make_proxy(upstreams={"openai": upstream}, tiers=tiers(run={"total_tokens": 1100}))
+    client = proxy.client()
+    await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS)
+    assert fake.received[-1].body["max_tokens"] == 1000  # the model's max_output_tokens
+    assert "max_completion_tokens" not in fake.received[-1].body
+    await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_completion_tokens=7)
+    assert fake.received[-1].body["max_tokens"] == 7
+    assert "max_completion_tokens" not in fake.received[-1].body
+    await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=900)
+    assert fake.received[-1].body["max_tokens"] == 900  # the client's own, as it came
+    assert "max_completion_tokens" not in fake.received[-1].body
+
+
 async def test_the_upstream_never_gets_more_output_than_was_reserved(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
