@@ -7,7 +7,7 @@ import itertools
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -95,8 +95,24 @@ class Call:
     refining: asyncio.Future[None] | None = None
     # The processing tier the client asked for, when not the default (priced apart).
     service_tier: str | None = None
+    # The prices of every tier the operator priced for the model ("default": its own), the
+    # prices the call is reserved at (None: ``rates``), and the tier the answer says served it.
+    tier_rates: Mapping[str, dict[str, int]] = field(default_factory=dict)
+    reserve_rates: dict[str, int] | None = None
+    served_tier: str | None = None
     # The client's feature switches for the provider (``forward.feature_headers``).
     feature_headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def rates_reserved(self) -> dict[str, int] | None:
+        return self.reserve_rates if self.reserve_rates is not None else self.rates
+
+    @property
+    def rates_served(self) -> dict[str, int] | None:
+        """The prices of the tier that served the call, as its answer says when the operator
+        priced that tier; else those of the tier asked for."""
+        served = self.tier_rates.get(self.served_tier) if self.served_tier else None
+        return served if served is not None else self.rates
 
     @property
     def reserved_input_tokens(self) -> int:
@@ -136,6 +152,22 @@ def tools_input_tokens(model: ModelConfig, upstream: UpstreamConfig) -> int:
     if model.tools_input_tokens is not None:
         return model.tools_input_tokens
     return ANTHROPIC_TOOLS_INPUT_TOKENS if upstream.kind == "anthropic" else 0
+
+
+def tier_rates(model: ModelConfig) -> dict[str, dict[str, int]]:
+    price = model.price_per_million
+    if price is None:
+        return {}
+    return {"default": price.rates, **{name: tier.rates for name, tier in model.service_tiers.items()}}
+
+
+def dearest(rates: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Each price at its highest among ``rates``."""
+    top: dict[str, int] = {}
+    for each in rates:
+        for kind, rate in each.items():
+            top[kind] = max(rate, top.get(kind, rate))
+    return top
 
 
 def plan_call(
@@ -199,6 +231,12 @@ def plan_call(
         form = text.get("format") if isinstance(text, dict) else None
         json_mode = isinstance(form, dict) and form.get("type") in ("json_object", "json_schema")
     service_tier, rates = rates_for(view, model_config)
+    tiers = tier_rates(model_config)
+    reserve_rates = rates
+    if rates is not None and len(tiers) > 1 and getattr(view, "service_tier", None) in (None, "auto"):
+        # Served by the tier the client's project defaults to (priority, say), which the proxy
+        # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
+        reserve_rates = dearest(tiers.values())
     return Call(
         request_id=request_id,
         reservation_id=ids.new(),
@@ -217,6 +255,8 @@ def plan_call(
         policy=config.policy_for(identity.tier),
         rates=rates,
         service_tier=service_tier,
+        tier_rates=tiers,
+        reserve_rates=reserve_rates,
         estimate=est,
         body=body,
         choices=answers(view),

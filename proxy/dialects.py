@@ -50,6 +50,9 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
         obs.finish_reasons[0] = status
     if status == "failed":
         obs.error = True
+    tier = response.get("service_tier")
+    if isinstance(tier, str) and tier:
+        obs.service_tier = tier
     usage = parse_usage(response.get("usage"))
     if usage is not None:
         obs.take_usage(usage)

@@ -114,6 +114,8 @@ class Observation:
     malformed: bool = False
     error: bool = False
     done: bool = False
+    # The processing tier the provider says it served (OpenAI's service_tier; priced apart).
+    service_tier: str | None = None
     # Usage that arrives in parts (Anthropic: message_start, then message_delta).
     partial_usage: dict[str, Any] = field(default_factory=dict)
     usage_final: bool = True
@@ -179,6 +181,9 @@ class Observation:
         self.chunks += 1
         if obj.get("error") is not None:
             self.error = True
+        tier = obj.get("service_tier")
+        if isinstance(tier, str) and tier:
+            self.service_tier = tier
         if "usage" in obj and obj["usage"] is not None:
             usage = parse_usage(obj["usage"])
             if usage is not None:

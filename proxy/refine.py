@@ -50,8 +50,8 @@ async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> 
             "could not count a quick reserve", extra={"request_id": call.request_id, "error": repr(err)}
         )
         return
-    before = reserve_amounts(call.estimate, call.rates)
-    after = reserve_amounts(exact, call.rates)
+    before = reserve_amounts(call.estimate, call.rates_reserved)
+    after = reserve_amounts(exact, call.rates_reserved)
     # Billed at its reserve (no usage came back), the call is billed at the exact count.
     call.estimate = exact
     if after == before:

@@ -105,6 +105,7 @@ class Exchange:
         """
         if self._settling is None:
             self.call.first_token_at = self.obs.first_token_at
+            self.call.served_tier = self.obs.service_tier
             task = asyncio.ensure_future(self._settle_and_record(outcome, usage))
             self.services.settling.add(task)
             task.add_done_callback(self._settled)

@@ -57,7 +57,7 @@ def _refusal_error(refusal: Refusal) -> BudgetExceeded:
 def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
     if tier is None or tier.on_budget_short != "clamp" or call.endpoint == "embeddings":
         return None
-    rates = worst_rates(call.rates) or {"input": 0, "output": 0}
+    rates = worst_rates(call.rates_reserved) or {"input": 0, "output": 0}
     return Clamp(
         min_output_tokens=max(tier.min_output_tokens, _least_cap_accepted(call)),
         choices=call.generations,  # the cap holds for every answer written, returned or not
@@ -121,7 +121,7 @@ async def reserve(
         run_ttl_s=run_ttl_s,
         tenant_periods=config.tenant_periods,
     )
-    if call.rates is None and any("cost_micros" in s.ceilings for s in scopes):
+    if call.rates_reserved is None and any("cost_micros" in s.ceilings for s in scopes):
         raise BadRequest(
             f"The model '{call.model}' has no price in the config, and your tier limits cost; "
             "refusing rather than pricing it at 0.",
@@ -189,7 +189,7 @@ async def _reserve(
     scopes: list[Scope],
     record: str,
 ) -> Reservation | Refusal | Tentative:
-    amounts = reserve_amounts(call.estimate, call.rates)
+    amounts = reserve_amounts(call.estimate, call.rates_reserved)
     if max(amounts.values()) > MAX_AMOUNT:
         # Thousands of prompts x best_of x max_tokens, say: refused before anything is written.
         raise BadRequest(

@@ -85,8 +85,11 @@ def entry_fields(
         "latency_ms": str(int((now - call.started_at) * 1000)),
         "ttft_ms": ttft_ms,
     }
-    if call.service_tier is not None:
-        entry["service_tier"] = call.service_tier
+    # The tier that served the call, as its answer says (else the one asked for); priced at its
+    # prices when the operator set them (``Call.rates_served``).
+    tier = call.served_tier or call.service_tier
+    if tier is not None and tier != "default":
+        entry["service_tier"] = tier
     # Kinds most calls have none of: only when there are some (an entry is kept for good).
     for kind, count in usage.by_kind():
         if count and f"{kind}_tokens" not in entry:
@@ -111,7 +114,7 @@ async def settle(
     cost = cost_micros(
         # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
         # (and as a reaper bills it), every token at its dearest rate.
-        worst_rates(call.rates) if usage.source == "reserve" else call.rates,
+        worst_rates(call.rates_reserved) if usage.source == "reserve" else call.rates_served,
         input_tokens=usage.input_tokens,
         cached_input_tokens=usage.cached_input_tokens,
         output_tokens=usage.output_tokens,

@@ -224,7 +224,10 @@ def _response_object(
         "prompt_cache_key": None,
         "reasoning": {"effort": None, "summary": None},
         "safety_identifier": None,
-        "service_tier": "default",
+        # As OpenAI answers: the tier that served the call (the one asked for, here).
+        "service_tier": body.get("service_tier")
+        if body.get("service_tier") in ("priority", "flex")
+        else "default",
         "store": body.get("store", True),
         "temperature": body.get("temperature", 1.0),
         "text": {"format": {"type": "text"}, "verbosity": "medium"},

@@ -63,7 +63,7 @@ def _claude_message(usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _chat_answer(model: str, usage: dict[str, Any]) -> Plan:
+def _chat_answer(model: str, usage: dict[str, Any], served: str | None = None) -> Plan:
     answer = {
         "id": "c",
         "object": "chat.completion",
@@ -72,6 +72,8 @@ def _chat_answer(model: str, usage: dict[str, Any]) -> Plan:
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
         "usage": usage,
     }
+    if served is not None:
+        answer["service_tier"] = served
     return Plan(chunks=[json.dumps(answer).encode()])
 
 
@@ -242,3 +244,104 @@ async def test_a_processing_tier_the_operator_did_not_price_is_refused(
     assert status == 400
     assert json.loads(raw)["error"]["code"] == "unsupported_service_tier"
     assert script.received == []
+
+
+@pytest.mark.parametrize(
+    ("asked", "served", "cost_micros", "tier_in_ledger"),
+    [
+        (None, "priority", 65_000, "priority"),  # the project's default tier is priority
+        ("auto", "flex", 16_250, "flex"),
+        ("priority", "default", 32_500, None),  # the provider says it served the default
+        (None, "default", 32_500, None),
+        ("priority", "scale", 65_000, "scale"),  # a tier nobody priced: the asked one's prices
+    ],
+)
+async def test_a_call_is_billed_at_the_tier_its_answer_says_served_it(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    asked: str | None,
+    served: str,
+    cost_micros: int,
+    tier_in_ledger: str | None,
+) -> None:
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": GPT5},
+    )
+    usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
+    script.plan = _chat_answer("gpt-5", usage, served)
+    request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
+    if asked is not None:
+        request["service_tier"] = asked
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "served")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == cost_micros
+    assert entry.get("service_tier") == tier_in_ledger
+
+
+async def test_a_call_that_names_no_tier_is_reserved_at_the_dearest_priced_tier(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Its project may default to priority: a cost ceiling must hold at priority prices."""
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": GPT5},
+        tiers={"standard": {"run": {"cost_usd": "0.03"}}},  # 30,000 micro-units
+    )
+    usage = {"prompt_tokens": 10, "completion_tokens": 1_000, "total_tokens": 1_010}
+    script.plan = _chat_answer("gpt-5", usage, "default")
+    # 1,000 output tokens: 10,000 micro-units at default prices, 20,000 at priority's.
+    request: dict[str, Any] = {
+        "model": "gpt-5",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1000,
+    }
+    for run, tier, expected in (("a", "default", 200), ("b", "auto", 200), ("c", None, 200)):
+        body = {**request, **({"service_tier": tier} if tier else {})}
+        status, _ = await _post(proxy.url, "/v1/chat/completions", body, run)
+        assert status == expected
+    # A run that spent 15,000: the default's reserve (10,000 more) fits, priority's does not.
+    spent = {"prompt_tokens": 0, "completion_tokens": 1_500, "total_tokens": 1_500}
+    script.plan = _chat_answer("gpt-5", spent, "default")
+    pinned = {**request, "service_tier": "default"}
+    assert (await _post(proxy.url, "/v1/chat/completions", {**pinned, "max_tokens": 1500}, "d"))[0] == 200
+    script.plan = _chat_answer("gpt-5", usage, "default")
+    assert (await _post(proxy.url, "/v1/chat/completions", request, "d"))[0] == 429
+    assert (await _post(proxy.url, "/v1/chat/completions", pinned, "d"))[0] == 200
+
+
+async def test_a_stream_is_billed_at_the_tier_its_chunks_say_served_it(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": GPT5},
+    )
+    head = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "gpt-5",
+        "service_tier": "priority",
+    }
+
+    def chunk(choices: list[Any], usage: Any = None) -> bytes:
+        return b"data: " + json.dumps({**head, "choices": choices, "usage": usage}).encode() + b"\n\n"
+
+    texts = [chunk([{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]) for i in range(5)]
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[
+            *texts,
+            chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}]),
+            chunk([], {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}),
+            b"data: [DONE]\n\n",
+        ],
+    )
+    request = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "stream")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert (int(entry["cost_micros"]), entry.get("service_tier")) == (65_000, "priority")
