@@ -114,9 +114,10 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
         raise ConfigError(f"{path}: invalid YAML: {err}") from None
     except RecursionError:
         raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
-    except (ValueError, OverflowError) as err:
-        # A value PyYAML parses but cannot build: a date that does not exist (2001-02-30), an
-        # int or float tag on what is none (!!int 0x).
+    except (ValueError, OverflowError, TypeError, AttributeError, KeyError, IndexError) as err:
+        # A value PyYAML parses but cannot build, which its constructors report as whatever
+        # their code ran into: a date that does not exist (2001-02-30), a tag on what it does
+        # not fit (!!int 0x, !!int '', !!bool maybe, !!timestamp x).
         raise ConfigError(f"{path}: invalid YAML value: {err}") from None
     return parse_config(raw, os.environ if environ is None else environ)
 

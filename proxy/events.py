@@ -89,7 +89,12 @@ def _without_usage_null(data: bytes) -> bytes | None:
     at = data.find(_USAGE_NULL_FIELD)
     if at < 0 or data.count(b'"usage"') != 1 or data[at + len(_USAGE_NULL_FIELD)] != _COMMA:
         return None
-    return data[:at] + data[at + len(_USAGE_NULL_FIELD) :]
+    cut = data[:at] + data[at + len(_USAGE_NULL_FIELD) :]
+    # A key spelled with escapes ("us\u0061ge") is "usage" all the same: the count above did
+    # not see it, and then the field cut was not the top-level one.
+    if b"\\u" in data and "usage" in parse_json(cut):
+        return None
+    return cut
 
 
 def _dumps(obj: dict[str, Any]) -> bytes:
@@ -113,6 +118,11 @@ def odd_texts(texts: bytes) -> bool:
     closing quote makes a quoted word that path parses in full (``\\"error`` then ``"``)."""
     if len(texts.translate(None, _CONTROL)) != len(texts):
         return True
+    if not texts.isascii():
+        try:  # as Python's json reads bytes (which the client's SDK does)
+            texts.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            return True
     if _QUOTE not in texts and _BACKSLASH not in texts:
         return False
     # JSON's escapes, read left to right as a parser does: what is left must hold no quote nor
@@ -232,8 +242,10 @@ class EventFilter:
         if not event.startswith(self._prefix) or not event.endswith(_PAD_END):
             return None
         at = event.rfind(self._pad_mid)
-        pad = event[at + len(self._pad_mid) : -len(_PAD_END)]
-        if at < self._prefix_len or (pad and not pad.isalnum()):
+        pad_at = at + len(self._pad_mid)
+        pad = event[pad_at : -len(_PAD_END)]
+        # The field's opening quote is not the closing one of _PAD_END ('"obfuscation":"}').
+        if at < self._prefix_len or pad_at > len(event) - len(_PAD_END) or (pad and not pad.isalnum()):
             return None
         text = event[self._prefix_len : at]
         if _LF in text or _CR in text or text in PARSED_TEXTS or odd_texts(text):

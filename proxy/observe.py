@@ -210,7 +210,14 @@ class Observation:
             out.append(piece)
         if raw:
             out.append(_unescape(b"".join(raw)))
-        return "".join(out)
+        text = "".join(out)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            # A surrogate: pieces decoded one at a time keep a pair split between them as two
+            # lone ones, pieces joined raw pair it. One form for both: paired.
+            return text.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
+        return text
 
     def all_text(self) -> str:
         indexes = sorted(set(self.contents) | set(self.extras))

@@ -357,7 +357,9 @@ def test_tier_prices_need_the_default_tiers_price() -> None:
     )
 
 
-@pytest.mark.parametrize("value", ["2001-02-30", "!!int 0x", "!!float x"])
+@pytest.mark.parametrize(
+    "value", ["2001-02-30", "!!int 0x", "!!float x", "!!timestamp x", "!!bool maybe", "!!int ''", "!!int '-'"]
+)
 def test_a_yaml_value_that_cannot_be_built_is_a_config_error(tmp_path: Path, value: str) -> None:
     """A date that does not exist, a tag on what it does not fit: named, not a traceback, and a
     reload of such a file is refused (the old config stays) instead of raising."""

@@ -345,3 +345,47 @@ def test_a_padded_stream_is_read_without_parsing_each_event() -> None:
         assert seen[0] == "".join(texts) and templated == 49  # all but the one that made the template
         assert b'"usage"' not in out and out.count(b'"obfuscation":"') == 50
         assert (out, seen) == relay(stream, cuts, runs=False, wants_usage=False)[:2]
+
+
+@pytest.mark.parametrize("wants_usage", [False, True])
+@pytest.mark.parametrize("one_event_a_read", [False, True])
+def test_a_padding_never_closed_is_not_read_as_a_padded_event(
+    wants_usage: bool, one_event_a_read: bool
+) -> None:
+    """'"obfuscation":"}': the field's opening quote is not its closing one (a review)."""
+    bad = obfuscated("b", "").replace(b'"obfuscation":""}', b'"obfuscation":"}')
+    first = ROLE + obfuscated("a", "Xy")
+    stream = first + bad + finish() + USAGE + DONE
+    cuts = [len(first), len(first) + len(bad)] if one_event_a_read else []
+    fast = relay(stream, cuts, runs=True, wants_usage=wants_usage)
+    assert fast[1][5] is True  # malformed, as parsed
+    assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=wants_usage)[:2]
+
+
+@pytest.mark.parametrize("one_event_a_read", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_template_text_that_is_not_utf8_is_a_malformed_answer(one_event_a_read: bool, padded: bool) -> None:
+    learn = obfuscated("a", "Xy") if padded else content("a")
+    bad = (obfuscated("b", "Q") if padded else content("b")).replace(b'"content":"b"', b'"content":"b\xff"')
+    first = ROLE + learn
+    stream = first + bad + finish() + USAGE + DONE
+    cuts = [len(first), len(first) + len(bad)] if one_event_a_read else []
+    fast = relay(stream, cuts, runs=True, wants_usage=False)
+    assert fast[1][5] is True
+    assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=False)[:2]
+
+
+def test_an_emoji_split_over_two_events_reads_the_same_either_way() -> None:
+    stream = ROLE + content("a") + crafted(b"\\ud83d") + crafted(b"\\ude80") + finish() + USAGE + DONE
+    fast = relay(stream, [], runs=True, wants_usage=False)
+    assert fast[1][0] == relay(stream, [], runs=False, wants_usage=False)[1][0] == "a\U0001f680"
+
+
+def test_a_usage_key_spelled_with_an_escape_is_not_taken_for_a_nested_one() -> None:
+    event = (
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a","usage":null,"x":1},'
+        b'"finish_reason":null}],"us\\u0061ge":null}\n\n'
+    )
+    out = relay(ROLE + event + DONE, [], runs=False, wants_usage=False)[0]
+    assert b'"delta":{"content":"a","usage":null,"x":1}' in out  # written again without the top one
+    assert b"u0061ge" not in out

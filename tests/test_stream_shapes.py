@@ -87,14 +87,16 @@ async def test_half_an_emoji_in_a_json_answer_is_valid_json(
         content("x").replace(b"}],", b"}]}},"),  # extra closing braces
         content("a\tb"),  # a raw tab in the string
         content("a\\qb"),  # an escape JSON has not
+        content("b").replace(b'"content":"b"', b'"content":"b\xff"'),  # not UTF-8
+        content("b", ',"obfuscation":"Q"').replace(b'"obfuscation":"Q"}', b'"obfuscation":"}'),
     ],
-    ids=["extra-braces", "raw-tab", "bad-escape"],
+    ids=["extra-braces", "raw-tab", "bad-escape", "not-utf8", "padding-never-closed"],
 )
 async def test_a_chunk_that_is_not_json_is_an_upstream_error(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, bad: bytes
 ) -> None:
     proxy = await proxy_for(make_proxy, script)
-    good = content("hello")
+    good = content("hello", ',"obfuscation":"Xy"' if b"obfuscation" in bad else "")
     script.plan = Plan(
         content_type="text/event-stream",
         chunks=[good, bad, good, FINISH, usage(3), b"data: [DONE]\n\n"],
