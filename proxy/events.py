@@ -225,15 +225,22 @@ class EventFilter:
         ):
             return None
         text = event[self._prefix_len : end]
-        if _LF in text or _CR in text or text in PARSED_TEXTS or odd_texts(text):
+        if not self._took(text):
             return None
+        if self._stripped_suffix:
+            return self._prefix + text + self._stripped_suffix
+        return event
+
+    def _took(self, text: bytes) -> bool:
+        """Observe ``text`` as one template event's, unless it is not plain content (then the
+        per-event path reads the event)."""
+        if _LF in text or _CR in text or text in PARSED_TEXTS or odd_texts(text):
+            return False
         if text:
             self._sink.append(text)
         self.obs.chunks += 1
         self.run_events += 1
-        if self._stripped_suffix:
-            return self._prefix + text + self._stripped_suffix
-        return event
+        return True
 
     def _single_padded(self, event: bytes) -> bytes | None:
         """``_single`` for a padded template: the padding (letters and digits) after its field's
@@ -248,12 +255,8 @@ class EventFilter:
         if at < self._prefix_len or pad_at > len(event) - len(_PAD_END) or (pad and not pad.isalnum()):
             return None
         text = event[self._prefix_len : at]
-        if _LF in text or _CR in text or text in PARSED_TEXTS or odd_texts(text):
+        if not self._took(text):
             return None
-        if text:
-            self._sink.append(text)
-        self.obs.chunks += 1
-        self.run_events += 1
         if self._pad_mid_stripped is not None:
             return self._prefix + text + self._pad_mid_stripped + pad + _PAD_END
         return event

@@ -6,6 +6,7 @@ every other field passes through to the upstream unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import orjson
@@ -198,40 +199,38 @@ MEDIA_PART_TYPES = frozenset(
 _PART_HOLDERS = ("content", "output")
 
 
-def search_result_bytes(*sources: Any) -> int:
-    """The length of the page text Anthropic's web search results carry back encrypted (billed as
-    input again in later turns): counted in bytes, as no tokenizer can read it."""
-    total = 0
+def _parts(*sources: Any) -> Iterator[dict[str, Any]]:
+    """Every object of the messages, items or variables of ``sources``, a tool result's parts
+    included (not the insides of a media part or a search result)."""
     stack = list(sources)
     while stack:
         value = stack.pop()
         if isinstance(value, list):
             stack.extend(value)
         elif isinstance(value, dict):
-            if value.get("type") == "web_search_result":
-                blob = value.get("encrypted_content")
-                total += len(blob) if isinstance(blob, str) else 0
-                continue
-            stack.extend(inner for key in _PART_HOLDERS if isinstance(inner := value.get(key), list | dict))
-    return total
+            yield value
+            if not (_is_media(value) or value.get("type") == "web_search_result"):
+                held = (value.get(key) for key in _PART_HOLDERS)
+                stack.extend(inner for inner in held if isinstance(inner, list | dict))
+
+
+def search_result_bytes(*sources: Any) -> int:
+    """The length of the page text Anthropic's web search results carry back encrypted (billed as
+    input again in later turns): counted in bytes, as no tokenizer can read it."""
+    results = (part for part in _parts(*sources) if part.get("type") == "web_search_result")
+    blobs = (result.get("encrypted_content") for result in results)
+    return sum(len(blob) for blob in blobs if isinstance(blob, str))
 
 
 def media_parts(*sources: Any) -> int:
     """How many image, audio and file parts the messages, items or variables of ``sources``
     hold, a tool result's included."""
-    count = 0
-    stack = list(sources)
-    while stack:
-        value = stack.pop()
-        if isinstance(value, list):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            kind = value.get("type")
-            if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
-                count += 1
-                continue
-            stack.extend(inner for key in _PART_HOLDERS if isinstance(inner := value.get(key), list | dict))
-    return count
+    return sum(1 for part in _parts(*sources) if _is_media(part))
+
+
+def _is_media(part: dict[str, Any]) -> bool:
+    kind = part.get("type")
+    return isinstance(kind, str) and kind in MEDIA_PART_TYPES  # a type may be anything: a list
 
 
 # Keys whose strings are not prompt text: ids, enums, signatures, and payloads that are not
