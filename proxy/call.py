@@ -209,9 +209,9 @@ def plan_call(
         media_part_input_tokens=model_config.media_part_input_tokens,
         tools_input_tokens=tools_input_tokens(model_config, upstream),
     )
-    if est.output_cap_field == "max_completion_tokens" and upstream.chat_output_cap_field == "max_tokens":
+    if endpoint == "chat.completions" and upstream.chat_output_cap_field == "max_tokens":
         # An upstream that reads only max_tokens: the cap goes there, always (it may have none
-        # of its own), and the field it ignores or refuses does not go at all.
+        # of its own), and the field it ignores or refuses does not go at all (not even null).
         body.pop("max_completion_tokens", None)
         est = replace(est, output_cap_field="max_tokens", enforce_cap=est.output_cap)
     if est.enforce_cap is not None and est.output_cap_field:
@@ -233,7 +233,8 @@ def plan_call(
     service_tier, rates = rates_for(view, model_config)
     tiers = tier_rates(model_config)
     reserve_rates = rates
-    if rates is not None and len(tiers) > 1 and getattr(view, "service_tier", None) in (None, "auto"):
+    asked_tier = view.service_tier if isinstance(view, ChatBody | ResponsesBody) else None
+    if rates is not None and len(tiers) > 1 and asked_tier in (None, "auto"):
         # Served by the tier the client's project defaults to (priority, say), which the proxy
         # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
         reserve_rates = dearest(tiers.values())

@@ -159,6 +159,7 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         message = obj.get("message")
         if isinstance(message, dict) and isinstance(message.get("usage"), dict):
             obs.partial_usage.update(message["usage"])
+            _anthropic_tier(obs, message["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
             obs.usage_final = False  # output_tokens arrives with message_delta
     elif kind == "message_delta":
@@ -176,6 +177,13 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         obs.done = True
     elif kind == "error":
         obs.error = True
+
+
+def _anthropic_tier(obs: Observation, usage: Any) -> None:
+    """The tier Anthropic says served the call (its "standard" is the default's prices)."""
+    tier = usage.get("service_tier") if isinstance(usage, dict) else None
+    if isinstance(tier, str) and tier:
+        obs.service_tier = "default" if tier == "standard" else tier
 
 
 def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
@@ -196,6 +204,7 @@ def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
             elif block.get("type") == "thinking":
                 obs.add_text(0, block.get("thinking"), content=False)
+    _anthropic_tier(obs, obj.get("usage"))
     obs.usage = anthropic_usage(obj.get("usage"))
     obs.usage_final = obs.usage is None or obs.usage.output_known
 

@@ -382,7 +382,7 @@ class EventFilter:
         if b"\n" in prefix or b"\n" in suffix[:-2] or b"\r" in prefix + suffix:
             return
         stripped = b""
-        if self._strip and b'"usage"' in data:
+        if self._strip and "usage" in obj:  # spelled with escapes or not
             # The client's version cuts the usage field out of the bytes after the text.
             cut = _without_usage_null(data)
             if cut is None or cut[:end] != data[:end]:

@@ -359,6 +359,10 @@ async def test_an_upstream_that_reads_only_max_tokens_gets_the_cap_there(
     assert "max_completion_tokens" not in fake.received[-1].body
     await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=900)
     assert fake.received[-1].body["max_tokens"] == 900  # the client's own, as it came
+    extra: Any = {"max_completion_tokens": None}  # null, as some SDKs send an unset field
+    await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=5, extra_body=extra)
+    assert fake.received[-1].body["max_tokens"] == 5
+    assert "max_completion_tokens" not in fake.received[-1].body
     assert "max_completion_tokens" not in fake.received[-1].body
 
 

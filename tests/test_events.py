@@ -389,3 +389,16 @@ def test_a_usage_key_spelled_with_an_escape_is_not_taken_for_a_nested_one() -> N
     out = relay(ROLE + event + DONE, [], runs=False, wants_usage=False)[0]
     assert b'"delta":{"content":"a","usage":null,"x":1}' in out  # written again without the top one
     assert b"u0061ge" not in out
+
+
+@pytest.mark.parametrize("one_event_a_read", [False, True])
+def test_a_usage_key_spelled_with_an_escape_is_stripped_on_every_path(one_event_a_read: bool) -> None:
+    def escaped(text: str) -> bytes:
+        return content(text).replace(b'"usage":null', b'"us\\u0061ge":null')
+
+    events = [ROLE, *(escaped(t) for t in "abcd"), finish(), USAGE, DONE]
+    stream = b"".join(events)
+    cuts = list(itertools.accumulate(len(e) for e in events)) if one_event_a_read else []
+    fast = relay(stream, cuts, runs=True, wants_usage=False)
+    assert b"u0061ge" not in fast[0]
+    assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=False)[:2]

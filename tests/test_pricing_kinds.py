@@ -345,3 +345,51 @@ async def test_a_stream_is_billed_at_the_tier_its_chunks_say_served_it(
     assert status == 200
     entry = await _entry(redis_client)
     assert (int(entry["cost_micros"]), entry.get("service_tier")) == (65_000, "priority")
+
+
+async def test_anthropic_says_which_tier_served_it_in_its_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    model = {
+        "upstream": "anthropic",
+        "price_per_million": {"input": "3", "output": "15"},
+        "service_tiers": {"priority": {"input": "6", "output": "30"}},
+    }
+    proxy = await make_proxy(upstreams={"anthropic": upstream}, models={"claude-x": model})
+    request = {"model": "claude-x", "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}]}
+    for run, tier, cost in (("p", "priority", 1000 * 6 + 1000 * 30), ("s", "standard", 1000 * 3 + 1000 * 15)):
+        usage = {"input_tokens": 1000, "output_tokens": 1000, "service_tier": tier}
+        message = {
+            "id": "m",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-x",
+            "content": [{"type": "text", "text": "hi"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        script.plan = Plan(chunks=[json.dumps(message).encode()])
+        status, raw = await _post(proxy.url, "/v1/messages", request, run)
+        assert status == 200, raw
+        entries = await redis_client.xrange("lbp:{team-a}:ledger")
+        entry = dict(entries[-1][1])
+        assert int(entry["cost_micros"]) == cost
+        assert entry.get("service_tier") == ("priority" if tier == "priority" else None)
+
+
+async def test_a_tier_field_an_endpoint_does_not_price_changes_nothing(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """Legacy completions do not price service_tier: the field, passed on as an extra, must not
+    turn off the reserve at the dearest tier either."""
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": GPT5},
+        tiers={"standard": {"run": {"cost_usd": "0.0101"}}},
+    )
+    base = {"model": "gpt-5", "prompt": "hi", "max_tokens": 1000}  # 20,003 at priority's prices
+    assert (await _post(proxy.url, "/v1/completions", base, "l1"))[0] == 429
+    assert (await _post(proxy.url, "/v1/completions", {**base, "service_tier": "default"}, "l2"))[0] == 429
+    assert script.received == []
