@@ -82,16 +82,18 @@ def _event_over(events: bytes | bytearray, limit: int) -> bool:
 def _without_usage_null(data: bytes) -> bytes | None:
     """``data`` (a chunk whose top-level ``usage`` is null) with that field cut out of its bytes,
     every other byte as it came; None when the bytes do not say where it is for sure."""
-    if data.endswith(_USAGE_NULL_TAIL):  # OpenAI's place for it, before the object's end
-        return data[: -len(_USAGE_NULL_TAIL)] + b"}"
-    # Before another field (OpenAI's "obfuscation"): the one "usage" of the bytes is then the
-    # top-level field (a quoted word is a key or a whole string, never part of a text).
-    at = data.find(_USAGE_NULL_FIELD)
-    if at < 0 or data.count(b'"usage"') != 1 or data[at + len(_USAGE_NULL_FIELD)] != _COMMA:
+    # The one "usage" of the bytes is the top-level field (a quoted word is a key or a whole
+    # string, never part of a text): not a nested one, nor one of two (the parser kept the last).
+    if data.count(b'"usage"') != 1:
         return None
-    cut = data[:at] + data[at + len(_USAGE_NULL_FIELD) :]
-    # A key spelled with escapes ("us\u0061ge") is "usage" all the same: the count above did
-    # not see it, and then the field cut was not the top-level one.
+    if data.endswith(_USAGE_NULL_TAIL):  # OpenAI's place for it, before the object's end
+        cut = data[: -len(_USAGE_NULL_TAIL)] + b"}"
+    else:  # before another field (OpenAI's "obfuscation")
+        at = data.find(_USAGE_NULL_FIELD)
+        if at < 0 or data[at + len(_USAGE_NULL_FIELD)] != _COMMA:
+            return None
+        cut = data[:at] + data[at + len(_USAGE_NULL_FIELD) :]
+    # A key spelled with escapes ("us\u0061ge") is "usage" all the same: the count did not see it.
     if b"\\u" in data and "usage" in parse_json(cut):
         return None
     return cut

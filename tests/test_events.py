@@ -402,3 +402,11 @@ def test_a_usage_key_spelled_with_an_escape_is_stripped_on_every_path(one_event_
     fast = relay(stream, cuts, runs=True, wants_usage=False)
     assert b"u0061ge" not in fast[0]
     assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=False)[:2]
+
+
+def test_a_chunk_with_two_usage_keys_reaches_the_client_without_either() -> None:
+    """The parser keeps the last (null): cutting that one out of the bytes left the first."""
+    doubled = content("a").replace(b'{"id"', b'{"usage":{"prompt_tokens":1,"completion_tokens":1},"id"', 1)
+    for runs in (True, False):
+        out, seen, _ = relay(ROLE + doubled + finish() + DONE, [], runs=runs, wants_usage=False)
+        assert b'"usage"' not in out and seen[0] == "a"
