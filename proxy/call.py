@@ -170,6 +170,23 @@ def dearest(rates: Iterable[Mapping[str, int]]) -> dict[str, int]:
     return top
 
 
+# The Responses API refuses a max_output_tokens below 16 (integer_below_min_value).
+RESPONSES_LEAST_CAP = 16
+
+
+def least_cap_accepted(endpoint: Endpoint, body: dict[str, Any]) -> int:
+    """The smallest output cap the provider takes for this request: a cap below it (a budget's
+    clamp, a model's own cap) would have the call refused upstream instead of here."""
+    if endpoint == "responses":
+        return RESPONSES_LEAST_CAP
+    thinking = body.get("thinking") if endpoint == "messages" else None
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            return budget + 1  # Anthropic: max_tokens must be above the thinking budget
+    return 1
+
+
 def plan_call(
     *,
     request_id: str,
@@ -214,6 +231,17 @@ def plan_call(
         # of its own), and the field it ignores or refuses does not go at all (not even null).
         body.pop("max_completion_tokens", None)
         est = replace(est, output_cap_field="max_tokens", enforce_cap=est.output_cap)
+    least = least_cap_accepted(endpoint, body)
+    if est.enforce_cap is not None and est.enforce_cap < least:
+        # The model's cap in the config would make the request one the provider refuses.
+        thinking = endpoint == "messages"
+        raise BadRequest(
+            f"This proxy caps the model '{view.model}' at {est.enforce_cap} output tokens, below the "
+            f"{least} this request needs"
+            + (": keep thinking.budget_tokens below that cap." if thinking else "."),
+            param="thinking.budget_tokens" if thinking else None,
+            code="output_cap_too_low",
+        )
     if est.enforce_cap is not None and est.output_cap_field:
         set_output_cap(body, est.output_cap_field, est.enforce_cap)
     stream = bool(getattr(view, "stream", False))

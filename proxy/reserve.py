@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import orjson
 
-from proxy.call import Call
+from proxy.call import Call, least_cap_accepted
 from proxy.config import Config, TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, StoreError
 from proxy.journal import Journal
@@ -59,28 +59,11 @@ def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
         return None
     rates = worst_rates(call.rates_reserved) or {"input": 0, "output": 0}
     return Clamp(
-        min_output_tokens=max(tier.min_output_tokens, _least_cap_accepted(call)),
+        min_output_tokens=max(tier.min_output_tokens, least_cap_accepted(call.endpoint, call.body)),
         choices=call.generations,  # the cap holds for every answer written, returned or not
         input_cost_exact=call.estimate.input_tokens * rates["input"],
         output_rate=rates["output"],
     )
-
-
-# The Responses API refuses a max_output_tokens below 16 (integer_below_min_value).
-RESPONSES_LEAST_CAP = 16
-
-
-def _least_cap_accepted(call: Call) -> int:
-    """The smallest cap the provider takes for this request: a clamp below it would have the
-    call refused upstream instead of refused (or answered) here."""
-    if call.endpoint == "responses":
-        return RESPONSES_LEAST_CAP
-    thinking = call.body.get("thinking") if call.endpoint == "messages" else None
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        budget = thinking.get("budget_tokens")
-        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-            return budget + 1  # Anthropic: max_tokens must be above the thinking budget
-    return 1
 
 
 def _apply_clamp(call: Call, reservation: Reservation) -> None:

@@ -1213,3 +1213,31 @@ def test_the_tool_use_input_of_a_model_is_the_operator_s_to_set() -> None:
     assert tools_input_tokens(ModelConfig(upstream="a"), anthropic) == 600
     assert tools_input_tokens(ModelConfig(upstream="o"), openai_upstream) == 0
     assert tools_input_tokens(ModelConfig(upstream="a", tools_input_tokens=350), anthropic) == 350
+
+
+async def test_a_model_cap_that_would_leave_no_room_above_the_thinking_budget_is_refused_here(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Anthropic refuses max_tokens not above thinking.budget_tokens: lowered to the model's cap
+    (4096) under a budget of 10,000, a valid request went out invalid (a 400 about a mistake the
+    client did not make)."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    proxy = await make_proxy(
+        upstreams={"anthropic": upstream},
+        models={"claude-*": {"upstream": "anthropic", "max_output_tokens": 4096}},
+    )
+    body: dict[str, Any] = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 16000,
+        "thinking": {"type": "enabled", "budget_tokens": 10000},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body))
+    assert (reply.status, reply.upstream_calls) == (400, 0), reply.describe()
+    error = json.loads(reply.body)
+    assert error["type"] == "error" and "thinking.budget_tokens" in error["error"]["message"]
+    script.plan = Plan(chunks=[_claude_answer(10)])
+    body["thinking"]["budget_tokens"] = 2000
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body))
+    assert reply.status == 200, reply.describe()
+    assert json.loads(script.received[-1])["max_tokens"] == 4096
