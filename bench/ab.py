@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         "--obfuscation", action="store_true", help="stream chunks end in OpenAI's padding field (run.py)"
     )
     args = parser.parse_args(argv)
+    known = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", args.base + "^{commit}"],
+        capture_output=True,
+        check=False,
+    )
+    if known.returncode != 0:
+        parser.error(f"--base: not a revision of this repository: {args.base!r}")
     scenario = next(s for s in SCENARIOS if s.name == args.scenario)
     settings = Settings(
         "ab",

@@ -151,6 +151,8 @@ class LoadGen:
         self.headers = {"Authorization": f"Bearer {args.key}", "Content-Type": "application/json"}
         self.remaining = 0  # for --requests mode
         self.stopping = False  # set by SIGTERM/SIGINT: end the phase early
+        self.stopped_at = 0.0
+        self.last_done = 0.0  # when the last call ended
         self.interval = 1.0 / args.rate if args.rate > 0 else 0.0
         self.next_slot = 0.0  # --rate: when the next request may start
 
@@ -218,6 +220,7 @@ class LoadGen:
                 if self.stopping:
                     return
             await self.one(session, client, stats)
+            self.last_done = time.perf_counter()
 
     async def phase(
         self, session: aiohttp.ClientSession, seconds: float, requests: int
@@ -231,9 +234,16 @@ class LoadGen:
         await asyncio.gather(
             *(self.client(session, i, deadline, stats, counted) for i in range(self.args.concurrency))
         )
-        return stats, time.perf_counter() - started
+        end = time.perf_counter()
+        if self.stopping:
+            # Clients asleep until a booked slot wake only then: the phase ended at the stop, or
+            # with the last call in flight then, not with them.
+            end = max(self.stopped_at, min(end, self.last_done))
+        return stats, end - started
 
     def stop(self) -> None:
+        if not self.stopping:
+            self.stopped_at = time.perf_counter()
         self.stopping = True
 
     async def run(self) -> dict[str, Any]:

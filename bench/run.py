@@ -634,6 +634,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     known = {s.name for s in SCENARIOS}
+    paced_unknown = {value.rpartition("=")[0] for value in args.paced or []} - known - {""}
+    if paced_unknown:
+        parser.error(f"unknown --paced scenarios: {sorted(paced_unknown)}; known: {sorted(known)}")
     if args.profile and set(args.profile) - known:
         parser.error(f"unknown --profile scenarios: {sorted(set(args.profile) - known)}")
 

@@ -4,7 +4,7 @@ Starts, on loopback only, the fast fake upstream (``bench/upstream.py``), a thro
 ``redis-server`` (AOF on, as the proxy runs it) and the proxy (``python -m proxy serve --config
 <generated yaml>``, the same config as ``bench/run.py``). Then drives ``--calls`` calls through the
 proxy's ``budget`` tier (run ceilings + key windows per minute and per day + a tenant window per
-month, all out of reach: every call reserves and settles against four scopes) in ``--batches``
+month, all out of reach: every call reserves and settles against seven scopes) in ``--batches``
 equal batches, ``--concurrency`` keep-alive clients, client ``i`` sending ``X-Run-Id: soak-<i>``.
 Every ``--stream-every``-th call is a ``--chunks``-chunk stream, the others are non-streaming.
 
