@@ -229,6 +229,7 @@ class LoadGen:
         counted = requests > 0
         self.remaining = requests
         started = time.perf_counter()
+        self.last_done = started
         self.next_slot = started
         deadline = started + seconds
         await asyncio.gather(
@@ -237,8 +238,8 @@ class LoadGen:
         end = time.perf_counter()
         if self.stopping:
             # Clients asleep until a booked slot wake only then: the phase ended at the stop, or
-            # with the last call in flight then, not with them.
-            end = max(self.stopped_at, min(end, self.last_done))
+            # with the last call in flight then, not with them (nor before the phase began).
+            end = max(started, self.stopped_at, min(end, self.last_done))
         return stats, end - started
 
     def stop(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import select
@@ -177,6 +178,8 @@ def paced_rates(values: Sequence[str], parser: argparse.ArgumentParser) -> dict[
             rates[name or "*"] = float(rate)
         except ValueError:
             parser.error(f"--paced: not a rate: {value!r}")
+        if not (math.isfinite(rates[name or "*"]) and rates[name or "*"] > 0):
+            parser.error(f"--paced: not a rate (requests/s above 0): {value!r}")
     return rates
 
 

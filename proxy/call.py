@@ -174,13 +174,19 @@ def dearest(rates: Iterable[Mapping[str, int]]) -> dict[str, int]:
 RESPONSES_LEAST_CAP = 16
 
 
-def least_cap_accepted(endpoint: Endpoint, body: dict[str, Any]) -> int:
+def least_cap_accepted(endpoint: Endpoint, body: dict[str, Any], *, anthropic_beta: str = "") -> int:
     """The smallest output cap the provider takes for this request: a cap below it (a budget's
     clamp, a model's own cap) would have the call refused upstream instead of here."""
     if endpoint == "responses":
         return RESPONSES_LEAST_CAP
     thinking = body.get("thinking") if endpoint == "messages" else None
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+    # With interleaved thinking the budget covers every thinking block of the turn and may pass
+    # max_tokens (Anthropic's extended thinking docs).
+    if (
+        isinstance(thinking, dict)
+        and thinking.get("type") == "enabled"
+        and "interleaved-thinking-" not in anthropic_beta
+    ):
         budget = thinking.get("budget_tokens")
         if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
             return budget + 1  # Anthropic: max_tokens must be above the thinking budget
@@ -198,6 +204,7 @@ def plan_call(
     config: Config,
     tokenizer: Tokenizer,
     ids: IdSource,
+    anthropic_beta: str = "",
 ) -> Call:
     """Route the model and estimate the worst case; set the fields the proxy must set."""
     routed = config.route(view.model)
@@ -231,7 +238,7 @@ def plan_call(
         # of its own), and the field it ignores or refuses does not go at all (not even null).
         body.pop("max_completion_tokens", None)
         est = replace(est, output_cap_field="max_tokens", enforce_cap=est.output_cap)
-    least = least_cap_accepted(endpoint, body)
+    least = least_cap_accepted(endpoint, body, anthropic_beta=anthropic_beta)
     if est.enforce_cap is not None and est.enforce_cap < least:
         # The model's cap in the config would make the request one the provider refuses.
         thinking = endpoint == "messages"

@@ -81,6 +81,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             config=config,
             tokenizer=state.tokenizer,
             ids=state.ids,
+            anthropic_beta=",".join(request.headers.getall("anthropic-beta", [])),
         )
         call.feature_headers = feature_headers(request.headers, call.upstream)
         if state.store is None:

@@ -59,7 +59,12 @@ def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
         return None
     rates = worst_rates(call.rates_reserved) or {"input": 0, "output": 0}
     return Clamp(
-        min_output_tokens=max(tier.min_output_tokens, least_cap_accepted(call.endpoint, call.body)),
+        min_output_tokens=max(
+            tier.min_output_tokens,
+            least_cap_accepted(
+                call.endpoint, call.body, anthropic_beta=call.feature_headers.get("anthropic-beta", "")
+            ),
+        ),
         choices=call.generations,  # the cap holds for every answer written, returned or not
         input_cost_exact=call.estimate.input_tokens * rates["input"],
         output_rate=rates["output"],

@@ -1241,3 +1241,12 @@ async def test_a_model_cap_that_would_leave_no_room_above_the_thinking_budget_is
     reply = await send(proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body))
     assert reply.status == 200, reply.describe()
     assert json.loads(script.received[-1])["max_tokens"] == 4096
+    # Interleaved thinking: the budget covers the turn's every thinking block and may pass
+    # max_tokens, which Anthropic then takes.
+    body["thinking"]["budget_tokens"] = 10000
+    beta = {"anthropic-beta": "interleaved-thinking-2025-05-14"}
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body), headers=beta
+    )
+    assert reply.status == 200, reply.describe()
+    assert json.loads(script.received[-1])["max_tokens"] == 4096
