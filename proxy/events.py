@@ -14,125 +14,32 @@ per-event path, so the template only ever changes the cost, never the result.
 
 from __future__ import annotations
 
-import json
 import operator
-import re
-from typing import Any
 
 import orjson
 
+from proxy.chunks import (
+    CR,
+    LF,
+    NOT_PLAIN_CONTENT,
+    PAD_END,
+    PAD_FIELD,
+    PARSED_TEXTS,
+    data_event,
+    dumps_chunk,
+    event_over,
+    is_done,
+    odd_texts,
+    without_usage_null,
+)
 from proxy.dialects import Dialect
 from proxy.observe import Observation, parse_json, string_end
 
-_USAGE_NULL_TAIL = b',"usage":null}'
-_USAGE_NULL_FIELD = b',"usage":null'
-# OpenAI's padding field (stream_options.include_obfuscation, on by default), last in a chunk.
-_PAD_FIELD = b',"obfuscation":"'
-_PAD_END = b'"}\n\n'
-# Anything in a chunk besides a content delta: these go through the full JSON parse.
-NOT_PLAIN_CONTENT = re.compile(
-    rb'"finish_reason"\s*:\s*"|"usage"\s*:\s*\{|"refusal"\s*:\s*"|"tool_calls"|"function_call"|"error"'
-    rb'|"choices"\s*:\s*\[\s*\]'
-)
-# Texts that, between the quotes of their string, match NOT_PLAIN_CONTENT (or the per-event
-# path's "usage" test): one event at a time such an event is parsed in full, so runs leave them
-# to that path.
-PARSED_TEXTS = frozenset({b"error", b"tool_calls", b"function_call", b"usage"})
-_QUOTED_WORD_AT_END = re.compile(rb'"(?:error|tool_calls|function_call|usage)$', re.MULTILINE)
 # Tries at learning a template per stream: a stream whose events never fit one stops trying.
 _TEMPLATE_TRIES = 3
-# Single bytes, tested as ints: ``int in bytes`` is a memchr, ``bytes in bytes`` costs a buffer
-# export on top (140 ns against 20 for a short text, per event).
-_LF, _CR, _QUOTE, _BACKSLASH, _COMMA = b'\n\r"\\,'
-# Bytes JSON refuses raw in a string (a line break is the texts' separator: see odd_texts),
-# found by deleting them (bytes.translate: a tenth of a regex's time over a run's texts).
-_CONTROL = bytes(range(0x0A)) + bytes(range(0x0B, 0x20))
-_JSON_ESCAPE = re.compile(rb'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})')
 # Tries at a run per read (see ``EventFilter.feed``).
 _RUN_TRIES = 4
 _BOM = b"\xef\xbb\xbf"
-
-
-def _data_event(data: bytes, event: bytes = b"") -> bytes:
-    """An event carrying ``data``: one ``data:`` line per line of it (data an upstream sent on
-    several lines has line breaks, which a single line would cut short for the client), after
-    the other fields of ``event`` (the one it replaces: its ``id:``, ``event:``, ``retry:``)."""
-    out = b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n"
-    if b"\n" not in event:
-        return out  # the common event: one data line and nothing else
-    fields = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
-    return b"\n".join(fields) + b"\n" + out if fields else out
-
-
-def _event_over(events: bytes | bytearray, limit: int) -> bool:
-    """Whether one of ``events`` (the last maybe not complete yet) is longer than ``limit``: the
-    limit bounds an event, not a read, which may carry many (a fast upstream, a slow client)."""
-    if len(events) <= limit:
-        return False
-    pos = 0
-    while True:
-        sep = events.find(b"\n\n", pos)
-        if (len(events) if sep < 0 else sep) - pos > limit:
-            return True
-        if sep < 0:
-            return False
-        pos = sep + 2
-
-
-def _without_usage_null(data: bytes) -> bytes | None:
-    """``data`` (a chunk whose top-level ``usage`` is null) with that field cut out of its bytes,
-    every other byte as it came; None when the bytes do not say where it is for sure."""
-    # The one "usage" of the bytes is the top-level field (a quoted word is a key or a whole
-    # string, never part of a text): not a nested one, nor one of two (the parser kept the last).
-    if data.count(b'"usage"') != 1:
-        return None
-    if data.endswith(_USAGE_NULL_TAIL):  # OpenAI's place for it, before the object's end
-        cut = data[: -len(_USAGE_NULL_TAIL)] + b"}"
-    else:  # before another field (OpenAI's "obfuscation")
-        at = data.find(_USAGE_NULL_FIELD)
-        if at < 0 or data[at + len(_USAGE_NULL_FIELD)] != _COMMA:
-            return None
-        cut = data[:at] + data[at + len(_USAGE_NULL_FIELD) :]
-    # A key spelled with escapes ("us\u0061ge") is "usage" all the same: the count did not see it.
-    if b"\\u" in data and "usage" in parse_json(cut):
-        return None
-    return cut
-
-
-def _dumps(obj: dict[str, Any]) -> bytes:
-    try:
-        return orjson.dumps(obj)
-    except orjson.JSONEncodeError:
-        # A lone surrogate (a text cut inside an emoji), which parse_json takes: escaped again.
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _is_done(data: bytes) -> bool:
-    return data[:6] == b"[DONE]" and data.rstrip() == b"[DONE]"
-
-
-def odd_texts(texts: bytes) -> bool:
-    """Whether a text (or any of several, each followed by a line break), as the bytes between
-    the quotes of a JSON string, is not one the per-event path reads as plain content: it is not
-    JSON (a raw control byte, an escape JSON has not, which the client's SDK would refuse), it
-    could close its string early (an unescaped quote) or escape the closing quote (a lone
-    trailing backslash), or it ends in an escaped quote and a word of PARSED_TEXTS, which the
-    closing quote makes a quoted word that path parses in full (``\\"error`` then ``"``)."""
-    if len(texts.translate(None, _CONTROL)) != len(texts):
-        return True
-    if not texts.isascii():
-        try:  # as Python's json reads bytes (which the client's SDK does)
-            texts.decode("utf-8", "surrogatepass")
-        except UnicodeDecodeError:
-            return True
-    if _QUOTE not in texts and _BACKSLASH not in texts:
-        return False
-    # JSON's escapes, read left to right as a parser does: what is left must hold no quote nor
-    # backslash.
-    unescaped = _JSON_ESCAPE.sub(b"", texts)
-    if _QUOTE in unescaped or _BACKSLASH in unescaped:
-        return True
-    return _QUOTE in texts and _QUOTED_WORD_AT_END.search(texts) is not None
 
 
 class EventFilter:
@@ -165,7 +72,7 @@ class EventFilter:
         self._stripped_suffix = b""
         self._stripped_separator = b""
         # A padded template (OpenAI's chunks end in padding of a random length): its suffix is
-        # this, the padding, then _PAD_END; the client's version of it (None: the same).
+        # this, the padding, then PAD_END; the client's version of it (None: the same).
         self._pad_mid = b""
         self._pad_mid_stripped: bytes | None = None
         # Bytes of an event not complete yet, held until the next read.
@@ -190,9 +97,9 @@ class EventFilter:
         if not held:
             if self._prefix_len and len(piece) <= limit and (out := self._single(piece)) is not None:
                 return out
-            if piece.endswith(b"\n\n") and _CR not in piece and not _event_over(piece, limit):
+            if piece.endswith(b"\n\n") and CR not in piece and not event_over(piece, limit):
                 return self.feed(piece)
-        if _CR in piece:
+        if CR in piece:
             # SSE ends a line with \r\n, \n or a lone \r (never inside JSON: it escapes \r).
             self._after_cr = piece.endswith(b"\r")
             piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
@@ -200,7 +107,7 @@ class EventFilter:
         # event. Searching all of a long event at each read was quadratic in its size.
         start = max(len(held) - 1, 0)
         held += piece
-        if _event_over(held, limit):
+        if event_over(held, limit):
             return None
         complete = held.rfind(b"\n\n", start) + 2
         if complete < 2:
@@ -236,7 +143,7 @@ class EventFilter:
     def _took(self, text: bytes) -> bool:
         """Observe ``text`` as one template event's, unless it is not plain content (then the
         per-event path reads the event)."""
-        if _LF in text or _CR in text or text in PARSED_TEXTS or odd_texts(text):
+        if LF in text or CR in text or text in PARSED_TEXTS or odd_texts(text):
             return False
         if text:
             self._sink.append(text)
@@ -248,19 +155,19 @@ class EventFilter:
         """``_single`` for a padded template: the padding (letters and digits) after its field's
         opening quote, the text before the field's fixed bytes (which hold quotes no text
         leaves unescaped)."""
-        if not event.startswith(self._prefix) or not event.endswith(_PAD_END):
+        if not event.startswith(self._prefix) or not event.endswith(PAD_END):
             return None
         at = event.rfind(self._pad_mid)
         pad_at = at + len(self._pad_mid)
-        pad = event[pad_at : -len(_PAD_END)]
-        # The field's opening quote is not the closing one of _PAD_END ('"obfuscation":"}').
-        if at < self._prefix_len or pad_at > len(event) - len(_PAD_END) or (pad and not pad.isalnum()):
+        pad = event[pad_at : -len(PAD_END)]
+        # The field's opening quote is not the closing one of PAD_END ('"obfuscation":"}').
+        if at < self._prefix_len or pad_at > len(event) - len(PAD_END) or (pad and not pad.isalnum()):
             return None
         text = event[self._prefix_len : at]
         if not self._took(text):
             return None
         if self._pad_mid_stripped is not None:
-            return self._prefix + text + self._pad_mid_stripped + pad + _PAD_END
+            return self._prefix + text + self._pad_mid_stripped + pad + PAD_END
         return event
 
     @property
@@ -386,16 +293,16 @@ class EventFilter:
         stripped = b""
         if self._strip and "usage" in obj:  # spelled with escapes or not
             # The client's version cuts the usage field out of the bytes after the text.
-            cut = _without_usage_null(data)
+            cut = without_usage_null(data)
             if cut is None or cut[:end] != data[:end]:
                 return
             stripped = cut[end:] + b"\n\n"
-        pad_at = suffix.rfind(_PAD_FIELD) + len(_PAD_FIELD)
-        pad = suffix[pad_at : -len(_PAD_END)]
-        if pad_at >= len(_PAD_FIELD) and suffix.endswith(_PAD_END) and (not pad or pad.isalnum()):
+        pad_at = suffix.rfind(PAD_FIELD) + len(PAD_FIELD)
+        pad = suffix[pad_at : -len(PAD_END)]
+        if pad_at >= len(PAD_FIELD) and suffix.endswith(PAD_END) and (not pad or pad.isalnum()):
             self._pad_mid = suffix[:pad_at]
             if stripped:
-                self._pad_mid_stripped = stripped[: len(stripped) - len(pad) - len(_PAD_END)]
+                self._pad_mid_stripped = stripped[: len(stripped) - len(pad) - len(PAD_END)]
         self._prefix, self._suffix = prefix, suffix
         self._prefix_len, self._suffix_len = len(prefix), len(suffix)
         self._cut = operator.itemgetter(slice(len(prefix), 2 - len(suffix)))
@@ -452,7 +359,7 @@ class EventFilter:
             data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)
         else:
             return event + b"\n\n"  # comments (keep-alives) and field-only events pass through
-        if _is_done(data):
+        if is_done(data):
             if not self.dialect.done_marker:
                 # Not how these APIs end (response.completed, message_stop do): passed on,
                 # never taken for a complete answer.
@@ -474,10 +381,10 @@ class EventFilter:
         if self.client_wants_usage or not isinstance(obj, dict) or "usage" not in obj:
             return event + b"\n\n"  # no usage field: as it came
         if obj["usage"] is None:
-            cut = _without_usage_null(data)
+            cut = without_usage_null(data)
             if cut is not None:
-                return _data_event(cut, event)
+                return data_event(cut, event)
         elif obj.get("choices") == []:
             return None  # the usage-only chunk the client did not ask for
         obj.pop("usage")
-        return _data_event(_dumps(obj), event)
+        return data_event(dumps_chunk(obj), event)

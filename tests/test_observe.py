@@ -68,7 +68,7 @@ async def test_streamed_text_with_escapes_is_estimated_from_the_decoded_text(
 
 
 def test_the_fast_path_leaves_anything_unusual_to_the_parser() -> None:
-    from proxy.events import NOT_PLAIN_CONTENT as _NOT_PLAIN_CONTENT
+    from proxy.chunks import NOT_PLAIN_CONTENT as _NOT_PLAIN_CONTENT
 
     for chunk in (
         b'{"choices":[{"index":0,"delta":{},"finish_reason": "length"}]}',
