@@ -168,6 +168,14 @@ class ModelConfig(_Frozen):
     # flex), beside the default's; a priced model refuses a tier not priced here.
     service_tiers: dict[str, PricePerMillion] = {}
 
+    @field_validator("max_output_tokens", "media_part_input_tokens", "tools_input_tokens", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        # YAML's no/off/false would be 0 tokens (the 600 of Anthropic's tool prompt unreserved).
+        if isinstance(value, bool):
+            raise ValueError("a token count, not true or false")
+        return value
+
     @model_validator(mode="after")
     def _tiers_beside_a_price(self) -> ModelConfig:
         if self.service_tiers and self.price_per_million is None:

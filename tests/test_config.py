@@ -404,3 +404,11 @@ def test_a_key_name_that_cannot_be_part_of_a_redis_key_is_refused(name: str) -> 
     assert "keys.0.name" in error_of({**UP, "keys": [{"name": name, "sha256": "0" * 64, "tenant": "t"}]})
     ok = {**UP, "keys": [{"name": "ci-bot@team.example/2+x_y", "sha256": "0" * 64, "tenant": "t"}]}
     assert parse_config(ok, {}).keys[0].name == "ci-bot@team.example/2+x_y"
+
+
+@pytest.mark.parametrize("field", ["max_output_tokens", "media_part_input_tokens", "tools_input_tokens"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_model_token_count_is_not_true_or_false(field: str, value: bool) -> None:
+    """YAML's no/off/false became 0: the 600 tokens of Anthropic's tool prompt left unreserved."""
+    models = {"*": {"upstream": "openai", field: value}}
+    assert f"models.*.{field}" in error_of({**UP, "models": models})
