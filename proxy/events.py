@@ -15,6 +15,7 @@ per-event path, so the template only ever changes the cost, never the result.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import orjson
 
@@ -259,12 +260,11 @@ class EventFilter:
             return self._prefix + self._stripped_separator.join(texts) + self._stripped_suffix
         return run
 
-    def _learn(self, data: bytes, start: int, end: int) -> None:
-        """Make ``data`` (a content event's JSON, its text at ``start:end``) the template when a
-        full parse confirms it is nothing but one piece of text for choice 0."""
+    def _learn(self, data: bytes, obj: Any, start: int, end: int) -> None:
+        """Make ``data`` (a content event's JSON, parsed as ``obj``, its text at ``start:end``)
+        the template when the parse confirms it is nothing but one piece of text for choice 0."""
         self._tries -= 1
         try:
-            obj = orjson.loads(data)
             text = orjson.loads(b'"' + data[start:end] + b'"')
         except orjson.JSONDecodeError:
             return
@@ -337,9 +337,9 @@ class EventFilter:
             self.obs.malformed = True
         return event + b"\n\n"
 
-    def _try_template(self, data: bytes) -> None:
-        """Learn the template from ``data`` when it is a compact chunk whose one choice carries
-        only a non-empty text (the role chunk's empty one makes none)."""
+    def _try_template(self, data: bytes, obj: Any) -> None:
+        """Learn the template from ``data`` (parsed as ``obj``) when it is a compact chunk whose
+        one choice carries only a non-empty text (the role chunk's empty one makes none)."""
         if NOT_PLAIN_CONTENT.search(data):
             return
         key = self._content_key
@@ -349,7 +349,7 @@ class EventFilter:
         start = found + len(key)
         end = string_end(data, start)
         if end > start and data.find(key, end) < 0:
-            self._learn(data, start, end)
+            self._learn(data, obj, start, end)
 
     def _event(self, event: bytes) -> bytes | None:
         """Observe one SSE event; return the bytes the client gets, or None to drop it."""
@@ -377,7 +377,7 @@ class EventFilter:
             return event + b"\n\n"
         self.obs.observe(obj, streaming=True)
         if self._tries:
-            self._try_template(data)
+            self._try_template(data, obj)
         if self.client_wants_usage or not isinstance(obj, dict) or "usage" not in obj:
             return event + b"\n\n"  # no usage field: as it came
         if obj["usage"] is None:

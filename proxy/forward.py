@@ -54,11 +54,15 @@ def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, 
 FEATURE_HEADERS: dict[str, tuple[str, ...]] = {"anthropic": ("anthropic-beta",), "openai": ()}
 
 
+def header_list(request_headers: CIMultiDictProxy[str], name: str) -> str:
+    """Every line of a header, as one: two lines are one comma-separated list (RFC 9110)."""
+    return ",".join(request_headers.getall(name, []))
+
+
 def feature_headers(request_headers: CIMultiDictProxy[str], upstream: UpstreamConfig) -> dict[str, str]:
     out = {}
     for name in FEATURE_HEADERS.get(upstream.kind, ()):
-        # Two lines of a header are one comma-separated list (RFC 9110): each beta counts.
-        value = ",".join(request_headers.getall(name, []))
+        value = header_list(request_headers, name)  # each beta of every line counts
         if value:
             out[name] = value
     return out

@@ -36,6 +36,7 @@ from proxy.errors import (
 from proxy.estimate import Estimate, counted
 from proxy.forward import (
     feature_headers,
+    header_list,
     operator_key_sent,
     provider_headers,
     read_limited,
@@ -81,7 +82,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             config=config,
             tokenizer=state.tokenizer,
             ids=state.ids,
-            anthropic_beta=",".join(request.headers.getall("anthropic-beta", [])),
+            anthropic_beta=header_list(request.headers, "anthropic-beta"),
         )
         call.feature_headers = feature_headers(request.headers, call.upstream)
         if state.store is None:

@@ -203,6 +203,18 @@ GPT5 = {
 }
 
 
+async def _gpt5_proxy(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, cost_usd: str | None = None
+) -> Proxy:
+    """A proxy serving GPT5's tiers from ``script``; ``cost_usd``: a run's cost ceiling."""
+    tiers = {"standard": {"run": {"cost_usd": cost_usd}}} if cost_usd else None
+    return await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": GPT5},
+        **({"tiers": tiers} if tiers else {}),
+    )
+
+
 @pytest.mark.parametrize(
     ("tier", "cost_micros"),
     [(None, 10_000 * 1.25 + 2_000 * 10), ("auto", 32_500), ("priority", 65_000), ("flex", 16_250)],
@@ -214,10 +226,7 @@ async def test_a_processing_tier_is_billed_at_its_own_prices(
     tier: str | None,
     cost_micros: float,
 ) -> None:
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"gpt-5": GPT5},
-    )
+    proxy = await _gpt5_proxy(make_proxy, script)
     usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
     script.plan = _chat_answer("gpt-5", usage)
     request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
@@ -265,10 +274,7 @@ async def test_a_call_is_billed_at_the_tier_its_answer_says_served_it(
     cost_micros: int,
     tier_in_ledger: str | None,
 ) -> None:
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"gpt-5": GPT5},
-    )
+    proxy = await _gpt5_proxy(make_proxy, script)
     usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
     script.plan = _chat_answer("gpt-5", usage, served)
     request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
@@ -285,11 +291,7 @@ async def test_a_call_that_names_no_tier_is_reserved_at_the_dearest_priced_tier(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
     """Its project may default to priority: a cost ceiling must hold at priority prices."""
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"gpt-5": GPT5},
-        tiers={"standard": {"run": {"cost_usd": "0.03"}}},  # 30,000 micro-units
-    )
+    proxy = await _gpt5_proxy(make_proxy, script, cost_usd="0.03")  # 30,000 micro-units
     usage = {"prompt_tokens": 10, "completion_tokens": 1_000, "total_tokens": 1_010}
     script.plan = _chat_answer("gpt-5", usage, "default")
     # 1,000 output tokens: 10,000 micro-units at default prices, 20,000 at priority's.
@@ -315,10 +317,7 @@ async def test_a_call_that_names_no_tier_is_reserved_at_the_dearest_priced_tier(
 async def test_a_stream_is_billed_at_the_tier_its_chunks_say_served_it(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"gpt-5": GPT5},
-    )
+    proxy = await _gpt5_proxy(make_proxy, script)
     head = {
         "id": "c",
         "object": "chat.completion.chunk",
@@ -384,11 +383,7 @@ async def test_a_tier_field_an_endpoint_does_not_price_changes_nothing(
 ) -> None:
     """Legacy completions do not price service_tier: the field, passed on as an extra, must not
     turn off the reserve at the dearest tier either."""
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"gpt-5": GPT5},
-        tiers={"standard": {"run": {"cost_usd": "0.0101"}}},
-    )
+    proxy = await _gpt5_proxy(make_proxy, script, cost_usd="0.0101")
     base = {"model": "gpt-5", "prompt": "hi", "max_tokens": 1000}  # 20,003 at priority's prices
     assert (await _post(proxy.url, "/v1/completions", base, "l1"))[0] == 429
     assert (await _post(proxy.url, "/v1/completions", {**base, "service_tier": "default"}, "l2"))[0] == 429
