@@ -396,6 +396,37 @@ class RedisStore:
         out["peak_concurrent"] = MeterState(int(raw.get("peak:concurrent", 0)), 0)
         return out
 
+    async def unheld_reserves(self, *, tenant: str, keys: Sequence[str]) -> dict[str, dict[str, int]]:
+        """What the calls in flight reserved for these scope keys without holding it there (no
+        ceiling named the scope when they were reserved: reserve.lua), from their records: a
+        view's ``reserved`` adds it, the hot path never reads it."""
+        prefix = key_prefix(tenant)
+        wanted = set(keys)
+        out: dict[str, dict[str, int]] = {key: dict.fromkeys(RESERVED_METERS, 0) for key in keys}
+        try:
+            ids: Any = await self._client.zrange(f"{prefix}leases", 0, -1)
+            if not ids:
+                return out
+            pipe = self._client.pipeline(transaction=False)
+            for res_id in ids:
+                pipe.hmget(f"{prefix}resv:{res_id}", "scopes", "amounts", "born")
+            records: Any = await pipe.execute()
+        except STORE_FAILURES as err:
+            raise StoreError(f"reserves in flight: {err}") from err
+        for scopes, amounts, born in records:
+            if not scopes or not amounts or not born:
+                continue  # settled since, or a record from before scopes could hold nothing
+            lives = str(born).split(" ")
+            try:
+                values = [int(v) for v in str(amounts).split()]
+            except ValueError:
+                continue
+            for key, life in zip(str(scopes).split("\n"), lives, strict=False):
+                if life == "-" and key in wanted:
+                    for meter, value in zip(RESERVED_METERS, values, strict=False):
+                        out[key][meter] += value
+        return out
+
     async def register_tenant(self, tenant: str) -> None:
         try:
             await self._client.sadd(TENANTS_KEY, tenant)

@@ -233,6 +233,49 @@ async def test_key_window_refusal_has_retry_after(make_proxy: ProxyFactory, fake
     assert windows["key:day"]["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": None}
 
 
+async def _key_view(proxy: Proxy) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{proxy.url}/v1/billing/keys/self", headers={"Authorization": f"Bearer {KEY_A}"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        body = await r.json()
+    return {w["scope"]: w["meters"] for w in body["windows"]}
+
+
+async def test_a_call_in_flight_shows_in_every_window_a_ceiling_names_or_not(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Only the run and the scopes a ceiling names hold a call's reserve in Redis (holding it
+    everywhere was most of what Redis spent on a call); the key's view still shows in every
+    window what the calls in flight reserved, from their records."""
+    proxy = await make_proxy(tiers=tiers(windows=[{"period": "minute", "requests": 5}]))
+    slow = asyncio.create_task(call(proxy, "in-flight", extra_body={"fake": {"delay_s": 1.0}}))
+    for _ in range(400):
+        if fake.received:
+            break
+        await asyncio.sleep(0.01)
+    during = await _key_view(proxy)
+    assert list(during) == ["key", "key:minute", "key:day", "key:month", "tenant:day", "tenant:month"]
+    for name, view in during.items():
+        assert view["requests"] == {"used": 0, "reserved": 1, "ceiling": 5 if name == "key:minute" else None}
+        assert view["total_tokens"]["reserved"] == INPUT_RESERVE + 10, name
+        assert view["concurrent"]["reserved"] == 1, name
+    holders = sorted(
+        [
+            key
+            async for key in redis_client.scan_iter("lbp:*")
+            if await redis_client.type(key) == "hash" and await redis_client.hexists(key, "resv:requests")
+        ]
+    )
+    assert [h.split(":")[2] for h in holders] == ["key", "run"] and ":minute:" in holders[0], holders
+    await slow
+    after = await _key_view(proxy)
+    for name, view in after.items():
+        assert view["requests"]["used"] == 1 and view["requests"]["reserved"] == 0, name
+        assert view["total_tokens"]["used"] == FAKE_PROMPT + 8 and view["concurrent"]["reserved"] == 0, name
+
+
 async def test_tenant_window_is_shared_by_all_keys_of_the_tenant(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:

@@ -121,9 +121,14 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
     res = await reserve(store, "r1", scopes)
     assert isinstance(res, Reservation)
     assert res.tightest_meter == "requests" and res.tightest_remaining == 1  # the minute window
+    # The run and the scopes a ceiling names hold the reserve; the others (the key's lifetime,
+    # its day and month, the tenant's day) hold nothing and are only counted at the settle.
+    holding = {"run", "key:minute", "tenant:month"}
     for scope in scopes:
         state = await store.meters(scope.key)
-        assert state["total_tokens"].reserved == 30 and state["concurrent"].reserved == 1
+        held = 30 if scope.name in holding else 0
+        assert state["total_tokens"].reserved == held, scope.name
+        assert state["concurrent"].reserved == (scope.name in holding), scope.name
     entry_id = await settle(store, res)
     assert entry_id is not None
     assert await settle(store, res) is None  # idempotent: a second settle changes nothing
@@ -131,7 +136,10 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
         state = await store.meters(scope.key)
         assert state["total_tokens"].used == 13 and state["total_tokens"].reserved == 0
         assert state["cached_input_tokens"].used == 2 and state["reasoning_tokens"].used == 1
-        assert state["concurrent"].reserved == 0 and state["peak_concurrent"].used == 1
+        assert state["concurrent"].reserved == 0
+        assert state["peak_concurrent"].used == (scope.name in holding)
+        # A key only a settle wrote expires all the same (the windows), or never (the key's own).
+        assert await store.client.ttl(scope.key) == (-1 if scope.name in ("run", "key") else scope.ttl_s)
     (entry,) = await store.run_ledger(tenant="team-a", run_id="run1")
     assert entry["outcome"] == "ok" and entry["id"] == entry_id
 
@@ -147,7 +155,8 @@ async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store:
     assert (refused.ceiling, refused.used, refused.reserved, refused.amount) == (2, 0, 2, 1)
     for scope in scopes:  # the refused call reserved nothing anywhere
         state = await store.meters(scope.key)
-        assert state["requests"].reserved == 2 and state["total_tokens"].reserved == 60
+        held = scope.name in ("run", "key:minute", "tenant:month")  # the others hold nothing
+        assert state["requests"].reserved == 2 * held and state["total_tokens"].reserved == 60 * held
     assert await store.client.zcard("lbp:{team-a}:leases") == 2
     assert not await store.client.exists("lbp:{team-a}:resv:c")
     assert await store.client.hget(scopes[2].key, "refused:requests") == "1"  # counted, not charged
@@ -253,8 +262,8 @@ async def test_the_proxy_bills_through_a_redis_cluster(
 
 async def test_a_retried_reserve_reserves_once(store: RedisStore) -> None:
     scope = Scope(name="run", key="lbp:{team-a}:run:retry")
-    first = await reserve(store, "same-id", [scope])
-    again = await reserve(store, "same-id", [scope])
+    first = await reserve(store, "same-id", [scope], run_id="retry")
+    again = await reserve(store, "same-id", [scope], run_id="retry")
     assert isinstance(first, Reservation) and isinstance(again, Reservation)
     assert (await store.meters(scope.key))["total_tokens"].reserved == 30
     assert await settle(store, first) is not None
@@ -295,16 +304,21 @@ async def test_shrink_lowers_every_scope_and_the_settle_releases_what_is_left(st
     scopes = [
         Scope(name="run", key="lbp:{team-a}:run:shrink"),
         Scope(name="tenant:month", key="lbp:{team-a}:tenant:month:shrink", ceilings={"total_tokens": 1000}),
+        Scope(name="key:day", key="lbp:{team-a}:key:a-ci:day:shrink"),  # no ceiling: holds nothing
     ]
-    res = await reserve(store, "s1", scopes)
+    res = await reserve(store, "s1", scopes, run_id="shrink")
     assert isinstance(res, Reservation)
+    # Another call's reserve where this one holds nothing: never released by this one.
+    other = Scope(name="key:day", key=scopes[2].key, ceilings={"requests": 10})
+    assert isinstance(await reserve(store, "other", [other], run_id="other"), Reservation)
     lower = {**AMOUNTS, "input_tokens": 4, "total_tokens": 24}
     keys = [s.key for s in scopes]
     assert await store.shrink(tenant="team-a", reservation_id="s1", scope_keys=keys, amounts=lower)
-    for key in keys:
+    for key in keys[:2]:
         state = await store.meters(key)
         assert (state["input_tokens"].reserved, state["total_tokens"].reserved) == (4, 24)
         assert state["requests"].reserved == 1
+    assert (await store.meters(keys[2]))["total_tokens"].reserved == 30  # the other call's
     # Never raised: an amount above the reserve changes nothing.
     higher = {**lower, "output_tokens": 21, "total_tokens": 25}
     assert not await store.shrink(tenant="team-a", reservation_id="s1", scope_keys=keys, amounts=higher)
@@ -312,7 +326,7 @@ async def test_shrink_lowers_every_scope_and_the_settle_releases_what_is_left(st
     assert await settle(store, res) is not None
     for key in keys:
         state = await store.meters(key)
-        assert all(m.reserved == 0 for m in state.values()), state
+        assert all(m.reserved == (key == keys[2]) * AMOUNTS.get(n, 0) for n, m in state.items()), state
         assert state["input_tokens"].used == ACTUAL["input_tokens"]
     # Settled: nothing left to lower.
     assert not await store.shrink(tenant="team-a", reservation_id="s1", scope_keys=keys, amounts=lower)
@@ -335,7 +349,7 @@ async def test_shrink_leaves_a_lease_that_ran_out_to_the_reaper(store: RedisStor
     """A reaper bills the amounts it read: lowering them after that would release less than it
     bills (room given to another call, then charged again)."""
     scope = Scope(name="run", key="lbp:{team-a}:run:shrink-expired")
-    res = await reserve(store, "s2", [scope], lease_ms=50)
+    res = await reserve(store, "s2", [scope], lease_ms=50, run_id="shrink-expired")
     assert isinstance(res, Reservation)
     time.sleep(0.1)
     lower = {**AMOUNTS, "input_tokens": 4, "total_tokens": 24}

@@ -23,6 +23,10 @@ ARGV[last]   which scope is the run's (1-based; 0 = none, and no ledger index am
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>, born (the id of
 the reserve that wrote the key first: a key that expired and was written anew is another life).
+A scope holds a call's reserve (resv:*, peak:concurrent, born) only when it is the run's or one
+of its ceilings is set (>= 0); the record's 'born' says '-' for the others, where only the
+settle writes (the used figures). A ceiling a reload adds there counts the calls then in flight
+when they settle, not before.
 The record keeps the scopes' keys and TTLs: renew.lua's caller and the reaper's settle set
 those TTLs again, so a scope key never expires under a live reserve nor is written anew for good.
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
@@ -76,13 +80,16 @@ for m = 1, NM do
   FIELDS[NM + m] = 'resv:' .. METERS[m]
 end
 local state = {}   -- state[s][m] = {ceiling, used, reserved} for limited meters
+local held = {}    -- held[s]: the scope holds this call's reserve (the run, or one with a ceiling)
 for s = 1, nscopes do
   state[s] = {}
+  held[s] = (s == run_scope)
   local off = base + (s - 1) * stride
   local vals = nil
   for m = 1, NM do
     local ceiling = tonumber(ARGV[off + m])
     if ceiling >= 0 then
+      held[s] = true
       -- One read per limited scope (a call costs more than the fields it names).
       vals = vals or redis.call('HMGET', KEYS[2 + s], unpack(FIELDS))
       state[s][m] = {ceiling, tonumber(vals[m]) or 0, tonumber(vals[NM + m]) or 0}
@@ -197,17 +204,13 @@ if refusal then
   return refusal
 end
 
-local tight_meter, tight_left, tight_ratio, tight_scope = '', -1, 2, 0
-local born = {}
-for s = 1, nscopes do
+-- Writes this call's reserve on scope s; returns which life of the key it landed in: one that
+-- expired and was written anew holds other calls' reserves, never this one's (settle.lua and
+-- shrink.lua release only from it).
+local function hold(s)
   local key = KEYS[2 + s]
-  -- Which life of the key this reserve lands in: one that expired and was written anew holds
-  -- other calls' reserves, never this one's (settle.lua and shrink.lua release only from it).
-  if redis.call('HSETNX', key, 'born', ARGV[1]) == 1 then
-    born[s] = ARGV[1]
-  else
-    born[s] = redis.call('HGET', key, 'born')
-  end
+  local life = ARGV[1]
+  if redis.call('HSETNX', key, 'born', ARGV[1]) == 0 then life = redis.call('HGET', key, 'born') end
   for m = 1, NM do
     if amounts[m] ~= 0 then
       local now = redis.call('HINCRBY', key, FIELDS[NM + m], string.format('%d', amounts[m]))
@@ -216,6 +219,19 @@ for s = 1, nscopes do
         if now > peak then redis.call('HSET', key, 'peak:concurrent', now) end
       end
     end
+  end
+  set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]))
+  return life
+end
+
+local tight_meter, tight_left, tight_ratio, tight_scope = '', -1, 2, 0
+local born = {}
+for s = 1, nscopes do
+  -- A scope no ceiling names (but the run's) holds nothing: its settle only counts what was
+  -- used. Most of a call's scopes are such windows: holding and releasing there was most of
+  -- what Redis spent on a call.
+  born[s] = held[s] and hold(s) or '-'
+  for m = 1, NM do
     local st = state[s][m]
     if st then
       local left = st[1] - st[2] - st[3] - amounts[m]
@@ -226,7 +242,6 @@ for s = 1, nscopes do
       end
     end
   end
-  set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]))
 end
 
 local t = redis.call('TIME')

@@ -29,7 +29,8 @@ used meters and the ledger entry go in, with the field reservation = lost, and n
 released. Any other settle without a record does nothing: past its window a reaper may have
 settled the call and its marker may have expired. Otherwise returns {1, ledger entry id}.
 'concurrent' is released here. A release is made only from the life of a scope key the reserve
-landed in (its 'born' stamp, in the record), and never below zero.
+landed in (its 'born' stamp, in the record), and never below zero; a scope whose stamp is '-'
+held nothing of this call (reserve.lua) and is only counted.
 ]]
 if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then
   return {0}
@@ -72,25 +73,33 @@ for m = 1, #RESERVED do RESV[m + 1] = 'resv:' .. RESERVED[m] end
 -- The TTLs here are those of the call's reserve, whose setting a reload may have changed since:
 -- a settle never shortens a key's life nor ends a key kept for ever (a later reserve, under
 -- the newer setting, decides those), save for a key it writes first. 0 is none.
-local function extend(key, ttl, new)
+local function extend(key, ttl, new, left)
   if ttl == 0 then
     redis.call('PERSIST', key)
   elseif new then
     redis.call('EXPIRE', key, ttl)
   else
-    local left = redis.call('PTTL', key)
+    left = left or redis.call('PTTL', key)
     if left >= 0 and left < ttl * 1000 then redis.call('EXPIRE', key, ttl) end
   end
 end
 
 for s = 5, #KEYS do
   local key = KEYS[s]
-  local held = redis.call('HMGET', key, unpack(RESV))
-  if not lost then
+  local life = born[s - 4]
+  local new, left
+  if life == '-' then
+    -- The scope held none of this reserve (no ceiling named it): nothing to release there, and
+    -- what other calls hold there is theirs.
+    left = redis.call('PTTL', key)
+    new = left == -2
+  else
+    local held = redis.call('HMGET', key, unpack(RESV))
+    new = not held[1]
     -- A key that expired mid-call and was written anew (by a later reserve, or by nothing yet)
     -- does not hold this reserve: releasing it would take other calls' reserves, or go below
     -- zero, and either is room past the ceiling. Records older than 'born': never below zero.
-    if not born[s - 4] or held[1] == born[s - 4] then
+    if not lost and (not life or held[1] == life) then
       for m = 1, #RESERVED do
         local release = math.min(tonumber(amounts[m]) or 0, tonumber(held[m + 1]) or 0)
         if release > 0 then redis.call('HINCRBY', key, RESV[m + 1], string.format('%d', -release)) end
@@ -104,7 +113,7 @@ for s = 5, #KEYS do
   local ttl = tonumber(ARGV[10 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
-  if ttl then extend(key, ttl, not held[1]) end
+  if ttl then extend(key, ttl, new, left) end
 end
 
 local fields = {}

@@ -32,7 +32,8 @@ for m = 1, #METERS do
 end
 for s = 3, #KEYS do
   -- Only from the life of the key this reserve landed in, never below zero (see settle.lua).
-  if not born[s - 2] or redis.call('HGET', KEYS[s], 'born') == born[s - 2] then
+  -- '-': the scope held none of this reserve.
+  if born[s - 2] ~= '-' and (not born[s - 2] or redis.call('HGET', KEYS[s], 'born') == born[s - 2]) then
     for m = 1, #METERS do
       if less[m] > 0 then
         local held = tonumber(redis.call('HGET', KEYS[s], 'resv:' .. METERS[m])) or 0
