@@ -265,7 +265,7 @@ class RedisStore:
             args += [clamp.min_output_tokens, clamp.choices, clamp.input_cost_exact, clamp.output_rate]
         args.append(1 if tentative else 0)
         for scope in scopes:
-            args.append(scope.ttl_s)
+            args += [scope.ttl_s, 1 if scope.holds else 0]
             args += [scope.ceilings.get(m, -1) for m in RESERVED_METERS]
         run_scope = _run_scope(prefix, run_id, [s.key for s in scopes])
         if run_scope:

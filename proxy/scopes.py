@@ -41,7 +41,9 @@ def window_key(tenant: str, owner: str, period: str, start: datetime) -> str:
     return f"{key_prefix(tenant)}{owner}:{period}:{start:%Y%m%dT%H%M}"
 
 
-def _window_scope(tenant: str, owner: str, name: str, window: WindowCeilings, now: datetime) -> Scope:
+def _window_scope(
+    tenant: str, owner: str, name: str, window: WindowCeilings, now: datetime, *, shared_limit: bool = False
+) -> Scope:
     start, end = window_bounds(window.period, now)
     ttl = int((end - now).total_seconds()) + WINDOW_RETENTION_S
     return Scope(
@@ -50,6 +52,7 @@ def _window_scope(tenant: str, owner: str, name: str, window: WindowCeilings, no
         ceilings=window.meters,
         ttl_s=ttl,
         resets_at_s=int(end.timestamp()),
+        shared_limit=shared_limit,
     )
 
 
@@ -64,8 +67,10 @@ def _key_scopes(
     scopes += [_window_scope(tenant, f"key:{key_name}", "key", w, now) for w in _windows(tier.windows)]
     # A tenant window counts every key of the tenant: one whose tier does not limit that period
     # still counts in it (unlimited for that key), or the others' ceiling would not see its spend.
+    # Held where any tier limits the period, so that its ceiling sees this key's calls in flight.
     scopes += [
-        _window_scope(tenant, "tenant", "tenant", w, now) for w in _windows(tier.tenant, tenant_periods)
+        _window_scope(tenant, "tenant", "tenant", w, now, shared_limit=w.period in tenant_periods)
+        for w in _windows(tier.tenant, tenant_periods)
     ]
     return tuple(scopes)
 

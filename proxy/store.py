@@ -47,6 +47,16 @@ class Scope:
     ceilings: Mapping[str, int] = field(default_factory=dict)
     ttl_s: int = 0
     resets_at_s: int | None = None
+    # A tenant window another tier limits: this call holds its reserve there (see ``holds``).
+    shared_limit: bool = False
+
+    @property
+    def holds(self) -> bool:
+        """Whether a call holds its reserve on this scope (the run's always does: reserve.lua).
+        Elsewhere it is only counted when it settles: holding it on every window was most of
+        what Redis spent on a call. A tenant window held because another tier limits it keeps
+        that tier's ceiling seeing this call while it is in flight."""
+        return bool(self.ceilings) or self.shared_limit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

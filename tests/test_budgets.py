@@ -290,6 +290,36 @@ async def test_tenant_window_is_shared_by_all_keys_of_the_tenant(
     assert len(fake.bill) == 1
 
 
+async def test_a_tenant_window_another_tier_limits_sees_the_calls_in_flight_of_every_tier(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A key whose own tier sets no tenant ceiling still holds its reserve on the tenant window
+    another tier limits: that ceiling counts its call in flight, not only once it settles."""
+    keys = [
+        {"name": "a1", "sha256": digest("sk-a1"), "tenant": "team-a", "tier": "limited"},
+        {"name": "a2", "sha256": digest("sk-a2"), "tenant": "team-a", "tier": "open"},
+    ]
+    ceiling = 2 * (INPUT_RESERVE + 10) - 3  # room for one reserve, or a settled call and a reserve
+    proxy = await make_proxy(
+        keys=keys, tiers={"limited": {"tenant": [{"period": "month", "total_tokens": ceiling}]}, "open": {}}
+    )
+    slow = asyncio.create_task(
+        proxy.client("sk-a2").chat.completions.create(
+            model="gpt-4o-mini", messages=MSGS, max_tokens=10, extra_body={"fake": {"delay_s": 1.0}}
+        )
+    )
+    for _ in range(400):
+        if fake.received:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await proxy.client("sk-a1").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=10)
+    assert caught.value.response.headers["x-should-retry"] == "true"  # fits once that call ends
+    await slow
+    await proxy.client("sk-a1").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=10)
+    assert len(fake.bill) == 2
+
+
 async def _proxy_from_file(raw: dict[str, Any], path: Path) -> Proxy:
     """A proxy serving the config file ``path`` (written from ``raw``), reloaded on SIGHUP."""
     from aiohttp import web

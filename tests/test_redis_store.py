@@ -144,6 +144,19 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
     assert entry["outcome"] == "ok" and entry["id"] == entry_id
 
 
+async def test_a_window_another_tier_limits_holds_the_reserve_without_a_ceiling(store: RedisStore) -> None:
+    shared = Scope(name="tenant:month", key="lbp:{team-a}:tenant:month:shared", shared_limit=True)
+    unlimited = Scope(name="tenant:day", key="lbp:{team-a}:tenant:day:shared")
+    res = await reserve(store, "h1", [shared, unlimited])
+    assert isinstance(res, Reservation)
+    assert (await store.meters(shared.key))["total_tokens"].reserved == 30
+    assert (await store.meters(unlimited.key))["total_tokens"].reserved == 0
+    assert await settle(store, res) is not None
+    for scope in (shared, unlimited):
+        state = await store.meters(scope.key)
+        assert (state["total_tokens"].used, state["total_tokens"].reserved) == (13, 0)
+
+
 async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store: RedisStore) -> None:
     now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
     scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)

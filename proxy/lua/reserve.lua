@@ -17,14 +17,17 @@ ARGV[13]     clamp: micro-units per million output tokens (an integer, read the 
 ARGV[14]     1: tentative (the input amount is a quick upper bound the caller can refine): amounts
              that do not fit on a token or cost meter write nothing, not even the refusal
              count, and return {2}; the caller counts exactly and reserves again. 0: final
-then per scope (KEYS[3+i]):  ttl_s (0 = none: the key is made persistent), then 6 ceilings in METERS order (-1 = unlimited)
+then per scope (KEYS[3+i]):  ttl_s (0 = none: the key is made persistent), hold (1: the scope holds
+             the reserve, see below; the run's always does), then 6 ceilings in METERS order
+             (-1 = unlimited)
 ARGV[last]   which scope is the run's (1-based; 0 = none, and no ledger index among KEYS)
 
 Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds them all.
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>, born (the id of
 the reserve that wrote the key first: a key that expired and was written anew is another life).
-A scope holds a call's reserve (resv:*, peak:concurrent, born) only when it is the run's or one
-of its ceilings is set (>= 0); the record's 'born' says '-' for the others, where only the
+A scope holds a call's reserve (resv:*, peak:concurrent, born) only when it is the run's or its
+hold argument is 1 (the caller's rule: a ceiling is set there for this call, or for another
+tier's calls that share the key); the record's 'born' says '-' for the others, where only the
 settle writes (the used figures). A ceiling a reload adds there counts the calls then in flight
 when they settle, not before.
 The record keeps the scopes' keys and TTLs: renew.lua's caller and the reaper's settle set
@@ -69,7 +72,7 @@ local function index_follows_run()
   end
 end
 local base = 15
-local stride = 1 + NM
+local stride = 2 + NM
 
 local amounts = {}
 for m = 1, NM do amounts[m] = tonumber(ARGV[3 + m]) end
@@ -80,16 +83,16 @@ for m = 1, NM do
   FIELDS[NM + m] = 'resv:' .. METERS[m]
 end
 local state = {}   -- state[s][m] = {ceiling, used, reserved} for limited meters
-local held = {}    -- held[s]: the scope holds this call's reserve (the run, or one with a ceiling)
+local held = {}    -- held[s]: the scope holds this call's reserve
 for s = 1, nscopes do
   state[s] = {}
-  held[s] = (s == run_scope)
   local off = base + (s - 1) * stride
+  held[s] = (s == run_scope) or ARGV[off + 1] == '1'
   local vals = nil
   for m = 1, NM do
-    local ceiling = tonumber(ARGV[off + m])
+    local ceiling = tonumber(ARGV[off + 1 + m])
     if ceiling >= 0 then
-      held[s] = true
+      held[s] = true  -- whatever the caller said: a ceiling checks what is held
       -- One read per limited scope (a call costs more than the fields it names).
       vals = vals or redis.call('HMGET', KEYS[2 + s], unpack(FIELDS))
       state[s][m] = {ceiling, tonumber(vals[m]) or 0, tonumber(vals[NM + m]) or 0}
