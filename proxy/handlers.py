@@ -284,13 +284,9 @@ async def key_self(request: web.Request) -> web.Response:
         run_ttl_s=config.limits.run_ttl_s,
         tenant_periods=config.tenant_periods,
     )
-    # Calls in flight hold their reserve only where a ceiling names the scope: the rest of what
-    # they reserved is in their records.
-    unheld = await store.unheld_reserves(tenant=identity.tenant, keys=[s.key for s in scopes[1:]])
+    found = await store.scope_meters(tenant=identity.tenant, keys=[s.key for s in scopes[1:]])
     for scope in scopes[1:]:  # all but the run
-        meters = await store.meters(scope.key)
-        for meter, amount in unheld[scope.key].items():
-            meters[meter] = MeterState(meters[meter].used, meters[meter].reserved + amount)
+        meters = found[scope.key]
         windows.append(
             {
                 "scope": scope.name,

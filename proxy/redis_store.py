@@ -85,7 +85,9 @@ def transient(err: ResponseError | RespError) -> bool:
     return isinstance(err, TRANSIENT_ERRORS) or str(err).startswith(TRANSIENT_REPLIES)
 
 
-SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink")
+SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "view")
+# A view reads the lease index again when a call was reserved while it read: this often at most.
+VIEW_TRIES = 5
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -104,6 +106,15 @@ def clamped_amounts(amounts: Mapping[str, int], per_choice: int, clamp: Clamp) -
     if amounts.get("cost_micros", 0) > 0 or clamp.output_rate > 0:
         exact = clamp.input_cost_exact + out["output_tokens"] * clamp.output_rate
         out["cost_micros"] = -(-exact // 1_000_000)
+    return out
+
+
+def _meter_states(raw: Mapping[str, Any], unheld: Mapping[str, int]) -> dict[str, MeterState]:
+    out = {}
+    for meter in ALL_METERS:
+        reserved = int(raw.get(f"resv:{meter}", 0)) + unheld.get(meter, 0)
+        out[meter] = MeterState(int(raw.get(f"used:{meter}", 0)), reserved)
+    out["peak_concurrent"] = MeterState(int(raw.get("peak:concurrent", 0)), 0)
     return out
 
 
@@ -390,41 +401,30 @@ class RedisStore:
             raw: Any = await self._client.hgetall(key)
         except STORE_FAILURES as err:
             raise StoreError(f"meters: {err}") from err
-        out = {}
-        for meter in ALL_METERS:
-            out[meter] = MeterState(int(raw.get(f"used:{meter}", 0)), int(raw.get(f"resv:{meter}", 0)))
-        out["peak_concurrent"] = MeterState(int(raw.get("peak:concurrent", 0)), 0)
-        return out
+        return _meter_states(raw, {})
 
-    async def unheld_reserves(self, *, tenant: str, keys: Sequence[str]) -> dict[str, dict[str, int]]:
-        """What the calls in flight reserved for these scope keys without holding it there (no
-        ceiling named the scope when they were reserved: reserve.lua), from their records: a
-        view's ``reserved`` adds it, the hot path never reads it."""
+    async def scope_meters(self, *, tenant: str, keys: Sequence[str]) -> dict[str, dict[str, MeterState]]:
+        """``meters`` of several scopes of a tenant, read at one instant (``view.lua``), their
+        reserved figures with what the calls in flight reserved there without holding it (no
+        ceiling named the scope when they were reserved: reserve.lua)."""
         prefix = key_prefix(tenant)
-        wanted = set(keys)
-        out: dict[str, dict[str, int]] = {key: dict.fromkeys(RESERVED_METERS, 0) for key in keys}
+        leases = f"{prefix}leases"
         try:
-            ids: Any = await self._client.zrange(f"{prefix}leases", 0, -1)
-            if not ids:
-                return out
-            pipe = self._client.pipeline(transaction=False)
-            for res_id in ids:
-                pipe.hmget(f"{prefix}resv:{res_id}", "scopes", "amounts", "born")
-            records: Any = await pipe.execute()
+            for _ in range(VIEW_TRIES):
+                ids = [str(i) for i in await self._client.zrange(leases, 0, -1)]
+                records = [f"{prefix}resv:{i}" for i in ids]
+                found = await self._script("view", [leases, *keys, *records], [len(keys), *ids])
+                if int(found[0]) == 1:
+                    break
+            else:
+                raise StoreError("view: the calls in flight kept changing")
         except STORE_FAILURES as err:
-            raise StoreError(f"reserves in flight: {err}") from err
-        for scopes, amounts, born in records:
-            if not scopes or not amounts or not born:
-                continue  # settled since, or a record from before scopes could hold nothing
-            lives = str(born).split(" ")
-            try:
-                values = [int(v) for v in str(amounts).split()]
-            except ValueError:
-                continue
-            for key, life in zip(str(scopes).split("\n"), lives, strict=False):
-                if life == "-" and key in wanted:
-                    for meter, value in zip(RESERVED_METERS, values, strict=False):
-                        out[key][meter] += value
+            raise StoreError(f"view: {err}") from err
+        out = {}
+        for key, flat, unheld in zip(keys, found[1 : 1 + len(keys)], found[1 + len(keys) :], strict=True):
+            raw = dict(zip(flat[::2], flat[1::2], strict=True))
+            extra = dict(zip(RESERVED_METERS, (int(v) for v in unheld), strict=True))
+            out[key] = _meter_states(raw, extra)
         return out
 
     async def register_tenant(self, tenant: str) -> None:

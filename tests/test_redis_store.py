@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import openai
 import pytest
@@ -155,6 +156,36 @@ async def test_a_window_another_tier_limits_holds_the_reserve_without_a_ceiling(
     for scope in (shared, unlimited):
         state = await store.meters(scope.key)
         assert (state["total_tokens"].used, state["total_tokens"].reserved) == (13, 0)
+
+
+async def test_scope_meters_reads_calls_in_flight_and_meters_at_one_instant(store: RedisStore) -> None:
+    """A scope that holds nothing shows the calls in flight from their records: a call settled
+    or reserved while the view reads is counted once, as used or as reserved."""
+    run = Scope(name="run", key="lbp:{team-a}:run:view")
+    day = Scope(name="key:day", key="lbp:{team-a}:key:a-ci:day:view")
+    first = await reserve(store, "v1", [run, day], run_id="view")
+    assert isinstance(first, Reservation)
+    client: Any = store.client
+    original, reads = client.zrange, 0
+
+    async def meanwhile(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        ids = await original(*args, **kwargs)
+        if reads == 1:  # after the lease index was read: one call settles, another is reserved
+            assert await settle(store, first) is not None
+            assert isinstance(await reserve(store, "v2", [run, day], run_id="view"), Reservation)
+        return ids
+
+    client.zrange = meanwhile
+    try:
+        found = await store.scope_meters(tenant="team-a", keys=[day.key, run.key])
+    finally:
+        del client.zrange
+    assert reads == 2  # read again: v2 was not among the records passed
+    assert (found[day.key]["total_tokens"].used, found[day.key]["total_tokens"].reserved) == (13, 30)
+    assert found[day.key]["concurrent"].reserved == 1
+    assert (found[run.key]["total_tokens"].used, found[run.key]["total_tokens"].reserved) == (13, 30)
 
 
 async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store: RedisStore) -> None:
