@@ -52,8 +52,11 @@ def worktree(rev: str) -> Iterator[Path]:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
 
 
-def cpu_ms_per_call(server: Server, argv: list[str]) -> tuple[float, dict[str, Any]]:
-    """Run one load generator (``--sync``) and sample the proxy's CPU around its measured phase."""
+def cpu_ms_per_call(
+    server: Server, argv: list[str], redis_pid: int | None = None
+) -> tuple[float, float, dict[str, Any]]:
+    """Run one load generator (``--sync``) and sample the proxy's CPU (and Redis's: the arms
+    take turns, so what Redis spends meanwhile is this arm's) around its measured phase."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     try:
@@ -65,11 +68,12 @@ def cpu_ms_per_call(server: Server, argv: list[str]) -> tuple[float, dict[str, A
             if ready and proc.stderr.readline().strip() == b"warm":
                 break
         tree = server.tree()
-        before = cpu_seconds(tree)
+        redis = [redis_pid] if redis_pid is not None else []
+        before, redis_before = cpu_seconds(tree), cpu_seconds(redis)
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         out, err = proc.communicate(timeout=120)
-        spent = cpu_seconds(tree) - before
+        spent, redis_spent = cpu_seconds(tree) - before, cpu_seconds(redis) - redis_before
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -77,7 +81,8 @@ def cpu_ms_per_call(server: Server, argv: list[str]) -> tuple[float, dict[str, A
     result = json.loads(out.decode().strip().splitlines()[-1])
     if proc.returncode != 0 or result["errors"]:
         raise SystemExit(f"ab: loadgen failed: {result} {err.decode()[-2000:]}")
-    return spent * 1000 / max(1, int(result["requests"])), result
+    calls = max(1, int(result["requests"]))
+    return spent * 1000 / calls, redis_spent * 1000 / calls, result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,22 +145,29 @@ def main(argv: list[str] | None = None) -> int:
                 proxies[arm] = start_proxy(config_path, workdir / arm, None, root=root)
                 servers.append(proxies[arm])
             ratios: list[float] = []
+            redis_ratios: list[float] = []
+            p50s: dict[str, list[float]] = {"A": [], "B": []}
+            redis_pid = redis.process.pid if redis.process is not None else None
             for round_no in range(args.rounds):
                 order = ("A", "B", "B", "A") if round_no % 2 == 0 else ("B", "A", "A", "B")
                 spent: dict[str, list[float]] = {"A": [], "B": []}
+                redis_spent: dict[str, list[float]] = {"A": [], "B": []}
                 for arm in order:
                     url = proxies[arm].url + "/v1/chat/completions"
-                    ms, result = cpu_ms_per_call(
-                        proxies[arm], loadgen_argv(scenario, "proxy", url, args.concurrency, settings)
-                    )
+                    load = loadgen_argv(scenario, "proxy", url, args.concurrency, settings)
+                    ms, redis_ms, result = cpu_ms_per_call(proxies[arm], load, redis_pid)
                     spent[arm].append(ms)
+                    redis_spent[arm].append(redis_ms)
+                    p50s[arm].append(float(result["latency_ms"]["p50"]))
                     print(
-                        f"round {round_no} {arm}: {ms:.4f} ms/call, {result['rps']} req/s, "
-                        f"p50 {result['latency_ms']['p50']} ms",
+                        f"round {round_no} {arm}: {ms:.4f} ms/call, Redis {redis_ms:.4f} ms/call, "
+                        f"{result['rps']} req/s, p50 {result['latency_ms']['p50']} ms",
                         file=sys.stderr,
                     )
                 ratio = statistics.mean(spent["B"]) / statistics.mean(spent["A"])
                 ratios.append(ratio)
+                if statistics.mean(redis_spent["A"]) > 0:
+                    redis_ratios.append(statistics.mean(redis_spent["B"]) / statistics.mean(redis_spent["A"]))
                 print(f"round {round_no}: B/A {ratio:.3f}", file=sys.stderr)
         finally:
             for server in reversed(servers):
@@ -174,6 +186,17 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_min": round(min(ratios), 4),
                 "ratio_max": round(max(ratios), 4),
                 "ratios": [round(r, 4) for r in ratios],
+                # What the shared Redis spent while each arm ran, B / A: the scripts' cost.
+                **(
+                    {
+                        "redis_ratio_b_over_a_median": round(statistics.median(redis_ratios), 4),
+                        "redis_ratio_min": round(min(redis_ratios), 4),
+                        "redis_ratio_max": round(max(redis_ratios), 4),
+                    }
+                    if redis_ratios
+                    else {}
+                ),
+                "p50_ms_median": {arm: round(statistics.median(v), 3) for arm, v in p50s.items()},
             }
         )
     )
