@@ -5,11 +5,12 @@
 Starts a throwaway ``redis-server`` (AOF on, ``appendfsync everysec``, as the proxy runs it),
 then drives the proxy's own store (``proxy.redis_store.RedisStore``, its pipelined client)
 through reserve and settle for the scopes a call of each tier reserves against (``open``: the
-run, the key and the day and month windows of key and tenant; ``budget``: the same with limits
-and a minute window), and, as the floor, two calls of a two-``HINCRBY`` script per call (the
-relay+redis arm of ``bench/run.py``). Redis's CPU is read from ``/proc`` around each phase;
-commands per call from ``INFO commandstats`` (commands a script runs count there too); AOF
-bytes from the file's growth. Nothing else should run on the machine: Redis CPU is per process,
+run, the key and the day and month windows of key and tenant, the reserve held on the run and
+the tenant's month, which the other tier limits; ``budget``: the same with limits and a minute
+window, held on the run, the minute, the day and the tenant's month), and, as the floor, two
+calls of a two-``HINCRBY`` script per call (the relay+redis arm of ``bench/run.py``). Redis's
+CPU is read from ``/proc`` around each phase; commands per call from ``INFO commandstats``
+(commands a script runs count there too); AOF bytes from the file's growth. Nothing else should run on the machine: Redis CPU is per process,
 but a busy machine slows it.
 """
 
@@ -147,13 +148,18 @@ async def main_async(args: argparse.Namespace) -> None:
                 )
             )
             now = datetime.now(UTC)
+            # One tenant, as in bench/run.py's config: the budget tier's tenant window is held by
+            # the open tier's calls too.
+            periods = frozenset(w.period for t in tiers().values() if t for w in t.tenant)
             for name, tier in tiers().items():
                 identity = Identity(tenant="bench", tier=name, key_name=f"bench-{name}")
 
                 async def billed(
                     i: int, identity: Identity = identity, tier: TierConfig | None = tier, name: str = name
                 ) -> None:
-                    scopes = scopes_for(identity, f"run-{i % 64}", tier, now, run_ttl_s=86400)
+                    scopes = scopes_for(
+                        identity, f"run-{i % 64}", tier, now, run_ttl_s=86400, tenant_periods=periods
+                    )
                     amounts = {
                         "requests": 1,
                         "input_tokens": 120,
@@ -190,8 +196,9 @@ async def main_async(args: argparse.Namespace) -> None:
                         runlog_ttl_s=86400,
                     )
 
-                n_scopes = len(scopes_for(identity, "run-0", tier, now, run_ttl_s=86400))
-                label = f"reserve + settle, tier {name} ({n_scopes} scopes)"
+                shown = scopes_for(identity, "run-0", tier, now, run_ttl_s=86400, tenant_periods=periods)
+                held = sum(1 for s in shown if s.holds or s.name == "run")
+                label = f"reserve + settle, tier {name} ({len(shown)} scopes, {held} holding the reserve)"
                 rows.append(await measure(label, server, pipe, args.calls, args.concurrency, billed))
         finally:
             await pipe.close()
