@@ -10,8 +10,8 @@ the tenant's month, which the other tier limits; ``budget``: the same with limit
 window, held on the run, the minute, the day and the tenant's month), and, as the floor, two
 calls of a two-``HINCRBY`` script per call (the relay+redis arm of ``bench/run.py``). Redis's
 CPU is read from ``/proc`` around each phase; commands per call from ``INFO commandstats``
-(commands a script runs count there too); AOF bytes from the file's growth. Nothing else should run on the machine: Redis CPU is per process,
-but a busy machine slows it.
+(commands a script runs count there too); AOF bytes from the file's growth. Nothing else should
+run on the machine: Redis CPU is per process, but a busy machine slows it.
 """
 
 from __future__ import annotations
