@@ -258,12 +258,15 @@ async def run_meters(request: web.Request) -> web.Response:
     )
 
 
-def _meter_view(meters: dict[str, MeterState], ceilings: Mapping[str, int]) -> dict[str, Any]:
+def _meter_view(
+    meters: dict[str, MeterState], ceilings: Mapping[str, int], *, peak_kept: bool = True
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for meter in ALL_METERS:
         state_ = meters[meter]
         out[meter] = {"used": state_.used, "reserved": state_.reserved, "ceiling": ceilings.get(meter)}
-    out["concurrent"]["peak"] = meters["peak_concurrent"].used
+    # Kept where calls hold their reserve (Scope.holds); elsewhere nobody counted it.
+    out["concurrent"]["peak"] = meters["peak_concurrent"].used if peak_kept else None
     return out
 
 
@@ -291,7 +294,7 @@ async def key_self(request: web.Request) -> web.Response:
             {
                 "scope": scope.name,
                 "resets_at": scope.resets_at_s,
-                "meters": _meter_view(meters, scope.ceilings),
+                "meters": _meter_view(meters, scope.ceilings, peak_kept=scope.holds),
             }
         )
     return web.json_response(

@@ -52,11 +52,12 @@ class Scope:
 
     @property
     def holds(self) -> bool:
-        """Whether a call holds its reserve on this scope (the run's always does: reserve.lua).
-        Elsewhere it is only counted when it settles: holding it on every window was most of
-        what Redis spent on a call. A tenant window held because another tier limits it keeps
-        that tier's ceiling seeing this call while it is in flight."""
-        return bool(self.ceilings) or self.shared_limit
+        """Whether a call holds its reserve on this scope. Elsewhere it is only counted when it
+        settles: holding it on every window was most of what Redis spent on a call. The run and
+        the key's lifetime always hold (their in-flight count and its peak are the concurrency a
+        run and a key reach; a window's is not, ``concurrent`` being refused there); a tenant
+        window another tier limits holds, so that tier's ceiling sees this call in flight."""
+        return self.name in ("run", "key") or bool(self.ceilings) or self.shared_limit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

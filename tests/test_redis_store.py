@@ -122,9 +122,9 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
     res = await reserve(store, "r1", scopes)
     assert isinstance(res, Reservation)
     assert res.tightest_meter == "requests" and res.tightest_remaining == 1  # the minute window
-    # The run and the scopes a ceiling names hold the reserve; the others (the key's lifetime,
-    # its day and month, the tenant's day) hold nothing and are only counted at the settle.
-    holding = {"run", "key:minute", "tenant:month"}
+    # The run, the key's lifetime and the scopes a ceiling names hold the reserve; the others
+    # (the key's day and month, the tenant's day) hold nothing and are only counted at the settle.
+    holding = {"run", "key", "key:minute", "tenant:month"}
     for scope in scopes:
         state = await store.meters(scope.key)
         held = 30 if scope.name in holding else 0
@@ -199,7 +199,7 @@ async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store:
     assert (refused.ceiling, refused.used, refused.reserved, refused.amount) == (2, 0, 2, 1)
     for scope in scopes:  # the refused call reserved nothing anywhere
         state = await store.meters(scope.key)
-        held = scope.name in ("run", "key:minute", "tenant:month")  # the others hold nothing
+        held = scope.name in ("run", "key", "key:minute", "tenant:month")  # the others hold nothing
         assert state["requests"].reserved == 2 * held and state["total_tokens"].reserved == 60 * held
     assert await store.client.zcard("lbp:{team-a}:leases") == 2
     assert not await store.client.exists("lbp:{team-a}:resv:c")

@@ -49,7 +49,7 @@ async def test_commands_wait_for_a_reply_and_leave_together(redis_server: RedisS
 
         protocol.transport.write = counting  # type: ignore[method-assign]
         slow = asyncio.ensure_future(
-            pipe.call("EVAL", "local n = 0 for i = 1, 3e6 do n = n + i end return 1", 0)
+            pipe.call("EVAL", "local n = 0 for i = 1, 2e7 do n = n + i end return 1", 0)
         )
         calls = []
         for i in range(100):  # one command per turn of the event loop, all while the slow one runs
