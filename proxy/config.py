@@ -431,10 +431,20 @@ class Config(_Frozen):
         return frozenset(key.tenant for key in self.keys)
 
     @cached_property
-    def tenant_periods(self) -> frozenset[Period]:
-        """The periods of tenant windows any tier limits: every key of a tenant counts in them,
-        whatever its own tier limits (else a key of another tier spends around the ceiling)."""
-        return frozenset(window.period for tier in self.tiers.values() for window in tier.tenant)
+    def _tenant_periods(self) -> dict[str, frozenset[Period]]:
+        found: dict[str, set[Period]] = {}
+        for key in self.keys:
+            tier = self.tiers.get(key.tier)
+            periods = found.setdefault(key.tenant, set())
+            if tier is not None:
+                periods.update(window.period for window in tier.tenant if window.meters)
+        return {tenant: frozenset(periods) for tenant, periods in found.items()}
+
+    def tenant_periods(self, tenant: str) -> frozenset[Period]:
+        """The periods of this tenant's windows that the tier of one of its keys limits: every
+        key of the tenant counts in them and holds its calls' reserves there, whatever its own
+        tier limits (else a key of another tier spends around the ceiling unseen)."""
+        return self._tenant_periods.get(tenant, frozenset())
 
     def key_for_digest(self, digest: str) -> KeyConfig | None:
         """The key whose secret has this SHA-256 digest: one lookup whatever the number of keys.

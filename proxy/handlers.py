@@ -285,7 +285,7 @@ async def key_self(request: web.Request) -> web.Response:
         tier,
         datetime.now(UTC),
         run_ttl_s=config.limits.run_ttl_s,
-        tenant_periods=config.tenant_periods,
+        tenant_periods=config.tenant_periods(identity.tenant),
     )
     found = await store.scope_meters(tenant=identity.tenant, keys=[s.key for s in scopes[1:]])
     for scope in scopes[1:]:  # all but the run

@@ -107,7 +107,7 @@ async def reserve(
         tier,
         datetime.now(UTC),
         run_ttl_s=run_ttl_s,
-        tenant_periods=config.tenant_periods,
+        tenant_periods=config.tenant_periods(call.identity.tenant),
     )
     if call.rates_reserved is None and any("cost_micros" in s.ceilings for s in scopes):
         raise BadRequest(

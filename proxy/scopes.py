@@ -67,7 +67,7 @@ def _key_scopes(
     scopes += [_window_scope(tenant, f"key:{key_name}", "key", w, now) for w in _windows(tier.windows)]
     # A tenant window counts every key of the tenant: one whose tier does not limit that period
     # still counts in it (unlimited for that key), or the others' ceiling would not see its spend.
-    # Held where any tier limits the period, so that its ceiling sees this key's calls in flight.
+    # Held where a tier of the tenant limits the period, so that its ceiling sees this key's calls.
     scopes += [
         _window_scope(tenant, "tenant", "tenant", w, now, shared_limit=w.period in tenant_periods)
         for w in _windows(tier.tenant, tenant_periods)

@@ -327,6 +327,40 @@ async def test_a_tenant_window_another_tier_limits_sees_the_calls_in_flight_of_e
     assert len(fake.bill) == 2
 
 
+async def test_a_tenant_holds_nothing_on_windows_only_other_tenants_limit(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Another tenant's tier limiting its month, or a window named without a ceiling, makes no
+    key of this tenant hold its calls there (each hold costs Redis on every call)."""
+    keys = [
+        {"name": "a1", "sha256": digest("sk-a1"), "tenant": "team-a", "tier": "limited"},
+        {"name": "b1", "sha256": digest("sk-b1"), "tenant": "team-b", "tier": "open"},
+    ]
+    tiers_ = {
+        "limited": {"tenant": [{"period": "month", "total_tokens": 1000}]},
+        "open": {"tenant": [{"period": "day"}]},
+    }
+    proxy = await make_proxy(keys=keys, tiers=tiers_)
+    slow = asyncio.create_task(
+        proxy.client("sk-b1").chat.completions.create(
+            model="gpt-4o-mini", messages=MSGS, max_tokens=10, extra_body={"fake": {"delay_s": 1.0}}
+        )
+    )
+    for _ in range(400):
+        if fake.received:
+            break
+        await asyncio.sleep(0.01)
+    holders = sorted(
+        [
+            key.split(":", 2)[2].split(":20")[0]
+            async for key in redis_client.scan_iter("lbp:*")
+            if await redis_client.type(key) == "hash" and await redis_client.hexists(key, "resv:requests")
+        ]
+    )
+    await slow
+    assert holders == ["key:b1:all", f"run:{holders[1].split(':', 1)[1]}"], holders
+
+
 async def _proxy_from_file(raw: dict[str, Any], path: Path) -> Proxy:
     """A proxy serving the config file ``path`` (written from ``raw``), reloaded on SIGHUP."""
     from aiohttp import web
