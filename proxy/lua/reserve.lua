@@ -82,8 +82,11 @@ for m = 1, NM do
   FIELDS[m] = 'used:' .. METERS[m]
   FIELDS[NM + m] = 'resv:' .. METERS[m]
 end
+local BORN, PEAK = 2 * NM + 1, 2 * NM + 2
+FIELDS[BORN], FIELDS[PEAK] = 'born', 'peak:concurrent'
 local state = {}   -- state[s][m] = {ceiling, used, reserved} for limited meters
 local held = {}    -- held[s]: the scope holds this call's reserve
+local seen = {}    -- seen[s]: the scope's FIELDS, when its check read them
 for s = 1, nscopes do
   state[s] = {}
   local off = base + (s - 1) * stride
@@ -95,6 +98,7 @@ for s = 1, nscopes do
       held[s] = true  -- whatever the caller said: a ceiling checks what is held
       -- One read per limited scope (a call costs more than the fields it names).
       vals = vals or redis.call('HMGET', KEYS[2 + s], unpack(FIELDS))
+      seen[s] = vals
       state[s][m] = {ceiling, tonumber(vals[m]) or 0, tonumber(vals[NM + m]) or 0}
     end
   end
@@ -212,17 +216,28 @@ end
 -- shrink.lua release only from it).
 local function hold(s)
   local key = KEYS[2 + s]
-  local life = ARGV[1]
-  if redis.call('HSETNX', key, 'born', ARGV[1]) == 0 then life = redis.call('HGET', key, 'born') end
+  -- Read with the check's fields where it read them: a command from Lua costs more than the
+  -- fields it names.
+  local vals = seen[s] or {}
+  if not seen[s] then
+    local got = redis.call('HMGET', key, 'born', 'peak:concurrent')
+    vals[BORN], vals[PEAK] = got[1], got[2]
+  end
+  local life, peak, stamp = vals[BORN], tonumber(vals[PEAK]) or 0, {}
+  if not life then
+    life = ARGV[1]
+    stamp = {'born', ARGV[1]}
+  end
   for m = 1, NM do
     if amounts[m] ~= 0 then
       local now = redis.call('HINCRBY', key, FIELDS[NM + m], string.format('%d', amounts[m]))
-      if METERS[m] == 'concurrent' then
-        local peak = tonumber(redis.call('HGET', key, 'peak:concurrent')) or 0
-        if now > peak then redis.call('HSET', key, 'peak:concurrent', now) end
+      if METERS[m] == 'concurrent' and now > peak then
+        stamp[#stamp + 1] = 'peak:concurrent'
+        stamp[#stamp + 1] = now
       end
     end
   end
+  if #stamp > 0 then redis.call('HSET', key, unpack(stamp)) end
   set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]))
   return life
 end
