@@ -249,20 +249,21 @@ async def test_a_call_in_flight_shows_in_every_window_a_ceiling_names_or_not(
     """Only the run and the scopes a ceiling names hold a call's reserve in Redis (holding it
     everywhere was most of what Redis spent on a call); the key's view still shows in every
     window what the calls in flight reserved, from their records."""
-    proxy = await make_proxy(tiers=tiers(windows=[{"period": "minute", "requests": 5}]))
+    # A day window, not a minute: the view must read the window the call reserved against.
+    proxy = await make_proxy(tiers=tiers(windows=[{"period": "day", "requests": 5}]))
     slow = asyncio.create_task(call(proxy, "in-flight", extra_body={"fake": {"delay_s": 1.0}}))
     for _ in range(400):
         if fake.received:
             break
         await asyncio.sleep(0.01)
     during = await _key_view(proxy)
-    assert list(during) == ["key", "key:minute", "key:day", "key:month", "tenant:day", "tenant:month"]
+    assert list(during) == ["key", "key:day", "key:month", "tenant:day", "tenant:month"]
     for name, view in during.items():
-        assert view["requests"] == {"used": 0, "reserved": 1, "ceiling": 5 if name == "key:minute" else None}
+        assert view["requests"] == {"used": 0, "reserved": 1, "ceiling": 5 if name == "key:day" else None}
         assert view["total_tokens"]["reserved"] == INPUT_RESERVE + 10, name
         assert view["concurrent"]["reserved"] == 1, name
         # A peak is kept where the reserve is held; a window that holds nothing has none.
-        assert view["concurrent"]["peak"] == (1 if name in ("key", "key:minute") else None), name
+        assert view["concurrent"]["peak"] == (1 if name in ("key", "key:day") else None), name
     holders = sorted(
         [
             key
@@ -273,7 +274,7 @@ async def test_a_call_in_flight_shows_in_every_window_a_ceiling_names_or_not(
     # The key's lifetime, the window its ceiling names and the run; not the day and month windows.
     assert [h.split(":", 2)[2].split(":20")[0] for h in holders] == [
         "key:a-ci:all",
-        "key:a-ci:minute",
+        "key:a-ci:day",
         "run:in-flight",
     ], holders
     await slow
