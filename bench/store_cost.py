@@ -150,7 +150,8 @@ async def main_async(args: argparse.Namespace) -> None:
             now = datetime.now(UTC)
             # One tenant, as in bench/run.py's config: the budget tier's tenant window is held by
             # the open tier's calls too.
-            periods = frozenset(w.period for t in tiers().values() if t for w in t.tenant)
+            named = frozenset(w.period for t in tiers().values() if t for w in t.tenant)
+            periods = (named, named)  # every window named there has a ceiling
             for name, tier in tiers().items():
                 identity = Identity(tenant="bench", tier=name, key_name=f"bench-{name}")
 

@@ -431,20 +431,22 @@ class Config(_Frozen):
         return frozenset(key.tenant for key in self.keys)
 
     @cached_property
-    def _tenant_periods(self) -> dict[str, frozenset[Period]]:
-        found: dict[str, set[Period]] = {}
+    def _tenant_periods(self) -> dict[str, tuple[frozenset[Period], frozenset[Period]]]:
+        named: dict[str, set[Period]] = {}
+        limited: dict[str, set[Period]] = {}
         for key in self.keys:
             tier = self.tiers.get(key.tier)
-            periods = found.setdefault(key.tenant, set())
-            if tier is not None:
-                periods.update(window.period for window in tier.tenant if window.meters)
-        return {tenant: frozenset(periods) for tenant, periods in found.items()}
+            windows = tier.tenant if tier is not None else ()
+            named.setdefault(key.tenant, set()).update(w.period for w in windows)
+            limited.setdefault(key.tenant, set()).update(w.period for w in windows if w.meters)
+        return {tenant: (frozenset(named[tenant]), frozenset(limited[tenant])) for tenant in named}
 
-    def tenant_periods(self, tenant: str) -> frozenset[Period]:
-        """The periods of this tenant's windows that the tier of one of its keys limits: every
-        key of the tenant counts in them and holds its calls' reserves there, whatever its own
-        tier limits (else a key of another tier spends around the ceiling unseen)."""
-        return self._tenant_periods.get(tenant, frozenset())
+    def tenant_periods(self, tenant: str) -> tuple[frozenset[Period], frozenset[Period]]:
+        """The periods of this tenant's windows that the tier of one of its keys names, and
+        those it limits. Every key of the tenant counts in the first (a tenant window is all
+        its keys, whatever a key's own tier names) and holds its calls' reserves in the second
+        (else a key of another tier spends around the ceiling unseen while in flight)."""
+        return self._tenant_periods.get(tenant, (frozenset(), frozenset()))
 
     def key_for_digest(self, digest: str) -> KeyConfig | None:
         """The key whose secret has this SHA-256 digest: one lookup whatever the number of keys.

@@ -58,7 +58,11 @@ def _window_scope(
 
 @functools.lru_cache(maxsize=4096)
 def _key_scopes(
-    tenant: str, key_name: str, tier: TierConfig, tenant_periods: frozenset[Period], minute_start_s: int
+    tenant: str,
+    key_name: str,
+    tier: TierConfig,
+    tenant_periods: tuple[frozenset[Period], frozenset[Period]],
+    minute_start_s: int,
 ) -> tuple[Scope, ...]:
     """The key and tenant scopes, the same for every call of a key within one minute: computed
     once per minute (window keys and TTLs are whole minutes apart at the finest)."""
@@ -68,9 +72,10 @@ def _key_scopes(
     # A tenant window counts every key of the tenant: one whose tier does not limit that period
     # still counts in it (unlimited for that key), or the others' ceiling would not see its spend.
     # Held where a tier of the tenant limits the period, so that its ceiling sees this key's calls.
+    named, limited = tenant_periods
     scopes += [
-        _window_scope(tenant, "tenant", "tenant", w, now, shared_limit=w.period in tenant_periods)
-        for w in _windows(tier.tenant, tenant_periods)
+        _window_scope(tenant, "tenant", "tenant", w, now, shared_limit=w.period in limited)
+        for w in _windows(tier.tenant, named)
     ]
     return tuple(scopes)
 
@@ -97,8 +102,10 @@ def scopes_for(
     now: datetime,
     *,
     run_ttl_s: int,
-    tenant_periods: frozenset[Period] = frozenset(),
+    tenant_periods: tuple[frozenset[Period], frozenset[Period]] = (frozenset(), frozenset()),
 ) -> list[Scope]:
+    """``tenant_periods``: the tenant's window periods its keys' tiers name, and those they
+    limit (``Config.tenant_periods``)."""
     tenant = identity.tenant
     ceilings = tier.run.meters if tier else {}
     run = Scope(name="run", key=run_key(tenant, run_id), ceilings=ceilings, ttl_s=run_ttl_s)

@@ -362,6 +362,28 @@ async def test_a_tenant_holds_nothing_on_windows_only_other_tenants_limit(
     assert holders == ["key:b1:all", f"run:{holders[1].split(':', 1)[1]}"], holders
 
 
+async def test_a_tenant_window_named_without_a_ceiling_counts_every_key_and_holds_nothing(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A tier naming a tenant's hour window without a ceiling (to see it) makes every key of the
+    tenant count there, whatever its own tier; as nothing limits it, nobody holds there."""
+    keys = [
+        {"name": "a1", "sha256": digest("sk-a1"), "tenant": "team-a", "tier": "watch"},
+        {"name": "a2", "sha256": digest("sk-a2"), "tenant": "team-a", "tier": "other"},
+    ]
+    proxy = await make_proxy(keys=keys, tiers={"watch": {"tenant": [{"period": "hour"}]}, "other": {}})
+    for key in ("sk-a2", "sk-a1"):
+        await proxy.client(key).chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=10)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{proxy.url}/v1/billing/keys/self", headers={"Authorization": "Bearer sk-a1"}) as r,
+    ):
+        windows = {w["scope"]: w["meters"] for w in (await r.json())["windows"]}
+    assert windows["tenant:hour"]["requests"] == {"used": 2, "reserved": 0, "ceiling": None}
+    hour_keys = [key async for key in redis_client.scan_iter("lbp:{team-a}:tenant:hour:*")]
+    assert len(hour_keys) == 1 and not await redis_client.hexists(hour_keys[0], "born")  # never held
+
+
 async def _proxy_from_file(raw: dict[str, Any], path: Path) -> Proxy:
     """A proxy serving the config file ``path`` (written from ``raw``), reloaded on SIGHUP."""
     from aiohttp import web

@@ -192,6 +192,32 @@ async def test_scope_meters_never_counts_a_call_twice(store: RedisStore, settled
     assert (after["total_tokens"].used, after["total_tokens"].reserved) == (13, reserved_now)
 
 
+async def test_overlapping_calls_keep_the_first_reserves_life_and_release_everything(
+    store: RedisStore,
+) -> None:
+    """The born stamp is written once per life of a key: a reserve that wrote it again would
+    make every call reserved before it release nothing at its settle (room lost for good)."""
+    key = Scope(name="key", key="lbp:{team-a}:key:overlap:all")
+    day = Scope(name="key:day", key="lbp:{team-a}:key:overlap:day", ceilings={"requests": 100})
+    first = await reserve(store, "o1", [key, day], run_id="o")
+    second = await reserve(store, "o2", [key, day], run_id="o")
+    assert isinstance(first, Reservation) and isinstance(second, Reservation)
+    await settle(store, first)
+    third = await reserve(store, "o3", [key, day], run_id="o")
+    assert isinstance(third, Reservation)
+    for scope in (key, day):
+        fields = await store.client.hgetall(scope.key)
+        assert (
+            fields["born"] == "o1" and fields["resv:concurrent"] == "2" and fields["peak:concurrent"] == "2"
+        )
+    for res in (third, second):
+        await settle(store, res)
+    for scope in (key, day):
+        fields = await store.client.hgetall(scope.key)
+        assert all(v == "0" for f, v in fields.items() if f.startswith("resv:")), fields
+        assert fields["used:requests"] == "3" and fields["peak:concurrent"] == "2"
+
+
 async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store: RedisStore) -> None:
     now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
     scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
