@@ -233,6 +233,35 @@ async def test_key_window_refusal_has_retry_after(make_proxy: ProxyFactory, fake
     assert windows["key:day"]["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": None}
 
 
+async def _in_flight(proxy: Proxy, fake: FakeUpstream, key: str = KEY_A) -> asyncio.Task[Any]:
+    """A call the upstream holds for a second, once it has reached the upstream."""
+    slow = asyncio.create_task(
+        proxy.client(key).chat.completions.create(
+            model="gpt-4o-mini",
+            messages=MSGS,
+            max_tokens=10,
+            extra_headers={"X-Run-Id": "in-flight"},
+            extra_body={"fake": {"delay_s": 1.0}},
+        )
+    )
+    for _ in range(400):
+        if fake.received:
+            break
+        await asyncio.sleep(0.01)
+    return slow
+
+
+async def _holders(redis_client: aioredis.Redis) -> list[str]:
+    """The scopes holding a reserve, named without their prefix nor their window's start."""
+    return sorted(
+        [
+            key.split(":", 2)[2].split(":20")[0]
+            async for key in redis_client.scan_iter("lbp:*")
+            if await redis_client.type(key) == "hash" and await redis_client.hexists(key, "resv:requests")
+        ]
+    )
+
+
 async def _key_view(proxy: Proxy) -> dict[str, Any]:
     async with (
         aiohttp.ClientSession() as session,
@@ -251,11 +280,7 @@ async def test_a_call_in_flight_shows_in_every_window_a_ceiling_names_or_not(
     window what the calls in flight reserved, from their records."""
     # A day window, not a minute: the view must read the window the call reserved against.
     proxy = await make_proxy(tiers=tiers(windows=[{"period": "day", "requests": 5}]))
-    slow = asyncio.create_task(call(proxy, "in-flight", extra_body={"fake": {"delay_s": 1.0}}))
-    for _ in range(400):
-        if fake.received:
-            break
-        await asyncio.sleep(0.01)
+    slow = await _in_flight(proxy, fake)
     during = await _key_view(proxy)
     assert list(during) == ["key", "key:day", "key:month", "tenant:day", "tenant:month"]
     for name, view in during.items():
@@ -264,19 +289,8 @@ async def test_a_call_in_flight_shows_in_every_window_a_ceiling_names_or_not(
         assert view["concurrent"]["reserved"] == 1, name
         # A peak is kept where the reserve is held; a window that holds nothing has none.
         assert view["concurrent"]["peak"] == (1 if name in ("key", "key:day") else None), name
-    holders = sorted(
-        [
-            key
-            async for key in redis_client.scan_iter("lbp:*")
-            if await redis_client.type(key) == "hash" and await redis_client.hexists(key, "resv:requests")
-        ]
-    )
     # The key's lifetime, the window its ceiling names and the run; not the day and month windows.
-    assert [h.split(":", 2)[2].split(":20")[0] for h in holders] == [
-        "key:a-ci:all",
-        "key:a-ci:day",
-        "run:in-flight",
-    ], holders
+    assert await _holders(redis_client) == ["key:a-ci:all", "key:a-ci:day", "run:in-flight"]
     await slow
     after = await _key_view(proxy)
     for name, view in after.items():
@@ -311,15 +325,7 @@ async def test_a_tenant_window_another_tier_limits_sees_the_calls_in_flight_of_e
     proxy = await make_proxy(
         keys=keys, tiers={"limited": {"tenant": [{"period": "month", "total_tokens": ceiling}]}, "open": {}}
     )
-    slow = asyncio.create_task(
-        proxy.client("sk-a2").chat.completions.create(
-            model="gpt-4o-mini", messages=MSGS, max_tokens=10, extra_body={"fake": {"delay_s": 1.0}}
-        )
-    )
-    for _ in range(400):
-        if fake.received:
-            break
-        await asyncio.sleep(0.01)
+    slow = await _in_flight(proxy, fake, "sk-a2")
     with pytest.raises(openai.RateLimitError) as caught:
         await proxy.client("sk-a1").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=10)
     assert caught.value.response.headers["x-should-retry"] == "true"  # fits once that call ends
@@ -342,24 +348,10 @@ async def test_a_tenant_holds_nothing_on_windows_only_other_tenants_limit(
         "open": {"tenant": [{"period": "day"}]},
     }
     proxy = await make_proxy(keys=keys, tiers=tiers_)
-    slow = asyncio.create_task(
-        proxy.client("sk-b1").chat.completions.create(
-            model="gpt-4o-mini", messages=MSGS, max_tokens=10, extra_body={"fake": {"delay_s": 1.0}}
-        )
-    )
-    for _ in range(400):
-        if fake.received:
-            break
-        await asyncio.sleep(0.01)
-    holders = sorted(
-        [
-            key.split(":", 2)[2].split(":20")[0]
-            async for key in redis_client.scan_iter("lbp:*")
-            if await redis_client.type(key) == "hash" and await redis_client.hexists(key, "resv:requests")
-        ]
-    )
+    slow = await _in_flight(proxy, fake, "sk-b1")
+    holders = await _holders(redis_client)
     await slow
-    assert holders == ["key:b1:all", f"run:{holders[1].split(':', 1)[1]}"], holders
+    assert holders == ["key:b1:all", "run:in-flight"], holders
 
 
 async def test_a_tenant_window_named_without_a_ceiling_counts_every_key_and_holds_nothing(
