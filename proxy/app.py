@@ -303,6 +303,7 @@ def build_app(
                 config.limits.reaper_interval_s,
                 count,
                 known=lambda: state.registered_tenants | state.config.tenants,
+                grace_s=config.limits.reap_grace_s,
             )
         )
         yield

@@ -377,6 +377,9 @@ class LimitsConfig(_Frozen):
 
     reaper_interval_s: float = Field(default=5.0, gt=0)
     journal_replay_s: float = Field(default=1.0, gt=0)
+    # A lease is reaped (billed at its reserve) only this long after it ran out: time for the
+    # journal of a process that lost its store mid-call to bill the call's real figures first.
+    reap_grace_s: float = Field(default=5.0, ge=0)
 
 
 class LogConfig(_Frozen):

@@ -73,12 +73,13 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
     return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
 
 
-async def reap_tenant(store: Store, tenant: str) -> list[dict[str, str]]:
-    """Settle every expired lease of one tenant; returns the ledger entries this call wrote. A
-    lease that cannot be settled is logged and skipped: it never blocks the others."""
+async def reap_tenant(store: Store, tenant: str, *, grace_s: float = 0.0) -> list[dict[str, str]]:
+    """Settle every lease of one tenant that ran out ``grace_s`` ago or more; returns the ledger
+    entries this call wrote. A lease that cannot be settled is logged and skipped: it never
+    blocks the others."""
     settled: list[dict[str, str]] = []
     while True:
-        leases = await store.expired_leases(tenant=tenant, limit=BATCH)
+        leases = await store.expired_leases(tenant=tenant, limit=BATCH, grace_ms=int(grace_s * 1000))
         progress = 0
         for lease in leases:
             actual, entry, run_id, run_ttl_s = lease_entry(lease)
@@ -119,8 +120,14 @@ async def run_reaper(
     interval_s: float,
     on_settled: Callable[[Mapping[str, str]], None],
     known: Callable[[], Iterable[str]] = tuple,
+    *,
+    grace_s: float = 0.0,
 ) -> None:
     """Loop until cancelled; a store outage only delays reaping.
+
+    ``grace_s``: a lease is reaped only that long after it ran out. A process that lost its
+    store mid-call journals the call's real figures and applies them once the store answers
+    again (``journal_replay_s``): reaped first, the call would be billed at its reserve instead.
 
     ``known``: the tenants this process knows (its config's, those it has registered: each
     once). Should the store's set lose one (evicted, deleted) its leases would go unreaped, those
@@ -133,7 +140,7 @@ async def run_reaper(
                 await store.register_tenant(tenant)
                 tenants.add(tenant)
             for tenant in sorted(tenants):
-                for entry in await reap_tenant(store, tenant):
+                for entry in await reap_tenant(store, tenant, grace_s=grace_s):
                     on_settled(entry)
         except StoreError as err:
             log.error("reaper could not reach the store", extra={"error": str(err)})

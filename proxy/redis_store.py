@@ -368,9 +368,9 @@ class RedisStore:
         args: list[Any] = [reservation_id, lease_ms, run_scope, *(s.ttl_s for s in scopes)]
         return int(await self._script("renew", keys, args)) == 1
 
-    async def expired_leases(self, *, tenant: str, limit: int) -> list[ExpiredLease]:
+    async def expired_leases(self, *, tenant: str, limit: int, grace_ms: int = 0) -> list[ExpiredLease]:
         prefix = key_prefix(tenant)
-        ids = await self._script("expired", [f"{prefix}leases"], [limit])
+        ids = await self._script("expired", [f"{prefix}leases"], [limit, grace_ms])
         out = []
         for res_id in ids:
             found = await self._script("lease", [f"{prefix}resv:{res_id}", f"{prefix}leases"], [res_id])

@@ -118,6 +118,7 @@ def _start_only(config: Config) -> dict[str, object]:
         "limits.token_count_cache_chars": limits.token_count_cache_chars,
         "limits.reaper_interval_s": limits.reaper_interval_s,
         "limits.journal_replay_s": limits.journal_replay_s,
+        "limits.reap_grace_s": limits.reap_grace_s,
     }
 
 
@@ -132,6 +133,7 @@ def _keep_start_only(new: Config, old: Config) -> Config:
                 "token_count_cache_chars",
                 "reaper_interval_s",
                 "journal_replay_s",
+                "reap_grace_s",
             )
         }
     )

@@ -258,7 +258,7 @@ def test_a_reload_keeps_and_names_every_setting_used_only_at_start(
         raw["redis"] = {"url": "redis://10.9.9.9:6379/0"}
         raw["currency"] = "EUR"
         raw["journal_dir"] = str(tmp_path / "elsewhere")
-        raw["limits"] = {"reaper_interval_s": 1, "max_body_bytes": 2048}
+        raw["limits"] = {**raw["limits"], "reaper_interval_s": 1, "max_body_bytes": 2048}
         path.write_text(yaml.safe_dump(raw))
         assert reloader.reload("test")
     (new,) = applied

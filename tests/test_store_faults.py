@@ -99,6 +99,50 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     assert journal_file.read_text() == ""
 
 
+async def test_after_an_outage_longer_than_the_lease_the_journal_bills_before_any_reaper(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """A call whose lease ran out while Redis was down is billed at the provider's figures, which
+    the process that served it journaled: another instance's reaper waits ``reap_grace_s`` after
+    a lease ran out (here polling every 0.1 s, the journal replayed every second), where before
+    it billed the call at its reserve first."""
+    upstreams = {
+        "openai": {
+            "base_url": fake.base_url,
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 1,
+            "connect_timeout_s": 1,
+        }
+    }
+    redis = {"url": own_redis.url, "socket_timeout_s": 1}
+    limits = {"journal_replay_s": 1.0, "lease_margin_s": 0.5}
+    serving = await make_proxy(
+        redis=redis, upstreams=upstreams, journal_dir=str(tmp_path / "j1"), limits=limits
+    )
+    await make_proxy(  # the other instance: its reaper only
+        redis=redis,
+        upstreams=upstreams,
+        journal_dir=str(tmp_path / "j2"),
+        limits={**limits, "reaper_interval_s": 0.1, "reap_grace_s": 5},
+    )
+    async with aiohttp.ClientSession() as session:
+        resp = await leased_stream(session, serving, own_client, "outage", chunks=10)
+        await asyncio.to_thread(own_redis.stop)
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    await asyncio.sleep(2.0)  # the lease (1 s + 0.5 s) runs out while Redis is down
+    await asyncio.to_thread(own_redis.start)
+    await wait_for(lambda: _ledger_len(own_client, 1))
+    await asyncio.sleep(0.5)
+    ((_, entry),) = await own_client.xrange(LEDGER)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens == 10
+    assert await own_client.zcard(LEASES) == 0
+
+
 def _counted(family: Any, **labels: str) -> float:
     """The sum of a metric family's values over the label sets that match ``labels``."""
     return sum(
