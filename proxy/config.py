@@ -377,9 +377,19 @@ class LimitsConfig(_Frozen):
 
     reaper_interval_s: float = Field(default=5.0, gt=0)
     journal_replay_s: float = Field(default=1.0, gt=0)
-    # A lease is reaped (billed at its reserve) only this long after it ran out: time for the
-    # journal of a process that lost its store mid-call to bill the call's real figures first.
-    reap_grace_s: float = Field(default=5.0, ge=0)
+    # A lease is reaped (billed at its reserve) only this long after it ran out, and after the
+    # reaper reached the store again: time for the journal of a process that lost its store
+    # mid-call to bill the call's real figures first (a replay, plus a socket timeout at worst).
+    reap_grace_s: float = Field(default=10.0, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _grace_outlasts_a_replay(self) -> Self:
+        if 0 < self.reap_grace_s <= self.journal_replay_s:
+            raise ValueError(
+                "reap_grace_s must be longer than journal_replay_s (or 0: leases reaped as soon as "
+                "they run out), or a reaper bills at their reserve calls a journal holds"
+            )
+        return self
 
 
 class LogConfig(_Frozen):

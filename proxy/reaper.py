@@ -125,24 +125,32 @@ async def run_reaper(
 ) -> None:
     """Loop until cancelled; a store outage only delays reaping.
 
-    ``grace_s``: a lease is reaped only that long after it ran out. A process that lost its
-    store mid-call journals the call's real figures and applies them once the store answers
-    again (``journal_replay_s``): reaped first, the call would be billed at its reserve instead.
+    ``grace_s``: a lease is reaped only that long after it ran out, and only once the store has
+    answered this reaper that long without a break. A process that lost its store mid-call
+    journals the call's real figures and applies them once the store answers again
+    (``journal_replay_s``): reaped first, the call would be billed at its reserve instead; and
+    after a long outage every lease that ran out during it is past its own grace.
 
     ``known``: the tenants this process knows (its config's, those it has registered: each
     once). Should the store's set lose one (evicted, deleted) its leases would go unreaped, those
     of a dead instance included: it is registered again and reaped all the same. ``on_settled``
     gets each ledger entry this process wrote."""
+    loop = asyncio.get_running_loop()
+    answering_since: float | None = None
     while True:
         try:
             tenants = await store.tenants()
+            if answering_since is None:
+                answering_since = loop.time()
             for tenant in set(known()) - tenants:
                 await store.register_tenant(tenant)
                 tenants.add(tenant)
-            for tenant in sorted(tenants):
-                for entry in await reap_tenant(store, tenant, grace_s=grace_s):
-                    on_settled(entry)
+            if loop.time() - answering_since >= grace_s:
+                for tenant in sorted(tenants):
+                    for entry in await reap_tenant(store, tenant, grace_s=grace_s):
+                        on_settled(entry)
         except StoreError as err:
+            answering_since = None
             log.error("reaper could not reach the store", extra={"error": str(err)})
         except Exception:
             log.exception("reaper round failed")

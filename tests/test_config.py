@@ -412,3 +412,26 @@ def test_a_model_token_count_is_not_true_or_false(field: str, value: bool) -> No
     """YAML's no/off/false became 0: the 600 tokens of Anthropic's tool prompt left unreserved."""
     models = {"*": {"upstream": "openai", field: value}}
     assert f"models.*.{field}" in error_of({**UP, "models": models})
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"reap_grace_s": 1, "journal_replay_s": 1}, "reap_grace_s must be longer than journal_replay_s"),
+        ({"reap_grace_s": 0.5}, "reap_grace_s must be longer than journal_replay_s"),
+        (
+            {"reap_grace_s": float("inf")},
+            "reap_grace_s",
+        ),  # reaped never: a dead process's reserves held for good
+        ({"reap_grace_s": -1}, "reap_grace_s"),
+    ],
+)
+def test_a_reap_grace_a_journal_cannot_beat_is_refused(limits: dict[str, Any], message: str) -> None:
+    assert message in error_of({**UP, "limits": limits})
+
+
+def test_reaping_at_once_stays_possible() -> None:
+    assert (
+        parse_config({**UP, "limits": {"reap_grace_s": 0, "journal_replay_s": 0.1}}, {}).limits.reap_grace_s
+        == 0
+    )

@@ -180,7 +180,8 @@ async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
 ) -> None:
     raw = base_config(fake.base_url, redis_server.url)
     raw["upstreams"]["openai"]["timeout_s"] = 1
-    raw["limits"] = {"lease_margin_s": 0.5, "reaper_interval_s": 0.1}  # lease 1.5 s, stream ~4 s
+    # lease 1.5 s, stream ~4 s
+    raw["limits"] = {**raw["limits"], "lease_margin_s": 0.5, "reaper_interval_s": 0.1}
     await stream_beside_a_reaper(raw, tmp_path, redis_client, {"reply_tokens": 40, "chunk_delay_s": 0.1})
 
 
@@ -219,7 +220,7 @@ async def test_a_stream_silent_for_longer_than_its_lease_keeps_it(
     then a silence shorter than the stall timeout but longer than the lease left."""
     raw = base_config(fake.base_url, redis_server.url)
     raw["upstreams"]["openai"]["timeout_s"] = 6  # lease 6.3 s, renewed every 2.1 s
-    raw["limits"] = {"lease_margin_s": 0.3, "reaper_interval_s": 0.1}
+    raw["limits"] = {**raw["limits"], "lease_margin_s": 0.3, "reaper_interval_s": 0.1}
     fake_ctl = {
         "reply_tokens": 14,
         "chunk_delay_s": 0.1,

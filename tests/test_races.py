@@ -69,7 +69,7 @@ async def test_kill_9_mid_stream_is_settled_at_reserve_by_the_other_instance(
 ) -> None:
     raw = base_config(fake.base_url, redis_server.url)
     raw["upstreams"]["openai"]["timeout_s"] = 2
-    raw["limits"] = {"lease_margin_s": 1, "reaper_interval_s": 0.2}
+    raw["limits"] = {**raw["limits"], "lease_margin_s": 1, "reaper_interval_s": 0.2}
     victim = ProxyProcess(raw, tmp_path).start()
     survivor = ProxyProcess(raw, tmp_path).start()
     try:

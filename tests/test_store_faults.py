@@ -99,17 +99,20 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     assert journal_file.read_text() == ""
 
 
+@pytest.mark.parametrize("outage_s", [2.0, 4.5])
 async def test_after_an_outage_longer_than_the_lease_the_journal_bills_before_any_reaper(
     make_proxy: ProxyFactory,
     fake: FakeUpstream,
     own_redis: RedisServerProcess,
     own_client: aioredis.Redis,
     tmp_path: Path,
+    outage_s: float,
 ) -> None:
     """A call whose lease ran out while Redis was down is billed at the provider's figures, which
-    the process that served it journaled: another instance's reaper waits ``reap_grace_s`` after
-    a lease ran out (here polling every 0.1 s, the journal replayed every second), where before
-    it billed the call at its reserve first."""
+    the process that served it journaled: another instance's reaper (polling every 0.1 s, the
+    journal replayed every second) waits ``reap_grace_s`` after a lease ran out and after it
+    reached Redis again; before, it billed the call at its reserve first. The longer outage ends
+    past the lease's own grace (1.5 s lease, 2 s grace)."""
     upstreams = {
         "openai": {
             "base_url": fake.base_url,
@@ -127,13 +130,13 @@ async def test_after_an_outage_longer_than_the_lease_the_journal_bills_before_an
         redis=redis,
         upstreams=upstreams,
         journal_dir=str(tmp_path / "j2"),
-        limits={**limits, "reaper_interval_s": 0.1, "reap_grace_s": 5},
+        limits={**limits, "reaper_interval_s": 0.1, "reap_grace_s": 2},
     )
     async with aiohttp.ClientSession() as session:
         resp = await leased_stream(session, serving, own_client, "outage", chunks=10)
         await asyncio.to_thread(own_redis.stop)
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
-    await asyncio.sleep(2.0)  # the lease (1 s + 0.5 s) runs out while Redis is down
+    await asyncio.sleep(outage_s)  # the lease (1 s + 0.5 s) runs out while Redis is down
     await asyncio.to_thread(own_redis.start)
     await wait_for(lambda: _ledger_len(own_client, 1))
     await asyncio.sleep(0.5)
