@@ -26,9 +26,9 @@ Every key carries the same {tenant} hash tag, so one Redis Cluster slot holds th
 Scope hash fields: used:<meter>, resv:<meter>, peak:concurrent, refused:<meter>, born (the id of
 the reserve that wrote the key first: a key that expired and was written anew is another life).
 A scope holds a call's reserve (resv:*, peak:concurrent, born) only when it is the run's or its
-hold argument is 1 (the caller's rule: a ceiling is set there for this call, or for another
-tier's calls that share the key); the record's 'born' says '-' for the others, where only the
-settle writes (the used figures). A ceiling a reload adds there counts the calls then in flight
+hold argument is 1 (the caller's rule, Scope.holds: the key's lifetime, a scope with a ceiling
+for this call, a tenant window another tier of the tenant limits) or a ceiling is set there;
+the record's 'born' says '-' for the others, where only the settle writes (the used figures). A ceiling a reload adds there counts the calls then in flight
 when they settle, not before.
 The record keeps the scopes' keys and TTLs: renew.lua's caller and the reaper's settle set
 those TTLs again, so a scope key never expires under a live reserve nor is written anew for good.
@@ -245,9 +245,9 @@ end
 local tight_meter, tight_left, tight_ratio, tight_scope = '', -1, 2, 0
 local born = {}
 for s = 1, nscopes do
-  -- A scope no ceiling names (but the run's) holds nothing: its settle only counts what was
-  -- used. Most of a call's scopes are such windows: holding and releasing there was most of
-  -- what Redis spent on a call.
+  -- A scope that does not hold (a window nobody limits) is only counted by the settle: most of
+  -- a call's scopes are such windows, and holding and releasing there was most of what Redis
+  -- spent on a call.
   born[s] = held[s] and hold(s) or '-'
   for m = 1, NM do
     local st = state[s][m]
