@@ -108,13 +108,6 @@ async def reap_tenant(store: Store, tenant: str, *, grace_s: float = 0.0) -> lis
             return settled
 
 
-async def reap_all(store: Store) -> list[dict[str, str]]:
-    settled: list[dict[str, str]] = []
-    for tenant in sorted(await store.tenants()):
-        settled += await reap_tenant(store, tenant)
-    return settled
-
-
 async def run_reaper(
     store: Store,
     interval_s: float,

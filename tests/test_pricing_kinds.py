@@ -215,6 +215,26 @@ async def _gpt5_proxy(
     )
 
 
+async def _gpt5_chat_entry(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    asked: str | None,
+    served: str | None = None,
+) -> dict[str, str]:
+    """The ledger entry of one GPT-5 chat call asking for ``asked`` (None: no field), its answer
+    naming ``served`` (None: none): 10,000 input and 2,000 output tokens."""
+    proxy = await _gpt5_proxy(make_proxy, script)
+    usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
+    script.plan = _chat_answer("gpt-5", usage, served)
+    request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
+    if asked is not None:
+        request["service_tier"] = asked
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "tier")
+    assert status == 200
+    return await _entry(redis_client)
+
+
 @pytest.mark.parametrize(
     ("tier", "cost_micros"),
     [(None, 10_000 * 1.25 + 2_000 * 10), ("auto", 32_500), ("priority", 65_000), ("flex", 16_250)],
@@ -226,15 +246,7 @@ async def test_a_processing_tier_is_billed_at_its_own_prices(
     tier: str | None,
     cost_micros: float,
 ) -> None:
-    proxy = await _gpt5_proxy(make_proxy, script)
-    usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
-    script.plan = _chat_answer("gpt-5", usage)
-    request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
-    if tier is not None:
-        request["service_tier"] = tier
-    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "tier")
-    assert status == 200
-    entry = await _entry(redis_client)
+    entry = await _gpt5_chat_entry(make_proxy, script, redis_client, tier)
     assert int(entry["cost_micros"]) == cost_micros
     assert entry.get("service_tier") == (tier if tier in ("priority", "flex") else None)
 
@@ -274,15 +286,7 @@ async def test_a_call_is_billed_at_the_tier_its_answer_says_served_it(
     cost_micros: int,
     tier_in_ledger: str | None,
 ) -> None:
-    proxy = await _gpt5_proxy(make_proxy, script)
-    usage = {"prompt_tokens": 10_000, "completion_tokens": 2_000, "total_tokens": 12_000}
-    script.plan = _chat_answer("gpt-5", usage, served)
-    request: dict[str, Any] = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
-    if asked is not None:
-        request["service_tier"] = asked
-    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "served")
-    assert status == 200
-    entry = await _entry(redis_client)
+    entry = await _gpt5_chat_entry(make_proxy, script, redis_client, asked, served)
     assert int(entry["cost_micros"]) == cost_micros
     assert entry.get("service_tier") == tier_in_ledger
 
