@@ -152,9 +152,18 @@ def main() -> int:
     parser.add_argument(
         "--pipelined", action="store_true", help="make the Redis calls with the proxy's pipelined client"
     )
+    parser.add_argument(
+        "--uvloop", action="store_true", help="serve on uvloop, as the proxy does (event_loop: auto)"
+    )
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (safety)")
     args = parser.parse_args()
-    asyncio.run(serve(args.host, args.port, args.upstream, args.max_seconds, args.redis, args.pipelined))
+    loop_factory = None
+    if args.uvloop:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(args.host, args.port, args.upstream, args.max_seconds, args.redis, args.pipelined))
     return 0
 
 

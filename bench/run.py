@@ -409,6 +409,8 @@ def stack_running(
         servers.append(upstream)
         relay_argv = [PYTHON, str(BENCH / "relay.py"), "--upstream", upstream.url, "--port", "0"]
         relay_argv += ["--max-seconds", "1800"]
+        if settings.extra.get("relay_uvloop"):
+            relay_argv.append("--uvloop")
         relay = start_ready_line("relay", relay_argv, workdir)
         servers.append(relay)
         redis.start()
@@ -596,6 +598,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the proxy reaches Redis over a unix socket (as the embedded default does), not TCP",
     )
     parser.add_argument(
+        "--relay-uvloop",
+        action="store_true",
+        help="relay and relay+redis serve on uvloop, as the proxy does by default (without it they "
+        "run on asyncio's loop, the issue's bare aiohttp relay)",
+    )
+    parser.add_argument(
         "--lean-floor",
         action="store_true",
         help="the relay+redis arm makes its two Redis calls with the proxy's pipelined client "
@@ -678,6 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "paced": paced_rates(args.paced or [], parser),
             "redis_unix": args.redis_unix,
             "lean_floor": args.lean_floor,
+            "relay_uvloop": args.relay_uvloop,
             "chunk_delay_ms": args.chunk_delay_ms,
             "obfuscation": args.obfuscation,
         },
@@ -695,6 +704,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.redis_unix:
         notes.append("the proxy reaches Redis over a unix socket (--redis-unix)")
+    if args.relay_uvloop:
+        notes.append("--relay-uvloop: relay and relay+redis serve on uvloop, as the proxy does")
     if args.lean_floor:
         notes.append(
             "--lean-floor: the relay+redis arm calls Redis with the proxy's pipelined client, not redis-py"

@@ -7,6 +7,7 @@ reload; it is passed down explicitly.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import re
 from collections.abc import Mapping
 from decimal import Decimal
@@ -397,6 +398,9 @@ class LogConfig(_Frozen):
     format: Literal["json", "text"] = "json"
 
 
+EventLoopChoice = Literal["auto", "uvloop", "asyncio"]
+
+
 class Config(_Frozen):
     listen: ListenConfig = ListenConfig()
     log: LogConfig = LogConfig()
@@ -414,9 +418,18 @@ class Config(_Frozen):
     journal_dir: Path = Path(".llm-billing-proxy/journal")
     # On SIGTERM: in-flight calls get this long to finish; the rest are ended and settled.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # The serving processes' event loop (start-only): auto is uvloop where it is installed.
+    event_loop: EventLoopChoice = "auto"
     # Secrets resolved at load time: sha256 digests of keys given by env var.
     key_digests: tuple[tuple[str, KeyConfig], ...] = Field(default=(), exclude=True)
     admin_digests: tuple[str, ...] = Field(default=(), exclude=True)
+
+    @field_validator("event_loop")
+    @classmethod
+    def _loop_installed(cls, value: EventLoopChoice) -> EventLoopChoice:
+        if value == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ValueError("uvloop is not installed here (pip install uvloop), or say auto or asyncio")
+        return value
 
     @model_validator(mode="after")
     def _references(self) -> Config:

@@ -113,6 +113,7 @@ def _start_only(config: Config) -> dict[str, object]:
         "metrics.listen": config.metrics.listen,
         "journal_dir": config.journal_dir,
         "shutdown_grace_s": config.shutdown_grace_s,
+        "event_loop": config.event_loop,
         "currency": config.currency,
         "limits.settled_marker_ttl_s": limits.settled_marker_ttl_s,
         "limits.token_count_cache_chars": limits.token_count_cache_chars,
@@ -145,6 +146,7 @@ def _keep_start_only(new: Config, old: Config) -> Config:
             "metrics": new.metrics.model_copy(update={"listen": old.metrics.listen}),
             "journal_dir": old.journal_dir,
             "shutdown_grace_s": old.shutdown_grace_s,
+            "event_loop": old.event_loop,
             "currency": old.currency,
             "limits": limits,
         }

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlparse
 
 import hiredis
@@ -61,8 +61,8 @@ class _Protocol(asyncio.Protocol):
         self.outgoing.clear()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport, though not always an ``asyncio.Transport`` subclass (uvloop's).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)

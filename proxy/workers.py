@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.config import Config
+from proxy.config import Config, EventLoopChoice
 from proxy.logs import setup_logging
 
 log = logging.getLogger("proxy.cli")
@@ -56,6 +56,7 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
     # What exists now (modules, config, tiktoken's rank tables) lives as long as the process:
     # kept out of the collector's scans. A call allocates hundreds of containers, nearly all
     # freed by reference counting: collect the youngest generation less often.
+    loop, loop_name = new_event_loop(config.event_loop)
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
@@ -69,9 +70,9 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
             "workers": workers,
             "gc_frozen_objects": gc.get_freeze_count(),
             "gc_thresholds": list(gc.get_threshold()),
+            "event_loop": loop_name,
         },
     )
-    loop = asyncio.new_event_loop()
     _stop_once_on_signals(loop, stop, watch_parent=workers > 1)
 
     async def started(_app: web.Application) -> None:
@@ -100,6 +101,21 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
         return EXIT_CANNOT_SERVE
     log.info("stopped", extra={"worker": worker})
     return 0
+
+
+def new_event_loop(choice: EventLoopChoice) -> tuple[asyncio.AbstractEventLoop, str]:
+    """The serving loop and its name. uvloop by default: the same asyncio API in C, about 7% less
+    CPU per call here (bench/README.md); ``asyncio`` is there to rule the loop out when
+    something misbehaves. ``uvloop`` where it is not installed is refused when the config loads."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop(), "uvloop"
+    return asyncio.new_event_loop(), "asyncio"
 
 
 class _Stop:

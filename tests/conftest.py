@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -15,15 +16,18 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from proxy.app import build_app, server_options
-from proxy.config import Config
+from proxy.config import Config, EventLoopChoice
 from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
+from proxy.workers import new_event_loop
 from tests.fake_upstream import FakeUpstream
 
 KEY_A = "sk-proxy-team-a"
 KEY_B = "sk-proxy-team-b"
 UPSTREAM_KEY = "sk-upstream-secret"
+TEST_EVENT_LOOP = os.environ.get("PROXY_TEST_EVENT_LOOP", "auto")
+assert TEST_EVENT_LOOP in ("auto", "uvloop", "asyncio"), f"PROXY_TEST_EVENT_LOOP={TEST_EVENT_LOOP!r}"
 
 
 def digest(key: str) -> str:
@@ -181,3 +185,11 @@ async def until_upstream_received(fake: FakeUpstream, count: int, timeout_s: flo
     while len(fake.received) < count:
         assert asyncio.get_running_loop().time() < deadline, f"the upstream got {len(fake.received)} calls"
         await asyncio.sleep(0.01)
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Tests run on the loop the proxy serves on (``event_loop: auto``, uvloop where installed);
+    ``PROXY_TEST_EVENT_LOOP=asyncio`` runs them on asyncio's own (``.ci/run`` runs part of the
+    suite so)."""
+    choice = cast(EventLoopChoice, TEST_EVENT_LOOP)
+    return {choice: lambda: new_event_loop(choice)[0]}

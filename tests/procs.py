@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from proxy.redis_server import free_port
-from tests.conftest import UPSTREAM_KEY
+from tests.conftest import TEST_EVENT_LOOP, UPSTREAM_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +37,7 @@ class ProxyProcess:
             raw["listen"] = {"host": "127.0.0.1", "port": self.port}
             raw.setdefault("log", {"level": "info", "format": "json"})
             raw.setdefault("journal_dir", str(workdir / "journal"))
+            raw.setdefault("event_loop", TEST_EVENT_LOOP)  # the loop the suite runs on
             self.config_path = workdir / f"proxy-{self.port}.yaml"
             self.config_path.write_text(yaml.safe_dump(raw))
             self.args = ("--config", str(self.config_path), *args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -258,19 +259,27 @@ def test_a_reload_keeps_and_names_every_setting_used_only_at_start(
         raw["redis"] = {"url": "redis://10.9.9.9:6379/0"}
         raw["currency"] = "EUR"
         raw["journal_dir"] = str(tmp_path / "elsewhere")
+        raw["event_loop"] = "asyncio"
         raw["limits"] = {**raw["limits"], "reaper_interval_s": 1, "max_body_bytes": 2048}
         path.write_text(yaml.safe_dump(raw))
         assert reloader.reload("test")
     (new,) = applied
     assert new.limits.max_body_bytes == 2048  # read at each call: applies
-    assert (new.redis, new.currency, new.journal_dir) == (
+    assert (new.redis, new.currency, new.journal_dir, new.event_loop) == (
         started.redis,
         started.currency,
         started.journal_dir,
+        "auto",
     )
     assert new.limits.reaper_interval_s == started.limits.reaper_interval_s
     (warning,) = [r for r in caplog.records if "only on restart" in r.getMessage()]
-    assert warning.settings == ["currency", "journal_dir", "limits.reaper_interval_s", "redis.url"]  # type: ignore[attr-defined]
+    assert warning.settings == [  # type: ignore[attr-defined]
+        "currency",
+        "event_loop",
+        "journal_dir",
+        "limits.reaper_interval_s",
+        "redis.url",
+    ]
 
 
 def test_a_reload_of_an_unchanged_file_names_nothing_the_command_line_or_a_worker_set(
@@ -435,3 +444,23 @@ def test_reaping_at_once_stays_possible() -> None:
         parse_config({**UP, "limits": {"reap_grace_s": 0, "journal_replay_s": 0.1}}, {}).limits.reap_grace_s
         == 0
     )
+
+
+def test_the_event_loop_is_auto_uvloop_or_asyncio() -> None:
+    assert parse_config(UP, {}).event_loop == "auto"
+    assert parse_config({**UP, "event_loop": "asyncio"}, {}).event_loop == "asyncio"
+    assert parse_config({**UP, "event_loop": "uvloop"}, {}).event_loop == "uvloop"
+    with pytest.raises(ConfigError, match="event_loop"):
+        parse_config({**UP, "event_loop": "trio"}, {})
+
+
+def test_uvloop_asked_where_it_is_not_installed_is_refused_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Refused when the config loads (exit 2, the setting named), not when a worker starts.
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        "proxy.config.importlib.util.find_spec",
+        lambda name, *a: None if name == "uvloop" else find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match=r"event_loop: .*uvloop is not installed"):
+        parse_config({**UP, "event_loop": "uvloop"}, {})
+    assert parse_config(UP, {}).event_loop == "auto"  # auto: asyncio's loop then

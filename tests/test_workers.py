@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import UPSTREAM_KEY, base_config, slow_stream
+from proxy.workers import new_event_loop
+from tests.conftest import TEST_EVENT_LOOP, UPSTREAM_KEY, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -203,3 +205,65 @@ async def test_ctrl_c_while_the_workers_start_is_a_clean_stop(
     finally:
         proxy.stop()
     assert code == 0, proxy.log()[-2000:]
+
+
+@pytest.mark.parametrize("choice", ["auto", "asyncio"])
+async def test_a_served_process_runs_on_the_loop_its_config_names_and_bills_on_it(
+    choice: str,
+    fake: FakeUpstream,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """uvloop by default (``event_loop: auto``), asyncio's own when asked: the listening line
+    names it, and a stream, a JSON answer and a stream its client leaves are billed as the
+    provider billed them on either."""
+    raw = {**base_config(fake.base_url, redis_server.url), "event_loop": choice}
+    proxy = ProxyProcess(raw, tmp_path).start()
+    try:
+        body, headers = slow_stream("loop", chunks=6, delay_s=0.01)
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+            resp = await session.post(
+                proxy.url + "/v1/chat/completions", json={**body, "stream": False}, headers=headers
+            )
+            assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 6
+            resp = await session.post(
+                proxy.url + "/v1/chat/completions", json=slow_stream("loop", 40, 0.05)[0], headers=headers
+            )
+            await resp.content.readuntil(b"\n\n")
+            resp.close()  # the client leaves mid-stream
+        await _until(lambda: len(fake.bill) == 3)
+        ledger: list[dict[str, Any]] = []
+
+        async def three_billed() -> bool:
+            ledger[:] = [e for _, e in await redis_client.xrange(LEDGER)]
+            return len(ledger) == 3
+
+        deadline = time.monotonic() + 30
+        while not await three_billed():
+            assert time.monotonic() < deadline, ledger
+            await asyncio.sleep(0.05)
+    finally:
+        proxy.stop()
+    listening = [line for line in proxy.log().splitlines() if '"msg":"listening"' in line]
+    named = "uvloop" if choice == "auto" else choice
+    assert len(listening) == 1 and f'"event_loop":"{named}"' in listening[0]
+    assert [e["outcome"] for e in ledger] == ["ok", "ok", "client_disconnected"]
+    assert [int(e["output_tokens"]) for e in ledger] == [b.completion_tokens for b in fake.bill]
+    assert [int(e["input_tokens"]) for e in ledger] == [b.prompt_tokens for b in fake.bill]
+
+
+def test_auto_serves_on_asyncios_loop_where_uvloop_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop: ImportError
+    loop, name = new_event_loop("auto")
+    loop.close()
+    assert (name, type(loop).__module__.split(".")[0]) == ("asyncio", "asyncio")
+    with pytest.raises(ImportError):
+        new_event_loop("uvloop")
+
+
+async def test_the_suite_runs_on_the_loop_the_proxy_serves_on() -> None:
+    module = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    assert module == ("asyncio" if TEST_EVENT_LOOP == "asyncio" else "uvloop")
