@@ -175,8 +175,11 @@ class StallGuard:
     def _check(self) -> None:
         since = self.waiting_since
         due = (time.monotonic() if since is None else since) + self._timeout_s
-        if since is None or time.monotonic() < due:
-            self._handle = asyncio.get_running_loop().call_at(due, self._check)
+        now = time.monotonic()
+        if since is None or now < due:
+            # A delay, not call_at(due): the loop's clock need not be time.monotonic's (uvloop's is
+            # libuv's).
+            self._handle = asyncio.get_running_loop().call_later(due - now, self._check)
             return
         self._handle = None
         self._response.content.set_exception(aiohttp.SocketTimeoutError("upstream silent mid-stream"))

@@ -38,7 +38,9 @@ class LeaseRenewal:
         reservation = self._call.reservation
         if reservation is not None:
             due = (self._call.started_at if since is None else since) + reservation.lease_ms / 3000
-            self._timer = asyncio.get_running_loop().call_at(due, self._due)
+            # A delay, not call_at(due): the loop's clock need not be time.monotonic's (uvloop's
+            # is libuv's); a renewal late by a clock's difference could let the lease run out.
+            self._timer = asyncio.get_running_loop().call_later(due - time.monotonic(), self._due)
 
     def _due(self) -> None:
         task = asyncio.ensure_future(self._renew())

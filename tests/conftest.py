@@ -187,9 +187,19 @@ async def until_upstream_received(fake: FakeUpstream, count: int, timeout_s: flo
         await asyncio.sleep(0.01)
 
 
+class SkewedClockLoop(asyncio.SelectorEventLoop):
+    """asyncio's loop with a clock 1000 s behind ``time.monotonic``: a loop's clock need not be
+    that one (uvloop's is libuv's), so timers must not mix the two."""
+
+    def time(self) -> float:
+        return super().time() - 1000.0
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Tests run on the loop the proxy serves on (``event_loop: auto``, uvloop where installed);
     ``PROXY_TEST_EVENT_LOOP=asyncio`` runs them on asyncio's own (``.ci/run`` runs part of the
-    suite so)."""
+    suite so); a test marked ``skewed_loop_clock`` on ``SkewedClockLoop``."""
+    if item.get_closest_marker("skewed_loop_clock") is not None:
+        return {"skewed-clock": SkewedClockLoop}
     choice = cast(EventLoopChoice, TEST_EVENT_LOOP)
     return {choice: lambda: new_event_loop(choice)[0]}

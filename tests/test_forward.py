@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 from pydantic import SecretStr
@@ -58,6 +59,12 @@ async def test_time_spent_elsewhere_does_not_count() -> None:
     await asyncio.sleep(0.45)
     assert len(upstream.content.errors) == 1
     guard.cancel()
+
+
+@pytest.mark.skewed_loop_clock
+async def test_the_guard_fails_a_stall_on_a_loop_whose_clock_is_not_monotonics() -> None:
+    # It re-armed with call_at(a time.monotonic() instant): on a loop 1000 s behind, never again.
+    await test_time_spent_elsewhere_does_not_count()
 
 
 async def test_a_request_aiohttp_refuses_to_send_is_not_billed(
