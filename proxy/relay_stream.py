@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from proxy.relay import Exchange
 
 log = logging.getLogger("proxy.relay")
-# A write that leaves at most this many bytes waiting for the client returns at once: the
-# transport's low-water mark (asyncio's default), below which it is never paused for the client.
+# A write that leaves at most this many bytes waiting for the client, on a connection not paused
+# for it, returns at once: the transports' low-water mark (asyncio's and uvloop's default). A
+# paused connection is checked too: uvloop resumes one only when a whole queued write is sent, so
+# it can stay paused with a few KiB left, and aiohttp's write waits for it every 64 KiB written.
 _WRITE_BACKLOG = 16 * 1024
 # ConnectionError: aiohttp's drain raises a bare one ("Connection lost") for a client reset
 # while a write waits on it.
@@ -76,6 +78,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     limit = ex.services.config.limits.max_upstream_body_bytes
     secret = ex.operator_key
     transport = ex.request.transport
+    protocol = ex.request.protocol
     waited_s = 0.0
     try:
         # What came with the upstream's headers goes out with ours, in one send; ours never
@@ -106,7 +109,11 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                 out = out.replace(secret, REDACTED)
             if not out or client_gone:
                 pass
-            elif transport is not None and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG:
+            elif (
+                transport is not None
+                and not protocol.writing_paused
+                and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG
+            ):
                 try:
                     await write(out)  # room in the buffer: no wait (``_to_client``'s first case)
                 except CLIENT_GONE:
@@ -175,7 +182,11 @@ async def _to_client(ex: Exchange, write: Callable[[bytes], Awaitable[None]], da
     dropped (a close would wait for it to take what is buffered, holding the socket)."""
     transport = ex.request.transport
     try:
-        if transport is not None and transport.get_write_buffer_size() + len(data) <= _WRITE_BACKLOG:
+        if (
+            transport is not None
+            and not ex.request.protocol.writing_paused
+            and transport.get_write_buffer_size() + len(data) <= _WRITE_BACKLOG
+        ):
             await write(data)  # room in the buffer: no wait
         else:
             # A client that stops reading must not stall renewals of the lease.

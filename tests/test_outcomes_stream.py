@@ -488,6 +488,43 @@ async def test_a_client_that_stops_reading_is_settled_after_the_write_timeout(
     assert_provider_usage(entry, fake.bill[0])  # drained (the default policy)
 
 
+async def test_a_connection_left_paused_with_little_buffered_still_bounds_the_write(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """uvloop resumes writing to a connection only when a whole queued write has gone, so one can
+    stay paused with a few KiB buffered; aiohttp's write then waits for it every 64 KiB. Writes
+    that left under 16 KiB buffered took no timeout: one waited as long as the client held the
+    socket open unread, its lease renewed, its reserve never settled (a hunt, on uvloop, 0 of
+    such states on asyncio's loop). Here the connection is paused so by hand (nothing resumes
+    it) once the client has its first event and stops reading."""
+    proxy = await make_proxy(limits={"lease_margin_s": 1})  # writes time out after 2 s
+    body = orjson.dumps(
+        {
+            "model": "gpt-4o",
+            "messages": MSGS,
+            "stream": True,
+            "max_tokens": 4000,
+            "fake": {"reply_tokens": 2000, "chunk_delay_s": 0.001},  # ~400 KB, events one by one
+        }
+    )
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"X-Run-Id: r1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    try:
+        await asyncio.wait_for(reader.readuntil(b"data: "), 5)
+        (handler,) = proxy.runner.server.connections  # type: ignore[union-attr]
+        handler.pause_writing()  # as uvloop leaves it; the client reads no more
+        entry = await the_entry(proxy, "r1", wait_s=15)
+    finally:
+        writer.close()
+    assert entry["outcome"] == "client_disconnected"
+    assert_provider_usage(entry, fake.bill[0])  # drained (the default policy)
+
+
 async def test_a_client_reset_while_a_write_waits_is_a_disconnect(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
