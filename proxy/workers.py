@@ -73,13 +73,18 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
             "event_loop": loop_name,
         },
     )
-    _stop_once_on_signals(loop, stop, watch_parent=workers > 1)
+
+    async def take_signals(_app: web.Application) -> None:
+        # From the running loop: uvloop takes a signal handler over at once but listens only
+        # once it runs, so a stop signal in between was lost (the worker served on).
+        _stop_once_on_signals(loop, stop, watch_parent=workers > 1)
 
     async def started(_app: web.Application) -> None:
         stop.started = True
         if stop.asked:
             loop.call_soon(stop)
 
+    app.on_startup.insert(0, take_signals)  # before the cleanup contexts: a stop then waits
     app.on_startup.append(started)  # after the cleanup contexts' start: the app is whole
     try:
         web.run_app(

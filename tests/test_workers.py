@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,12 +17,13 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+import yaml
 
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.workers import new_event_loop
 from tests.conftest import TEST_EVENT_LOOP, UPSTREAM_KEY, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
-from tests.procs import ProxyProcess
+from tests.procs import ROOT, ProxyProcess
 
 LEDGER = "lbp:{team-a}:ledger"
 
@@ -267,3 +269,45 @@ def test_auto_serves_on_asyncios_loop_where_uvloop_is_not_installed(monkeypatch:
 async def test_the_suite_runs_on_the_loop_the_proxy_serves_on() -> None:
     module = type(asyncio.get_running_loop()).__module__.split(".")[0]
     assert module == ("asyncio" if TEST_EVENT_LOOP == "asyncio" else "uvloop")
+
+
+_STOP_BEFORE_THE_LOOP_RUNS = """
+import os, signal, sys
+from pathlib import Path
+from proxy import workers
+from proxy.config_load import load_config
+
+run_app = workers.web.run_app
+
+def signalled_first(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # a stop after the worker's set-up, before its loop runs
+    return run_app(*args, **kwargs)
+
+workers.web.run_app = signalled_first
+sys.exit(workers.run_worker(load_config(Path(sys.argv[1]), dict(os.environ)), False, None, 0, 1))
+"""
+
+
+@pytest.mark.parametrize("choice", ["auto", "asyncio"])
+def test_a_stop_just_before_the_loop_runs_is_kept(
+    choice: str, fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """On uvloop the loop's signal handlers, installed before it ran, took the signal over but
+    listened only once it ran: the stop was lost and the worker served on."""
+    raw = {**base_config(fake.base_url, redis_server.url), "event_loop": choice}
+    raw["listen"] = {"host": "127.0.0.1", "port": free_port()}
+    raw["journal_dir"] = str(tmp_path / "journal")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _STOP_BEFORE_THE_LOOP_RUNS, str(path)],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"msg":"stopped"' in done.stderr, done.stderr[-2000:]
