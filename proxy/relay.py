@@ -55,6 +55,8 @@ class Exchange:
         self.services = services
         self.obs = Observation()
         self._settling: asyncio.Future[Settlement] | None = None
+        # The settle's result, known before the task records it (see ``_settle_and_record``).
+        self._settlement: asyncio.Future[Settlement] | None = None
         lease_s = call.reservation.lease_ms / 1000 if call.reservation else call.upstream.timeout_s
         # A client that stops reading is dropped after this long (see relay_stream._to_client).
         self.write_timeout_s = min(call.upstream.timeout_s, lease_s / 3)
@@ -106,11 +108,13 @@ class Exchange:
         if self._settling is None:
             self.call.first_token_at = self.obs.first_token_at
             self.call.served_tier = self.obs.service_tier
-            task = asyncio.ensure_future(self._settle_and_record(outcome, usage))
+            self._settlement = asyncio.get_running_loop().create_future()
+            task = asyncio.ensure_future(self._settle_and_record(outcome, usage, self._settlement))
             self.services.settling.add(task)
             task.add_done_callback(self._settled)
             self._settling = task
-        return await asyncio.shield(self._settling)
+        assert self._settlement is not None
+        return await asyncio.shield(self._settlement)
 
     def _settled(self, task: asyncio.Future[Settlement]) -> None:
         self.services.settling.discard(task)
@@ -123,7 +127,29 @@ class Exchange:
                 extra={"request_id": self.call.request_id},
             )
 
-    async def _settle_and_record(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+    async def _settle_and_record(
+        self, outcome: Outcome, usage: BilledUsage, settled: asyncio.Future[Settlement]
+    ) -> Settlement:
+        try:
+            settlement = await self._settle(outcome, usage)
+        except BaseException as err:
+            if isinstance(err, asyncio.CancelledError):
+                settled.cancel()
+            else:
+                settled.set_exception(err)
+            raise
+        settled.set_result(settlement)
+        overhead = time.monotonic() - self.call.started_at - self.upstream_s
+        # Recorded once the answer has gone (its headers or last event carry the settlement):
+        # the client does not wait for the metrics and the call's log line. Two turns of the
+        # loop: the handler's wait, through a shield, wakes on the second and answers in it
+        # (unless its write must wait for the client: recorded then, all the same).
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        record_call(self.services.metrics, self.services.config, self.call, settlement, overhead)
+        return settlement
+
+    async def _settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
         refining = self.call.refining
         if refining is not None and not refining.done():
             # What it has not done yet would only lower a reserve about to go; and a backlog of
@@ -157,10 +183,8 @@ class Exchange:
             self.obs.finish_reasons,
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
         )
-        overhead = time.monotonic() - self.call.started_at - self.upstream_s
         if not settlement.stored:
             self.services.metrics.store_errors.labels("settle").inc()
-        record_call(self.services.metrics, self.services.config, self.call, settlement, overhead)
         return settlement
 
     def error(
