@@ -84,32 +84,63 @@ local function extend(key, ttl, new, left)
   end
 end
 
+-- The used meters this settle adds to: the figures above zero, the same in every scope.
+local ADD, ADD_BY = {}, {}
+for m = 1, #ACTUAL do
+  local v = ARGV[1 + m]
+  if v ~= '0' then
+    ADD[#ADD + 1] = 'used:' .. ACTUAL[m]
+    ADD_BY[#ADD_BY + 1] = v
+  end
+end
+-- Below this a sum in Lua's numbers (doubles) is exact; past it (never in practice) HINCRBY adds.
+local EXACT = 9007199254740992
+
+-- Per scope, one read of every field this settle changes and one write of them all: a command
+-- from a script costs Redis a few microseconds, mostly outside the command itself, and one
+-- HINCRBY per meter made most of a settle's commands.
 for s = 5, #KEYS do
   local key = KEYS[s]
   local life = born[s - 4]
+  local holds = life ~= '-'
+  local names = {}
+  if holds then
+    for i = 1, #RESV do names[i] = RESV[i] end
+  end
+  local first = #names
+  for i = 1, #ADD do names[first + i] = ADD[i] end
+  local got = #names > 0 and redis.call('HMGET', key, unpack(names)) or {}
+  local writes = {}
+  local function put(field, have, by)
+    local sum = have + tonumber(by)
+    if have < EXACT and sum < EXACT then
+      writes[#writes + 1] = field
+      writes[#writes + 1] = string.format('%d', sum)
+    else
+      redis.call('HINCRBY', key, field, by)
+    end
+  end
   local new, left
-  if life == '-' then
+  if holds then
+    new = not got[1]
+    -- A key that expired mid-call and was written anew (by a later reserve, or by nothing yet)
+    -- does not hold this reserve: releasing it would take other calls' reserves, or go below
+    -- zero, and either is room past the ceiling. Records older than 'born': never below zero.
+    if not lost and (not life or got[1] == life) then
+      for m = 1, #RESERVED do
+        local have = tonumber(got[m + 1]) or 0
+        local release = math.min(tonumber(amounts[m]) or 0, have)
+        if release > 0 then put(RESV[m + 1], have, string.format('%d', -release)) end
+      end
+    end
+  else
     -- The scope held none of this reserve (no ceiling named it): nothing to release there, and
     -- what other calls hold there is theirs.
     left = redis.call('PTTL', key)
     new = left == -2
-  else
-    local held = redis.call('HMGET', key, unpack(RESV))
-    new = not held[1]
-    -- A key that expired mid-call and was written anew (by a later reserve, or by nothing yet)
-    -- does not hold this reserve: releasing it would take other calls' reserves, or go below
-    -- zero, and either is room past the ceiling. Records older than 'born': never below zero.
-    if not lost and (not life or held[1] == life) then
-      for m = 1, #RESERVED do
-        local release = math.min(tonumber(amounts[m]) or 0, tonumber(held[m + 1]) or 0)
-        if release > 0 then redis.call('HINCRBY', key, RESV[m + 1], string.format('%d', -release)) end
-      end
-    end
   end
-  for m = 1, #ACTUAL do
-    local v = ARGV[1 + m]
-    if v ~= '0' then redis.call('HINCRBY', key, 'used:' .. ACTUAL[m], v) end
-  end
+  for i = 1, #ADD do put(ADD[i], tonumber(got[first + i]) or 0, ADD_BY[i]) end
+  if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
   local ttl = tonumber(ARGV[10 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
