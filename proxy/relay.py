@@ -118,6 +118,14 @@ class Exchange:
 
     def _settled(self, task: asyncio.Future[Settlement]) -> None:
         self.services.settling.discard(task)
+        settlement = self._settlement
+        if settlement is not None:
+            if not settlement.done():
+                settlement.cancel()  # the task was cancelled before its first step
+            elif not settlement.cancelled():
+                # Read here: a handler cancelled while it waited (shutdown past its grace period)
+                # no longer does, and asyncio would report the error a second time, as unread.
+                settlement.exception()
         if not task.cancelled() and task.exception() is not None:
             # Neither settled nor journaled (a store failure journals): its reservation waits
             # for a reaper, which settles it at its reserve.

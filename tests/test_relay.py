@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -11,6 +12,7 @@ import pytest
 
 from proxy import relay
 from proxy.app import STATE
+from proxy.outcome import Outcome
 from tests.conftest import KEY_A, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
@@ -68,3 +70,41 @@ async def test_the_answer_goes_out_before_the_call_is_recorded(
         )
         == 1
     )  # recorded all the same
+
+
+async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shutdown past its grace period cancels a handler waiting on its settle; when the settle
+    then fails (neither settled nor journaled: the reaper bills it), the failure is logged once,
+    not also as an exception nobody retrieved (a review)."""
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("the settle failed")
+
+    monkeypatch.setattr("proxy.relay.settle", failing)
+    ex = relay.Exchange.__new__(relay.Exchange)
+    ex.call = SimpleNamespace(  # type: ignore[assignment]
+        first_token_at=None, served_tier=None, request_id="req-1", started_at=0.0, refining=None
+    )
+    ex.obs = SimpleNamespace(first_token_at=None, service_tier=None, finish_reasons={})  # type: ignore[assignment]
+    limits = SimpleNamespace(settled_marker_ttl_s=60)
+    ex.services = SimpleNamespace(  # type: ignore[assignment]
+        settling=set(), store=None, journal=None, config=SimpleNamespace(limits=limits)
+    )
+    ex._settling = ex._settlement = None
+    ex.upstream_s = 0.0
+    handler = asyncio.ensure_future(ex.settle(Outcome("ok"), SimpleNamespace(source="provider")))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    handler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    (task,) = ex.services.settling
+    settlement = ex._settlement
+    await asyncio.wait({task})
+    await asyncio.sleep(0)
+    assert settlement is not None and settlement.done()
+    # asyncio's own flag for an exception nobody read, which it logs when the future is collected.
+    assert not settlement._log_traceback  # type: ignore[attr-defined]
+    assert isinstance(settlement.exception(), RuntimeError)
