@@ -119,12 +119,15 @@ class Exchange:
     def _settled(self, task: asyncio.Future[Settlement]) -> None:
         self.services.settling.discard(task)
         settlement = self._settlement
-        if settlement is not None:
-            if not settlement.done():
-                settlement.cancel()  # the task was cancelled before its first step
-            elif not settlement.cancelled():
+        if settlement is not None and not settlement.done():
+            # Failed or cancelled before it settled: the handler's wait ends the same way.
+            error = None if task.cancelled() else task.exception()
+            if error is None:
+                settlement.cancel()
+            else:
+                settlement.set_exception(error)
                 # Read here: a handler cancelled while it waited (shutdown past its grace period)
-                # no longer does, and asyncio would report the error a second time, as unread.
+                # no longer reads it, and asyncio would report it a second time, as unread.
                 settlement.exception()
         if not task.cancelled() and task.exception() is not None:
             # Neither settled nor journaled (a store failure journals): its reservation waits
@@ -138,14 +141,7 @@ class Exchange:
     async def _settle_and_record(
         self, outcome: Outcome, usage: BilledUsage, settled: asyncio.Future[Settlement]
     ) -> Settlement:
-        try:
-            settlement = await self._settle(outcome, usage)
-        except BaseException as err:
-            if isinstance(err, asyncio.CancelledError):
-                settled.cancel()
-            else:
-                settled.set_exception(err)
-            raise
+        settlement = await self._settle(outcome, usage)  # a failure reaches ``settled`` in _settled
         settled.set_result(settlement)
         overhead = time.monotonic() - self.call.started_at - self.upstream_s
         # Recorded once the answer has gone (its headers or last event carry the settlement):

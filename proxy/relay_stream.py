@@ -77,8 +77,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     read, write, monotonic = events.read, response.write, time.monotonic
     limit = ex.services.config.limits.max_upstream_body_bytes
     secret = ex.operator_key
-    transport = ex.request.transport
-    protocol = ex.request.protocol
+    request = ex.request
     waited_s = 0.0
     try:
         # What came with the upstream's headers goes out with ours, in one send; ours never
@@ -109,13 +108,9 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                 out = out.replace(secret, REDACTED)
             if not out or client_gone:
                 pass
-            elif (
-                transport is not None
-                and not protocol.writing_paused
-                and transport.get_write_buffer_size() + len(out) <= _WRITE_BACKLOG
-            ):
+            elif _has_room(request, len(out)):
                 try:
-                    await write(out)  # room in the buffer: no wait (``_to_client``'s first case)
+                    await write(out)  # no wait: ``_to_client``'s first case, without its frame
                 except CLIENT_GONE:
                     client_gone = True
             else:
@@ -182,12 +177,8 @@ async def _to_client(ex: Exchange, write: Callable[[bytes], Awaitable[None]], da
     dropped (a close would wait for it to take what is buffered, holding the socket)."""
     transport = ex.request.transport
     try:
-        if (
-            transport is not None
-            and not ex.request.protocol.writing_paused
-            and transport.get_write_buffer_size() + len(data) <= _WRITE_BACKLOG
-        ):
-            await write(data)  # room in the buffer: no wait
+        if _has_room(ex.request, len(data)):
+            await write(data)  # no wait
         else:
             # A client that stops reading must not stall renewals of the lease.
             async with asyncio.timeout(ex.write_timeout_s):
@@ -199,3 +190,13 @@ async def _to_client(ex: Exchange, write: Callable[[bytes], Awaitable[None]], da
             transport.abort()
         return False
     return True
+
+
+def _has_room(request: web.Request, size: int) -> bool:
+    """A write of ``size`` bytes to the client returns at once (see ``_WRITE_BACKLOG``)."""
+    transport = request.transport
+    return (
+        transport is not None
+        and not request.protocol.writing_paused
+        and transport.get_write_buffer_size() + size <= _WRITE_BACKLOG
+    )

@@ -28,8 +28,8 @@ the reserve that wrote the key first: a key that expired and was written anew is
 A scope holds a call's reserve (resv:*, peak:concurrent, born) only when it is the run's or its
 hold argument is 1 (the caller's rule, Scope.holds: the key's lifetime, a scope with a ceiling
 for this call, a tenant window another tier of the tenant limits) or a ceiling is set there;
-the record's 'born' says '-' for the others, where only the settle writes (the used figures). A ceiling a reload adds there counts the calls then in flight
-when they settle, not before.
+the record's 'born' says '-' for the others, where only the settle writes (the used figures).
+A ceiling a reload adds there counts the calls then in flight when they settle, not before.
 The record keeps the scopes' keys and TTLs: renew.lua's caller and the reaper's settle set
 those TTLs again, so a scope key never expires under a live reserve nor is written anew for good.
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.

@@ -107,8 +107,8 @@ for s = 5, #KEYS do
   if holds then
     for i = 1, #RESV do names[i] = RESV[i] end
   end
-  local first = #names
-  for i = 1, #ADD do names[first + i] = ADD[i] end
+  local adds_at = #names
+  for i = 1, #ADD do names[adds_at + i] = ADD[i] end
   local got = #names > 0 and redis.call('HMGET', key, unpack(names)) or {}
   local writes = {}
   local function put(field, have, by)
@@ -139,7 +139,7 @@ for s = 5, #KEYS do
     left = redis.call('PTTL', key)
     new = left == -2
   end
-  for i = 1, #ADD do put(ADD[i], tonumber(got[first + i]) or 0, ADD_BY[i]) end
+  for i = 1, #ADD do put(ADD[i], tonumber(got[adds_at + i]) or 0, ADD_BY[i]) end
   if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
   local ttl = tonumber(ARGV[10 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
