@@ -233,11 +233,13 @@ def plan_call(
         media_part_input_tokens=model_config.media_part_input_tokens,
         tools_input_tokens=tools_input_tokens(model_config, upstream),
     )
-    if endpoint == "chat.completions" and upstream.chat_output_cap_field == "max_tokens":
+    if isinstance(view, ChatBody) and upstream.chat_output_cap_field == "max_tokens":
         # An upstream that reads only max_tokens: the cap goes there, always (it may have none
         # of its own), and the field it ignores or refuses does not go at all (not even null).
         body.pop("max_completion_tokens", None)
-        est = replace(est, output_cap_field="max_tokens", enforce_cap=est.output_cap)
+        # Both of the client's caps bound what it wants: the lower one goes.
+        caps = [c for c in (view.max_completion_tokens, view.max_tokens) if c is not None]
+        est = replace(est, output_cap_field="max_tokens", enforce_cap=min([est.output_cap, *caps]))
     least = least_cap_accepted(endpoint, body, anthropic_beta=anthropic_beta)
     if est.enforce_cap is not None and est.enforce_cap < least:
         # The model's cap in the config would make the request one the provider refuses.

@@ -6,6 +6,7 @@ every other field passes through to the upstream unchanged.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -18,6 +19,13 @@ Endpoint = Literal["chat.completions", "completions", "embeddings", "responses",
 MAX_TOKENS_LIMIT = 10_000_000
 # The deepest nesting orjson writes (it reads deeper): what the proxy forwards is written by it.
 MAX_NESTING = 254
+
+# orjson reads an integer outside [-2^63, 2^64) as a float (1e+20): written again, the body
+# would carry another number. Only a run of 19 digits can be one (found on a copy of the body
+# whose digits are all '0', every other byte a space: a C scan, not a regex's per-byte tries).
+_ONLY_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_DIGITS = b"0" * 19
+_LEAST_EXACT_INT, _MOST_EXACT_INT = -(2**63), 2**64 - 1
 
 _TokenCount = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
@@ -138,7 +146,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
     try:
         data = orjson.loads(raw)
     except (ValueError, RecursionError) as err:
-        # Bad JSON, bad UTF-8, integers past 64 bits, nesting too deep.
+        # Bad JSON, bad UTF-8, nesting too deep.
         raise BadRequest(f"The request body is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(data, dict):
         raise BadRequest("The request body must be a JSON object.")
@@ -154,6 +162,10 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
     except ValidationError as err:
         message, param = _describe(err)
         raise BadRequest(message, param=param) from None
+    if _LONG_DIGITS in raw.translate(_ONLY_DIGITS):
+        # Digits in strings (ids, base64) are no integer; a field the proxy reads was refused
+        # above, by name.
+        json.loads(raw, parse_int=_exact_int)
     if isinstance(view, ResponsesBody) and view.background:
         # Queued: answered (and billed by the provider) later, to a request this proxy never sees.
         raise BadRequest(
@@ -166,19 +178,34 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
     return data, view
 
 
+def _exact_int(literal: str) -> int:
+    # Longer literals are out of range (and int() refuses 4,300 digits and more).
+    if len(literal) <= 20:
+        value = int(literal)
+        if _LEAST_EXACT_INT <= value <= _MOST_EXACT_INT:
+            return value
+    raise BadRequest(
+        f"The request body holds the integer {literal[:40]}, past the 64 bits this proxy forwards "
+        "exactly: send it as a float or a string."
+    )
+
+
 # The fields that cap a request's output, whichever API (chat has two: max_tokens is legacy).
 OUTPUT_CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
 def set_output_cap(body: dict[str, Any], field: str, cap: int) -> None:
     """Cap ``body``'s output at ``cap`` in ``field`` and in any other cap field it carries: an
-    upstream honouring the other one must not be let past what was reserved."""
-    body[field] = cap
-    for other in OUTPUT_CAP_FIELDS:
+    upstream honouring the other one must not be let past what was reserved. A cap the client
+    set lower stays as it is (chat's two may differ: the reserve covers the larger)."""
+    for name in OUTPUT_CAP_FIELDS:
+        value = body.get(name)
         # A null one is unset (the SDK sends None as null): giving it a value would send both
         # of chat's caps, which OpenAI refuses.
-        if other != field and body.get(other) is not None:
-            body[other] = cap
+        if value is None and name != field:
+            continue
+        lower = isinstance(value, int) and not isinstance(value, bool) and value < cap
+        body[name] = value if lower else cap
 
 
 # Content parts whose tokens are not text: OpenAI chat, Responses, Anthropic.
@@ -224,8 +251,14 @@ def search_result_bytes(*sources: Any) -> int:
 
 def media_parts(*sources: Any) -> int:
     """How many image, audio and file parts the messages, items or variables of ``sources``
-    hold, a tool result's included."""
-    return sum(1 for part in _parts(*sources) if _is_media(part))
+    hold, a tool result's included, and earlier audio answers sent back by id."""
+    return sum(1 for part in _parts(*sources) if _is_media(part) or _is_audio_reference(part))
+
+
+def _is_audio_reference(message: dict[str, Any]) -> bool:
+    """An assistant message that sends an earlier audio answer back by its id: the provider
+    reads that audio again, as input."""
+    return message.get("role") == "assistant" and isinstance(message.get("audio"), dict)
 
 
 def _is_media(part: dict[str, Any]) -> bool:

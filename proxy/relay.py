@@ -75,13 +75,20 @@ class Exchange:
 
     def _estimated_usage(self) -> BilledUsage:
         est = self.call.estimate
-        return estimated_usage(
+        counted = estimated_usage(
             self.obs,
             prompt_text=est.prompt_text,
             prompt_overhead_tokens=est.prompt_overhead_tokens,
             encoding=self.call.encoding,
             tokenizer=self.services.tokenizer,
         )
+        # The upstream was held to the reserved output (its cap went in every cap field): a
+        # count of the text above it (4 characters a token, another tokenizer's) is the count's
+        # error, not tokens the provider wrote.
+        reserved = self.call.reserved_output_tokens
+        if counted.output_tokens > reserved:
+            return replace(counted, output_tokens=reserved)
+        return counted
 
     def usage(self, *, complete: bool) -> BilledUsage:
         """Provider figures first; else count a complete answer; else the reserve."""

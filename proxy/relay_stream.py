@@ -140,7 +140,10 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
         complete = healthy and (cancelled or obs.done)
         await ex.settle(Outcome("client_disconnected"), ex.usage(complete=complete))
         return response
-    if failure is None and (obs.malformed or obs.error or not obs.done):
+    # A body that ended cleanly once every choice had finished is a whole answer even without
+    # [DONE]: OpenAI-compatible servers that never send it (Perplexity) are served as directly.
+    finished = bool(call.dialect.done_marker) and len(obs.finish_reasons) >= call.choices
+    if failure is None and (obs.malformed or obs.error or not (obs.done or finished)):
         failure = Outcome("upstream_error")
     if failure is not None:
         settlement = await ex.settle(failure, ex.usage(complete=False))
@@ -166,8 +169,8 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
         tail += call.dialect.error_event(
             ex.rejection_message(settlement), "output_rejected", "output_rejected"
         )
-    elif call.dialect.done_marker:
-        tail += call.dialect.done_marker
+    elif obs.done and call.dialect.done_marker:
+        tail += call.dialect.done_marker  # as it came: not when the upstream sent none
     await _to_client(ex, response.write_eof, tail)
     return response
 

@@ -251,7 +251,12 @@ def billing_headers(call: Call, settlement: Settlement) -> dict[str, str]:
 
 
 def billing_comment(call: Call, settlement: Settlement) -> bytes:
-    """An SSE comment SDKs ignore, carrying the tag a non-streaming call gets as headers."""
+    """An SSE comment SDKs ignore, carrying the tag a non-streaming call gets as headers.
+
+    One line, no blank line after it: it joins the block that follows (``[DONE]``, an error
+    event) or ends the stream. A block of its own is an event to a client that has seen an
+    ``id:`` field (SSE keeps the last event id, and dispatches a block holding nothing else):
+    OpenAI's SDK then parses its empty data as JSON and fails."""
     usage = settlement.usage
     payload: dict[str, str | int] = {
         "request_id": call.request_id,
@@ -267,4 +272,4 @@ def billing_comment(call: Call, settlement: Settlement) -> bytes:
             payload[f"{kind}_tokens"] = count
     payload["usage_source"] = usage.source
     payload["cost_micros"] = settlement.cost_micros
-    return b": billing " + orjson.dumps(payload) + b"\n\n"
+    return b": billing " + orjson.dumps(payload) + b"\n"

@@ -378,6 +378,32 @@ async def test_lone_surrogate_escape_is_refused_or_billed_never_a_500(
     assert_contract(reply)
 
 
+@pytest.mark.parametrize(
+    "number", [b"99999999999999999999", b"18446744073709551616", b"-9223372036854775809", b"9" * 300]
+)
+async def test_an_integer_past_64_bits_is_refused_not_changed(post: Any, number: bytes) -> None:
+    """orjson reads it as a float: the upstream got 1e+20 for 99999999999999999999."""
+    data = (
+        b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+        b'"function":{"name":"f","parameters":{"type":"object","maximum":%s}}}]}' % number
+    )
+    error = assert_refused(await post(CHAT, data), 400)
+    assert "64 bits" in error["message"]
+
+
+async def test_integers_at_the_64_bit_edges_and_long_digit_strings_go_as_they_came(
+    post: Any, fake: FakeUpstream
+) -> None:
+    data = (
+        b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"call 123456789012345678901234"}],'
+        b'"metadata":{"a":"99999999999999999999"},"seed":18446744073709551615,"logit_bias":{"1":-9223372036854775808}}'
+    )
+    reply = await post(CHAT, data)
+    assert reply.status == 200, reply.describe()
+    raw = fake.received[-1].raw
+    assert b'"seed":18446744073709551615' in raw and b'"1":-9223372036854775808' in raw, raw
+
+
 async def test_duplicate_keys_last_one_is_validated_and_refused(post: Any) -> None:
     data = b'{"model":"gpt-4o-mini","model":5,"messages":[{"role":"user","content":"hi"}]}'
     error = assert_refused(await post(CHAT, data), 400)

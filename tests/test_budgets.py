@@ -574,6 +574,39 @@ async def test_a_request_with_both_chat_caps_is_held_to_the_reserve_by_both(
     assert await _post(proxy, "/v1/chat/completions", body, "both-2") == 429
 
 
+async def test_a_cap_the_client_set_lower_is_never_raised(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Lowering one of chat's two caps to the model's (or a clamp's) raised the other one the
+    client had set lower: an upstream honouring that one could write (and bill) far more."""
+    proxy = await make_proxy()  # gpt-4o-mini: max_output_tokens 1000
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "max_completion_tokens": 10, "max_tokens": 5000}
+    assert await _post(proxy, "/v1/chat/completions", body, "low-mct") == 200
+    sent = fake.received[-1].body
+    assert (sent["max_completion_tokens"], sent["max_tokens"]) == (10, 1000)
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "max_completion_tokens": 5000, "max_tokens": 10}
+    assert await _post(proxy, "/v1/chat/completions", body, "low-mt") == 200
+    sent = fake.received[-1].body
+    assert (sent["max_completion_tokens"], sent["max_tokens"]) == (1000, 10)
+    clamping = tiers(run={"output_tokens": 50}, on_budget_short="clamp", min_output_tokens=2)
+    proxy = await make_proxy(tiers=clamping)
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "max_completion_tokens": 100, "max_tokens": 20}
+    assert await _post(proxy, "/v1/chat/completions", body, "clamped") == 200
+    sent = fake.received[-1].body
+    assert (sent["max_completion_tokens"], sent["max_tokens"]) == (50, 20)
+    # An upstream that reads only max_tokens gets the lower of the client's two.
+    upstream = {
+        "base_url": fake.base_url,
+        "api_key_env": "TEST_UPSTREAM_KEY",
+        "chat_output_cap_field": "max_tokens",
+    }
+    proxy = await make_proxy(upstreams={"openai": upstream})
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "max_completion_tokens": 10, "max_tokens": 500}
+    assert await _post(proxy, "/v1/chat/completions", body, "only-mt") == 200
+    sent = fake.received[-1].body
+    assert sent["max_tokens"] == 10 and "max_completion_tokens" not in sent
+
+
 async def test_a_clamp_never_goes_below_what_the_provider_takes(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:

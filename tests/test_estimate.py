@@ -419,6 +419,29 @@ def test_without_a_bound_media_parts_add_nothing() -> None:
     assert bounded.prompt_overhead_tokens == plain.prompt_overhead_tokens + 700  # kept by counted()
 
 
+def test_an_earlier_audio_answer_sent_back_by_id_is_a_media_part() -> None:
+    # The provider reads that audio again as input; it was reserved at nothing.
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": "say something"},
+            {"role": "assistant", "audio": {"id": "audio_abc123"}},
+            {"role": "user", "content": "and?"},
+        ],
+    }
+    view = ChatBody.model_validate(body)
+    kwargs: dict[str, Any] = {
+        "encoding": "o200k_base",
+        "tokenizer": Tokenizer({}),
+        "model_max_output_tokens": 10,
+    }
+    plain = estimate("chat.completions", view, default_max_output_tokens=10, **kwargs)
+    bounded = estimate(
+        "chat.completions", view, default_max_output_tokens=10, media_part_input_tokens=700, **kwargs
+    )
+    assert bounded.input_tokens == plain.input_tokens + 700
+
+
 def test_a_tool_calls_own_arguments_are_not_media_whatever_types_they_name() -> None:
     # A render tool's arguments from an earlier turn ({"type": "image", ...}): the model's JSON,
     # not an image. It was reserved at the bound, and billed at it without usage.

@@ -233,6 +233,25 @@ async def test_missing_usage_counts_with_tiktoken(make_proxy: ProxyFactory, fake
     assert int(entry["output_tokens"]) == len(reply_text(8))
 
 
+async def test_a_count_without_usage_is_never_above_the_output_the_upstream_was_held_to(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """The provider wrote at most the cap it was sent; 4 characters a token counts its 10 words
+    as 13. That was billed (past a ceiling the reserve fitted exactly) as if it had written more."""
+    async with proxy.client() as client:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            max_tokens=10,
+            extra_body={"fake": {"no_usage": True, "reply_tokens": 10}},
+            extra_headers=run_headers("capped"),
+        )
+    assert fake.bill[0].completion_tokens == 10
+    assert chars_tokens(reply_text(10)) > 10
+    entry = await the_entry(proxy, "capped")
+    assert (entry["usage_source"], entry["output_tokens"]) == ("chars", "10")
+
+
 async def test_legacy_completions(proxy: Proxy, fake: FakeUpstream) -> None:
     async with proxy.client() as client:
         completion = await client.completions.create(

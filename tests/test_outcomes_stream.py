@@ -138,9 +138,10 @@ async def test_usage_the_client_did_not_ask_for_is_stripped(
     entry = await the_entry(proxy, "r1")
     assert entry["outcome"] == "ok"
     assert_provider_usage(entry, fake.bill[0])
-    # the billing comment comes last, just before [DONE]
+    # the billing comment comes last, just before [DONE], in its block (see the id test)
     assert events[-1].data == "[DONE]"
-    assert any(c.startswith("billing ") for c in events[-2].comments)
+    assert any(c.startswith("billing ") for c in events[-1].comments)
+    assert result.body.endswith(b"\ndata: [DONE]\n\n") and b"\n\n: billing " in result.body
     assert_comment_matches(billing_comment(events), entry, "r1")
 
 
@@ -557,15 +558,29 @@ async def test_cut_mid_stream(proxy: Proxy, fake: FakeUpstream) -> None:
     assert_reserve_usage(entry)  # the usage chunk never came
 
 
-@pytest.mark.parametrize("mode", ["malformed_sse", "no_done"])
-async def test_broken_stream_with_provider_usage(proxy: Proxy, fake: FakeUpstream, mode: str) -> None:
-    result = await raw_stream(proxy, "r1", {"mode": mode})
+async def test_broken_stream_with_provider_usage(proxy: Proxy, fake: FakeUpstream) -> None:
+    result = await raw_stream(proxy, "r1", {"mode": "malformed_sse"})
     assert result.status == 200
     events = parse_sse(result.body)
     entry = await the_entry(proxy, "r1")
     assert entry["outcome"] == "upstream_error"
     assert_provider_usage(entry, fake.bill[0])
     assert_comment_matches(billing_comment(events), entry, "r1")
+
+
+async def test_a_finished_stream_without_done_is_a_whole_answer_passed_on_as_it_came(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """Servers that never send [DONE] (Perplexity) end a whole answer with the body: it was an
+    upstream_error, with an error event that made the SDK raise."""
+    result = await raw_stream(proxy, "r1", {"mode": "no_done"})
+    events = parse_sse(result.body)
+    entry = await the_entry(proxy, "r1")
+    assert entry["outcome"] == "ok"
+    assert_provider_usage(entry, fake.bill[0])
+    assert_comment_matches(billing_comment(events), entry, "r1")
+    assert b"[DONE]" not in result.body and b"error" not in result.body
+    assert content_of(data_chunks(events)) == reply_text(8)
 
 
 async def test_stall_mid_stream_times_out(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+import openai
 import redis.asyncio as aioredis
 
 from tests.conftest import KEY_A, Proxy, ProxyFactory
@@ -170,8 +171,9 @@ async def test_streamed_reasoning_summaries_are_counted_when_the_client_leaves(
         "response.reasoning_summary_text.delta", {"sequence_number": 2, "item_id": "rs_1", "delta": " more"}
     )
     script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
+    body = {**RESPONSES_BODY, "max_output_tokens": 4000}  # the provider writes no more than that
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(proxy.url + "/v1/responses", json=RESPONSES_BODY, headers=AUTH)
+        resp = await session.post(proxy.url + "/v1/responses", json=body, headers=AUTH)
         seen = b""
         while b"step399" not in seen:
             piece = await asyncio.wait_for(resp.content.readany(), 5)
@@ -226,3 +228,75 @@ async def test_a_byte_order_mark_before_the_first_event(
     reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(CHAT))
     assert b'"usage"' not in reply.body  # the first event was neither observed nor stripped
     assert reply.new_entries[0]["outcome"] == "ok"
+
+
+CHAT_USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+
+
+def chat_event(delta: dict[str, Any], finish: str | None = None, usage: Any = None) -> bytes:
+    return b"data: " + chunk([{"index": 0, "delta": delta, "finish_reason": finish}], usage) + b"\n\n"
+
+
+async def read_with_sdk(base_url: str) -> tuple[str, str | None]:
+    """What the OpenAI SDK makes of a chat stream: its text, and what it raised."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY_A, max_retries=0)
+    text, error = "", None
+    try:
+        stream = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+    except Exception as err:  # what the SDK raises is the point
+        error = repr(err)
+    finally:
+        await client.close()
+    return text, error
+
+
+async def test_the_billing_comment_is_no_event_to_an_sdk_that_saw_an_event_id(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """SSE keeps the last event id, and then a block holding only a comment is an event: the SDK
+    parsed the billing comment's empty data as JSON and raised."""
+    proxy = await proxy_for(make_proxy, script)
+    events = [
+        chat_event({"role": "assistant", "content": ""}),
+        chat_event({"content": "Hel"}),
+        chat_event({"content": "lo"}),
+        chat_event({}, "stop"),
+        b"data: " + chunk([], CHAT_USAGE) + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[b"id: %d\n" % i + e for i, e in enumerate(events)]
+    )
+    assert await read_with_sdk(script.base_url) == ("Hello", None)
+    assert await read_with_sdk(proxy.url + "/v1") == ("Hello", None)
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "2")
+
+
+async def test_a_stream_without_done_reaches_the_sdk_as_directly(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await proxy_for(make_proxy, script)
+    running = {**CHAT_USAGE, "completion_tokens": 1}
+    finished = [
+        chat_event({"role": "assistant", "content": "Hel"}, usage=running),  # usage on every chunk
+        chat_event({"content": "lo"}, usage=CHAT_USAGE),
+        chat_event({}, "stop", usage=CHAT_USAGE),
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=finished)  # no [DONE]
+    assert await read_with_sdk(script.base_url) == ("Hello", None)
+    assert await read_with_sdk(proxy.url + "/v1") == ("Hello", None)
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "2")
+    # Cut cleanly before its choice finished: not a whole answer, and the SDK is told.
+    await redis_client.delete(LEDGER)
+    script.plan = Plan(content_type="text/event-stream", chunks=finished[:2])
+    text, error = await read_with_sdk(proxy.url + "/v1")
+    assert text == "Hello" and error is not None and "upstream_error" in error
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "provider")
