@@ -237,9 +237,16 @@ def plan_call(
         # An upstream that reads only max_tokens: the cap goes there, always (it may have none
         # of its own), and the field it ignores or refuses does not go at all (not even null).
         body.pop("max_completion_tokens", None)
-        # Both of the client's caps bound what it wants: the lower one goes.
+        # Both of the client's caps bound what it wants: the lower one goes, and is reserved.
         caps = [c for c in (view.max_completion_tokens, view.max_tokens) if c is not None]
-        est = replace(est, output_cap_field="max_tokens", enforce_cap=min([est.output_cap, *caps]))
+        cap = min([est.output_cap, *caps])
+        est = replace(
+            est,
+            output_cap_field="max_tokens",
+            enforce_cap=cap,
+            output_cap=cap,
+            output_tokens=cap * generations(view),
+        )
     least = least_cap_accepted(endpoint, body, anthropic_beta=anthropic_beta)
     if est.enforce_cap is not None and est.enforce_cap < least:
         # The model's cap in the config would make the request one the provider refuses.

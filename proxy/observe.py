@@ -156,7 +156,7 @@ class Observation:
         if not isinstance(index, int) or isinstance(index, bool):
             index = position  # choices without an index keep their own finish reasons
         reason = choice.get("finish_reason")
-        if isinstance(reason, str):
+        if isinstance(reason, str) and reason:  # "" on every chunk (older Ollama, SGLang): none
             self.finish_reasons[index] = reason
         # legacy completions carry "text" on the choice itself
         self.add_text(index, choice.get("text"), content=True)

@@ -117,10 +117,12 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                 client_gone = not await _to_client(ex, write, out)
             if client_gone and call.policy.on_client_disconnect == "cancel":
                 break
+    # Past the answer's end ([DONE], response.completed, message_stop) a silence or a broken
+    # connection takes nothing from it: the client has it whole, and so does the ledger.
     except TimeoutError:
-        failure = Outcome("upstream_timeout")
+        failure = None if obs.done else Outcome("upstream_timeout")
     except UPSTREAM_BROKEN:
-        failure = Outcome("upstream_error")
+        failure = None if obs.done else Outcome("upstream_error")
     except Exception:
         # Our own fault, after the response started: still settle, still end the stream.
         log.exception("stream relay failed", extra={"request_id": call.request_id})
@@ -132,18 +134,23 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     if events.incomplete and failure is None and not client_gone:
         failure = Outcome("upstream_error")  # the stream ended inside an event
 
+    # A body that ended cleanly once every choice had finished is a whole answer even without
+    # [DONE]: OpenAI-compatible servers that never send it (Perplexity) are served as directly.
+    whole = obs.done or (
+        failure is None
+        and not events.incomplete
+        and bool(call.dialect.done_marker)
+        and len(obs.finish_reasons) >= call.choices
+    )
     if client_gone:
         cancelled = not obs.done and call.policy.on_client_disconnect == "cancel"
         # Cut by the proxy (cancel): what streamed is what was ordered, on the provider's
         # figures when they came. Drained: a failed or unfinished answer is not complete.
         healthy = not obs.error and not obs.malformed  # it had not failed first
-        complete = healthy and (cancelled or obs.done)
+        complete = healthy and (cancelled or whole)
         await ex.settle(Outcome("client_disconnected"), ex.usage(complete=complete))
         return response
-    # A body that ended cleanly once every choice had finished is a whole answer even without
-    # [DONE]: OpenAI-compatible servers that never send it (Perplexity) are served as directly.
-    finished = bool(call.dialect.done_marker) and len(obs.finish_reasons) >= call.choices
-    if failure is None and (obs.malformed or obs.error or not (obs.done or finished)):
+    if failure is None and (obs.malformed or obs.error or not whole):
         failure = Outcome("upstream_error")
     if failure is not None:
         settlement = await ex.settle(failure, ex.usage(complete=False))

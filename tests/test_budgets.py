@@ -594,13 +594,13 @@ async def test_a_cap_the_client_set_lower_is_never_raised(
     assert await _post(proxy, "/v1/chat/completions", body, "clamped") == 200
     sent = fake.received[-1].body
     assert (sent["max_completion_tokens"], sent["max_tokens"]) == (50, 20)
-    # An upstream that reads only max_tokens gets the lower of the client's two.
+    # An upstream that reads only max_tokens gets the lower of the client's two, reserved so.
     upstream = {
         "base_url": fake.base_url,
         "api_key_env": "TEST_UPSTREAM_KEY",
         "chat_output_cap_field": "max_tokens",
     }
-    proxy = await make_proxy(upstreams={"openai": upstream})
+    proxy = await make_proxy(upstreams={"openai": upstream}, tiers=tiers(run={"output_tokens": 20}))
     body = {"model": "gpt-4o-mini", "messages": MSGS, "max_completion_tokens": 10, "max_tokens": 500}
     assert await _post(proxy, "/v1/chat/completions", body, "only-mt") == 200
     sent = fake.received[-1].body

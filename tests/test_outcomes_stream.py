@@ -297,6 +297,17 @@ async def leave_mid_stream(proxy: Proxy, run: str, ctl: JsonDict) -> None:
 SLOW: JsonDict = {"chunk_delay_s": 0.05, "reply_tokens": 40}
 
 
+async def test_a_finished_stream_without_done_is_counted_when_the_client_left(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    # Drained to a clean end with every choice finished: a whole answer, counted (it was billed
+    # at its reserve, as an unfinished one).
+    await leave_mid_stream(proxy, "left", {**SLOW, "mode": "no_done", "no_usage": True})
+    entry = await the_entry(proxy, "left", wait_s=8)
+    assert entry["outcome"] == "client_disconnected"
+    assert (entry["usage_source"], entry["output_tokens"]) == ("chars", str(chars_tokens(reply_text(40))))
+
+
 async def test_client_disconnect_drains_and_bills_provider_usage(proxy: Proxy, fake: FakeUpstream) -> None:
     await leave_mid_stream(proxy, "r1", SLOW)
     entry = await the_entry(proxy, "r1", wait_s=5)

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import openai
 import redis.asyncio as aioredis
+from aiohttp import web
 
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
@@ -300,3 +301,64 @@ async def test_a_stream_without_done_reaches_the_sdk_as_directly(
     assert text == "Hello" and error is not None and "upstream_error" in error
     entry = await only_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "provider")
+
+
+async def test_an_empty_finish_reason_does_not_finish_a_stream_cut_short(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Older Ollama and SGLang send "finish_reason": "" on every content chunk: no finish."""
+    proxy = await proxy_for(make_proxy, script)
+    pieces = [
+        b"data: " + chunk([{"index": 0, "delta": {"content": t}, "finish_reason": ""}]) + b"\n\n"
+        for t in "ab"
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=pieces)
+    body = {**CHAT, "stream": True}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "upstream_error", entry
+    assert b"event: error" in reply.body
+
+
+class _CutAfterTheEnd(ScriptedUpstream):
+    """Sends its plan, then drops the connection without ending the chunked body."""
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.received.append(await request.read())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in self.plan.chunks:
+            await response.write(piece)
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+
+async def test_a_connection_broken_past_the_answers_end_takes_nothing_from_it(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """The client had the whole answer and no error; the ledger said upstream_error."""
+    cut = _CutAfterTheEnd()
+    await cut.start()
+    try:
+        proxy = await proxy_for(make_proxy, cut)
+        done = {**RESPONSE, "status": "completed", "usage": {"input_tokens": 100, "output_tokens": 20}}
+        cut.plan = Plan(
+            content_type="text/event-stream",
+            chunks=[
+                ev(
+                    "response.created",
+                    {"sequence_number": 0, "response": {**RESPONSE, "status": "in_progress"}},
+                ),
+                ev("response.completed", {"sequence_number": 1, "response": done}),
+            ],
+        )
+        client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0)
+        stream = await client.responses.create(model="gpt-4o-mini", input="hi", stream=True)
+        assert [event.type async for event in stream] == ["response.created", "response.completed"]
+        await client.close()
+        entry = await only_entry(redis_client)
+        assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "20")
+    finally:
+        await cut.close()
