@@ -120,28 +120,52 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
     counted, never billed as 0."""
     if not isinstance(raw, dict):
         return None
+    counts = _anthropic_counts(raw)
+    iterations = raw.get("iterations")
+    if counts is None or (iterations is not None and not isinstance(iterations, list)):
+        return None
+    input_tokens, output_tokens, cache_read, cache_creation, hour = counts
+    # Context compaction (a beta the client turns on): the summarizing step is billed too, and
+    # is left out of the top-level figures; every other iteration is in them.
+    for iteration in iterations or ():
+        if isinstance(iteration, dict) and iteration.get("type") == "compaction":
+            more = _anthropic_counts(iteration)
+            if more is None or more[1] is None:
+                return None
+            input_tokens += more[0]
+            if output_tokens is not None:  # else the final figures are still to come
+                output_tokens += more[1]
+            cache_read += more[2]
+            cache_creation += more[3]
+            hour += more[4]
+    return ProviderUsage(
+        input_tokens=input_tokens + cache_read + cache_creation,
+        output_tokens=output_tokens or 0,
+        cached_input_tokens=cache_read,
+        reasoning_tokens=0,
+        cache_creation_input_tokens=cache_creation,
+        cache_creation_1h_input_tokens=min(hour, cache_creation),
+        output_known=output_tokens is not None,
+    )
+
+
+def _anthropic_counts(raw: dict[str, Any]) -> tuple[int, int | None, int, int, int] | None:
+    """Input, output (None: not given yet), cache reads, cache writes, and the writes kept an
+    hour; None when a count is not one."""
     input_tokens = token_count(raw.get("input_tokens"))
     given = raw.get("output_tokens")
-    output_tokens = 0 if given is None else token_count(given)
+    output_tokens = None if given is None else token_count(given)
     # Cache fields may be absent or null: none of that kind.
     cache_read = token_count(raw.get("cache_read_input_tokens") or 0)
     cache_creation = token_count(raw.get("cache_creation_input_tokens") or 0)
     # Writes kept an hour cost more than those kept five minutes: their share of the writes.
     split = raw.get("cache_creation")
     hour = token_count((split.get("ephemeral_1h_input_tokens") if isinstance(split, dict) else None) or 0)
-    if input_tokens is None or output_tokens is None or cache_read is None or cache_creation is None:
+    if input_tokens is None or cache_read is None or cache_creation is None or hour is None:
         return None
-    if hour is None:
+    if given is not None and output_tokens is None:
         return None
-    return ProviderUsage(
-        input_tokens=input_tokens + cache_read + cache_creation,
-        output_tokens=output_tokens,
-        cached_input_tokens=cache_read,
-        reasoning_tokens=0,
-        cache_creation_input_tokens=cache_creation,
-        cache_creation_1h_input_tokens=min(hour, cache_creation),
-        output_known=given is not None,
-    )
+    return input_tokens, output_tokens, cache_read, cache_creation, hour
 
 
 def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -362,3 +363,68 @@ async def test_a_connection_broken_past_the_answers_end_takes_nothing_from_it(
         assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "20")
     finally:
         await cut.close()
+
+
+COMPACTED = {
+    "input_tokens": 23000,
+    "output_tokens": 1000,
+    "cache_creation_input_tokens": 0,
+    "cache_read_input_tokens": 500,
+    "iterations": [
+        {"type": "compaction", "input_tokens": 180000, "output_tokens": 3500,
+         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        {"type": "message", "input_tokens": 23000, "output_tokens": 1000,
+         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 500},
+    ],
+}  # fmt: skip
+
+
+async def test_a_compaction_step_is_billed_beside_the_answer(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Anthropic's top-level usage leaves the compaction iteration out (its 180,000 tokens read):
+    it was never billed."""
+    proxy = await proxy_for(make_proxy, script)
+    answer = {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "stop_reason": "end_turn",
+        "stop_sequence": None, "usage": COMPACTED,
+        "content": [{"type": "compaction", "content": "Summary."}, {"type": "text", "text": "Go on."}],
+    }  # fmt: skip
+    script.plan = Plan(chunks=[dumps(answer)])
+    body = {"model": "claude-x", "max_tokens": 4096, "messages": [{"role": "user", "content": "go on"}]}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body))
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    assert (entry["input_tokens"], entry["cached_input_tokens"], entry["output_tokens"]) == (
+        "203500",
+        "500",
+        "4500",
+    )
+    # Streamed: the iterations come with message_delta's usage.
+    await redis_client.delete(LEDGER)
+    start = {
+        **answer,
+        "content": [],
+        "stop_reason": None,
+        "usage": {"input_tokens": 23000, "output_tokens": 1},
+    }
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[
+            ev("message_start", {"message": start}),
+            ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Go on."}}),
+            ev("content_block_stop", {"index": 0}),
+            ev(
+                "message_delta",
+                {"delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": COMPACTED},
+            ),
+            ev("message_stop", {}),
+        ],
+    )
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    async with client.messages.stream(**body) as stream:  # type: ignore[arg-type]
+        await stream.get_final_message()
+    await client.close()
+    entry = await only_entry(redis_client)
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("203500", "4500"), entry
