@@ -118,9 +118,13 @@ async def open_upstream(
     try:
         headers = upstream_headers(call.upstream, call.identity)
         headers.update(call.feature_headers)
-        return await session.post(
-            url, data=data, headers=headers, timeout=timeout_for(call), allow_redirects=False
-        )
+        # A stream's headers within timeout_s, as a whole answer's: sock_read alone starts again
+        # at every byte, so headers that trickle in held the call past it (and past its lease,
+        # which is renewed only once the stream has started).
+        async with asyncio.timeout(call.upstream.timeout_s if call.stream else None):
+            return await session.post(
+                url, data=data, headers=headers, timeout=timeout_for(call), allow_redirects=False
+            )
     except aiohttp.ClientConnectorError as err:
         return TransportFailure("connect", f"cannot connect to upstream: {err.os_error.strerror or err}")
     except ValueError as err:

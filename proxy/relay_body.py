@@ -29,6 +29,7 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
         raw = await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came)
         parsed = parse_json(raw)
     except TimeoutError:
+        _observe_cut_body(ex, b"".join(came))  # whole but for the body's end: its usage came
         return await ex.failed("upstream_timeout", 504, "The upstream did not finish its answer in time.")
     except (ValueError, *UPSTREAM_BROKEN) as err:
         if not isinstance(err, ValueError):  # cut, not too large nor unparseable: read what came
@@ -82,10 +83,13 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
     status = upstream.status
     tag: OutcomeTag = "upstream_4xx" if status < 500 else "upstream_error"
     parsed: Any = None
+    came: list[bytes] = []
     try:
-        raw = ex.scrub(await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes))
-    except (TimeoutError, ValueError, *UPSTREAM_BROKEN):
+        raw = ex.scrub(await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came))
+    except ValueError:  # too large
         raw = b""
+    except (TimeoutError, *UPSTREAM_BROKEN):  # cut or stalled: what came may be whole
+        raw = ex.scrub(b"".join(came))
     try:
         parsed = parse_json(raw)
     except ValueError:

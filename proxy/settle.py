@@ -13,7 +13,7 @@ import orjson
 from proxy.call import Call
 from proxy.errors import StoreError
 from proxy.journal import Journal, PendingSettlement
-from proxy.outcome import BilledUsage, Outcome
+from proxy.outcome import BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, cost_micros, worst_rates
 from proxy.store import ACTUAL_METERS, Store
 
@@ -111,24 +111,7 @@ async def settle(
     caller shields it: see ``Exchange._settle``); journaled when the store fails."""
     reservation = call.reservation
     assert reservation is not None, "settle without reserve"
-    cost = cost_micros(
-        # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
-        # (and as a reaper bills it), every token at its dearest rate.
-        worst_rates(call.rates_reserved) if usage.source == "reserve" else call.rates_served,
-        input_tokens=usage.input_tokens,
-        cached_input_tokens=usage.cached_input_tokens,
-        output_tokens=usage.output_tokens,
-        reasoning_tokens=usage.reasoning_tokens,
-        cache_creation_input_tokens=usage.cache_creation_input_tokens,
-        cache_creation_1h_input_tokens=usage.cache_creation_1h_input_tokens,
-        audio_input_tokens=usage.audio_input_tokens,
-        audio_output_tokens=usage.audio_output_tokens,
-    )
-    if cost > MAX_AMOUNT:
-        # Counts up to 10**12 are taken from a provider; at a high unit price their cost can
-        # pass what the store holds, and a settle it refuses would leave no ledger entry.
-        log.warning("cost above the store's limit, billed at the limit", extra={"cost_micros": cost})
-        cost = MAX_AMOUNT
+    cost = _cost(call, usage)
     reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
     entry = entry_fields(call, outcome, usage, cost, reasons)
     actual = {
@@ -154,6 +137,12 @@ async def settle(
         runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
     )
     entry_id, stored = await settle_or_journal(store, journal, pending)
+    if stored and entry_id is None:
+        # A reaper billed it first (its lease ran out while it ran): the client is told what
+        # the ledger holds, not what this settle would have written.
+        outcome = Outcome("lease_expired")
+        usage = reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
+        cost = _cost(call, usage)
     return Settlement(
         stored=stored,
         outcome=outcome,
@@ -164,6 +153,28 @@ async def settle(
         actual=actual,
         overshoot_tokens=int(entry["overshoot_tokens"]),
     )
+
+
+def _cost(call: Call, usage: BilledUsage) -> int:
+    cost = cost_micros(
+        # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
+        # (and as a reaper bills it), every token at its dearest rate.
+        worst_rates(call.rates_reserved) if usage.source == "reserve" else call.rates_served,
+        input_tokens=usage.input_tokens,
+        cached_input_tokens=usage.cached_input_tokens,
+        output_tokens=usage.output_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        cache_creation_input_tokens=usage.cache_creation_input_tokens,
+        cache_creation_1h_input_tokens=usage.cache_creation_1h_input_tokens,
+        audio_input_tokens=usage.audio_input_tokens,
+        audio_output_tokens=usage.audio_output_tokens,
+    )
+    if cost > MAX_AMOUNT:
+        # Counts up to 10**12 are taken from a provider; at a high unit price their cost can
+        # pass what the store holds, and a settle it refuses would leave no ledger entry.
+        log.warning("cost above the store's limit, billed at the limit", extra={"cost_micros": cost})
+        return MAX_AMOUNT
+    return cost
 
 
 async def settle_or_journal(

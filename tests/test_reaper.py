@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import redis.asyncio as aioredis
 
 from proxy.app import STATE
 from proxy.store import TENANTS_KEY, Reservation, Scope
-from tests.conftest import Proxy, ProxyFactory
+from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, MSGS, run_headers
 
@@ -61,3 +62,32 @@ async def test_a_tenant_of_the_config_lost_from_the_registry_is_reaped(
     assert await reaped_orphan(proxy, redis_client, "team-b", "r1") == 0
     outcomes = [entry["outcome"] for _, entry in await redis_client.xrange("lbp:{team-b}:ledger")]
     assert outcomes == ["lease_expired"]
+
+
+async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Its lease ran out under it (a store outage during renewals, say): the reaper's entry
+    stands, and the client was told the figures of a settle that wrote nothing."""
+    proxy = await make_proxy(limits={"reaper_interval_s": 0.05, "reap_grace_s": 0})
+    leases = "lbp:{team-a}:leases"
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "overtaken"}
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 1}}
+    async with aiohttp.ClientSession() as session:
+        answer = asyncio.ensure_future(
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        )
+        while not await redis_client.zcard(leases):
+            await asyncio.sleep(0.01)
+        (reservation,) = await redis_client.zrange(leases, 0, -1)
+        await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
+        resp = await answer
+        assert resp.status == 200
+        await resp.read()
+    entries = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert [e["outcome"] for e in entries] == ["lease_expired"]
+    assert resp.headers["x-billing-outcome"] == "lease_expired"
+    assert resp.headers["x-billing-usage-source"] == "reserve"
+    assert resp.headers["x-billing-input-tokens"] == entries[0]["input_tokens"]
+    assert resp.headers["x-billing-output-tokens"] == entries[0]["output_tokens"]
+    assert resp.headers["x-billing-cost-micros"] == entries[0]["cost_micros"]

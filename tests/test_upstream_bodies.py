@@ -114,48 +114,126 @@ async def test_usage_whose_cost_passes_the_stores_limit_still_leaves_a_ledger_en
     assert entry["cost_micros"] == str(10**15 - 1)  # the most the store holds
 
 
+def chunked(status: bytes, body: bytes) -> bytes:
+    """A chunked answer whose whole JSON comes in one chunk; the body's end (``0``) never does."""
+    head = b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + b"%x\r\n" % len(body) + body + b"\r\n"
+
+
+async def raw_upstream(answer: bytes, served: list[None], *, stall: bool) -> asyncio.Server:
+    """Answers ``answer`` byte for byte, then closes (a cut) or holds the connection (a stall)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
+            await reader.readexactly(length)
+            served.append(None)
+            writer.write(answer)
+            await writer.drain()
+            if stall:
+                await asyncio.sleep(30)
+        except (ConnectionError, asyncio.CancelledError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def send_to_raw(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, answer: bytes, *, stall: bool
+) -> Reply:
+    served: list[None] = []
+    server = await raw_upstream(answer, served, stall=stall)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        proxy = await proxy_before(make_proxy, f"http://127.0.0.1:{port}/v1")  # timeout_s 3
+        path, request = CHAT
+        return await send(proxy, lambda: served, redis_client, path, dumps(request))
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["cut", "stalled"])
 async def test_a_body_cut_after_its_whole_json_bills_the_usage_that_came(
-    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, stall: bool
 ) -> None:
     # The chunked body's end never came; its JSON, usage and all, did: the provider's figure,
-    # not the reserve (README, Faults: "provider usage if it came").
-    body = dumps(chat_body())
-    answer = (
-        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-        + b"%x\r\n" % len(body)
-        + body
-        + b"\r\n"
+    # not the reserve (README, Faults: "provider usage if it came"). Stalled, it was the reserve.
+    reply = await send_to_raw(make_proxy, redis_client, chunked(b"200 OK", dumps(chat_body())), stall=stall)
+    (entry,) = reply.new_entries
+    assert (reply.status, entry["outcome"]) == (
+        (504, "upstream_timeout") if stall else (502, "upstream_error")
     )
+    assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("provider", "3", "1")
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["cut", "stalled"])
+async def test_a_5xx_error_body_cut_after_its_whole_json_is_the_providers_error(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, stall: bool
+) -> None:
+    # README Faults: a 5xx with an error body is passed on, billed 0; cut, it was billed at the
+    # reserve and the client told "no body".
+    error = dumps({"error": {"message": "overloaded", "type": "server_error", "param": None, "code": None}})
+    reply = await send_to_raw(
+        make_proxy, redis_client, chunked(b"503 Service Unavailable", error), stall=stall
+    )
+    (entry,) = reply.new_entries
+    assert reply.status == 503 and json.loads(reply.body)["error"]["message"] == "overloaded"
+    assert (entry["outcome"], entry["input_tokens"], entry["output_tokens"]) == ("upstream_error", "0", "0")
+
+
+async def test_a_streams_headers_are_bounded_by_its_timeout_however_they_trickle_in(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """sock_read starts again at every byte: headers sent a byte at a time held the call past
+    timeout_s and past its lease (renewed only once a stream has started); a reaper billed it
+    at its reserve while the client, still waiting, was told another bill."""
     served: list[None] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            (
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            ),
-            0,
-        )
-        await reader.readexactly(length)
-        served.append(None)
-        writer.write(answer)
-        await writer.drain()
-        writer.close()
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            served.append(None)
+            writer.write(b"HTTP/1.1 200 OK\r\n")
+            for byte in b"X-Slow: " + b"a" * 30 + b"\r\n":
+                await asyncio.sleep(0.3)  # each within sock_read (timeout_s 1)
+                writer.write(bytes([byte]))
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     try:
         port = server.sockets[0].getsockname()[1]
-        proxy = await proxy_before(make_proxy, f"http://127.0.0.1:{port}/v1")
+        upstream = {
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 1,
+        }
+        proxy = await make_proxy(
+            upstreams={"openai": upstream}, limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1}
+        )
         path, request = CHAT
-        reply = await send(proxy, lambda: served, redis_client, path, dumps(request))
+        reply = await send(proxy, lambda: served, redis_client, path, dumps({**request, "stream": True}))
     finally:
         server.close()
     (entry,) = reply.new_entries
-    assert reply.status == 502
-    assert entry["outcome"] == "upstream_error"
-    assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("provider", "3", "1")
+    assert reply.status == 504 and entry["outcome"] == "upstream_timeout", reply.describe()
+    assert reply.headers["x-billing-outcome"] == "upstream_timeout"
 
 
 @pytest.mark.parametrize(
