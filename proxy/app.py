@@ -58,6 +58,8 @@ class State:
     settling: set[asyncio.Future[Settlement]] = field(default_factory=set)
     # What every exchange is given, made once per config (see ``services_for``).
     services: Services | None = None
+    # Serving processes sharing the port: each keeps its own metrics (``handlers.metrics``).
+    workers: int = 1
 
     def services_for(self, config: Config) -> Services:
         services = self.services
@@ -195,6 +197,7 @@ def build_app(
     config_path: Path | None = None,
     run_reaper_task: bool = True,
     registry: CollectorRegistry | None = None,
+    workers: int = 1,
 ) -> web.Application:
     from proxy.handlers import add_routes
 
@@ -209,6 +212,7 @@ def build_app(
         ),
         metrics=Metrics(registry if registry is not None else CollectorRegistry(), currency=config.currency),
         journal=Journal(config.journal_dir, store_url=config.redis.url),
+        workers=workers,
     )
     app[STATE] = state
 

@@ -119,6 +119,15 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(config.log.level, config.log.format)
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
+    metrics = config.metrics.listen
+    if args.workers > 1 and metrics is not None and not 0 < metrics.port <= 65536 - args.workers:
+        # Worker i listens on port + i: each must be a port of its own (0 would make it i).
+        raise ConfigError(
+            f"metrics.listen.port {metrics.port} with --workers {args.workers}: worker i uses port + i, "
+            f"so the port must be 1 to {65536 - args.workers}"
+        )
+    if args.workers > 1 and metrics is None:
+        log.warning("with --workers, metrics are per worker: set metrics.listen to scrape them")
     with store_url(config, purpose="serve") as config:
         if args.workers == 1:
             return run_worker(config, bool(args.upstream), args.config, 0, 1)

@@ -14,7 +14,7 @@ from decimal import Decimal
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -79,6 +79,13 @@ class RedisConfig(_Frozen):
             raise ValueError(f"invalid Redis URL: the port of {parts.netloc!r} is not a port") from None
         if parts.scheme == "unix" and not parts.path:
             raise ValueError("invalid Redis URL: unix:// needs the socket's path")
+        query = parse_qs(parts.query, keep_blank_values=True)
+        if set(query) - {"db"}:
+            others = ", ".join(sorted(set(query) - {"db"}))
+            raise ValueError(f"invalid Redis URL: only db is read from its query, not {others} (see redis.*)")
+        db = query.get("db", [""])[0] or (parts.path.lstrip("/") if parts.scheme != "unix" else "")
+        if db and not db.isdigit():
+            raise ValueError(f"invalid Redis URL: the database {db[:40]!r} is not a number")
         return value
 
 

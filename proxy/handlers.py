@@ -330,6 +330,13 @@ async def metrics(request: web.Request) -> web.StreamResponse:
         allowed |= hmac.compare_digest(known, digest)
     if not allowed:
         raise Unauthorized("/metrics needs an admin key (admin_keys in the config), or use metrics.listen.")
+    if state.workers > 1:
+        # The port is shared: each scrape would read whichever worker took it, and Prometheus
+        # would take every switch between them for a counter reset.
+        raise NotFound(
+            f"With {state.workers} workers each keeps its own metrics: scrape each worker on "
+            "metrics.listen (its port + the worker's index), not the shared port."
+        )
     return await metrics_handler(state.metrics)(request)
 
 

@@ -48,12 +48,13 @@ def record_call(
     if call_log.isEnabledFor(logging.INFO):
         log_call(
             {
-                "request_id": call.request_id,
+                # What a client chooses (its X-Request-Id, X-Run-Id, model) may hold a key.
+                "request_id": redact(call.request_id),
                 "tenant": call.identity.tenant,
                 "key_name": call.identity.key_name,
-                "run_id": call.run_id,
+                "run_id": redact(call.run_id),
                 "endpoint": call.endpoint,
-                "model": redact(call.model),  # the one free-text field a client chooses
+                "model": redact(call.model),
                 "stream": call.stream,
                 "outcome": redact(settlement.outcome.label),
                 "input_tokens": usage.input_tokens,

@@ -52,7 +52,7 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
         # Each worker exposes its own metrics on its own port: base port + worker index.
         listen = config.metrics.listen.model_copy(update={"port": config.metrics.listen.port + worker})
         config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"listen": listen})})
-    app = build_app(config, passthrough=passthrough, config_path=config_path)
+    app = build_app(config, passthrough=passthrough, config_path=config_path, workers=workers)
     loop, loop_name = new_event_loop(config.event_loop)
     # What exists now (modules, config, tiktoken's rank tables) lives as long as the process:
     # kept out of the collector's scans. A call allocates hundreds of containers, nearly all

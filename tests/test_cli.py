@@ -305,6 +305,12 @@ BAD_FLAG_CONFIG = (
         ["ledger", "--redis-url", "notaurl", "--tenant", "team-a"],
         ["report", "--redis-url", "localhost:6379", "--tenant", "team-a"],
         ["ledger", "--redis-url", "redis://127.0.0.1:notaport", "--tenant", "team-a"],
+        ["ledger", "--redis-url", "redis://127.0.0.1:1/abc", "--tenant", "team-a"],
+        ["ledger", "--redis-url", "redis://127.0.0.1:1/0?socket_timeout=x", "--tenant", "team-a"],
+        ["report", "--redis-url", "redis://127.0.0.1:1/0?foo=bar", "--tenant", "team-a"],
+        ["serve", "--config", "{config}", "--redis-url", "redis://127.0.0.1:1/abc"],
+        ["check-config", "{bad_db_config}"],
+        ["serve", "--config", "{metrics_config}", "--workers", "2"],
         ["serve", "--config", "{config}", "--port", "70000"],
         ["serve", "--config", "{config}", "--redis-url", "notaurl"],
         ["check-config", "{bad_port_config}"],
@@ -317,7 +323,17 @@ def test_a_bad_value_on_the_command_line_is_a_config_error_not_a_traceback(
     config.write_text(BAD_FLAG_CONFIG)
     bad_port = tmp_path / "bad.yaml"
     bad_port.write_text(BAD_FLAG_CONFIG.replace("redis://127.0.0.1:1", "redis://127.0.0.1:notaport"))
-    result = run_cli(*(a.format(config=config, bad_port_config=bad_port) for a in args))
+    bad_db = tmp_path / "bad-db.yaml"
+    bad_db.write_text(BAD_FLAG_CONFIG.replace("redis://127.0.0.1:1", "redis://127.0.0.1:1?db=x"))
+    metrics = tmp_path / "metrics.yaml"  # worker 1 would listen on 65536
+    metrics.write_text(BAD_FLAG_CONFIG + "metrics: {listen: {host: 127.0.0.1, port: 65535}}\n")
+    names = {
+        "config": config,
+        "bad_port_config": bad_port,
+        "bad_db_config": bad_db,
+        "metrics_config": metrics,
+    }
+    result = run_cli(*(a.format(**names) for a in args))
     assert "Traceback" not in result.stderr, result.stderr[-300:]
     assert result.returncode == 2, (result.stdout, result.stderr)
 

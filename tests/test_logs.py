@@ -10,11 +10,12 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from proxy.logs import CALL_LOGGER, TRUSTED_FIELDS, BufferedStderrHandler, JsonFormatter
 from proxy.redis_server import RedisServerProcess
-from tests.conftest import KEY_A, base_config
+from tests.conftest import KEY_A, ProxyFactory, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -71,3 +72,27 @@ def test_an_authorization_value_of_any_scheme_is_redacted() -> None:
         "x-api-key: pk-1",
     ):
         assert redact(line) == "[REDACTED]", line
+
+
+async def test_a_key_in_an_id_the_client_chose_is_redacted_in_the_call_line(
+    make_proxy: ProxyFactory, fake: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    # X-Run-Id and X-Request-Id are the client's: one holding its key was logged as it came.
+    proxy = await make_proxy()
+    secret = "sk-proj-AbCdEf0123456789"
+    caplog.set_level(logging.INFO)
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": secret, "X-Request-Id": secret}
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp,
+    ):
+        assert resp.status == 200
+    for _ in range(100):
+        calls = [r for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+        if calls:
+            break
+        await asyncio.sleep(0.02)
+    (record,) = calls
+    line = JsonFormatter().format(record)
+    assert secret not in line and json.loads(line)["run_id"] == "[REDACTED]", line

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.app import STATE
 from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, Metrics
 from proxy.redis_server import free_port
 from tests.conftest import KEY_A, ProxyFactory, digest
@@ -287,7 +288,6 @@ async def test_a_lease_the_reaper_settles_is_in_the_spend_counters(
 ) -> None:
     # The reaper's ledger entry at the reserve reached only leases_expired: the README's spend
     # query (increase of llm_proxy_cost_total) under-reported what the ledger charged.
-    from proxy.app import STATE
     from proxy.store import Reservation, Scope
 
     proxy = await make_proxy(
@@ -366,3 +366,16 @@ async def test_a_call_a_reaper_billed_first_is_counted_once_and_is_no_store_erro
     assert total(values, "llm_proxy_requests_total") == 1
     assert total(values, "llm_proxy_requests_total", outcome="lease_expired") == 1
     assert total(values, "llm_proxy_store_errors_total") == 0
+
+
+async def test_the_shared_port_does_not_answer_one_workers_metrics_for_all(make_proxy: ProxyFactory) -> None:
+    # With --workers N a scrape of the shared port reads whichever worker took it (14, 6, 14...
+    # against a ledger of 20): Prometheus takes each switch for a counter reset.
+    proxy = await make_proxy(admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}])
+    proxy.app[STATE].workers = 2
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp,
+    ):
+        assert resp.status == 404
+        assert "metrics.listen" in (await resp.json())["error"]["message"]
