@@ -18,7 +18,17 @@ from proxy.config import Config, ModelConfig, PolicyConfig, UpstreamConfig
 from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
 from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS, Estimate, estimate
-from proxy.payload import ChatBody, Endpoint, RequestView, ResponsesBody, answers, generations, set_output_cap
+from proxy.payload import (
+    FAST_TIER,
+    ChatBody,
+    Endpoint,
+    MessagesBody,
+    RequestView,
+    ResponsesBody,
+    answers,
+    generations,
+    set_output_cap,
+)
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
@@ -127,11 +137,20 @@ class Call:
 DEFAULT_SERVICE_TIERS = frozenset({"auto", "default"})
 
 
+def asked_tier(view: RequestView) -> str | None:
+    """The processing tier a request asks for: OpenAI's service_tier, Anthropic's fast mode."""
+    if isinstance(view, ChatBody | ResponsesBody):
+        return view.service_tier
+    if isinstance(view, MessagesBody) and view.speed == FAST_TIER:
+        return FAST_TIER
+    return None
+
+
 def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[str, int] | None]:
     """The tier a request asks for (None: the default) and its prices per million tokens, or
     the refusal of a tier the operator did not price (billing it at the default's prices would
     charge a priority call at half its cost)."""
-    asked = view.service_tier if isinstance(view, ChatBody | ResponsesBody) else None
+    asked = asked_tier(view)
     price = model.price_per_million
     if asked is None or asked in DEFAULT_SERVICE_TIERS:
         return None, price.rates if price else None
@@ -139,10 +158,11 @@ def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[s
         return asked, None
     tier_price = model.service_tiers.get(asked)
     if tier_price is None:
+        field = "speed" if asked == FAST_TIER and isinstance(view, MessagesBody) else "service_tier"
         raise BadRequest(
             f"The service tier '{asked[:64]}' has no price for the model '{view.model}' in this proxy's "
-            "config: leave service_tier unset, or ask the operator to price that tier.",
-            param="service_tier",
+            f"config: leave {field} unset, or ask the operator to price that tier.",
+            param=field,
             code="unsupported_service_tier",
         )
     return asked, tier_price.rates
@@ -277,11 +297,11 @@ def plan_call(
     service_tier, rates = rates_for(view, model_config)
     tiers = tier_rates(model_config)
     reserve_rates = rates
-    asked_tier = view.service_tier if isinstance(view, ChatBody | ResponsesBody) else None
-    if rates is not None and len(tiers) > 1 and asked_tier in (None, "auto"):
+    if rates is not None and len(tiers) > 1 and asked_tier(view) in (None, "auto"):
         # Served by the tier the client's project defaults to (priority, say), which the proxy
         # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
-        reserve_rates = dearest(tiers.values())
+        # Not fast mode's: it serves only the calls that ask for it.
+        reserve_rates = dearest(rates for name, rates in tiers.items() if name != FAST_TIER)
     return Call(
         request_id=request_id,
         reservation_id=ids.new(),

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from proxy.observe import Observation, ProviderUsage, parse_usage, token_count
-from proxy.payload import Endpoint
+from proxy.payload import FAST_TIER, Endpoint
 
 UpstreamKind = Literal["openai", "anthropic"]
 Observer = Callable[[Observation, dict[str, Any]], None]
@@ -194,6 +194,7 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.refused = True
         if isinstance(obj.get("usage"), dict):
             obs.partial_usage.update({k: v for k, v in obj["usage"].items() if v is not None})
+            _anthropic_tier(obs, obj["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
             # Final only with an output count of its own (message_start's is a placeholder).
             obs.usage_final = token_count(obj["usage"].get("output_tokens")) is not None
@@ -204,9 +205,14 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
 
 
 def _anthropic_tier(obs: Observation, usage: Any) -> None:
-    """The tier Anthropic says served the call (its "standard" is the default's prices)."""
-    tier = usage.get("service_tier") if isinstance(usage, dict) else None
-    if isinstance(tier, str) and tier:
+    """The tier Anthropic says served the call (its "standard" is the default's prices); fast
+    mode (``usage.speed``) is priced as a tier of its own, ``fast``."""
+    if not isinstance(usage, dict):
+        return
+    tier = usage.get("service_tier")
+    if usage.get("speed") == "fast":
+        obs.service_tier = FAST_TIER
+    elif isinstance(tier, str) and tier:
         obs.service_tier = "default" if tier == "standard" else tier
 
 

@@ -114,11 +114,17 @@ class ResponsesBody(_Body):
     prompt: dict[str, Any] | None = None
 
 
+# Anthropic's fast mode (``speed: "fast"``, at several times the price): priced as a tier of
+# this name, and only ever the tier of a call that asks for it.
+FAST_TIER = "fast"
+
+
 class MessagesBody(_Body):
     """Anthropic Messages API: ``max_tokens`` is required there."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    speed: str | None = None
     system: str | list[dict[str, Any]] | None = None
     stream: bool | None = None
     tools: list[dict[str, Any]] | None = None

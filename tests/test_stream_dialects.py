@@ -428,3 +428,56 @@ async def test_a_compaction_step_is_billed_beside_the_answer(
     await client.close()
     entry = await only_entry(redis_client)
     assert (entry["input_tokens"], entry["output_tokens"]) == ("203500", "4500"), entry
+
+
+async def test_anthropic_fast_mode_is_priced_as_a_tier_of_its_own(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Fast mode costs six times the standard price: it was forwarded and billed at the
+    standard price. Unpriced, it is refused as an unpriced service tier is."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    standard = {"input": "3", "output": "15"}
+    fast = {"input": "18", "output": "90"}
+    body = {"model": "claude-x", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+    usage = {"input_tokens": 1000, "output_tokens": 100, "service_tier": "standard", "speed": "fast"}
+    answer = {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "stop_reason": "end_turn",
+        "stop_sequence": None, "usage": usage, "content": [{"type": "text", "text": "Quick."}],
+    }  # fmt: skip
+    unpriced = await make_proxy(
+        upstreams={"anthropic": upstream},
+        models={"claude-*": {"upstream": "anthropic", "price_per_million": standard}},
+    )
+    reply = await send(
+        unpriced, lambda: script.received, redis_client, "/v1/messages", dumps({**body, "speed": "fast"})
+    )
+    assert (reply.status, reply.upstream_calls) == (400, 0), reply.describe()
+    assert json.loads(reply.body)["error"]["message"].startswith("The service tier 'fast'")
+    # Priced: billed at fast mode's prices when the answer says it ran so; a call that does not
+    # ask for it is reserved at the standard prices (fast mode serves only those that ask).
+    models = {
+        "claude-*": {"upstream": "anthropic", "price_per_million": standard, "service_tiers": {"fast": fast}}
+    }
+    # Room in the run, after the fast call's 27,000, for a second call at the standard prices
+    # (about 1,530 reserved) but not at fast mode's (about 9,180).
+    room = {"cost_usd": "0.0345"}
+    proxy = await make_proxy(
+        upstreams={"anthropic": upstream}, models=models, tiers={"standard": {"run": room}}
+    )
+    script.plan = Plan(chunks=[dumps(answer)])
+    headers = {"X-Run-Id": "one-run"}
+    fast_body = dumps({**body, "speed": "fast"})
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", fast_body, headers=headers
+    )
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    assert (entry["service_tier"], entry["cost_micros"]) == ("fast", str(1000 * 18 + 100 * 90))
+    plain = {**answer, "usage": {"input_tokens": 1000, "output_tokens": 100, "service_tier": "standard"}}
+    script.plan = Plan(chunks=[dumps(plain)])
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body), headers=headers
+    )
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    assert entry["cost_micros"] == str(1000 * 3 + 100 * 15)
