@@ -8,7 +8,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,6 +18,7 @@ from proxy.config_load import load_config, passthrough_config, with_flags
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
 from proxy.redis_server import EmbeddedKeeper, RedisServerProcess
+from proxy.store import Store
 from proxy.workers import run_worker, supervise
 
 log = logging.getLogger("proxy.cli")
@@ -143,30 +144,50 @@ def check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _read_ledger(
-    config: Config, tenant: str, run: str | None, start: str = "-"
-) -> list[dict[str, str]]:
+async def _ledger_pages(
+    store: Store, tenant: str, run: str | None, start: str = "-"
+) -> AsyncIterator[list[dict[str, str]]]:
+    if run is not None:
+        async for entries in store.run_ledger_pages(tenant=tenant, run_id=run):
+            yield entries
+        return
+    async for page in store.ledger_pages(tenant=tenant, start=start):
+        yield [{"id": i, **fields} for i, fields in page]
+
+
+def _open_store(config: Config) -> Store:
     from proxy.redis_store import RedisStore
 
     assert config.redis.url is not None
-    store = RedisStore.from_url(config.redis.url, cluster=config.redis.cluster)
-    try:
-        if run is not None:
-            return await store.run_ledger(tenant=tenant, run_id=run)
-        return [{"id": i, **fields} for i, fields in await store.ledger(tenant=tenant, start=start)]
-    finally:
-        await store.close()
+    return RedisStore.from_url(config.redis.url, cluster=config.redis.cluster)
 
 
 async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> None:
-    rows = await _read_ledger(config, tenant, run)
-    if fmt == "jsonl":
-        for row in rows:
-            sys.stdout.write(json.dumps(row, separators=(",", ":")) + "\n")
-        return
-    from proxy.report import csv_text
+    """Written page by page as it is read (a ledger may hold millions of entries). A CSV's
+    columns, which entries differ in, are read first: the entries then, and only those."""
+    from proxy.report import columns_of, csv_rows, csv_writer
 
-    sys.stdout.write(csv_text(rows))
+    store = _open_store(config)
+    try:
+        if fmt == "jsonl":
+            async for entries in _ledger_pages(store, tenant, run):
+                sys.stdout.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in entries))
+            return
+        columns: dict[str, None] = {}
+        count = 0
+        async for entries in _ledger_pages(store, tenant, run):
+            columns_of(entries, columns)
+            count += len(entries)
+        if not count:
+            return
+        writer = csv_writer(sys.stdout, columns)
+        async for entries in _ledger_pages(store, tenant, run):  # both only ever grow at the end
+            writer.writerows(csv_rows(entries[:count]))
+            count -= len(entries)
+            if count <= 0:
+                break
+    finally:
+        await store.close()
 
 
 def _store_config(args: argparse.Namespace) -> Config:
@@ -200,12 +221,20 @@ def _since_ms(value: str | None) -> str:
     return str(max(0, int(moment.timestamp() * 1000)))
 
 
+async def _read_all(config: Config, tenant: str, start: str) -> list[dict[str, str]]:
+    store = _open_store(config)
+    try:
+        return [entry async for page in _ledger_pages(store, tenant, None, start) for entry in page]
+    finally:
+        await store.close()
+
+
 def report_command(args: argparse.Namespace) -> int:
     from proxy.report import aggregate, render, rows
 
     start = _since_ms(args.since)
     with store_url(_store_config(args), purpose="report", create=False) as config:
-        entries = asyncio.run(_read_ledger(config, args.tenant, None, start))
+        entries = asyncio.run(_read_all(config, args.tenant, start))
         table = rows(aggregate(entries, args.by), args.by, config.currency)
     sys.stdout.write(render(table, args.format))
     return 0

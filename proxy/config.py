@@ -24,6 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
 
@@ -79,11 +80,20 @@ class RedisConfig(_Frozen):
             raise ValueError(f"invalid Redis URL: the port of {parts.netloc!r} is not a port") from None
         if parts.scheme == "unix" and not parts.path:
             raise ValueError("invalid Redis URL: unix:// needs the socket's path")
-        query = parse_qs(parts.query, keep_blank_values=True)
-        if set(query) - {"db"}:
-            others = ", ".join(sorted(set(query) - {"db"}))
-            raise ValueError(f"invalid Redis URL: only db is read from its query, not {others} (see redis.*)")
-        db = query.get("db", [""])[0] or (parts.path.lstrip("/") if parts.scheme != "unix" else "")
+        # Options redis-py reads (TLS's among them, for rediss://); a name it does not know was a
+        # traceback when the first connection was made.
+        unknown = sorted(
+            name
+            for name in parse_qs(parts.query, keep_blank_values=True)
+            if name not in URL_QUERY_ARGUMENT_PARSERS and not name.startswith("ssl_")
+        )
+        if unknown:
+            raise ValueError(f"invalid Redis URL: unknown option {', '.join(unknown)[:80]}")
+        try:
+            parse_url(value)  # type: ignore[no-untyped-call]
+        except ValueError as err:
+            raise ValueError(f"invalid Redis URL: {err}") from None
+        db = parts.path.lstrip("/") if parts.scheme != "unix" else ""
         if db and not db.isdigit():
             raise ValueError(f"invalid Redis URL: the database {db[:40]!r} is not a number")
         return value

@@ -7,7 +7,7 @@ keys of one tenant (see ``store.key_prefix``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -35,6 +35,7 @@ from proxy.store import (
     ACTUAL_METERS,
     ALL_METERS,
     DEFAULT_SETTLED_MARKER_TTL_S,
+    LEDGER_PAGE,
     RESERVED_METERS,
     TENANTS_KEY,
     Clamp,
@@ -454,24 +455,41 @@ class RedisStore:
         return {str(m) for m in members}
 
     async def run_ledger(self, *, tenant: str, run_id: str) -> list[dict[str, str]]:
-        prefix = key_prefix(tenant)
-        try:
-            ids: Any = await self._client.lrange(f"{prefix}runlog:{run_id}", 0, -1)
-            if not ids:
-                return []
-            pipe = self._client.pipeline(transaction=False)
-            for entry_id in ids:
-                pipe.xrange(f"{prefix}ledger", entry_id, entry_id)
-            found = await pipe.execute()
-        except STORE_FAILURES as err:
-            raise StoreError(f"run ledger: {err}") from err
-        return [{"id": rows[0][0], **rows[0][1]} for rows in found if rows]
+        return [entry async for page in self.run_ledger_pages(tenant=tenant, run_id=run_id) for entry in page]
 
-    async def ledger(
-        self, *, tenant: str, start: str = "-", count: int | None = None
-    ) -> list[tuple[str, dict[str, str]]]:
-        try:
-            rows: Any = await self._client.xrange(f"{key_prefix(tenant)}ledger", start, "+", count=count)
-        except STORE_FAILURES as err:
-            raise StoreError(f"ledger: {err}") from err
-        return [(str(i), dict(fields)) for i, fields in rows]
+    async def run_ledger_pages(
+        self, *, tenant: str, run_id: str, page: int = LEDGER_PAGE
+    ) -> AsyncIterator[list[dict[str, str]]]:
+        prefix = key_prefix(tenant)
+        at = 0
+        while True:
+            try:
+                ids: Any = await self._client.lrange(f"{prefix}runlog:{run_id}", at, at + page - 1)
+                if not ids:
+                    return
+                pipe = self._client.pipeline(transaction=False)
+                for entry_id in ids:
+                    pipe.xrange(f"{prefix}ledger", entry_id, entry_id)
+                found = await pipe.execute()
+            except STORE_FAILURES as err:
+                raise StoreError(f"run ledger: {err}") from err
+            yield [{"id": rows[0][0], **rows[0][1]} for rows in found if rows]
+            if len(ids) < page:
+                return
+            at += page
+
+    async def ledger_pages(
+        self, *, tenant: str, start: str = "-", end: str = "+", page: int = LEDGER_PAGE
+    ) -> AsyncIterator[list[tuple[str, dict[str, str]]]]:
+        key = f"{key_prefix(tenant)}ledger"
+        while True:
+            try:
+                rows: Any = await self._client.xrange(key, start, end, count=page)
+            except STORE_FAILURES as err:
+                raise StoreError(f"ledger: {err}") from err
+            if not rows:
+                return
+            yield [(str(i), dict(fields)) for i, fields in rows]
+            if len(rows) < page:
+                return
+            start = f"({rows[-1][0]}"  # after the last one read

@@ -88,8 +88,11 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
         raw = ex.scrub(await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came))
     except ValueError:  # too large
         raw = b""
-    except (TimeoutError, *UPSTREAM_BROKEN):  # cut or stalled: what came may be whole
-        raw = ex.scrub(b"".join(came))
+    except (TimeoutError, *UPSTREAM_BROKEN):
+        # Cut or stalled: what came is passed on only as a whole error object (a page cut short
+        # could end inside the operator's key, which the scrub, matching it whole, would miss).
+        raw = b"".join(came)
+        raw = ex.scrub(raw) if _is_error_object(raw) else b""
     try:
         parsed = parse_json(raw)
     except ValueError:
@@ -131,6 +134,14 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
     return ex.error(
         status, f"Upstream returned HTTP {status}: {snippet}", error_type, code=tag, headers=headers
     )
+
+
+def _is_error_object(raw: bytes) -> bool:
+    try:
+        parsed = parse_json(raw)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
 
 
 def provider_usage_of(parsed: Any) -> BilledUsage | None:

@@ -131,7 +131,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
         ex.upstream_s += waited_s
         guard.cancel()
         renewal.stop()
-    if events.incomplete and failure is None and not client_gone:
+    if events.incomplete and failure is None and not client_gone and not obs.done:
         failure = Outcome("upstream_error")  # the stream ended inside an event
 
     # A body that ended cleanly once every choice had finished is a whole answer even without

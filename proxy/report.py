@@ -5,9 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import TextIO
 
 from proxy.config import MICROS_PER_UNIT
 from proxy.outcome import TOKEN_KINDS
@@ -72,17 +73,34 @@ def csv_text(table: Iterable[Mapping[str, object]]) -> str:
     table = list(table)
     if not table:
         return ""
-    columns: list[str] = []
-    for row in table:
-        columns += [c for c in row if c not in columns]
     buffer = io.StringIO()
+    writer = csv_writer(buffer, columns_of(table))
+    writer.writerows(csv_rows(table))
+    return buffer.getvalue()
+
+
+def columns_of(
+    table: Iterable[Mapping[str, object]], columns: dict[str, None] | None = None
+) -> dict[str, None]:
+    """The columns of ``table`` (added to ``columns``), in order of first appearance."""
+    columns = {} if columns is None else columns
+    for row in table:
+        columns.update(dict.fromkeys(row))
+    return columns
+
+
+def csv_writer(stream: TextIO, columns: Iterable[str]) -> csv.DictWriter[str]:
+    """A writer of ``columns`` to ``stream``, its header written."""
     # RFC 4180's terminator: the writer then quotes a cell holding a lone CR as well as an LF (a
     # bare CR ends a row for every reader, and a row of the client's choosing could start with a
     # formula past the guard).
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\r\n")
+    writer = csv.DictWriter(stream, fieldnames=list(columns), lineterminator="\r\n")
     writer.writeheader()
-    writer.writerows({k: _inert(v) for k, v in row.items()} for row in table)
-    return buffer.getvalue()
+    return writer
+
+
+def csv_rows(table: Iterable[Mapping[str, object]]) -> Iterator[dict[str, object]]:
+    return ({k: _inert(v) for k, v in row.items()} for row in table)
 
 
 def _printable(value: str) -> str:

@@ -114,17 +114,7 @@ async def settle(
     cost = _cost(call, usage)
     reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
     entry = entry_fields(call, outcome, usage, cost, reasons)
-    actual = {
-        # A call the upstream refused to connect to was not a request made (source "none").
-        "requests": 0 if usage.source == "none" else 1,
-        "input_tokens": usage.input_tokens,
-        "output_tokens": usage.output_tokens,
-        "total_tokens": usage.total_tokens,
-        "cost_micros": cost,
-        "cached_input_tokens": usage.cached_input_tokens,
-        "reasoning_tokens": usage.reasoning_tokens,
-        "cache_creation_input_tokens": usage.cache_creation_input_tokens,
-    }
+    actual = _actual(usage, cost)
     pending = PendingSettlement(
         tenant=reservation.tenant,
         reservation_id=reservation.id,
@@ -137,12 +127,14 @@ async def settle(
         runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
     )
     entry_id, stored = await settle_or_journal(store, journal, pending)
+    overshoot = int(entry["overshoot_tokens"])
     if stored and entry_id is None:
         # A reaper billed it first (its lease ran out while it ran): the client is told what
-        # the ledger holds, not what this settle would have written.
+        # the ledger holds (and the budget it left), not what this settle would have written.
         outcome = Outcome("lease_expired")
         usage = reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
         cost = _cost(call, usage)
+        actual, overshoot = _actual(usage, cost), 0
     return Settlement(
         stored=stored,
         outcome=outcome,
@@ -151,8 +143,23 @@ async def settle(
         entry_id=entry_id,
         finish_reasons=reasons,
         actual=actual,
-        overshoot_tokens=int(entry["overshoot_tokens"]),
+        overshoot_tokens=overshoot,
     )
+
+
+def _actual(usage: BilledUsage, cost: int) -> dict[str, int]:
+    """What a settle puts on the meters in place of the reserve."""
+    return {
+        # A call the upstream refused to connect to was not a request made (source "none").
+        "requests": 0 if usage.source == "none" else 1,
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+        "cost_micros": cost,
+        "cached_input_tokens": usage.cached_input_tokens,
+        "reasoning_tokens": usage.reasoning_tokens,
+        "cache_creation_input_tokens": usage.cache_creation_input_tokens,
+    }
 
 
 def _cost(call: Call, usage: BilledUsage) -> int:

@@ -6,7 +6,7 @@ billing path only see this interface.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +31,8 @@ ALL_METERS = (*ACTUAL_METERS, "concurrent")
 
 # The one key outside any tenant's slot: which tenants exist, for the lease reapers.
 TENANTS_KEY = "lbp:tenants"
+# Ledger entries read per command (exports, reports, a run's entries).
+LEDGER_PAGE = 1000
 
 
 def key_prefix(tenant: str) -> str:
@@ -172,9 +174,16 @@ class Store(Protocol):
 
     async def run_ledger(self, *, tenant: str, run_id: str) -> list[dict[str, str]]: ...
 
-    async def ledger(
-        self, *, tenant: str, start: str = "-", count: int | None = None
-    ) -> list[tuple[str, dict[str, str]]]: ...
+    def run_ledger_pages(
+        self, *, tenant: str, run_id: str, page: int = LEDGER_PAGE
+    ) -> AsyncIterator[list[dict[str, str]]]: ...
+
+    def ledger_pages(
+        self, *, tenant: str, start: str = "-", end: str = "+", page: int = LEDGER_PAGE
+    ) -> AsyncIterator[list[tuple[str, dict[str, str]]]]:
+        """The tenant ledger from ``start`` to ``end`` (ids, inclusive), ``page`` entries a
+        command: one read of a ledger of millions would hold Redis for seconds."""
+        ...
 
     async def register_tenant(self, tenant: str) -> None: ...
 

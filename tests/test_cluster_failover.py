@@ -73,7 +73,7 @@ async def test_failover_of_the_tenants_master(
         try:
             entries: list[tuple[str, dict[str, str]]] = []
             for _ in range(100):
-                entries = await store.ledger(tenant="team-a")
+                entries = [entry async for page in store.ledger_pages(tenant="team-a") for entry in page]
                 if len(entries) == len(fake.bill):
                     break
                 await asyncio.sleep(0.1)

@@ -464,3 +464,19 @@ def test_uvloop_asked_where_it_is_not_installed_is_refused_at_load(monkeypatch: 
     with pytest.raises(ConfigError, match=r"event_loop: .*uvloop is not installed"):
         parse_config({**UP, "event_loop": "uvloop"}, {})
     assert parse_config(UP, {}).event_loop == "auto"  # auto: asyncio's loop then
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "rediss://:pw@redis.example:6380/0?ssl_cert_reqs=none",  # a self-signed server's
+        "rediss://redis.example:6380/0?ssl_ca_certs=/etc/ssl/private-ca.pem",
+        "redis://[::1]:6379/2?socket_timeout=5",
+        "unix:///run/redis.sock?db=3",
+    ],
+)
+def test_a_redis_url_with_options_redis_py_reads_is_accepted(url: str) -> None:
+    # A TLS Redis is reached through redis-py, which reads its ssl_* options from the URL: the
+    # URL check must not refuse them (no redis.* field sets them).
+    raw = {"redis": {"url": url}, "upstreams": {"openai": {"base_url": "http://127.0.0.1:1/v1"}}}
+    assert parse_config(raw, {}).redis.url == url

@@ -69,7 +69,11 @@ async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
 ) -> None:
     """Its lease ran out under it (a store outage during renewals, say): the reaper's entry
     stands, and the client was told the figures of a settle that wrote nothing."""
-    proxy = await make_proxy(limits={"reaper_interval_s": 0.05, "reap_grace_s": 0})
+    ceiling = 100_000
+    proxy = await make_proxy(
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0},
+        tiers={"standard": {"run": {"total_tokens": ceiling}}},
+    )
     leases = "lbp:{team-a}:leases"
     headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "overtaken"}
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 1}}
@@ -91,3 +95,4 @@ async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
     assert resp.headers["x-billing-input-tokens"] == entries[0]["input_tokens"]
     assert resp.headers["x-billing-output-tokens"] == entries[0]["output_tokens"]
     assert resp.headers["x-billing-cost-micros"] == entries[0]["cost_micros"]
+    assert resp.headers["x-budget-remaining-total-tokens"] == str(ceiling - int(entries[0]["total_tokens"]))

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import anthropic
 import openai
+import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
@@ -336,8 +337,9 @@ class _CutAfterTheEnd(ScriptedUpstream):
         return response
 
 
+@pytest.mark.parametrize("after", [b"", b"event: keepalive\ndata: {"], ids=["nothing", "part-of-an-event"])
 async def test_a_connection_broken_past_the_answers_end_takes_nothing_from_it(
-    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, after: bytes
 ) -> None:
     """The client had the whole answer and no error; the ledger said upstream_error."""
     cut = _CutAfterTheEnd()
@@ -353,6 +355,7 @@ async def test_a_connection_broken_past_the_answers_end_takes_nothing_from_it(
                     {"sequence_number": 0, "response": {**RESPONSE, "status": "in_progress"}},
                 ),
                 ev("response.completed", {"sequence_number": 1, "response": done}),
+                after,
             ],
         )
         client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0)

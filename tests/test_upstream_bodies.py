@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import ProxyFactory
+from tests.conftest import UPSTREAM_KEY, ProxyFactory
 from tests.test_bad_input import Plan, Reply, ScriptedUpstream, send
 
 PRICE = {"input": "1", "output": "2", "cached_input": "0.5", "cache_creation_input": "1.25"}
@@ -191,6 +192,51 @@ async def test_a_5xx_error_body_cut_after_its_whole_json_is_the_providers_error(
     assert (entry["outcome"], entry["input_tokens"], entry["output_tokens"]) == ("upstream_error", "0", "0")
 
 
+async def test_an_error_page_cut_inside_the_operators_key_does_not_show_it(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    # The scrub matches the key whole: a page cut inside it passed the rest on.
+    page = b"<html>500 Internal Server Error: request with Authorization " + UPSTREAM_KEY.encode()[:-2]
+    reply = await send_to_raw(
+        make_proxy, redis_client, chunked(b"500 Internal Server Error", page), stall=False
+    )
+    assert reply.status == 500
+    assert UPSTREAM_KEY.encode()[:-4] not in reply.body, reply.body
+
+
+async def test_a_stream_whose_connection_is_never_made_is_billed_nothing(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    # The bound on a stream's headers fired in the connect (timeout_s below connect_timeout_s),
+    # and a call that never went out was billed at its reserve.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # the backlog full: a connect that never completes
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        upstream = {
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 0.5,
+            "connect_timeout_s": 1.5,
+        }
+        proxy = await make_proxy(upstreams={"openai": upstream})
+        path, request = CHAT
+        reply = await send(proxy, lambda: [], redis_client, path, dumps({**request, "stream": True}))
+    finally:
+        for each in (*fillers, listener):
+            each.close()
+    (entry,) = reply.new_entries
+    assert reply.status == 504 and entry["outcome"] == "upstream_timeout", reply.describe()
+    assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("none", "0", "0")
+
+
 async def test_a_streams_headers_are_bounded_by_its_timeout_however_they_trickle_in(
     make_proxy: ProxyFactory, redis_client: aioredis.Redis
 ) -> None:
@@ -223,9 +269,10 @@ async def test_a_streams_headers_are_bounded_by_its_timeout_however_they_trickle
             "base_url": f"http://127.0.0.1:{port}/v1",
             "api_key_env": "TEST_UPSTREAM_KEY",
             "timeout_s": 1,
+            "connect_timeout_s": 1,
         }
         proxy = await make_proxy(
-            upstreams={"openai": upstream}, limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1}
+            upstreams={"openai": upstream}, limits={"lease_margin_s": 1.5, "reaper_interval_s": 0.1}
         )
         path, request = CHAT
         reply = await send(proxy, lambda: served, redis_client, path, dumps({**request, "stream": True}))
