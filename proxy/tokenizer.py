@@ -20,6 +20,9 @@ log = logging.getLogger("proxy.tokenizer")
 # "none": the call never left the proxy (the upstream refused the connection).
 UsageSource = Literal["provider", "tokenizer", "chars", "reserve", "none"]
 DEFAULT_ENCODING = "o200k_base"
+# No tokenizer, on purpose: reserves at the UTF-8 bytes (never below any byte-level tokenizer's
+# count, Claude's among them, which tiktoken's may be), usage estimated at 4 characters a token.
+BYTES_ENCODING = "bytes"
 CHARS_PER_TOKEN = 4
 # Texts at least this long have their counts remembered: an agent sends its whole conversation
 # again on every turn, and counting 100 KB with tiktoken takes milliseconds.
@@ -122,7 +125,8 @@ class Tokenizer:
     def load(
         cls, names: Iterable[str], *, timeout_s: float = 5.0, cache_chars: int = DEFAULT_CACHE_CHARS
     ) -> Tokenizer:
-        return cls({name: _load_one(name, timeout_s) for name in set(names)}, cache_chars=cache_chars)
+        loaded = {name: None if name == BYTES_ENCODING else _load_one(name, timeout_s) for name in set(names)}
+        return cls(loaded, cache_chars=cache_chars)
 
     def available(self, encoding: str) -> bool:
         return self._encodings.get(encoding) is not None

@@ -126,3 +126,45 @@ async def test_large_prompts_are_counted_off_the_loop_one_at_a_time(make_proxy: 
         await asyncio.gather(*(one(i) for i in range(4)))
     assert enc.threads and all(name.startswith("estimate") for name in enc.threads)
     assert enc.most_at_once == 1
+
+
+class _Words:
+    """A tokenizer that counts words: far below the bytes, as tiktoken may be below Claude's."""
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return [0] * len(text.split())
+
+
+def test_the_bytes_encoding_is_never_loaded(monkeypatch: Any, caplog: Any) -> None:
+    import tiktoken
+
+    asked: list[str] = []
+    monkeypatch.setattr(tiktoken, "get_encoding", asked.append)
+    tokenizer = Tokenizer.load(["bytes"], timeout_s=1)
+    assert asked == [] and not caplog.records  # no attempt, no "unavailable" warning
+    assert not tokenizer.available("bytes")
+    assert tokenizer.upper_bound("ünïcode words here", "bytes") == len("ünïcode words here".encode())
+
+
+async def test_a_model_with_the_bytes_encoding_is_reserved_at_its_prompts_bytes(
+    make_proxy: ProxyFactory,
+) -> None:
+    # For a model tiktoken may undercount (Claude's tokenizer writes more tokens): a reserve
+    # never below the provider's count, whatever its tokenizer.
+    prompt = "word " * 300
+    models = {
+        "gpt-4o-mini": {"upstream": "openai", "encoding": "o200k_base"},
+        "bounded": {"upstream": "openai", "encoding": "bytes"},
+    }
+    proxy = await make_proxy(models=models, tokenizer=Tokenizer({"o200k_base": _Words()}))
+    client = proxy.client()
+    for model in ("gpt-4o-mini", "bounded"):
+        await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=5,
+            extra_headers=run_headers(model),
+        )
+    (counted,) = await ledger_entries(proxy, "gpt-4o-mini")
+    (bounded,) = await ledger_entries(proxy, "bounded")
+    assert int(counted["reserved_input_tokens"]) < 400 < len(prompt) < int(bounded["reserved_input_tokens"])
