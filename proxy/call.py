@@ -21,6 +21,7 @@ from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS, Estimate, estimate
 from proxy.payload import (
     FAST_TIER,
     ChatBody,
+    CompletionBody,
     Endpoint,
     MessagesBody,
     RequestView,
@@ -90,6 +91,10 @@ class Call:
     estimate: Estimate
     body: dict[str, Any]
     choices: int = 1  # answers the client gets back (n, for every prompt)
+    # A chat call asking for audio: its audio tokens cannot be counted from the answer.
+    audio_output: bool = False
+    # A legacy completion with echo: each answer starts with its prompt (counted as input).
+    echo: bool = False
     generations: int = 1  # answers the provider writes and bills (best_of when larger, per prompt)
     started_at: float = field(default_factory=time.monotonic)
     started_wall_ms: int = field(default_factory=lambda: int(time.time() * 1000))
@@ -326,4 +331,10 @@ def plan_call(
         body=body,
         choices=answers(view),
         generations=generations(view),
+        audio_output=isinstance(view, ChatBody) and _asks_audio(body.get("modalities")),
+        echo=isinstance(view, CompletionBody) and body.get("echo") is True,
     )
+
+
+def _asks_audio(modalities: Any) -> bool:
+    return isinstance(modalities, list) and "audio" in modalities

@@ -163,6 +163,9 @@ class Observation:
         if part is None:
             return
         self.add_text(index, part.get("content"), content=True)
+        audio = part.get("audio")
+        if isinstance(audio, dict):  # an audio answer's words (its sound is not text)
+            self.add_text(index, audio.get("transcript"))
         refusal = part.get("refusal")
         if refusal:
             self.refused = True

@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -82,6 +83,9 @@ class Exchange:
             encoding=self.call.encoding,
             tokenizer=self.services.tokenizer,
         )
+        if self.call.echo:
+            # Each answer began with its prompt, billed as input: not output again.
+            counted = replace(counted, output_tokens=max(0, counted.output_tokens - self._echoed_tokens()))
         # The upstream was held to the reserved output (its cap went in every cap field): a
         # count of the text above it (4 characters a token, another tokenizer's) is the count's
         # error, not tokens the provider wrote.
@@ -89,6 +93,20 @@ class Exchange:
         if counted.output_tokens > reserved:
             return replace(counted, output_tokens=reserved)
         return counted
+
+    def _echoed_tokens(self) -> int:
+        """What the answers' echoes of their prompts count (n answers to each prompt)."""
+        prompt = self.call.body.get("prompt")
+        one = isinstance(prompt, str) or (
+            isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+        )
+        prompts: list[Any] = [prompt] if one else prompt if isinstance(prompt, list) else []
+        tokenizer, encoding = self.services.tokenizer, self.call.encoding
+        each = sum(
+            tokenizer.count(p, encoding)[0] if isinstance(p, str) else len(p) if isinstance(p, list) else 0
+            for p in prompts
+        )
+        return each * (self.call.choices // max(1, len(prompts)))
 
     def usage(self, *, complete: bool) -> BilledUsage:
         """Provider figures first; else count a complete answer; else the reserve."""
@@ -102,6 +120,8 @@ class Exchange:
                 return replace(found, output_tokens=counted.output_tokens, source=counted.source)
         if found is not None:
             return found
+        if self.call.audio_output:
+            return self.reserve_usage()  # its audio tokens cannot be counted from the answer
         return self._estimated_usage() if complete else self.reserve_usage()
 
     async def settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:

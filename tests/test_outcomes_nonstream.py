@@ -8,6 +8,7 @@ from typing import Any
 import openai
 import pytest
 
+from proxy.observe import Observation
 from proxy.redis_server import free_port
 from proxy.tokenizer import Tokenizer
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
@@ -32,6 +33,7 @@ from tests.outcome_helpers import (
     the_entry,
     upstream_override,
 )
+from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams
 
 REJECT_ALL = {"on_truncate": "reject", "on_invalid_json": "reject"}
 JSON_FORMAT: Any = {"type": "json_object"}
@@ -388,3 +390,56 @@ async def test_legacy_completions_reserve_every_prompts_answers(
         )
     entry = await the_entry(proxy, "r1")
     assert entry["reserved_output_tokens"] == str(reserved)
+
+
+async def test_an_echoed_prompt_is_not_counted_as_output(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """With echo each answer begins with its prompt, billed as input: counted as output again
+    when no usage came."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    prompt = "word " * 100  # 125 tokens at 4 characters a token
+    answer = {
+        "id": "cmpl-1", "object": "text_completion", "model": MODEL,
+        "choices": [
+            {"index": i, "text": prompt + " ok", "logprobs": None, "finish_reason": "stop"} for i in range(2)
+        ],
+    }  # fmt: skip
+    script.plan = Plan(chunks=[dumps(answer)])
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "n": 2, "max_tokens": 500}
+    result = await raw_post(proxy, body, "echo", path="/v1/completions")
+    assert result.status == 200, result.body
+    entry = await the_entry(proxy, "echo")
+    assert entry["usage_source"] == "chars"
+    assert int(entry["output_tokens"]) <= 2 * chars_tokens(" ok") + 2, entry  # was 252
+
+
+async def test_an_audio_answer_without_usage_is_billed_at_its_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """Its audio tokens cannot be counted from the answer (its text is only the transcript): it
+    was billed 0 output tokens, content being null."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    message = {
+        "role": "assistant", "content": None, "refusal": None,
+        "audio": {"id": "audio_1", "data": "UklGRiQAAABXQVZF" * 200, "transcript": "Hello there."},
+    }  # fmt: skip
+    answer = {"id": "c", "object": "chat.completion", "model": MODEL,
+              "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
+    script.plan = Plan(chunks=[dumps(answer)])
+    body = {
+        "model": MODEL, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+        "messages": [{"role": "user", "content": "Say something."}], "max_completion_tokens": 2000,
+    }  # fmt: skip
+    result = await raw_post(proxy, body, "audio")
+    assert result.status == 200, result.body
+    entry = await the_entry(proxy, "audio")
+    assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "1000"), entry  # the model's cap
+
+
+def test_an_audio_answers_transcript_is_its_text() -> None:
+    obs = Observation()
+    obs.observe(
+        {"choices": [{"index": 0, "delta": {"audio": {"id": "a", "transcript": "Hi there"}}}]}, streaming=True
+    )
+    assert obs.all_text() == "Hi there"
