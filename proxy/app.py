@@ -275,7 +275,11 @@ def build_app(
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        state.session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+        # No cookie jar: a provider's (or its gateway's) cookies set on one caller's call would go
+        # upstream with every later caller's, their own keys beside them.
+        state.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
+        )
         yield
         await state.session.close()
 

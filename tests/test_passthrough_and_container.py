@@ -17,6 +17,7 @@ import aiohttp
 import openai
 
 from proxy.redis_server import free_port
+from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,3 +99,22 @@ def test_the_dockerfile_recipe() -> None:
     assert "--config" in text and "/etc/llm-billing-proxy/config.yaml" in text
     docker_config = (ROOT / "config" / "docker.yaml").read_text()
     assert "url_env: REDIS_URL" in docker_config and "0.0.0.0" in docker_config
+
+
+async def test_a_pass_through_tenant_is_named_by_128_bits_of_its_keys_digest(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # The tenant id is shown (billing views, the ledger); at 48 bits a key of the same tenant,
+    # with its runs and ledger, could be found in hours.
+    import hashlib
+
+    proxy = await make_proxy(
+        passthrough=True, upstreams={"openai": {"base_url": fake.base_url, "passthrough_auth": True}}
+    )
+    key = "sk-caller-own-key"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(proxy.url + "/v1/billing/keys/self", headers={"Authorization": f"Bearer {key}"}) as resp,
+    ):
+        view = await resp.json()
+    assert view["tenant"] == "pt-" + hashlib.sha256(key.encode()).hexdigest()[:32], view

@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from tests.conftest import KEY_A, ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -169,3 +170,48 @@ async def test_with_the_proxys_key_the_callers_organization_is_not_sent(
     await client.chat.completions.create(**CHAT)
     sent = {k.lower() for k in fake.received[-1].headers}
     assert "openai-organization" not in sent and "openai-project" not in sent
+
+
+async def test_one_callers_upstream_cookies_never_go_with_another_callers_key(
+    make_proxy: ProxyFactory,
+) -> None:
+    """The upstream session kept the provider's cookies (a gateway's session, Cloudflare's) and
+    sent those set on caller A's call with caller B's key."""
+    seen: list[dict[str, str]] = []
+    answer = {
+        "id": "c", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }  # fmt: skip
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append({k.lower(): v for k, v in request.headers.items()})
+        response = web.json_response(answer)
+        response.set_cookie("session", "of-" + request.headers.get("Authorization", "")[-5:], path="/")
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    # A host name, as a real upstream's (aiohttp's jar keeps no cookies of bare IP addresses).
+    base_url = f"http://localhost:{runner.addresses[0][1]}/v1"
+    try:
+        proxy = await make_proxy(
+            passthrough=True, upstreams={"openai": {"base_url": base_url, "passthrough_auth": True}}
+        )
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        async with aiohttp.ClientSession() as session:
+            for key in ("sk-caller-alice", "sk-caller-bob"):
+                headers = {"Authorization": f"Bearer {key}"}
+                async with session.post(
+                    proxy.url + "/v1/chat/completions", json=body, headers=headers
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert "set-cookie" not in resp.headers
+    finally:
+        await runner.cleanup()
+    assert seen[1]["authorization"] == "Bearer sk-caller-bob"
+    assert "cookie" not in seen[1], seen[1]["cookie"]
