@@ -15,7 +15,7 @@ import pytest
 
 from proxy.app import STATE
 from proxy.estimate import estimate
-from proxy.payload import ChatBody, MessagesBody, ResponsesBody
+from proxy.payload import ChatBody, Endpoint, MessagesBody, ResponsesBody
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
@@ -407,6 +407,20 @@ async def test_every_kind_of_media_part_is_reserved(
     assert parts * 1000 < reserved < parts * 1000 + 100, entry
 
 
+def media_reserve(endpoint: Endpoint, view: Any, per_part: int) -> int:
+    """What ``media_part_input_tokens`` of ``per_part`` adds to the estimate of ``view``."""
+    kwargs: dict[str, Any] = {
+        "encoding": "o200k_base",
+        "tokenizer": Tokenizer({}),
+        "model_max_output_tokens": 10,
+        "default_max_output_tokens": 10,
+    }
+    plain = estimate(endpoint, view, **kwargs)
+    return (
+        estimate(endpoint, view, media_part_input_tokens=per_part, **kwargs).input_tokens - plain.input_tokens
+    )
+
+
 def test_without_a_bound_media_parts_add_nothing() -> None:
     view = ChatBody.model_validate({"model": MODEL, "messages": [{"role": "user", "content": [IMAGE]}]})
     tokenizer = Tokenizer({})
@@ -429,17 +443,7 @@ def test_an_earlier_audio_answer_sent_back_by_id_is_a_media_part() -> None:
             {"role": "user", "content": "and?"},
         ],
     }
-    view = ChatBody.model_validate(body)
-    kwargs: dict[str, Any] = {
-        "encoding": "o200k_base",
-        "tokenizer": Tokenizer({}),
-        "model_max_output_tokens": 10,
-    }
-    plain = estimate("chat.completions", view, default_max_output_tokens=10, **kwargs)
-    bounded = estimate(
-        "chat.completions", view, default_max_output_tokens=10, media_part_input_tokens=700, **kwargs
-    )
-    assert bounded.input_tokens == plain.input_tokens + 700
+    assert media_reserve("chat.completions", ChatBody.model_validate(body), 700) == 700
 
 
 def test_a_tool_calls_own_arguments_are_not_media_whatever_types_they_name() -> None:
@@ -457,15 +461,8 @@ def test_a_tool_calls_own_arguments_are_not_media_whatever_types_they_name() -> 
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "A"}}]}]},
         ],
     }  # fmt: skip
-    view = MessagesBody.model_validate(body)
-    kwargs: dict[str, Any] = {
-        "encoding": "o200k_base",
-        "tokenizer": Tokenizer({}),
-        "model_max_output_tokens": 10,
-    }
-    plain = estimate("messages", view, default_max_output_tokens=10, **kwargs)
-    bounded = estimate("messages", view, default_max_output_tokens=10, media_part_input_tokens=1500, **kwargs)
-    assert bounded.input_tokens == plain.input_tokens + 1500  # the tool result's image only
+    # The tool result's image only.
+    assert media_reserve("messages", MessagesBody.model_validate(body), 1500) == 1500
 
 
 def test_responses_screenshots_and_variables_are_media() -> None:
@@ -476,12 +473,4 @@ def test_responses_screenshots_and_variables_are_media() -> None:
         "prompt": {"id": "pmpt_1", "variables": {"photo": {"type": "input_image", "image_url": "https://x/y.png"},
                                                  "city": "Paris"}},
     }  # fmt: skip
-    view = ResponsesBody.model_validate(body)
-    kwargs: dict[str, Any] = {
-        "encoding": "o200k_base",
-        "tokenizer": Tokenizer({}),
-        "model_max_output_tokens": 10,
-    }
-    plain = estimate("responses", view, default_max_output_tokens=10, **kwargs)
-    bounded = estimate("responses", view, default_max_output_tokens=10, media_part_input_tokens=100, **kwargs)
-    assert bounded.input_tokens == plain.input_tokens + 200
+    assert media_reserve("responses", ResponsesBody.model_validate(body), 100) == 200

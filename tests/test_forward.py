@@ -93,8 +93,14 @@ async def test_a_request_aiohttp_refuses_to_send_is_not_billed(
     assert (entry["usage_source"], entry["total_tokens"], entry["outcome"]) == ("none", "0", "upstream_error")
 
 
+@pytest.mark.parametrize(
+    ("stream", "timeout_s", "connect_timeout_s"),
+    # A stream's bound on its headers fired in the connect when timeout_s was below it.
+    [(False, 3, 0.3), (True, 0.5, 1.5)],
+    ids=["json", "stream-timeout-below-connect"],
+)
 async def test_a_connect_timeout_is_billed_nothing_for_nothing_went_out(
-    make_proxy: Any, redis_client: aioredis.Redis
+    make_proxy: Any, redis_client: aioredis.Redis, stream: bool, timeout_s: float, connect_timeout_s: float
 ) -> None:
     # Was billed at the reserve (1,009 tokens) as a call that may have run: the connection was
     # never made, so the request never left.
@@ -117,11 +123,11 @@ async def test_a_connect_timeout_is_billed_nothing_for_nothing_went_out(
         upstream = {
             "base_url": f"http://127.0.0.1:{port}/v1",
             "api_key_env": "TEST_UPSTREAM_KEY",
-            "timeout_s": 3,
-            "connect_timeout_s": 0.3,
+            "timeout_s": timeout_s,
+            "connect_timeout_s": connect_timeout_s,
         }
         proxy = await make_proxy(upstreams={"openai": upstream})
-        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
         reply = await send(proxy, lambda: [], redis_client, "/v1/chat/completions", dumps(body))
     finally:
         for sock in (*fillers, listener):
