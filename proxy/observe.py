@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,9 +223,17 @@ class Observation:
             return text.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
         return text
 
-    def all_text(self) -> str:
-        indexes = sorted(set(self.contents) | set(self.extras))
-        return "".join(self.content_of(i) + "".join(self.extras.get(i, ())) for i in indexes)
+    def all_text(self, echoed: Mapping[int, str] | None = None) -> str:
+        """Every answer's text; ``echoed``: the prompt an answer began with (a legacy completion's
+        echo, billed as input), left out where the answer does begin with it."""
+        out: list[str] = []
+        for index in sorted(set(self.contents) | set(self.extras)):
+            text = self.content_of(index)
+            prompt = echoed.get(index) if echoed else None
+            if prompt and text.startswith(prompt):
+                text = text[len(prompt) :]
+            out.append(text + "".join(self.extras.get(index, ())))
+        return "".join(out)
 
 
 def parse_json(data: bytes) -> Any:

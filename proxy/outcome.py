@@ -7,6 +7,7 @@ keep their tokens: the policy may refuse the text, never the bill.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -122,11 +123,18 @@ def classify_answer(obs: Observation, policy: PolicyConfig, *, json_mode: bool) 
 
 
 def estimated_usage(
-    obs: Observation, *, prompt_text: str, prompt_overhead_tokens: int, encoding: str, tokenizer: Tokenizer
+    obs: Observation,
+    *,
+    prompt_text: str,
+    prompt_overhead_tokens: int,
+    encoding: str,
+    tokenizer: Tokenizer,
+    echoed: Mapping[int, str] | None = None,
 ) -> BilledUsage:
-    """Count what was sent and what came back, when the provider said nothing."""
+    """Count what was sent and what came back, when the provider said nothing (``echoed``: see
+    ``Observation.all_text``)."""
     input_tokens, source = tokenizer.count(prompt_text, encoding)
-    output_tokens, out_source = tokenizer.count(obs.all_text(), encoding)
+    output_tokens, out_source = tokenizer.count(obs.all_text(echoed), encoding)
     if out_source == "chars":
         source = "chars"
     return BilledUsage(

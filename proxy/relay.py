@@ -12,7 +12,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -82,10 +81,8 @@ class Exchange:
             prompt_overhead_tokens=est.prompt_overhead_tokens,
             encoding=self.call.encoding,
             tokenizer=self.services.tokenizer,
+            echoed=self._echoes(),  # billed as input: not output again
         )
-        if self.call.echo:
-            # Each answer began with its prompt, billed as input: not output again.
-            counted = replace(counted, output_tokens=max(0, counted.output_tokens - self._echoed_tokens()))
         # The upstream was held to the reserved output (its cap went in every cap field): a
         # count of the text above it (4 characters a token, another tokenizer's) is the count's
         # error, not tokens the provider wrote.
@@ -94,19 +91,17 @@ class Exchange:
             return replace(counted, output_tokens=reserved)
         return counted
 
-    def _echoed_tokens(self) -> int:
-        """What the answers' echoes of their prompts count (n answers to each prompt)."""
+    def _echoes(self) -> dict[int, str]:
+        """The prompt each answer of a legacy completion with echo begins with (n answers to each
+        prompt); none for token-id prompts, whose text the proxy cannot be sure of."""
+        if not self.call.echo:
+            return {}
         prompt = self.call.body.get("prompt")
-        one = isinstance(prompt, str) or (
-            isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
-        )
-        prompts: list[Any] = [prompt] if one else prompt if isinstance(prompt, list) else []
-        tokenizer, encoding = self.services.tokenizer, self.call.encoding
-        each = sum(
-            tokenizer.count(p, encoding)[0] if isinstance(p, str) else len(p) if isinstance(p, list) else 0
-            for p in prompts
-        )
-        return each * (self.call.choices // max(1, len(prompts)))
+        prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            return {}
+        per_prompt = max(1, self.call.choices // len(prompts))
+        return {index: prompts[index // per_prompt] for index in range(per_prompt * len(prompts))}
 
     def usage(self, *, complete: bool) -> BilledUsage:
         """Provider figures first; else count a complete answer; else the reserve."""

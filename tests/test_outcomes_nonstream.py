@@ -443,3 +443,40 @@ def test_an_audio_answers_transcript_is_its_text() -> None:
         {"choices": [{"index": 0, "delta": {"audio": {"id": "a", "transcript": "Hi there"}}}]}, streaming=True
     )
     assert obs.all_text() == "Hi there"
+
+
+def _completion(texts: list[str]) -> bytes:
+    choices = [
+        {"index": i, "text": t, "logprobs": None, "finish_reason": "stop"} for i, t in enumerate(texts)
+    ]
+    return dumps({"id": "cmpl-1", "object": "text_completion", "model": MODEL, "choices": choices})
+
+
+WRITTEN = " " + "word " * 200  # 1,001 characters: 251 tokens at 4 characters a token
+
+
+@pytest.mark.parametrize(
+    ("prompt", "answers", "least"),
+    [
+        # Token ids: the echo's text is not sure (ids that are not canonical, another tokenizer).
+        ([64] * 400, ["a" * 400 + WRITTEN], chars_tokens(WRITTEN)),
+        # An upstream that ignores echo (many OpenAI-compatible servers).
+        ("word " * 200, [WRITTEN], chars_tokens(WRITTEN)),
+        # Each short prompt rounded up on its own, taken off the answers counted together.
+        (["a"] * 16, ["abcd"] * 16, chars_tokens("bcd" * 16)),
+    ],
+    ids=["token-ids", "echo-ignored", "many-short-prompts"],
+)
+async def test_an_echo_is_left_out_only_where_it_is(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, prompt: Any, answers: list[str], least: int
+) -> None:
+    """The echoes' counts were taken off the answers' whatever the answers held: output the
+    upstream wrote was billed as 0."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(chunks=[_completion(answers)])
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 500}
+    result = await raw_post(proxy, body, "echo", path="/v1/completions")
+    assert result.status == 200, result.body
+    entry = await the_entry(proxy, "echo")
+    assert entry["usage_source"] == "chars"
+    assert int(entry["output_tokens"]) >= least, entry
