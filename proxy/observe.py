@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,16 +223,16 @@ class Observation:
             return text.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
         return text
 
-    def all_text(self, echoed: Mapping[int, str] | None = None) -> str:
-        """Every answer's text; ``echoed``: the prompt an answer began with (a legacy completion's
-        echo, billed as input), left out where the answer does begin with it."""
+    def all_text(self, echoes: Sequence[str] = ()) -> str:
+        """Every answer's text; ``echoes``: prompts an answer may begin with (a legacy
+        completion's echo, billed as input), the shortest it does begin with left out. Not by
+        the answer's index: an upstream that drops n numbers its answers otherwise, and a longer
+        prompt may be what a shorter one's answer went on to write."""
         out: list[str] = []
         for index in sorted(set(self.contents) | set(self.extras)):
             text = self.content_of(index)
-            prompt = echoed.get(index) if echoed else None
-            if prompt and text.startswith(prompt):
-                text = text[len(prompt) :]
-            out.append(text + "".join(self.extras.get(index, ())))
+            echo = min((p for p in echoes if p and text.startswith(p)), key=len, default="")
+            out.append(text[len(echo) :] + "".join(self.extras.get(index, ())))
         return "".join(out)
 
 

@@ -7,7 +7,7 @@ keep their tokens: the policy may refuse the text, never the bill.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -129,12 +129,12 @@ def estimated_usage(
     prompt_overhead_tokens: int,
     encoding: str,
     tokenizer: Tokenizer,
-    echoed: Mapping[int, str] | None = None,
+    echoes: Sequence[str] = (),
 ) -> BilledUsage:
-    """Count what was sent and what came back, when the provider said nothing (``echoed``: see
+    """Count what was sent and what came back, when the provider said nothing (``echoes``: see
     ``Observation.all_text``)."""
     input_tokens, source = tokenizer.count(prompt_text, encoding)
-    output_tokens, out_source = tokenizer.count(obs.all_text(echoed), encoding)
+    output_tokens, out_source = tokenizer.count(obs.all_text(echoes), encoding)
     if out_source == "chars":
         source = "chars"
     return BilledUsage(

@@ -81,7 +81,7 @@ class Exchange:
             prompt_overhead_tokens=est.prompt_overhead_tokens,
             encoding=self.call.encoding,
             tokenizer=self.services.tokenizer,
-            echoed=self._echoes(),  # billed as input: not output again
+            echoes=self._echoes(),  # billed as input: not output again
         )
         # The upstream was held to the reserved output (its cap went in every cap field): a
         # count of the text above it (4 characters a token, another tokenizer's) is the count's
@@ -91,21 +91,18 @@ class Exchange:
             return replace(counted, output_tokens=reserved)
         return counted
 
-    def _echoes(self) -> dict[int, str]:
-        """The prompt each answer of a legacy completion with echo begins with (n answers to each
-        prompt); none for token-id prompts, whose text the proxy cannot be sure of."""
-        if not self.call.echo:
-            return {}
-        prompt = self.call.body.get("prompt")
+    def _echoes(self) -> list[str]:
+        """The prompts a legacy completion with echo repeats at the start of its answers; none for
+        token-id prompts, whose text the proxy cannot be sure of."""
+        prompt = self.call.body.get("prompt") if self.call.echo else None
         prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            return {}
-        per_prompt = max(1, self.call.choices // len(prompts))
-        return {index: prompts[index // per_prompt] for index in range(per_prompt * len(prompts))}
+        return prompts if all(isinstance(p, str) for p in prompts) else []
 
     def usage(self, *, complete: bool) -> BilledUsage:
         """Provider figures first; else count a complete answer; else the reserve."""
         found = provider_usage(self.obs)
+        if self.call.audio_output and (found is None or not self.obs.usage_final):
+            return self.reserve_usage()  # its audio tokens cannot be counted from the answer
         if found is not None and not self.obs.usage_final and self.obs.all_text():
             # Input is known (message_start, a report of prompt tokens only) but the final
             # output count never came: count what was streamed, never less than what the
@@ -115,8 +112,6 @@ class Exchange:
                 return replace(found, output_tokens=counted.output_tokens, source=counted.source)
         if found is not None:
             return found
-        if self.call.audio_output:
-            return self.reserve_usage()  # its audio tokens cannot be counted from the answer
         return self._estimated_usage() if complete else self.reserve_usage()
 
     async def settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:

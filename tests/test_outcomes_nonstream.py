@@ -480,3 +480,43 @@ async def test_an_echo_is_left_out_only_where_it_is(
     entry = await the_entry(proxy, "echo")
     assert entry["usage_source"] == "chars"
     assert int(entry["output_tokens"]) >= least, entry
+
+
+async def test_an_echo_is_never_matched_to_another_prompts_answer(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """An upstream that drops n answers once per prompt: mapped by index (n=2), answer 1 was
+    checked against prompt 0, which the text it wrote happens to continue, and that text was
+    left out of the count."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    long_prompt, short_prompt = "Once upon a time, in a land far, far away,", "Once upon a time"
+    written = [" there lived a king.", ", in a land far, far away, there lived a queen."]
+    script.plan = Plan(chunks=[_completion([long_prompt + written[0], short_prompt + written[1]])])
+    body = {"model": MODEL, "prompt": [long_prompt, short_prompt], "echo": True, "n": 2, "max_tokens": 500}
+    result = await raw_post(proxy, body, "echo", path="/v1/completions")
+    assert result.status == 200, result.body
+    entry = await the_entry(proxy, "echo")
+    assert int(entry["output_tokens"]) >= chars_tokens("".join(written)), entry
+
+
+async def test_an_audio_answer_whose_usage_has_no_output_count_is_billed_at_its_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    # The output was counted from the text: for an audio answer, its transcript alone.
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    message = {
+        "role": "assistant",
+        "content": None,
+        "audio": {"id": "a", "data": "UklG" * 100, "transcript": "Hi."},
+    }
+    answer = {"id": "c", "object": "chat.completion", "model": MODEL, "usage": {"prompt_tokens": 12},
+              "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
+    script.plan = Plan(chunks=[dumps(answer)])
+    body = {
+        "model": MODEL, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+        "messages": [{"role": "user", "content": "Say something."}], "max_completion_tokens": 2000,
+    }  # fmt: skip
+    result = await raw_post(proxy, body, "audio")
+    assert result.status == 200, result.body
+    entry = await the_entry(proxy, "audio")
+    assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "1000"), entry
