@@ -231,7 +231,8 @@ class Observation:
         out: list[str] = []
         for index in sorted(set(self.contents) | set(self.extras)):
             text = self.content_of(index)
-            echo = min((p for p in echoes if p and text.startswith(p)), key=len, default="")
+            # "" among them (an empty prompt) is every answer's shortest: nothing left out.
+            echo = min((p for p in echoes if text.startswith(p)), key=len, default="")
             out.append(text[len(echo) :] + "".join(self.extras.get(index, ())))
         return "".join(out)
 

@@ -520,3 +520,11 @@ async def test_an_audio_answer_whose_usage_has_no_output_count_is_billed_at_its_
     assert result.status == 200, result.body
     entry = await the_entry(proxy, "audio")
     assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "1000"), entry
+
+
+def test_an_empty_prompts_answer_keeps_all_its_text() -> None:
+    # Its echo is nothing: another prompt its written text begins with was left out.
+    obs = Observation()
+    obs.observe({"choices": [{"index": 0, "text": "abc def"}]}, streaming=False)
+    assert obs.all_text(["", "abc"]) == "abc def"
+    assert obs.all_text(["abc"]) == " def"
