@@ -57,6 +57,9 @@ class EventFilter:
         self._content_field = b'"content"' if dialect.endpoint == "chat.completions" else b'"text"'
         self._content_key = self._content_field + b':"'
         self._strip = not client_wants_usage
+        # [DONE] ends the stream (written again by the relay after the billing comment): what an
+        # upstream sends after it would reach the client before it, and an SDK would read it.
+        self._ends_with_done = bool(dialect.done_marker)
         # Events passed on in runs (``runs=False``: never; one event at a time, as a reference).
         self.run_events = 0
         # The template: an event is prefix + quote-free text + suffix.
@@ -87,6 +90,8 @@ class EventFilter:
         """One read of the upstream body: the client's bytes for the events it completes (none
         held over when it ends in a blank line: no copies), or None when an event grows past
         ``limit`` bytes."""
+        if self.obs.done and self._ends_with_done:
+            return b""  # past [DONE]: nothing more goes out (the relay writes [DONE] last)
         if self._after_cr:
             self._after_cr = False
             if piece.startswith(b"\n"):
@@ -185,6 +190,8 @@ class EventFilter:
         # many odd events (each a run's end) is not split again at each of them.
         tries = _RUN_TRIES
         while pos < size:
+            if self.obs.done and self._ends_with_done:
+                break  # what follows [DONE] in the same read: dropped too
             if tries and self._prefix_len and not self._pad_mid and events.startswith(self._prefix, pos):
                 tries -= 1
                 found = self._run(events, pos)

@@ -484,3 +484,35 @@ async def test_anthropic_fast_mode_is_priced_as_a_tier_of_its_own(
     assert reply.status == 200, reply.describe()
     (entry,) = reply.new_entries
     assert entry["cost_micros"] == str(1000 * 3 + 100 * 15)
+
+
+@pytest.mark.parametrize(
+    "trailer",
+    [b": keep-alive\n\n", b'data: {"error": {"message": "late", "type": "server_error"}}\n\n'],
+    ids=["keepalive", "error"],
+)
+async def test_what_an_upstream_sends_after_done_never_reaches_the_client(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, trailer: bytes
+) -> None:
+    """The SDK stops at [DONE]; the proxy writes its own last, so what came after the
+    upstream's went out before it: read by the SDK (an empty event once it has seen an id, an
+    error) and billed as a failure."""
+    proxy = await proxy_for(make_proxy, script)
+    events = [
+        chat_event({"role": "assistant", "content": "Hello"}),
+        chat_event({}, "stop"),
+        b"data: " + chunk([], CHAT_USAGE) + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    with_ids = [b"id: %d\n" % i + e for i, e in enumerate(events)]
+    script.plan = Plan(content_type="text/event-stream", chunks=[b"".join(with_ids) + trailer])
+    assert await read_with_sdk(script.base_url) == ("Hello", None)
+    assert await read_with_sdk(proxy.url + "/v1") == ("Hello", None)
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+    # In a read of its own, the same.
+    await redis_client.delete(LEDGER)
+    script.plan = Plan(content_type="text/event-stream", chunks=[*with_ids, trailer])
+    assert await read_with_sdk(proxy.url + "/v1") == ("Hello", None)
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "ok", entry
