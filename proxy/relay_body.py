@@ -84,20 +84,23 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
     tag: OutcomeTag = "upstream_4xx" if status < 500 else "upstream_error"
     parsed: Any = None
     came: list[bytes] = []
+    cut = False
     try:
-        raw = ex.scrub(await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came))
+        raw = await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came)
     except ValueError:  # too large
         raw = b""
     except (TimeoutError, *UPSTREAM_BROKEN):
-        # Cut or stalled: what came is passed on only as a whole error object (a page cut short
-        # could end inside the operator's key, which the scrub, matching it whole, would miss).
-        raw = b"".join(came)
-        raw = ex.scrub(raw) if _is_error_object(raw) else b""
+        raw, cut = b"".join(came), True
     try:
         parsed = parse_json(raw)
     except ValueError:
         parsed = None
     explicit_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+    if cut and not explicit_error:
+        # Cut or stalled: what came is passed on only as a whole error object (a page cut short
+        # could end inside the operator's key, which the scrub, matching it whole, would miss).
+        raw, parsed = b"", None
+    raw = ex.scrub(raw)
     usage = provider_usage_of(parsed)
     if usage is None:
         # The provider refused the request (4xx) or said in its own format that it failed:
@@ -134,14 +137,6 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
     return ex.error(
         status, f"Upstream returned HTTP {status}: {snippet}", error_type, code=tag, headers=headers
     )
-
-
-def _is_error_object(raw: bytes) -> bool:
-    try:
-        parsed = parse_json(raw)
-    except ValueError:
-        return False
-    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
 
 
 def provider_usage_of(parsed: Any) -> BilledUsage | None:

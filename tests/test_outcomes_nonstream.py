@@ -414,17 +414,19 @@ async def test_an_echoed_prompt_is_not_counted_as_output(
     assert int(entry["output_tokens"]) <= 2 * chars_tokens(" ok") + 2, entry  # was 252
 
 
-async def test_an_audio_answer_without_usage_is_billed_at_its_reserve(
-    make_proxy: ProxyFactory, script: ScriptedUpstream
+@pytest.mark.parametrize("usage", [None, {"prompt_tokens": 12}], ids=["no-usage", "no-output-count"])
+async def test_an_audio_answer_without_an_output_count_is_billed_at_its_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, usage: JsonDict | None
 ) -> None:
     """Its audio tokens cannot be counted from the answer (its text is only the transcript): it
-    was billed 0 output tokens, content being null."""
+    was billed 0 output tokens with no usage, content being null, and its transcript alone
+    with a usage that has no output count."""
     proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
     message = {
         "role": "assistant", "content": None, "refusal": None,
         "audio": {"id": "audio_1", "data": "UklGRiQAAABXQVZF" * 200, "transcript": "Hello there."},
     }  # fmt: skip
-    answer = {"id": "c", "object": "chat.completion", "model": MODEL,
+    answer = {"id": "c", "object": "chat.completion", "model": MODEL, "usage": usage,
               "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
     script.plan = Plan(chunks=[dumps(answer)])
     body = {
@@ -497,29 +499,6 @@ async def test_an_echo_is_never_matched_to_another_prompts_answer(
     assert result.status == 200, result.body
     entry = await the_entry(proxy, "echo")
     assert int(entry["output_tokens"]) >= chars_tokens("".join(written)), entry
-
-
-async def test_an_audio_answer_whose_usage_has_no_output_count_is_billed_at_its_reserve(
-    make_proxy: ProxyFactory, script: ScriptedUpstream
-) -> None:
-    # The output was counted from the text: for an audio answer, its transcript alone.
-    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
-    message = {
-        "role": "assistant",
-        "content": None,
-        "audio": {"id": "a", "data": "UklG" * 100, "transcript": "Hi."},
-    }
-    answer = {"id": "c", "object": "chat.completion", "model": MODEL, "usage": {"prompt_tokens": 12},
-              "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
-    script.plan = Plan(chunks=[dumps(answer)])
-    body = {
-        "model": MODEL, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
-        "messages": [{"role": "user", "content": "Say something."}], "max_completion_tokens": 2000,
-    }  # fmt: skip
-    result = await raw_post(proxy, body, "audio")
-    assert result.status == 200, result.body
-    entry = await the_entry(proxy, "audio")
-    assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "1000"), entry
 
 
 def test_an_empty_prompts_answer_keeps_all_its_text() -> None:
