@@ -227,22 +227,25 @@ class EmbeddedKeeper:
         except OSError as err:
             raise ConfigError(f"redis.data_dir {self.server.data_dir}: {err.strerror or err}") from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._until_it_answers()  # a server lives, or another proxy is starting it
-                return False
+            deadline = time.monotonic() + self.start_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pass
+                # A server lives, another proxy is starting one, or one is on its way out: the
+                # lock is tried again meanwhile, since a server that exits leaves nobody to
+                # start the next one but the proxies waiting here.
+                if self.server.answers_ping() or time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
             if self.server.answers_ping():
                 return False  # one that holds no lock (started by hand, or by an older version)
             self.server.start(self.start_timeout_s, keep_fds=(fd,))
             return True
         finally:
             os.close(fd)  # the server keeps its copy, and with it the lock
-
-    def _until_it_answers(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self.server.answers_ping() and time.monotonic() < deadline:
-            time.sleep(0.05)
 
     def watch(self) -> None:
         self._thread = threading.Thread(target=self._run, name="embedded-redis", daemon=True)

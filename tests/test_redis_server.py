@@ -3,6 +3,7 @@ not fit sun_path (108 bytes) made the README's start command fail in a deep chec
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import stat
@@ -141,6 +142,26 @@ def test_proxies_on_one_data_dir_share_one_server_and_outlive_each_other(tmp_pat
         for keeper in keepers:
             keeper.close()
     assert not _redis_pids(tmp_path / "redis")
+
+
+def test_a_proxy_waiting_on_a_server_on_its_way_out_starts_the_next_one(tmp_path: Path) -> None:
+    # A keeper that found the lock held while the server was stopping waited for a PONG
+    # nobody would send (start_timeout_s, 60 s by default): every keeper of the directory
+    # could be waiting so, and the proxies served 503s meanwhile (CI saw it).
+    data = tmp_path / "redis"
+    data.mkdir()
+    fd = os.open(data / "server.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    exiting = subprocess.Popen(["sleep", "0.5"], pass_fds=(fd,))  # holds the lock, answers nothing
+    os.close(fd)
+    keeper = EmbeddedKeeper(RedisServerProcess(data), interval_s=0.1, start_timeout_s=10)
+    try:
+        assert keeper.ensure()
+        assert keeper.server.answers_ping()
+    finally:
+        keeper.close()
+        exiting.wait()
+    assert not _redis_pids(data)
 
 
 def test_a_live_server_slow_to_answer_gets_no_second_server_on_its_aof(tmp_path: Path) -> None:
