@@ -34,6 +34,8 @@ from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
 SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# A provider's id for a context it keeps (resp_..., conv_...); anything else is not looked up.
+CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class IdSource:
@@ -117,6 +119,13 @@ class Call:
     served_tier: str | None = None
     # The client's feature switches for the provider (``forward.feature_headers``).
     feature_headers: Mapping[str, str] = field(default_factory=dict)
+    # Contexts the provider keeps that this call's input continues (a Responses call's previous
+    # response, its conversation): their size is reserved on top of the request's own input.
+    continues: tuple[str, ...] = ()
+    # Where this call's own context is kept for a later call: its conversation, and its answer
+    # unless the client asked the provider not to store it.
+    conversation: str | None = None
+    stores_answer: bool = False
 
     @property
     def rates_reserved(self) -> dict[str, int] | None:
@@ -307,6 +316,7 @@ def plan_call(
         # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
         # Not fast mode's: it serves only the calls that ask for it.
         reserve_rates = dearest(rates for name, rates in tiers.items() if name != FAST_TIER)
+    continues, conversation, stores_answer = _chaining(view)
     return Call(
         request_id=request_id,
         reservation_id=ids.new(),
@@ -333,7 +343,26 @@ def plan_call(
         generations=generations(view),
         audio_output=isinstance(view, ChatBody) and _asks_audio(body.get("modalities")),
         echo=isinstance(view, CompletionBody) and body.get("echo") is True,
+        continues=continues,
+        conversation=conversation,
+        stores_answer=stores_answer,
     )
+
+
+def _context_id(value: Any) -> str | None:
+    if isinstance(value, dict):  # a conversation may be given as {"id": ...}
+        value = value.get("id")
+    return value if isinstance(value, str) and CONTEXT_ID.fullmatch(value) else None
+
+
+def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
+    """What a Responses call continues, its conversation, whether its answer is stored."""
+    if not isinstance(view, ResponsesBody):
+        return (), None, False
+    previous = _context_id(view.previous_response_id)
+    conversation = _context_id(view.conversation)
+    continues = tuple(c for c in (previous, conversation) if c is not None)
+    return continues, conversation, view.store is not False
 
 
 def _asks_audio(modalities: Any) -> bool:

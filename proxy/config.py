@@ -374,6 +374,9 @@ class LimitsConfig(_Frozen):
     # A settled reservation leaves a marker this long: a second settle is recognised and changes
     # nothing, and within most of it a settle still bills a call whose reservation was lost.
     settled_marker_ttl_s: int = Field(default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60)
+    # How long the size of a stored Responses context (an answer, a conversation) is kept for
+    # the reserve of a call that continues it (0: not kept, such calls reserve their request).
+    prior_context_ttl_s: int = Field(default=3600, ge=0, le=30 * 24 * 3600)
     # Token counts of long prompt texts are remembered, bounded by the characters kept (0: off).
     token_count_cache_chars: int = Field(default=8 * 1024 * 1024, ge=0)
     # Much new prompt text is reserved at its UTF-8 bytes at once and counted while the call runs

@@ -41,6 +41,7 @@ def _chat_body(obs: Observation, obj: dict[str, Any]) -> None:
 
 def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool) -> None:
     """Status, refusals, usage and (for a whole body) the text of a response object."""
+    _response_id(obs, response)
     status = response.get("status")
     details = response.get("incomplete_details")
     reason = details.get("reason") if isinstance(details, dict) else None
@@ -76,6 +77,12 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                 obs.add_text(0, part.get("text"), content=True)
 
 
+def _response_id(obs: Observation, response: dict[str, Any]) -> None:
+    found = response.get("id")
+    if isinstance(found, str) and found:
+        obs.response_id = found
+
+
 # Deltas that are not text: base64 audio (its tokens are not its characters').
 _UNCOUNTED_DELTAS = frozenset({"response.audio.delta", "response.image_generation_call.partial_image"})
 
@@ -93,6 +100,10 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         elif "call" in kind:
             obs.calls.add(0)
         obs.add_text(0, obj.get("delta"), content=False)
+    elif kind == "response.created":
+        response = obj.get("response")
+        if isinstance(response, dict):
+            _response_id(obs, response)  # a stream cut after it leaves a response a call can continue
     elif kind in ("response.completed", "response.incomplete", "response.failed"):
         response = obj.get("response")
         if isinstance(response, dict):

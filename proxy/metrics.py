@@ -209,6 +209,13 @@ class Metrics:
             "llm_proxy_leases_expired", "Reservations settled at their reserve by a reaper."
         )
         self.store_errors = Counter("llm_proxy_store_errors", "Store operations that failed.", ["operation"])
+        self.prior_contexts = Counter(
+            "llm_proxy_prior_contexts",
+            "Responses calls that continue a stored context (previous_response_id, conversation), by "
+            "whether the proxy knew its size (found: reserved on top of the request) or not (unknown: "
+            "reserved at the request alone).",
+            ["result"],
+        )
         self.quick_estimates = Counter(
             "llm_proxy_quick_estimates",
             "Calls reserved at the UTF-8 bytes of much new text, by what followed: lowered (counted "

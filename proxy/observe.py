@@ -120,6 +120,8 @@ class Observation:
     # Usage that arrives in parts (Anthropic: message_start, then message_delta).
     partial_usage: dict[str, Any] = field(default_factory=dict)
     usage_final: bool = True
+    # The id of the answer the provider keeps (Responses API): a later call may continue it.
+    response_id: str | None = None
 
     def take_usage(self, usage: ProviderUsage) -> None:
         self.usage = usage

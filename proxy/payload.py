@@ -112,6 +112,10 @@ class ResponsesBody(_Body):
     # a stored prompt's variables.
     text: dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
+    # What the input continues (stored at the provider) and whether this answer is stored.
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    store: bool | None = None
 
 
 # Anthropic's fast mode (``speed: "fast"``, at several times the price): priced as a tier of

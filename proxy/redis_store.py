@@ -441,6 +441,26 @@ class RedisStore:
                         unheld[key][meter] += value
         return {key: _meter_states(raw, unheld[key]) for key, raw in zip(keys, hashes, strict=True)}
 
+    async def prior_context_tokens(self, *, tenant: str, ids: Sequence[str]) -> int | None:
+        prefix = key_prefix(tenant)
+        try:
+            # One slot (the tenant's hash tag): one command, on Cluster too.
+            found: Any = await self._client.mget([f"{prefix}ctx:{i}" for i in ids])
+        except STORE_FAILURES as err:
+            raise StoreError(f"prior context: {err}") from err
+        sizes = [int(v) for v in found if v is not None and str(v).isdigit()]
+        return max(sizes) if sizes else None
+
+    async def remember_context(self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int) -> None:
+        prefix = key_prefix(tenant)
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for i in ids:
+                    pipe.set(f"{prefix}ctx:{i}", tokens, ex=ttl_s)
+                await pipe.execute()
+        except STORE_FAILURES as err:
+            raise StoreError(f"remember context: {err}") from err
+
     async def register_tenant(self, tenant: str) -> None:
         try:
             await self._client.sadd(TENANTS_KEY, tenant)

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 import aiohttp
 from aiohttp import web
 
-from proxy.call import Call
+from proxy.call import CONTEXT_ID, Call
 from proxy.config import Config
+from proxy.errors import StoreError
 from proxy.estimate import counted
 from proxy.forward import TransportFailure, open_upstream, operator_key_sent, provider_headers
 from proxy.journal import Journal
@@ -195,7 +196,7 @@ class Exchange:
                         extra={"request_id": self.call.request_id, "error": repr(err)},
                     )
             usage = self.reserve_usage()
-        settlement = await settle(
+        settling = settle(
             self.services.store,
             self.services.journal,
             self.call,
@@ -204,9 +205,44 @@ class Exchange:
             self.obs.finish_reasons,
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
         )
+        kept = self._kept_contexts()
+        if kept:
+            # In the settle's round trip: a client's next call, continuing this one, is sent only
+            # once this answer has gone.
+            settlement, _ = await asyncio.gather(settling, self._remember(kept, usage))
+        else:
+            settlement = await settling
         if not settlement.stored:
             self.services.metrics.store_errors.labels("settle").inc()
         return settlement
+
+    def _kept_contexts(self) -> list[str]:
+        """Where the provider keeps this call's context for a later call to continue."""
+        call = self.call
+        if call.endpoint != "responses" or not self.services.config.limits.prior_context_ttl_s:
+            return []
+        answer = self.obs.response_id
+        if answer is None:
+            return []  # no response was made (an error): a conversation is as it was
+        kept = [call.conversation] if call.conversation else []
+        if call.stores_answer and CONTEXT_ID.fullmatch(answer):
+            kept.append(answer)
+        return kept
+
+    async def _remember(self, ids: list[str], usage: BilledUsage) -> None:
+        """The context a later call continues is what this one read and wrote."""
+        try:
+            await self.services.store.remember_context(
+                tenant=self.call.identity.tenant,
+                ids=ids,
+                tokens=usage.input_tokens + usage.output_tokens,
+                ttl_s=self.services.config.limits.prior_context_ttl_s,
+            )
+        except StoreError as err:
+            # Only a later call's reserve is the poorer for it (its request alone).
+            self.services.metrics.store_errors.labels("remember_context").inc()
+            extra = {"request_id": self.call.request_id, "error": repr(err)}
+            log.warning("could not keep a context's size", extra=extra)
 
     def error(
         self,

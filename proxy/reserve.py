@@ -116,6 +116,8 @@ async def reserve(
             param="model",
             code="model_not_priced",
         )
+    if call.continues and config.limits.prior_context_ttl_s:
+        await _add_prior_context(store, call, metrics)
     record = orjson.dumps(
         {
             "request_id": call.request_id,
@@ -167,6 +169,26 @@ async def reserve(
         # window) are shared with keys of other tiers, whose ceilings must not meet the bound.
         call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
     return result
+
+
+async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None:
+    """Reserve what the provider adds to the input from a context it keeps (a previous response,
+    a conversation): its size when the proxy billed it, input and output. The provider bills
+    that context as input again, so a call sending "hi" may cost 100,000 input tokens; reserved
+    at "hi", calls at once could pass a ceiling by that much. A context the proxy did not bill
+    (made elsewhere, or kept past ``limits.prior_context_ttl_s``) is reserved at the request
+    alone, as before, and billed on the provider's figures."""
+    tokens = await store.prior_context_tokens(tenant=call.identity.tenant, ids=call.continues)
+    metrics.prior_contexts.labels("unknown" if tokens is None else "found").inc()
+    if tokens:
+        est = call.estimate
+        # As overhead: a count of the request's text (``counted``, a settle without provider
+        # usage) keeps it.
+        call.estimate = replace(
+            est,
+            input_tokens=est.input_tokens + tokens,
+            prompt_overhead_tokens=est.prompt_overhead_tokens + tokens,
+        )
 
 
 async def _reserve(

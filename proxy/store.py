@@ -185,6 +185,16 @@ class Store(Protocol):
         command: one read of a ledger of millions would hold Redis for seconds."""
         ...
 
+    async def prior_context_tokens(self, *, tenant: str, ids: Sequence[str]) -> int | None:
+        """The largest size remembered for any of ``ids`` (see ``remember_context``); None
+        when none is known."""
+        ...
+
+    async def remember_context(self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int) -> None:
+        """Keep ``tokens``, the size of the context the provider keeps under each of ``ids``,
+        for ``ttl_s`` seconds."""
+        ...
+
     async def register_tenant(self, tenant: str) -> None: ...
 
     async def tenants(self) -> set[str]: ...

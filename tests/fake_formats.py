@@ -263,7 +263,14 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     pieces = plan.pieces
     if mode == "failed":
         pieces = pieces[: max(0, int(ctl.get("after_chunks", 2)))]
-    prompt = _responses_prompt(body)
+    previous, conversation = body.get("previous_response_id"), body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    for kept in (previous, conversation):
+        if kept is not None and kept not in host.contexts:
+            return error_response(404, f"Previous response with id '{kept}' not found.", headers=headers)
+    # The context it continues is input again, as OpenAI bills it.
+    prompt = _responses_prompt(body) + sum(host.contexts[k] for k in (previous, conversation) if k)
     usage: JsonDict = {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -288,6 +295,12 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
         return _error_mode(ctl, headers, lambda s: error_response(s, message, headers=headers))
     if mode == "non_json":
         return web.Response(body=b"<html>oops</html>", content_type="application/json", headers=headers)
+    if mode not in ("failed", "error"):
+        context = _num(usage, "input_tokens") + _num(usage, "output_tokens")
+        if body.get("store") is not False:
+            host.contexts[f"resp_{no}"] = context
+        if conversation:
+            host.contexts[str(conversation)] = context
     sent_usage = None if ctl.get("no_usage") else usage
     finish = plan.finish[0]
     status, reason = "completed", None

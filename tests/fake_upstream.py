@@ -151,6 +151,9 @@ class FakeUpstream:
         self.received: list[Received] = []
         self.base_url = ""
         self._counter = 0
+        # What the provider keeps (Responses API): a stored response's or a conversation's
+        # context in tokens, billed again as input by a call that continues it.
+        self.contexts: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 

@@ -892,3 +892,15 @@ async def test_a_quick_reserve_refused_on_calls_waits_for_the_windows_the_exact_
     assert isinstance(found, Tentative)  # counted exactly first: the final reserve decides
     exact = await reserve(store, "quick", [minute, month])
     assert isinstance(exact, Refusal) and exact.waits_on == (minute,)
+
+
+# -- the sizes of contexts a provider keeps (Responses API) ----------------------------------
+
+
+async def test_a_context_size_is_kept_per_tenant_and_the_largest_is_read(store: RedisStore) -> None:
+    assert await store.prior_context_tokens(tenant="t", ids=["resp_a"]) is None
+    await store.remember_context(tenant="t", ids=["resp_a", "conv_b"], tokens=120, ttl_s=60)
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=300, ttl_s=60)
+    assert await store.prior_context_tokens(tenant="t", ids=["resp_a", "conv_b"]) == 300
+    assert await store.prior_context_tokens(tenant="t", ids=["resp_a"]) == 120
+    assert await store.prior_context_tokens(tenant="other", ids=["resp_a"]) is None

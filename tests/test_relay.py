@@ -86,7 +86,12 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
     monkeypatch.setattr("proxy.relay.settle", failing)
     ex = relay.Exchange.__new__(relay.Exchange)
     ex.call = SimpleNamespace(  # type: ignore[assignment]
-        first_token_at=None, served_tier=None, request_id="req-1", started_at=0.0, refining=None
+        first_token_at=None,
+        served_tier=None,
+        request_id="req-1",
+        started_at=0.0,
+        refining=None,
+        endpoint="chat.completions",
     )
     ex.obs = SimpleNamespace(first_token_at=None, service_tier=None, finish_reasons={})  # type: ignore[assignment]
     limits = SimpleNamespace(settled_marker_ttl_s=60)

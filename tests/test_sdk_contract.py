@@ -161,6 +161,7 @@ async def test_the_operators_key_refused_upstream_is_not_retried(
 async def test_a_responses_call_without_input_is_forwarded(
     proxy: Proxy, fake: FakeUpstream, fields: dict[str, Any]
 ) -> None:
+    fake.contexts["resp_1"] = 0  # a response the provider keeps (else a 404, as OpenAI's)
     async with proxy.client() as client:
         reply = await client.responses.create(model=MODEL, extra_headers={"X-Run-Id": "np"}, **fields)
     assert reply.status == "completed" and fake.calls == 1
