@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import os
 import re
@@ -34,8 +35,16 @@ from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
 SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# A provider's id for a context it keeps (resp_..., conv_...); anything else is not looked up.
+# A provider's id for a context it keeps (resp_..., conv_...) as OpenAI writes it: its own key.
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def context_key(context_id: str) -> str:
+    """Where a context's size is kept: its id when plain, else a digest of it (a gateway's ids
+    are long, base64), which no plain id can be: an id of any form is looked up, none escapes."""
+    if CONTEXT_ID.fullmatch(context_id):
+        return context_id
+    return "#" + hashlib.sha256(context_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class IdSource:
@@ -352,7 +361,7 @@ def plan_call(
 def _context_id(value: Any) -> str | None:
     if isinstance(value, dict):  # a conversation may be given as {"id": ...}
         value = value.get("id")
-    return value if isinstance(value, str) and CONTEXT_ID.fullmatch(value) else None
+    return context_key(value) if isinstance(value, str) and value else None
 
 
 def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 from aiohttp import web
 
-from proxy.call import CONTEXT_ID, Call
+from proxy.call import Call, context_key
 from proxy.config import Config
 from proxy.errors import StoreError
 from proxy.estimate import counted
@@ -64,6 +64,7 @@ class Exchange:
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self.upstream_s = 0.0
         self.provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
+        self._context_kept = False  # see ``keep_context``
 
     @functools.cached_property
     def operator_key(self) -> bytes | None:
@@ -216,17 +217,31 @@ class Exchange:
             self.services.metrics.store_errors.labels("settle").inc()
         return settlement
 
+    async def keep_context(self) -> None:
+        """Before a stream's last event goes out: it carries the answer (and its id), and a
+        client may continue it as soon as it has it, before the stream ends and the call is
+        settled. The settle writes the size again, at what it bills."""
+        if self._context_kept:
+            return
+        self._context_kept = True
+        kept = self._kept_contexts()
+        if kept:
+            await self._remember(kept, self.usage(complete=True))
+
     def _kept_contexts(self) -> list[str]:
         """Where the provider keeps this call's context for a later call to continue."""
         call = self.call
         if call.endpoint != "responses" or not self.services.config.limits.prior_context_ttl_s:
             return []
         answer = self.obs.response_id
-        if answer is None:
-            return []  # no response was made (an error): a conversation is as it was
+        if answer is None or self.obs.error:
+            # No response was made (an upstream error), or it failed (``status: failed``, an
+            # error event): its conversation is as it was, whatever the failed call billed (its
+            # usage may be 0), and a failed answer is not continued.
+            return []
         kept = [call.conversation] if call.conversation else []
-        if call.stores_answer and CONTEXT_ID.fullmatch(answer):
-            kept.append(answer)
+        if call.stores_answer:
+            kept.append(context_key(answer))
         return kept
 
     async def _remember(self, ids: list[str], usage: BilledUsage) -> None:

@@ -104,6 +104,8 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
             if out is None:
                 failure = Outcome("upstream_error")  # one event larger than we hold
                 break
+            if obs.done and out:
+                await ex.keep_context()  # before the client has the answer whole (its id)
             if secret is not None and secret in out:  # whole events: a key is never cut
                 out = out.replace(secret, REDACTED)
             if not out or client_gone:

@@ -147,6 +147,8 @@ async def _play(
             if idx and delay:
                 await asyncio.sleep(delay)
             await resp.write(data.encode())
+        if ctl.get("tail_delay_s"):
+            await asyncio.sleep(float(ctl["tail_delay_s"]))  # slow to close after its last event
         await resp.write_eof()
     except ConnectionError:
         pass
@@ -202,11 +204,16 @@ def _responses_prompt(body: JsonDict) -> int:
     return total
 
 
+def _response_id(body: JsonDict, no: int) -> str:
+    """``resp_<n>``; ``fake.id_prefix`` another prefix (a gateway's ids: long, base64)."""
+    return f"{_control(body).get('id_prefix', 'resp_')}{no}"
+
+
 def _response_object(
     body: JsonDict, no: int, created: int, status: str, output: list[JsonDict], usage: JsonDict | None
 ) -> JsonDict:
     return {
-        "id": f"resp_{no}",
+        "id": _response_id(body, no),
         "object": "response",
         "created_at": created,
         "status": status,
@@ -288,6 +295,8 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
             "cache_creation": _num(usage, "input_tokens_details", "cache_write_tokens"),
         }
         _bill(host, no, request.path, model, stream, mode, **toks)
+    if ctl.get("delay_s"):
+        await asyncio.sleep(float(ctl["delay_s"]))
     if mode == "stall_before_headers":
         await asyncio.sleep(float(ctl.get("stall_s", 30)))
     if mode == "error":
@@ -298,7 +307,7 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     if mode not in ("failed", "error"):
         context = _num(usage, "input_tokens") + _num(usage, "output_tokens")
         if body.get("store") is not False:
-            host.contexts[f"resp_{no}"] = context
+            host.contexts[_response_id(body, no)] = context
         if conversation:
             host.contexts[str(conversation)] = context
     sent_usage = None if ctl.get("no_usage") else usage

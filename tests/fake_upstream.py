@@ -22,6 +22,8 @@ openai SDK: ``extra_body={"fake": {...}}``); every key is optional:
   no_usage         never send usage (still billed)
   keepalive        ": keep-alive" comments between streamed content chunks
   chunk_delay_s    sleep between streamed events
+  tail_delay_s     sleep between a stream's last event and its end (Responses, Messages)
+  id_prefix        Responses: the prefix of a response id (default resp_)
   first_event_delay_s  sleep between a stream's headers and its first event
   delay_s          sleep before answering at all (any mode)
   two_usage        send the usage chunk twice (usage_early: before last content)

@@ -5,6 +5,7 @@ contexts and bills them as OpenAI does."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -12,8 +13,12 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import Proxy, ProxyFactory, digest
+from proxy.redis_server import RedisServerProcess
+from proxy.tokenizer import Tokenizer
+from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received
 from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import ledger_entries
+from tests.test_estimate import TEXT, QuarterEncoding
 
 ADMIN = "sk-admin-ops"
 RUN = "lbp:{team-a}:run:chain"
@@ -152,3 +157,156 @@ async def test_contexts_are_not_kept_when_turned_off(
         model="gpt-4o-mini", input="hi", previous_response_id="resp_1", max_output_tokens=16
     )
     assert await used_input(redis_client) == FIRST_INPUT + FIRST_CONTEXT + 1 > INPUT_CEILING  # overspent
+
+
+# Reserved at its 1,000 bytes and 11 tokens of overhead (no tiktoken files in tests), billed so.
+RESPONSES_OVERHEAD = 4 * 2 + 3  # one input item, and the reply's priming
+LONG_INPUT, LONG_BILLED = "x" * 1000, 1011
+
+
+async def test_a_continuation_sent_once_the_stream_said_completed_reserves_the_context(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The client has the answer whole (and its id) at ``response.completed``: an agent continues
+    it then, not once the connection has closed (an upstream may be slow to close it, and the
+    settle takes a round trip). The size must be kept by then."""
+    proxy = await chained_proxy(make_proxy)
+    body = {
+        "model": "gpt-4o-mini",
+        "input": LONG_INPUT,
+        "stream": True,
+        "fake": {"usage": {"input_tokens": LONG_BILLED}, "tail_delay_s": 1.0},
+    }
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "chain"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/responses", json=body, headers=headers) as first,
+    ):
+        assert first.status == 200, await first.text()
+        completed = False
+        async for line in first.content:
+            completed = completed or line.startswith(b"event: response.completed")
+            if completed and line == b"\n":
+                break  # the event is whole: the SDK yields it
+        assert completed
+        # 1,019 of context on top of "hi", with the first call's 1,011 held: past the ceiling.
+        with pytest.raises(openai.RateLimitError):
+            await client(proxy).responses.create(
+                model="gpt-4o-mini", input="hi", previous_response_id="resp_1", max_output_tokens=16
+            )
+    assert len(fake.bill) == 1
+    assert await used_input(redis_client) <= INPUT_CEILING
+
+
+# A gateway's response id (LiteLLM's: base64 of its routing and the provider's id), 157 characters.
+GATEWAY_ID = (
+    "resp_bGl0ZWxsbTpjdXN0b21fbGxtX3Byb3ZpZGVyOm9wZW5haTttb2RlbF9pZDpOb25lO3Jlc3BvbnNlX2lkOnJlc3Bf"
+    "NjhiZjE2YzM0ZTk4ODE5NWIzYTA0YjljYTg5ZjAxZDEwN2M2MmFhZjQ2ZDg3NjUx_"
+)
+
+
+@pytest.mark.parametrize("prefix", [GATEWAY_ID, "resp_a+b/c=="], ids=["long", "base64"])
+async def test_a_context_under_an_id_of_any_form_is_reserved(
+    prefix: str, make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Ids are the provider's to shape (a gateway's are long, base64): one the proxy does not
+    look up is a context reserved at the request alone, and not even counted as unknown."""
+    proxy = await chained_proxy(make_proxy)
+    await first(proxy, fake={"usage": {"input_tokens": FIRST_INPUT}, "id_prefix": prefix})
+    with pytest.raises(openai.RateLimitError):
+        await client(proxy).responses.create(
+            model="gpt-4o-mini", input="hi", previous_response_id=prefix + "1", max_output_tokens=16
+        )
+    assert len(fake.bill) == 1
+
+
+async def test_a_quick_estimate_keeps_the_context_through_its_count_and_a_settle_without_usage(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Much new text continuing a context: reserved at its bytes and the context, lowered to its
+    count and the context (not to the count alone), and billed, with no usage from the provider,
+    at its count and the context (what the provider bills)."""
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": QuarterEncoding()}))
+    await first(proxy)
+    reply = await client(proxy).responses.with_raw_response.create(
+        model="gpt-4o-mini",
+        input=TEXT,
+        previous_response_id="resp_1",
+        max_output_tokens=16,
+        extra_body={"fake": {"no_usage": True, "delay_s": 0.3}},  # counted while it runs
+    )
+    exact = len(TEXT) // 4 + RESPONSES_OVERHEAD
+    [entry] = [
+        e for e in await ledger_entries(proxy, "chain") if e["request_id"] == reply.headers["x-request-id"]
+    ]
+    assert int(entry["reserved_input_tokens"]) == exact + FIRST_CONTEXT
+    assert reply.headers["x-billing-input-tokens"] == str(exact + FIRST_CONTEXT)
+    assert reply.headers["x-billing-usage-source"] != "provider"
+
+
+async def test_a_stream_cut_after_it_started_keeps_its_answer_at_what_it_billed(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """``response.created`` names the answer: a stream cut after it leaves a response the client
+    can continue, billed at its reserve, and kept at that."""
+    proxy = await make_proxy()
+    with pytest.raises(openai.APIError):
+        await first(proxy, stream=True, fake={"mode": "cut", "usage": {"input_tokens": FIRST_INPUT}})
+    [entry] = await ledger_entries(proxy, "chain")
+    assert entry["usage_source"] == "reserve"
+    billed = int(entry["input_tokens"]) + int(entry["output_tokens"])
+    assert int(await redis_client.get(ctx("resp_1")) or 0) == billed
+
+
+async def test_a_size_that_cannot_be_kept_never_fails_the_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """Redis refusing writes (out of memory) while a call ends: the settle is journaled, and the
+    size, a hint for a later reserve, is given up; the answer is delivered all the same."""
+    proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 1})
+    body = {"model": "gpt-4o-mini", "input": "hello", "fake": {"delay_s": 0.5}}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    async with aiohttp.ClientSession() as session:
+        for stream in (False, True):
+            sent = asyncio.ensure_future(
+                session.post(proxy.url + "/v1/responses", json={**body, "stream": stream}, headers=headers)
+            )
+            await until_upstream_received(fake, len(fake.received) + 1)
+            await own_client.config_set("maxmemory", "1")  # over its limit: writes get -OOM
+            async with await sent as reply:
+                assert reply.status == 200, await reply.text()
+                assert b"response.completed" in await reply.read() or not stream
+            await own_client.config_set("maxmemory", "0")
+    assert len(fake.bill) == 2
+    assert await own_client.exists("lbp:{team-a}:ctx:resp_1", "lbp:{team-a}:ctx:resp_2") == 0
+
+
+async def test_a_store_down_before_the_reserve_is_a_503_and_nothing_goes_out(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess
+) -> None:
+    proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 0.5})
+    await first(proxy)
+    await asyncio.to_thread(own_redis.stop)
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client(proxy).responses.create(model="gpt-4o-mini", input="hi", previous_response_id="resp_1")
+    assert refused.value.status_code == 503
+    assert len(fake.received) == 1
+
+
+async def test_a_failed_response_leaves_its_conversation_as_it_was(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A response that failed (``status: failed``) added nothing to its conversation: the size
+    kept is not replaced by the failed call's own figures (0 here: it failed before its input),
+    or the next call on it is reserved at its request alone."""
+    proxy = await make_proxy()
+    fake.contexts["conv_1"] = 0
+    await first(proxy, conversation="conv_1")
+    zero = {"mode": "failed", "after_chunks": 0, "usage": {"input_tokens": 0, "output_tokens": 0}}
+    reply = await client(proxy).responses.with_raw_response.create(
+        model="gpt-4o-mini", input="hi", extra_body={"conversation": "conv_1", "fake": zero}
+    )
+    assert reply.headers["x-billing-outcome"] == "upstream_error"
+    assert int(await redis_client.get(ctx("conv_1")) or 0) == FIRST_CONTEXT
+    await first(proxy, stream=True, conversation="conv_1", fake=zero)  # its response.failed event
+    assert int(await redis_client.get(ctx("conv_1")) or 0) == FIRST_CONTEXT
