@@ -187,6 +187,35 @@ async def until_upstream_received(fake: FakeUpstream, count: int, timeout_s: flo
         await asyncio.sleep(0.01)
 
 
+async def until_redis_busy(port: int, timeout_s: float = 10.0) -> None:
+    """Until the Redis on ``port`` answers no PING within 0.5 s: a script sent to it just before
+    holds it (a fixed sleep may end before that script even reached it on a loaded machine)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        assert asyncio.get_running_loop().time() < deadline, "Redis never got busy"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"PING\r\n")
+            await writer.drain()
+            await asyncio.wait_for(reader.readline(), 0.5)
+        except TimeoutError:
+            return
+        finally:
+            writer.close()
+        await asyncio.sleep(0.02)
+
+
+async def leave_once_upstream_received(request: Awaitable[Any], fake: FakeUpstream) -> None:
+    """Send ``request`` and leave (drop the connection) once the fake upstream has the call, before
+    its answer: a client timeout of a fixed 0.1 s could fire before the proxy even had the request
+    on a loaded machine."""
+    task = asyncio.ensure_future(request)
+    await until_upstream_received(fake, 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 class SkewedClockLoop(asyncio.SelectorEventLoop):
     """asyncio's loop with a clock 1000 s behind ``time.monotonic``: a loop's clock need not be
     that one (uvloop's is libuv's), so timers must not mix the two."""

@@ -434,8 +434,8 @@ async def test_reload_applies_new_prices_and_ceilings_and_keeps_usage(
 
 async def test_concurrent_calls_per_key_are_limited(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     proxy = await make_proxy(tiers=tiers(key={"concurrent": 2}))
-    slow = {"fake": {"mode": "stall_before_headers", "stall_s": 0.5}}
-    # All three reserve long before the first settles (the upstream stalls 0.5 s).
+    slow = {"fake": {"mode": "stall_before_headers", "stall_s": 2}}
+    # All three reserve long before the first settles (the upstream stalls 2 s).
     results = await asyncio.gather(
         *(call(proxy, f"c{i}", extra_body=slow) for i in range(3)), return_exceptions=True
     )

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, leave_once_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -122,11 +122,12 @@ async def test_client_gone_before_a_non_streaming_answer_is_still_billed(
     body = {
         "model": "gpt-4o-mini",
         "messages": MSGS,
-        "fake": {"mode": "stall_before_headers", "stall_s": 0.5},
+        "fake": {"mode": "stall_before_headers", "stall_s": 1.0},
     }
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
-        with pytest.raises(asyncio.TimeoutError):
-            await session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH)
+    async with aiohttp.ClientSession() as session:
+        await leave_once_upstream_received(
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH), fake
+        )
     entry = await only_entry(redis_client, timeout_s=5)
     assert entry["outcome"] == "client_disconnected" and entry["usage_source"] == "provider"
     assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
@@ -197,15 +198,18 @@ async def test_a_live_stream_keeps_its_run_key_alive(
     run_key = "lbp:{team-a}:run:long-stream"
     try:
         body = {"model": "gpt-4o-mini", "messages": MSGS, "stream": True, "max_tokens": 20}
-        body["fake"] = {"reply_tokens": 20, "chunk_delay_s": 0.1}  # about 2 s
+        body["fake"] = {"reply_tokens": 40, "chunk_delay_s": 0.1}  # about 4 s
         headers = {**AUTH, "X-Run-Id": "long-stream"}
         async with aiohttp.ClientSession() as session:
             async with session.post(proc.url + "/v1/chat/completions", json=body, headers=headers) as resp:
                 await resp.content.readany()
                 assert await redis_client.expire(run_key, 3)  # late in its life
-                await asyncio.sleep(1.0)  # a renewal or two
-                ttl = await redis_client.ttl(run_key)
-                meters = await redis_client.hgetall(run_key)
+                for _ in range(50):  # until a renewal (every 0.5 s), within the key's 3 s left
+                    await asyncio.sleep(0.05)
+                    ttl = await redis_client.ttl(run_key)
+                    if ttl > 3000:
+                        break
+                meters = await redis_client.hgetall(run_key)  # still streaming: its reserve held
                 await resp.read()
     finally:
         proc.stop()
@@ -219,14 +223,16 @@ async def test_a_stream_silent_for_longer_than_its_lease_keeps_it(
     """Renewal runs on a timer, not on reads: reads until just before the first renewal is due,
     then a silence shorter than the stall timeout but longer than the lease left."""
     raw = base_config(fake.base_url, redis_server.url)
-    raw["upstreams"]["openai"]["timeout_s"] = 6  # lease 6.3 s, renewed every 2.1 s
+    raw["upstreams"]["openai"]["timeout_s"] = 8  # lease 8.3 s, renewed every 2.77 s
     raw["limits"] = {**raw["limits"], "lease_margin_s": 0.3, "reaper_interval_s": 0.1}
     fake_ctl = {
-        "reply_tokens": 14,
+        "reply_tokens": 24,
         "chunk_delay_s": 0.1,
         "mode": "stall_mid_stream",
-        "after_chunks": 10,  # reads for about 1 s
-        "stall_s": 5.6,  # back at about 6.6 s: past the first lease, before the stall timeout
+        "after_chunks": 20,  # reads for about 2 s
+        # Back at about 8.5 s: past the first lease, 1.5 s before the stall timeout (0.4 s under
+        # it left a loaded machine no room).
+        "stall_s": 6.5,
     }
     await stream_beside_a_reaper(raw, tmp_path, redis_client, fake_ctl)
 
@@ -252,7 +258,7 @@ async def test_reload_by_file_check_without_a_signal(
             raw["listen"] = {"host": "127.0.0.1", "port": proc.port}
             raw["journal_dir"] = str(tmp_path / "journal")
             proc.config_path.write_text(yaml.safe_dump(raw))
-            for _ in range(60):  # polled every 2 s
+            for _ in range(200):  # polled every 2 s
                 await asyncio.sleep(0.1)
                 if "config reloaded" in proc.log_path.read_text():
                     break

@@ -16,7 +16,7 @@ from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
 from proxy.workers import GC_YOUNG_THRESHOLD
-from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, slow_stream
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, slow_stream, until_redis_busy
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -36,18 +36,21 @@ async def test_sigterm_lets_an_inflight_stream_finish_and_refuses_new_calls(
     raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=20)
     proc = ProxyProcess(raw, tmp_path).start()
     try:
-        body, headers = slow_stream("graceful", chunks=20)
+        body, headers = slow_stream("graceful", chunks=30)
         async with aiohttp.ClientSession() as session:
             resp = await session.post(proc.url + "/v1/chat/completions", json=body, headers=headers)
             await resp.content.readuntil(b"\n\n")
             proc.signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
+            # Until the process has handled the signal (a fixed 0.3 s is short on a loaded machine).
             refused = False
-            try:
-                async with aiohttp.ClientSession() as fresh:
-                    await fresh.get(proc.url + "/healthz")
-            except aiohttp.ClientConnectionError:
-                refused = True
+            for _ in range(40):
+                try:
+                    async with aiohttp.ClientSession() as fresh, fresh.get(proc.url + "/healthz") as probe:
+                        await probe.read()
+                except aiohttp.ClientConnectionError:
+                    refused = True
+                    break
+                await asyncio.sleep(0.05)
             assert refused, "a new connection was accepted during shutdown"
             rest = await read_all(resp)
         assert rest.endswith(b"data: [DONE]\n\n")
@@ -223,14 +226,15 @@ async def test_a_reserve_cut_by_shutdown_is_released_not_reaped(
             headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "first"}
             async with session.post(proc.url + "/v1/chat/completions", json=body, headers=headers) as r:
                 assert r.status == 200  # the tenant is registered: the next call's first write is its reserve
-            spin = "local s = redis.call('TIME')[1] while redis.call('TIME')[1] - s < 3 do end"
+            spin = "local s = redis.call('TIME')[1] while redis.call('TIME')[1] - s < 4 do end"
             blocking = asyncio.ensure_future(busy.eval(spin, 0))
-            await asyncio.sleep(0.2)
+            assert redis_server.port is not None
+            await until_redis_busy(redis_server.port)
             headers["X-Run-Id"] = "cut"
             cut = asyncio.ensure_future(
                 session.post(proc.url + "/v1/chat/completions", json=body, headers=headers)
             )
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(1.0)  # the call reaches its reserve, which waits behind the script
             proc.signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait) == 0
             cut.cancel()

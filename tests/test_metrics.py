@@ -349,7 +349,7 @@ async def test_a_call_a_reaper_billed_first_is_counted_once_and_is_no_store_erro
     proxy = await make_proxy(
         admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}], limits={"reaper_interval_s": 0.05}
     )
-    body, headers = slow_stream("stalled", chunks=10, delay_s=0.05)
+    body, headers = slow_stream("stalled", chunks=40, delay_s=0.05)  # 2 s: the reaper comes first
     async with aiohttp.ClientSession() as session:
         async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
             await resp.content.readuntil(b"\n\n")

@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from proxy.redis_server import free_port
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, leave_once_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import (
     CHARS_PROMPT_TOKENS,
@@ -319,12 +319,12 @@ async def test_client_disconnect_drains_and_bills_provider_usage(proxy: Proxy, f
 async def test_client_gone_before_the_first_byte_is_a_disconnect(proxy: Proxy, fake: FakeUpstream) -> None:
     # A slow start (a reasoning model, say): the client gives up before the upstream's headers.
     body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 900}
-    body["fake"] = {"delay_s": 0.5, "reply_tokens": 5}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
-        with pytest.raises(TimeoutError):
-            await session.post(
-                proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
-            )
+    body["fake"] = {"delay_s": 1.0, "reply_tokens": 5}
+    async with aiohttp.ClientSession() as session:
+        post = session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
+        )
+        await leave_once_upstream_received(post, fake)
     entry = await the_entry(proxy, "r1", wait_s=5)
     # Not an upstream error billed at the 900-token reserve: the provider's own figures.
     assert entry["outcome"] == "client_disconnected"
@@ -360,12 +360,12 @@ async def test_client_gone_before_the_upstreams_headers_then_a_slow_first_event(
     """Our headers, written before the first wait, find the client gone: a disconnect billed
     on the provider's figures, not an upstream error at the reserve."""
     body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 900}
-    body["fake"] = {"delay_s": 0.5, "first_event_delay_s": 0.2, "reply_tokens": 5}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
-        with pytest.raises(TimeoutError):
-            await session.post(
-                proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
-            )
+    body["fake"] = {"delay_s": 1.0, "first_event_delay_s": 0.2, "reply_tokens": 5}
+    async with aiohttp.ClientSession() as session:
+        post = session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
+        )
+        await leave_once_upstream_received(post, fake)
     entry = await the_entry(proxy, "r1", wait_s=5)
     assert entry["outcome"] == "client_disconnected", entry
     assert_provider_usage(entry, fake.bill[0])
@@ -390,13 +390,15 @@ async def test_headers_are_not_held_while_the_first_event_is_incomplete(make_pro
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
 
+    release = asyncio.Event()
+
     async def handle(request: web.Request) -> web.StreamResponse:
         await request.read()
         resp = _HeadersWithData(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         first = event(role)
         await resp.write(first[:-1])  # with the headers: the first event but its last line break
-        await asyncio.sleep(3)
+        await asyncio.wait_for(release.wait(), 30)  # the rest only once the client has our headers
         await resp.write(first[-1:] + event(last) + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -412,8 +414,10 @@ async def test_headers_are_not_held_while_the_first_event_is_incomplete(make_pro
         body = {"model": MODEL, "messages": MSGS, "stream": True}
         async with aiohttp.ClientSession() as session:
             post = session.post(proxy.url + "/v1/chat/completions", json=body, headers=auth())
-            resp = await asyncio.wait_for(post, timeout=1.5)  # the upstream's second send is 3 s away
+            # The upstream's second send waits for this: headers held for it never come.
+            resp = await asyncio.wait_for(post, timeout=10)
             assert resp.status == 200
+            release.set()
             assert b"data: [DONE]" in await resp.read()
     finally:
         await runner.cleanup()
@@ -489,11 +493,19 @@ async def test_a_client_that_stops_reading_is_settled_after_the_write_timeout(
     try:
         # Held open and unread: without a bound on every blocking write, the stream stays in
         # one write for ever, its lease renewed, its reserve never settled.
-        entry = await the_entry(proxy, "r1", wait_s=10)
-        # And the connection is ended: reading, the client comes to its end.
-        sock.settimeout(5)
-        while sock.recv(1 << 20):
-            pass
+        # The write timeout (2 s), then the drain of some 12 MB of events: CPU-bound, far longer
+        # than 10 s on a loaded machine.
+        entry = await the_entry(proxy, "r1", wait_s=60)
+        # And the connection is ended: reading, the client comes to its end. Read off the loop:
+        # a blocking read on it also held the proxy, which may close the connection only after
+        # its ledger entry showed (the read then timed out on a loaded machine).
+
+        def read_to_the_end() -> None:
+            sock.settimeout(30)
+            while sock.recv(1 << 20):
+                pass
+
+        await asyncio.to_thread(read_to_the_end)
     finally:
         sock.close()
     assert entry["outcome"] == "client_disconnected"
@@ -530,7 +542,7 @@ async def test_a_connection_left_paused_with_little_buffered_still_bounds_the_wr
         await asyncio.wait_for(reader.readuntil(b"data: "), 5)
         (handler,) = proxy.runner.server.connections  # type: ignore[union-attr]
         handler.pause_writing()  # as uvloop leaves it; the client reads no more
-        entry = await the_entry(proxy, "r1", wait_s=15)
+        entry = await the_entry(proxy, "r1", wait_s=60)  # a drain of ~400 KB of events as well
     finally:
         writer.close()
     assert entry["outcome"] == "client_disconnected"
@@ -545,7 +557,7 @@ async def test_a_client_reset_while_a_write_waits_is_a_disconnect(
     await asyncio.sleep(3)  # the proxy's buffers fill; its write waits
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()  # a reset, while the proxy waits for the client to take its bytes
-    entry = await the_entry(proxy, "r1", wait_s=10)
+    entry = await the_entry(proxy, "r1", wait_s=60)  # then the drain of some 12 MB of events
     # Not "upstream_error" at the reserve: the client left, the provider's figures stand.
     assert entry["outcome"] == "client_disconnected"
     assert_provider_usage(entry, fake.bill[0])

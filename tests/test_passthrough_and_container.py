@@ -34,7 +34,9 @@ async def test_zero_config_start_with_the_embedded_redis(fake: FakeUpstream, tmp
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        for _ in range(200):
+        deadline = time.monotonic() + 30  # a start on a loaded machine takes its time
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the proxy never became ready"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
                     if resp.status == 200:

@@ -16,7 +16,7 @@ from proxy.journal import Journal, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
-from tests.conftest import KEY_A, ProxyFactory
+from tests.conftest import KEY_A, ProxyFactory, until_redis_busy
 from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
@@ -97,7 +97,8 @@ async def test_a_reserve_whose_reply_is_lost_is_released_not_charged(
     busy = "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < 2 do end return 1"
     blocker = aioredis.Redis.from_url(own_redis.url)
     hold = asyncio.create_task(blocker.eval(busy, 0))
-    await asyncio.sleep(0.2)
+    assert own_redis.port is not None
+    await until_redis_busy(own_redis.port)
     async with aiohttp.ClientSession() as session:
         async with session.post(
             proxy.url + "/v1/chat/completions",

@@ -20,7 +20,7 @@ from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement, store_tag
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
-from tests.conftest import KEY_A, Proxy, ProxyFactory, slow_stream
+from tests.conftest import KEY_A, Proxy, ProxyFactory, slow_stream, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
@@ -442,14 +442,15 @@ async def test_a_settle_that_cannot_be_journaled_still_delivers_the_answer(
         journal_dir=str(blocker / "journal"),
         limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.2},
     )
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 0.5}}
+    # The upstream holds the answer long enough for Redis to be stopped before the settle.
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 2}}
     async with aiohttp.ClientSession() as session:
         pending = asyncio.ensure_future(
             session.post(
                 proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
             )
         )
-        await asyncio.sleep(0.2)  # reserved; the call is at the upstream
+        await until_upstream_received(fake, 1)  # reserved; the call is at the upstream
         await asyncio.to_thread(own_redis.stop)
         async with await pending as resp:
             status, answer = resp.status, await resp.json()
