@@ -86,7 +86,7 @@ def transient(err: ResponseError | RespError) -> bool:
     return isinstance(err, TRANSIENT_ERRORS) or str(err).startswith(TRANSIENT_REPLIES)
 
 
-SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink")
+SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context")
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -453,13 +453,8 @@ class RedisStore:
 
     async def remember_context(self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int) -> None:
         prefix = key_prefix(tenant)
-        try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for i in ids:
-                    pipe.set(f"{prefix}ctx:{i}", tokens, ex=ttl_s)
-                await pipe.execute()
-        except STORE_FAILURES as err:
-            raise StoreError(f"remember context: {err}") from err
+        # One script (one slot: the tenant's hash tag): a size kept is never lowered (context.lua).
+        await self._script("context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s])
 
     async def register_tenant(self, tenant: str) -> None:
         try:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -33,6 +34,10 @@ from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger("proxy.relay")
+# How long a stream's last event waits for its context's size to be kept (``keep_context``): a
+# hint for a later reserve, written in a fraction of a millisecond by a store that answers; one
+# that does not (a long script, a lost connection) must not hold the answer for its timeout.
+KEEP_CONTEXT_WAIT_S = 0.25
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +70,7 @@ class Exchange:
         self.upstream_s = 0.0
         self.provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
         self._context_kept = False  # see ``keep_context``
+        self._keeping: asyncio.Future[None] | None = None  # its write, once started
 
     @functools.cached_property
     def operator_key(self) -> bytes | None:
@@ -207,10 +213,16 @@ class Exchange:
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
         )
         kept = self._kept_contexts()
-        if kept:
+        if kept and not usage.input_tokens + usage.output_tokens:
+            kept = []  # billed nothing (it never went out): it made no context
+        waits: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
+        if self._keeping is not None and not self._keeping.done():
+            waits.append(self._keeping)  # a stream's early write, still waiting on the store
+        if waits:
             # In the settle's round trip: a client's next call, continuing this one, is sent only
-            # once this answer has gone.
-            settlement, _ = await asyncio.gather(settling, self._remember(kept, usage))
+            # once this answer has gone. A size kept is never lowered (``remember_context``): the
+            # order in which the two writes land does not matter.
+            settlement, _ = await asyncio.gather(settling, asyncio.gather(*waits))
         else:
             settlement = await settling
         if not settlement.stored:
@@ -220,26 +232,39 @@ class Exchange:
     async def keep_context(self) -> None:
         """Before a stream's last event goes out: it carries the answer (and its id), and a
         client may continue it as soon as it has it, before the stream ends and the call is
-        settled. The settle writes the size again, at what it bills."""
+        settled. The settle writes the size again, at what it bills.
+
+        The event waits for the write at most ``KEEP_CONTEXT_WAIT_S``: past that the write goes
+        on (the settle waits for it, and shutdown for the settle) and the answer goes out."""
         if self._context_kept:
             return
         self._context_kept = True
         kept = self._kept_contexts()
-        if kept:
-            await self._remember(kept, self.usage(complete=True))
+        if not kept:
+            return
+        self._keeping = asyncio.ensure_future(self._remember(kept, self.usage(complete=True)))
+        # Not cancelled by the timeout, nor by a cancel of this handler (shutdown): the settle
+        # (in a task of its own) waits for it.
+        await asyncio.wait((self._keeping,), timeout=KEEP_CONTEXT_WAIT_S)
 
     def _kept_contexts(self) -> list[str]:
         """Where the provider keeps this call's context for a later call to continue."""
         call = self.call
         if call.endpoint != "responses" or not self.services.config.limits.prior_context_ttl_s:
             return []
-        answer = self.obs.response_id
-        if answer is None or self.obs.error:
-            # No response was made (an upstream error), or it failed (``status: failed``, an
-            # error event): its conversation is as it was, whatever the failed call billed (its
-            # usage may be 0), and a failed answer is not continued.
+        if self.obs.error or call.upstream_status >= 300:
+            # It failed (``status: failed``, an error event), or the upstream answered an error:
+            # its conversation is as it was, whatever the failed call billed (its usage may be
+            # 0), and a failed answer is not continued.
             return []
         kept = [call.conversation] if call.conversation else []
+        answer = self.obs.response_id
+        if answer is None:
+            # Never seen whole (a body cut mid-JSON, a timeout, a transport that broke once the
+            # call went out): the provider may have made it and added it to its conversation,
+            # kept at what this call bills (its reserve, an upper bound; nothing, not 0, when
+            # nothing went out). Its own id is unknown.
+            return kept
         if call.stores_answer:
             kept.append(context_key(answer))
         return kept

@@ -192,7 +192,8 @@ class Store(Protocol):
 
     async def remember_context(self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int) -> None:
         """Keep ``tokens``, the size of the context the provider keeps under each of ``ids``,
-        for ``ttl_s`` seconds."""
+        for ``ttl_s`` seconds; a larger size kept already stays (a later call's, on the same
+        conversation), its life extended."""
         ...
 
     async def register_tenant(self, tenant: str) -> None: ...

@@ -6,6 +6,7 @@ contexts and bills them as OpenAI does."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received
+from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 from tests.test_estimate import TEXT, QuarterEncoding
@@ -310,3 +311,109 @@ async def test_a_failed_response_leaves_its_conversation_as_it_was(
     assert int(await redis_client.get(ctx("conv_1")) or 0) == FIRST_CONTEXT
     await first(proxy, stream=True, conversation="conv_1", fake=zero)  # its response.failed event
     assert int(await redis_client.get(ctx("conv_1")) or 0) == FIRST_CONTEXT
+
+
+async def read_until_completed(reply: aiohttp.ClientResponse) -> None:
+    completed = False
+    async for line in reply.content:
+        completed = completed or line.startswith(b"event: response.completed")
+        if completed and line == b"\n":
+            return  # the event is whole: the SDK yields it
+    raise AssertionError("no response.completed")
+
+
+async def test_a_stream_settled_after_its_continuation_leaves_the_conversation_at_the_later_size(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """An agent continues a conversation at ``response.completed``; the first stream's upstream
+    closes later and its settle writes the conversation's size again: not the older, smaller
+    figure over the continuation's, or the next call on it is reserved short by a whole turn."""
+    proxy = await make_proxy()
+    fake.contexts["conv_1"] = 0
+    body = {
+        "model": "gpt-4o-mini",
+        "input": "hello",
+        "stream": True,
+        "conversation": "conv_1",
+        "fake": {"usage": {"input_tokens": FIRST_INPUT}, "tail_delay_s": 1.0},
+    }
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    second = FIRST_CONTEXT + 1 + 8  # the first's context, "hi", 8 output tokens
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/responses", json=body, headers=headers) as first_reply,
+    ):
+        assert first_reply.status == 200, await first_reply.text()
+        await read_until_completed(first_reply)
+        await proxy.client().responses.create(
+            model="gpt-4o-mini", input="hi", extra_body={"conversation": "conv_1"}, max_output_tokens=16
+        )
+        assert int(await redis_client.get(ctx("conv_1")) or 0) == second
+        await first_reply.read()  # the first stream ends: settled
+    assert fake.contexts["conv_1"] == second
+    assert int(await redis_client.get(ctx("conv_1")) or 0) == second
+
+
+async def test_a_slow_store_does_not_hold_a_streams_last_event(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess
+) -> None:
+    """The size written before ``response.completed`` goes out is a hint for a later reserve: a
+    store that does not answer (a long script holds it) delays the answer's last event by a
+    bounded wait, not by the store's socket timeout; the write lands all the same."""
+    proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 5})
+    body = {"model": "gpt-4o-mini", "input": "hello", "stream": True, "fake": {"chunk_delay_s": 0.05}}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    # Holds the store 4 s and says when it let go (the store's clock is the machine's).
+    busy = (
+        "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < 4 do end "
+        "return redis.call('TIME')"
+    )
+    blocker = aioredis.Redis.from_url(own_redis.url)
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(proxy.url + "/v1/responses", json=body, headers=headers) as reply,
+        ):
+            assert reply.status == 200
+            hold = asyncio.ensure_future(blocker.eval(busy, 0))
+            assert own_redis.port is not None
+            await until_redis_busy(own_redis.port)
+            await read_until_completed(reply)
+            completed_at = time.time()
+            await reply.read()
+        seconds, micros = await hold
+        # An order, not a duration: the answer went out while the store was still held.
+        assert completed_at < int(seconds) + int(micros) / 1e6, "response.completed waited for the store"
+        assert int(await blocker.get("lbp:{team-a}:ctx:resp_1") or 0) > 0  # kept all the same
+    finally:
+        await blocker.aclose()
+
+
+async def test_an_answer_cut_before_its_id_keeps_its_conversation_at_what_it_billed(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """An answer the proxy never saw whole (a body cut mid-JSON; an upstream timeout alike) went
+    out: the provider may have made it and added it to the conversation. Its size is kept at what
+    the call billed (its reserve: never below what the provider added), not left at the older
+    figure the next call on it would be reserved at."""
+    proxy = await make_proxy()
+    fake.contexts["conv_1"] = 0
+    await first(proxy, conversation="conv_1")
+    with pytest.raises(openai.APIError):
+        await proxy.client().responses.create(
+            model="gpt-4o-mini",
+            input="hi",
+            max_output_tokens=16,
+            extra_body={"conversation": "conv_1", "fake": {"mode": "cut"}},
+        )
+    assert fake.contexts["conv_1"] == FIRST_CONTEXT + 1 + 8  # the provider made it
+    assert int(await redis_client.get(ctx("conv_1")) or 0) >= fake.contexts["conv_1"]
+    # An error answer made none: the conversation is as it was (not the reserve of the call).
+    with pytest.raises(openai.APIStatusError):
+        await proxy.client().responses.create(
+            model="gpt-4o-mini",
+            input="hi",
+            max_output_tokens=16,
+            extra_body={"conversation": "conv_2", "fake": {"mode": "error", "status": 500}},
+        )
+    assert await redis_client.exists(ctx("conv_2")) == 0

@@ -98,7 +98,7 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
     ex.services = SimpleNamespace(  # type: ignore[assignment]
         settling=set(), store=None, journal=None, config=SimpleNamespace(limits=limits)
     )
-    ex._settling = ex._settlement = None
+    ex._settling = ex._settlement = ex._keeping = None
     ex.upstream_s = 0.0
     handler = asyncio.ensure_future(ex.settle(Outcome("ok"), SimpleNamespace(source="provider")))  # type: ignore[arg-type]
     await asyncio.sleep(0.01)
