@@ -448,13 +448,16 @@ class RedisStore:
             found: Any = await self._client.mget([f"{prefix}ctx:{i}" for i in ids])
         except STORE_FAILURES as err:
             raise StoreError(f"prior context: {err}") from err
-        sizes = [int(v) for v in found if v is not None and str(v).isdigit()]
+        # A bound ('~': a cut call's reserve) reserves as much as a real size.
+        sizes = [int(v) for v in (str(f).removesuffix("~") for f in found if f is not None) if v.isdigit()]
         return max(sizes) if sizes else None
 
-    async def remember_context(self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int) -> None:
+    async def remember_context(
+        self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int, bound: bool = False
+    ) -> None:
         prefix = key_prefix(tenant)
         # One script (one slot: the tenant's hash tag): a size kept is never lowered (context.lua).
-        await self._script("context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s])
+        await self._script("context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s, 0 if bound else 1])
 
     async def register_tenant(self, tenant: str) -> None:
         try:

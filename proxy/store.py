@@ -190,10 +190,13 @@ class Store(Protocol):
         when none is known."""
         ...
 
-    async def remember_context(self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int) -> None:
+    async def remember_context(
+        self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int, bound: bool = False
+    ) -> None:
         """Keep ``tokens``, the size of the context the provider keeps under each of ``ids``,
         for ``ttl_s`` seconds; a larger size kept already stays (a later call's, on the same
-        conversation), its life extended."""
+        conversation), its life extended. A ``bound`` (a cut call's reserve) gives way to the
+        next size that is not one."""
         ...
 
     async def register_tenant(self, tenant: str) -> None: ...

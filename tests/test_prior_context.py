@@ -6,6 +6,7 @@ contexts and bills them as OpenAI does."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -256,7 +257,7 @@ async def test_a_stream_cut_after_it_started_keeps_its_answer_at_what_it_billed(
     [entry] = await ledger_entries(proxy, "chain")
     assert entry["usage_source"] == "reserve"
     billed = int(entry["input_tokens"]) + int(entry["output_tokens"])
-    assert int(await redis_client.get(ctx("resp_1")) or 0) == billed
+    assert await redis_client.get(ctx("resp_1")) == f"{billed}~"  # a bound: its reserve
 
 
 async def test_a_size_that_cannot_be_kept_never_fails_the_call(
@@ -407,7 +408,7 @@ async def test_an_answer_cut_before_its_id_keeps_its_conversation_at_what_it_bil
             extra_body={"conversation": "conv_1", "fake": {"mode": "cut"}},
         )
     assert fake.contexts["conv_1"] == FIRST_CONTEXT + 1 + 8  # the provider made it
-    assert int(await redis_client.get(ctx("conv_1")) or 0) >= fake.contexts["conv_1"]
+    assert int((await redis_client.get(ctx("conv_1")) or "0").removesuffix("~")) >= fake.contexts["conv_1"]
     # An error answer made none: the conversation is as it was (not the reserve of the call).
     with pytest.raises(openai.APIStatusError):
         await proxy.client().responses.create(
@@ -417,3 +418,64 @@ async def test_an_answer_cut_before_its_id_keeps_its_conversation_at_what_it_bil
             extra_body={"conversation": "conv_2", "fake": {"mode": "error", "status": 500}},
         )
     assert await redis_client.exists(ctx("conv_2")) == 0
+
+
+@pytest.mark.parametrize("kind", ["refused", "connect_timeout"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_nothing_went_out_keeps_no_conversation(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, kind: str, stream: bool
+) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    fillers = []
+    if kind == "connect_timeout":
+        listener.listen(0)
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+    else:
+        listener.close()
+    try:
+        upstream = {
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 3,
+            "connect_timeout_s": 0.3,
+        }
+        proxy = await make_proxy(upstreams={"openai": upstream})
+        await redis_client.set("lbp:{team-a}:ctx:conv_1", 77, ex=100)
+        with pytest.raises(openai.APIStatusError) as failed:
+            await proxy.client(max_retries=0).responses.create(
+                model="gpt-4o-mini", input="hi", stream=stream, extra_body={"conversation": "conv_1"}
+            )
+        assert failed.value.status_code in (502, 504)
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+    assert await redis_client.get("lbp:{team-a}:ctx:conv_1") == "77"
+    assert await redis_client.ttl("lbp:{team-a}:ctx:conv_1") <= 100
+    assert await redis_client.keys("lbp:{team-a}:ctx:*") == ["lbp:{team-a}:ctx:conv_1"]
+
+
+async def test_a_cut_answers_reserve_does_not_stick_to_its_conversation(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A cut call keeps its conversation at its reserve (output at the model's cap), a bound; the
+    next real size replaces it, or every later call on the conversation was reserved that much
+    too high (a size is never lowered by another of its kind)."""
+    proxy = await make_proxy()
+    fake.contexts["conv_1"] = 0
+    responses = proxy.client().responses
+    await responses.create(model="gpt-4o-mini", input="hello", extra_body={"conversation": "conv_1"})
+    with pytest.raises(openai.APIError):
+        await responses.create(
+            model="gpt-4o-mini", input="hi", extra_body={"conversation": "conv_1", "fake": {"mode": "cut"}}
+        )
+    inflated = await redis_client.get(ctx("conv_1"))
+    assert inflated is not None and inflated.endswith("~")
+    await responses.create(model="gpt-4o-mini", input="hi", extra_body={"conversation": "conv_1"})
+    assert await redis_client.get(ctx("conv_1")) == str(fake.contexts["conv_1"])
+    assert fake.contexts["conv_1"] < int(inflated[:-1])

@@ -904,3 +904,41 @@ async def test_a_context_size_is_kept_per_tenant_and_the_largest_is_read(store: 
     assert await store.prior_context_tokens(tenant="t", ids=["resp_a", "conv_b"]) == 300
     assert await store.prior_context_tokens(tenant="t", ids=["resp_a"]) == 120
     assert await store.prior_context_tokens(tenant="other", ids=["resp_a"]) is None
+
+
+async def test_a_kept_size_is_never_lowered_by_its_kind_and_garbage_is_replaced(store: RedisStore) -> None:
+    c = store.client
+    await c.script_flush()  # loaded again on NOSCRIPT
+    await store.remember_context(tenant="t", ids=["resp_a", "conv_b"], tokens=120, ttl_s=60)
+    assert await c.get("lbp:{t}:ctx:conv_b") == "120"
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=50, ttl_s=600)
+    assert await c.get("lbp:{t}:ctx:conv_b") == "120"  # not lowered
+    assert await c.ttl("lbp:{t}:ctx:conv_b") > 60  # its life extended
+    await c.set("lbp:{t}:ctx:conv_c", "garbage")
+    await store.remember_context(tenant="t", ids=["conv_c"], tokens=7, ttl_s=60)
+    assert await c.get("lbp:{t}:ctx:conv_c") == "7"
+    assert await store.prior_context_tokens(tenant="t", ids=["resp_a", "conv_b"]) == 120
+
+
+async def test_a_ttl_of_0_keeps_nothing_and_deletes_nothing(store: RedisStore) -> None:
+    # EXPIRE 0 deleted a kept size; SET EX 0 failed the script half-way through its keys.
+    c = store.client
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=120, ttl_s=60)
+    await store.remember_context(tenant="t", ids=["conv_b", "conv_c"], tokens=50, ttl_s=0)
+    assert await c.get("lbp:{t}:ctx:conv_b") == "120"
+    assert await c.exists("lbp:{t}:ctx:conv_c") == 0
+
+
+async def test_a_bound_gives_way_to_the_next_real_size(store: RedisStore) -> None:
+    # A cut call's reserve (output at the model's cap) stayed on its conversation for as long as
+    # it was used: every later, real size was smaller, and a size was never lowered.
+    c = store.client
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=100, ttl_s=60)
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=16_000, ttl_s=60, bound=True)
+    assert await store.prior_context_tokens(tenant="t", ids=["conv_b"]) == 16_000
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=15_000, ttl_s=60, bound=True)
+    assert await store.prior_context_tokens(tenant="t", ids=["conv_b"]) == 16_000  # the larger bound
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=180, ttl_s=60)
+    assert await c.get("lbp:{t}:ctx:conv_b") == "180"  # a real size replaces a bound
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=90, ttl_s=60, bound=True)
+    assert await c.get("lbp:{t}:ctx:conv_b") == "180"  # a smaller bound never lowers a real size

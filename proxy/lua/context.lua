@@ -3,18 +3,35 @@
 KEYS[1..] lbp:{tenant}:ctx:<id>, one per id the context is kept under
 ARGV[1]   its size in tokens (what the proxy billed the call that made it, input and output)
 ARGV[2]   how long it is kept, in seconds
-A size kept is never lowered, only its life extended: a conversation grows, and a call on it that
-ends late (a stream whose upstream is slow to close, continued at its response.completed; calls
-on one conversation at once) must not write its older, smaller figure over a later call's. A
-stream's size written before its last event goes out is raised by its settle, never lowered.
+ARGV[3]   1: the size is the provider's figures (or the count of a whole answer); 0: it is the
+          call's reserve, a bound (an answer cut or timed out before the proxy saw it whole)
+A value is the size in digits, followed by '~' when it is a bound.
+
+A size is never lowered by another size of its kind, only its life extended: a conversation
+grows, and a call on it that ends late (a stream whose upstream is slow to close, continued at
+its response.completed; calls on one conversation at once) must not write its older, smaller
+figure over a later call's. A bound is replaced by the next real size (a later call's figures
+hold what the cut call added), so a cut call's reserve does not stay on its conversation.
 ]]
-local size = tonumber(ARGV[1])
+local size, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- A TTL of 0 (prior contexts turned off by a reload while a write was on its way) keeps nothing:
+-- not EXPIRE 0, which deletes a size kept, nor SET EX 0, which fails half-way through the keys.
+if not size or not ttl or ttl <= 0 then
+  return 0
+end
+local real = ARGV[3] == '1'
+local value = real and ARGV[1] or (ARGV[1] .. '~')
 for _, key in ipairs(KEYS) do
-  local kept = tonumber(redis.call('GET', key))
-  if kept and kept >= size then
+  local raw = redis.call('GET', key)
+  local kept, kept_bound = nil, false
+  if raw then
+    kept_bound = string.sub(raw, -1) == '~'
+    kept = tonumber(kept_bound and string.sub(raw, 1, -2) or raw)
+  end
+  if kept and kept >= size and not (kept_bound and real) then
     redis.call('EXPIRE', key, ARGV[2])
   else
-    redis.call('SET', key, ARGV[1], 'EX', ARGV[2])
+    redis.call('SET', key, value, 'EX', ARGV[2])
   end
 end
 return 1
