@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +216,30 @@ async def leave_once_upstream_received(request: Awaitable[Any], fake: FakeUpstre
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@contextlib.contextmanager
+def unreachable_port(kind: str) -> Iterator[int]:
+    """A loopback port no upstream answers on: ``refused`` (nothing listens), or
+    ``connect_timeout`` (a full accept queue: the kernel drops further SYNs and a connect hangs)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = int(listener.getsockname()[1])
+    fillers = []
+    if kind == "connect_timeout":
+        listener.listen(0)
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+    else:
+        listener.close()
+    try:
+        yield port
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
 
 
 class SkewedClockLoop(asyncio.SelectorEventLoop):

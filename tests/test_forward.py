@@ -20,7 +20,7 @@ from proxy.config_load import parse_config
 from proxy.forward import StallGuard
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, base_config
+from tests.conftest import KEY_A, UPSTREAM_KEY, base_config, unreachable_port
 from tests.fake_upstream import FakeUpstream
 
 
@@ -105,22 +105,9 @@ async def test_a_connect_timeout_is_billed_nothing_for_nothing_went_out(
 ) -> None:
     # Was billed at the reserve (1,009 tokens) as a call that may have run: the connection was
     # never made, so the request never left.
-    import socket
-
     from tests.test_bad_input import dumps, send
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    # A full accept queue: the kernel drops further SYNs and a connect hangs.
-    fillers = []
-    for _ in range(4):
-        filler = socket.socket()
-        filler.setblocking(False)
-        filler.connect_ex(("127.0.0.1", port))
-        fillers.append(filler)
-    try:
+    with unreachable_port("connect_timeout") as port:
         upstream = {
             "base_url": f"http://127.0.0.1:{port}/v1",
             "api_key_env": "TEST_UPSTREAM_KEY",
@@ -130,9 +117,6 @@ async def test_a_connect_timeout_is_billed_nothing_for_nothing_went_out(
         proxy = await make_proxy(upstreams={"openai": upstream})
         body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
         reply = await send(proxy, lambda: [], redis_client, "/v1/chat/completions", dumps(body))
-    finally:
-        for sock in (*fillers, listener):
-            sock.close()
     (entry,) = reply.new_entries
     assert reply.status == 504 and entry["outcome"] == "upstream_timeout"
     assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("none", "0", "0")

@@ -6,7 +6,6 @@ contexts and bills them as OpenAI does."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -17,7 +16,15 @@ import redis.asyncio as aioredis
 
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_redis_busy, until_upstream_received
+from tests.conftest import (
+    KEY_A,
+    Proxy,
+    ProxyFactory,
+    digest,
+    unreachable_port,
+    until_redis_busy,
+    until_upstream_received,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 from tests.test_estimate import TEXT, QuarterEncoding
@@ -425,20 +432,7 @@ async def test_an_answer_cut_before_its_id_keeps_its_conversation_at_what_it_bil
 async def test_nothing_went_out_keeps_no_conversation(
     make_proxy: ProxyFactory, redis_client: aioredis.Redis, kind: str, stream: bool
 ) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    fillers = []
-    if kind == "connect_timeout":
-        listener.listen(0)
-        for _ in range(4):
-            filler = socket.socket()
-            filler.setblocking(False)
-            filler.connect_ex(("127.0.0.1", port))
-            fillers.append(filler)
-    else:
-        listener.close()
-    try:
+    with unreachable_port(kind) as port:
         upstream = {
             "base_url": f"http://127.0.0.1:{port}/v1",
             "api_key_env": "TEST_UPSTREAM_KEY",
@@ -452,9 +446,6 @@ async def test_nothing_went_out_keeps_no_conversation(
                 model="gpt-4o-mini", input="hi", stream=stream, extra_body={"conversation": "conv_1"}
             )
         assert failed.value.status_code in (502, 504)
-    finally:
-        for sock in (*fillers, listener):
-            sock.close()
     assert await redis_client.get("lbp:{team-a}:ctx:conv_1") == "77"
     assert await redis_client.ttl("lbp:{team-a}:ctx:conv_1") <= 100
     assert await redis_client.keys("lbp:{team-a}:ctx:*") == ["lbp:{team-a}:ctx:conv_1"]
