@@ -135,6 +135,7 @@ class Call:
     # unless the client asked the provider not to store it.
     conversation: str | None = None
     stores_answer: bool = False
+    prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
 
     @property
     def rates_reserved(self) -> dict[str, int] | None:

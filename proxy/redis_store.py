@@ -7,6 +7,7 @@ keys of one tenant (see ``store.key_prefix``).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -84,6 +85,10 @@ NOT_RUN_ERRORS = (AuthenticationError, BusyLoadingError)
 
 def transient(err: ResponseError | RespError) -> bool:
     return isinstance(err, TRANSIENT_ERRORS) or str(err).startswith(TRANSIENT_REPLIES)
+
+
+# A kept context size as context.lua writes it: digits, a bound's followed by ~ and digits.
+CONTEXT_SIZE = re.compile(r"([0-9]+)(?:~[0-9]*)?")
 
 
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context")
@@ -448,16 +453,25 @@ class RedisStore:
             found: Any = await self._client.mget([f"{prefix}ctx:{i}" for i in ids])
         except STORE_FAILURES as err:
             raise StoreError(f"prior context: {err}") from err
-        # A bound ('~': a cut call's reserve) reserves as much as a real size.
-        sizes = [int(v) for v in (str(f).removesuffix("~") for f in found if f is not None) if v.isdigit()]
+        # A bound ('~' and the size it continued: a cut call's reserve) reserves its size.
+        sizes = [int(m[1]) for f in found if f is not None and (m := CONTEXT_SIZE.fullmatch(str(f)))]
         return max(sizes) if sizes else None
 
     async def remember_context(
-        self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int, bound: bool = False
+        self,
+        *,
+        tenant: str,
+        ids: Sequence[str],
+        tokens: int,
+        ttl_s: int,
+        bound: bool = False,
+        base_tokens: int = 0,
     ) -> None:
         prefix = key_prefix(tenant)
         # One script (one slot: the tenant's hash tag): a size kept is never lowered (context.lua).
-        await self._script("context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s, 0 if bound else 1])
+        await self._script(
+            "context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s, 0 if bound else 1, base_tokens]
+        )
 
     async def register_tenant(self, tenant: str) -> None:
         try:

@@ -282,6 +282,7 @@ class Exchange:
                 tokens=usage.input_tokens + usage.output_tokens,
                 ttl_s=ttl_s,
                 bound=usage.source == "reserve",
+                base_tokens=self.call.prior_context_tokens,
             )
         except StoreError as err:
             # Only a later call's reserve is the poorer for it (its request alone).

@@ -181,6 +181,7 @@ async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None
     tokens = await store.prior_context_tokens(tenant=call.identity.tenant, ids=call.continues)
     metrics.prior_contexts.labels("unknown" if tokens is None else "found").inc()
     if tokens:
+        call.prior_context_tokens = tokens
         est = call.estimate
         # As overhead: a count of the request's text (``counted``, a settle without provider
         # usage) keeps it.

@@ -191,12 +191,19 @@ class Store(Protocol):
         ...
 
     async def remember_context(
-        self, *, tenant: str, ids: Sequence[str], tokens: int, ttl_s: int, bound: bool = False
+        self,
+        *,
+        tenant: str,
+        ids: Sequence[str],
+        tokens: int,
+        ttl_s: int,
+        bound: bool = False,
+        base_tokens: int = 0,
     ) -> None:
         """Keep ``tokens``, the size of the context the provider keeps under each of ``ids``,
         for ``ttl_s`` seconds; a larger size kept already stays (a later call's, on the same
-        conversation), its life extended. A ``bound`` (a cut call's reserve) gives way to the
-        next size that is not one."""
+        conversation), its life extended. A ``bound`` (a cut call's reserve; ``base_tokens``, the
+        size of the context it continued) gives way to a real size above that base."""
         ...
 
     async def register_tenant(self, tenant: str) -> None: ...

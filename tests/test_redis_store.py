@@ -942,3 +942,26 @@ async def test_a_bound_gives_way_to_the_next_real_size(store: RedisStore) -> Non
     assert await c.get("lbp:{t}:ctx:conv_b") == "180"  # a real size replaces a bound
     await store.remember_context(tenant="t", ids=["conv_b"], tokens=90, ttl_s=60, bound=True)
     assert await c.get("lbp:{t}:ctx:conv_b") == "180"  # a smaller bound never lowers a real size
+
+
+async def test_a_bound_is_not_replaced_by_an_older_calls_figures(store: RedisStore) -> None:
+    # A stream (100) continued at its response.completed by a call that was cut (its bound, on
+    # top of the 100 it continued); the stream's settle, ending late, wrote 100 over the bound:
+    # the next call on the conversation was reserved without the cut call's turn.
+    c = store.client
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=100, ttl_s=60)
+    cut = {"tokens": 16_100, "bound": True, "base_tokens": 100}
+    await store.remember_context(tenant="t", ids=["conv_b"], ttl_s=60, **cut)
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=100, ttl_s=60)
+    assert await store.prior_context_tokens(tenant="t", ids=["conv_b"]) == 16_100
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=1_200, ttl_s=60)  # the next call's
+    assert await c.get("lbp:{t}:ctx:conv_b") == "1200"
+
+
+async def test_a_size_that_is_not_digits_is_read_as_unknown_and_replaced(store: RedisStore) -> None:
+    c = store.client
+    for junk in ("1e9", "inf", "0x10", "12.5", "\u00b2", "7~~"):
+        await c.set("lbp:{t}:ctx:conv_j", junk)
+        assert await store.prior_context_tokens(tenant="t", ids=["conv_j"]) is None
+        await store.remember_context(tenant="t", ids=["conv_j"], tokens=7, ttl_s=60)
+        assert await c.get("lbp:{t}:ctx:conv_j") == "7", junk
