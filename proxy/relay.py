@@ -271,16 +271,12 @@ class Exchange:
 
     async def _remember(self, ids: list[str], usage: BilledUsage) -> None:
         """The context a later call continues is what this one read and wrote."""
-        # Read once: a reload may have turned prior contexts off since ``_kept_contexts``.
-        ttl_s = self.services.config.limits.prior_context_ttl_s
-        if ttl_s <= 0:
-            return
         try:
             await self.services.store.remember_context(
                 tenant=self.call.identity.tenant,
                 ids=ids,
                 tokens=usage.input_tokens + usage.output_tokens,
-                ttl_s=ttl_s,
+                ttl_s=self.services.config.limits.prior_context_ttl_s,
                 bound=usage.source == "reserve",
                 base_tokens=self.call.prior_context_tokens,
             )
