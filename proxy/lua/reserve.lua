@@ -211,33 +211,39 @@ if refusal then
   return refusal
 end
 
+-- Below this a sum in Lua's numbers (doubles) is exact; past it (never in practice) HINCRBY adds.
+local EXACT = 9007199254740992
+
 -- Writes this call's reserve on scope s; returns which life of the key it landed in: one that
 -- expired and was written anew holds other calls' reserves, never this one's (settle.lua and
--- shrink.lua release only from it).
+-- shrink.lua release only from it). One read of the scope's fields (the check's, where it read
+-- them) and one write of them all: a command from a script costs Redis a few microseconds,
+-- mostly outside the command itself, and one HINCRBY per meter made most of a reserve's commands.
 local function hold(s)
   local key = KEYS[2 + s]
-  -- Read with the check's fields where it read them: a command from Lua costs more than the
-  -- fields it names.
-  local vals = seen[s] or {}
-  if not seen[s] then
-    local got = redis.call('HMGET', key, 'born', 'peak:concurrent')
-    vals[BORN], vals[PEAK] = got[1], got[2]
-  end
-  local life, peak, stamp = vals[BORN], tonumber(vals[PEAK]) or 0, {}
+  local vals = seen[s] or redis.call('HMGET', key, unpack(FIELDS))
+  local life, peak, writes = vals[BORN], tonumber(vals[PEAK]) or 0, {}
   if not life then
     life = ARGV[1]
-    stamp = {'born', ARGV[1]}
+    writes = {'born', ARGV[1]}
   end
   for m = 1, NM do
     if amounts[m] ~= 0 then
-      local now = redis.call('HINCRBY', key, FIELDS[NM + m], string.format('%d', amounts[m]))
+      local have = tonumber(vals[NM + m]) or 0
+      local now = have + amounts[m]
+      if have < EXACT and now < EXACT then
+        writes[#writes + 1] = FIELDS[NM + m]
+        writes[#writes + 1] = string.format('%d', now)
+      else
+        now = redis.call('HINCRBY', key, FIELDS[NM + m], string.format('%d', amounts[m]))
+      end
       if METERS[m] == 'concurrent' and now > peak then
-        stamp[#stamp + 1] = 'peak:concurrent'
-        stamp[#stamp + 1] = now
+        writes[#writes + 1] = 'peak:concurrent'
+        writes[#writes + 1] = string.format('%d', now)
       end
     end
   end
-  if #stamp > 0 then redis.call('HSET', key, unpack(stamp)) end
+  if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
   set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]))
   return life
 end

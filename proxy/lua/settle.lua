@@ -32,18 +32,19 @@ settled the call and its marker may have expired. Otherwise returns {1, ledger e
 landed in (its 'born' stamp, in the record), and never below zero; a scope whose stamp is '-'
 held nothing of this call (reserve.lua) and is only counted.
 ]]
-if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then
+-- One read of the record: whether it is the settled marker, and what it reserved where.
+local rec = redis.call('HMGET', KEYS[1], 'settled', 'amounts', 'born')
+if rec[1] then
   return {0}
 end
 local RESERVED = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
 local ACTUAL = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros',
   'cached_input_tokens', 'reasoning_tokens', 'cache_creation_input_tokens'}
 local amounts, born = {}, {}
-local rec = redis.call('HMGET', KEYS[1], 'amounts', 'born')
-local raw = rec[1]
+local raw = rec[2]
 local lost = not raw  -- nothing reserved to release
-if rec[2] then
-  for v in string.gmatch(rec[2], '%S+') do born[#born + 1] = v end
+if rec[3] then
+  for v in string.gmatch(rec[3], '%S+') do born[#born + 1] = v end
 end
 if lost then
   if ARGV[11] ~= '1' then return {0} end
