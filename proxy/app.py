@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy.call import REQUEST_ID, IdSource, request_id_for
 from proxy.config import Config
 from proxy.dialects import DIALECTS, Dialect
-from proxy.errors import ApiError, StoreError, StoreUnavailable
+from proxy.errors import ApiError, StoreError, StoreUnavailable, error_response
 from proxy.journal import Journal
 from proxy.logs import flush_logs
 from proxy.metrics import Metrics
@@ -110,8 +110,46 @@ def encodings_in(config: Config) -> set[str]:
 
 def server_options(config: Config) -> dict[str, Any]:
     """HTTP parser limits, set above ours so that the header limit is ours to enforce (and to
-    refuse in OpenAI's format); past these the parser's own plain 400 answers."""
+    refuse in OpenAI's format); past these the parser refuses, also in OpenAI's format
+    (``answer_parser_errors_in_openai_format``)."""
     return {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024, "max_headers": 1024}
+
+
+_PLAIN_HANDLE_ERROR = web_protocol.RequestHandler.handle_error
+
+
+def _handle_error_in_openai_format(
+    self: web_protocol.RequestHandler,
+    request: web.BaseRequest,
+    status: int = 500,
+    exc: BaseException | None = None,
+    message: str | None = None,
+) -> web.StreamResponse:
+    """aiohttp's answer to a request its parser refused (before any middleware: a control
+    character in a header, Content-Length beside chunked, a bad chunk size, past the parser's
+    limits), in OpenAI's error format rather than its own text/plain page. Its message quotes
+    the raw line (a key in it, say): only its first line, the reason, goes back."""
+    _PLAIN_HANDLE_ERROR(self, request, status, exc, message)  # logs it, checks nothing went out
+    reason = (getattr(exc, "message", None) or str(exc or "") or "bad request").split("\n", 1)[0]
+    if status < 500:
+        text, error_type, code = (
+            f"The request is not valid HTTP: {reason[:200]}",
+            "invalid_request_error",
+            "bad_http_request",
+        )
+    else:
+        text, error_type, code = "Internal proxy error.", "server_error", None
+    response = error_response(status, text, error_type, code=code)
+    response.force_close()  # as aiohttp's: the connection's framing is not to be trusted
+    return response
+
+
+def answer_parser_errors_in_openai_format() -> None:
+    """Make aiohttp answer requests its HTTP parser refuses in OpenAI's error format. aiohttp
+    builds its ``RequestHandler`` itself and offers no hook for its error page, so its method is
+    replaced, for the process (every server in it, as it must: the runner is aiohttp's).
+    Idempotent; ``build_app`` calls it."""
+    web_protocol.RequestHandler.handle_error = _handle_error_in_openai_format  # type: ignore[method-assign]
 
 
 @web.middleware
@@ -201,6 +239,7 @@ def build_app(
 ) -> web.Application:
     from proxy.handlers import add_routes
 
+    answer_parser_errors_in_openai_format()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     state = State(
         config=config,

@@ -177,6 +177,9 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             upstream.base_url + "/models",
             headers=upstream_headers(upstream, identity),
             timeout=aiohttp.ClientTimeout(total=upstream.timeout_s, connect=upstream.connect_timeout_s),
+            # Never followed: the upstream's key would go to whatever host a redirect names
+            # (aiohttp drops Authorization on another origin, not Anthropic's x-api-key).
+            allow_redirects=False,
         ) as resp:
             body = await read_limited(resp, MODELS_LIST_LIMIT_BYTES)
     except (TimeoutError, ValueError, aiohttp.ClientError):
@@ -187,6 +190,15 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     if key is not None and key in body:
         body = body.replace(key, b"[REDACTED]")
     passed = provider_headers(resp)
+    if 300 <= resp.status < 400:
+        return error_response(
+            502,
+            f"The upstream redirected the model list (HTTP {resp.status}); the proxy does not follow "
+            "redirects: its upstream base_url needs fixing.",
+            "upstream_error",
+            code="upstream_redirect",
+            headers={"x-should-retry": "false"},
+        )
     if 400 <= resp.status < 500 and _is_error_object(body):
         if resp.status in (401, 403) and key is not None:
             # The upstream refused the proxy's own credentials: not the caller's fault.

@@ -56,7 +56,8 @@ class CompletionBody(_Body):
     prompt: str | list[str] | list[int] | list[list[int]] | None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
-    max_tokens: int | None = _TokenCount
+    # From 0 here (OpenAI's spec): with echo and logprobs, a prompt is scored, nothing written.
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)
     n: int | None = Field(default=None, ge=1, le=128)
     # Generated server-side, the best n of them returned: each is billed.
     best_of: int | None = Field(default=None, ge=1, le=128)

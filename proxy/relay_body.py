@@ -7,6 +7,7 @@ says what was billed.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -25,8 +26,12 @@ UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
     call = ex.call
     came: list[bytes] = []
+    started = time.monotonic()
     try:
-        raw = await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came)
+        try:
+            raw = await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came)
+        finally:
+            ex.upstream_s += time.monotonic() - started  # the upstream's time, not the proxy's
         parsed = parse_json(raw)
     except TimeoutError:
         _observe_cut_body(ex, b"".join(came))  # whole but for the body's end: its usage came
@@ -85,12 +90,14 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
     parsed: Any = None
     came: list[bytes] = []
     cut = False
+    started = time.monotonic()
     try:
         raw = await read_limited(upstream, ex.services.config.limits.max_upstream_body_bytes, came)
     except ValueError:  # too large
         raw = b""
     except (TimeoutError, *UPSTREAM_BROKEN):
         raw, cut = b"".join(came), True
+    ex.upstream_s += time.monotonic() - started  # the upstream's time, not the proxy's
     try:
         parsed = parse_json(raw)
     except ValueError:

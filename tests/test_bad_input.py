@@ -1340,3 +1340,64 @@ async def test_a_refusal_part_in_history_counts_against_a_run_ceiling(
         proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body), headers=headers
     )
     assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()
+
+
+async def test_a_legacy_completion_scoring_its_prompt_with_max_tokens_0_is_billed_not_refused(
+    make_proxy: ProxyFactory, fake: Any, redis_client: aioredis.Redis
+) -> None:
+    """OpenAI's legacy completions take max_tokens from 0 (its API spec: minimum 0): with echo and
+    logprobs, a prompt's log-likelihood is read without generating anything (evaluation harnesses
+    do this through OpenAI-compatible servers such as vLLM). Such a call writes no output: it is
+    reserved and billed at its prompt, not refused."""
+    proxy = await make_proxy()
+    body = {"model": "gpt-4o-mini", "prompt": "the cat sat", "max_tokens": 0, "echo": True, "logprobs": 1}
+    reply = await send(proxy, lambda: fake.received, redis_client, "/v1/completions", dumps(body))
+    # now: 400 "Invalid request body: max_tokens: Input should be greater than or equal to 1"
+    assert reply.status == 200, reply.describe()
+    assert (reply.upstream_calls, reply.ledger_growth) == (1, 1), reply.describe()
+    (entry,) = reply.new_entries
+    assert entry["reserved_output_tokens"] == "0", entry
+    assert entry["output_tokens"] == "0", entry
+    assert fake.received[-1].body["max_tokens"] == 0  # forwarded as asked
+
+
+_CHAT_BODY = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}'
+MALFORMED_HTTP = {
+    "control-character-in-a-header": f"X-Trace: a\x01b\r\nContent-Length: {len(_CHAT_BODY)}\r\n\r\n".encode()
+    + _CHAT_BODY,
+    "length-and-chunked": f"Content-Length: {len(_CHAT_BODY)}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    + _CHAT_BODY,
+    "bad-chunk-size": b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + _CHAT_BODY + b"\r\n0\r\n\r\n",
+    "negative-length": b"Content-Length: -5\r\n\r\n" + _CHAT_BODY,
+    "space-in-a-header-name": f"X Trace: a\r\nContent-Length: {len(_CHAT_BODY)}\r\n\r\n".encode()
+    + _CHAT_BODY,
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_HTTP))
+async def test_a_request_the_http_parser_refuses_is_answered_in_openais_format(
+    make_proxy: ProxyFactory, fake: Any, name: str
+) -> None:
+    """The contract: bad input gets OpenAI's error JSON, whatever layer refuses it. A request
+    aiohttp's parser refuses (a control character in a header, Content-Length beside chunked, a
+    chunk size that is not one) got aiohttp's own text/plain 400, quoting the raw header line
+    back."""
+    proxy = await make_proxy()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + KEY_A.encode()
+        + b"\r\nConnection: close\r\n"
+        + MALFORMED_HTTP[name]
+    )
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400", raw
+    assert b"application/json" in head.lower(), raw  # now: text/plain; charset=utf-8
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"], error
+    assert "\n" not in error["message"] and b"X-Trace" not in body, error  # the reason, not the line
+    assert not fake.received

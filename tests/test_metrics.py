@@ -19,6 +19,7 @@ from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, Metrics
 from proxy.redis_server import free_port
 from tests.conftest import KEY_A, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
+from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, dumps, scripted_upstreams, send
 
 ADMIN = "sk-admin-ops"
 PRICED_MODELS = {
@@ -379,3 +380,24 @@ async def test_the_shared_port_does_not_answer_one_workers_metrics_for_all(make_
     ):
         assert resp.status == 404
         assert "metrics.listen" in (await resp.json())["error"]["message"]
+
+
+async def test_a_slow_upstream_body_is_not_proxy_overhead(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """llm_proxy_proxy_overhead_seconds is 'time spent in the proxy itself, excluding the
+    upstream': an upstream that sends its headers at once and its body a second later (a gateway
+    that flushes headers early) is upstream time, not the proxy's."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(chunks=[GOOD_BODY[:20], GOOD_BODY[20:]], delay_s=1.0)
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
+    assert reply.status == 200, reply.describe()
+    metrics = proxy.app[STATE].metrics
+    for _ in range(50):  # recorded once the answer has gone
+        if metrics.overhead.labels().counts and sum(metrics.overhead.labels().counts):
+            break
+        await asyncio.sleep(0.02)
+    overhead = metrics.overhead.labels()
+    assert sum(overhead.counts) == 1
+    assert overhead.sum < 0.5, overhead.sum  # now: ~1.0 s, the upstream's body counted as the proxy's

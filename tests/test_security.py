@@ -756,3 +756,42 @@ async def test_a_header_line_the_parser_refuses_does_not_log_the_callers_key(
     writer.close()
     lines = [f().format(r) for r in caplog.records for f in (JsonFormatter, TextFormatter)]
     assert lines and not [line for line in lines if key in line]
+
+
+async def test_the_model_list_does_not_follow_an_upstream_redirect_with_the_operators_key(
+    make_proxy: ProxyFactory,
+) -> None:
+    """README: an upstream redirect is not followed (it would carry the upstream key to whatever
+    host it names). GET /v1/models followed it: aiohttp drops Authorization on a redirect to
+    another origin, not Anthropic's x-api-key, so a model list of an Anthropic upstream sent the
+    operator's key to the redirect's host, and passed that host's answer on as the list."""
+    trap = Trap()
+    await trap.start()
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(trap.url + request.path)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", redirect)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        proxy = await make_proxy(
+            upstreams={
+                "anthropic": {"base_url": base, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+            },
+            models={"claude-*": {"upstream": "anthropic"}},
+        )
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(proxy.url + "/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}) as resp,
+        ):
+            body = await resp.read()
+        assert UPSTREAM_KEY not in "".join(trap.hits), trap.hits  # now: x-api-key: sk-upstream-secret
+        assert trap.hits == [], trap.hits
+        assert b"trap" not in body, body  # now: 200 {"trap": true}, another host's answer as the list
+    finally:
+        await runner.cleanup()
+        await trap.close()
