@@ -111,6 +111,10 @@ class Exchange:
         found = provider_usage(self.obs)
         if self.call.audio_output and (found is None or not self.obs.usage_final):
             return self.reserve_usage()  # its audio tokens cannot be counted from the answer
+        if found is None and self.call.generations > self.call.choices:
+            # best_of: the provider wrote (and bills) answers it did not return; no count of the
+            # answer sees them.
+            return self.reserve_usage()
         if found is not None and not self.obs.usage_final and self.obs.all_text():
             # Input is known (message_start, a report of prompt tokens only) but the final
             # output count never came: count what was streamed, never less than what the

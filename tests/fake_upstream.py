@@ -30,7 +30,8 @@ openai SDK: ``extra_body={"fake": {...}}``); every key is optional:
 
 Token rule: prompt = words in message contents + 3 per message (chat), words
 in the prompt(s) (completions), words per input with a minimum of 1
-(embeddings); one reply word/chunk = one completion token, times n.
+(embeddings); one reply word/chunk = one completion token, times n (legacy completions:
+best_of when larger, as a provider bills the answers it writes and does not return).
 
 Standalone: ``python -m tests.fake_upstream --port N [--api-key K]`` prints ``READY <base_url>``;
 control endpoints: GET /_fake/bill, GET /_fake/received_count, POST /_fake/reset.
@@ -319,7 +320,9 @@ class FakeUpstream:
             else:
                 prompt = _words(body.get("prompt"))
             plan = self._plan(body, ctl, chat)
-            usage = self._usage(prompt, len(plan.pieces) * len(plan.finish), ctl)
+            # Legacy completions: best_of answers are written (and billed), n of them returned.
+            best_of = body.get("best_of") if not chat and isinstance(body.get("best_of"), int) else 0
+            usage = self._usage(prompt, len(plan.pieces) * max(len(plan.finish), best_of), ctl)
         if mode != "error" or isinstance(ctl.get("usage"), dict):
             cached = _detail(usage, "prompt_tokens_details", "cached_tokens")
             reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens")

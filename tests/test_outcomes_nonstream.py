@@ -371,6 +371,28 @@ async def test_legacy_completions_reserve_every_answer_best_of_writes(
         )
     entry = await the_entry(proxy, "r1")
     assert entry["reserved_output_tokens"] == "150"
+    assert entry["output_tokens"] == str(fake.bill[-1].completion_tokens) == "24"  # 3 x 8 words
+
+
+async def test_legacy_completions_without_usage_bill_the_answers_best_of_did_not_return(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """best_of=3, n=1 and no usage: a count of the one answer returned would bill a third of
+    what the provider wrote; the unseen answers settle at the reserve, as a call without usage
+    it cannot count does."""
+    async with proxy.client() as client:
+        await client.completions.create(
+            model=MODEL,
+            prompt="write",
+            max_tokens=50,
+            best_of=3,
+            extra_headers=run_headers("r1"),
+            extra_body={"fake": {"no_usage": True}},
+        )
+    entry = await the_entry(proxy, "r1")
+    assert fake.bill[-1].completion_tokens == 24  # what the provider wrote: 3 answers of 8 words
+    assert entry["usage_source"] == "reserve", entry
+    assert int(entry["output_tokens"]) == 150 >= fake.bill[-1].completion_tokens, entry
 
 
 @pytest.mark.parametrize(
