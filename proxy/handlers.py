@@ -169,7 +169,9 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     """Forwarded, not billed: listing models costs no tokens."""
     state = request.app[STATE]
     identity = authenticate(request, state.config, passthrough=state.passthrough)
-    routed = state.config.route("*") or next(iter(state.config.models.items()))
+    routed = state.config.route("*") or next(iter(state.config.models.items()), None)
+    if routed is None:  # no model routed (``models: {}``): nothing to list, nobody to ask
+        return web.json_response({"object": "list", "data": []})
     upstream = state.config.upstreams[routed[1].upstream]
     assert state.session is not None
     try:

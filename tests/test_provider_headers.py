@@ -140,6 +140,19 @@ async def test_models_refused_with_the_proxys_own_key_is_the_proxys_fault(
             assert (await resp.json())["error"]["code"] == "upstream_auth"
 
 
+async def test_models_with_no_model_routed_is_an_empty_list(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A config that routes no model (``models: {}``, which loads) has nothing to list: an
+    empty list, not a 500, and no upstream asked."""
+    proxy = await make_proxy(models={})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/v1/models", headers=AUTH) as resp:
+            assert resp.status == 200, await resp.text()
+            assert await resp.json() == {"object": "list", "data": []}
+    assert fake.received == []
+
+
 # -- pass-through: what scopes the caller's own key ---------------------------------------------
 
 
