@@ -169,6 +169,11 @@ class Observation:
         audio = part.get("audio")
         if isinstance(audio, dict):  # an audio answer's words (its sound is not text)
             self.add_text(index, audio.get("transcript"))
+        # OpenAI-compatible reasoning models' thinking, output tokens the provider bills:
+        # reasoning_content (DeepSeek, vLLM, SGLang), reasoning (OpenRouter, Groq, Ollama; a
+        # server sending both for compatibility sends the same text twice: one is read).
+        thinking = part.get("reasoning_content")
+        self.add_text(index, thinking if isinstance(thinking, str) and thinking else part.get("reasoning"))
         refusal = part.get("refusal")
         if refusal:
             self.refused = True

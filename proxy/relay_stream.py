@@ -37,6 +37,8 @@ _WRITE_BACKLOG = 16 * 1024
 CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError)
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 REDACTED = b"[REDACTED]"
+# How long the body's end is waited for after [DONE] (see relay_stream).
+DONE_DRAIN_S = 0.25
 
 
 class _EventStream(web.StreamResponse):
@@ -75,6 +77,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     # Looked up once: the loop runs once per read of the upstream, often once per event.
     next_piece = upstream.content.iter_any().__aiter__().__anext__
     read, write, monotonic = events.read, response.write, time.monotonic
+    done_marker = call.dialect.done_marker
     limit = ex.services.config.limits.max_upstream_body_bytes
     secret = ex.operator_key
     request = ex.request
@@ -118,6 +121,13 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
             else:
                 client_gone = not await _to_client(ex, write, out)
             if client_gone and call.policy.on_client_disconnect == "cancel":
+                break
+            if obs.done and done_marker:
+                # [DONE]: what follows is dropped, and the client's SDK stops at it. The body's
+                # end (its last chunk, often a read of its own) is waited for briefly, so the
+                # connection goes back to the pool; an upstream slow to close it does not hold
+                # the client's [DONE] (nor its next call on that connection) for longer.
+                await _drain(next_piece, DONE_DRAIN_S)
                 break
     # Past the answer's end ([DONE], response.completed, message_stop) a silence or a broken
     # connection takes nothing from it: the client has it whole, and so does the ledger.
@@ -182,6 +192,16 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
         tail += call.dialect.done_marker  # as it came: not when the upstream sent none
     await _to_client(ex, response.write_eof, tail)
     return response
+
+
+async def _drain(next_piece: Callable[[], Awaitable[bytes]], within_s: float) -> None:
+    """Read the upstream's body to its end, its bytes dropped, for at most ``within_s``."""
+    try:
+        async with asyncio.timeout(within_s):
+            while True:
+                await next_piece()
+    except (StopAsyncIteration, TimeoutError, *UPSTREAM_BROKEN):
+        pass  # ended, slow (closed, not reused) or broken: the answer was whole all the same
 
 
 async def _to_client(ex: Exchange, write: Callable[[bytes], Awaitable[None]], data: bytes) -> bool:

@@ -4,6 +4,7 @@ each test failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -516,3 +517,133 @@ async def test_what_an_upstream_sends_after_done_never_reaches_the_client(
     assert await read_with_sdk(proxy.url + "/v1") == ("Hello", None)
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "ok", entry
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_streamed_chat_reasoning_is_counted_when_the_client_leaves(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, field: str
+) -> None:
+    """OpenAI-compatible reasoning models (DeepSeek, vLLM, SGLang: delta.reasoning_content;
+    OpenRouter, Groq, Ollama: delta.reasoning) stream their thinking before any content. Cancel
+    bills the prompt and the streamed text counted: the thinking is output the provider bills."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_client_disconnect": "cancel"})
+    thinking = " ".join(f"step{i} considered carefully" for i in range(400))
+    role = {"role": "assistant", "content": None}
+    first = (
+        b"data: " + chunk([{"index": 0, "delta": {**role, field: thinking}, "finish_reason": None}]) + b"\n\n"
+    )
+    more = b"data: " + chunk([{"index": 0, "delta": {field: " more"}, "finish_reason": None}]) + b"\n\n"
+    script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
+    body = {**CHAT, "max_tokens": 4000}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH)
+        seen = b""
+        while b"step399" not in seen:
+            piece = await asyncio.wait_for(resp.content.readany(), 5)
+            assert piece, seen
+            seen += piece
+        resp.close()
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected"
+    assert int(entry["output_tokens"]) >= 1000, entry  # was 0
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_chat_reasoning_is_counted_without_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, field: str
+) -> None:
+    proxy = await proxy_for(make_proxy, script)
+    thinking = "I weigh every option in turn. " * 100  # 3,000 characters
+    chunks = [
+        b"data: " + chunk([{"index": 0, "delta": {"role": "assistant", field: thinking}}]) + b"\n\n",
+        b"data: " + chunk([{"index": 0, "delta": {"content": "Yes."}}]) + b"\n\n",
+        b"data: " + chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}]) + b"\n\n",
+        b"data: [DONE]\n\n",  # no usage chunk
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    body = {**CHAT, "max_tokens": 2000}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "ok", entry
+    assert int(entry["output_tokens"]) >= len(thinking) // 8, entry  # was 1
+
+
+class _LingeringUpstream(ScriptedUpstream):
+    """Sends its plan, then keeps the body open ``linger_s`` before ending it."""
+
+    linger_s = 30.0  # far past what a loaded machine adds to a call
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers: list[Any] = []  # the proxy's address, per call: one per kept-alive connection
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.received.append(await request.read())
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in self.plan.chunks:
+            await response.write(piece)
+        await asyncio.sleep(self.linger_s)
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response
+
+
+async def test_the_sdk_has_done_as_soon_as_the_upstream_sent_it(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """Directly, the SDK's loop ends at the upstream's [DONE]; through the proxy it ended only
+    once the upstream closed its body (up to timeout_s later: 600 s by default), the [DONE]
+    held back behind a read whose bytes are all dropped."""
+    upstream = _LingeringUpstream()
+    await upstream.start()
+    try:
+        proxy = await proxy_for(make_proxy, upstream)
+        events = [
+            chat_event({"role": "assistant", "content": "Hel"}),
+            chat_event({"content": "lo"}),
+            chat_event({}, "stop"),
+            b"data: " + chunk([], CHAT_USAGE) + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        upstream.plan = Plan(content_type="text/event-stream", chunks=events)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await read_with_sdk(upstream.base_url) == ("Hello", None)
+        direct_s = loop.time() - started
+        started = loop.time()
+        assert await read_with_sdk(proxy.url + "/v1") == ("Hello", None)
+        proxied_s = loop.time() - started
+        assert direct_s < 15
+        assert proxied_s < 15, proxied_s  # was 30 s: the upstream's linger
+        entry = await only_entry(redis_client)
+        assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "2")
+    finally:
+        await upstream.close()
+
+
+async def test_a_stream_ended_by_done_leaves_its_upstream_connection_for_the_next_call(
+    make_proxy: ProxyFactory,
+) -> None:
+    """The relay stops reading at [DONE] (see above) once the body's end has come, when it
+    comes soon after in a read of its own, as it may from a provider: a connection closed with
+    its last chunk unread is a new connection (a TLS handshake, with a real provider) for every
+    stream."""
+    upstream = _LingeringUpstream()
+    upstream.linger_s = 0.05  # the body's end, a moment after [DONE]
+    await upstream.start()
+    try:
+        proxy = await proxy_for(make_proxy, upstream)
+        events = [
+            chat_event({"role": "assistant", "content": "Hel"}),
+            chat_event({}, "stop"),
+            b"data: " + chunk([], CHAT_USAGE) + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        upstream.plan = Plan(content_type="text/event-stream", chunks=events)
+        for _ in range(3):
+            assert await read_with_sdk(proxy.url + "/v1") == ("Hel", None)
+        assert len(upstream.peers) == 3 and len(set(upstream.peers)) == 1, upstream.peers
+    finally:
+        await upstream.close()
