@@ -330,6 +330,7 @@ class RedisStore:
         bill_if_lost: bool = False,
         scope_ttls_s: Sequence[int] = (),
         runlog_ttl_s: int = 0,
+        own: bool = False,
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -348,6 +349,10 @@ class RedisStore:
             self._settled_marker_ttl_s,
             runlog_ttl_s,
             _run_scope(prefix, run_id, scope_keys),
+            # The call's own settle (not a reaper's): sent again (the cluster client retries a
+            # timeout; a journal replays a settle whose reply was lost), it gets the first one's
+            # entry (settle.lua).
+            1 if own else 0,
             *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args)

@@ -160,6 +160,7 @@ class Store(Protocol):
         bill_if_lost: bool = False,
         scope_ttls_s: Sequence[int] = (),
         runlog_ttl_s: int = 0,
+        own: bool = False,
     ) -> str | None: ...
 
     async def renew(

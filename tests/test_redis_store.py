@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from redis.asyncio.cluster import RedisCluster
 
 from proxy.auth import Identity
 from proxy.config import TierConfig
@@ -19,7 +20,7 @@ from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
 from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Tentative
 from tests.cluster import RedisClusterProcesses
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 
 AMOUNTS = {
@@ -232,6 +233,43 @@ async def test_a_settle_adds_exactly_past_what_a_double_holds(store: RedisStore)
     assert await settle(store, res) is not None
     assert int(await store.client.hget(scopes[0].key, "used:input_tokens")) == big + ACTUAL["input_tokens"]
     assert int(await store.client.hget(scopes[1].key, "used:input_tokens")) == ACTUAL["input_tokens"]
+
+
+async def test_the_calls_own_settle_sent_again_gets_its_entry_a_reapers_does_not(store: RedisStore) -> None:
+    """A settle sent again after a reply that came late (the cluster client retries a timeout)
+    or was lost (the journal replays it) ran the first time: the call's own settle gets that
+    try's entry, not "settled before", which is a reaper's (the client would be told its call
+    was billed at its reserve). A reaper's settle sent again, or the call's own settle after a
+    reaper's, gets "settled before", as always."""
+    run = Scope(name="run", key="lbp:{team-a}:run:own")
+
+    async def settle_as(res: Reservation, *, own: bool) -> str | None:
+        return await store.settle(
+            tenant="team-a",
+            reservation_id=res.id,
+            run_id="own",
+            scope_keys=[run.key],
+            actual=ACTUAL,
+            entry={"request_id": res.id, "outcome": "ok"},
+            bill_if_lost=own,
+            scope_ttls_s=[0],
+            own=own,
+        )
+
+    mine = await reserve(store, "own-1", [run], run_id="own")
+    assert isinstance(mine, Reservation)
+    first = await settle_as(mine, own=True)
+    assert first is not None
+    assert await settle_as(mine, own=True) == first  # its own again: its entry
+    assert await settle_as(mine, own=False) is None  # a reaper after it: settled before
+    reaped = await reserve(store, "own-2", [run], run_id="own")
+    assert isinstance(reaped, Reservation)
+    assert await settle_as(reaped, own=False) is not None  # a reaper's, first
+    assert await settle_as(reaped, own=False) is None
+    assert await settle_as(reaped, own=True) is None  # the call's own after a reaper's
+    assert len(await store.client.xrange("lbp:{team-a}:ledger")) == 2  # each billed once
+    used = await store.meters(run.key)
+    assert used["total_tokens"].used == 2 * ACTUAL["total_tokens"] and used["total_tokens"].reserved == 0
 
 
 async def test_a_window_another_tier_limits_holds_the_reserve_without_a_ceiling(store: RedisStore) -> None:
@@ -1017,3 +1055,47 @@ async def test_a_size_that_is_not_digits_is_read_as_unknown_and_replaced(store: 
         assert await store.prior_context_tokens(tenant="t", ids=["conv_j"]) is None
         await store.remember_context(tenant="t", ids=["conv_j"], tokens=7, ttl_s=60)
         assert await c.get("lbp:{t}:ctx:conv_j") == "7", junk
+
+
+BUSY_3_S = "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < 3 do end return 1"
+
+
+async def test_a_call_whose_settle_reply_came_late_is_told_what_the_ledger_holds(
+    cluster: RedisClusterProcesses, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """End to end: a Redis Cluster node busy for a moment while a call settles. The call is
+    billed once, 'ok', on the provider's figures; the client must be told that, not
+    'lease_expired' at its reserve (nothing expired: no reaper ran)."""
+    flusher = RedisStore.from_url(cluster.url, cluster=True)
+    await flusher.client.flushall()
+    await flusher.close()
+    proxy = await make_proxy(redis={"url": cluster.url, "cluster": True, "socket_timeout_s": 0.3})
+    blocker = RedisCluster.from_url(cluster.url, decode_responses=True)
+    try:
+        await blocker.initialize()
+        node = blocker.get_node_from_key("lbp:{team-a}:ledger")
+        call = asyncio.create_task(
+            proxy.client().chat.completions.with_raw_response.create(
+                model="gpt-4o-mini",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=10,
+                extra_headers={"X-Run-Id": "late-reply"},
+                extra_body={"fake": {"delay_s": 1.0}},
+            )
+        )
+        while not fake.received and not call.done():
+            await asyncio.sleep(0.01)
+        if call.done():
+            call.result()
+        await until_upstream_received(fake, 1)  # reserved, in flight
+        hold = asyncio.create_task(blocker.eval(BUSY_3_S, 1, "lbp:{team-a}:busy"))
+        await until_redis_busy(node.port)
+        response = await call
+        await hold
+        ledger = await blocker.xrange("lbp:{team-a}:ledger")
+        assert [fields["outcome"] for _, fields in ledger] == ["ok"]  # billed once, as it was
+        assert response.headers["x-billing-outcome"] == ledger[0][1]["outcome"]
+        assert response.headers["x-billing-cost-micros"] == ledger[0][1]["cost_micros"]
+        assert response.headers["x-billing-input-tokens"] == ledger[0][1]["input_tokens"]
+    finally:
+        await blocker.aclose()

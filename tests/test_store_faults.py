@@ -284,7 +284,7 @@ async def test_a_reservation_lost_mid_call_is_billed_by_the_live_settle(
     ((_, entry),) = await redis_client.xrange(LEDGER)
     assert entry["reservation"] == "lost" and entry["outcome"] == "ok"
     assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens == 10
-    assert await redis_client.hgetall(record) == {"settled": "1"}
+    assert (await redis_client.hgetall(record))["settled"] == "1"
 
 
 async def test_a_journaled_settle_bills_a_lost_reservation_only_within_its_window(
@@ -312,7 +312,9 @@ async def test_a_journaled_settle_bills_a_lost_reservation_only_within_its_windo
         assert await line("in-time", now_ms + 60_000).apply(store) is not None
         ((_, entry),) = await redis_client.xrange(LEDGER)
         assert entry["request_id"] == "in-time" and entry["reservation"] == "lost"
-        assert await line("in-time", now_ms + 60_000).apply(store) is None  # once
+        # Applied again (its reply was lost, say): billed once, and told which entry it wrote.
+        again = await line("in-time", now_ms + 60_000).apply(store)
+        assert [entry_id for entry_id, _ in await redis_client.xrange(LEDGER)] == [again]
     finally:
         await store.close()
 
@@ -582,3 +584,32 @@ def test_other_stores_have_other_journals() -> None:
         store_tag(url) for url in ("redis://h:6379/0", "redis://h:6379/1", "redis://h:6380/0", "redis://g/0")
     }
     assert len(tags) == 4
+
+
+async def test_a_journaled_settle_whose_first_try_ran_is_counted_once_when_replayed(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A settle whose reply was lost (it ran) goes to the journal. Its replay finds the marker
+    its first try left and gets that try's entry: the replay counts it (the spend metrics), as
+    the live settle would have. It was taken for a reaper's, and never counted."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    line = _settlement_line("lost-reply-1")
+    await redis_client.hset("lbp:{team-a}:resv:lost-reply-1", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    journal = Journal(journal_dir)
+    counted: list[Any] = []
+    try:
+        first = await PendingSettlement(**line).apply(store)  # the try whose reply was lost
+        assert first is not None
+        orphan = journal_dir / "journal-99999-deadbeef.jsonl"
+        orphan.write_text(json.dumps(line) + "\n")
+        await journal.replay(store, counted.append)
+        await journal.replay(store, counted.append)  # nothing left: nothing counted again
+    finally:
+        journal.close()
+        await store.close()
+    ((entry_id, entry),) = await redis_client.xrange(LEDGER)  # billed once
+    assert entry_id == first and entry["reservation_id"] == "lost-reply-1"
+    assert [c["reservation_id"] for c in counted] == ["lost-reply-1"]  # counted once

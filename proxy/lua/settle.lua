@@ -17,12 +17,20 @@ ARGV[13]     seconds the run ledger index (KEYS[4]) is kept after this settle (0
              ARGV[14] names no run scope
 ARGV[14]     which of KEYS[5..] is the run's scope key (1-based; 0 = none): the ledger index then
              lives exactly as long as the run's meters
-ARGV[15..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
+ARGV[15]     1: the call's own settle, from the process that served it, live or replayed from its
+             journal (sent again after a reply that came late or was lost: see below); 0: the
+             reaper's
+ARGV[16..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
              sets it, set again here: a key this settle writes anew (the reservation was lost, or
              the key expired mid-call) still expires (absent: left as it is)
 
-Idempotent by reservation id: settling replaces the record by a marker {settled = 1}, kept
-ARGV[12] seconds; a settle that finds the marker changes nothing (returns {0}). The live settle
+Idempotent by reservation id: settling replaces the record by a marker {settled = 1} (and
+own = the entry's id, for the call's own settle), kept ARGV[12] seconds; a settle that finds the
+marker changes nothing (returns {0}), save that the call's own settle (ARGV[15] = 1) finding the
+marker its own earlier try left (the reply to that try came late, and a client library sent it
+again, or was lost, and its journal replays it) gets that try's answer, {1, its entry id}: taken
+for a reaper's, the call would be told it was billed at its reserve, and its spend would never be
+counted. There is one own settle per call. The live settle
 of a call (ARGV[11] = 1) that finds neither record nor marker bills it all the same: its
 reservation was lost (e.g. with writes a failed-over Redis master had not replicated), so the
 used meters and the ledger entry go in, with the field reservation = lost, and nothing is
@@ -33,8 +41,11 @@ landed in (its 'born' stamp, in the record), and never below zero; a scope whose
 held nothing of this call (reserve.lua) and is only counted.
 ]]
 -- One read of the record: whether it is the settled marker, and what it reserved where.
-local rec = redis.call('HMGET', KEYS[1], 'settled', 'amounts', 'born')
+local rec = redis.call('HMGET', KEYS[1], 'settled', 'amounts', 'born', 'own')
 if rec[1] then
+  if ARGV[15] == '1' and rec[4] then
+    return {1, rec[4]}  -- this call's own settle again: its entry
+  end
   return {0}
 end
 local RESERVED = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
@@ -142,7 +153,7 @@ for s = 5, #KEYS do
   end
   for i = 1, #ADD do put(ADD[i], tonumber(got[adds_at + i]) or 0, ADD_BY[i]) end
   if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
-  local ttl = tonumber(ARGV[10 + s])
+  local ttl = tonumber(ARGV[11 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
   if ttl then extend(key, ttl, new, left) end
@@ -170,7 +181,11 @@ else
   extend(KEYS[4], runlog_ttl, first)
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'settled', '1')
+if ARGV[15] == '1' then
+  redis.call('HSET', KEYS[1], 'settled', '1', 'own', id)  -- the entry the call's own settle wrote
+else
+  redis.call('HSET', KEYS[1], 'settled', '1')
+end
 redis.call('EXPIRE', KEYS[1], marker_ttl)
 redis.call('ZREM', KEYS[2], ARGV[1])
 return {1, id}
