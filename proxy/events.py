@@ -391,7 +391,9 @@ class EventFilter:
             cut = without_usage_null(data)
             if cut is not None:
                 return data_event(cut, event)
-        elif obj.get("choices") == []:
-            return None  # the usage-only chunk the client did not ask for
+        elif not obj.get("choices"):
+            # The usage-only chunk the client did not ask for: choices [] (OpenAI's), or none at
+            # all (another server's; an SDK would hand it on as a chunk without choices).
+            return None
         obj.pop("usage")
         return data_event(dumps_chunk(obj), event)

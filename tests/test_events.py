@@ -410,3 +410,20 @@ def test_a_chunk_with_two_usage_keys_reaches_the_client_without_either() -> None
     for runs in (True, False):
         out, seen, _ = relay(ROLE + doubled + finish() + DONE, [], runs=runs, wants_usage=False)
         assert b'"usage"' not in out and seen[0] == "a"
+
+
+@pytest.mark.parametrize("choices", ["missing", "null"])
+def test_a_usage_only_chunk_without_a_choices_list_is_dropped_for_a_client_that_did_not_ask(
+    choices: str,
+) -> None:
+    """A usage chunk whose choices are absent or null, not [] (an upstream's own shape): the
+    client did not ask for usage and gets no chunk for it (its SDK would hand it a chunk without
+    choices, which code reading chunk.choices[0] does not expect), and the usage is read."""
+    usage_only: dict[str, Any] = {**BASE, "usage": {"prompt_tokens": 3, "completion_tokens": 5}}
+    if choices == "null":
+        usage_only["choices"] = None
+    stream = ROLE + content("hi") + finish() + event(usage_only, usage_null=False) + DONE
+    for runs in (True, False):
+        out, seen, _ = relay(stream, [], runs=runs, wants_usage=False)
+        assert b"prompt_tokens" not in out and out.count(b"data: ") == 3, out
+        assert seen[2] is not None and seen[2].output_tokens == 5
