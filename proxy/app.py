@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web, web_protocol
+from aiohttp import http_exceptions, web, web_protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy.call import REQUEST_ID, IdSource, request_id_for
@@ -116,6 +116,17 @@ def server_options(config: Config) -> dict[str, Any]:
 
 
 _PLAIN_HANDLE_ERROR = web_protocol.RequestHandler.handle_error
+# What the parser refused, in words of our own: its messages quote the raw bytes (a header
+# value: a key), on their first line too. Most specific first.
+_PARSER_REFUSALS: tuple[tuple[type[Exception], str], ...] = (
+    (http_exceptions.LineTooLong, "a request line or header is too long"),
+    (http_exceptions.InvalidHeader, "a header is not valid"),
+    (http_exceptions.BadHttpMethod, "the method is not valid"),
+    (http_exceptions.BadStatusLine, "the request line is not valid"),
+    (http_exceptions.TransferEncodingError, "the body's framing is not valid"),
+    (http_exceptions.ContentLengthError, "the body's length is not valid"),
+    (http_exceptions.ContentEncodingError, "the body's encoding is not valid"),
+)
 
 
 def _handle_error_in_openai_format(
@@ -127,19 +138,20 @@ def _handle_error_in_openai_format(
 ) -> web.StreamResponse:
     """aiohttp's answer to a request its parser refused (before any middleware: a control
     character in a header, Content-Length beside chunked, a bad chunk size, past the parser's
-    limits), in OpenAI's error format rather than its own text/plain page. Its message quotes
-    the raw line (a key in it, say): only its first line, the reason, goes back."""
-    _PLAIN_HANDLE_ERROR(self, request, status, exc, message)  # logs it, checks nothing went out
-    reason = (getattr(exc, "message", None) or str(exc or "") or "bad request").split("\n", 1)[0]
-    if status < 500:
-        text, error_type, code = (
-            f"The request is not valid HTTP: {reason[:200]}",
-            "invalid_request_error",
-            "bad_http_request",
-        )
-    else:
-        text, error_type, code = "Internal proxy error.", "server_error", None
-    response = error_response(status, text, error_type, code=code)
+    limits), in OpenAI's error format rather than its own text/plain page. Neither the answer nor
+    the log line quotes the request's bytes (a key in them): a reason of our own words."""
+    if status >= 500:
+        return _PLAIN_HANDLE_ERROR(self, request, status, exc, message)  # not the parser's
+    if request.writer.output_size > 0:  # as aiohttp's: a response started cannot be replaced
+        raise ConnectionError("Response is sent already, cannot send another response with the error message")
+    reason = next((words for kind, words in _PARSER_REFUSALS if isinstance(exc, kind)), "it is malformed")
+    log.info(
+        "request refused by the HTTP parser",
+        extra={"status": status, "reason": reason, "error": type(exc).__name__, "remote": request.remote},
+    )
+    response = error_response(
+        status, f"The request is not valid HTTP: {reason}.", "invalid_request_error", code="bad_http_request"
+    )
     response.force_close()  # as aiohttp's: the connection's framing is not to be trusted
     return response
 

@@ -391,9 +391,10 @@ class EventFilter:
             cut = without_usage_null(data)
             if cut is not None:
                 return data_event(cut, event)
-        elif not obj.get("choices"):
+        elif not obj.get("choices") and obj.get("error") is None:
             # The usage-only chunk the client did not ask for: choices [] (OpenAI's), or none at
-            # all (another server's; an SDK would hand it on as a chunk without choices).
+            # all (another server's; an SDK would hand it on as a chunk without choices). Not a
+            # provider's error event carrying the usage so far: the SDK raises that one.
             return None
         obj.pop("usage")
         return data_event(dumps_chunk(obj), event)

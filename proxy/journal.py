@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from redis.connection import parse_url
 
@@ -140,11 +140,12 @@ class Journal:
             lines = text.decode("utf-8", "replace").splitlines()
             done = await _apply(store, lines, self.directory / DEAD_LETTERS, on_applied)
             applied += done
-            if done == len(lines):
-                # Lines appended while we were applying (settles failing meanwhile) stay: keep
-                # what follows the part read, drop the rest. No await in between: no race.
+            if done:
+                # The lines applied go (applied again, a settle's own try gets its entry, and
+                # would be counted again); those not reached, and those appended while we were
+                # applying (settles failing meanwhile), stay. No await in between: no race.
                 self._file.seek(len(text))
-                rest = self._file.read()
+                rest = "".join(line + "\n" for line in lines[done:]).encode() + self._file.read()
                 self._file.seek(0)
                 self._file.truncate()
                 self._file.write(rest)
@@ -174,12 +175,22 @@ class Journal:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
                     continue  # its writer is alive and replays it itself
+                if not _still_at(handle, path):
+                    continue  # replayed meanwhile by another process, and removed or rewritten
                 lines = handle.read().splitlines()
                 done = await _apply(store, lines, self.directory / DEAD_LETTERS, on_applied)
                 applied += done
                 if done == len(lines):
                     path.unlink()
                     log.info("orphaned journal replayed", extra={"journal": str(path), "lines": done})
+                elif done:
+                    # Stopped part-way: the lines applied go (see ``replay``), atomically.
+                    kept = path.with_name(f".{path.name}.tmp")
+                    with kept.open("w", encoding="utf-8") as out:
+                        out.write("".join(line + "\n" for line in lines[done:]))
+                        out.flush()
+                        os.fsync(out.fileno())
+                    os.replace(kept, path)
         return applied
 
     def close(self) -> None:
@@ -190,6 +201,16 @@ class Journal:
             if empty:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
+
+
+def _still_at(handle: IO[str], path: Path) -> bool:
+    """Whether the file locked is still the one at ``path``: another process may have replayed
+    it, removed it or put the lines it did not reach in its place, between our open and our lock.
+    Its lines, read again, would be applied (and counted) again."""
+    try:
+        return os.fstat(handle.fileno()).st_ino == path.stat().st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:

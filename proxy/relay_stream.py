@@ -127,7 +127,9 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                 # end (its last chunk, often a read of its own) is waited for briefly, so the
                 # connection goes back to the pool; an upstream slow to close it does not hold
                 # the client's [DONE] (nor its next call on that connection) for longer.
+                waited = monotonic()
                 await _drain(next_piece, DONE_DRAIN_S)
+                waited_s += monotonic() - waited  # the upstream's time, not the proxy's
                 break
     # Past the answer's end ([DONE], response.completed, message_stop) a silence or a broken
     # connection takes nothing from it: the client has it whole, and so does the ledger.

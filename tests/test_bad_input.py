@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import hashlib
 import json
+import logging
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -1401,3 +1403,43 @@ async def test_a_request_the_http_parser_refuses_is_answered_in_openais_format(
     assert error["type"] == "invalid_request_error" and error["message"], error
     assert "\n" not in error["message"] and b"X-Trace" not in body, error  # the reason, not the line
     assert not fake.received
+
+
+async def _raw(proxy_url: str, request: bytes) -> bytes:
+    host, port = proxy_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return raw
+
+
+@pytest.mark.parametrize("header", ["x-api-key: ", "authorization: Bearer "])
+@pytest.mark.parametrize("bad", ["\x00", "x" * 70_000])
+async def test_the_parser_error_answer_does_not_quote_the_callers_key(
+    make_proxy: ProxyFactory, header: str, bad: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The answer is 'the reason, not the line' (answer_parser_errors_in_openai_format): a NUL in
+    a header value, or a value past the parser's limit, quoted the raw value (the key) on the
+    message's first line, which went back in the error JSON."""
+    caplog.set_level(logging.DEBUG)
+    key = "pk-live-7f3a9c2e41d84b6f"
+    keys = [{"name": "c-key", "sha256": hashlib.sha256(key.encode()).hexdigest(), "tenant": "team-c"}]
+    proxy = await make_proxy(keys=keys)
+    body = b'{"model":"claude-x","messages":[],"max_tokens":1}'
+    raw = await _raw(
+        proxy.url,
+        (
+            f"POST /v1/messages HTTP/1.1\r\nHost: x\r\n{header}{key}{bad}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        + body,
+    )
+    head, _, answer = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] in (b"400", b"431"), raw[:300]
+    assert b"application/json" in head.lower(), raw[:300]
+    assert key.encode() not in answer, answer
+    # Nor the log: aiohttp's own line carried the exception, which quotes the raw header.
+    logged = [r.getMessage() + str(r.exc_info) + str(r.__dict__) for r in caplog.records]
+    assert caplog.records and not any(key in line for line in logged), logged

@@ -613,3 +613,38 @@ async def test_a_journaled_settle_whose_first_try_ran_is_counted_once_when_repla
     ((entry_id, entry),) = await redis_client.xrange(LEDGER)  # billed once
     assert entry_id == first and entry["reservation_id"] == "lost-reply-1"
     assert [c["reservation_id"] for c in counted] == ["lost-reply-1"]  # counted once
+
+
+async def test_a_replay_round_cut_short_does_not_count_its_applied_lines_again(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    first = _settlement_line("cut-1")
+    second = {**_settlement_line("cut-2"), "tenant": "team-b", "scope_keys": ["lbp:{team-b}:run:r1"]}
+    second["entry"] = {**second["entry"], "tenant": "team-b"}
+    await redis_client.hset("lbp:{team-a}:resv:cut-1", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    await redis_client.hset("lbp:{team-b}:resv:cut-2", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    # A user that may not touch team-b's keys yet: its settle fails with NOPERM, a store error
+    # that passes (the round stops there, to be tried again).
+    await redis_client.execute_command("ACL", "SETUSER", "rv6", "on", ">pw", "+@all", "~lbp:{team-a}:*")
+    url = redis_server.url.replace("redis://", "redis://rv6:pw@")
+    store = RedisStore.from_url(url)
+    await store.load_scripts()
+    orphan = journal_dir / "journal-99999-deadbeef.jsonl"  # a dead process's
+    orphan.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    journal = Journal(journal_dir)
+    counted: list[Any] = []
+    try:
+        await journal.replay(store, counted.append)  # cut-1 applied, cut-2 refused: stops
+        assert [c["reservation_id"] for c in counted] == ["cut-1"]
+        assert orphan.exists()
+        await redis_client.execute_command("ACL", "SETUSER", "rv6", "allkeys")
+        await journal.replay(store, counted.append)  # both again: cut-1 was applied before
+    finally:
+        journal.close()
+        await store.close()
+        await redis_client.execute_command("ACL", "DELUSER", "rv6")
+    assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == ["cut-1"]
+    assert not orphan.exists()
+    assert [c["reservation_id"] for c in counted] == ["cut-1", "cut-2"]  # now: cut-1 counted twice

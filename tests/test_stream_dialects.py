@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from proxy.app import STATE
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
 from tests.test_fault_matrix import only_entry
@@ -647,3 +648,53 @@ async def test_a_stream_ended_by_done_leaves_its_upstream_connection_for_the_nex
         assert len(upstream.peers) == 3 and len(set(upstream.peers)) == 1, upstream.peers
     finally:
         await upstream.close()
+
+
+async def test_the_wait_for_the_body_end_after_done_is_not_proxy_overhead(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """After [DONE] the relay waits up to 0.25 s for the upstream to end its body: that is the
+    upstream's time, not the proxy's (llm_proxy_proxy_overhead_seconds excludes the upstream)."""
+    upstream = _LingeringUpstream()
+    await upstream.start()
+    try:
+        proxy = await proxy_for(make_proxy, upstream)
+        upstream.plan.content_type = "text/event-stream"
+        upstream.plan.chunks = [
+            chat_event({"role": "assistant", "content": "Hel"}),
+            chat_event({}, "stop"),
+            b"data: " + chunk([], CHAT_USAGE) + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        for _ in range(4):
+            assert await read_with_sdk(proxy.url + "/v1") == ("Hel", None)
+        metrics = proxy.app[STATE].metrics
+        for _ in range(50):  # recorded once the answer has gone
+            if sum(metrics.overhead.labels().counts) == 4:
+                break
+            await asyncio.sleep(0.02)
+        overhead = metrics.overhead.labels()
+        assert sum(overhead.counts) == 4
+        assert overhead.sum / 4 < 0.15, overhead.sum  # now: each ~0.25 s, the drain's wait
+    finally:
+        await upstream.close()
+
+
+async def test_a_provider_error_event_carrying_usage_reaches_a_client_that_did_not_ask_for_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A mid-stream error event (no choices) that carries the usage so far is the provider's
+    failure, not the usage-only chunk: its usage is cut out for a client that did not ask, the
+    error itself must reach the SDK (which raises it), not be dropped whole."""
+    proxy = await proxy_for(make_proxy, script)
+    error = b'{"error":{"message":"overloaded","type":"server_error","code":"overloaded"},"usage":'
+    error += b'{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}'
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[chat_event({"role": "assistant", "content": "Hel"}), b"data: " + error + b"\n\n"],
+    )
+    text, raised = await read_with_sdk(proxy.url + "/v1")
+    assert text == "Hel"
+    assert raised is not None and "overloaded" in raised, raised  # now: None, a clean end
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "upstream_error", entry
