@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proxy.call import REQUEST_ID, IdSource, request_id_for
 from proxy.config import Config
-from proxy.dialects import DIALECTS, Dialect
+from proxy.dialects import Dialect, dialect_of_path
 from proxy.errors import ApiError, StoreError, StoreUnavailable, error_response
 from proxy.journal import Journal
 from proxy.logs import flush_logs
@@ -224,7 +224,7 @@ def _error(
 
 
 def _dialect(request: web.Request) -> Dialect:
-    return DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
+    return dialect_of_path(request.path)
 
 
 async def _stopped(task: asyncio.Task[None]) -> None:

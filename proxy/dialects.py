@@ -66,10 +66,18 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
             if texts:
                 for key in ("arguments", "input"):
                     obs.add_text(0, item.get(key), content=False)
+        if texts and kind == "reasoning":
+            # A reasoning item's summary (and its text, where sent): output the provider bills,
+            # counted as a stream's reasoning deltas are when no usage comes.
+            for part in item.get("summary") or ():
+                if isinstance(part, dict):
+                    obs.add_text(0, part.get("text"), content=False)
         for part in item.get("content") or ():
             if not isinstance(part, dict):
                 continue
-            if part.get("type") == "refusal":
+            if part.get("type") == "reasoning_text" and texts:
+                obs.add_text(0, part.get("text"), content=False)
+            elif part.get("type") == "refusal":
                 obs.refused = True
                 if texts:
                     obs.add_text(0, part.get("refusal"), content=False)
@@ -349,3 +357,10 @@ DIALECTS: dict[Endpoint, Dialect] = {
         "messages", "anthropic", "/messages", _anthropic_event, _anthropic_body, False, None, True
     ),
 }
+
+
+def dialect_of_path(path: str) -> Dialect:
+    """The dialect an error on ``path`` is written in: Anthropic's for its Messages API and the
+    calls under it (count_tokens, batches: the Anthropic SDK's), else OpenAI's."""
+    anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+    return DIALECTS["messages" if anthropic else "chat.completions"]

@@ -21,7 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, request_id_for, run_id_for
-from proxy.dialects import DIALECTS
+from proxy.dialects import DIALECTS, dialect_of_path
 from proxy.errors import (
     ApiError,
     BadRequest,
@@ -380,7 +380,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         return None
     expect = request.headers.get(hdrs.EXPECT, "")
     if expect.lower() != "100-continue":
-        dialect = DIALECTS["messages" if request.path == "/v1/messages" else "chat.completions"]
+        dialect = dialect_of_path(request.path)
         return dialect.error_response(
             417,
             f"Unknown Expect: {expect[:100]}",

@@ -115,6 +115,12 @@ class Exchange:
             # best_of: the provider wrote (and bills) answers it did not return; no count of the
             # answer sees them.
             return self.reserve_usage()
+        if found is not None and not self.obs.usage_final and not complete and not self.obs.error:
+            # Input is known (message_start) but the stream broke or stalled before the output
+            # count: the provider may have written up to the cap, as for a stream with no usage.
+            # Its input count stands; the output is the reserve's.
+            reserved = self.call.reserved_output_tokens
+            return replace(found, output_tokens=max(found.output_tokens, reserved), source="reserve")
         if found is not None and not self.obs.usage_final and self.obs.all_text():
             # Input is known (message_start, a report of prompt tokens only) but the final
             # output count never came: count what was streamed, never less than what the

@@ -77,7 +77,6 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     # Looked up once: the loop runs once per read of the upstream, often once per event.
     next_piece = upstream.content.iter_any().__aiter__().__anext__
     read, write, monotonic = events.read, response.write, time.monotonic
-    done_marker = call.dialect.done_marker
     limit = ex.services.config.limits.max_upstream_body_bytes
     secret = ex.operator_key
     request = ex.request
@@ -122,11 +121,12 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                 client_gone = not await _to_client(ex, write, out)
             if client_gone and call.policy.on_client_disconnect == "cancel":
                 break
-            if obs.done and done_marker:
-                # [DONE]: what follows is dropped, and the client's SDK stops at it. The body's
+            if obs.done:
+                # [DONE], response.completed / incomplete / failed, message_stop: the answer's
+                # end. What follows is dropped, and the client's SDK has it all. The body's
                 # end (its last chunk, often a read of its own) is waited for briefly, so the
                 # connection goes back to the pool; an upstream slow to close it does not hold
-                # the client's [DONE] (nor its next call on that connection) for longer.
+                # the answer's end (nor the client's next call on that connection) for longer.
                 waited = monotonic()
                 await _drain(next_piece, DONE_DRAIN_S)
                 waited_s += monotonic() - waited  # the upstream's time, not the proxy's

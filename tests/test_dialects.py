@@ -4,6 +4,8 @@ clients, every outcome checked against the fake upstream's bill."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from typing import Any
 
 import aiohttp
@@ -14,6 +16,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
 
 LEDGER = "lbp:{team-a}:ledger"
 
@@ -21,15 +24,19 @@ LEDGER = "lbp:{team-a}:ledger"
 @pytest.fixture
 async def both(make_proxy: ProxyFactory, fake: FakeUpstream) -> Proxy:
     """One proxy serving gpt-* from the OpenAI-style fake and claude-* from the Anthropic-style fake."""
+    return await both_with(make_proxy, fake, timeout_s=2)
+
+
+async def both_with(make_proxy: ProxyFactory, fake: FakeUpstream, *, timeout_s: float) -> Proxy:
     root = fake.base_url.removesuffix("/v1")
     return await make_proxy(
         upstreams={
-            "openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 2},
+            "openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": timeout_s},
             "anthropic": {
                 "base_url": root + "/v1",
                 "kind": "anthropic",
                 "api_key_env": "TEST_UPSTREAM_KEY",
-                "timeout_s": 2,
+                "timeout_s": timeout_s,
             },
         },
         models={
@@ -357,3 +364,143 @@ async def test_messages_framework_errors_come_in_anthropic_format(both: Proxy) -
             assert resp.status == 413
             body = await resp.json()
         assert body["error"]["type"] == "request_too_large"
+
+
+async def _post(proxy: Proxy, path: str, body: dict[str, Any]) -> bytes:
+    headers = {"Authorization": f"Bearer {KEY_A}", "anthropic-version": "2023-06-01"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        async with session.post(proxy.url + path, json=body, headers=headers) as resp:
+            try:
+                return await resp.read()
+            except aiohttp.ClientPayloadError:
+                return b""
+
+
+@pytest.mark.parametrize("mode", ["cut", "stall_mid_stream"])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+async def test_a_stream_broken_mid_answer_is_billed_at_least_what_the_provider_bills(
+    both: Proxy,
+    fake: FakeUpstream,
+    redis_client: aioredis.Redis,
+    mode: str,
+    path: str,
+) -> None:
+    fake_ctl = {"mode": mode, "after_chunks": 2, "reply_tokens": 40, "stall_s": 5}
+    if path == "/v1/messages":
+        body = {
+            "model": "claude-sonnet-4",
+            "max_tokens": 50,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "fake": fake_ctl,
+        }
+    else:
+        body = {
+            "model": "gpt-4o-mini",
+            "input": "hello there",
+            "max_output_tokens": 50,
+            "stream": True,
+            "fake": fake_ctl,
+        }
+    await _post(both, path, body)
+    entry = await the_entry(redis_client)
+    (bill,) = fake.bill
+    assert entry["outcome"] in ("upstream_error", "upstream_timeout"), entry
+    # The provider generated (and bills) the whole answer; the proxy saw 2 of its 40 tokens and
+    # no output count: the README says such a call is billed at its reserve.
+    assert int(entry["output_tokens"]) >= bill.completion_tokens, (entry, bill)
+
+
+# -- a Responses answer without usage: its reasoning summary is output too --------------------
+
+
+SUMMARY = " ".join(f"step{i}" for i in range(300))
+
+
+def _sse_ev(kind: str, obj: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **obj})}\n\n".encode()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_responses_reasoning_summary_is_counted_without_usage_streamed_or_not(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    reasoning = {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": SUMMARY}]}
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "ok", "annotations": []}],
+    }
+    final = {"id": "resp_1", "object": "response", "status": "completed", "output": [reasoning, message]}
+    if stream:
+        chunks = [
+            _sse_ev("response.created", {"response": {**final, "status": "in_progress", "output": []}}),
+            _sse_ev("response.reasoning_summary_text.delta", {"delta": SUMMARY}),
+            _sse_ev("response.output_text.delta", {"delta": "ok"}),
+            _sse_ev("response.completed", {"response": final}),
+        ]
+        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    else:
+        script.plan = Plan(chunks=[dumps(final)])
+    body = {"model": "gpt-4o-mini", "input": "think", "max_output_tokens": 2000, "stream": stream}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/responses", dumps(body))
+    assert reply.status == 200
+    (entry,) = reply.new_entries
+    assert entry["usage_source"] != "provider"
+    # 300 words of summary the model wrote (and the provider bills, and more): counted either way.
+    assert int(entry["output_tokens"]) >= 300, entry
+
+
+# -- the Anthropic SDK's other Messages calls get Anthropic's error format --------------------
+
+
+async def test_an_unbilled_messages_subpath_is_refused_in_anthropics_format(
+    both: Proxy,
+    fake: FakeUpstream,
+) -> None:
+    client = anthropic.AsyncAnthropic(base_url=both.url, api_key=KEY_A, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        await client.messages.count_tokens(
+            model="claude-sonnet-4", messages=[{"role": "user", "content": "hello"}]
+        )
+    body = caught.value.body
+    assert isinstance(body, dict) and body.get("type") == "error", body
+    assert body["error"]["type"] == "not_found_error", body
+    assert caught.value.request_id, "the SDK reads request-id"
+    assert not fake.received
+
+
+# -- an upstream slow to close after its answer's last event does not hold the client ---------
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_the_sdk_has_the_whole_answer_as_soon_as_its_last_event_came(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, api: str
+) -> None:
+    both = await both_with(make_proxy, fake, timeout_s=60)  # the silence is not cut by a timeout
+    lingering = {"fake": {"tail_delay_s": 30}}  # the upstream closes 30 s after its last event
+    started = time.monotonic()
+    if api == "messages":
+        client = anthropic.AsyncAnthropic(base_url=both.url, api_key=KEY_A, max_retries=0)
+        async with client.messages.stream(
+            model="claude-sonnet-4",
+            max_tokens=20,
+            messages=[{"role": "user", "content": "hello"}],
+            extra_body=lingering,
+        ) as stream:
+            message = await stream.get_final_message()
+        assert message.stop_reason == "end_turn"
+    else:
+        async with both.client().responses.stream(
+            model="gpt-4o-mini", input="hello", extra_body=lingering
+        ) as rstream:
+            response = await rstream.get_final_response()
+        assert response.status == "completed"
+    took = time.monotonic() - started
+    entry = await the_entry(redis_client)
+    assert entry["outcome"] == "ok"
+    # message_stop / response.completed ends the answer: nothing may follow it.
+    assert took < 15, f"the SDK waited {took:.2f} s for the upstream to close"
