@@ -15,6 +15,9 @@ RUN pip install --no-cache-dir .
 COPY config/docker.yaml /etc/llm-billing-proxy/config.yaml
 
 USER proxy
+# Where relative paths land (the journal's and the embedded Redis's defaults, in a config
+# mounted over ours): on the volume, which the user owns; /app is root's.
+WORKDIR /data
 EXPOSE 8080
 VOLUME ["/data"]
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \

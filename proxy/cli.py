@@ -192,11 +192,11 @@ async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> Non
 
 def _store_config(args: argparse.Namespace) -> Config:
     if args.config:
-        config = load_config(args.config)
-    elif args.redis_url:
-        config = passthrough_config("http://unused.invalid", host="127.0.0.1", port=0, redis_url=None)
+        config = load_config(args.config, key_secrets=False)  # the store's settings only
     else:
-        raise ConfigError("give --config FILE or --redis-url URL")
+        # --redis-url, or the embedded default of this directory: where ``serve --upstream``
+        # (zero config) keeps its ledger. No store there is an error (``store_url``).
+        config = passthrough_config("http://unused.invalid", host="127.0.0.1", port=0, redis_url=None)
     config = with_flags(config, redis_url=args.redis_url or None)
     setup_logging("warning", "text")
     return config

@@ -38,7 +38,9 @@ Period = Literal["minute", "hour", "day", "month"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No YAML .inf or .nan for a number: a timeout or a margin of .inf passed its bounds, and a
+    # lease of infinite milliseconds then failed every call.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy whose values derived from fields (the ``cached_property``s, kept in the
@@ -77,7 +79,9 @@ class RedisConfig(_Frozen):
         try:
             parts.port  # noqa: B018 (raises for a port that is not one)
         except ValueError:
-            raise ValueError(f"invalid Redis URL: the port of {parts.netloc!r} is not a port") from None
+            # The host and port only: a password before them would go to stderr and the logs.
+            where = parts.netloc.rpartition("@")[2]
+            raise ValueError(f"invalid Redis URL: the port of {where!r} is not a port") from None
         if parts.scheme == "unix" and not parts.path:
             raise ValueError("invalid Redis URL: unix:// needs the socket's path")
         # Options redis-py reads (TLS's among them, for rediss://); a name it does not know was a

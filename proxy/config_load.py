@@ -28,8 +28,10 @@ def _format_validation_error(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
-    """Validate a parsed YAML document and resolve the secrets it names from ``environ``."""
+def parse_config(raw: Any, environ: Mapping[str, str], *, key_secrets: bool = True) -> Config:
+    """Validate a parsed YAML document and resolve the secrets it names from ``environ``.
+    Without ``key_secrets`` (the ledger and report commands, which read only the store) the
+    proxy keys' and admin keys' secrets are not read: no call is authenticated with it."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -49,6 +51,8 @@ def parse_config(raw: Any, environ: Mapping[str, str]) -> Config:
     for name, upstream in config.upstreams.items():
         key = _secret(f"upstreams.{name}.api_key_env", upstream.api_key_env, environ)
         upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
+    if not key_secrets:
+        return config.model_copy(update={"redis": redis, "upstreams": upstreams})
     digests = [(_digest("keys", key, environ), key) for key in config.keys]
     named: dict[str, str] = {}
     for digest, key_config in digests:
@@ -101,7 +105,7 @@ def _secret(field: str, name: str | None, environ: Mapping[str, str]) -> str | N
     return value
 
 
-def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
+def load_config(path: Path, environ: Mapping[str, str] | None = None, *, key_secrets: bool = True) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
@@ -119,7 +123,7 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Config:
         # their code ran into: a date that does not exist (2001-02-30), a tag on what it does
         # not fit (!!int 0x, !!int '', !!bool maybe, !!timestamp x).
         raise ConfigError(f"{path}: invalid YAML value: {err}") from None
-    return parse_config(raw, os.environ if environ is None else environ)
+    return parse_config(raw, os.environ if environ is None else environ, key_secrets=key_secrets)
 
 
 def passthrough_config(upstream_url: str, *, host: str, port: int, redis_url: str | None) -> Config:

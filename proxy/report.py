@@ -29,7 +29,9 @@ class Totals:
         for name in TOKEN_FIELDS:
             self.tokens[name] += int(entry.get(name) or 0)
         self.cost_micros += int(entry.get("cost_micros") or 0)
-        outcome = entry.get("outcome", "")
+        # ``rejected:parse-json: <the parser's message>``: counted by its kind, not by each message
+        # (whose spaces would also break the ``outcome=count`` list apart).
+        outcome = entry.get("outcome", "").split(": ", 1)[0]
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 

@@ -33,6 +33,8 @@ log = logging.getLogger("proxy.cli")
 GC_YOUNG_THRESHOLD = 20_000
 # Exit codes besides 0: 2 config error, 3 store error (see cli.main), 4 cannot serve (listen).
 EXIT_CANNOT_SERVE = 4
+# A worker that ended while the supervisor was not stopping, without a failure of its own.
+EXIT_WORKER_ENDED = 1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -203,6 +205,10 @@ def supervise(config: Config, passthrough: bool, config_path: Path | None, worke
             code = child.exitcode or 0
             if stopping and -code in _STOP_SIGNALS:
                 code = 0  # stopped before it could take the signal itself: a stop, not a crash
+            elif not stopping and not code:
+                # Ended unasked, gracefully (a stop signal of its own): the service stops all the
+                # same, and what restarts it on failure must see one.
+                code = EXIT_WORKER_ENDED
             if code and not failure:
                 # A worker killed by a signal (the OOM killer) has a negative exit code: a
                 # failure too, reported as a shell would (128 + the signal).

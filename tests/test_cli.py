@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
+import redis.asyncio as aioredis
 
 from proxy.cli import main
+from proxy.config import RedisConfig
 from proxy.redis_server import RedisServerProcess, free_port
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -380,3 +383,133 @@ async def test_a_ledger_export_reads_and_writes_page_by_page(
     assert await asyncio.to_thread(main, [*base, "--run", "long"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2500
     await client.aclose()
+
+
+async def test_a_ledger_export_with_the_config_needs_no_proxy_key_secrets(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_server: RedisServerProcess,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """README: ``ledger --config config/example.yaml --tenant team-a``. The export reads only the
+    store's settings, but loading the file demanded every proxy key's secret in the environment
+    (exit 2): a cron job or an operator's shell without them could not export the ledger."""
+    proxy = await make_proxy()
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+    )
+    monkeypatch.delenv("DEV_PROXY_KEY", raising=False)
+    args = [
+        "--config",
+        str(ROOT / "config" / "example.yaml"),
+        "--redis-url",
+        redis_server.url,
+        "--tenant",
+        "team-a",
+    ]
+    assert await asyncio.to_thread(main, ["ledger", *args]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 1 and lines[0]["model"] == "gpt-4o-mini"
+    assert await asyncio.to_thread(main, ["report", *args, "--format", "jsonl"]) == 0
+    assert json.loads(capsys.readouterr().out)["calls"] == "1"
+
+
+def test_a_zero_config_proxys_ledger_is_read_as_the_readme_says_without_a_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve --upstream URL`` keeps its ledger in the embedded store of the directory it runs
+    from. README: ``ledger --tenant T``, ``report --tenant T`` (the embedded store of the data
+    directory). They refused to run without --config or --redis-url: a zero-config user had to
+    write a config, or find the store's socket (a private path under /tmp for a deep directory,
+    and nothing answers there once the proxy is stopped), to read what they were billed."""
+    monkeypatch.chdir(tmp_path)
+    server = RedisServerProcess(RedisConfig().data_dir.resolve())  # where ``serve --upstream`` keeps it
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        client.xadd("lbp:{pt-abc}:ledger", {"request_id": "r1", "model": "gpt-4o", "input_tokens": "3"})
+        client.close()
+    finally:
+        server.stop()
+    assert main(["ledger", "--tenant", "pt-abc"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_id"] == "r1"
+    assert main(["report", "--tenant", "pt-abc", "--format", "jsonl"]) == 0
+    assert json.loads(capsys.readouterr().out)["calls"] == "1"
+    assert not server.answers_ping()  # the server it started for the export is stopped again
+
+
+async def test_a_report_counts_json_rejections_as_one_outcome_it_can_be_read_back_from(
+    redis_server: RedisServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rejected:parse-json: <the parser's message>`` (README, Outcomes): the report counted each
+    parser message (its line and column) as an outcome of its own, and the message's spaces
+    broke the ``outcome=count`` list apart: ``Expecting``, ``value``, ``at``... read as outcomes."""
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    for outcome in (
+        "ok",
+        "rejected:parse-json: Expecting value at line 1 column 1",
+        "rejected:parse-json: Expecting ',' delimiter at line 3 column 7",
+        "rejected:output-truncated",
+    ):
+        await client.xadd("lbp:{team-j}:ledger", {"model": "gpt-4o", "outcome": outcome, "input_tokens": "1"})
+    await client.aclose()
+    args = ["report", "--redis-url", redis_server.url, "--tenant", "team-j", "--format", "jsonl"]
+    assert await asyncio.to_thread(main, args) == 0
+    outcomes = json.loads(capsys.readouterr().out)["outcomes"]
+    counted = dict(item.rsplit("=", 1) for item in outcomes.split(" "))
+    assert counted == {"ok": "1", "rejected:parse-json": "2", "rejected:output-truncated": "1"}
+
+
+def until_serving(port: int, timeout_s: float = 30.0) -> None:
+    """Until the proxy on ``port`` answers its readiness check (any answer: it serves)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if sock.recv(12).startswith(b"HTTP/1.1"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"nothing served on port {port} in {timeout_s} s")
+
+
+def test_a_worker_stopped_on_its_own_makes_serve_fail_for_what_restarts_it(
+    redis_server: RedisServerProcess,
+) -> None:
+    """A worker sent SIGTERM by itself (``kill <pid>``) shuts down gracefully and exits 0; the
+    supervisor then stops the others (the service is not what was started) and exited 0 too: a
+    restart on failure (systemd's Restart=on-failure, a container's on-failure policy) never
+    came, and the service stayed down."""
+    port = free_port()
+    argv = [
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_server.url,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", *argv, "--workers", "2"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 2, workers
+        until_serving(port)
+        os.kill(workers[0], signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code != 0

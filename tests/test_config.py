@@ -480,3 +480,23 @@ def test_a_redis_url_with_options_redis_py_reads_is_accepted(url: str) -> None:
     # URL check must not refuse them (no redis.* field sets them).
     raw = {"redis": {"url": url}, "upstreams": {"openai": {"base_url": "http://127.0.0.1:1/v1"}}}
     assert parse_config(raw, {}).redis.url == url
+
+
+@pytest.mark.parametrize("url", ["redis://:s3cretpw@redis:63x79/0", "redis://admin:s3cretpw@redis:99999/0"])
+def test_a_redis_url_refused_for_its_port_does_not_print_its_password(url: str) -> None:
+    """The message (stderr at start, the log of a refused reload) quoted the URL's whole netloc,
+    password included: REDIS_URL from a secret store ended up in the logs."""
+    raw = {"upstreams": {"openai": {"base_url": "http://x"}}, "redis": {"url_env": "REDIS_URL"}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, {"REDIS_URL": url})
+    assert "not a port" in str(caught.value) and "s3cretpw" not in str(caught.value)
+
+
+def test_an_infinite_duration_is_refused_by_the_config_not_by_every_call() -> None:
+    """YAML's ``.inf`` passed every ``gt=0`` bound: check-config said ok, a reload took it, and
+    then every call to that upstream was a 500 (its lease, in whole milliseconds, cannot be
+    infinite)."""
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6399/0")
+    raw["upstreams"]["openai"]["timeout_s"] = float("inf")
+    with pytest.raises(ConfigError, match=r"timeout_s.*finite"):
+        parse_config(raw, {"TEST_UPSTREAM_KEY": "k"})

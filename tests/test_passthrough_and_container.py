@@ -16,6 +16,8 @@ from pathlib import Path
 import aiohttp
 import openai
 
+from proxy.config import Config
+from proxy.config_load import load_config
 from proxy.redis_server import free_port
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -120,3 +122,26 @@ async def test_a_pass_through_tenant_is_named_by_128_bits_of_its_keys_digest(
     ):
         view = await resp.json()
     assert view["tenant"] == "pt-" + hashlib.sha256(key.encode()).hexdigest()[:32], view
+
+
+def test_the_container_keeps_its_journal_on_the_volume_its_user_owns() -> None:
+    """The image runs as a non-root user in a WORKDIR root owns: a relative journal_dir (the
+    default) cannot be made there, so during a Redis outage no settle could be journaled (every
+    call reaped at its reserve, every unforwarded reserve billed in full), and the journal would
+    not outlive the container anyway."""
+    text = (ROOT / "Dockerfile").read_text()
+    workdir = Path(re.findall(r"^WORKDIR (\S+)", text, re.M)[-1])
+    volumes = [Path(v) for v in re.findall(r'"(/[^"]+)"', re.search(r"^VOLUME (.+)$", text, re.M).group(1))]
+    owned = [Path(p) for p in re.findall(r"chown \S+ (\S+)", text)]
+    config = load_config(ROOT / "config" / "docker.yaml", {"PROXY_API_KEY": "k"})
+    # The operator's own config mounted over it, the defaults left as they are, as well.
+    defaults = Config.model_validate({"upstreams": {"openai": {"base_url": "http://x"}}})
+    for name, path in (
+        ("journal_dir", config.journal_dir),
+        ("redis.data_dir", config.redis.data_dir),
+        ("default journal_dir", defaults.journal_dir),
+        ("default redis.data_dir", defaults.redis.data_dir),
+    ):
+        where = path if path.is_absolute() else workdir / path
+        assert any(where.is_relative_to(v) for v in volumes), f"{name} {where} is not on a volume"
+        assert any(where.is_relative_to(o) for o in owned), f"{name} {where} is not where the user can write"
