@@ -698,3 +698,29 @@ async def test_a_provider_error_event_carrying_usage_reaches_a_client_that_did_n
     assert raised is not None and "overloaded" in raised, raised  # now: None, a clean end
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "upstream_error", entry
+
+
+async def test_an_anthropic_stream_cut_mid_answer_keeps_message_starts_input_count(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """README (faults): an Anthropic stream cut mid-answer is billed its output at the reserve,
+    "its input count from message_start stands". The input the provider reported (700, 5000 of
+    them cache reads) must be what the ledger holds, not the proxy's estimate of "hi"."""
+    proxy = await proxy_for(make_proxy, script)
+    usage = {"input_tokens": 700, "cache_read_input_tokens": 5000, "output_tokens": 1}
+    start = ev(
+        "message_start",
+        {"message": {"id": "m", "type": "message", "role": "assistant", "content": [],
+                     "model": "claude-x", "stop_reason": None, "usage": usage}},
+    )  # fmt: skip
+    block = ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    delta = ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello"}})
+    script.plan = Plan(content_type="text/event-stream", chunks=[start, block, delta])  # cut here
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(ANTHROPIC_BODY),
+        headers=ANTHROPIC_HEADERS,
+    )  # fmt: skip
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "upstream_error", entry
+    assert entry["output_tokens"] == "500", entry  # the reserve's
+    assert (entry["input_tokens"], entry["cached_input_tokens"]) == ("5700", "5000"), entry
