@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +151,13 @@ def _handle_error_in_openai_format(
         extra={"status": status, "reason": reason, "error": type(exc).__name__, "remote": request.remote},
     )
     response = error_response(
-        status, f"The request is not valid HTTP: {reason}.", "invalid_request_error", code="bad_http_request"
+        status,
+        f"The request is not valid HTTP: {reason}.",
+        "invalid_request_error",
+        code="bad_http_request",
+        # On every answer (README). No app state reaches here; rare enough for a system call (a
+        # source made at import would repeat its ids in every worker forked after it).
+        headers={"x-request-id": f"req_{os.urandom(16).hex()}"},
     )
     response.force_close()  # as aiohttp's: the connection's framing is not to be trusted
     return response

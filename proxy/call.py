@@ -48,14 +48,17 @@ def context_key(context_id: str) -> str:
 
 
 class IdSource:
-    """Unique ids without a system call each: a random per-process prefix and a counter."""
+    """Unique ids without a system call each: a counter under a keyed hash (a random per-process
+    key). The ids are shown to callers (x-request-id, a call's own run, the ledger's
+    reservation_id): a plain counter would tell a tenant how many calls the others made."""
 
     def __init__(self) -> None:
-        self._prefix = os.urandom(8).hex()
+        self._key = os.urandom(16)
         self._next = itertools.count(1).__next__
 
     def new(self) -> str:
-        return f"{self._prefix}{self._next():x}"
+        # 128 bits: distinct counters never meet in practice, across processes too.
+        return hashlib.blake2b(self._next().to_bytes(8, "little"), key=self._key, digest_size=16).hexdigest()
 
 
 # The call's id, set once by the error middleware for every request (and every answer's headers).
@@ -276,6 +279,7 @@ def plan_call(
         default_max_output_tokens=config.limits.default_max_output_tokens,
         media_part_input_tokens=model_config.media_part_input_tokens,
         tools_input_tokens=tools_input_tokens(model_config, upstream),
+        cache_scope=identity.tenant,
     )
     if isinstance(view, ChatBody) and upstream.chat_output_cap_field == "max_tokens":
         # An upstream that reads only max_tokens: the cap goes there, always (it may have none

@@ -67,6 +67,8 @@ class Estimate:
     # (``counted``) once the reserve is made; empty: the bound is final (the count, or the byte
     # length where no count can be had).
     uncounted: tuple[str, ...] = ()
+    # Whose remembered counts the texts are looked up in and added to (the caller's tenant).
+    cache_scope: str = ""
 
     @property
     def input_exact(self) -> bool:
@@ -77,7 +79,10 @@ def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
     """``est`` with its input counted exactly: tiktoken's work, run off the event loop."""
     if est.input_exact:
         return est
-    exact = tokenizer.upper_bound_of_parts(est.uncounted, encoding) + est.prompt_overhead_tokens
+    exact = (
+        tokenizer.upper_bound_of_parts(est.uncounted, encoding, scope=est.cache_scope)
+        + est.prompt_overhead_tokens
+    )
     return replace(est, input_tokens=min(exact, est.input_tokens), uncounted=())
 
 
@@ -165,6 +170,7 @@ def estimate(
     media_part_input_tokens: int = 0,
     tools_input_tokens: int = 0,
     quick_chars: int = QUICK_BOUND_CHARS,
+    cache_scope: str = "",
 ) -> Estimate:
     parts, overhead, id_tokens = prompt_of(endpoint, view)
     overhead += tools_overhead(view, tools_input_tokens)
@@ -175,7 +181,7 @@ def estimate(
         # counted after a quick reserve, and charged when the provider gives no usage.
         overhead += media_part_input_tokens * media_of(view)
     text = "\n".join(parts)
-    bound, exact = tokenizer.quick_bound_of_parts(parts, encoding, quick_chars=quick_chars)
+    bound, exact = tokenizer.quick_bound_of_parts(parts, encoding, quick_chars=quick_chars, scope=cache_scope)
     input_tokens = bound + overhead + id_tokens
     later = () if exact else tuple(parts)
     if isinstance(view, EmbeddingBody):
@@ -186,6 +192,7 @@ def estimate(
             output_tokens=0,
             output_cap_field=None,
             uncounted=later,
+            cache_scope=cache_scope,
         )
     cap_field: str | None = None
     cap: int | None = None
@@ -214,4 +221,5 @@ def estimate(
         enforce_cap=cap if asked != cap else None,
         output_cap=cap,
         uncounted=later,
+        cache_scope=cache_scope,
     )

@@ -77,36 +77,38 @@ def _load_one(name: str, timeout_s: float) -> Encoding | None:
 
 class CountCache:
     """Token counts of long texts, least recently used first out, bounded by the characters
-    of the texts it keeps. Safe across threads (large estimates run in worker threads)."""
+    of the texts it keeps. Safe across threads (large estimates run in worker threads). Each
+    count is its scope's (the caller's tenant): whether a text is remembered shows in the reserve,
+    and must not tell one tenant what another sent."""
 
     def __init__(self, max_chars: int) -> None:
         self.max_chars = max_chars
-        self._counts: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._counts: OrderedDict[tuple[str, str, str], int] = OrderedDict()  # scope, encoding, text
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get(self, encoding: str, text: str) -> int | None:
+    def get(self, encoding: str, text: str, scope: str = "") -> int | None:
         with self._lock:
-            found = self._counts.get((encoding, text))
+            found = self._counts.get((scope, encoding, text))
             if found is None:
                 self.misses += 1
                 return None
-            self._counts.move_to_end((encoding, text))
+            self._counts.move_to_end((scope, encoding, text))
             self.hits += 1
             return found
 
-    def put(self, encoding: str, text: str, count: int) -> None:
+    def put(self, encoding: str, text: str, count: int, scope: str = "") -> None:
         if len(text) > self.max_chars:
             return
         with self._lock:
-            if (encoding, text) in self._counts:
+            if (scope, encoding, text) in self._counts:
                 return
-            self._counts[(encoding, text)] = count
+            self._counts[(scope, encoding, text)] = count
             self._chars += len(text)
             while self._chars > self.max_chars:
-                (_, old), _count = self._counts.popitem(last=False)
+                (_, _, old), _count = self._counts.popitem(last=False)
                 self._chars -= len(old)
 
     @property
@@ -149,19 +151,21 @@ class Tokenizer:
             return len(enc.encode_ordinary(text))
         return len(text.encode("utf-8", "surrogatepass"))
 
-    def upper_bound_of_parts(self, parts: Sequence[str], encoding: str) -> int:
+    def upper_bound_of_parts(self, parts: Sequence[str], encoding: str, *, scope: str = "") -> int:
         """``upper_bound`` of the parts joined by line breaks, counted part by part (as a chat
         provider counts message by message, each in its own template) plus one per break;
         with the byte fallback exactly the joined text's UTF-8 length. Long parts' counts are
-        remembered, so a conversation sent again is counted only where it grew."""
+        remembered, so a conversation sent again is counted only where it grew: under ``scope``
+        (the caller's tenant), as what one tenant sent is none of another's business (whether a
+        text was counted before shows in how it is reserved)."""
         enc = self._encodings.get(encoding)
         if enc is None:
             return max(0, len(parts) - 1) + sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
-        known, new = self._remembered(parts, encoding)
-        return known + sum(self._count_and_remember(part, encoding, enc) for part in new)
+        known, new = self._remembered(parts, encoding, scope)
+        return known + sum(self._count_and_remember(part, encoding, enc, scope) for part in new)
 
     def quick_bound_of_parts(
-        self, parts: Sequence[str], encoding: str, *, quick_chars: int = QUICK_BOUND_CHARS
+        self, parts: Sequence[str], encoding: str, *, quick_chars: int = QUICK_BOUND_CHARS, scope: str = ""
     ) -> tuple[int, bool]:
         """``upper_bound_of_parts`` without waiting for tiktoken on much new text: when the parts
         whose counts are not remembered hold ``quick_chars`` characters or more, those count as
@@ -170,26 +174,26 @@ class Tokenizer:
         enc = self._encodings.get(encoding)
         if enc is None:
             return self.upper_bound_of_parts(parts, encoding), True
-        known, new = self._remembered(parts, encoding)
+        known, new = self._remembered(parts, encoding, scope)
         if sum(map(len, new)) < quick_chars:
-            return known + sum(self._count_and_remember(part, encoding, enc) for part in new), True
+            return known + sum(self._count_and_remember(part, encoding, enc, scope) for part in new), True
         return known + sum(len(part.encode("utf-8", "surrogatepass")) for part in new), False
 
-    def _remembered(self, parts: Sequence[str], encoding: str) -> tuple[int, list[str]]:
+    def _remembered(self, parts: Sequence[str], encoding: str, scope: str = "") -> tuple[int, list[str]]:
         """The remembered counts of ``parts`` plus one per break between them, and the parts
         whose counts are not remembered."""
         total = max(0, len(parts) - 1)
         new: list[str] = []
         for part in parts:
-            count = self.cache.get(encoding, part) if len(part) >= CACHED_TEXT_CHARS else None
+            count = self.cache.get(encoding, part, scope) if len(part) >= CACHED_TEXT_CHARS else None
             if count is None:
                 new.append(part)
             else:
                 total += count
         return total, new
 
-    def _count_and_remember(self, part: str, encoding: str, enc: Encoding) -> int:
+    def _count_and_remember(self, part: str, encoding: str, enc: Encoding, scope: str = "") -> int:
         count = len(enc.encode_ordinary(part)) if part else 0
         if len(part) >= CACHED_TEXT_CHARS:
-            self.cache.put(encoding, part, count)
+            self.cache.put(encoding, part, count, scope)
         return count

@@ -795,3 +795,134 @@ async def test_the_model_list_does_not_follow_an_upstream_redirect_with_the_oper
     finally:
         await runner.cleanup()
         await trap.close()
+
+
+ISOLATION_BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+async def _isolation_call(
+    session: aiohttp.ClientSession, proxy: Proxy, key: str, run: str | None = None
+) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {key}"}
+    if run is not None:
+        headers["X-Run-Id"] = run
+    async with session.post(proxy.url + "/v1/chat/completions", json=ISOLATION_BODY, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        return dict(resp.headers)
+
+
+def _counted_apart(first: str, second: str) -> int | None:
+    """How far apart two ids are when they are one prefix and a hex counter: None if not."""
+    pairs = enumerate(zip(first, second, strict=False))
+    shared = next((i for i, (a, b) in pairs if a != b), min(len(first), len(second)))
+    at = max(shared - 1, 0)  # from the last shared character: a counter's carry
+    tail1, tail2 = first[at:], second[at:]
+    try:
+        return int(tail2, 16) - int(tail1, 16)
+    except ValueError:
+        return None
+
+
+async def test_ids_a_caller_sees_do_not_count_other_tenants_calls(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The ids the proxy makes up (x-request-id, the run of a call without X-Run-Id, the ledger's
+    reservation_id) are shown to the caller: drawn from one counter of the process, two of them
+    tell a tenant how many calls every other tenant made in between (their traffic, call by call)."""
+    proxy = await make_proxy()
+    others = 7
+    async with aiohttp.ClientSession() as session:
+        before = await _isolation_call(session, proxy, KEY_A, run="mine")
+        for _ in range(others):
+            await _isolation_call(session, proxy, KEY_B)
+        after = await _isolation_call(session, proxy, KEY_A, run="mine")
+        async with session.get(
+            proxy.url + "/v1/billing/runs/mine/ledger", headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp:
+            entries = (await resp.json())["data"]
+    seen = [
+        ("x-request-id", before["X-Request-ID"], after["X-Request-ID"]),
+        ("reservation_id", entries[0]["reservation_id"], entries[1]["reservation_id"]),
+    ]
+    for name, first, second in seen:
+        apart = _counted_apart(first, second)
+        # Three ids a call (request, run, reservation): tenant B's 7 calls, counted from A's ids.
+        assert apart is None or not (others <= apart <= 4 * (others + 1)), (name, first, second, apart)
+
+
+async def test_a_tenant_cannot_tell_whether_another_tenant_sent_a_text(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Token counts of long texts are remembered (``limits.token_count_cache_chars``). Shared by
+    every tenant, the memory answers one tenant's question "did anyone send exactly this text?"
+    (another tenant's system prompt, a document): a text another tenant sent is reserved at its
+    exact count at once, one never seen at its UTF-8 bytes until it is counted. The reserve is
+    the caller's to see (its run's meters, the ledger's reserved_input_tokens). Providers scope
+    their own prompt caches to an organization for that reason."""
+    import threading
+
+    import openai
+
+    from proxy.tokenizer import Tokenizer
+    from tests.outcome_helpers import ledger_entries, run_headers
+    from tests.test_estimate import EXACT_INPUT, MODEL, TEXT, QuarterEncoding
+
+    enc = QuarterEncoding()
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    # Tenant B sends its text; the proxy counts it while the call runs.
+    await proxy.client(KEY_B).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=5,
+        extra_body={"fake": {"delay_s": 0.3}},
+    )
+    for _ in range(500):
+        if len(TEXT) in enc.counted:
+            break
+        await asyncio.sleep(0.01)
+    assert len(TEXT) in enc.counted
+    # From now on no long text is counted before its call ends (a busy estimate thread).
+    enc.gate = threading.Event()
+    try:
+        client: openai.AsyncOpenAI = proxy.client(KEY_A)
+        other = TEXT.replace("word", "wurd")  # as long, never sent
+        for run, text in (("guess", TEXT), ("control", other)):
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": text}],
+                max_tokens=5,
+                extra_headers=run_headers(run),
+            )
+        [guess] = await ledger_entries(proxy, "guess")
+        [control] = await ledger_entries(proxy, "control")
+    finally:
+        enc.gate.set()
+    # Tenant A's guess is reserved as any text A never sent: not at B's exact count.
+    assert int(guess["reserved_input_tokens"]) != EXACT_INPUT
+    assert guess["reserved_input_tokens"] == control["reserved_input_tokens"]
+
+
+async def test_an_answer_to_a_request_the_parser_refused_carries_a_request_id(
+    make_proxy: ProxyFactory,
+) -> None:
+    """README: x-request-id is the proxy's, on every answer, errors included. The answer to a
+    request aiohttp's parser refuses (a control character in a header, chunked beside a length)
+    is written outside the middleware that sets it, and had none."""
+    proxy = await make_proxy()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    for request in (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n"
+        b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+    ):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
+        assert head.startswith("http/1.") and " 400 " in head.split("\r\n")[0], head
+        lines = head.split("\r\n")
+        ids = [line.split(":", 1)[1].strip() for line in lines if line.startswith("x-request-id:")]
+        assert len(ids) == 1 and ids[0].startswith("req_"), head
