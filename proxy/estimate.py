@@ -117,7 +117,8 @@ def tools_overhead(view: RequestView, tools_input_tokens: int) -> int:
     """Input a provider adds to a call with tools beyond their JSON, which the text count holds:
     the model's tool-use system prompt (``tools_input_tokens``) and, for Anthropic's own tools,
     the definitions it writes for them (its published figures; a tool's JSON here is one line)."""
-    tools = getattr(view, "tools", None)
+    # Chat's legacy ``functions`` are tools to the provider: the same tool-use prompt.
+    tools = getattr(view, "tools", None) or getattr(view, "functions", None)
     if not tools:
         return 0
     tokens = tools_input_tokens

@@ -30,7 +30,9 @@ def lease_ms(call: Call, config: Config) -> int:
     return int((call.upstream.timeout_s + config.limits.lease_margin_s) * 1000)
 
 
-def _refusal_error(refusal: Refusal) -> BudgetExceeded:
+def _refusal_error(refusal: Refusal, *, fits_nowhere: bool = False) -> BudgetExceeded:
+    """``fits_nowhere``: a window in its way would refuse the request even empty (it alone passes
+    the ceiling): no reset helps, so none is named."""
     scope = refusal.scope
     needed = refusal.amount
     message = (
@@ -47,7 +49,7 @@ def _refusal_error(refusal: Refusal) -> BudgetExceeded:
     resets = [s.resets_at_s for s in refusal.waits_on or (scope,)]
     if refusal.clears:
         headers["retry-after"] = "1"
-    elif all(at is not None for at in resets):
+    elif not fits_nowhere and all(at is not None for at in resets):
         # When the last window that refuses it has reset (a scope for good, such as a key's
         # lifetime: none).
         headers["retry-after"] = str(max(1, max(at for at in resets if at is not None) - int(time.time())))
@@ -159,7 +161,7 @@ async def reserve(
         raise
     assert not isinstance(result, Tentative), "a final reserve is never tentative"
     if isinstance(result, Refusal):
-        raise _refusal_error(result)
+        raise _refusal_error(result, fits_nowhere=_never_fits(call, tier, scopes))
     if result.clamped_output_per_choice:
         _apply_clamp(call, result)
     call.reservation = result
@@ -169,6 +171,21 @@ async def reserve(
         # window) are shared with keys of other tiers, whose ceilings must not meet the bound.
         call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
     return result
+
+
+def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> bool:
+    """Whether some ceiling is below what the request needs at the least (a clamp tier's least
+    output): it is refused in any window, however empty."""
+    est = call.estimate
+    clamp = _clamp_for(call, tier)
+    if clamp is not None:
+        est = replace(est, output_tokens=min(est.output_tokens, clamp.min_output_tokens * clamp.choices))
+    least = reserve_amounts(est, call.rates_reserved)
+    return any(
+        0 < least.get(meter, 0) and ceiling < least[meter]
+        for scope in scopes
+        for meter, ceiling in scope.ceilings.items()
+    )
 
 
 async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None:

@@ -19,6 +19,7 @@ from proxy.app import STATE
 from proxy.redis_server import RedisServerProcess
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, base_config, digest
 from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import ledger_entries
 
 MSGS: list[Any] = [{"role": "user", "content": "hi"}]
 # Reserve of one call with MSGS and max_tokens=10, no tokenizer: input = 2 bytes + 4 + 3 = 9.
@@ -819,3 +820,133 @@ async def test_a_file_saved_while_the_proxy_starts_is_in_force_once_it_serves(
         assert tier.key is not None and tier.key.requests == 1
     finally:
         await runner.cleanup()
+
+
+async def test_a_request_larger_than_a_windows_ceiling_gets_no_retry_after(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # 15 tokens a minute; the request needs 9 + 10 = 19: no minute will ever take it.
+    proxy = await make_proxy(tiers={"standard": {"windows": [{"period": "minute", "total_tokens": 15}]}})
+    with pytest.raises(openai.RateLimitError) as caught:
+        await call(proxy, "never", max_tokens=10)
+    headers = caught.value.response.headers
+    assert headers["x-should-retry"] == "false"
+    assert headers["x-billing-refused-scope"] == "key:minute"
+    # A client honouring retry-after would wait for the reset and be refused again, for ever.
+    assert "retry-after" not in headers, dict(headers)
+    # The same request that fits an empty window still gets its reset (control).
+    proxy = await make_proxy(tiers={"standard": {"windows": [{"period": "minute", "total_tokens": 19}]}})
+    await call(proxy, "fits")
+    with pytest.raises(openai.RateLimitError) as caught:
+        await call(proxy, "fits")
+    assert "retry-after" in caught.value.response.headers
+    assert fake.received and len(fake.bill) == 1
+
+
+async def test_a_clamp_tier_request_whose_least_output_never_fits_gets_no_retry_after(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # At its least output (5) the request needs 9 + 5 = 14 of a window of 12: never served.
+    proxy = await make_proxy(
+        tiers={
+            "standard": {
+                "windows": [{"period": "minute", "total_tokens": 12}],
+                "on_budget_short": "clamp",
+                "min_output_tokens": 5,
+            }
+        }
+    )
+    with pytest.raises(openai.RateLimitError) as caught:
+        await call(proxy, "never", max_tokens=100)
+    assert "retry-after" not in caught.value.response.headers, dict(caught.value.response.headers)
+    assert fake.received == []
+
+
+async def test_budget_remaining_is_the_least_room_of_that_meter_whatever_the_scope(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # The key's lifetime has 100,000 total tokens, each run 1,000. One run spends 94,012 (the key
+    # at 6% left), another 898 (the run at 10% left).
+    proxy = await make_proxy(
+        tiers={"standard": {"run": {"total_tokens": 1000}, "key": {"total_tokens": 100_000}}}
+    )
+    await call(proxy, "big", extra_body={"fake": {"usage": {"prompt_tokens": 94_000}}})
+    await call(proxy, "small", extra_body={"fake": {"usage": {"prompt_tokens": 890}}})
+    response = await call(proxy, "small")  # 12 more: the run has 1000 - 898 - 12 = 90 left
+    remaining = int(response.headers["x-budget-remaining-total-tokens"])
+    assert remaining == 1000 - 898 - 12, remaining
+    # What the header says is left is what the next call of the run can have, exactly.
+    served = await call(proxy, "small", max_tokens=remaining - INPUT_RESERVE)
+    assert served.headers["x-billing-outcome"] == "ok"
+
+
+async def test_legacy_functions_reserve_the_models_tool_prompt_as_tools_do(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    models = {"gpt-4o-mini": {"upstream": "openai", "tools_input_tokens": 500}, "*": {"upstream": "openai"}}
+    proxy = await make_proxy(models=models)
+    client = proxy.client()
+    fn = {"name": "lookup", "parameters": {"type": "object"}}
+    await client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=MSGS,
+        max_tokens=10,
+        tools=[{"type": "function", "function": fn}],
+        extra_headers={"X-Run-Id": "tools"},
+    )
+    await client.chat.completions.create(
+        model="gpt-4o-mini", messages=MSGS, max_tokens=10, functions=[fn], extra_headers={"X-Run-Id": "fns"}
+    )
+    [with_tools] = await ledger_entries(proxy, "tools")
+    [with_functions] = await ledger_entries(proxy, "fns")
+    # The provider's tool-use prompt is added for functions as for tools (the legacy form of tools).
+    assert int(with_functions["reserved_input_tokens"]) >= INPUT_RESERVE + 500, with_functions
+    assert int(with_tools["reserved_input_tokens"]) >= INPUT_RESERVE + 500
+
+
+async def test_a_clamp_refused_for_a_concurrency_slot_names_the_slot_not_the_output(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    from tests.conftest import until_upstream_received
+
+    # The run affords 50 output tokens (a clamp to 50 fits); the key's one slot is taken.
+    proxy = await make_proxy(
+        tiers={
+            "standard": {
+                "run": {"output_tokens": 50},
+                "key": {"concurrent": 1},
+                "on_budget_short": "clamp",
+                "min_output_tokens": 5,
+            }
+        }
+    )
+    client = proxy.client()
+    slow = asyncio.create_task(
+        client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=MSGS,
+            max_tokens=5,
+            extra_headers={"X-Run-Id": "slow"},
+            extra_body={"fake": {"delay_s": 0.6}},
+        )
+    )
+    await until_upstream_received(fake, 1)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await client.chat.completions.create(
+            model="gpt-4o-mini", messages=MSGS, max_tokens=100, extra_headers={"X-Run-Id": "next"}
+        )
+    await slow
+    headers = caught.value.response.headers
+    assert headers["x-should-retry"] == "true"
+    # Not "scope 'run', meter 'output_tokens', used 0, reserved 0": the run is untouched, and
+    # an operator's refusal metrics would blame the run's budget for a concurrency limit.
+    assert (headers["x-billing-refused-scope"], headers["x-billing-refused-meter"]) == (
+        "key",
+        "concurrent",
+    ), caught.value.message
+    # Served (clamped) once the slot is free.
+    again = await client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=MSGS, max_tokens=100, extra_headers={"X-Run-Id": "next"}
+    )
+    assert again.headers["x-billing-outcome"] in ("ok", "truncated")
+    assert fake.received[-1].body["max_tokens"] == 50

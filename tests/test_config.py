@@ -500,3 +500,16 @@ def test_an_infinite_duration_is_refused_by_the_config_not_by_every_call() -> No
     raw["upstreams"]["openai"]["timeout_s"] = float("inf")
     with pytest.raises(ConfigError, match=r"timeout_s.*finite"):
         parse_config(raw, {"TEST_UPSTREAM_KEY": "k"})
+
+
+def test_the_configuration_reference_names_every_limit() -> None:
+    """README's Configuration reference says it lists every field: an operator hitting a 431
+    must find the setting that decides it."""
+    from pathlib import Path
+
+    from proxy.config import LimitsConfig
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    reference = readme[readme.index("## Configuration reference") : readme.index("## Metrics")]
+    missing = [name for name in LimitsConfig.model_fields if name not in reference]
+    assert missing == [], missing

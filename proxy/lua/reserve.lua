@@ -165,9 +165,11 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
   -- k came through doubles: it may be a token or two above what fits. Each trial is checked
   -- exactly against every ceiling, one step lower at a time, a few steps at most.
   local steps = 3
+  local blocked = nil  -- what refused the clamped output, when a clamp was tried
   while steps > 0 and per_choice >= clamp_min and per_choice * n < amounts[OUTPUT] do
     local trial = with_output(per_choice * n)
-    if not check(trial) then
+    blocked = check(trial)
+    if not blocked then
       amounts = trial
       clamped = per_choice
       refusal = nil
@@ -175,6 +177,12 @@ if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] ==
     end
     steps = steps - 1
     per_choice = per_choice - 1
+  end
+  -- The output was affordable: what refuses the call is what refused the clamped output (calls
+  -- in flight, requests, the input), not the output the clamp would have lowered.
+  if refusal and blocked and blocked[3] ~= 'output_tokens' and blocked[3] ~= 'total_tokens'
+      and blocked[3] ~= 'cost_micros' then
+    refusal = blocked
   end
 end
 
@@ -264,6 +272,17 @@ for s = 1, nscopes do
       if ratio < tight_ratio then
         tight_meter, tight_left, tight_ratio, tight_scope = METERS[m], left, ratio, s
       end
+    end
+  end
+end
+
+-- The room left on that meter is its least over every scope that limits it: the tightest by
+-- ratio may be a large ceiling, with another scope's smaller one nearer its end.
+for s = 1, nscopes do
+  for m = 1, NM do
+    local st = state[s][m]
+    if st and METERS[m] == tight_meter then
+      tight_left = math.min(tight_left, st[1] - st[2] - st[3] - amounts[m])
     end
   end
 end
