@@ -158,24 +158,21 @@ def _workers_of(pid: int) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
 
 
-def test_a_worker_killed_by_a_signal_makes_serve_fail(redis_server: RedisServerProcess) -> None:
-    # Was exit 0: max(-9, 0). A supervisor restarting on failure must see the crash.
-    argv = [
-        "serve",
-        "--upstream",
-        "http://127.0.0.1:9",
-        "--port",
-        str(free_port()),
-        "--redis-url",
-        redis_server.url,
-    ]
-    proc = subprocess.Popen(
+def serve_two_workers(port: int, redis_url: str, *, stderr: int) -> subprocess.Popen[str]:
+    """``serve --workers 2`` in pass-through mode on ``port``, its upstream a closed port."""
+    argv = ["serve", "--upstream", "http://127.0.0.1:9", "--port", str(port), "--redis-url", redis_url]
+    return subprocess.Popen(
         [sys.executable, "-m", "proxy", *argv, "--workers", "2"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
+
+
+def test_a_worker_killed_by_a_signal_makes_serve_fail(redis_server: RedisServerProcess) -> None:
+    # Was exit 0: max(-9, 0). A supervisor restarting on failure must see the crash.
+    proc = serve_two_workers(free_port(), redis_server.url, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
         while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
@@ -484,21 +481,7 @@ def test_a_worker_stopped_on_its_own_makes_serve_fail_for_what_restarts_it(
     restart on failure (systemd's Restart=on-failure, a container's on-failure policy) never
     came, and the service stayed down."""
     port = free_port()
-    argv = [
-        "serve",
-        "--upstream",
-        "http://127.0.0.1:9",
-        "--port",
-        str(port),
-        "--redis-url",
-        redis_server.url,
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", *argv, "--workers", "2"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = serve_two_workers(port, redis_server.url, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:

@@ -59,6 +59,16 @@ class Reply:
         return f"status={self.status} headers={dict(self.headers)} body={self.body[:400]!r}"
 
 
+async def serve_everything_with(handler: Any) -> web.AppRunner:
+    """A server on a free loopback port answering every path and method with ``handler``."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -468,11 +478,7 @@ async def test_upstream_redirect_is_not_followed(
         redirected.append(request.path)
         raise web.HTTPTemporaryRedirect(trap.url + request.path)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    runner = await serve_everything_with(handle)
     try:
         base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
         proxy = await make_proxy(upstreams=upstream_config(base))
@@ -596,11 +602,7 @@ async def test_upstream_error_echoing_the_key_is_not_relayed(
         await request.read()
         return web.Response(status=status, text=body, content_type=content_type)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    runner = await serve_everything_with(handle)
     try:
         proxy = await make_proxy(upstreams=upstream_config(f"http://127.0.0.1:{runner.addresses[0][1]}/v1"))
         for request_body in (CHAT_BODY, {**CHAT_BODY, "stream": True}):
@@ -771,11 +773,7 @@ async def test_the_model_list_does_not_follow_an_upstream_redirect_with_the_oper
     async def redirect(request: web.Request) -> web.Response:
         raise web.HTTPTemporaryRedirect(trap.url + request.path)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", redirect)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    runner = await serve_everything_with(redirect)
     try:
         base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
         proxy = await make_proxy(

@@ -25,6 +25,18 @@ ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
 LEDGER = "lbp:{team-a}:ledger"
 
 
+async def leave_once_seen(url: str, body: dict[str, Any], marker: bytes) -> None:
+    """Post a stream and leave (close the connection) once ``marker`` has come."""
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(url, json=body, headers=AUTH)
+        seen = b""
+        while marker not in seen:
+            piece = await asyncio.wait_for(resp.content.readany(), 5)
+            assert piece, seen
+            seen += piece
+        resp.close()
+
+
 async def proxy_for(make_proxy: ProxyFactory, script: ScriptedUpstream, **overrides: Any) -> Proxy:
     upstreams = {
         **scripted_upstreams(script.base_url),
@@ -177,14 +189,7 @@ async def test_streamed_reasoning_summaries_are_counted_when_the_client_leaves(
     )
     script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
     body = {**RESPONSES_BODY, "max_output_tokens": 4000}  # the provider writes no more than that
-    async with aiohttp.ClientSession() as session:
-        resp = await session.post(proxy.url + "/v1/responses", json=body, headers=AUTH)
-        seen = b""
-        while b"step399" not in seen:
-            piece = await asyncio.wait_for(resp.content.readany(), 5)
-            assert piece, seen
-            seen += piece
-        resp.close()
+    await leave_once_seen(proxy.url + "/v1/responses", body, b"step399")
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected"
     assert int(entry["output_tokens"]) >= 1000, entry
@@ -536,14 +541,7 @@ async def test_streamed_chat_reasoning_is_counted_when_the_client_leaves(
     more = b"data: " + chunk([{"index": 0, "delta": {field: " more"}, "finish_reason": None}]) + b"\n\n"
     script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
     body = {**CHAT, "max_tokens": 4000}
-    async with aiohttp.ClientSession() as session:
-        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH)
-        seen = b""
-        while b"step399" not in seen:
-            piece = await asyncio.wait_for(resp.content.readany(), 5)
-            assert piece, seen
-            seen += piece
-        resp.close()
+    await leave_once_seen(proxy.url + "/v1/chat/completions", body, b"step399")
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected"
     assert int(entry["output_tokens"]) >= 1000, entry  # was 0
