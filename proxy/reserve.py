@@ -182,7 +182,7 @@ def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> boo
         est = replace(est, output_tokens=min(est.output_tokens, clamp.min_output_tokens * clamp.choices))
     least = reserve_amounts(est, call.rates_reserved)
     return any(
-        0 < least.get(meter, 0) and ceiling < least[meter]
+        least.get(meter, 0) > 0 and ceiling < least[meter]
         for scope in scopes
         for meter, ceiling in scope.ceilings.items()
     )
