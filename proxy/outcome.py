@@ -55,6 +55,9 @@ class BilledUsage:
     cache_creation_1h_input_tokens: int = 0
     audio_input_tokens: int = 0
     audio_output_tokens: int = 0
+    # Source "reserve" with the provider's input (a stream cut after Anthropic's message_start):
+    # only the output is the reserve's, and only it is priced at its dearest rate.
+    input_known: bool = False
 
     @property
     def total_tokens(self) -> int:

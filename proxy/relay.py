@@ -71,9 +71,6 @@ class Exchange:
         self.provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
         self._context_kept = False  # see ``keep_context``
         self._keeping: asyncio.Future[None] | None = None  # its write, once started
-        # The provider's input with the output at the reserve (see ``usage``): not redone as a
-        # whole reserve by the settle.
-        self._input_known: BilledUsage | None = None
 
     @functools.cached_property
     def operator_key(self) -> bytes | None:
@@ -123,10 +120,10 @@ class Exchange:
             # count: the provider may have written up to the cap, as for a stream with no usage.
             # Its input count stands; the output is the reserve's.
             reserved = self.call.reserved_output_tokens
-            self._input_known = replace(
-                found, output_tokens=max(found.output_tokens, reserved), source="reserve"
+            # Not redone as a whole reserve by the settle (``input_known``).
+            return replace(
+                found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
             )
-            return self._input_known
         if found is not None and not self.obs.usage_final and self.obs.all_text():
             # Input is known (message_start, a report of prompt tokens only) but the final
             # output count never came: count what was streamed, never less than what the
@@ -201,7 +198,7 @@ class Exchange:
             # counts not started (a fast upstream, new large prompts) would grow without bound.
             refining.cancel()
             self.services.metrics.quick_estimates.labels("dropped").inc()
-        if usage.source == "reserve" and usage is not self._input_known:
+        if usage.source == "reserve" and not usage.input_known:
             # Billed at its reserve: at the exact count, not the quick bound (counted here if the
             # background count has not landed, not behind other calls' counts), and taken from
             # the estimate as it is now: a count that landed since the usage was worked out may

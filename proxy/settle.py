@@ -14,7 +14,7 @@ from proxy.call import Call
 from proxy.errors import StoreError
 from proxy.journal import Journal, PendingSettlement
 from proxy.outcome import BilledUsage, Outcome, reserve_usage
-from proxy.pricing import MAX_AMOUNT, cost_micros, worst_rates
+from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, worst_rates
 from proxy.store import ACTUAL_METERS, Store
 
 log = logging.getLogger("proxy.settle")
@@ -162,11 +162,22 @@ def _actual(usage: BilledUsage, cost: int) -> dict[str, int]:
     }
 
 
+def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
+    if usage.source != "reserve":
+        return call.rates_served
+    # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
+    # (and as a reaper bills it), every token at its dearest rate.
+    worst = worst_rates(call.rates_reserved)
+    if not usage.input_known or worst is None:
+        return worst
+    # The provider's input (its kinds known), the reserve's output: only the output is unknown.
+    known = (call.rates_served if call.served_tier else None) or call.rates_reserved or worst
+    return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}}
+
+
 def _cost(call: Call, usage: BilledUsage) -> int:
     cost = cost_micros(
-        # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
-        # (and as a reaper bills it), every token at its dearest rate.
-        worst_rates(call.rates_reserved) if usage.source == "reserve" else call.rates_served,
+        _rates(call, usage),
         input_tokens=usage.input_tokens,
         cached_input_tokens=usage.cached_input_tokens,
         output_tokens=usage.output_tokens,

@@ -722,3 +722,43 @@ async def test_an_anthropic_stream_cut_mid_answer_keeps_message_starts_input_cou
     assert entry["outcome"] == "upstream_error", entry
     assert entry["output_tokens"] == "500", entry  # the reserve's
     assert (entry["input_tokens"], entry["cached_input_tokens"]) == ("5700", "5000"), entry
+
+
+CUT_PRICE = {"input": "3", "output": "15", "cached_input": "0.3", "cache_creation_input_1h": "6"}
+
+
+async def test_an_anthropic_stream_cut_mid_answer_prices_its_known_input_at_its_kinds(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """README (faults): a cut Anthropic stream's "input count from message_start stands"; its
+    output is the reserve's. The input's kinds are the provider's (5,000 cache reads at 0.30),
+    not unknown: priced every one at the dearest input rate (a 1h cache write, 6.00), the input
+    cost 34,200 micro-units for the provider's 3,600."""
+    upstreams: dict[str, Any] = {
+        "anthropic": {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    }
+    proxy = await make_proxy(
+        upstreams=upstreams, models={"claude-*": {"upstream": "anthropic", "price_per_million": CUT_PRICE}}
+    )
+    usage = {"input_tokens": 700, "cache_read_input_tokens": 5000, "output_tokens": 1}
+    start = ev(
+        "message_start",
+        {"message": {"id": "m", "type": "message", "role": "assistant", "content": [],
+                     "model": "claude-x", "stop_reason": None, "usage": usage}},
+    )  # fmt: skip
+    block = ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    delta = ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello"}})
+    script.plan = Plan(content_type="text/event-stream", chunks=[start, block, delta])  # cut here
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(ANTHROPIC_BODY),
+        headers=ANTHROPIC_HEADERS,
+    )  # fmt: skip
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "upstream_error", entry
+    assert (entry["input_tokens"], entry["cached_input_tokens"], entry["output_tokens"]) == (
+        "5700",
+        "5000",
+        "500",
+    )
+    # 700 x 3 + 5,000 x 0.30 for the input; the output at the reserve, at its dearest rate.
+    assert entry["cost_micros"] == str(700 * 3 + 5000 * 3 // 10 + 500 * 15), entry
