@@ -109,13 +109,15 @@ class Exchange:
     def usage(self, *, complete: bool) -> BilledUsage:
         """Provider figures first; else count a complete answer; else the reserve."""
         found = provider_usage(self.obs)
-        if self.call.audio_output and (found is None or not self.obs.usage_final):
+        # An embeddings usage has no output count, and no output to count: it is final as it is.
+        final = self.obs.usage_final or self.call.endpoint == "embeddings"
+        if self.call.audio_output and (found is None or not final):
             return self.reserve_usage()  # its audio tokens cannot be counted from the answer
         if found is None and self.call.generations > self.call.choices:
             # best_of: the provider wrote (and bills) answers it did not return; no count of the
             # answer sees them.
             return self.reserve_usage()
-        if found is not None and not self.obs.usage_final and not complete and not self.obs.error:
+        if found is not None and not final and not complete and not self.obs.error:
             # Input is known (message_start) but the stream broke or stalled before the output
             # count: the provider may have written up to the cap, as for a stream with no usage.
             # Its input count stands; the output is the reserve's.
@@ -124,7 +126,7 @@ class Exchange:
             return replace(
                 found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
             )
-        if found is not None and not self.obs.usage_final and self.obs.all_text():
+        if found is not None and not final and self.obs.all_text():
             # Input is known (message_start, a report of prompt tokens only) but the final
             # output count never came: count what was streamed, never less than what the
             # provider last said.

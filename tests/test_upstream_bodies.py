@@ -11,7 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import UPSTREAM_KEY, ProxyFactory
-from tests.test_bad_input import Plan, Reply, ScriptedUpstream, send
+from tests.outcome_helpers import MODEL, raw_post, the_entry
+from tests.test_bad_input import Plan, Reply, ScriptedUpstream, scripted_upstreams, send
 
 PRICE = {"input": "1", "output": "2", "cached_input": "0.5", "cache_creation_input": "1.25"}
 USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
@@ -315,3 +316,46 @@ async def test_choices_without_an_index_keep_their_own_finish_reasons(
     reply = await call(proxy, script, redis_client, CHAT, dumps(chat_body(choices=choices)))
     (entry,) = reply.new_entries
     assert entry["outcome"] == "truncated", entry
+
+
+WHOLE_EMBEDDING = {
+    "object": "list",
+    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+    "model": "text-embedding-3-small",
+    "usage": {"prompt_tokens": 3, "total_tokens": 3},
+}
+WHOLE_CHAT = {
+    "id": "c", "object": "chat.completion", "created": 1, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "answer", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            WHOLE_CHAT,
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        ("/v1/embeddings", WHOLE_EMBEDDING, {"model": "text-embedding-3-small", "input": "one two three"}),
+    ],
+    ids=["chat", "embeddings"],
+)
+async def test_a_whole_body_cut_before_its_end_is_billed_on_the_provider_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, path: str, answer: Any, body: Any
+) -> None:
+    """README: a body whose connection broke (or stalled) after its JSON came whole is billed on
+    the usage it carried. An embeddings usage has no output count: it was recorded as
+    usage_source "reserve" though every figure is the provider's."""
+    upstreams = scripted_upstreams(script.base_url)
+    upstreams["openai"]["timeout_s"] = 1
+    proxy = await make_proxy(upstreams=upstreams)
+    raw = json.dumps(answer).encode()
+    script.plan = Plan(chunks=[raw], extra_headers={"Content-Length": str(len(raw) + 10)})
+    result = await raw_post(proxy, body, "cut", path=path)
+    assert result.status in (502, 504), result.body
+    entry = await the_entry(proxy, "cut")
+    assert entry["input_tokens"] == "3", entry
+    assert entry["usage_source"] == "provider", entry
