@@ -94,7 +94,9 @@ def provider_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     for name, value in upstream.headers.items():
         low = name.lower()
         if low in PASSED_HEADERS or low.startswith(PASSED_PREFIXES):
-            out[name] = value
+            # By its lowercase name: the proxy's own x-should-retry (a refusal no retry mends)
+            # replaces the provider's, whatever its case, instead of going out beside it.
+            out[low] = value
         elif low in UPSTREAM_ID_HEADERS:
             out["x-upstream-request-id"] = value
     return out
@@ -140,6 +142,10 @@ async def open_upstream(
         return TransportFailure("transport", f"upstream connection failed: {type(err).__name__}")
 
 
+class BodyTooLarge(ValueError):
+    """An upstream body over ``limits.max_upstream_body_bytes``: the same call makes it again."""
+
+
 async def read_limited(
     response: aiohttp.ClientResponse, limit: int, chunks: list[bytes] | None = None
 ) -> bytes:
@@ -150,7 +156,7 @@ async def read_limited(
     async for piece in response.content.iter_any():
         size += len(piece)
         if size > limit:
-            raise ValueError(f"upstream body exceeds {limit} bytes")
+            raise BodyTooLarge(f"upstream body exceeds {limit} bytes")
         chunks.append(piece)
     return b"".join(chunks)
 

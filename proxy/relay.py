@@ -366,14 +366,23 @@ class Exchange:
         return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage)
 
     async def failed(
-        self, tag: OutcomeTag, status: int, message: str, usage: BilledUsage | None = None
+        self,
+        tag: OutcomeTag,
+        status: int,
+        message: str,
+        usage: BilledUsage | None = None,
+        *,
+        retry: bool | None = None,
     ) -> web.Response:
         """Settle a call the upstream failed (at ``usage``, else what was seen or the reserve)
         and answer the client with the API's error, the bill in its headers."""
         settlement = await self.settle(
             Outcome(tag), usage if usage is not None else self.usage(complete=False)
         )
-        return self.error(status, message, "upstream_error", code=tag, headers=self.headers(settlement))
+        headers = self.headers(settlement)
+        if retry is not None:
+            headers["x-should-retry"] = "true" if retry else "false"
+        return self.error(status, message, "upstream_error", code=tag, headers=headers)
 
     def scrub(self, raw: bytes) -> bytes:
         """An upstream that echoes the proxy's key (in an error, a 200 error object, a stream's

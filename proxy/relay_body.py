@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from proxy.forward import read_limited
+from proxy.forward import BodyTooLarge, read_limited
 from proxy.observe import Observation, parse_json, parse_usage
 from proxy.outcome import ZERO_USAGE, BilledUsage, Outcome, OutcomeTag, classify_answer, provider_usage
 
@@ -36,6 +36,16 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
     except TimeoutError:
         _observe_cut_body(ex, b"".join(came))  # whole but for the body's end: its usage came
         return await ex.failed("upstream_timeout", 504, "The upstream did not finish its answer in time.")
+    except BodyTooLarge:
+        # The provider answered (and billed) it; the same request makes the same body again:
+        # each of an SDK's retries would be billed and fail the same way.
+        return await ex.failed(
+            "upstream_error",
+            502,
+            f"The upstream answer is larger than the proxy relays "
+            f"({ex.services.config.limits.max_upstream_body_bytes} bytes).",
+            retry=False,
+        )
     except (ValueError, *UPSTREAM_BROKEN) as err:
         if not isinstance(err, ValueError):  # cut, not too large nor unparseable: read what came
             _observe_cut_body(ex, b"".join(came))

@@ -374,3 +374,156 @@ async def test_a_method_not_allowed_names_the_allowed_ones(
     ):
         assert response.status == 405
         assert allowed in response.headers.get("Allow", "")
+
+
+async def test_an_answer_too_large_to_relay_is_not_retried(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # The provider answered (and billed) an embeddings call whose body is over the proxy's limit:
+    # the same inputs make the same body again, so each of the SDK's retries is a billed call
+    # that can only fail the same way.
+    proxy = await make_proxy(limits={"max_upstream_body_bytes": 4096})
+    async with proxy.client(max_retries=2) as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.embeddings.create(
+                model="text-embedding-3-small",
+                input=[f"text {i}" for i in range(200)],
+                extra_headers={"X-Run-Id": "big"},
+            )
+    assert caught.value.response.headers.get("x-should-retry") == "false", dict(caught.value.response.headers)
+    assert fake.calls == 1
+    assert len(await ledger_entries(proxy, "big")) == 1
+
+
+async def _raw_upstream(head_extra: bytes, served: list[None]) -> Any:
+    import asyncio
+    import json
+
+    body = json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }
+    ).encode()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                await reader.readexactly(length)
+                served.append(None)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    + head_extra
+                    + b"Content-Length: %d\r\n\r\n" % len(body)
+                    + body
+                )
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"x-ratelimit-note: caf\xe9\r\n", b"x-request-id: req-\xc3\xa9\r\n"],
+    ids=["latin1", "utf8"],
+)
+async def test_a_provider_header_the_proxy_cannot_resend_does_not_lose_a_billed_answer(
+    make_proxy: ProxyFactory, header: bytes
+) -> None:
+    served: list[None] = []
+    server = await _raw_upstream(header, served)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        upstream = {
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 3,
+        }
+        proxy = await make_proxy(upstreams={"openai": upstream})
+        async with proxy.client(max_retries=2) as client:
+            reply = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_headers={"X-Run-Id": "hdr"}
+            )
+        assert reply.choices[0].message.content == "fine"
+        assert len(served) == 1
+        assert len(await ledger_entries(proxy, "hdr")) == 1
+    finally:
+        server.close()
+
+
+async def test_an_anthropic_answer_too_large_to_relay_is_not_retried(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    import anthropic
+
+    proxy = await make_proxy(
+        limits={"max_upstream_body_bytes": 4096},
+        upstreams={
+            "claude": {"base_url": fake.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+        },
+        models={"claude-*": {"upstream": "claude"}},
+    )
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-proxy-team-a", max_retries=2)
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        await client.messages.create(
+            model="claude-x",
+            max_tokens=3000,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Run-Id": "big-claude"},
+            extra_body={"fake": {"reply_tokens": 2000}},
+        )
+    assert caught.value.response.headers.get("x-should-retry") == "false", dict(caught.value.response.headers)
+    assert fake.calls == 1
+    assert len(await ledger_entries(proxy, "big-claude")) == 1
+
+
+@pytest.mark.parametrize("name", ["X-Should-Retry", "x-should-retry"])
+async def test_the_operators_key_refused_is_not_retried_whatever_the_headers_case(
+    make_proxy: ProxyFactory, name: str
+) -> None:
+    # An upstream (or a gateway before it) that writes its headers capitalised: the proxy's own
+    # "x-should-retry: false" must replace the provider's, not go out beside it (httpx reads two
+    # lines as "true, false", neither, and the SDK retries the 502).
+    from tests.test_bad_input import Plan, ScriptedUpstream
+
+    script = ScriptedUpstream()
+    await script.start()
+    try:
+        error = (
+            b'{"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", '
+            b'"code": "invalid_api_key"}}'
+        )
+        script.plan = Plan(status=401, chunks=[error], extra_headers={name: "true"})
+        upstream = {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 3}
+        proxy = await make_proxy(upstreams={"openai": upstream})
+        async with proxy.client(max_retries=2) as client:
+            with pytest.raises(openai.InternalServerError) as caught:
+                await client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}],
+                    extra_headers={"X-Run-Id": "auth"},
+                )
+        assert caught.value.code == "upstream_auth"
+        assert len(script.received) == 1, caught.value.response.headers.get_list("x-should-retry")
+        assert caught.value.response.headers.get_list("x-should-retry") == ["false"]
+    finally:
+        await script.close()
