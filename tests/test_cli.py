@@ -170,15 +170,21 @@ def serve_two_workers(port: int, redis_url: str, *, stderr: int) -> subprocess.P
     )
 
 
+def two_workers_of(proc: subprocess.Popen[str]) -> list[int]:
+    """The two worker pids of ``serve --workers 2``, once both are up (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = _workers_of(proc.pid)
+    assert len(workers) == 2, workers
+    return workers
+
+
 def test_a_worker_killed_by_a_signal_makes_serve_fail(redis_server: RedisServerProcess) -> None:
     # Was exit 0: max(-9, 0). A supervisor restarting on failure must see the crash.
     proc = serve_two_workers(free_port(), redis_server.url, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        workers = _workers_of(proc.pid)
-        assert len(workers) == 2, workers
+        workers = two_workers_of(proc)
         os.kill(workers[0], signal.SIGKILL)  # as the OOM killer does
         # serve stops the other worker and exits by itself. A SIGTERM sent 0.5 s later raced that
         # exit: once Python finalizes, its SIGTERM handler is the default again, and serve died
@@ -483,11 +489,7 @@ def test_a_worker_stopped_on_its_own_makes_serve_fail_for_what_restarts_it(
     port = free_port()
     proc = serve_two_workers(port, redis_server.url, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        workers = _workers_of(proc.pid)
-        assert len(workers) == 2, workers
+        workers = two_workers_of(proc)
         until_serving(port)
         os.kill(workers[0], signal.SIGTERM)
         code = proc.wait(timeout=60)

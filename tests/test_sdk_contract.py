@@ -18,7 +18,8 @@ from multidict import CIMultiDict
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries, run_meters
-from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams
+from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, scripted_upstreams
+from tests.test_upstream_bodies import read_request
 
 MODEL = "gpt-4o-mini"
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
@@ -397,34 +398,13 @@ async def test_an_answer_too_large_to_relay_is_not_retried(
 
 async def _raw_upstream(head_extra: bytes, served: list[None]) -> Any:
     import asyncio
-    import json
 
-    body = json.dumps(
-        {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 1,
-            "model": MODEL,
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}
-            ],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        }
-    ).encode()
+    body = GOOD_BODY
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    (
-                        int(line.split(b":")[1])
-                        for line in head.split(b"\r\n")
-                        if line.lower().startswith(b"content-length:")
-                    ),
-                    0,
-                )
-                await reader.readexactly(length)
+                await read_request(reader)
                 served.append(None)
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

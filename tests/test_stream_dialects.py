@@ -8,7 +8,6 @@ import contextlib
 import json
 from typing import Any
 
-import aiohttp
 import anthropic
 import openai
 import pytest
@@ -18,23 +17,12 @@ from aiohttp import web
 from proxy.app import STATE
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
+from tests.test_contract_edges import read_until_then_leave
 from tests.test_fault_matrix import only_entry
 
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
 LEDGER = "lbp:{team-a}:ledger"
-
-
-async def leave_once_seen(url: str, body: dict[str, Any], marker: bytes) -> None:
-    """Post a stream and leave (close the connection) once ``marker`` has come."""
-    async with aiohttp.ClientSession() as session:
-        resp = await session.post(url, json=body, headers=AUTH)
-        seen = b""
-        while marker not in seen:
-            piece = await asyncio.wait_for(resp.content.readany(), 5)
-            assert piece, seen
-            seen += piece
-        resp.close()
 
 
 async def proxy_for(make_proxy: ProxyFactory, script: ScriptedUpstream, **overrides: Any) -> Proxy:
@@ -189,7 +177,7 @@ async def test_streamed_reasoning_summaries_are_counted_when_the_client_leaves(
     )
     script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
     body = {**RESPONSES_BODY, "max_output_tokens": 4000}  # the provider writes no more than that
-    await leave_once_seen(proxy.url + "/v1/responses", body, b"step399")
+    await read_until_then_leave(proxy, "/v1/responses", body, b"step399")
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected"
     assert int(entry["output_tokens"]) >= 1000, entry
@@ -541,7 +529,7 @@ async def test_streamed_chat_reasoning_is_counted_when_the_client_leaves(
     more = b"data: " + chunk([{"index": 0, "delta": {field: " more"}, "finish_reason": None}]) + b"\n\n"
     script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
     body = {**CHAT, "max_tokens": 4000}
-    await leave_once_seen(proxy.url + "/v1/chat/completions", body, b"step399")
+    await read_until_then_leave(proxy, "/v1/chat/completions", body, b"step399")
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected"
     assert int(entry["output_tokens"]) >= 1000, entry  # was 0
@@ -698,13 +686,11 @@ async def test_a_provider_error_event_carrying_usage_reaches_a_client_that_did_n
     assert entry["outcome"] == "upstream_error", entry
 
 
-async def test_an_anthropic_stream_cut_mid_answer_keeps_message_starts_input_count(
-    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
-) -> None:
-    """README (faults): an Anthropic stream cut mid-answer is billed its output at the reserve,
-    "its input count from message_start stands". The input the provider reported (700, 5000 of
-    them cache reads) must be what the ledger holds, not the proxy's estimate of "hi"."""
-    proxy = await proxy_for(make_proxy, script)
+async def cut_after_message_start(
+    proxy: Proxy, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> dict[str, str]:
+    """A Messages stream cut after its first text: message_start said 700 input tokens and 5,000
+    cache reads. The call's ledger entry."""
     usage = {"input_tokens": 700, "cache_read_input_tokens": 5000, "output_tokens": 1}
     start = ev(
         "message_start",
@@ -719,6 +705,17 @@ async def test_an_anthropic_stream_cut_mid_answer_keeps_message_starts_input_cou
         headers=ANTHROPIC_HEADERS,
     )  # fmt: skip
     (entry,) = reply.new_entries
+    return entry
+
+
+async def test_an_anthropic_stream_cut_mid_answer_keeps_message_starts_input_count(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """README (faults): an Anthropic stream cut mid-answer is billed its output at the reserve,
+    "its input count from message_start stands". The input the provider reported (700, 5000 of
+    them cache reads) must be what the ledger holds, not the proxy's estimate of "hi"."""
+    proxy = await proxy_for(make_proxy, script)
+    entry = await cut_after_message_start(proxy, script, redis_client)
     assert entry["outcome"] == "upstream_error", entry
     assert entry["output_tokens"] == "500", entry  # the reserve's
     assert (entry["input_tokens"], entry["cached_input_tokens"]) == ("5700", "5000"), entry
@@ -740,20 +737,7 @@ async def test_an_anthropic_stream_cut_mid_answer_prices_its_known_input_at_its_
     proxy = await make_proxy(
         upstreams=upstreams, models={"claude-*": {"upstream": "anthropic", "price_per_million": CUT_PRICE}}
     )
-    usage = {"input_tokens": 700, "cache_read_input_tokens": 5000, "output_tokens": 1}
-    start = ev(
-        "message_start",
-        {"message": {"id": "m", "type": "message", "role": "assistant", "content": [],
-                     "model": "claude-x", "stop_reason": None, "usage": usage}},
-    )  # fmt: skip
-    block = ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    delta = ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello"}})
-    script.plan = Plan(content_type="text/event-stream", chunks=[start, block, delta])  # cut here
-    reply = await send(
-        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(ANTHROPIC_BODY),
-        headers=ANTHROPIC_HEADERS,
-    )  # fmt: skip
-    (entry,) = reply.new_entries
+    entry = await cut_after_message_start(proxy, script, redis_client)
     assert entry["outcome"] == "upstream_error", entry
     assert (entry["input_tokens"], entry["cached_input_tokens"], entry["output_tokens"]) == (
         "5700",

@@ -121,21 +121,26 @@ def chunked(status: bytes, body: bytes) -> bytes:
     return head + b"%x\r\n" % len(body) + body + b"\r\n"
 
 
+async def read_request(reader: asyncio.StreamReader) -> None:
+    """One request off the connection: its head, then as many body bytes as it says."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    await reader.readexactly(length)
+
+
 async def raw_upstream(answer: bytes, served: list[None], *, stall: bool) -> asyncio.Server:
     """Answers ``answer`` byte for byte, then closes (a cut) or holds the connection (a stall)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                (
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                ),
-                0,
-            )
-            await reader.readexactly(length)
+            await read_request(reader)
             served.append(None)
             writer.write(answer)
             await writer.drain()
