@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proxy.config import Config
 from proxy.config_load import load_config, passthrough_config, with_flags
@@ -20,6 +21,9 @@ from proxy.logs import setup_logging
 from proxy.redis_server import EmbeddedKeeper, RedisServerProcess
 from proxy.store import Store
 from proxy.workers import run_worker, supervise
+
+if TYPE_CHECKING:
+    from proxy.report import Totals
 
 log = logging.getLogger("proxy.cli")
 
@@ -221,21 +225,28 @@ def _since_ms(value: str | None) -> str:
     return str(max(0, int(moment.timestamp() * 1000)))
 
 
-async def _read_all(config: Config, tenant: str, start: str) -> list[dict[str, str]]:
+async def _totals(config: Config, tenant: str, start: str, by: str) -> dict[str, Totals]:
+    """The ledger's totals per group, sorted: added up page by page, never every entry in
+    memory at once."""
+    from proxy.report import add_up
+
     store = _open_store(config)
+    totals: dict[str, Totals] = {}
     try:
-        return [entry async for page in _ledger_pages(store, tenant, None, start) for entry in page]
+        async for page in _ledger_pages(store, tenant, None, start):
+            add_up(page, by, totals)
     finally:
         await store.close()
+    return dict(sorted(totals.items()))
 
 
 def report_command(args: argparse.Namespace) -> int:
-    from proxy.report import aggregate, render, rows
+    from proxy.report import render, rows
 
     start = _since_ms(args.since)
     with store_url(_store_config(args), purpose="report", create=False) as config:
-        entries = asyncio.run(_read_all(config, args.tenant, start))
-        table = rows(aggregate(entries, args.by), args.by, config.currency)
+        totals = asyncio.run(_totals(config, args.tenant, start, args.by))
+        table = rows(totals, args.by, config.currency)
     sys.stdout.write(render(table, args.format))
     return 0
 

@@ -35,12 +35,12 @@ class Totals:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
-def aggregate(entries: Iterable[Mapping[str, str]], by: str) -> dict[str, Totals]:
+def add_up(entries: Iterable[Mapping[str, str]], by: str, totals: dict[str, Totals]) -> None:
+    """Add ``entries`` to ``totals``, per group: a ledger is read a page at a time, and only
+    the totals are kept."""
     field_name = GROUPS[by]
-    out: dict[str, Totals] = {}
     for entry in entries:
-        out.setdefault(entry.get(field_name, "") or "-", Totals()).add(entry)
-    return dict(sorted(out.items()))
+        totals.setdefault(entry.get(field_name, "") or "-", Totals()).add(entry)
 
 
 def money(micros: int) -> str:

@@ -388,6 +388,55 @@ async def test_a_ledger_export_reads_and_writes_page_by_page(
     await client.aclose()
 
 
+LEDGER_ENTRY = {
+    "request_id": "req_0123456789abcdef0123456789abcdef",
+    "reservation_id": "0123456789abcdef0123456789abcdef",
+    "time_ms": "1796193352174",
+    "key": "a-ci",
+    "run_id": "run_0123456789abcdef0123456789abcdef",
+    "endpoint": "chat.completions",
+    "model": "gpt-4o-mini",
+    "outcome": "ok",
+    "finish_reasons": "stop",
+    "input_tokens": "4",
+    "output_tokens": "8",
+    "total_tokens": "12",
+    "usage_source": "provider",
+    "cost_micros": "20",
+    "reserved_output_tokens": "4096",
+}
+
+
+async def test_a_report_adds_up_page_by_page_without_holding_every_entry(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``report`` had read every page into one list before adding up: about 4 KB per entry, so
+    a ledger of millions of entries took gigabytes before a total was printed."""
+    import tracemalloc
+
+    async def peak_of_report(tenant: str, entries: int) -> int:
+        pipe = redis_client.pipeline(transaction=False)
+        for i in range(entries):
+            pipe.xadd(f"lbp:{{{tenant}}}:ledger", {**LEDGER_ENTRY, "request_id": f"req_{i:032d}"})
+        await pipe.execute()
+        tracemalloc.start()
+        try:
+            args = ["report", "--redis-url", redis_server.url, "--tenant", tenant, "--format", "jsonl"]
+            assert await asyncio.to_thread(main, args) == 0
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small = await peak_of_report("team-m", 1000)
+    large = await peak_of_report("team-n", 6000)
+    totals = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(t["calls"], t["input_tokens"], t["cost_usd"]) for t in totals] == [
+        ("1000", "4000", "0.020000"),
+        ("6000", "24000", "0.120000"),
+    ]
+    assert large < 2 * small, (small, large)  # one page held at a time: the same peak
+
+
 async def test_a_ledger_export_with_the_config_needs_no_proxy_key_secrets(
     make_proxy: ProxyFactory,
     fake: FakeUpstream,
