@@ -7,6 +7,7 @@ run id, request id or key in a label.
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
@@ -253,8 +254,18 @@ class Metrics:
         return self.collect()
 
 
+# A pass-through caller's tenant (``auth``: 32 hex digits of its key's digest; 12 before), one
+# per key a caller sends: unbounded, so one label for them all.
+PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
+
+
 def tenant_label(tenant: str, config: Config) -> str:
-    return tenant if tenant in config.tenants else PASSTHROUGH_TENANT
+    if tenant in config.tenants:
+        return tenant
+    # A tenant no longer in this config (a reload removed its keys while its calls were in
+    # flight, journaled or left to a reaper) is still the ledger's: its spend keeps its name.
+    # Every other name came from a config, so the labels stay bounded.
+    return PASSTHROUGH_TENANT if PASSTHROUGH_TENANT_ID.fullmatch(tenant) else tenant
 
 
 def model_label(model: str, config: Config) -> str:

@@ -80,6 +80,13 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     audio_out = _detail(completion_details, "audio_tokens")
     if cached is None or written is None or reasoning is None or audio_in is None or audio_out is None:
         return None
+    if reasoning and given is not None:
+        # OpenAI counts reasoning within completion_tokens; Gemini's OpenAI-compatible usage (and
+        # gateways that translate it) beside it: total_tokens then counts it on top, or it is more
+        # than the completion count, which it cannot be a part of. Billed either way.
+        total = token_count(raw.get("total_tokens"))
+        if reasoning > completion or (total is not None and total >= prompt + completion + reasoning):
+            completion += reasoning
     return ProviderUsage(
         prompt,
         completion,

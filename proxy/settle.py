@@ -131,9 +131,13 @@ async def settle(
     if stored and entry_id is None:
         # A reaper billed it first (its lease ran out while it ran): the client is told what
         # the ledger holds (and the budget it left), not what this settle would have written.
+        # The reaper billed the amounts the reservation's record held, which the call's estimate
+        # may since have left (a quick bound counted after the lease ran out, when shrink.lua
+        # lowers nothing; a settle at the reserve counting it now).
         outcome = Outcome("lease_expired")
-        usage = reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
-        cost = _cost(call, usage)
+        held = reservation.amounts
+        usage = reserve_usage(held.get("input_tokens", 0), held.get("output_tokens", 0))
+        cost = held.get("cost_micros", 0)
         actual, overshoot = _actual(usage, cost), 0
     return Settlement(
         stored=stored,

@@ -14,9 +14,11 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from prometheus_client import generate_latest
 
 from proxy.app import STATE
 from proxy.redis_server import RedisServerProcess
+from proxy.store import Reservation, Scope
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, base_config, digest
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
@@ -950,3 +952,50 @@ async def test_a_clamp_refused_for_a_concurrency_slot_names_the_slot_not_the_out
     )
     assert again.headers["x-billing-outcome"] in ("ok", "truncated")
     assert fake.received[-1].body["max_tokens"] == 50
+
+
+async def test_spend_of_a_tenant_a_reload_removed_is_not_counted_as_pass_through(
+    fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """team-b's call was in flight on an instance that died; a reload then removed team-b's keys
+    here. This reaper bills team-b's reserve: the ledger says team-b, and the cost counter must
+    too, not pass-through callers' (there are none here), or the counters per tenant no longer
+    agree with the ledger."""
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    raw["limits"] = {**raw["limits"], "reaper_interval_s": 0.1}
+    path = tmp_path / "config.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    try:
+        raw["keys"] = [k for k in raw["keys"] if k["tenant"] != "team-b"]
+        await _reload_to(proxy, raw, path)
+        store = proxy.app[STATE].store
+        assert store is not None
+        await store.register_tenant("team-b")  # as the dead instance did, serving team-b
+        orphan = await store.reserve(
+            tenant="team-b",
+            reservation_id="dead-instance",
+            run_id="gone",
+            scopes=[Scope(name="run", key="lbp:{team-b}:run:gone")],
+            amounts={
+                "requests": 1,
+                "input_tokens": 5,
+                "output_tokens": 7,
+                "total_tokens": 12,
+                "cost_micros": 77,
+            },
+            lease_ms=1,
+            record='{"run_id": "gone", "model": "gpt-4o-mini", "endpoint": "chat.completions"}',
+        )
+        assert isinstance(orphan, Reservation)
+        for _ in range(100):
+            if not await redis_client.zcard("lbp:{team-b}:leases"):
+                break
+            await asyncio.sleep(0.05)
+        ((_, entry),) = await redis_client.xrange("lbp:{team-b}:ledger")
+        assert entry["outcome"] == "lease_expired"
+        exported = generate_latest(proxy.app[STATE].metrics.registry).decode()
+        cost = [line for line in exported.splitlines() if line.startswith("llm_proxy_cost_total{")]
+        assert cost == ['llm_proxy_cost_total{model="gpt-4o-mini",tenant="team-b"} 7.7e-05'], cost
+    finally:
+        await proxy.runner.cleanup()

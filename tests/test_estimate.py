@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import redis.asyncio as aioredis
 
 from proxy.app import STATE
 from proxy.estimate import estimate
@@ -474,3 +475,46 @@ def test_responses_screenshots_and_variables_are_media() -> None:
                                                  "city": "Paris"}},
     }  # fmt: skip
     assert media_reserve("responses", ResponsesBody.model_validate(body), 100) == 200
+
+
+async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Its lease ran out while its quick estimate was being counted: the reaper billed the bound
+    the record held (shrink.lua lowers nothing once the lease has run out). The count landed
+    after, and the client was told the figures and cost of the exact count, not the ledger's."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0},
+        models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
+    )
+    leases = "lbp:{team-a}:leases"
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "quick-reaped"}
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": TEXT}],
+        "max_tokens": 10,
+        "fake": {"delay_s": 1.5},
+    }
+    async with aiohttp.ClientSession() as session:
+        answer = asyncio.ensure_future(
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        )
+        assert await asyncio.to_thread(enc.entered.wait, 5)  # reserved at the bound, being counted
+        (reservation,) = await redis_client.zrange(leases, 0, -1)
+        await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
+        for _ in range(200):
+            if await redis_client.xlen("lbp:{team-a}:ledger"):
+                break
+            await asyncio.sleep(0.02)
+        gate.set()  # the count lands now, while the call still runs
+        resp = await answer
+        assert resp.status == 200
+        await resp.read()
+    ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
+    assert entry["outcome"] == "lease_expired"
+    assert resp.headers["x-billing-outcome"] == "lease_expired"
+    assert resp.headers["x-billing-input-tokens"] == entry["input_tokens"]
+    assert resp.headers["x-billing-cost-micros"] == entry["cost_micros"]

@@ -392,3 +392,30 @@ async def test_a_tier_field_an_endpoint_does_not_price_changes_nothing(
     assert (await _post(proxy.url, "/v1/completions", base, "l1"))[0] == 429
     assert (await _post(proxy.url, "/v1/completions", {**base, "service_tier": "default"}, "l2"))[0] == 429
     assert script.received == []
+
+
+async def test_reasoning_left_out_of_completion_tokens_is_still_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Gemini's OpenAI-compatible shape (and gateways translating it): completion_tokens holds
+    the visible answer only, the thinking is in reasoning_tokens, and total_tokens counts both.
+    The provider bills 60 output tokens: billing 0 charges the caller nothing for them."""
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={
+            "gemini-2.5-pro": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}
+        },
+    )
+    usage = {
+        "prompt_tokens": 21,
+        "completion_tokens": 0,
+        "total_tokens": 81,
+        "completion_tokens_details": {"reasoning_tokens": 60},
+    }
+    script.plan = _chat_answer("gemini-2.5-pro", usage)
+    request = {"model": "gemini-2.5-pro", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "gemini")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert (entry["input_tokens"], entry["output_tokens"], entry["total_tokens"]) == ("21", "60", "81")
+    assert int(entry["cost_micros"]) == 21 * 1 + 60 * 10
