@@ -152,6 +152,12 @@ class Call:
         return served if served is not None else self.rates
 
     @property
+    def writes_nothing(self) -> bool:
+        """A legacy completion with ``max_tokens: 0``: the prompt scored (echo, logprobs), no
+        output asked for; its answers end with "length" by construction, not cut short."""
+        return self.endpoint == "completions" and self.body.get("max_tokens") == 0
+
+    @property
     def reserved_input_tokens(self) -> int:
         return self.estimate.input_tokens
 

@@ -61,6 +61,7 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
         if not isinstance(item, dict):
             continue
         kind = item.get("type")
+        final = not _side_message(item)
         if isinstance(kind, str) and (kind.endswith("_call") or kind == "mcp_approval_request"):
             obs.calls.add(0)  # function_call, custom_tool_call, computer_call, ...: not text
             if texts:
@@ -82,7 +83,14 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                 if texts:
                     obs.add_text(0, part.get("refusal"), content=False)
             elif part.get("type") == "output_text" and texts:
-                obs.add_text(0, part.get("text"), content=True)
+                obs.add_text(0, part.get("text"), content=final)
+
+
+def _side_message(item: dict[str, Any]) -> bool:
+    """A message that is not the answer: commentary before it (``phase``, gpt-5.3-codex on).
+    With a structured output only the final answer is JSON (the SDK parses only it)."""
+    phase = item.get("phase")
+    return item.get("type") == "message" and phase is not None and phase != "final_answer"
 
 
 def _response_id(obs: Observation, response: dict[str, Any]) -> None:
@@ -99,7 +107,16 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
     kind = obj.get("type")
     if kind == "response.output_text.delta":
-        obs.add_text(0, obj.get("delta"), content=True)
+        side = obs.side_messages and (
+            obj.get("output_index") in obs.side_messages or obj.get("item_id") in obs.side_messages
+        )
+        obs.add_text(0, obj.get("delta"), content=not side)
+    elif kind == "response.output_item.added":
+        item = obj.get("item")
+        if isinstance(item, dict) and _side_message(item):
+            for key in (obj.get("output_index"), item.get("id")):
+                if isinstance(key, int | str) and not isinstance(key, bool):
+                    obs.side_messages.add(key)
     elif isinstance(kind, str) and kind.endswith(".delta") and kind not in _UNCOUNTED_DELTAS:
         # Refusals, call arguments and inputs, reasoning text and summaries: output tokens too,
         # counted when no usage comes (a cancelled stream, say).

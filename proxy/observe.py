@@ -129,6 +129,9 @@ class Observation:
     usage_final: bool = True
     # The id of the answer the provider keeps (Responses API): a later call may continue it.
     response_id: str | None = None
+    # Responses messages that are not the final answer (a ``phase`` of ``commentary``), by
+    # output index and item id: their text is output, never the structured answer.
+    side_messages: set[int | str] = field(default_factory=set)
 
     def take_usage(self, usage: ProviderUsage) -> None:
         self.usage = usage

@@ -98,10 +98,13 @@ def _json_problem(text: str) -> str | None:
     return None
 
 
-def classify_answer(obs: Observation, policy: PolicyConfig, *, json_mode: bool) -> Outcome:
-    """The outcome of an answer that arrived in full."""
+def classify_answer(
+    obs: Observation, policy: PolicyConfig, *, json_mode: bool, writes_nothing: bool = False
+) -> Outcome:
+    """The outcome of an answer that arrived in full (``writes_nothing``: no output was asked
+    for, so an answer ending at its cap is whole)."""
     reasons = obs.finish_reasons.values()
-    truncated = any(r in TRUNCATION_REASONS for r in reasons)
+    truncated = not writes_nothing and any(r in TRUNCATION_REASONS for r in reasons)
     if obs.refused or any(r in REFUSAL_REASONS for r in reasons):
         return Outcome("refused")
     if json_mode and policy.on_invalid_json == "reject":

@@ -65,7 +65,9 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
     elif failed:
         outcome = Outcome("upstream_error")  # passed on as it came, billed as a stream's is
     else:
-        outcome = classify_answer(ex.obs, call.policy, json_mode=call.json_mode)
+        outcome = classify_answer(
+            ex.obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing
+        )
     settlement = await ex.settle(outcome, ex.usage(complete=not failed))
     headers = ex.headers(settlement)
     if outcome.tag == "rejected":

@@ -183,7 +183,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
         await _to_client(ex, response.write_eof, tail)  # one write: the tail and the body's end
         return response
 
-    outcome = classify_answer(obs, call.policy, json_mode=call.json_mode)
+    outcome = classify_answer(obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing)
     settlement = await ex.settle(outcome, ex.usage(complete=True))
     tail = billing_comment(call, settlement)
     if outcome.tag == "rejected":

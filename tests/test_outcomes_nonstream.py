@@ -27,6 +27,7 @@ from tests.outcome_helpers import (
     assert_zero_usage,
     byte_encoding,
     chars_tokens,
+    ledger_entries,
     raw_post,
     reply_text,
     run_headers,
@@ -529,3 +530,26 @@ def test_an_empty_prompts_answer_keeps_all_its_text() -> None:
     obs.observe({"choices": [{"index": 0, "text": "abc def"}]}, streaming=False)
     assert obs.all_text(["", "abc"]) == "abc def"
     assert obs.all_text(["abc"]) == " def"
+
+
+async def test_scoring_a_prompt_is_not_a_truncated_answer(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # max_tokens 0 with echo and logprobs asks the provider to score the prompt and write nothing
+    # (lm-eval-harness's loglikelihood requests): every such answer ends with "length", by
+    # construction, not because the answer was cut. Rejecting it as truncated makes the call
+    # one that can never succeed, each retry billed.
+    proxy = await make_proxy(policy={"on_truncate": "reject"})
+    async with proxy.client() as client:
+        scored = await client.completions.create(  # was: 422 rejected:output-truncated
+            model="davinci-002",
+            prompt="The capital of France is Paris",
+            echo=True,
+            logprobs=0,
+            max_tokens=0,
+            extra_headers={"X-Run-Id": "score"},
+        )
+    assert scored.choices[0].finish_reason == "length"
+    [entry] = await ledger_entries(proxy, "score")
+    assert entry["outcome"] == "ok", entry
+    assert entry["usage_source"] == "provider" and entry["output_tokens"] == "0", entry
