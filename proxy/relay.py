@@ -23,6 +23,7 @@ from proxy.errors import StoreError
 from proxy.estimate import counted
 from proxy.forward import TransportFailure, open_upstream, operator_key_sent, provider_headers
 from proxy.journal import Journal
+from proxy.lease import LeaseRenewal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation
 from proxy.outcome import BilledUsage, Outcome, OutcomeTag, estimated_usage, provider_usage, reserve_usage
@@ -334,11 +335,21 @@ class Exchange:
             try:
                 self.call.upstream_status = upstream.status
                 self.provider_headers = provider_headers(upstream)
-                if upstream.status >= 300:  # redirects are not followed: not an answer either
-                    return await relay_upstream_error(self, upstream)
-                if self.call.stream and upstream.content_type == "text/event-stream":
-                    return await relay_stream(self, upstream)
-                return await relay_body(self, upstream)
+                sse = upstream.content_type == "text/event-stream"
+                if self.call.stream and upstream.status < 300 and sse:
+                    return await relay_stream(self, upstream)  # renews the lease itself
+                # A stream call's body is bounded only by its silences (``timeout_for``): a JSON
+                # body or an error page that comes slowly keeps its lease renewed, as a stream.
+                renewal = None
+                if self.call.stream:
+                    renewal = LeaseRenewal(self.call, self.services.store, self.services.metrics)
+                try:
+                    if upstream.status >= 300:  # redirects are not followed: not an answer either
+                        return await relay_upstream_error(self, upstream)
+                    return await relay_body(self, upstream)
+                finally:
+                    if renewal is not None:
+                        renewal.stop()
             finally:
                 upstream.close()
         except asyncio.CancelledError:

@@ -117,7 +117,7 @@ class PipelinedConnection:
         self._username = parsed.username
         self._timeout_s = timeout_s
         self._protocol: _Protocol | None = None
-        self._connecting: asyncio.Lock = asyncio.Lock()
+        self._attempt: asyncio.Future[_Protocol] | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
     async def _connect(self) -> _Protocol:
@@ -154,10 +154,26 @@ class PipelinedConnection:
         protocol = self._protocol
         if protocol is not None and not protocol.closed:
             return protocol
-        async with self._connecting:
-            if self._protocol is None or self._protocol.closed:
-                self._protocol = await self._connect()
-            return self._protocol
+        # One connect attempt at a time, shared by every call waiting for it: its failure is
+        # theirs too. Each trying its own in turn, the Nth caller waited N timeouts for its 503
+        # while connects hung (a host gone, SYNs dropped).
+        attempt = self._attempt
+        if attempt is None:
+            attempt = self._attempt = asyncio.ensure_future(self._connect_shared())
+            attempt.add_done_callback(self._attempt_done)
+        protocol = await asyncio.shield(attempt)
+        if protocol.closed:  # lost again before this caller's turn came: nothing was sent
+            raise ConnectionLost("connection to Redis lost as it was made", sent=False)
+        return protocol
+
+    async def _connect_shared(self) -> _Protocol:
+        self._protocol = await self._connect()
+        return self._protocol
+
+    def _attempt_done(self, attempt: asyncio.Future[_Protocol]) -> None:
+        self._attempt = None
+        if not attempt.cancelled():
+            attempt.exception()  # read: a failure every waiter left before is not reported unread
 
     async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
         assert protocol.transport is not None
@@ -188,6 +204,8 @@ class PipelinedConnection:
         return await self._send(protocol, args)
 
     async def close(self) -> None:
+        if self._attempt is not None:
+            self._attempt.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(BaseException):

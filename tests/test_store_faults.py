@@ -20,7 +20,7 @@ from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement, store_tag
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
-from tests.conftest import KEY_A, Proxy, ProxyFactory, slow_stream, until_upstream_received
+from tests.conftest import KEY_A, Proxy, ProxyFactory, slow_stream, unreachable_port, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
@@ -648,3 +648,33 @@ async def test_a_replay_round_cut_short_does_not_count_its_applied_lines_again(
     assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == ["cut-1"]
     assert not orphan.exists()
     assert [c["reservation_id"] for c in counted] == ["cut-1", "cut-2"]  # now: cut-1 counted twice
+
+
+async def test_calls_while_redis_cannot_be_connected_to_are_refused_together_not_one_after_another(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Redis unreachable with connects that hang (a host gone, a firewall dropping SYNs; here a
+    full accept queue): every call waiting for the store should get its 503 within about one
+    socket timeout. The pipelined connection let each waiting call make its own connect attempt
+    in turn, under one lock: the 30th caller waited 30 timeouts (15 s at 0.5 s) for its 503, and
+    the proxy's throughput fell to one call per timeout."""
+    with unreachable_port("connect_timeout") as port:
+        proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{port}/0", "socket_timeout_s": 0.5})
+        proxy.app[STATE].registered_tenants.add("team-a")  # registered before the outage
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+        async def one(session: aiohttp.ClientSession) -> int:
+            async with session.post(
+                proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+            ) as resp:
+                await resp.read()
+                return resp.status
+
+        started = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            statuses = await asyncio.gather(*(one(session) for _ in range(30)))
+        took = time.monotonic() - started
+    assert statuses == [503] * 30
+    assert fake.received == []
+    # Generous: 16 socket timeouts; one after another they take 30.
+    assert took < 8, f"30 calls took {took:.1f} s to be refused"
