@@ -13,11 +13,12 @@ import redis.asyncio as aioredis
 from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
-from tests.conftest import KEY_A, base_config, slow_stream
+from tests.conftest import KEY_A, ProxyFactory, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
 LEDGER = "lbp:{team-a}:ledger"
+LEASES = "lbp:{team-a}:leases"
 
 
 async def post_chat(session: aiohttp.ClientSession, url: str, run: str, **extra: Any) -> int:
@@ -135,3 +136,194 @@ async def test_racing_reapers_settle_an_expired_lease_once(
     run = await redis_client.hgetall("lbp:{team-a}:run:reaped")
     assert run["used:requests"] == "20" and run["used:total_tokens"] == "240"
     assert run["resv:total_tokens"] == "0" and run["resv:concurrent"] == "0"
+
+
+async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        try:
+            if await predicate():
+                return
+        except aioredis.ConnectionError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_redis_killed_and_restarted_in_a_burst_through_two_instances_bills_what_went_out(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    redis = {"url": own_redis.url, "socket_timeout_s": 0.5}
+    limits = {"journal_replay_s": 0.1, "reaper_interval_s": 0.2, "reap_grace_s": 2}
+    tier = {"run": {"total_tokens": 3000, "concurrent": 6}}
+    proxies = [
+        await make_proxy(
+            redis=redis, limits=limits, journal_dir=str(tmp_path / f"j{i}"), tiers={"standard": tier}
+        )
+        for i in range(2)
+    ]
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        stream = i % 2 == 0
+        body: dict[str, Any] = {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 20,
+            "stream": stream,
+            "fake": {"reply_tokens": 20, "chunk_delay_s": 0.03, "delay_s": 0.0 if stream else 0.3},
+        }
+        await asyncio.sleep(0.02 * i)
+        url = proxies[i % 2].url + "/v1/chat/completions"
+        try:
+            async with session.post(
+                url, json=body, headers={"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "crash"}
+            ) as resp:
+                await resp.read()
+                return resp.status
+        except aiohttp.ClientError:
+            return -1
+
+    async def crash() -> None:
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(own_redis.kill)
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(own_redis.start)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        statuses, _ = await asyncio.gather(asyncio.gather(*(one(session, i) for i in range(80))), crash())
+    assert set(statuses) <= {200, 429, 503}, statuses
+    await _until(lambda: _settled(own_client))
+    await asyncio.sleep(1)
+    entries = [e for _, e in await own_client.xrange(LEDGER)]
+    billed = [e for e in entries if e["outcome"] != "not_forwarded"]
+    assert len(billed) == len(fake.bill) == len(fake.received) == statuses.count(200), (
+        statuses,
+        [e["outcome"] for e in entries],
+    )
+    run = {k: int(v) for k, v in (await own_client.hgetall("lbp:{team-a}:run:crash")).items() if k != "born"}
+    assert all(v == 0 for k, v in run.items() if k.startswith("resv:")), run
+    for meter in ("input_tokens", "output_tokens", "total_tokens"):
+        assert run.get(f"used:{meter}", 0) == sum(int(e[meter]) for e in entries), meter
+    assert sum(int(e["output_tokens"]) for e in billed) == fake.billed_completion_tokens
+
+
+async def _settled(client: aioredis.Redis) -> bool:
+    return await client.zcard(LEASES) == 0
+
+
+async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_and_counted_once(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    from proxy.app import STATE
+    from tests.conftest import until_redis_busy, until_upstream_received
+
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 0.3},
+        journal_dir=str(tmp_path / "journal"),
+        limits={"journal_replay_s": 0.1},
+    )
+    busy = "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < 2 do end return 1"
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 10,
+        "fake": {"delay_s": 0.5},
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        pending = asyncio.ensure_future(
+            session.post(
+                proxy.url + "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "slow-settle"},
+            )
+        )
+        await until_upstream_received(fake, 1)
+        blocker = aioredis.Redis.from_url(own_redis.url)
+        hold = asyncio.ensure_future(blocker.eval(busy, 0))
+        assert own_redis.port is not None
+        await until_redis_busy(own_redis.port)
+        async with await pending as resp:
+            assert resp.status == 200
+            await resp.read()
+        await hold
+        await blocker.aclose()
+    await _until(lambda: _settled(own_client))
+    await asyncio.sleep(0.5)  # more replay rounds
+    ((_, entry),) = await own_client.xrange(LEDGER)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider")
+    metrics = proxy.app[STATE].metrics
+    assert sum(v.value for _, v in metrics.requests.items()) == 1
+    run = await own_client.hgetall("lbp:{team-a}:run:slow-settle")
+    assert run["used:requests"] == "1" and run["resv:total_tokens"] == "0" and run["resv:concurrent"] == "0"
+
+
+async def _meters(client: aioredis.Redis, key: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (await client.hgetall(key)).items() if k != "born"}
+
+
+async def test_a_burst_through_two_instances_against_tight_ceilings_never_overspends(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Streams and whole answers, some left by their clients, some with a long new prompt (a
+    quick estimate lowered while the call runs), raced through two instances sharing Redis
+    against ceilings on tokens, cost, calls in flight and a window: nothing past a ceiling, no
+    refused call upstream, the ledger equal to the meters and to the provider's bill."""
+    prices = {"input": "1", "output": "2"}
+    models = {"gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 1000, "price_per_million": prices}}
+    tier = {
+        "run": {"total_tokens": 6000, "cost_usd": "0.009", "concurrent": 5},
+        "windows": [{"period": "minute", "requests": 40}],
+        "tenant": [{"period": "hour", "output_tokens": 900}],
+    }
+    proxies = [await make_proxy(models=models, tiers={"standard": tier}) for _ in range(2)]
+    long_text = " ".join(f"w{i}" for i in range(4000))  # 20K characters: a quick estimate
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        stream = i % 3 == 0
+        body: dict[str, Any] = {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": long_text if i % 7 == 0 else "hi"}],
+            "max_tokens": 20,
+            "stream": stream,
+            "fake": {"reply_tokens": 20, "chunk_delay_s": 0.01},
+        }
+        url = proxies[i % 2].url + "/v1/chat/completions"
+        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "burst"}
+        async with session.post(url, json=body, headers=headers) as resp:
+            if stream and resp.status == 200 and i % 2:
+                await resp.content.readuntil(b"\n\n")
+                return resp.status  # left mid-stream
+            await resp.read()
+            return resp.status
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        statuses = await asyncio.gather(*(one(session, i) for i in range(120)))
+    assert set(statuses) <= {200, 429}, statuses
+    for _ in range(200):  # the drained streams settle
+        if await redis_client.zcard(LEASES) == 0:
+            break
+        await asyncio.sleep(0.05)
+    entries = [e for _, e in await redis_client.xrange(LEDGER)]
+    assert len(entries) == statuses.count(200) == len(fake.bill) == len(fake.received)
+    run = await _meters(redis_client, "lbp:{team-a}:run:burst")
+    for meter in ("input_tokens", "output_tokens", "total_tokens", "cost_micros"):
+        assert run.get(f"used:{meter}", 0) == sum(int(e[meter]) for e in entries), meter
+    assert run["used:requests"] == len(entries)
+    assert all(v == 0 for k, v in run.items() if k.startswith("resv:")), run
+    assert run["used:total_tokens"] <= 6000 and run["used:cost_micros"] <= 9000
+    assert run["peak:concurrent"] <= 5
+    assert sum(int(e["input_tokens"]) for e in entries) == fake.billed_prompt_tokens
+    assert sum(int(e["output_tokens"]) for e in entries) == fake.billed_completion_tokens
+    for key in await redis_client.keys("lbp:{team-a}:*:minute:*") + await redis_client.keys(
+        "lbp:{team-a}:tenant:hour:*"
+    ):
+        window = await _meters(redis_client, key)
+        assert all(v == 0 for k, v in window.items() if k.startswith("resv:")), (key, window)
+        assert window.get("used:requests", 0) <= 40 and window.get("used:output_tokens", 0) <= 900
