@@ -85,6 +85,7 @@ class EventFilter:
         self._after_cr = False
         self._tries = _TEMPLATE_TRIES if self._fast and runs else 0
         self._fresh = True  # nothing read yet: a byte order mark may come first
+        self._head = b""  # the first bytes while they may be a byte order mark cut by the read
 
     def read(self, piece: bytes, *, limit: int) -> bytes | None:
         """One read of the upstream body: the client's bytes for the events it completes (none
@@ -97,8 +98,14 @@ class EventFilter:
             if piece.startswith(b"\n"):
                 piece = piece[1:]  # the \n of a \r\n the last read ended inside
         if self._fresh and piece:
+            # Allowed before a stream's first field (SSE), and a read may end inside it.
+            piece = self._head + piece
+            if len(piece) < len(_BOM) and _BOM.startswith(piece):
+                self._head = piece
+                return b""
             self._fresh = False
-            piece = piece.removeprefix(_BOM)  # allowed before a stream's first field (SSE)
+            self._head = b""
+            piece = piece.removeprefix(_BOM)
         held = self._held
         if not held:
             if self._prefix_len and len(piece) <= limit and (out := self._single(piece)) is not None:
@@ -179,7 +186,7 @@ class EventFilter:
     @property
     def incomplete(self) -> bool:
         """Whether the body so far ends inside an event."""
-        return bool(self._held.strip())
+        return bool(self._held.strip() or self._head)
 
     def feed(self, events: bytes) -> bytes:
         """``events``: one or more complete events, each ending in a blank line (``\\n\\n``)."""
@@ -192,6 +199,14 @@ class EventFilter:
         while pos < size:
             if self.obs.done and self._ends_with_done:
                 break  # what follows [DONE] in the same read: dropped too
+            if events[pos] == LF:
+                # Blank lines too many ("\n\n\n"): passed on as they came, not as the start
+                # of the next event, which a read may end before (then they were an event).
+                blank = pos
+                while pos < size and events[pos] == LF:
+                    pos += 1
+                out.append(events[blank:pos])
+                continue
             if tries and self._prefix_len and not self._pad_mid and events.startswith(self._prefix, pos):
                 tries -= 1
                 found = self._run(events, pos)
