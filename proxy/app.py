@@ -379,7 +379,12 @@ def build_app(
         assert config_path is not None
 
         def apply(new: Config) -> None:
+            # Encodings are loaded at start for the models of the file then: a model the reload
+            # adds with another one would be reserved at its prompt's bytes for good.
+            added = encodings_in(new) - encodings_in(state.config)
             state.config = new
+            if added:
+                state.tokenizer.load_more(added)
 
         reloader = ConfigReloader(config_path, lambda: state.config, apply)
         if reloader.changed():

@@ -91,6 +91,11 @@ def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[
     if config.redis.url is not None:
         yield config
         return
+    if config.redis.cluster:
+        raise ConfigError(
+            f"redis.cluster: true needs redis.url (redis.url_env {config.redis.url_env} is not set, or "
+            "--redis-url): the embedded redis-server is not a cluster"
+        )
     server = RedisServerProcess(config.redis.data_dir.resolve())
     if not create and not server.answers_ping() and not server.holds_data():
         raise StoreError(

@@ -102,6 +102,27 @@ class RedisConfig(_Frozen):
             raise ValueError(f"invalid Redis URL: the database {db[:40]!r} is not a number")
         return value
 
+    @model_validator(mode="after")
+    def _a_cluster_redis_cluster_can_be(self) -> Self:
+        # What redis-py's cluster client refuses when it is made: a traceback at serve, ledger
+        # and report, after check-config said ok.
+        if not self.cluster:
+            return self
+        if self.url is None:
+            if self.url_env is None:
+                raise ValueError(
+                    "cluster: true needs a url (or url_env): the embedded redis-server is not a cluster"
+                )
+            return self
+        if self.url.startswith("unix://"):
+            raise ValueError(
+                "cluster: true needs a redis:// or rediss:// url: a cluster is not reached over a unix socket"
+            )
+        db = parse_url(self.url).get("db")  # type: ignore[no-untyped-call]
+        if db not in (None, 0, "0"):
+            raise ValueError(f"cluster: true needs database 0 (a cluster has no other), not {db}")
+        return self
+
 
 class UpstreamConfig(_Frozen):
     base_url: str
@@ -124,7 +145,28 @@ class UpstreamConfig(_Frozen):
     def _http_url(cls, value: str) -> str:
         if not re.match(r"^https?://[^\s/]+", value):
             raise ValueError("invalid URL")
+        parts = urlsplit(value)
+        # The endpoint's path is appended to base_url: a query or fragment would swallow it
+        # (``...?api-version=1/chat/completions``: every call to the wrong path upstream).
+        if parts.query or parts.fragment or "?" in value or "#" in value:
+            raise ValueError("invalid URL: no query or fragment (the endpoint's path is appended to it)")
+        try:
+            parts.port  # noqa: B018 (raises for a port that is not one)
+        except ValueError:
+            raise ValueError(
+                f"invalid URL: the port of {parts.netloc.rpartition('@')[2]!r} is not a port"
+            ) from None
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> Self:
+        # aiohttp refuses a request carrying both: every call was a 502 before it went out.
+        if urlsplit(self.base_url).username is not None and (self.api_key_env or self.passthrough_auth):
+            raise ValueError(
+                "base_url: credentials in the URL and a key sent as a header (api_key_env, "
+                "passthrough_auth) cannot go together"
+            )
+        return self
 
 
 class PricePerMillion(_Frozen):
@@ -189,6 +231,22 @@ class ModelConfig(_Frozen):
     # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
     # flex), beside the default's; a priced model refuses a tier not priced here.
     service_tiers: dict[str, PricePerMillion] = {}
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str | None) -> str | None:
+        # A name tiktoken does not know (a typo: o200k, o200k-base) loaded nothing at start and
+        # left the model reserved at UTF-8 bytes and counted at 4 characters a token, unseen.
+        if value is None or value == "bytes":
+            return value
+        import tiktoken
+
+        known = tiktoken.list_encoding_names()
+        if value not in known:
+            raise ValueError(
+                f"unknown tiktoken encoding {value[:60]!r} (known: {', '.join(known)}; or bytes)"
+            )
+        return value
 
     @field_validator("max_output_tokens", "media_part_input_tokens", "tools_input_tokens", mode="before")
     @classmethod

@@ -19,6 +19,33 @@ from proxy.config import AdminKeyConfig, Config, KeyConfig, ListenConfig, RedisC
 from proxy.errors import ConfigError
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping: PyYAML keeps the last
+    silently (a second ``standard:`` tier, a second ``limits:``, would drop the first's
+    ceilings unseen). Keys a merge (``<<: *anchor``) brings in may still be overridden."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the constructor reports it
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key!r}",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)  # type: ignore[arg-type]
+
+
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
@@ -113,7 +140,7 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, key_sec
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from None
     except RecursionError:

@@ -130,6 +130,26 @@ class Tokenizer:
         loaded = {name: None if name == BYTES_ENCODING else _load_one(name, timeout_s) for name in set(names)}
         return cls(loaded, cache_chars=cache_chars)
 
+    def load_more(self, names: Iterable[str], *, timeout_s: float = 5.0) -> threading.Thread | None:
+        """Encodings not tried yet (those of models a reload added), each loaded within the
+        same time bound on a thread of its own, off the event loop: until one lands, its models
+        are counted as without it (the byte bound, never below the real count)."""
+        new = [name for name in set(names) if name != BYTES_ENCODING and name not in self._encodings]
+        if not new:
+            return None
+        for name in new:
+            self._encodings[name] = None  # tried: a later reload does not start it again
+
+        def target() -> None:
+            for name in new:
+                enc = _load_one(name, timeout_s)
+                if enc is not None:
+                    self._encodings[name] = enc
+
+        thread = threading.Thread(target=target, name="tiktoken-reload", daemon=True)
+        thread.start()
+        return thread
+
     def available(self, encoding: str) -> bool:
         return self._encodings.get(encoding) is not None
 

@@ -1,0 +1,190 @@
+"""Configs check-config must refuse, or load as they read: each had passed and then misbehaved at
+run time (a path swallowed by a query, a key written twice, an unknown encoding, a cluster redis-py
+cannot reach, an example that refused its own routes)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.cli import main
+from proxy.config_load import load_config, parse_config
+from proxy.errors import ConfigError
+from tests.conftest import ProxyFactory
+from tests.fake_upstream import FakeUpstream
+
+UP = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1"}}}
+
+
+def error_of(raw: Any) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, {})
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "base_url",
+    [
+        "https://example.openai.azure.com/openai/deployments/d?api-version=2024-06-01",
+        "https://api.example.com/v1#main",
+        "https://api.example.com:99999/v1",
+    ],
+)
+def test_a_base_url_the_endpoint_path_cannot_follow_is_a_config_error(base_url: str) -> None:
+    """``base_url + "/chat/completions"`` put the path inside the query (or fragment): every
+    call went upstream as ``POST /openai/deployments/d`` and came back a 404 (or, for a port
+    that is none, a 502), while check-config said ok."""
+    assert error_of({"upstreams": {"openai": {"base_url": base_url}}}).startswith(
+        "upstreams.openai.base_url: invalid URL"
+    )
+
+
+def test_credentials_in_base_url_beside_a_key_header_are_a_config_error() -> None:
+    """aiohttp refuses a request with both: every call was a 502 ``cannot send the request
+    upstream: Cannot combine AUTHORIZATION header with ... credentials encoded in URL``."""
+    upstream = {"base_url": "https://user:pw@gateway.example.com/v1", "api_key_env": "OPENAI_API_KEY"}
+    assert error_of({"upstreams": {"openai": upstream}}).startswith(
+        "upstreams.openai: base_url: credentials in the URL"
+    )
+    # Alone, they are the upstream's credentials (basic auth): taken.
+    del upstream["api_key_env"]
+    parse_config({"upstreams": {"openai": upstream}}, {})
+
+
+async def test_a_query_in_base_url_never_reaches_the_endpoint(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """What such a config did at run time: the call went to the wrong path."""
+    upstreams = {
+        "openai": {
+            "base_url": fake.base_url + "?api-version=1",
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 5,
+            "connect_timeout_s": 2,
+        }
+    }
+    with pytest.raises(ConfigError, match=re.escape("upstreams.openai.base_url")):
+        await make_proxy(upstreams=upstreams)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        # The second tier of the same name dropped the first's ceilings: unlimited, unseen.
+        (
+            "tiers:\n  standard:\n    run: {requests: 5, cost_usd: 2}\n  standard:\n    policy: {}\n",
+            "standard",
+        ),
+        ("limits: {run_ttl_s: 0}\nlimits: {max_body_bytes: 2048}\n", "limits"),
+        # A model written twice: the later entry took the earlier one's place in glob order.
+        (
+            "models:\n  'gpt-4o*': {upstream: openai, max_output_tokens: 5}\n  '*': {upstream: openai}\n"
+            "  'gpt-4o*': {upstream: openai}\n",
+            "gpt-4o*",
+        ),
+    ],
+)
+def test_a_key_written_twice_in_a_mapping_is_a_config_error(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("upstreams: {openai: {base_url: 'https://api.example.com/v1'}}\n" + text)
+    with pytest.raises(ConfigError, match=re.escape(f"duplicate key {key!r}")):
+        load_config(path, {})
+    assert main(["check-config", str(path)]) == 2
+
+
+def test_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "upstreams: {openai: {base_url: 'https://api.example.com/v1'}}\n"
+        "tiers:\n"
+        "  base: &base {run: {requests: 5}, on_budget_short: clamp}\n"
+        "  standard:\n    <<: *base\n    run: {requests: 7}\n"
+    )
+    config = load_config(path, {})
+    assert config.tiers["standard"].run.requests == 7
+    assert config.tiers["standard"].on_budget_short == "clamp"
+
+
+@pytest.mark.parametrize("encoding", ["o200k", "o200k-base", "cl100k"])
+def test_an_encoding_tiktoken_does_not_know_is_a_config_error(encoding: str) -> None:
+    """A typo loaded nothing at start: the model was reserved at UTF-8 bytes and counted at 4
+    characters a token, with nothing but a start-up warning."""
+    message = error_of({**UP, "models": {"gpt-4o": {"upstream": "openai", "encoding": encoding}}})
+    assert message.startswith("models.gpt-4o.encoding: unknown tiktoken encoding")
+
+
+@pytest.mark.parametrize("encoding", ["o200k_base", "cl100k_base", "p50k_base", "bytes"])
+def test_known_encodings_are_taken(encoding: str) -> None:
+    config = parse_config({**UP, "models": {"m": {"upstream": "openai", "encoding": encoding}}}, {})
+    assert config.models["m"].encoding == encoding
+
+
+async def test_every_model_the_example_config_routes_is_served_to_its_keys(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """config/example.yaml routed ``gpt-4o*`` and ``*`` without a price, under the one tier its
+    keys have, which limits cost: every call to any model but gpt-4o-mini was a 400
+    ``model_not_priced`` (check-config: ok)."""
+    import aiohttp
+    import yaml
+
+    from tests.conftest import KEY_A
+
+    example = yaml.safe_load((Path(__file__).resolve().parent.parent / "config" / "example.yaml").read_text())
+    proxy = await make_proxy(models=example["models"], tiers=example["tiers"])
+    async with aiohttp.ClientSession() as session:
+        for pattern in example["models"]:
+            model = pattern.replace("*", "-2024-08-06") if pattern != "*" else "some-model"
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+            headers = {"Authorization": f"Bearer {KEY_A}"}
+            async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200, (pattern, await r.text())
+
+
+@pytest.mark.parametrize(
+    "redis_config, says",
+    [
+        ({"url": "redis://127.0.0.1:6379/3", "cluster": True}, "database 0"),
+        ({"url": "redis://127.0.0.1:6379?db=2", "cluster": True}, "database 0"),
+        ({"url": "unix:///run/redis.sock", "cluster": True}, "unix socket"),
+        ({"cluster": True}, "embedded redis-server is not a cluster"),
+    ],
+)
+def test_a_cluster_redis_py_cannot_reach_is_a_config_error(redis_config: dict[str, Any], says: str) -> None:
+    """check-config said ok; serve, ledger and report then died with redis-py's
+    RedisClusterException traceback (exit 1), the embedded default (a unix socket) included."""
+    message = error_of({**UP, "redis": redis_config})
+    assert message.startswith("redis: cluster: true needs") and says in message
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379", "redis://127.0.0.1:6379/0", "rediss://h:7000"])
+def test_a_cluster_url_is_taken(url: str) -> None:
+    assert parse_config({**UP, "redis": {"url": url, "cluster": True}}, {}).redis.cluster
+
+
+def test_serve_on_a_cluster_url_with_a_database_exits_2_naming_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\n"
+        "redis: {url: 'redis://127.0.0.1:1/3', cluster: true}\n"
+        "upstreams: {openai: {base_url: 'http://127.0.0.1:9/v1'}}\n"
+        f"journal_dir: {tmp_path / 'journal'}\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    for command in (["serve", "--config", str(path)], ["ledger", "--config", str(path), "--tenant", "t"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "proxy", *command],
+            capture_output=True,
+            text=True,
+            cwd=root,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        assert result.returncode == 2, (command, result.stderr[-500:])
+        assert "Traceback" not in result.stderr and "redis: cluster: true needs database 0" in result.stderr
