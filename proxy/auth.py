@@ -51,7 +51,14 @@ def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> 
         raise Unauthorized(
             "Missing API key: send your proxy key as 'Authorization: Bearer <key>'.",
         )
-    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    try:
+        encoded = key.encode("utf-8")
+    except UnicodeEncodeError:
+        # Bytes that are not UTF-8 (read as surrogate escapes): no key anyone was given, and in
+        # pass-through not the key that would reach the upstream (the bytes do not go as they
+        # came), so not one to name a tenant and its budgets by.
+        raise Unauthorized("Incorrect API key provided.") from None
+    digest = hashlib.sha256(encoded).hexdigest()
     if passthrough:
         scope = tuple((name, request.headers[name]) for name in KEY_SCOPE_HEADERS if name in request.headers)
         # 128 bits of the key's digest: the tenant id is shown (billing views, the ledger), and

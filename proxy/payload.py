@@ -274,7 +274,9 @@ def _is_audio_reference(message: dict[str, Any]) -> bool:
 
 def _is_media(part: dict[str, Any]) -> bool:
     kind = part.get("type")
-    return isinstance(kind, str) and kind in MEDIA_PART_TYPES  # a type may be anything: a list
+    # A type may be anything: a list. An object with a role is a message (its content is what
+    # the model reads), whatever type it also names: never a media part whose text is skipped.
+    return isinstance(kind, str) and kind in MEDIA_PART_TYPES and "role" not in part
 
 
 # Keys whose strings are not prompt text: ids, enums, signatures, and payloads that are not
@@ -324,7 +326,7 @@ def prompt_texts(value: Any) -> list[str]:
             stack.extend(reversed(value))
         elif isinstance(value, dict):
             kind = value.get("type")
-            if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
+            if _is_media(value):
                 if kind == "document":
                     stack.extend(reversed(_document_texts(value)))
                 continue

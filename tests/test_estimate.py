@@ -518,3 +518,28 @@ async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
     assert resp.headers["x-billing-outcome"] == "lease_expired"
     assert resp.headers["x-billing-input-tokens"] == entry["input_tokens"]
     assert resp.headers["x-billing-cost-micros"] == entry["cost_micros"]
+
+
+async def test_a_message_naming_a_media_type_still_has_its_text_reserved(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    # A chat message that also says "type": "image_url" (an OpenAI-compatible server such as
+    # vLLM or Ollama ignores the extra key and reads, and bills, the content) is skipped whole
+    # by the estimate as if it were an image part: its 2,000 words are reserved as 0 tokens,
+    # so a run limited to 1,000 tokens lets the call through and is overrun.
+    proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 1000}}})
+    body = {
+        "model": "gpt-4o-mini",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "type": "image_url", "content": "word " * 2000}],
+    }
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "media-typed-message"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp,
+    ):
+        status = resp.status
+        answer = await resp.read()
+    assert status == 429, answer[:300]
+    assert fake.received == []
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 0

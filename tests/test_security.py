@@ -30,6 +30,7 @@ from proxy.redis_server import free_port
 from proxy.store import TENANTS_KEY
 from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.test_bad_input import _raw
 
 JsonDict = dict[str, Any]
 MODEL = "gpt-4o-mini"
@@ -924,3 +925,34 @@ async def test_an_answer_to_a_request_the_parser_refused_carries_a_request_id(
         lines = head.split("\r\n")
         ids = [line.split(":", 1)[1].strip() for line in lines if line.startswith("x-request-id:")]
         assert len(ids) == 1 and ids[0].startswith("req_"), head
+
+
+async def test_a_passthrough_key_is_sent_upstream_as_the_key_that_named_its_tenant(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Pass-through: the tenant is the digest of the key as presented, its budget is that
+    # tenant's. A key with a byte that is not UTF-8 (\x80) names a new tenant, with fresh
+    # budgets, yet the byte does not reach the upstream: the provider gets (and bills) the
+    # key it stood in, whose tenant's budget is spent. Any number of such spellings of one
+    # provider key each get a budget of their own.
+    proxy = await make_proxy(
+        passthrough=True,
+        upstreams={"openai": {"base_url": fake.base_url, "passthrough_auth": True}},
+        tiers={"standard": {"key": {"requests": 1}}},
+    )
+    body = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}'
+
+    def post(key: bytes) -> bytes:
+        return (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nAuthorization: Bearer " + key + b"\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+
+    first = await _raw(proxy.url, post(b"sk-upstream-secret"))
+    assert first.startswith(b"HTTP/1.1 200"), first[:300]
+    # The same provider key spelt with a stray byte: its one request is spent.
+    second = await _raw(proxy.url, post(b"sk-upstream-\x80secret"))
+    status = int(second.split(b" ", 2)[1])
+    assert 400 <= status < 500, second[:400]
+    assert len(fake.received) == 1, [r.headers.get("Authorization") for r in fake.received]
