@@ -53,6 +53,17 @@ class _Frozen(BaseModel):
         return copy
 
 
+USERINFO_CUT = (
+    "its user name or password holds '/', '?', '#' or '@' (percent-encode them: %2F, %3F, %23, %40)"
+)
+
+
+def _userinfo_cut(url: str) -> bool:
+    """Whether a '@' after the address's start is not where the address ends: a password with an
+    unescaped '/', '?' or '#' ends it early, and what follows reads as port, path or query."""
+    return "@" in url.partition("://")[2] and "@" not in urlsplit(url).netloc
+
+
 class ListenConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
@@ -75,6 +86,17 @@ class RedisConfig(_Frozen):
             return value
         if not re.match(r"^(redis|rediss|unix)://", value):
             raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)")
+        try:
+            return cls._checked_url(value)
+        except ValueError:
+            # A password with an unescaped '/', '?' or '#' ends the address early: the rest of it
+            # reads as the port, the database or an option, which the messages below quote.
+            if _userinfo_cut(value):
+                raise ValueError(f"invalid Redis URL: {USERINFO_CUT}") from None
+            raise
+
+    @staticmethod
+    def _checked_url(value: str) -> str:
         parts = urlsplit(value)
         try:
             parts.port  # noqa: B018 (raises for a port that is not one)
@@ -145,6 +167,11 @@ class UpstreamConfig(_Frozen):
     def _http_url(cls, value: str) -> str:
         if not re.match(r"^https?://[^\s/]+", value):
             raise ValueError("invalid URL")
+        if _userinfo_cut(value):
+            # Never quoted (the rest of the password would read as the port), nor taken as it
+            # reads: a numeric start of the password as the port, the call (and its key) to the
+            # host named by the user name.
+            raise ValueError(f"invalid URL: {USERINFO_CUT}")
         parts = urlsplit(value)
         # The endpoint's path is appended to base_url: a query or fragment would swallow it
         # (``...?api-version=1/chat/completions``: every call to the wrong path upstream).

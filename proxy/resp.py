@@ -16,7 +16,7 @@ import contextlib
 import time
 from collections import deque
 from typing import Any, cast
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 import hiredis
 
@@ -113,8 +113,9 @@ class PipelinedConnection:
         query = parse_qs(parsed.query)
         db_text = query.get("db", [""])[0] or (parsed.path.lstrip("/") if parsed.scheme != "unix" else "")
         self._db = int(db_text or 0)
-        self._password = parsed.password
-        self._username = parsed.username
+        # Percent-encoded in the URL (a password holding '@', '/' or ':'), as redis-py reads it.
+        self._password = unquote(parsed.password) if parsed.password else parsed.password
+        self._username = unquote(parsed.username) if parsed.username else parsed.username
         self._timeout_s = timeout_s
         self._protocol: _Protocol | None = None
         self._attempt: asyncio.Future[_Protocol] | None = None

@@ -5,10 +5,13 @@ cannot reach, an example that refused its own routes)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from proxy.cli import main
 from proxy.config_load import load_config, parse_config
@@ -17,6 +20,8 @@ from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
 UP = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1"}}}
+ROOT = Path(__file__).resolve().parent.parent
+UPSTREAMS = {"openai": {"base_url": "http://127.0.0.1:1/v1"}}
 
 
 def error_of(raw: Any) -> str:
@@ -188,3 +193,57 @@ def test_serve_on_a_cluster_url_with_a_database_exits_2_naming_it(tmp_path: Path
         )
         assert result.returncode == 2, (command, result.stderr[-500:])
         assert "Traceback" not in result.stderr and "redis: cluster: true needs database 0" in result.stderr
+
+
+def _password(url: str) -> str:
+    return url.split("://", 1)[1].rpartition("@")[0].partition(":")[2]
+
+
+# A generated password (``openssl rand -base64``) holds '/' and '+'; one typed by hand may hold
+# '#' or '?'. Unescaped, each ends the URL's address early: what follows reads as the port, the
+# database, an option, and the messages quoted those.
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:Zx9Wq/Kp+3Lm8=@redis.internal:6379/0",
+        "redis://app:Zx9Wq#Kp3Lm8@redis.internal:6379/0",
+        "redis://:Zx9Wq?Kp3Lm8@redis.internal:6379/0",
+        "redis://:4242/Kp3Lm8@redis.internal:6379/0",
+        "redis://:4242?Kp3Lm8@redis.internal:6379/0",
+    ],
+)
+def test_a_refused_redis_url_never_quotes_any_part_of_its_password(url: str) -> None:
+    raw = {"upstreams": UPSTREAMS, "redis": {"url_env": "REDIS_URL"}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, {"REDIS_URL": url})
+    password, message = _password(url), str(caught.value)
+    for piece in {password[:5], password[-6:]}:
+        assert piece not in message, message
+
+
+@pytest.mark.parametrize(
+    "url", ["https://gwuser:Zx9Wq/Kp+3Lm8=@gw.internal/v1", "https://gwuser:4242/Kp3Lm8@gw.internal/v1"]
+)
+def test_a_base_url_whose_password_holds_a_slash_is_refused_without_quoting_it(url: str) -> None:
+    """The first was refused quoting 'gwuser:Zx9Wq'; the second was accepted, as a call to host
+    'gwuser' port 4242 (the key header, had there been one, with it)."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"upstreams": {"gw": {"base_url": url}}, "models": {"*": {"upstream": "gw"}}}, {})
+    password, message = _password(url), str(caught.value)
+    for piece in {password[:5], password[-6:]}:
+        assert piece not in message, message
+
+
+def test_check_config_does_not_print_a_redis_password(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    config = {"redis": {"url": "redis://:Zx9Wq/Kp+3Lm8=@redis.internal:6379/0"}, "upstreams": UPSTREAMS}
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert done.returncode == 2, done
+    assert "Zx9Wq" not in done.stdout + done.stderr, done.stderr

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
+import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from proxy.redis_server import RedisServerProcess
 from proxy.resp import PipelinedConnection, RespError
+from tests.conftest import KEY_A, ProxyFactory
 
 
 async def test_every_kind_of_argument_arrives_as_sent(redis_server: RedisServerProcess) -> None:
@@ -105,3 +109,29 @@ async def test_a_refused_auth_closes_its_connection(redis_server: RedisServerPro
     finally:
         await pipe.close()
         await check.close()
+
+
+async def test_a_percent_encoded_redis_password_is_sent_as_the_password(
+    make_proxy: ProxyFactory, own_redis: RedisServerProcess
+) -> None:
+    """A password holding '@', '/' or ':' must be percent-encoded in the URL (redis-py, which the
+    config check and the pool use, decodes it); the proxy's own pipelined client sent it still
+    encoded: AUTH refused, every call a 503 though the store is up and the password right."""
+    password = "p@ss/w:rd"
+    admin = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
+    try:
+        await admin.execute_command("ACL", "SETUSER", "billing", "on", f">{password}", "~*", "&*", "+@all")
+    finally:
+        await admin.aclose()
+    url = f"redis://billing:p%40ss%2Fw%3Ard@127.0.0.1:{own_redis.port}/0"
+    proxy = await make_proxy(redis={"url": url})
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp,
+    ):
+        text = await resp.text()
+    assert resp.status == 200, text
+    assert json.loads(text)["choices"]
