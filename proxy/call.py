@@ -138,6 +138,9 @@ class Call:
     # unless the client asked the provider not to store it.
     conversation: str | None = None
     stores_answer: bool = False
+    # A stored prompt's template (its id and version), input the provider adds to every call
+    # that names it: kept, and reserved, as a context this call continues.
+    stored_prompt: str | None = None
     prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
 
     @property
@@ -337,6 +340,9 @@ def plan_call(
         # Not fast mode's: it serves only the calls that ask for it.
         reserve_rates = dearest(rates for name, rates in tiers.items() if name != FAST_TIER)
     continues, conversation, stores_answer = _chaining(view)
+    stored_prompt = _stored_prompt(view)
+    if stored_prompt is not None:
+        continues = (*continues, stored_prompt)
     return Call(
         request_id=request_id,
         reservation_id=ids.new(),
@@ -366,6 +372,7 @@ def plan_call(
         continues=continues,
         conversation=conversation,
         stores_answer=stores_answer,
+        stored_prompt=stored_prompt,
     )
 
 
@@ -383,6 +390,19 @@ def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
     conversation = _context_id(view.conversation)
     continues = tuple(c for c in (previous, conversation) if c is not None)
     return continues, conversation, view.store is not False
+
+
+def _stored_prompt(view: RequestView) -> str | None:
+    """Where the size of a Responses call's stored prompt is kept: its id and version (none
+    named: the current one, under a key of its own), apart from any response id."""
+    prompt = view.prompt if isinstance(view, ResponsesBody) else None
+    found = prompt.get("id") if isinstance(prompt, dict) else None
+    if not isinstance(found, str) or not found:
+        return None
+    version = prompt.get("version") if isinstance(prompt, dict) else None
+    named = f"{found}@{version}" if isinstance(version, str | int) and not isinstance(version, bool) else found
+    # Always a digest: a prompt id is never taken for a response's or a conversation's.
+    return "#" + hashlib.sha256(("prompt:" + named).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _asks_audio(modalities: Any) -> bool:

@@ -21,6 +21,7 @@ from proxy.payload import (
     MessagesBody,
     RequestView,
     ResponsesBody,
+    compacts,
     generations,
     items_parts,
     media_parts,
@@ -69,6 +70,9 @@ class Estimate:
     uncounted: tuple[str, ...] = ()
     # Whose remembered counts the texts are looked up in and added to (the caller's tenant).
     cache_scope: str = ""
+    # How many times the provider reads (and bills) the prompt: 2 for a compacting Messages
+    # request (its summarizing step reads it all, then the answer at most as much).
+    input_reads: int = 1
 
     @property
     def input_exact(self) -> bool:
@@ -82,7 +86,7 @@ def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
     exact = (
         tokenizer.upper_bound_of_parts(est.uncounted, encoding, scope=est.cache_scope)
         + est.prompt_overhead_tokens
-    )
+    ) * est.input_reads
     return replace(est, input_tokens=min(exact, est.input_tokens), uncounted=())
 
 
@@ -183,7 +187,8 @@ def estimate(
         overhead += media_part_input_tokens * media_of(view)
     text = "\n".join(parts)
     bound, exact = tokenizer.quick_bound_of_parts(parts, encoding, quick_chars=quick_chars, scope=cache_scope)
-    input_tokens = bound + overhead + id_tokens
+    reads = 2 if compacts(view) else 1
+    input_tokens = (bound + overhead) * reads + id_tokens
     later = () if exact else tuple(parts)
     if isinstance(view, EmbeddingBody):
         return Estimate(
@@ -223,4 +228,5 @@ def estimate(
         output_cap=cap,
         uncounted=later,
         cache_scope=cache_scope,
+        input_reads=reads,
     )

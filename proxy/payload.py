@@ -88,10 +88,27 @@ def answers(view: object) -> int:
 
 def generations(view: object) -> int:
     """How many answers the provider writes (and bills) for one request: n, or best_of, for
-    every prompt."""
+    every prompt; a compacting Messages request's summary besides its answer (``compacts``)."""
     if isinstance(view, CompletionBody):
         return max(_n(view), view.best_of or 1) * prompts(view)
+    if compacts(view):
+        return 2
     return _n(view)
+
+
+def compacts(view: object) -> bool:
+    """A Messages request with Anthropic's threshold compaction on (a ``compact_*`` edit in
+    ``context_management``): once its input reaches the trigger, a summarizing step reads the
+    whole input and writes a summary before the answer, billed beside it (``usage.iterations``).
+    Reserved as a second reading of the input and a second answer of up to ``max_tokens``."""
+    if not isinstance(view, MessagesBody):
+        return False
+    management = (view.model_extra or {}).get("context_management")
+    edits = management.get("edits") if isinstance(management, dict) else None
+    return isinstance(edits, list) and any(
+        isinstance(edit, dict) and isinstance(edit.get("type"), str) and edit["type"].startswith("compact_")
+        for edit in edits
+    )
 
 
 class EmbeddingBody(_Body):
@@ -219,11 +236,14 @@ def set_output_cap(body: dict[str, Any], field: str, cap: int) -> None:
         body[name] = value if lower else cap
 
 
-# Content parts whose tokens are not text: OpenAI chat, Responses, Anthropic.
+# Content parts whose tokens are not text: OpenAI chat, Responses, Anthropic, and the video and
+# audio by URL of OpenAI-compatible servers (vLLM, SGLang).
 MEDIA_PART_TYPES = frozenset(
     {
         "image_url",
         "input_audio",
+        "video_url",
+        "audio_url",
         "file",
         "input_image",
         "input_file",

@@ -274,6 +274,9 @@ class Exchange:
             # 0), and a failed answer is not continued.
             return []
         kept = [call.conversation] if call.conversation else []
+        if call.stored_prompt:
+            # At what the call billed: an upper bound of the template it read.
+            kept.append(call.stored_prompt)
         answer = self.obs.response_id
         if answer is None:
             # Never seen whole (a body cut mid-JSON, a timeout, a transport that broke once the

@@ -1,0 +1,179 @@
+"""The reserve is the worst case the provider can bill: request shapes that had been reserved
+below it (Anthropic's threshold compaction, video and audio by URL, a stored prompt's template)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import KEY_A, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import ledger_entries
+from tests.test_bad_input import Plan, ScriptedUpstream, dumps, send
+from tests.test_budgets import meters, tiers
+from tests.test_stream_dialects import proxy_for
+
+# Anthropic's threshold compaction (context_management edit compact_20260112, beta header
+# compact-2026-01-12): when the input reaches the trigger (50,000 tokens at the least), Claude
+# first runs a summarizing step over the whole input, then answers from the summary. The
+# summarizing step is billed on top of the answer (usage.iterations, type "compaction"; the
+# documented example: 180,000 input and 3,500 output tokens beside the answer's 23,000 and 1,000).
+TEXT = "word " * 12000  # 60,000 bytes: above the least trigger as the proxy counts it (bytes)
+COMPACTING = {
+    "model": "claude-x",
+    "max_tokens": 4096,
+    "messages": [{"role": "user", "content": TEXT}],
+    "context_management": {
+        "edits": [{"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 50000}}]
+    },
+}
+# What the proxy reserves for it (no tokenizer: the UTF-8 bytes; one message: 4 * 2 + 3).
+RESERVED_INPUT = len(TEXT) + 11
+
+
+def compacted_answer(read: int) -> dict[str, Any]:
+    """The answer as Anthropic bills it: the summarizing step read the whole request (``read``
+    tokens), the answer the summary and the last turn."""
+    usage = {
+        "input_tokens": 3000,
+        "output_tokens": 1000,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "iterations": [
+            {"type": "compaction", "input_tokens": read, "output_tokens": 3500,
+             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+            {"type": "message", "input_tokens": 3000, "output_tokens": 1000,
+             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        ],
+    }  # fmt: skip
+    return {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+        "stop_reason": "end_turn", "stop_sequence": None, "usage": usage,
+        "content": [{"type": "compaction", "content": "Summary."}, {"type": "text", "text": "Go on."}],
+    }  # fmt: skip
+
+
+async def test_a_compacting_messages_call_reserves_what_its_compaction_step_bills(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The compaction step reads the whole request again, and writes a summary: billed as input
+    and output beside the answer's own. Reserved at the request's input and max_tokens once,
+    the call is billed past its reserve by design of the request, not by chance."""
+    proxy = await proxy_for(make_proxy, script)
+    script.plan = Plan(chunks=[dumps(compacted_answer(RESERVED_INPUT))])
+    headers = {"anthropic-beta": "compact-2026-01-12", "X-Run-Id": "compacting"}
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(COMPACTING), headers=headers
+    )
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    billed = (int(entry["input_tokens"]), int(entry["output_tokens"]))
+    assert billed == (RESERVED_INPUT + 3000, 4500), entry
+    reserved = (int(entry["reserved_input_tokens"]), int(entry["reserved_output_tokens"]))
+    assert billed[0] <= reserved[0] and billed[1] <= reserved[1], (billed, reserved)
+    assert entry["overshoot_tokens"] == "0", entry
+
+
+async def test_concurrent_compacting_calls_do_not_pass_a_ceiling(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Two such calls at once, under a run ceiling that holds two of their reserves: both are
+    let through, and together they pass the ceiling by what their compaction steps billed."""
+    ceiling = 2 * (RESERVED_INPUT + 4096)
+    proxy = await proxy_for(make_proxy, script, tiers=tiers(run={"total_tokens": ceiling}))
+    script.plan = Plan(chunks=[dumps(compacted_answer(RESERVED_INPUT))], delay_s=1.0)
+    headers = {"anthropic-beta": "compact-2026-01-12", "X-Run-Id": "compacting-run"}
+    replies = await asyncio.gather(
+        *(
+            send(
+                proxy,
+                lambda: script.received,
+                redis_client,
+                "/v1/messages",
+                dumps(COMPACTING),
+                headers=headers,
+            )
+            for _ in range(2)
+        )
+    )
+    statuses = sorted(r.status for r in replies)
+    state = (await meters(proxy, "compacting-run"))["meters"]
+    assert state["total_tokens"]["used"] <= ceiling, (statuses, state["total_tokens"])
+
+
+# -- media parts of OpenAI-compatible servers ---------------------------------------------------
+
+MEDIA_MODELS = {
+    "gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 1000, "media_part_input_tokens": 1000},
+    "*": {"upstream": "openai"},
+}
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * 400}},
+        {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
+    ],
+    ids=["video_url", "audio_url"],
+)
+async def test_video_and_audio_url_parts_are_reserved_as_media(
+    make_proxy: ProxyFactory, fake: FakeUpstream, part: dict[str, Any]
+) -> None:
+    """vLLM and SGLang (OpenAI-compatible servers this proxy names) take video and audio by URL in
+    chat content parts, and bill their frames and samples as prompt tokens, thousands for a short
+    clip. With ``media_part_input_tokens`` set, an image part reserves it; these reserved nothing,
+    so the clip's tokens were all overshoot."""
+    proxy = await make_proxy(models=MEDIA_MODELS)
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "clip"}
+    payload = {
+        "model": "gpt-4o-mini",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what happens?"}, part]}],
+        # What the server bills for the text and the clip: within the model's media bound.
+        "fake": {"usage": {"prompt_tokens": 900}},
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=payload, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    (entry,) = await ledger_entries(proxy, "clip")
+    assert int(entry["input_tokens"]) <= int(entry["reserved_input_tokens"]), entry
+    assert int(entry["reserved_input_tokens"]) > 1000, entry
+
+
+# -- Responses input the provider keeps and the request only names ------------------------------
+
+
+async def responses_call(proxy: Any, run: str, named: dict[str, Any], billed_input: int) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+    payload = {
+        "model": "gpt-4o-mini",
+        "max_output_tokens": 16,
+        **named,
+        "fake": {"usage": {"input_tokens": billed_input}},
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/responses", json=payload, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    (entry,) = await ledger_entries(proxy, run)
+    return entry
+
+
+async def test_a_stored_prompts_template_is_reserved_once_billed(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A stored prompt (``prompt: {id, version, variables}``) is a template the provider keeps:
+    its instructions, messages and tools are input it bills on every call, and the request
+    carries only the id. A previous response or a conversation billed here is reserved at its
+    kept size on the next call; a stored prompt, billed here a moment ago, stays reserved at its
+    variables alone, call after call: every call under a ceiling passes it by the template."""
+    proxy = await make_proxy()
+    named = {"prompt": {"id": "pmpt_support_agent", "version": "3", "variables": {"customer": "Ada"}}}
+    first = await responses_call(proxy, "tpl-1", named, 5000)  # unknown yet: billed, overshoot
+    assert first["input_tokens"] == "5000", first
+    second = await responses_call(proxy, "tpl-2", named, 5000)
+    assert int(second["input_tokens"]) <= int(second["reserved_input_tokens"]), second
