@@ -331,6 +331,12 @@ def plan_call(
         text = body.get("text")
         form = text.get("format") if isinstance(text, dict) else None
         json_mode = isinstance(form, dict) and form.get("type") in ("json_object", "json_schema")
+    elif isinstance(view, MessagesBody):
+        # Anthropic structured outputs: output_config.format (the SDK's messages.parse), or the
+        # beta's top-level output_format.
+        config_ = body.get("output_config")
+        form = config_.get("format") if isinstance(config_, dict) else body.get("output_format")
+        json_mode = isinstance(form, dict) and form.get("type") == "json_schema"
     service_tier, rates = rates_for(view, model_config)
     tiers = tier_rates(model_config)
     reserve_rates = rates

@@ -204,6 +204,10 @@ def _anthropic_counts(raw: dict[str, Any]) -> tuple[int, int | None, int, int, i
     return input_tokens, output_tokens, cache_read, cache_creation, hour
 
 
+# Blocks that are calls of a tool (the client's, or one Anthropic runs), not text.
+_ANTHROPIC_CALLS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
+
+
 def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
     kind = obj.get("type")
@@ -215,6 +219,10 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             else:  # tool input, thinking: output tokens too
                 for key in ("partial_json", "thinking"):
                     obs.add_text(0, delta.get(key), content=False)
+    elif kind == "content_block_start":
+        block = obj.get("content_block")
+        if isinstance(block, dict) and block.get("type") in _ANTHROPIC_CALLS:
+            obs.calls.add(0)  # an answer that is a call: not text held to JSON
     elif kind == "message_start":
         message = obj.get("message")
         if isinstance(message, dict) and isinstance(message.get("usage"), dict):
@@ -266,7 +274,8 @@ def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(block, dict):
             if block.get("type") == "text":
                 obs.add_text(0, block.get("text"), content=True)
-            elif block.get("type") == "tool_use":
+            elif block.get("type") in _ANTHROPIC_CALLS:
+                obs.calls.add(0)
                 obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
             elif block.get("type") == "thinking":
                 obs.add_text(0, block.get("thinking"), content=False)

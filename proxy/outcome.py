@@ -32,6 +32,9 @@ REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
 # "length" (OpenAI chat), "max_output_tokens" (Responses), "max_tokens" and
 # "model_context_window_exceeded" (Anthropic: the answer filled what the context had left).
 TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens", "model_context_window_exceeded"})
+# The answer is a call, not text (OpenAI's "tool_calls", Anthropic's "tool_use"), or a turn an
+# Anthropic server tool paused ("pause_turn": continued by the next call).
+NOT_THE_ANSWER_REASONS = frozenset({"tool_calls", "tool_use", "pause_turn"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,7 @@ def classify_answer(
         return Outcome("refused")
     if json_mode and policy.on_invalid_json == "reject":
         for index in sorted(set(obs.finish_reasons) | obs.calls) or [0]:
-            if obs.finish_reasons.get(index) == "tool_calls":
+            if obs.finish_reasons.get(index) in NOT_THE_ANSWER_REASONS:
                 continue
             text = obs.content_of(index)
             if index in obs.calls and not text.strip():
