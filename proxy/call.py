@@ -406,7 +406,8 @@ def _stored_prompt(view: RequestView) -> str | None:
     if not isinstance(found, str) or not found:
         return None
     version = prompt.get("version") if isinstance(prompt, dict) else None
-    named = f"{found}@{version}" if isinstance(version, str | int) and not isinstance(version, bool) else found
+    versioned = isinstance(version, str | int) and not isinstance(version, bool)
+    named = f"{found}@{version}" if versioned else found
     # Always a digest: a prompt id is never taken for a response's or a conversation's.
     return "#" + hashlib.sha256(("prompt:" + named).encode("utf-8", "surrogatepass")).hexdigest()
 

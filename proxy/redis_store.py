@@ -91,7 +91,14 @@ def transient(err: ResponseError | RespError) -> bool:
 CONTEXT_SIZE = re.compile(r"([0-9]+)(?:~[0-9]*)?")
 
 
-SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context")
+SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
+# Whose a context the provider keeps is (owner.lua): kept as long as the provider keeps it.
+CONTEXT_OWNER_TTL_S = 30 * 24 * 3600
+
+
+def _owner_key(context_id: str) -> str:
+    # Not under a tenant's hash tag: looked up by a caller of any tenant (one key, one slot).
+    return f"lbp:ctxowner:{context_id}"
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -477,6 +484,18 @@ class RedisStore:
         await self._script(
             "context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s, 0 if bound else 1, base_tokens]
         )
+
+    async def context_owners(self, *, ids: Sequence[str]) -> list[str | None]:
+        try:
+            # One key a command: the keys are in other slots than the tenant's (Cluster).
+            found: list[Any] = [await self._client.get(_owner_key(i)) for i in ids]
+        except STORE_FAILURES as err:
+            raise StoreError(f"context owners: {err}") from err
+        return [None if f is None else str(f) for f in found]
+
+    async def claim_contexts(self, *, tenant: str, ids: Sequence[str]) -> None:
+        for i in ids:
+            await self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S])
 
     async def register_tenant(self, tenant: str) -> None:
         try:

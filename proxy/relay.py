@@ -53,6 +53,10 @@ class Services:
     settling: set[asyncio.Future[Settlement]]
 
 
+async def _all(writes: list[Awaitable[None]]) -> None:
+    await asyncio.gather(*writes)
+
+
 class Exchange:
     """One call from forward to settle; settles exactly once whatever happens."""
 
@@ -228,10 +232,13 @@ class Exchange:
             self.obs.finish_reasons,
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
         )
-        kept = self._kept_contexts()
-        if kept and not usage.input_tokens + usage.output_tokens:
-            kept = []  # billed nothing (it never went out): it made no context
+        made = self._contexts_made()
+        if made and not usage.input_tokens + usage.output_tokens:
+            made = []  # billed nothing (it never went out): it made no context
+        kept = made if made and self.services.config.limits.prior_context_ttl_s else []
         waits: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
+        if made and self.operator_key is not None:
+            waits.append(self._claim(made))
         if self._keeping is not None and not self._keeping.done():
             waits.append(self._keeping)  # a stream's early write, still waiting on the store
         if waits:
@@ -255,18 +262,22 @@ class Exchange:
         if self._context_kept:
             return
         self._context_kept = True
-        kept = self._kept_contexts()
-        if not kept:
+        made = self._contexts_made()
+        kept = made if made and self.services.config.limits.prior_context_ttl_s else []
+        writes: list[Awaitable[None]] = [self._remember(kept, self.usage(complete=True))] if kept else []
+        if made and self.operator_key is not None:
+            writes.append(self._claim(made))  # its owner's before the id reaches the client
+        if not writes:
             return
-        self._keeping = asyncio.ensure_future(self._remember(kept, self.usage(complete=True)))
+        self._keeping = asyncio.ensure_future(_all(writes))
         # Not cancelled by the timeout, nor by a cancel of this handler (shutdown): the settle
         # (in a task of its own) waits for it.
         await asyncio.wait((self._keeping,), timeout=KEEP_CONTEXT_WAIT_S)
 
-    def _kept_contexts(self) -> list[str]:
+    def _contexts_made(self) -> list[str]:
         """Where the provider keeps this call's context for a later call to continue."""
         call = self.call
-        if call.endpoint != "responses" or not self.services.config.limits.prior_context_ttl_s:
+        if call.endpoint != "responses":
             return []
         if self.obs.error or call.upstream_status >= 300:
             # It failed (``status: failed``, an error event), or the upstream answered an error:
@@ -287,6 +298,20 @@ class Exchange:
         if call.stores_answer:
             kept.append(context_key(answer))
         return kept
+
+    async def _claim(self, ids: list[str]) -> None:
+        """The contexts this call made or continued are its tenant's: another tenant's call
+        continuing them is refused (``reserve``). Not a stored prompt: the operator's, for any
+        tenant to name."""
+        ids = [i for i in ids if i != self.call.stored_prompt]
+        if not ids:
+            return
+        try:
+            await self.services.store.claim_contexts(tenant=self.call.identity.tenant, ids=ids)
+        except StoreError as err:
+            self.services.metrics.store_errors.labels("claim_context").inc()
+            extra = {"request_id": self.call.request_id, "error": repr(err)}
+            log.warning("could not mark a context as its tenant's", extra=extra)
 
     async def _remember(self, ids: list[str], usage: BilledUsage) -> None:
         """The context a later call continues is what this one read and wrote."""

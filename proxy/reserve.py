@@ -15,7 +15,8 @@ import orjson
 
 from proxy.call import Call, least_cap_accepted
 from proxy.config import Config, TierConfig
-from proxy.errors import BadRequest, BudgetExceeded, StoreError
+from proxy.errors import BadRequest, BudgetExceeded, NotFound, StoreError
+from proxy.forward import operator_key_sent
 from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.payload import set_output_cap
@@ -118,6 +119,8 @@ async def reserve(
             param="model",
             code="model_not_priced",
         )
+    if call.continues and operator_key_sent(call.upstream, call.identity) is not None:
+        await _refuse_another_tenants_context(store, call)
     if call.continues and config.limits.prior_context_ttl_s:
         await _add_prior_context(store, call, metrics)
     record = orjson.dumps(
@@ -186,6 +189,29 @@ def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> boo
         for scope in scopes
         for meter, ceiling in scope.ceilings.items()
     )
+
+
+async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
+    """With the operator's key, every tenant's stored responses and conversations are one
+    account's at the provider: a call continuing another tenant's (its id seen in a log, a shared
+    trace) would be answered from that tenant's context. Refused as the provider refuses an id
+    it does not know, before anything is reserved or forwarded. An id no tenant used here (made
+    with the provider directly, or older than the provider keeps it) passes, as before."""
+    # Not a stored prompt: the operator's, for any tenant to name.
+    ids = [ctx for ctx in call.continues if ctx != call.stored_prompt]
+    if not ids:
+        return
+    owners = await store.context_owners(ids=ids)
+    if all(owner is None or owner == call.identity.tenant for owner in owners):
+        return
+    conversation = call.conversation is not None and any(
+        owner not in (None, call.identity.tenant)
+        for ctx, owner in zip(ids, owners, strict=True)
+        if ctx == call.conversation
+    )
+    if conversation:
+        raise NotFound("Conversation not found.", param="conversation")
+    raise NotFound("Previous response not found.", param="previous_response_id")
 
 
 async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None:
