@@ -128,13 +128,9 @@ class RedisConfig(_Frozen):
     def _a_cluster_redis_cluster_can_be(self) -> Self:
         # What redis-py's cluster client refuses when it is made: a traceback at serve, ledger
         # and report, after check-config said ok.
-        if not self.cluster:
-            return self
-        if self.url is None:
-            if self.url_env is None:
-                raise ValueError(
-                    "cluster: true needs a url (or url_env): the embedded redis-server is not a cluster"
-                )
+        # Without a url, one may come from url_env or --redis-url, which the file does not say:
+        # the embedded server is refused where it would be started (cli.store_url, exit 2).
+        if not self.cluster or self.url is None:
             return self
         if self.url.startswith("unix://"):
             raise ValueError(
@@ -187,8 +183,14 @@ class UpstreamConfig(_Frozen):
 
     @model_validator(mode="after")
     def _one_credential(self) -> Self:
-        # aiohttp refuses a request carrying both: every call was a 502 before it went out.
-        if urlsplit(self.base_url).username is not None and (self.api_key_env or self.passthrough_auth):
+        # aiohttp refuses a request carrying both the URL's credentials and an Authorization
+        # header: every call was a 502 before it went out. An Anthropic upstream's key goes as
+        # x-api-key: beside a gateway's basic auth in the URL, both are sent.
+        if (
+            self.kind == "openai"
+            and urlsplit(self.base_url).username is not None
+            and (self.api_key_env or self.passthrough_auth)
+        ):
             raise ValueError(
                 "base_url: credentials in the URL and a key sent as a header (api_key_env, "
                 "passthrough_auth) cannot go together"

@@ -19,13 +19,27 @@ from proxy.config import AdminKeyConfig, Config, KeyConfig, ListenConfig, RedisC
 from proxy.errors import ConfigError
 
 
+def _bare(mark: yaml.Mark) -> yaml.Mark:
+    return yaml.Mark(mark.name, mark.index, mark.line, mark.column, None, 0)
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key written twice in one mapping: PyYAML keeps the last
     silently (a second ``standard:`` tier, a second ``limits:``, would drop the first's
-    ceilings unseen). Keys a merge (``<<: *anchor``) brings in may still be overridden."""
+    ceilings unseen). Keys a merge (``<<: *anchor``) brings in may still be overridden.
 
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
+    Checked as each mapping is first flattened, before its merges are written into it: a merge
+    elsewhere flattens an anchored mapping in place (its merged keys in front of its own), at
+    times before that mapping is constructed, and its own overrides would then read as keys
+    written twice."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
             seen: set[Any] = set()
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
@@ -37,13 +51,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: the constructor reports it
                     continue
                 if duplicate:
+                    # Where, not what: the line's text (a snippet) would quote the value beside
+                    # the key, a URL's password among them.
                     raise yaml.constructor.ConstructorError(
                         "while constructing a mapping",
-                        node.start_mark,
+                        _bare(node.start_mark),
                         f"found duplicate key {key!r}",
-                        key_node.start_mark,
+                        _bare(key_node.start_mark),
                     )
-        return super().construct_mapping(node, deep=deep)  # type: ignore[arg-type]
+        super().flatten_mapping(node)
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -142,6 +158,13 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, key_sec
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
+        if isinstance(err, yaml.MarkedYAMLError):
+            # Where, not the line's text: PyYAML's snippet would quote the values on it (a URL's
+            # password among them) to the terminal, or to the log when a reload is refused.
+            for name in ("context_mark", "problem_mark"):
+                mark = getattr(err, name)
+                if mark is not None:
+                    setattr(err, name, _bare(mark))
         raise ConfigError(f"{path}: invalid YAML: {err}") from None
     except RecursionError:
         raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None

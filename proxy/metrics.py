@@ -1,8 +1,9 @@
 """Prometheus metrics, built against an injected registry (one per app, so tests stay apart).
 
-Label values are bounded: tenants come from config (pass-through callers fold into
-``passthrough``), models from the config's exact names (anything else is ``other``). Never a
-run id, request id or key in a label.
+Label values are bounded: tenants come from configs (this one's, or an earlier one's or another
+instance's for spend reaped or replayed here; pass-through callers fold into ``passthrough``),
+models from the config's exact names (anything else is ``other``). Never a run id, request id or
+key in a label.
 """
 
 from __future__ import annotations

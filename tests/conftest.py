@@ -23,6 +23,7 @@ from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
 from proxy.workers import new_event_loop
+from tests.cluster import RedisClusterProcesses
 from tests.fake_upstream import FakeUpstream
 
 KEY_A = "sk-proxy-team-a"
@@ -258,3 +259,11 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
         return {"skewed-clock": SkewedClockLoop}
     choice = cast(EventLoopChoice, TEST_EVENT_LOOP)
     return {choice: lambda: new_event_loop(choice)[0]}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
+    """A real Redis Cluster (three masters), one for the tests of a module."""
+    nodes = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
+    yield nodes
+    nodes.stop()

@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 
 from proxy.cli import main
 from proxy.config_load import load_config, parse_config
 from proxy.errors import ConfigError
-from tests.conftest import ProxyFactory
+from tests.cluster import RedisClusterProcesses
+from tests.conftest import KEY_A, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
 UP = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1"}}}
@@ -155,7 +157,6 @@ async def test_every_model_the_example_config_routes_is_served_to_its_keys(
         ({"url": "redis://127.0.0.1:6379/3", "cluster": True}, "database 0"),
         ({"url": "redis://127.0.0.1:6379?db=2", "cluster": True}, "database 0"),
         ({"url": "unix:///run/redis.sock", "cluster": True}, "unix socket"),
-        ({"cluster": True}, "embedded redis-server is not a cluster"),
     ],
 )
 def test_a_cluster_redis_py_cannot_reach_is_a_config_error(redis_config: dict[str, Any], says: str) -> None:
@@ -247,3 +248,151 @@ def test_check_config_does_not_print_a_redis_password(tmp_path: Path) -> None:
     )
     assert done.returncode == 2, done
     assert "Zx9Wq" not in done.stdout + done.stderr, done.stderr
+
+
+# A price list built with anchors and merge keys: gpt-4o's flex prices are its default prices
+# with input and output overridden, and the batch model's prices are those flex prices with the
+# cached input overridden. Each mapping writes each of its own keys once; PyYAML (safe_load)
+# reads it as intended.
+PRICES_WITH_MERGES = """\
+upstreams: {openai: {base_url: 'https://api.example.com/v1'}}
+models:
+  gpt-4o:
+    upstream: openai
+    price_per_million: &gpt4o {input: 2.50, cached_input: 1.25, output: 10.00}
+    service_tiers:
+      flex: &gpt4o_flex
+        <<: *gpt4o
+        input: 1.25
+        output: 5.00
+  gpt-4o-batch:
+    upstream: openai
+    price_per_million:
+      <<: *gpt4o_flex
+      cached_input: 0.50
+"""
+
+
+def test_a_merged_mapping_that_overrides_its_own_merge_is_not_a_duplicate(tmp_path: Path) -> None:
+    """The duplicate-key check looked at a mapping's entries when it was constructed; a merge
+    elsewhere (``<<: *gpt4o_flex``, one level up, constructed first) had already flattened the
+    anchored mapping in place (its merged keys written in front of its own), so its own
+    overrides read as keys written twice: a valid file refused, 'found duplicate key input'."""
+    path = tmp_path / "config.yaml"
+    path.write_text(PRICES_WITH_MERGES)
+    config = load_config(path, {})
+    flex = config.models["gpt-4o"].service_tiers["flex"]
+    batch = config.models["gpt-4o-batch"].price_per_million
+    assert batch is not None
+    assert (flex.input, flex.output, flex.cached_input) == (1.25, 5, 1.25)
+    assert (batch.input, batch.output, batch.cached_input) == (1.25, 5, 0.5)
+    assert main(["check-config", str(path)]) == 0
+
+
+@pytest.mark.parametrize(
+    "old, new, key",
+    [
+        ("      cached_input: 0.50\n", "      cached_input: 0.50\n      cached_input: 0.6\n", "cached_input"),
+        # In the anchored mapping that a merge one level up flattens first.
+        ("        output: 5.00\n", "        output: 5.00\n        output: 6.00\n", "output"),
+    ],
+)
+def test_a_key_written_twice_beside_a_merge_is_still_refused(
+    tmp_path: Path, old: str, new: str, key: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(PRICES_WITH_MERGES.replace(old, new))
+    with pytest.raises(ConfigError, match=re.escape(f"duplicate key {key!r}")):
+        load_config(path, {})
+
+
+async def test_an_anthropic_upstream_behind_a_basic_auth_gateway_is_served(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The credentials-in-base_url check refuses them beside any key header, for the reason
+    that aiohttp refuses a request with both an ``Authorization`` header and URL credentials.
+    An Anthropic upstream sends its key as ``x-api-key``, not ``Authorization``: a gateway's
+    basic auth in the URL and the provider's key go together, and did before the check (now a
+    config error, a deployment that worked refused)."""
+    base = fake.base_url.replace("http://", "http://gw:s3cret@", 1)
+    upstreams = {"claude": {"base_url": base, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}}
+    proxy = await make_proxy(upstreams=upstreams, models={"claude-*": {"upstream": "claude"}})
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": f"Bearer {KEY_A}", "anthropic-version": "2023-06-01"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/messages", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+    sent = fake.received[-1].headers
+    assert sent["x-api-key"] and sent["Authorization"].startswith("Basic ")
+
+
+def test_a_cluster_url_given_on_the_command_line_is_taken(
+    cluster: RedisClusterProcesses,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``redis: {cluster: true}`` in the file, the node's URL from ``--redis-url`` (what the
+    CLI's own message for a cluster without a URL tells the operator to give): the config check
+    now refuses the file itself ('cluster: true needs a url'), before the flag is applied, so
+    serve, ledger and report exit 2 on a cluster they reached before; and a running proxy's
+    reload, which reads the file alone, refuses every change to it."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "redis: {cluster: true}\n"
+        "upstreams: {openai: {base_url: 'http://127.0.0.1:9/v1'}}\n"
+        f"journal_dir: {tmp_path / 'journal'}\n"
+    )
+    args = ["report", "--config", str(path), "--redis-url", cluster.url, "--tenant", "team-a"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == "no ledger entries\n"
+    load_config(path, {})  # what a reload reads: the URL stays the command line's
+
+
+def test_a_cluster_without_any_url_still_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("redis: {cluster: true}\nupstreams: {openai: {base_url: 'http://127.0.0.1:9/v1'}}\n")
+    assert main(["report", "--config", str(path), "--tenant", "team-a"]) == 2
+    err = capsys.readouterr().err
+    assert "the embedded redis-server is not a cluster" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A new URL written above the old one, the old one not yet deleted.
+        "redis:\n  url: 'redis://:Zx9WqKp3Lm8@redis-old.internal:6379/0'\n"
+        "  url: 'redis://:Zx9WqKp3Lm8@redis.internal:6379/0'\n",
+        "upstreams:\n  gw: {base_url: 'https://u:Zx9WqKp3Lm8@gw.internal/v1', kind: anthropic}\n"
+        "  gw: {base_url: 'https://u:Zx9WqKp3Lm8@gw2.internal/v1'}\n",
+    ],
+)
+def test_a_key_written_twice_is_refused_without_quoting_the_lines_around_it(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The duplicate-key error carried PyYAML's snippets of the lines it points at: the URL's
+    password went to stderr from check-config and serve, and to the log from a reload ('config
+    reload refused'), which every other refusal of a URL is careful never to quote."""
+    path = tmp_path / "config.yaml"
+    rest = "upstreams: {openai: {base_url: 'https://api.example.com/v1'}}\n" if "redis" in text else ""
+    path.write_text(text + rest)
+    with pytest.raises(ConfigError, match="duplicate key") as caught:
+        load_config(path, {})
+    assert "Zx9Wq" not in str(caught.value), str(caught.value)
+    assert main(["check-config", str(path)]) == 2
+    assert "Zx9Wq" not in capsys.readouterr().err
+
+
+def test_a_yaml_error_names_its_line_without_quoting_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PyYAML's message for a syntax error quotes the line it is on: a password in a URL there
+    went to the terminal (check-config, serve) or to the log (a refused reload)."""
+    path = tmp_path / "config.yaml"
+    path.write_text("redis:\n  url: 'redis://:Zx9WqKp3Lm8@redis.internal:6379/0' x: [\n")
+    with pytest.raises(ConfigError, match="invalid YAML") as caught:
+        load_config(path, {})
+    assert "line 2" in str(caught.value) and "Zx9Wq" not in str(caught.value), str(caught.value)
+    assert main(["check-config", str(path)]) == 2
+    assert "Zx9Wq" not in capsys.readouterr().err

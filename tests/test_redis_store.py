@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -48,13 +48,6 @@ TIER = TierConfig.model_validate(
         "tenant": [{"period": "month", "total_tokens": 1000}],
     }
 )
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
-    nodes = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
-    yield nodes
-    nodes.stop()
 
 
 @pytest.fixture(params=["single", "cluster"])
