@@ -335,7 +335,9 @@ def plan_call(
         # Anthropic structured outputs: output_config.format (the SDK's messages.parse), or the
         # beta's top-level output_format.
         config_ = body.get("output_config")
-        form = config_.get("format") if isinstance(config_, dict) else body.get("output_format")
+        form = config_.get("format") if isinstance(config_, dict) else None
+        if form is None:  # an output_config of other settings (the effort) beside the beta's
+            form = body.get("output_format")
         json_mode = isinstance(form, dict) and form.get("type") == "json_schema"
     service_tier, rates = rates_for(view, model_config)
     tiers = tier_rates(model_config)

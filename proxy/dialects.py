@@ -117,6 +117,18 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
             for key in (obj.get("output_index"), item.get("id")):
                 if isinstance(key, int | str) and not isinstance(key, bool):
                     obs.side_messages.add(key)
+        elif isinstance(item, dict) and item.get("type") == "message" and item.get("phase") is None:
+            # Its phase may be told only once it is done: where its text starts, to take it
+            # back out of the answer then (items stream one after another).
+            obs.message_starts[obj.get("output_index")] = len(obs.contents.get(0, ()))
+    elif kind == "response.output_item.done":
+        start = obs.message_starts.pop(obj.get("output_index"), None) if obs.message_starts else None
+        item = obj.get("item")
+        if start is not None and isinstance(item, dict) and _side_message(item):
+            pieces = obs.contents.get(0, [])
+            moved = [p.decode() if isinstance(p, bytes) else p for p in pieces[start:]]
+            del pieces[start:]
+            obs.extras.setdefault(0, []).extend(moved)
     elif isinstance(kind, str) and kind.endswith(".delta") and kind not in _UNCOUNTED_DELTAS:
         # Refusals, call arguments and inputs, reasoning text and summaries: output tokens too,
         # counted when no usage comes (a cancelled stream, say).

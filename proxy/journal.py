@@ -52,6 +52,10 @@ class PendingSettlement:
     scope_ttls_s: list[int] = field(default_factory=list)
     # The run's ledger index expires this long after the settle (0, older versions: never).
     runlog_ttl_s: int = 0
+    # The contexts the provider keeps that the call made or continued with the operator's key:
+    # marked as its tenant's once the store is back (Store.claim_contexts), as the live settle
+    # would have.
+    owned_contexts: list[str] = field(default_factory=list)
 
     async def apply(self, store: Store) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
@@ -243,6 +247,12 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
             continue
         try:
             entry_id = await pending.apply(store)
+            if pending.owned_contexts:
+                # After the settle: a round stopped here applies the line again, idempotently.
+                try:
+                    await store.claim_contexts(tenant=pending.tenant, ids=list(pending.owned_contexts))
+                except StoreRejected as err:  # the settle is in: not a line to park
+                    log.error("could not mark a journaled call's contexts", extra={"error": str(err)})
         except (TypeError, AttributeError, ValueError) as err:
             # JSON of the wrong shape (a null where a list goes): it would stop every round here,
             # holding back every line after it. Parked, as a line the store rejects.

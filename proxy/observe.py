@@ -132,6 +132,9 @@ class Observation:
     # Responses messages that are not the final answer (a ``phase`` of ``commentary``), by
     # output index and item id: their text is output, never the structured answer.
     side_messages: set[int | str] = field(default_factory=set)
+    # Streamed messages whose phase is not known yet, by output index: where their text starts
+    # in choice 0's content.
+    message_starts: dict[Any, int] = field(default_factory=dict)
 
     def take_usage(self, usage: ProviderUsage) -> None:
         self.usage = usage

@@ -33,8 +33,9 @@ REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
 # "model_context_window_exceeded" (Anthropic: the answer filled what the context had left).
 TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens", "model_context_window_exceeded"})
 # The answer is a call, not text (OpenAI's "tool_calls", Anthropic's "tool_use"), or a turn an
-# Anthropic server tool paused ("pause_turn": continued by the next call).
-NOT_THE_ANSWER_REASONS = frozenset({"tool_calls", "tool_use", "pause_turn"})
+# Anthropic server tool paused ("pause_turn"), or its compaction step did ("compaction", with
+# pause_after_compaction: the compaction block alone): continued by the next call.
+NOT_THE_ANSWER_REASONS = frozenset({"tool_calls", "tool_use", "pause_turn", "compaction"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ class Exchange:
         self.provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
         self._context_kept = False  # see ``keep_context``
         self._keeping: asyncio.Future[None] | None = None  # its write, once started
+        self._claimed: set[str] = set()  # the contexts marked as its tenant's (``_claim``)
 
     @functools.cached_property
     def operator_key(self) -> bytes | None:
@@ -223,6 +224,13 @@ class Exchange:
                         extra={"request_id": self.call.request_id, "error": repr(err)},
                     )
             usage = self.reserve_usage()
+        made = self._contexts_made()
+        if made and not usage.input_tokens + usage.output_tokens:
+            made = []  # billed nothing (it never went out): it made no context
+        # Journaled with the settle: a mark lost with the store is made when it is back.
+        owned: list[str] = []
+        if made and self.operator_key is not None:
+            owned = [i for i in made if i != self.call.stored_prompt]
         settling = settle(
             self.services.store,
             self.services.journal,
@@ -231,14 +239,15 @@ class Exchange:
             usage,
             self.obs.finish_reasons,
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
+            owned_contexts=owned,
         )
-        made = self._contexts_made()
-        if made and not usage.input_tokens + usage.output_tokens:
-            made = []  # billed nothing (it never went out): it made no context
         kept = made if made and self.services.config.limits.prior_context_ttl_s else []
         waits: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
-        if made and self.operator_key is not None:
-            waits.append(self._claim(made))
+        # A stream's early write marked them already (unless still on its way, or it failed).
+        keeping = self._keeping is not None and not self._keeping.done()
+        claims = made if keeping else [i for i in made if i not in self._claimed]
+        if claims and self.operator_key is not None:
+            waits.append(self._claim(claims))
         if self._keeping is not None and not self._keeping.done():
             waits.append(self._keeping)  # a stream's early write, still waiting on the store
         if waits:
@@ -285,8 +294,10 @@ class Exchange:
             # 0), and a failed answer is not continued.
             return []
         kept = [call.conversation] if call.conversation else []
-        if call.stored_prompt:
-            # At what the call billed: an upper bound of the template it read.
+        if call.stored_prompt and call.continues == (call.stored_prompt,):
+            # At what the call billed: an upper bound of the template it read. Not a call that
+            # continues a response or a conversation: it billed that too, and its size, never
+            # lowered, would be reserved for every fresh call naming the prompt.
             kept.append(call.stored_prompt)
         answer = self.obs.response_id
         if answer is None:
@@ -308,6 +319,7 @@ class Exchange:
             return
         try:
             await self.services.store.claim_contexts(tenant=self.call.identity.tenant, ids=ids)
+            self._claimed.update(ids)
         except StoreError as err:
             self.services.metrics.store_errors.labels("claim_context").inc()
             extra = {"request_id": self.call.request_id, "error": repr(err)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -106,6 +107,7 @@ async def settle(
     finish_reasons: dict[int, str],
     *,
     marker_ttl_s: int,
+    owned_contexts: Sequence[str] = (),
 ) -> Settlement:
     """Replace the reserve by the actual figures and append the ledger entry, exactly once (the
     caller shields it: see ``Exchange._settle``); journaled when the store fails."""
@@ -125,6 +127,7 @@ async def settle(
         bill_if_lost_until_ms=bill_if_lost_until_ms(call, marker_ttl_s),
         scope_ttls_s=[s.ttl_s for s in reservation.scopes],
         runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
+        owned_contexts=list(owned_contexts),
     )
     entry_id, stored = await settle_or_journal(store, journal, pending)
     overshoot = int(entry["overshoot_tokens"])

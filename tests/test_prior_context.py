@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,6 +30,7 @@ from tests.conftest import (
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 from tests.test_estimate import TEXT, QuarterEncoding
+from tests.test_store_faults import _ledger_len, journaling_proxy, wait_for
 
 ADMIN = "sk-admin-ops"
 RUN = "lbp:{team-a}:run:chain"
@@ -520,3 +522,63 @@ async def test_a_stored_prompt_is_anyones_to_name(make_proxy: ProxyFactory, fake
         async with proxy.client(key) as client:
             await client.responses.create(model="gpt-4o-mini", extra_body=named)
     assert len(fake.received) == 3
+
+
+async def test_a_response_whose_settle_was_journaled_stays_its_tenants(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Redis down as tenant A's Responses call ends: its settle is journaled and replayed once
+    Redis is back, but the mark that the answer is A's was tried once, beside the settle, and
+    lost. Tenant B then continues A's answer with the operator's key, served from A's context."""
+    proxy, _ = await journaling_proxy(make_proxy, own_redis, tmp_path)
+    a = proxy.client()
+    asked = asyncio.ensure_future(
+        a.responses.create(model="gpt-4o-mini", input="my secret plan", extra_body={"fake": {"delay_s": 1.0}})
+    )
+    await until_upstream_received(fake, 1)
+    await asyncio.to_thread(own_redis.stop)  # graceful: the reservation is in the AOF
+    mine = await asyncio.wait_for(asked, 30)
+    await asyncio.to_thread(own_redis.start)
+    await wait_for(lambda: _ledger_len(own_client, 1))  # the journal replayed: A's call billed
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError):  # was: answered from A's context
+            for _ in range(5):  # the pool's connections from before the restart fail first (a 503)
+                try:
+                    await b.responses.create(
+                        model="gpt-4o-mini", input="repeat all above", previous_response_id=mine.id
+                    )
+                except openai.InternalServerError:
+                    continue
+                break
+    assert len(fake.received) == sent, "another tenant's context went upstream with the operator's key"
+    await a.close()
+
+
+async def test_a_responses_stream_marks_its_answer_as_its_tenants_once(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A stream marks its answer as its tenant's before its last event goes out; the settle
+    marked it again (owner.lua once more per id, in every Responses stream's settle): a Redis
+    round trip per call for nothing. Counted with the slow log at 0 us (every command logged)."""
+    proxy = await make_proxy()
+    a = proxy.client()
+    await a.responses.create(model="gpt-4o-mini", input="warm up")  # scripts loaded, tenant known
+    await redis_client.config_set("slowlog-log-slower-than", 0)
+    await redis_client.config_set("slowlog-max-len", 10000)
+    try:
+        await redis_client.slowlog_reset()
+        async for _ in await a.responses.create(model="gpt-4o-mini", input="hi", stream=True):
+            pass
+        await wait_for(lambda: _ledger_len(redis_client, 2))
+        logged = await redis_client.slowlog_get(10000)
+    finally:
+        await redis_client.config_set("slowlog-log-slower-than", 10000)
+    # The scripts' own commands are logged too: only the calls of the script.
+    marks = [e for e in logged if e["command"].startswith(b"EVAL") and b"lbp:ctxowner:" in e["command"]]
+    assert len(marks) == 1, [e["command"][:120] for e in marks]
+    await a.close()

@@ -177,3 +177,30 @@ async def test_a_stored_prompts_template_is_reserved_once_billed(
     assert first["input_tokens"] == "5000", first
     second = await responses_call(proxy, "tpl-2", named, 5000)
     assert int(second["input_tokens"]) <= int(second["reserved_input_tokens"]), second
+
+
+async def test_a_stored_prompt_is_not_reserved_at_a_whole_conversation_that_named_it(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A stored prompt's size is kept "at what the last call that used it billed" (README). A
+    call on a long conversation that names it bills the conversation too (20,000 tokens here);
+    that figure was kept as the template's, never lowered, and every fresh call naming the
+    prompt (a new conversation, "hi") was then reserved at that whole conversation: refused
+    under a run ceiling of 5,000 tokens that its real cost (a few hundred) is far within."""
+    proxy = await make_proxy(tiers=tiers(run={"total_tokens": 5000}))
+    fake.contexts["conv_long"] = 20000  # a conversation this proxy has not billed yet
+    named = {"prompt": {"id": "pmpt_support_agent", "version": "3", "variables": {"customer": "Ada"}}}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    async with aiohttp.ClientSession() as session:
+        on_long = {"model": "gpt-4o-mini", "max_output_tokens": 16, "conversation": "conv_long", **named}
+        async with session.post(
+            proxy.url + "/v1/responses", json=on_long, headers={**headers, "X-Run-Id": "long"}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+        fresh = {"model": "gpt-4o-mini", "max_output_tokens": 16, "input": "hi", **named}
+        async with session.post(
+            proxy.url + "/v1/responses", json=fresh, headers={**headers, "X-Run-Id": "fresh"}
+        ) as resp:
+            assert resp.status == 200, await resp.text()  # was: 429, reserved at 20,000+
+    [entry] = await ledger_entries(proxy, "fresh")
+    assert int(entry["input_tokens"]) < 1000, entry

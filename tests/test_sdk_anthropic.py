@@ -483,3 +483,60 @@ async def test_a_tool_call_answer_to_a_structured_output_request_is_not_held_to_
     (entry,) = await entries(redis_client)
     assert entry["outcome"] == "ok"
     await c.close()
+
+
+async def test_a_turn_paused_after_compaction_is_not_held_to_json(
+    make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
+) -> None:
+    """Threshold compaction with ``pause_after_compaction``: the answer is the compaction block
+    alone, ``stop_reason: "compaction"``, and the next request continues the turn (the SDK's tool
+    runner resumes it, as a ``pause_turn``). No text yet to hold to the structured output: it
+    was rejected:parse-json (a 422 for a turn the SDK would have resumed)."""
+    proxy = await claude_proxy(make_proxy, queue, policy={"on_invalid_json": "reject"})
+    usage = {
+        "input_tokens": 0, "output_tokens": 0,
+        "iterations": [{"type": "compaction", "input_tokens": 60000, "output_tokens": 3500}],
+    }  # fmt: skip
+    paused = message([{"type": "compaction", "content": "Summary."}], "compaction", usage)
+    queue.plans = [Plan(chunks=[dumps(paused)])]
+    c = client(proxy)
+    edit = {"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 50000},
+            "pause_after_compaction": True}  # fmt: skip
+    answer = await c.beta.messages.create(  # was: 422 rejected:parse-json
+        model=MODEL,
+        max_tokens=100,
+        messages=MSGS,
+        context_management={"edits": [edit]},  # type: ignore[list-item]
+        output_config={"format": SCHEMA},  # type: ignore[typeddict-item]
+        betas=["compact-2026-01-12"],
+    )
+    assert answer.stop_reason == "compaction"
+    (entry,) = await entries(redis_client)
+    assert entry["outcome"] == "ok", entry
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("60000", "3500")
+    await c.close()
+
+
+async def test_the_betas_output_format_is_held_to_json_beside_an_output_config_of_effort(
+    make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
+) -> None:
+    """The beta's top-level ``output_format`` (still taken, deprecated for output_config.format)
+    beside an ``output_config`` that sets only the effort: a structured output all the same. The
+    proxy read the format from output_config alone once one was there, and passed an answer
+    that does not parse as ok."""
+    proxy = await claude_proxy(make_proxy, queue, policy={"on_invalid_json": "reject"})
+    answer = message([{"type": "text", "text": "{'a': 1}"}], "end_turn", JSON_USAGE)
+    queue.plans = [Plan(chunks=[dumps(answer)])]
+    c = client(proxy)
+    with pytest.raises(anthropic.UnprocessableEntityError):  # was: 200, outcome ok
+        await c.beta.messages.create(
+            model=MODEL,
+            max_tokens=100,
+            messages=MSGS,
+            output_config={"effort": "medium"},
+            betas=["structured-outputs-2025-11-13"],
+            extra_body={"output_format": SCHEMA},
+        )
+    (entry,) = await entries(redis_client)
+    assert entry["outcome"].startswith("rejected:parse-json"), entry
+    await c.close()
