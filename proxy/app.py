@@ -80,6 +80,8 @@ class State:
 
 STATE = web.AppKey("state", State)
 RELOAD_POLL_S = 2.0
+# How often the store's clock is measured again (budget windows follow it: ``Store.now``).
+CLOCK_SYNC_S = 30.0
 
 StoreFactory = Callable[[Config], Store]
 
@@ -281,12 +283,27 @@ def build_app(
             await store.ping()
             await store.load_scripts()
             state.ready = True
+            with contextlib.suppress(StoreError):  # measured again by the loop below
+                await store.sync_clock()
             warning = await store.persistence_warning()
             if warning:
                 log.warning(warning)
         except StoreError as err:  # the readiness probe reports it; calls get 503
             log.error("store unreachable at start", extra={"error": str(err)})
+
+        async def clock() -> None:
+            # Budget windows follow the store's clock; a host's clock is stepped or drifts.
+            while True:
+                await asyncio.sleep(CLOCK_SYNC_S)
+                with contextlib.suppress(StoreError):
+                    await store.sync_clock()
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    return  # a cancel a store client swallowed
+
+        syncing = asyncio.create_task(clock())
         yield
+        await _stopped(syncing)
         await store.close()
 
     async def journal_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import re
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -68,7 +67,8 @@ class PendingSettlement:
             scope_keys=self.scope_keys,
             actual=self.actual,
             entry=self.entry,
-            bill_if_lost=time.time() * 1000 < self.bill_if_lost_until_ms,
+            # The store's clock: the journal may be replayed by an instance on another host.
+            bill_if_lost=store.now() * 1000 < self.bill_if_lost_until_ms,
             scope_ttls_s=self.scope_ttls_s,
             runlog_ttl_s=self.runlog_ttl_s,
             own=True,

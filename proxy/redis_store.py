@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -151,6 +152,8 @@ class RedisStore:
         # Single-node only: the hot-path scripts share one pipelined connection.
         self._pipe = pipe
         self._scripts = _load_scripts()
+        # The store's clock minus this process's (seconds): see ``now``.
+        self._clock_offset_s = 0.0
 
     @classmethod
     def from_url(
@@ -205,6 +208,22 @@ class RedisStore:
             await self._client.ping()
         except STORE_FAILURES as err:
             raise StoreError(f"ping: {err}") from err
+
+    def now(self) -> float:
+        return time.time() + self._clock_offset_s
+
+    async def sync_clock(self) -> None:
+        """Measure how far the store's clock (TIME) is from this process's, to half a round trip."""
+        try:
+            before = time.time()
+            found: Any = await self._client.time()
+            after = time.time()
+        except STORE_FAILURES as err:
+            raise StoreError(f"time: {err}") from err
+        if isinstance(found, dict):  # a cluster client may answer per node
+            found = next(iter(found.values()))
+        secs, micros = found
+        self._clock_offset_s = int(secs) + int(micros) / 1e6 - (before + after) / 2
 
     async def load_scripts(self) -> None:
         try:

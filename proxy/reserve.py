@@ -31,7 +31,7 @@ def lease_ms(call: Call, config: Config) -> int:
     return int((call.upstream.timeout_s + config.limits.lease_margin_s) * 1000)
 
 
-def _refusal_error(refusal: Refusal, *, fits_nowhere: bool = False) -> BudgetExceeded:
+def _refusal_error(refusal: Refusal, *, now_s: float, fits_nowhere: bool = False) -> BudgetExceeded:
     """``fits_nowhere``: a window in its way would refuse the request even empty (it alone passes
     the ceiling): no reset helps, so none is named."""
     scope = refusal.scope
@@ -53,7 +53,7 @@ def _refusal_error(refusal: Refusal, *, fits_nowhere: bool = False) -> BudgetExc
     elif not fits_nowhere and all(at is not None for at in resets):
         # When the last window that refuses it has reset (a scope for good, such as a key's
         # lifetime: none).
-        headers["retry-after"] = str(max(1, max(at for at in resets if at is not None) - int(time.time())))
+        headers["retry-after"] = str(max(1, max(at for at in resets if at is not None) - int(now_s)))
     return BudgetExceeded(message, headers=headers)
 
 
@@ -104,11 +104,12 @@ async def reserve(
     (not queued behind the refinements of other calls, which ``count_later`` runs)."""
     tier = config.tiers.get(call.identity.tier)
     run_ttl_s = config.limits.run_ttl_s
+    # The window by the store's clock, which every instance shares (a host's own may be off).
     scopes = scopes_for(
         call.identity,
         call.run_id,
         tier,
-        datetime.now(UTC),
+        datetime.fromtimestamp(store.now(), UTC),
         run_ttl_s=run_ttl_s,
         tenant_periods=config.tenant_periods(call.identity.tenant),
     )
@@ -164,7 +165,7 @@ async def reserve(
         raise
     assert not isinstance(result, Tentative), "a final reserve is never tentative"
     if isinstance(result, Refusal):
-        raise _refusal_error(result, fits_nowhere=_never_fits(call, tier, scopes))
+        raise _refusal_error(result, now_s=store.now(), fits_nowhere=_never_fits(call, tier, scopes))
     if result.clamped_output_per_choice:
         _apply_clamp(call, result)
     call.reservation = result

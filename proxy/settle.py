@@ -39,14 +39,15 @@ class Settlement:
 MARKER_TRUST = 0.9
 
 
-def bill_if_lost_until_ms(call: Call, marker_ttl_s: int) -> int:
+def bill_if_lost_until_ms(call: Call, marker_ttl_s: int, *, now_s: float) -> int:
     """Until when a call that went out is billed even if the store lost its reservation.
 
     A reaper settles a call only after Redis last confirmed its lease (the reserve, a renewal),
     and its settle leaves the marker for ``marker_ttl_s``: until that long after the last
-    confirmation, a settle finding neither reservation nor marker cannot be a second one."""
+    confirmation, a settle finding neither reservation nor marker cannot be a second one.
+    ``now_s``: the store's clock (``Store.now``), which a journal replayed elsewhere reads too."""
     left_s = marker_ttl_s * MARKER_TRUST - (time.monotonic() - call.lease_confirmed_at)
-    return int(time.time() * 1000 + left_s * 1000) if left_s > 0 else 0
+    return int(now_s * 1000 + left_s * 1000) if left_s > 0 else 0
 
 
 def entry_fields(
@@ -124,7 +125,7 @@ async def settle(
         scope_keys=[s.key for s in reservation.scopes],
         actual=actual,
         entry=entry,
-        bill_if_lost_until_ms=bill_if_lost_until_ms(call, marker_ttl_s),
+        bill_if_lost_until_ms=bill_if_lost_until_ms(call, marker_ttl_s, now_s=store.now()),
         scope_ttls_s=[s.ttl_s for s in reservation.scopes],
         runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
         owned_contexts=list(owned_contexts),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import redis.asyncio as aioredis
 import yaml
 from prometheus_client import generate_latest
 
+import proxy.reserve
 from proxy.app import STATE
 from proxy.redis_server import RedisServerProcess
 from proxy.store import Reservation, Scope
@@ -999,3 +1002,54 @@ async def test_spend_of_a_tenant_a_reload_removed_is_not_counted_as_pass_through
         assert cost == ['llm_proxy_cost_total{model="gpt-4o-mini",tenant="team-b"} 7.7e-05'], cost
     finally:
         await proxy.runner.cleanup()
+
+
+HI: list[Any] = [{"role": "user", "content": "hi"}]
+SKEW_S = 120.0
+
+
+async def _redis_now(redis_client: aioredis.Redis) -> float:
+    secs, micros = await redis_client.time()
+    return secs + micros / 1e6
+
+
+def _skew_clock(monkeypatch: pytest.MonkeyPatch, behind_s: float) -> None:
+    """This process's wall clock ``behind_s`` behind (an instance on a host whose clock is off):
+    both of the stdlib's wall-clock readings, as a host's clock would be."""
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - behind_s)
+
+    class Skewed(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.fromtimestamp(real_time() - behind_s, tz)
+
+    monkeypatch.setattr(proxy.reserve, "datetime", Skewed)
+
+
+async def test_instances_with_skewed_clocks_share_one_minute_window(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two instances on one store, one of them with a clock two minutes behind: a key's
+    `requests: 1` per minute must hold across them, judged by the one clock they share (the
+    store's), not by each host's own clock."""
+    tiers = {"standard": {"windows": [{"period": "minute", "requests": 1}]}}
+    # Not in the last seconds of the store's minute: both calls fall in one minute of its clock.
+    while (await _redis_now(redis_client)) % 60 > 50:
+        await asyncio.sleep(0.5)
+    started_minute = int(await _redis_now(redis_client)) // 60
+
+    right = await make_proxy(tiers=tiers)
+    await right.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+
+    with monkeypatch.context() as patch:
+        _skew_clock(patch, SKEW_S)
+        behind = await make_proxy(tiers=tiers)  # starts, and serves, on its own (skewed) clock
+        with pytest.raises(openai.RateLimitError) as caught:
+            await behind.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+    assert int(await _redis_now(redis_client)) // 60 == started_minute, "the test straddled a minute"
+    assert caught.value.response.headers["x-billing-refused-scope"] == "key:minute"
+    assert len(fake.received) == 1

@@ -651,10 +651,10 @@ def test_the_window_for_billing_a_lost_reservation_runs_from_the_last_lease_conf
 
     now_ms = time.time() * 1000
     fresh = cast(Call, SimpleNamespace(lease_confirmed_at=time.monotonic()))
-    until = bill_if_lost_until_ms(fresh, 3600)
+    until = bill_if_lost_until_ms(fresh, 3600, now_s=now_ms / 1000)
     assert abs(until - (now_ms + 3600 * MARKER_TRUST * 1000)) < 1000
     stale = cast(Call, SimpleNamespace(lease_confirmed_at=time.monotonic() - 3600))
-    assert bill_if_lost_until_ms(stale, 3600) == 0
+    assert bill_if_lost_until_ms(stale, 3600, now_s=now_ms / 1000) == 0
 
 
 async def test_a_reaped_call_keeps_its_run_index_as_long_as_its_reserve_said(store: RedisStore) -> None:
