@@ -174,6 +174,30 @@ class RedisServerProcess:
         except OSError:
             return False
 
+    def server_pid(self) -> int | None:
+        """The pid of the server answering here (``INFO server``'s ``process_id``), or None."""
+        try:
+            if self.port is not None:
+                conn = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+            else:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(0.5)
+                conn.connect(str(self.socket_path))
+            with conn:
+                conn.sendall(b"INFO server\r\n")
+                reply = b""
+                while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    reply += chunk
+        except OSError:
+            return None
+        for line in reply.split(b"\r\n"):
+            if line.startswith(b"process_id:") and line[11:].isdigit():
+                return int(line[11:])
+        return None
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop gracefully (SIGTERM makes redis flush its AOF)."""
         self._signal(signal.SIGTERM, timeout_s)
@@ -212,6 +236,40 @@ class EmbeddedKeeper:
         self.start_timeout_s = start_timeout_s  # loading a large AOF takes a while
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # A server whose proxy died (kill -9) and that this process took over: stopped on exit.
+        self._adopted: int | None = None
+
+    @property
+    def _owner_path(self) -> Path:
+        return self.server.data_dir / "server.owner"
+
+    def _write_owner(self) -> None:
+        with contextlib.suppress(OSError):
+            self._owner_path.write_text(str(os.getpid()))
+
+    def _adopt_if_orphaned(self) -> None:
+        """A server that holds the directory's lock was started by a proxy; if that proxy is
+        gone (killed -9: the server, in a session of its own, lives on), this one takes it over
+        and stops it on exit, as its own. Not a server started by hand (it holds no lock)."""
+        try:
+            owner = int(self._owner_path.read_text().strip())
+        except (OSError, ValueError):
+            return
+        if owner == os.getpid():
+            return
+        try:
+            os.kill(owner, 0)
+            return  # its proxy lives
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            return
+        pid = self.server.server_pid()
+        if pid is None:
+            return
+        self._adopted = pid
+        self._write_owner()
+        log.warning("took over an embedded redis-server its proxy left running", extra={"pid": pid})
 
     def ensure(self) -> bool:
         """A server answers on the socket once this returns (or ``start_timeout_s`` passed);
@@ -237,12 +295,17 @@ class EmbeddedKeeper:
                 # A server lives, another proxy is starting one, or one is on its way out: the
                 # lock is tried again meanwhile, since a server that exits leaves nobody to
                 # start the next one but the proxies waiting here.
-                if self.server.answers_ping() or time.monotonic() >= deadline:
+                if self.server.answers_ping():
+                    self._adopt_if_orphaned()
+                    return False
+                if time.monotonic() >= deadline:
                     return False
                 time.sleep(0.05)
             if self.server.answers_ping():
                 return False  # one that holds no lock (started by hand, or by an older version)
             self.server.start(self.start_timeout_s, keep_fds=(fd,))
+            self._adopted = None
+            self._write_owner()
             return True
         finally:
             os.close(fd)  # the server keeps its copy, and with it the lock
@@ -270,4 +333,18 @@ class EmbeddedKeeper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.server.stop()  # only a server this process started
+        self.server.stop()  # only a server this process started (or took over)
+        adopted = self._adopted
+        if adopted is not None and self.server.process is None and self.server.server_pid() == adopted:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(adopted, signal.SIGTERM)
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(adopted, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.02)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(adopted, signal.SIGKILL)

@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -164,6 +165,59 @@ def _worker_process(*args: Any) -> None:
 def supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
     """Start the workers, pass SIGTERM/SIGINT/SIGHUP on to them, wait for all of them; the first
     that fails stops the rest."""
+    try:
+        claim = _claim_port(config.listen.host, config.listen.port)
+    except OSError as err:
+        # The workers' listeners share the port (SO_REUSEPORT): their bind succeeds beside
+        # another instance's workers, which would then take part of the calls. Asked here, once.
+        print(f"llm-billing-proxy: cannot serve: {err.strerror or err}", file=sys.stderr)
+        return EXIT_CANNOT_SERVE
+    try:
+        return _supervise(config, passthrough, config_path, workers)
+    finally:
+        for sock in claim:
+            sock.close()
+
+
+def _claim_port(host: str, port: int) -> list[socket.socket]:
+    """Refuse a port another process serves, and claim it for this instance's workers.
+
+    A probe without SO_REUSEPORT fails to bind where anything listens or another instance holds
+    its claim; the claim (SO_REUSEPORT, bound, never listening: it gets no connections) lets
+    this instance's workers bind beside it and makes a second instance's probe fail."""
+    if not port:
+        return []
+    claims: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _name, address in dict.fromkeys(
+            (family, kind, proto, "", address) for family, kind, proto, _name, address in infos
+        ):
+            for reuse_port in (False, True):
+                sock = socket.socket(family, kind, proto)
+                try:
+                    if family == socket.AF_INET6:
+                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    if reuse_port:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                    else:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind(address)
+                except BaseException:
+                    sock.close()
+                    raise
+                if reuse_port:
+                    claims.append(sock)
+                else:
+                    sock.close()
+    except BaseException:
+        for sock in claims:
+            sock.close()
+        raise
+    return claims
+
+
+def _supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
     context = multiprocessing.get_context("spawn")
     children = [
         context.Process(

@@ -15,11 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis
 
 from proxy.errors import ConfigError
 from proxy.redis_server import SOCKET_PATH_MAX_BYTES, EmbeddedKeeper, RedisServerProcess, socket_path_for
+from tests.conftest import KEY_A, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.procs import ProxyProcess
 
 
 @pytest.fixture
@@ -209,3 +213,40 @@ def test_a_start_that_fails_is_tried_again(tmp_path: Path, monkeypatch: pytest.M
     finally:
         keeper.close()
     assert not _redis_pids(tmp_path / "redis")
+
+
+def _embedded(fake: FakeUpstream, tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    raw = base_config(fake.base_url, "unused", **overrides)
+    raw["redis"] = {"data_dir": str(tmp_path / "redis"), "socket_timeout_s": 1}
+    return raw
+
+
+async def test_an_embedded_server_a_killed_proxy_left_is_adopted_and_stopped(
+    fake: FakeUpstream, tmp_path: Path
+) -> None:
+    """README: the embedded server is stopped on exit. Its proxy killed -9, the server (in a
+    session of its own) lives on holding the directory's lock; the next start uses it, and on
+    its own exit left it running: no proxy ever stops it again."""
+    raw = _embedded(fake, tmp_path)
+    first = ProxyProcess(raw, tmp_path).start()
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        async with session.post(first.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+    assert first.process is not None
+    os.kill(first.process.pid, signal.SIGKILL)
+    first.process.wait()
+    assert len(_redis_pids(tmp_path / "redis")) == 1  # in a session of its own: it lives on
+    second = ProxyProcess(raw, tmp_path).start()
+    try:
+        assert "started embedded redis-server" not in second.log()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(second.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+    finally:
+        second.stop()
+    left = _redis_pids(tmp_path / "redis")
+    for pid in left:
+        os.kill(pid, signal.SIGTERM)
+    assert left == [], "the orphaned redis-server outlived the proxy that adopted it"

@@ -311,3 +311,40 @@ def test_a_stop_just_before_the_loop_runs_is_kept(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert '"msg":"stopped"' in done.stderr, done.stderr[-2000:]
+
+
+def test_a_second_instance_with_workers_on_a_served_port_cannot_serve(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """README: exit 4 when the address cannot be served (port in use). With ``--workers`` the
+    listeners set SO_REUSEPORT, and a second ``serve --workers 2`` (a stale instance, an old
+    version left running) binds beside the first and takes half the connections."""
+    import yaml
+
+    raw = base_config(fake.base_url, redis_server.url)
+    first = ProxyProcess(raw, tmp_path / "a", args=("--workers", "2")).start()
+    second = ProxyProcess(raw, tmp_path / "b", args=("--workers", "2"))
+    on_disk = yaml.safe_load(second.config_path.read_text())
+    on_disk["listen"]["port"] = first.port
+    second.config_path.write_text(yaml.safe_dump(on_disk))
+    second.port = first.port
+    try:
+        second.start(ready=False)
+        try:
+            code = second.wait(20)
+        except Exception:
+            code = None
+        assert code == 4, second.log()[-2000:]
+        assert "cannot serve" in second.log()
+    finally:
+        second.stop()
+        first.stop()
+    # Once it has stopped (its connections in TIME_WAIT), the port is served again at once.
+    third = ProxyProcess(raw, tmp_path / "c", args=("--workers", "2"))
+    on_disk["journal_dir"] = str(tmp_path / "c" / "journal")
+    third.config_path.write_text(yaml.safe_dump(on_disk))
+    third.port = first.port
+    try:
+        third.start()
+    finally:
+        third.stop()
