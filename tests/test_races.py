@@ -16,6 +16,7 @@ from proxy.redis_store import RedisStore
 from tests.conftest import KEY_A, ProxyFactory, base_config, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
+from tests.test_resilience import until
 
 LEDGER = "lbp:{team-a}:ledger"
 LEASES = "lbp:{team-a}:leases"
@@ -138,17 +139,6 @@ async def test_racing_reapers_settle_an_expired_lease_once(
     assert run["resv:total_tokens"] == "0" and run["resv:concurrent"] == "0"
 
 
-async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        try:
-            if await predicate():
-                return
-        except aioredis.ConnectionError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached in time")
-
-
 async def test_redis_killed_and_restarted_in_a_burst_through_two_instances_bills_what_went_out(
     make_proxy: ProxyFactory,
     fake: FakeUpstream,
@@ -195,7 +185,7 @@ async def test_redis_killed_and_restarted_in_a_burst_through_two_instances_bills
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         statuses, _ = await asyncio.gather(asyncio.gather(*(one(session, i) for i in range(80))), crash())
     assert set(statuses) <= {200, 429, 503}, statuses
-    await _until(lambda: _settled(own_client))
+    await until(lambda: _settled(own_client), timeout_s=20)
     await asyncio.sleep(1)
     entries = [e for _, e in await own_client.xrange(LEDGER)]
     billed = [e for e in entries if e["outcome"] != "not_forwarded"]
@@ -254,7 +244,7 @@ async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_a
             await resp.read()
         await hold
         await blocker.aclose()
-    await _until(lambda: _settled(own_client))
+    await until(lambda: _settled(own_client), timeout_s=20)
     await asyncio.sleep(0.5)  # more replay rounds
     ((_, entry),) = await own_client.xrange(LEDGER)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider")

@@ -79,14 +79,17 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return f"event: {obj['type']}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-def _stream(output: list[dict[str, Any]]) -> list[bytes]:
+def _stream(output: list[dict[str, Any]], *, phase_when_added: bool = True) -> list[bytes]:
+    """The events OpenAI sends for ``output``; ``phase_when_added=False``: each message's phase
+    told only once it is done (``response.output_item.done``), not when it is added."""
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": _response("in_progress", [], None)},
         {"type": "response.in_progress", "response": _response("in_progress", [], None)},
     ]
     for index, item in enumerate(output):
         text = item["content"][0]["text"]
-        empty = {**item, "status": "in_progress", "content": []}
+        added = item if phase_when_added else {k: v for k, v in item.items() if k != "phase"}
+        empty = {**added, "status": "in_progress", "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         events += [
@@ -203,37 +206,12 @@ async def test_a_tool_call_after_commentary_is_not_rejected(
     assert entry["outcome"] == "ok", entry
 
 
-def _stream_phase_known_late(output: list[dict[str, Any]]) -> list[bytes]:
-    """As ``_stream``, but each message item as it is added carries no ``phase`` yet: it is
-    known once the item is done (and in ``response.completed``), as some gateways stream it."""
-    events: list[dict[str, Any]] = [
-        {"type": "response.created", "response": _response("in_progress", [], None)},
-        {"type": "response.in_progress", "response": _response("in_progress", [], None)},
-    ]
-    for index, item in enumerate(output):
-        text = item["content"][0]["text"]
-        empty = {k: v for k, v in item.items() if k != "phase"} | {"status": "in_progress", "content": []}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        events += [
-            {"type": "response.output_item.added", "output_index": index, "item": empty},
-            {"type": "response.content_part.added", **where, "part": part},
-            {"type": "response.output_text.delta", **where, "delta": text[:10], "logprobs": []},
-            {"type": "response.output_text.delta", **where, "delta": text[10:], "logprobs": []},
-            {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-            {"type": "response.content_part.done", **where, "part": {**part, "text": text}},
-            {"type": "response.output_item.done", "output_index": index, "item": item},
-        ]
-    events.append({"type": "response.completed", "response": _response("completed", output, USAGE)})
-    return [_sse({**e, "sequence_number": n}) for n, e in enumerate(events)]
-
-
 async def test_a_structured_answer_after_commentary_whose_phase_comes_late_is_not_rejected(
     make_proxy: ProxyFactory, script: ScriptedUpstream
 ) -> None:
     """The phase of a streamed message may be known only once it is done (the final response
     holds it, which is what the SDK parses): its commentary is still not the JSON answer."""
-    script.plan = Plan(content_type="text/event-stream", chunks=_stream_phase_known_late(OUTPUT))
+    script.plan = Plan(content_type="text/event-stream", chunks=_stream(OUTPUT, phase_when_added=False))
     proxy = await make_proxy(
         upstreams=scripted_upstreams(script.base_url), policy={"on_invalid_json": "reject"}
     )
