@@ -102,7 +102,7 @@ def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[
             f"no ledger store in {server.data_dir} (no server running there, no data): run from "
             "the directory the proxy serves from, or give --redis-url"
         )
-    keeper = EmbeddedKeeper(server)
+    keeper = EmbeddedKeeper(server, take_over=purpose == "serve")
     if keeper.ensure():
         log.info(
             "started embedded redis-server",

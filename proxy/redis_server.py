@@ -229,9 +229,17 @@ class EmbeddedKeeper:
     starts it again)."""
 
     def __init__(
-        self, server: RedisServerProcess, *, interval_s: float = 1.0, start_timeout_s: float = 60.0
+        self,
+        server: RedisServerProcess,
+        *,
+        interval_s: float = 1.0,
+        start_timeout_s: float = 60.0,
+        take_over: bool = True,
     ) -> None:
         self.server = server
+        # False for a command that only reads the store (ledger, report): a server it finds
+        # running may serve a live proxy the owner file does not name; it is not its to stop.
+        self.take_over = take_over
         self.interval_s = interval_s
         self.start_timeout_s = start_timeout_s  # loading a large AOF takes a while
         self._stop = threading.Event()
@@ -251,6 +259,8 @@ class EmbeddedKeeper:
         """A server that holds the directory's lock was started by a proxy; if that proxy is
         gone (killed -9: the server, in a session of its own, lives on), this one takes it over
         and stops it on exit, as its own. Not a server started by hand (it holds no lock)."""
+        if not self.take_over:
+            return
         try:
             owner = int(self._owner_path.read_text().strip())
         except (OSError, ValueError):
@@ -303,9 +313,12 @@ class EmbeddedKeeper:
                 time.sleep(0.05)
             if self.server.answers_ping():
                 return False  # one that holds no lock (started by hand, or by an older version)
+            # Recorded before the server answers: a proxy waiting on the lock takes the first
+            # PONG as its cue to read the owner, and an older owner (dead) would hand it this
+            # live proxy's server to stop.
+            self._write_owner()
             self.server.start(self.start_timeout_s, keep_fds=(fd,))
             self._adopted = None
-            self._write_owner()
             return True
         finally:
             os.close(fd)  # the server keeps its copy, and with it the lock

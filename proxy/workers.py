@@ -198,11 +198,15 @@ def _claim_port(host: str, port: int) -> list[socket.socket]:
                 try:
                     if family == socket.AF_INET6:
                         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    # Both bind past the TIME_WAIT connections a previous instance left (a
+                    # single process's lack SO_REUSEPORT); the claim then drops SO_REUSEADDR,
+                    # so that another instance's probe does not bind beside it.
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     if reuse_port:
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                    else:
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     sock.bind(address)
+                    if reuse_port:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
                 except BaseException:
                     sock.close()
                     raise

@@ -8,7 +8,9 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +25,7 @@ from proxy.errors import ConfigError
 from proxy.redis_server import SOCKET_PATH_MAX_BYTES, EmbeddedKeeper, RedisServerProcess, socket_path_for
 from tests.conftest import KEY_A, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.procs import ProxyProcess
+from tests.procs import ROOT, ProxyProcess
 
 
 @pytest.fixture
@@ -250,3 +252,112 @@ async def test_an_embedded_server_a_killed_proxy_left_is_adopted_and_stopped(
     for pid in left:
         os.kill(pid, signal.SIGTERM)
     assert left == [], "the orphaned redis-server outlived the proxy that adopted it"
+
+
+def _kill_left(data: Path) -> list[int]:
+    left = _redis_pids(data)
+    for pid in left:
+        os.kill(pid, signal.SIGTERM)
+    return left
+
+
+def test_report_does_not_stop_the_server_a_live_proxy_uses(fake: FakeUpstream, tmp_path: Path) -> None:
+    """Two proxies serve from one data directory; the one that started the server is killed -9.
+    ``report`` (read the ledger, serve nothing) finds the owner dead, takes the server over and
+    stops it on its exit, under the proxy still serving on it (its calls fail until its keeper
+    starts another). Before the owner file, ``report`` never stopped a server it found running."""
+    data = tmp_path / "redis"
+    raw = _embedded(fake, tmp_path)
+    first = ProxyProcess(raw, tmp_path / "a").start()
+    second = ProxyProcess(raw, tmp_path / "b").start()
+    try:
+        (server,) = _redis_pids(data)
+        assert first.process is not None
+        os.kill(first.process.pid, signal.SIGKILL)
+        first.process.wait()
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "report",
+                "--config",
+                str(second.config_path),
+                "--tenant",
+                "team-a",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert _redis_pids(data) == [server], "report stopped the server a live proxy serves on"
+    finally:
+        second.stop()
+        first.stop()
+        _kill_left(data)
+
+
+_STARTING_PROXY = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from proxy.redis_server import EmbeddedKeeper, RedisServerProcess
+
+    data, go = Path(sys.argv[1]), Path(sys.argv[2])
+    start = RedisServerProcess.start
+
+    def start_then_pause(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        # The server answers; this proxy has not yet got back from start(): a scheduler's
+        # pause, a GC, the 20 ms between its PINGs. Held open here until the test says go.
+        while not go.exists():
+            time.sleep(0.02)
+
+    RedisServerProcess.start = start_then_pause
+    keeper = EmbeddedKeeper(RedisServerProcess(data))
+    assert keeper.ensure()
+    print("started", flush=True)
+    sys.stdin.read()  # serving until the test closes stdin
+    keeper.close()
+    """
+)
+
+
+def test_a_proxy_starting_beside_one_that_is_starting_never_takes_its_server_over(tmp_path: Path) -> None:
+    """The owner file says a dead pid whenever the directory was served before (a clean exit
+    leaves it; so does a reboot). Two proxies start at once: the first starts the server and
+    records itself only after its start() returns; the second, polling for a PONG, can get it
+    in between, read the old owner, find it dead and take over the live proxy's fresh server,
+    then stop it on its own exit under the first."""
+    data = tmp_path / "redis"
+    data.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (data / "server.owner").write_text(str(gone.pid))  # a proxy that ran here before
+    go = tmp_path / "go"
+    first = subprocess.Popen(
+        [sys.executable, "-c", _STARTING_PROXY, str(data), str(go)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    second = EmbeddedKeeper(RedisServerProcess(data))
+    try:
+        _until(second.server.answers_ping)
+        assert not second.ensure()  # the first's server: shared
+        go.touch()
+        assert first.stdout is not None
+        assert first.stdout.readline() == b"started\n"
+        (server,) = _redis_pids(data)
+        second.close()  # the second proxy stops (an adopted server is stopped before this returns)
+        assert _redis_pids(data) == [server], "the second proxy stopped the server of the live first"
+    finally:
+        go.touch()
+        assert first.stdin is not None
+        first.stdin.close()
+        first.wait(30)
+        _kill_left(data)

@@ -348,3 +348,69 @@ def test_a_second_instance_with_workers_on_a_served_port_cannot_serve(
         third.start()
     finally:
         third.stop()
+
+
+def _on_port(proc: ProxyProcess, port: int, workdir: Path) -> ProxyProcess:
+    on_disk: dict[str, Any] = yaml.safe_load(proc.config_path.read_text())
+    on_disk["listen"]["port"] = port
+    on_disk["journal_dir"] = str(workdir / "journal")
+    proc.config_path.write_text(yaml.safe_dump(on_disk))
+    proc.port = port
+    return proc
+
+
+def _served_and_closed_by_the_server(port: int) -> None:
+    """A call the server ends (``Connection: close``): its side of the connection is the one
+    left in TIME_WAIT, on the listen port, for a minute."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):  # until the server's FIN: it closed first
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_workers_start_right_after_a_single_process_serve_on_the_same_port(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """Moving an instance from ``serve`` to ``serve --workers 2`` (a restart with a new unit
+    file): the single process served calls and stopped; its connections sit in TIME_WAIT. The
+    workers' own bind passes them (SO_REUSEADDR), but the supervisor's claim (SO_REUSEPORT alone)
+    does not: exit 4, 'Address already in use', on a port nothing serves."""
+    raw = base_config(fake.base_url, redis_server.url)
+    single = ProxyProcess(raw, tmp_path / "a").start()
+    try:
+        for _ in range(3):
+            _served_and_closed_by_the_server(single.port)
+    finally:
+        single.stop()
+    assert single.wait(15) == 0
+    workers = _on_port(
+        ProxyProcess(raw, tmp_path / "b", args=("--workers", "2")), single.port, tmp_path / "b"
+    )
+    try:
+        workers.start()  # raises 'proxy exited' with the log where it could not serve
+    finally:
+        workers.stop()
+
+
+def test_a_second_instance_is_still_refused_while_the_first_starts_or_serves(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """The claim keeps its point after the fix: a second ``--workers`` instance on a port a
+    first one (started where TIME_WAIT connections were) serves exits 4."""
+    raw = base_config(fake.base_url, redis_server.url)
+    single = ProxyProcess(raw, tmp_path / "a").start()
+    try:
+        _served_and_closed_by_the_server(single.port)
+    finally:
+        single.stop()
+    first = _on_port(ProxyProcess(raw, tmp_path / "b", args=("--workers", "2")), single.port, tmp_path / "b")
+    second = _on_port(ProxyProcess(raw, tmp_path / "c", args=("--workers", "2")), single.port, tmp_path / "c")
+    try:
+        first.start()
+        second.start(ready=False)
+        assert second.wait(20) == 4, second.log()[-2000:]
+    finally:
+        second.stop()
+        first.stop()
