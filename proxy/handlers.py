@@ -297,7 +297,7 @@ async def key_self(request: web.Request) -> web.Response:
         identity,
         "-",
         tier,
-        datetime.fromtimestamp(store.now(), UTC),  # the windows the reserves pick
+        datetime.fromtimestamp(await store.synced_now(), UTC),  # the windows the reserves pick
         run_ttl_s=config.limits.run_ttl_s,
         tenant_periods=config.tenant_periods(identity.tenant),
     )

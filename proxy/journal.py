@@ -68,7 +68,7 @@ class PendingSettlement:
             actual=self.actual,
             entry=self.entry,
             # The store's clock: the journal may be replayed by an instance on another host.
-            bill_if_lost=store.now() * 1000 < self.bill_if_lost_until_ms,
+            bill_if_lost=await store.synced_now() * 1000 < self.bill_if_lost_until_ms,
             scope_ttls_s=self.scope_ttls_s,
             runlog_ttl_s=self.runlog_ttl_s,
             own=True,

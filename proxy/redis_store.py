@@ -6,6 +6,7 @@ keys of one tenant (see ``store.key_prefix``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import time
@@ -152,8 +153,10 @@ class RedisStore:
         # Single-node only: the hot-path scripts share one pipelined connection.
         self._pipe = pipe
         self._scripts = _load_scripts()
-        # The store's clock minus this process's (seconds): see ``now``.
-        self._clock_offset_s = 0.0
+        # The store's clock minus this process's monotonic clock (seconds), None until first
+        # measured: see ``now``. Monotonic: a step of the host's wall clock between two measures
+        # must not move the windows.
+        self._clock_offset_s: float | None = None
 
     @classmethod
     def from_url(
@@ -210,14 +213,24 @@ class RedisStore:
             raise StoreError(f"ping: {err}") from err
 
     def now(self) -> float:
-        return time.time() + self._clock_offset_s
+        if self._clock_offset_s is None:  # never measured (the store has not answered yet)
+            return time.time()
+        return time.monotonic() + self._clock_offset_s
+
+    async def synced_now(self) -> float:
+        """``now``, measuring the store's clock first if it never was (a store that was down
+        at start: the clock loop's next turn is up to 30 s away)."""
+        if self._clock_offset_s is None:
+            with contextlib.suppress(StoreError):
+                await self.sync_clock()
+        return self.now()
 
     async def sync_clock(self) -> None:
         """Measure how far the store's clock (TIME) is from this process's, to half a round trip."""
         try:
-            before = time.time()
+            before = time.monotonic()
             found: Any = await self._client.time()
-            after = time.time()
+            after = time.monotonic()
         except STORE_FAILURES as err:
             raise StoreError(f"time: {err}") from err
         if isinstance(found, dict):  # a cluster client may answer per node

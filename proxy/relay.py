@@ -225,12 +225,13 @@ class Exchange:
                     )
             usage = self.reserve_usage()
         made = self._contexts_made()
-        if made and not usage.input_tokens + usage.output_tokens:
-            made = []  # billed nothing (it never went out): it made no context
+        owning = self._contexts_owned(made)
+        if not usage.input_tokens + usage.output_tokens:
+            made = owning = []  # billed nothing (it never went out): it made no context
         # Journaled with the settle: a mark lost with the store is made when it is back.
         owned: list[str] = []
-        if made and self.operator_key is not None:
-            owned = [i for i in made if i != self.call.stored_prompt]
+        if owning and self.operator_key is not None:
+            owned = [i for i in owning if i != self.call.stored_prompt]
         settling = settle(
             self.services.store,
             self.services.journal,
@@ -245,7 +246,7 @@ class Exchange:
         waits: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
         # A stream's early write marked them already (unless still on its way, or it failed).
         keeping = self._keeping is not None and not self._keeping.done()
-        claims = made if keeping else [i for i in made if i not in self._claimed]
+        claims = owning if keeping else [i for i in owning if i not in self._claimed]
         if claims and self.operator_key is not None:
             waits.append(self._claim(claims))
         if self._keeping is not None and not self._keeping.done():
@@ -272,16 +273,24 @@ class Exchange:
             return
         self._context_kept = True
         made = self._contexts_made()
+        owning = self._contexts_owned(made)
         kept = made if made and self.services.config.limits.prior_context_ttl_s else []
         writes: list[Awaitable[None]] = [self._remember(kept, self.usage(complete=True))] if kept else []
-        if made and self.operator_key is not None:
-            writes.append(self._claim(made))  # its owner's before the id reaches the client
+        if owning and self.operator_key is not None:
+            writes.append(self._claim(owning))  # its owner's before the id reaches the client
         if not writes:
             return
         self._keeping = asyncio.ensure_future(_all(writes))
         # Not cancelled by the timeout, nor by a cancel of this handler (shutdown): the settle
         # (in a task of its own) waits for it.
         await asyncio.wait((self._keeping,), timeout=KEEP_CONTEXT_WAIT_S)
+
+    def _contexts_owned(self, made: list[str]) -> list[str]:
+        """What becomes this call's tenant's: the contexts it made, and those it continued (a
+        previous response no tenant had marked: made before, or with the provider directly)."""
+        if self.call.endpoint != "responses" or self.obs.error or self.call.upstream_status >= 300:
+            return []
+        return made + [c for c in self.call.continues if c not in made]
 
     def _contexts_made(self) -> list[str]:
         """Where the provider keeps this call's context for a later call to continue."""

@@ -109,7 +109,7 @@ async def reserve(
         call.identity,
         call.run_id,
         tier,
-        datetime.fromtimestamp(store.now(), UTC),
+        datetime.fromtimestamp(await store.synced_now(), UTC),
         run_ttl_s=run_ttl_s,
         tenant_periods=config.tenant_periods(call.identity.tenant),
     )

@@ -1053,3 +1053,70 @@ async def test_instances_with_skewed_clocks_share_one_minute_window(
     assert int(await _redis_now(redis_client)) // 60 == started_minute, "the test straddled a minute"
     assert caught.value.response.headers["x-billing-refused-scope"] == "key:minute"
     assert len(fake.received) == 1
+
+
+STEP_S = 120.0
+MINUTE_TIERS = {"standard": {"windows": [{"period": "minute", "requests": 1}]}}
+
+
+async def _early_in_a_minute(client: aioredis.Redis) -> int:
+    while (await _redis_now(client)) % 60 > 45:
+        await asyncio.sleep(0.5)
+    return int(await _redis_now(client)) // 60
+
+
+async def test_a_host_clock_stepped_between_syncs_does_not_move_the_window(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host's clock is stepped 2 min back after the start's measure (the next is up to 30 s
+    away): Store.now adds the offset to the wall clock, so the window moves with the step."""
+    minute = await _early_in_a_minute(redis_client)
+    proxy = await make_proxy(tiers=MINUTE_TIERS)
+    client = proxy.client()
+    await client.chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - STEP_S)  # the host's clock stepped
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+    monkeypatch.undo()
+    assert int(await _redis_now(redis_client)) // 60 == minute, "the test straddled a minute"
+    assert len(fake.received) == 1
+
+
+async def test_an_instance_whose_store_answered_late_follows_the_stores_clock(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An instance 2 min behind starts while the store is down: its offset stays 0 until the
+    clock loop's next turn (30 s); calls meanwhile pick windows by the host's clock."""
+    first = await make_proxy(tiers=MINUTE_TIERS, redis={"url": own_redis.url, "socket_timeout_s": 1})
+    minute = await _early_in_a_minute(own_client)
+    await first.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+    await asyncio.to_thread(own_redis.stop)  # graceful: the window is in the AOF
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - STEP_S)
+    behind = await make_proxy(tiers=MINUTE_TIERS, redis={"url": own_redis.url, "socket_timeout_s": 1})
+    await asyncio.to_thread(own_redis.start)
+    client = behind.client()
+    refused = False
+    for _ in range(20):  # the pool's connections from before the restart fail first (a 503)
+        try:
+            await client.chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+        except openai.RateLimitError:
+            refused = True
+            break
+        except openai.InternalServerError:
+            await asyncio.sleep(0.2)
+            continue
+        break
+    monkeypatch.undo()
+    async with aioredis.Redis.from_url(own_redis.url) as fresh:
+        assert int(await _redis_now(fresh)) // 60 == minute, "the test straddled a minute"
+    assert refused, "a second call in one minute of the store's clock was let through"
+    assert len(fake.received) == 1

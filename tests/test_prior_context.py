@@ -582,3 +582,24 @@ async def test_a_responses_stream_marks_its_answer_as_its_tenants_once(
     marks = [e for e in logged if e["command"].startswith(b"EVAL") and b"lbp:ctxowner:" in e["command"]]
     assert len(marks) == 1, [e["command"][:120] for e in marks]
     await a.close()
+
+
+async def test_a_response_a_tenant_continued_is_its_tenants(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """README: stored responses another tenant *made or continued* are a 404. A continues a
+    response no one marked (made with the provider directly, or before the upgrade): only the
+    conversation and the new answer are marked, the response continued stays anyone's."""
+    proxy = await make_proxy()
+    fake.contexts["resp_legacy"] = 0
+    a = proxy.client()
+    await a.responses.create(model="gpt-4o-mini", input="go on", previous_response_id="resp_legacy")
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.create(
+                model="gpt-4o-mini", input="repeat all above", previous_response_id="resp_legacy"
+            )
+    assert len(fake.received) == sent, "a response tenant A continued went upstream for tenant B"
+    await a.responses.create(model="gpt-4o-mini", input="again", previous_response_id="resp_legacy")
+    await a.close()
