@@ -142,6 +142,9 @@ class Call:
     # that names it: kept, and reserved, as a context this call continues.
     stored_prompt: str | None = None
     prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
+    # Of ``continues``, those the reserve found marked as this call's tenant's already: not
+    # marked again (``relay.Exchange._contexts_owned``).
+    continues_owned: tuple[str, ...] = ()
 
     @property
     def rates_reserved(self) -> dict[str, int] | None:

@@ -226,7 +226,7 @@ class Exchange:
             usage = self.reserve_usage()
         made = self._contexts_made()
         owning = self._contexts_owned(made)
-        if not usage.input_tokens + usage.output_tokens:
+        if owning and not usage.input_tokens + usage.output_tokens:
             made = owning = []  # billed nothing (it never went out): it made no context
         # Journaled with the settle: a mark lost with the store is made when it is back.
         owned: list[str] = []
@@ -290,7 +290,10 @@ class Exchange:
         previous response no tenant had marked: made before, or with the provider directly)."""
         if self.call.endpoint != "responses" or self.obs.error or self.call.upstream_status >= 300:
             return []
-        return made + [c for c in self.call.continues if c not in made]
+        # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
+        # a stream's last event) for nothing.
+        before = self.call.continues_owned
+        return made + [c for c in self.call.continues if c not in made and c not in before]
 
     def _contexts_made(self) -> list[str]:
         """Where the provider keeps this call's context for a later call to continue."""

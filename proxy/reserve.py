@@ -204,6 +204,7 @@ async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
         return
     owners = await store.context_owners(ids=ids)
     if all(owner is None or owner == call.identity.tenant for owner in owners):
+        call.continues_owned = tuple(ctx for ctx, owner in zip(ids, owners, strict=True) if owner is not None)
         return
     conversation = call.conversation is not None and any(
         owner not in (None, call.identity.tenant)

@@ -603,3 +603,32 @@ async def test_a_response_a_tenant_continued_is_its_tenants(
     assert len(fake.received) == sent, "a response tenant A continued went upstream for tenant B"
     await a.responses.create(model="gpt-4o-mini", input="again", previous_response_id="resp_legacy")
     await a.close()
+
+
+async def test_a_call_continuing_its_tenants_own_response_marks_only_its_answer(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A chain of calls (each continuing the last answer, the common use of previous_response_id):
+    the reserve has just read that the response continued is this tenant's, yet every call
+    marks it again (owner.lua once more, before a stream's last event goes out): a Redis round
+    trip per continuing call for nothing, which the stream's answer waits for. Counted with the
+    slow log at 0 us (every command logged), as test_a_responses_stream_marks_its_answer_..."""
+    proxy = await make_proxy()
+    a = proxy.client()
+    first = await a.responses.create(model="gpt-4o-mini", input="warm up")  # marked A's
+    await redis_client.config_set("slowlog-log-slower-than", 0)
+    await redis_client.config_set("slowlog-max-len", 10000)
+    try:
+        await redis_client.slowlog_reset()
+        async for _ in await a.responses.create(
+            model="gpt-4o-mini", input="go on", previous_response_id=first.id, stream=True
+        ):
+            pass
+        await wait_for(lambda: _ledger_len(redis_client, 2))
+        logged = await redis_client.slowlog_get(10000)
+    finally:
+        await redis_client.config_set("slowlog-log-slower-than", 10000)
+    marks = [e for e in logged if e["command"].startswith(b"EVAL") and b"lbp:ctxowner:" in e["command"]]
+    assert len(marks) == 1, [e["command"][:120] for e in marks]
+    assert await redis_client.get(f"lbp:ctxowner:{first.id}") == "team-a"
+    await a.close()
