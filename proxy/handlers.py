@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import HttpVersion11, hdrs, web
+from aiohttp import HttpVersion11, hdrs, web, web_urldispatcher
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -131,6 +131,11 @@ async def read_body(request: web.Request, limit_bytes: int) -> bytes:
     except (RequestPayloadError, BadHttpMessage) as err:
         # A body that does not decode (bad gzip, broken chunking) is the client's error.
         raise BadRequest(f"The request body could not be read: {str(err)[:200]}") from None
+    except ConnectionError:
+        # The client left while its body was still coming (aiohttp fails the read with
+        # ConnectionResetError): an ordinary disconnect, nothing reserved nor forwarded; no
+        # "unhandled error" for the log. The answer reaches nobody.
+        raise BadRequest("The connection was lost before the request body arrived whole.") from None
 
 
 def _refused(endpoint: Endpoint, request_id: str, err: ApiError) -> web.Response:
@@ -408,3 +413,14 @@ def add_routes(app: web.Application) -> None:
     get("/metrics", metrics)
     get("/healthz", healthz)
     get("/readyz", readyz)
+    # A 404 or 405 (aiohttp's SystemRoute) has aiohttp's own expect handler: an unknown
+    # expectation on an unknown path or a wrong method would be refused in text/plain.
+    resolve = app.router.resolve
+
+    async def resolve_with_our_expect(request: web.Request) -> web_urldispatcher.UrlMappingMatchInfo:
+        match_info = await resolve(request)
+        if isinstance(match_info.route, web_urldispatcher.SystemRoute):
+            match_info.route._expect_handler = expect_continue
+        return match_info
+
+    app.router.resolve = resolve_with_our_expect  # type: ignore[method-assign]

@@ -1443,3 +1443,58 @@ async def test_the_parser_error_answer_does_not_quote_the_callers_key(
     # Nor the log: aiohttp's own line carried the exception, which quotes the raw header.
     logged = [r.getMessage() + str(r.exc_info) + str(r.__dict__) for r in caplog.records]
     assert caplog.records and not any(key in line for line in logged), logged
+
+
+async def test_a_client_leaving_mid_upload_is_no_unhandled_error(
+    proxy: Proxy, fake: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that closes its connection while its request body is still coming (a cancelled
+    upload, a killed process) is an ordinary disconnect: nothing forwarded, and no "unhandled
+    error" with a stack trace in the operator's log for each one."""
+    host, port = proxy.url.split("//")[1].split(":")
+    caplog.set_level(logging.INFO)
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        + f"Authorization: Bearer {KEY_A}\r\nContent-Type: application/json\r\n".encode()
+        + b"Content-Length: 100000\r\n\r\n"
+        + b'{"model": "gpt-4o-mini", "messages": ['
+    )
+    await writer.drain()
+    await asyncio.sleep(0.3)  # the handler is waiting on the body
+    writer.close()
+    await writer.wait_closed()
+    deadline = asyncio.get_running_loop().time() + 5
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+        if any(r.name == "aiohttp.access" or r.levelno >= logging.ERROR for r in caplog.records):
+            break  # the request is over
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [(r.name, r.getMessage(), r.exc_info and r.exc_info[0]) for r in errors]
+    assert fake.calls == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/v1/unknown"), ("GET", "/v1/chat/completions"), ("POST", "/v1/chat/completions/")],
+)
+async def test_an_unknown_expectation_off_the_routes_is_refused_in_openais_format(
+    proxy: Proxy, fake: FakeUpstream, method: str, path: str
+) -> None:
+    """An unknown path or a wrong method with an unknown ``Expect`` is refused in OpenAI's error
+    format, as on the billed paths (test_bad_input), not in aiohttp's text/plain page."""
+    body = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}'
+    host, port = proxy.url.split("//")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Expect: foo\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    out = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, payload = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 417"), out
+    assert b"application/json" in head.lower() and b"x-request-id" in head.lower(), out
+    assert json.loads(payload)["error"]["code"] == "expectation_failed"
+    assert fake.calls == 0
