@@ -113,6 +113,22 @@ class Journal:
         self._foreign_seen: set[Path] = set()
 
     def _open(self) -> BinaryIO:
+        if self._file is not None and not _still_at(self._file, self.path):
+            # Our file was removed (its directory deleted during an outage): lines appended to it
+            # would go with the process. Its pending lines move to a new file at our path.
+            old = self._file
+            old.seek(0)
+            waiting = old.read()
+            self._file = None
+            handle = self._open()
+            handle.write(waiting)
+            handle.flush()
+            os.fsync(handle.fileno())
+            old.close()
+            log.warning(
+                "the journal file was removed; its pending lines written again",
+                extra={"journal": str(self.path)},
+            )
         if self._file is None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a+b")
@@ -174,7 +190,13 @@ class Journal:
                         extra={"journal": str(path)},
                     )
                 continue
-            with path.open("r+", encoding="utf-8") as handle:
+            # Bytes that are not UTF-8 (a torn tail) are kept as they are: that line is parked,
+            # the others are applied, and the file is not left failing every round.
+            try:
+                handle = path.open("r+", encoding="utf-8", errors="surrogateescape")
+            except FileNotFoundError:
+                continue  # replayed and removed by another process since we listed it
+            with handle:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
@@ -190,7 +212,7 @@ class Journal:
                 elif done:
                     # Stopped part-way: the lines applied go (see ``replay``), atomically.
                     kept = path.with_name(f".{path.name}.tmp")
-                    with kept.open("w", encoding="utf-8") as out:
+                    with kept.open("w", encoding="utf-8", errors="surrogateescape") as out:
                         out.write("".join(line + "\n" for line in lines[done:]))
                         out.flush()
                         os.fsync(out.fileno())
@@ -199,7 +221,12 @@ class Journal:
 
     def close(self) -> None:
         if self._file is not None:
-            empty = self.path.stat().st_size == 0
+            empty = os.fstat(self._file.fileno()).st_size == 0
+            if not empty and not _still_at(self._file, self.path):
+                try:
+                    self._open()  # its pending lines left where the next process finds them
+                except OSError as err:
+                    log.critical("pending journal lines lost with a removed file", extra={"error": str(err)})
             self._file.close()
             self._file = None
             if empty:
@@ -207,7 +234,7 @@ class Journal:
                     self.path.unlink()
 
 
-def _still_at(handle: IO[str], path: Path) -> bool:
+def _still_at(handle: IO[Any], path: Path) -> bool:
     """Whether the file locked is still the one at ``path``: another process may have replayed
     it, removed it or put the lines it did not reach in its place, between our open and our lock.
     Its lines, read again, would be applied (and counted) again."""
@@ -224,10 +251,19 @@ def _pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:
     return PendingSettlement(**{k: v for k, v in fields_of_line.items() if k in known})
 
 
-def _park(dead_letters: Path, line: str) -> None:
-    """Never dropped: kept for an operator with the other lines the store cannot take."""
-    with dead_letters.open("a", encoding="utf-8") as parked:
-        parked.write(line + "\n")
+def _park(dead_letters: Path, line: str) -> bool:
+    """Never dropped: kept for an operator with the other lines the store cannot take. False
+    when the dead letters cannot be written (a full or read-only disk): the line stays where it
+    is, and the round stops there, the lines applied before it removed (not applied again)."""
+    try:
+        with dead_letters.open("a", encoding="utf-8", errors="surrogateescape") as parked:
+            parked.write(line + "\n")
+            parked.flush()
+            os.fsync(parked.fileno())
+    except OSError as err:
+        log.critical("a journal line could not be parked; kept", extra={"error": str(err)})
+        return False
+    return True
 
 
 async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied) -> int:
@@ -242,7 +278,8 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
         except (ValueError, TypeError, AttributeError):
             # Never dropped: parked for an operator with the lines the store rejects.
             log.error("unreadable journal line parked", extra={"line": line[:200]})
-            _park(dead_letters, line)
+            if not _park(dead_letters, line):
+                break
             done += 1
             continue
         try:
@@ -260,7 +297,8 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
                 "journal line of the wrong shape parked",
                 extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},
             )
-            _park(dead_letters, line)
+            if not _park(dead_letters, line):
+                break
             done += 1
             continue
         except StoreRejected as err:
@@ -269,7 +307,8 @@ async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied:
                 "journaled settlement rejected by the store; parked",
                 extra={"reservation_id": pending.reservation_id, "error": str(err)},
             )
-            _park(dead_letters, line)
+            if not _park(dead_letters, line):
+                break
             done += 1
             continue
         except StoreError:

@@ -62,7 +62,7 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
         "reserved_input_tokens": str(actual["input_tokens"]),
         "reserved_output_tokens": str(actual["output_tokens"]),
         "overshoot_tokens": "0",
-        "clamped": "0",
+        "clamped": "1" if lease.clamped else "0",
         "upstream_status": "0",
         "latency_ms": "",
         "ttft_ms": "",

@@ -426,7 +426,7 @@ class RedisStore:
             found = await self._script("lease", [f"{prefix}resv:{res_id}", f"{prefix}leases"], [res_id])
             if not found:
                 continue
-            scopes, amounts, record, ttls = (*found, None)[:4]
+            scopes, amounts, record, ttls, clamped = (*found, None, None)[:5]
             try:
                 values = [int(v) for v in str(amounts).split()]
                 scope_ttls_s = tuple(int(v) for v in str(ttls or "").split())
@@ -440,6 +440,7 @@ class RedisStore:
                     amounts=dict(zip(RESERVED_METERS, values, strict=False)),
                     record=str(record or ""),
                     scope_ttls_s=scope_ttls_s,
+                    clamped=str(clamped or "0") not in ("", "0"),
                 )
             )
         return out

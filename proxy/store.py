@@ -115,6 +115,7 @@ class ExpiredLease:
     amounts: Mapping[str, int]
     record: str
     scope_ttls_s: tuple[int, ...] = ()  # as reserved (records written before they were kept: none)
+    clamped: bool = False  # the reserve lowered the call's output cap (its ledger entry says so)
 
 
 @dataclass(frozen=True, slots=True)

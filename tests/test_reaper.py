@@ -96,3 +96,39 @@ async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
     assert resp.headers["x-billing-output-tokens"] == entries[0]["output_tokens"]
     assert resp.headers["x-billing-cost-micros"] == entries[0]["cost_micros"]
     assert resp.headers["x-budget-remaining-total-tokens"] == str(ceiling - int(entries[0]["total_tokens"]))
+
+
+CLAMP = {"standard": {"run": {"output_tokens": 6}, "on_budget_short": "clamp", "min_output_tokens": 2}}
+
+
+async def test_a_clamped_call_a_reaper_bills_is_clamped_in_the_ledger(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The reaper's entry of a clamped call (its lease ran out: a store outage during renewals,
+    a dead instance) said clamped 0, though it billed the lowered reserve: the ledger and the
+    clamped counter, which counts ledger entries, missed it."""
+    proxy = await make_proxy(limits={"reaper_interval_s": 0.05, "reap_grace_s": 0}, tiers=CLAMP)
+    leases = "lbp:{team-a}:leases"
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "reaped-clamp"}
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 100,
+        "fake": {"delay_s": 1},
+    }
+    async with aiohttp.ClientSession() as session:
+        answer = asyncio.ensure_future(
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        )
+        while not await redis_client.zcard(leases):
+            await asyncio.sleep(0.01)
+        (reservation,) = await redis_client.zrange(leases, 0, -1)
+        await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
+        resp = await answer
+        assert resp.status == 200
+        await resp.read()
+    assert fake.received[-1].body["max_tokens"] == 6  # clamped
+    (entry,) = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert entry["outcome"] == "lease_expired"
+    assert entry["reserved_output_tokens"] == "6"
+    assert entry["clamped"] == "1", entry

@@ -1,0 +1,156 @@
+"""The settle journal under hostile disk conditions: dead letters that cannot be written, bytes
+that are not UTF-8, a journal directory removed during an outage, two processes replaying one
+directory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from proxy.journal import DEAD_LETTERS, Journal
+from proxy.redis_server import RedisServerProcess
+from proxy.redis_store import RedisStore
+from tests.test_store_faults import LEDGER, _settlement_line
+
+
+async def test_a_dead_letters_file_that_cannot_be_written_does_not_count_applied_lines_again(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A good line, then a torn one (a crash mid-append), then a good one; the dead letters
+    cannot be written (a full or read-only disk; here a directory in its place). The round
+    stops at the torn line with an OSError: the line applied before it stays in the file, and
+    every round applies it again and counts it again in the spend metrics."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    (journal_dir / DEAD_LETTERS).mkdir()  # cannot be appended to
+    for rid in ("ok-1", "ok-2"):
+        await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    orphan = journal_dir / "journal-99999-deadbeef.jsonl"  # a dead process's
+    orphan.write_text(
+        json.dumps(_settlement_line("ok-1"))
+        + "\n"
+        + '{"tenant":"team-a","reserv\n'
+        + json.dumps(_settlement_line("ok-2"))
+        + "\n"
+    )
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    journal = Journal(journal_dir)
+    counted: list[Any] = []
+    try:
+        for _ in range(3):  # three replay rounds, as app.py's loop runs them
+            with contextlib.suppress(OSError):
+                await journal.replay(store, counted.append)
+    finally:
+        journal.close()
+        await store.close()
+    assert [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)] == ["ok-1"]
+    assert [c["reservation_id"] for c in counted] == ["ok-1"]  # counted once, not every round
+
+
+async def test_an_orphaned_journal_with_bytes_not_utf8_is_replayed_and_blocks_no_other(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A dead process's journal whose torn tail holds bytes that are not UTF-8 (garbage a crash
+    or a bad block left): reading it raised UnicodeDecodeError on every round. Its good lines
+    were never applied (the reaper bills those calls at their reserve), and neither were those
+    of every orphaned journal sorted after it."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    for rid in ("first", "second"):
+        await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    torn = journal_dir / "journal-99998-aaaaaaaa.jsonl"
+    torn.write_bytes(json.dumps(_settlement_line("first")).encode() + b'\n{"tenant":\xff\xfe\x00\x80')
+    other = journal_dir / "journal-99999-bbbbbbbb.jsonl"
+    other.write_text(json.dumps(_settlement_line("second")) + "\n")
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    journal = Journal(journal_dir)
+    try:
+        with contextlib.suppress(ValueError):
+            await journal.replay(store)
+    finally:
+        journal.close()
+        await store.close()
+    applied = sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER))
+    assert applied == ["first", "second"]
+    assert not torn.exists() and not other.exists()
+    assert (journal_dir / DEAD_LETTERS).exists()  # the torn line parked, not dropped
+
+
+def _line(rid: str) -> Any:
+    from proxy.journal import PendingSettlement
+
+    return PendingSettlement(**_settlement_line(rid))
+
+
+async def test_lines_journaled_after_the_journal_directory_was_removed_survive_the_process(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """During an outage the journal's directory is removed (a cleanup of a temporary directory,
+    an operator). The process kept appending to its open, now unlinked, file and said each line
+    was journaled: once it dies before the store is back, they are gone, and the calls are billed
+    at their reserve instead of their real figures; its close at shutdown raised."""
+    import shutil
+
+    journal_dir = tmp_path / "journal"
+    for rid in ("before", "after"):
+        await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    dying = Journal(journal_dir)
+    dying.append(_line("before"))
+    shutil.rmtree(journal_dir)
+    dying.append(_line("after"))
+    dying.close()  # the process goes before the store is back
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    journal = Journal(journal_dir)
+    try:
+        await journal.replay(store)
+    finally:
+        journal.close()
+        await store.close()
+    applied = sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER))
+    assert applied == ["after", "before"]
+
+
+async def test_two_processes_replaying_one_directory_apply_and_count_each_line_once(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    rids = []
+    for f in range(20):
+        lines = []
+        for i in range(10):
+            rid = f"two-{f}-{i}"
+            rids.append(rid)
+            record = {"amounts": "1 3 4 7 0 1", "born": "-"}
+            await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping=record)
+            lines.append(json.dumps(_settlement_line(rid)))
+            if i == 5:
+                lines.append("{torn")
+        (journal_dir / f"journal-{90000 + f}-deadbeef.jsonl").write_text("\n".join(lines) + "\n")
+    stores = [RedisStore.from_url(redis_server.url) for _ in range(2)]
+    for s in stores:
+        await s.load_scripts()
+    journals = [Journal(journal_dir) for _ in range(2)]
+    counted: list[Any] = []
+    try:
+        for _ in range(3):
+            await asyncio.gather(
+                *(j.replay(s, counted.append) for j, s in zip(journals, stores, strict=True))
+            )
+    finally:
+        for j in journals:
+            j.close()
+        for s in stores:
+            await s.close()
+    assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == sorted(rids)
+    assert sorted(c["reservation_id"] for c in counted) == sorted(rids)
+    assert list(journal_dir.glob("journal-*")) == []
+    assert (journal_dir / "rejected.jsonl").read_text().count("{torn") == 20
