@@ -225,13 +225,9 @@ class Exchange:
                     )
             usage = self.reserve_usage()
         made = self._contexts_made()
-        owning = self._contexts_owned(made)
-        if owning and not usage.input_tokens + usage.output_tokens:
-            made = owning = []  # billed nothing (it never went out): it made no context
-        # Journaled with the settle: a mark lost with the store is made when it is back.
-        owned: list[str] = []
-        if owning and self.operator_key is not None:
-            owned = [i for i in owning if i != self.call.stored_prompt]
+        owned = self._contexts_owned(made)
+        if (made or owned) and not usage.input_tokens + usage.output_tokens:
+            made = owned = []  # billed nothing (it never went out): it made no context
         settling = settle(
             self.services.store,
             self.services.journal,
@@ -240,14 +236,14 @@ class Exchange:
             usage,
             self.obs.finish_reasons,
             marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
-            owned_contexts=owned,
+            owned_contexts=owned,  # journaled: a mark lost with the store is made when it is back
         )
         kept = made if made and self.services.config.limits.prior_context_ttl_s else []
         waits: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
         # A stream's early write marked them already (unless still on its way, or it failed).
         keeping = self._keeping is not None and not self._keeping.done()
-        claims = owning if keeping else [i for i in owning if i not in self._claimed]
-        if claims and self.operator_key is not None:
+        claims = owned if keeping else [i for i in owned if i not in self._claimed]
+        if claims:
             waits.append(self._claim(claims))
         if self._keeping is not None and not self._keeping.done():
             waits.append(self._keeping)  # a stream's early write, still waiting on the store
@@ -273,11 +269,11 @@ class Exchange:
             return
         self._context_kept = True
         made = self._contexts_made()
-        owning = self._contexts_owned(made)
+        owned = self._contexts_owned(made)
         kept = made if made and self.services.config.limits.prior_context_ttl_s else []
         writes: list[Awaitable[None]] = [self._remember(kept, self.usage(complete=True))] if kept else []
-        if owning and self.operator_key is not None:
-            writes.append(self._claim(owning))  # its owner's before the id reaches the client
+        if owned:
+            writes.append(self._claim(owned))  # its owner's before the id reaches the client
         if not writes:
             return
         self._keeping = asyncio.ensure_future(_all(writes))
@@ -287,13 +283,19 @@ class Exchange:
 
     def _contexts_owned(self, made: list[str]) -> list[str]:
         """What becomes this call's tenant's: the contexts it made, and those it continued (a
-        previous response no tenant had marked: made before, or with the provider directly)."""
-        if self.call.endpoint != "responses" or self.obs.error or self.call.upstream_status >= 300:
+        previous response no tenant had marked: made before, or with the provider directly).
+        Only with the operator's key (a pass-through caller's own key goes upstream), and never
+        a stored prompt: the operator's, for any tenant to name."""
+        call = self.call
+        if call.endpoint != "responses" or self.operator_key is None:
+            return []
+        if self.obs.error or call.upstream_status >= 300:
             return []
         # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
         # a stream's last event) for nothing.
-        before = self.call.continues_owned
-        return made + [c for c in self.call.continues if c not in made and c not in before]
+        skip = {call.stored_prompt, *call.continues_owned}
+        continued = [c for c in call.continues if c not in made and c not in skip]
+        return [c for c in made if c != call.stored_prompt] + continued
 
     def _contexts_made(self) -> list[str]:
         """Where the provider keeps this call's context for a later call to continue."""
@@ -324,11 +326,7 @@ class Exchange:
 
     async def _claim(self, ids: list[str]) -> None:
         """The contexts this call made or continued are its tenant's: another tenant's call
-        continuing them is refused (``reserve``). Not a stored prompt: the operator's, for any
-        tenant to name."""
-        ids = [i for i in ids if i != self.call.stored_prompt]
-        if not ids:
-            return
+        continuing them is refused (``reserve``)."""
         try:
             await self.services.store.claim_contexts(tenant=self.call.identity.tenant, ids=ids)
             self._claimed.update(ids)

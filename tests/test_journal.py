@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from proxy.journal import DEAD_LETTERS, Journal
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
-from tests.test_store_faults import LEDGER, _settlement_line
+from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
 
 
 async def test_a_dead_letters_file_that_cannot_be_written_does_not_count_applied_lines_again(
@@ -28,8 +28,7 @@ async def test_a_dead_letters_file_that_cannot_be_written_does_not_count_applied
     journal_dir = tmp_path / "journal"
     journal_dir.mkdir()
     (journal_dir / DEAD_LETTERS).mkdir()  # cannot be appended to
-    for rid in ("ok-1", "ok-2"):
-        await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    await held_reservations(redis_client, "ok-1", "ok-2")
     orphan = journal_dir / "journal-99999-deadbeef.jsonl"  # a dead process's
     orphan.write_text(
         json.dumps(_settlement_line("ok-1"))
@@ -38,17 +37,11 @@ async def test_a_dead_letters_file_that_cannot_be_written_does_not_count_applied
         + json.dumps(_settlement_line("ok-2"))
         + "\n"
     )
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    journal = Journal(journal_dir)
     counted: list[Any] = []
-    try:
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
         for _ in range(3):  # three replay rounds, as app.py's loop runs them
             with contextlib.suppress(OSError):
                 await journal.replay(store, counted.append)
-    finally:
-        journal.close()
-        await store.close()
     assert [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)] == ["ok-1"]
     assert [c["reservation_id"] for c in counted] == ["ok-1"]  # counted once, not every round
 
@@ -62,21 +55,14 @@ async def test_an_orphaned_journal_with_bytes_not_utf8_is_replayed_and_blocks_no
     of every orphaned journal sorted after it."""
     journal_dir = tmp_path / "journal"
     journal_dir.mkdir()
-    for rid in ("first", "second"):
-        await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    await held_reservations(redis_client, "first", "second")
     torn = journal_dir / "journal-99998-aaaaaaaa.jsonl"
     torn.write_bytes(json.dumps(_settlement_line("first")).encode() + b'\n{"tenant":\xff\xfe\x00\x80')
     other = journal_dir / "journal-99999-bbbbbbbb.jsonl"
     other.write_text(json.dumps(_settlement_line("second")) + "\n")
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    journal = Journal(journal_dir)
-    try:
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
         with contextlib.suppress(ValueError):
             await journal.replay(store)
-    finally:
-        journal.close()
-        await store.close()
     applied = sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER))
     assert applied == ["first", "second"]
     assert not torn.exists() and not other.exists()
@@ -99,21 +85,14 @@ async def test_lines_journaled_after_the_journal_directory_was_removed_survive_t
     import shutil
 
     journal_dir = tmp_path / "journal"
-    for rid in ("before", "after"):
-        await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    await held_reservations(redis_client, "before", "after")
     dying = Journal(journal_dir)
     dying.append(_line("before"))
     shutil.rmtree(journal_dir)
     dying.append(_line("after"))
     dying.close()  # the process goes before the store is back
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    journal = Journal(journal_dir)
-    try:
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
         await journal.replay(store)
-    finally:
-        journal.close()
-        await store.close()
     applied = sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER))
     assert applied == ["after", "before"]
 

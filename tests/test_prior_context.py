@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -559,6 +560,27 @@ async def test_a_response_whose_settle_was_journaled_stays_its_tenants(
     await a.close()
 
 
+async def owner_marks_of(redis_client: aioredis.Redis, opening: Awaitable[Any]) -> list[bytes]:
+    """The owner.lua calls a stream makes, read to its end and settled (the second ledger entry):
+    counted with the slow log at 0 us, where every command is logged."""
+    await redis_client.config_set("slowlog-log-slower-than", 0)
+    await redis_client.config_set("slowlog-max-len", 10000)
+    try:
+        await redis_client.slowlog_reset()
+        async for _ in await opening:
+            pass
+        await wait_for(lambda: _ledger_len(redis_client, 2))
+        logged = await redis_client.slowlog_get(10000)
+    finally:
+        await redis_client.config_set("slowlog-log-slower-than", 10000)
+    # The scripts' own commands are logged too: only the calls of the script.
+    return [
+        e["command"][:120]
+        for e in logged
+        if e["command"].startswith(b"EVAL") and b"lbp:ctxowner:" in e["command"]
+    ]
+
+
 async def test_a_responses_stream_marks_its_answer_as_its_tenants_once(
     make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
 ) -> None:
@@ -568,19 +590,10 @@ async def test_a_responses_stream_marks_its_answer_as_its_tenants_once(
     proxy = await make_proxy()
     a = proxy.client()
     await a.responses.create(model="gpt-4o-mini", input="warm up")  # scripts loaded, tenant known
-    await redis_client.config_set("slowlog-log-slower-than", 0)
-    await redis_client.config_set("slowlog-max-len", 10000)
-    try:
-        await redis_client.slowlog_reset()
-        async for _ in await a.responses.create(model="gpt-4o-mini", input="hi", stream=True):
-            pass
-        await wait_for(lambda: _ledger_len(redis_client, 2))
-        logged = await redis_client.slowlog_get(10000)
-    finally:
-        await redis_client.config_set("slowlog-log-slower-than", 10000)
-    # The scripts' own commands are logged too: only the calls of the script.
-    marks = [e for e in logged if e["command"].startswith(b"EVAL") and b"lbp:ctxowner:" in e["command"]]
-    assert len(marks) == 1, [e["command"][:120] for e in marks]
+    marks = await owner_marks_of(
+        redis_client, a.responses.create(model="gpt-4o-mini", input="hi", stream=True)
+    )
+    assert len(marks) == 1, marks
     await a.close()
 
 
@@ -616,19 +629,10 @@ async def test_a_call_continuing_its_tenants_own_response_marks_only_its_answer(
     proxy = await make_proxy()
     a = proxy.client()
     first = await a.responses.create(model="gpt-4o-mini", input="warm up")  # marked A's
-    await redis_client.config_set("slowlog-log-slower-than", 0)
-    await redis_client.config_set("slowlog-max-len", 10000)
-    try:
-        await redis_client.slowlog_reset()
-        async for _ in await a.responses.create(
-            model="gpt-4o-mini", input="go on", previous_response_id=first.id, stream=True
-        ):
-            pass
-        await wait_for(lambda: _ledger_len(redis_client, 2))
-        logged = await redis_client.slowlog_get(10000)
-    finally:
-        await redis_client.config_set("slowlog-log-slower-than", 10000)
-    marks = [e for e in logged if e["command"].startswith(b"EVAL") and b"lbp:ctxowner:" in e["command"]]
-    assert len(marks) == 1, [e["command"][:120] for e in marks]
+    marks = await owner_marks_of(
+        redis_client,
+        a.responses.create(model="gpt-4o-mini", input="go on", previous_response_id=first.id, stream=True),
+    )
+    assert len(marks) == 1, marks
     assert await redis_client.get(f"lbp:ctxowner:{first.id}") == "team-a"
     await a.close()

@@ -4,6 +4,7 @@ registration went through."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -64,19 +65,13 @@ async def test_a_tenant_of_the_config_lost_from_the_registry_is_reaped(
     assert outcomes == ["lease_expired"]
 
 
-async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
-    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
-) -> None:
-    """Its lease ran out under it (a store outage during renewals, say): the reaper's entry
-    stands, and the client was told the figures of a settle that wrote nothing."""
-    ceiling = 100_000
-    proxy = await make_proxy(
-        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0},
-        tiers={"standard": {"run": {"total_tokens": ceiling}}},
-    )
+async def post_and_expire_its_lease(
+    proxy: Proxy, redis_client: aioredis.Redis, body: dict[str, Any], run: str
+) -> aiohttp.ClientResponse:
+    """Post ``body`` and, once it holds its lease, make that lease run out (as a store outage
+    during its renewals would): the reaper bills it while it is still in flight."""
     leases = "lbp:{team-a}:leases"
-    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "overtaken"}
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 1}}
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
     async with aiohttp.ClientSession() as session:
         answer = asyncio.ensure_future(
             session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
@@ -88,6 +83,21 @@ async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
         resp = await answer
         assert resp.status == 200
         await resp.read()
+    return resp
+
+
+async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Its lease ran out under it (a store outage during renewals, say): the reaper's entry
+    stands, and the client was told the figures of a settle that wrote nothing."""
+    ceiling = 100_000
+    proxy = await make_proxy(
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0},
+        tiers={"standard": {"run": {"total_tokens": ceiling}}},
+    )
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 1}}
+    resp = await post_and_expire_its_lease(proxy, redis_client, body, "overtaken")
     entries = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert [e["outcome"] for e in entries] == ["lease_expired"]
     assert resp.headers["x-billing-outcome"] == "lease_expired"
@@ -108,25 +118,13 @@ async def test_a_clamped_call_a_reaper_bills_is_clamped_in_the_ledger(
     a dead instance) said clamped 0, though it billed the lowered reserve: the ledger and the
     clamped counter, which counts ledger entries, missed it."""
     proxy = await make_proxy(limits={"reaper_interval_s": 0.05, "reap_grace_s": 0}, tiers=CLAMP)
-    leases = "lbp:{team-a}:leases"
-    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "reaped-clamp"}
     body = {
         "model": "gpt-4o-mini",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 100,
         "fake": {"delay_s": 1},
     }
-    async with aiohttp.ClientSession() as session:
-        answer = asyncio.ensure_future(
-            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
-        )
-        while not await redis_client.zcard(leases):
-            await asyncio.sleep(0.01)
-        (reservation,) = await redis_client.zrange(leases, 0, -1)
-        await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
-        resp = await answer
-        assert resp.status == 200
-        await resp.read()
+    await post_and_expire_its_lease(proxy, redis_client, body, "reaped-clamp")
     assert fake.received[-1].body["max_tokens"] == 6  # clamped
     (entry,) = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert entry["outcome"] == "lease_expired"

@@ -4,8 +4,10 @@ Redis restart from its AOF. The bill stays equal to the provider's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,25 @@ from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
 LEASES = "lbp:{team-a}:leases"
+
+
+@contextlib.asynccontextmanager
+async def replaying(url: str, journal_dir: Path) -> AsyncIterator[tuple[RedisStore, Journal]]:
+    """A store with its scripts loaded and a journal on ``journal_dir``, both closed after."""
+    store = RedisStore.from_url(url)
+    await store.load_scripts()
+    journal = Journal(journal_dir)
+    try:
+        yield store, journal
+    finally:
+        journal.close()
+        await store.close()
+
+
+async def held_reservations(redis_client: aioredis.Redis, *ids: str) -> None:
+    """Reservation records of team-a as a reserve leaves them, for journaled settles to find."""
+    for rid in ids:
+        await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
 
 
 async def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
@@ -504,14 +525,8 @@ async def test_a_journal_line_of_the_wrong_shape_is_parked_and_the_rest_applied(
     bad[field] = value
     orphan = journal_dir / "journal-99999-deadbeef.jsonl"  # a dead process's
     orphan.write_text(json.dumps(bad) + "\n" + json.dumps(_settlement_line("good-1")) + "\n")
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    journal = Journal(journal_dir)
-    try:
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
         await journal.replay(store)
-    finally:
-        journal.close()
-        await store.close()
     assert [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)] == ["good-1"]
     assert not orphan.exists()
     assert "bad-1" in (journal_dir / DEAD_LETTERS).read_text()
@@ -595,21 +610,15 @@ async def test_a_journaled_settle_whose_first_try_ran_is_counted_once_when_repla
     journal_dir = tmp_path / "journal"
     journal_dir.mkdir()
     line = _settlement_line("lost-reply-1")
-    await redis_client.hset("lbp:{team-a}:resv:lost-reply-1", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    journal = Journal(journal_dir)
+    await held_reservations(redis_client, "lost-reply-1")
     counted: list[Any] = []
-    try:
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
         first = await PendingSettlement(**line).apply(store)  # the try whose reply was lost
         assert first is not None
         orphan = journal_dir / "journal-99999-deadbeef.jsonl"
         orphan.write_text(json.dumps(line) + "\n")
         await journal.replay(store, counted.append)
         await journal.replay(store, counted.append)  # nothing left: nothing counted again
-    finally:
-        journal.close()
-        await store.close()
     ((entry_id, entry),) = await redis_client.xrange(LEDGER)  # billed once
     assert entry_id == first and entry["reservation_id"] == "lost-reply-1"
     assert [c["reservation_id"] for c in counted] == ["lost-reply-1"]  # counted once
@@ -623,7 +632,7 @@ async def test_a_replay_round_cut_short_does_not_count_its_applied_lines_again(
     first = _settlement_line("cut-1")
     second = {**_settlement_line("cut-2"), "tenant": "team-b", "scope_keys": ["lbp:{team-b}:run:r1"]}
     second["entry"] = {**second["entry"], "tenant": "team-b"}
-    await redis_client.hset("lbp:{team-a}:resv:cut-1", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
+    await held_reservations(redis_client, "cut-1")
     await redis_client.hset("lbp:{team-b}:resv:cut-2", mapping={"amounts": "1 3 4 7 0 1", "born": "-"})
     # A user that may not touch team-b's keys yet: its settle fails with NOPERM, a store error
     # that passes (the round stops there, to be tried again).
