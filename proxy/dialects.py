@@ -10,7 +10,7 @@ stream typed events and report usage themselves (``response.completed`` / ``mess
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
@@ -56,7 +56,7 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
         obs.service_tier = tier
     usage = parse_usage(response.get("usage"))
     if usage is not None:
-        obs.take_usage(usage)
+        obs.take_usage(_with_image_tokens(usage, response.get("tool_usage")))
     for item in response.get("output") or ():
         if not isinstance(item, dict):
             continue
@@ -67,6 +67,8 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
             if texts:
                 for key in ("arguments", "input"):
                     obs.add_text(0, item.get(key), content=False)
+        if kind == "reasoning":
+            obs.hidden_output = True
         if texts and kind == "reasoning":
             # A reasoning item's summary (and its text, where sent): output the provider bills,
             # counted as a stream's reasoning deltas are when no usage comes.
@@ -84,6 +86,21 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                     obs.add_text(0, part.get("refusal"), content=False)
             elif part.get("type") == "output_text" and texts:
                 obs.add_text(0, part.get("text"), content=final)
+
+
+def _with_image_tokens(usage: ProviderUsage, tool_usage: Any) -> ProviderUsage:
+    """``usage`` with the image generation tool's tokens, which OpenAI reports apart from it
+    (``tool_usage.image_gen``) and bills all the same; priced at the model's rates."""
+    image = tool_usage.get("image_gen") if isinstance(tool_usage, dict) else None
+    if not isinstance(image, dict):
+        return usage
+    image_in = token_count(image.get("input_tokens"))
+    image_out = token_count(image.get("output_tokens"))
+    return replace(
+        usage,
+        input_tokens=usage.input_tokens + (image_in or 0),
+        output_tokens=usage.output_tokens + (image_out or 0),
+    )
 
 
 def _side_message(item: dict[str, Any]) -> bool:
@@ -113,6 +130,8 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         obs.add_text(0, obj.get("delta"), content=not side)
     elif kind == "response.output_item.added":
         item = obj.get("item")
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            obs.hidden_output = True  # the model thinks: tokens billed, never streamed
         if isinstance(item, dict) and _side_message(item):
             for key in (obj.get("output_index"), item.get("id")):
                 if isinstance(key, int | str) and not isinstance(key, bool):
@@ -134,6 +153,8 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         # counted when no usage comes (a cancelled stream, say).
         if kind == "response.refusal.delta":
             obs.refused = True
+        elif kind.startswith("response.reasoning_summary"):
+            obs.hidden_output = True  # a summary of reasoning that is itself not streamed
         elif "call" in kind:
             obs.calls.add(0)
         obs.add_text(0, obj.get("delta"), content=False)
@@ -152,10 +173,18 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         obs.error = True
 
 
+# A whole response body in these states is not the answer yet (OpenAI's background mode).
+_NOT_DONE = frozenset({"queued", "in_progress"})
+
+
 def _responses_body(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
     _responses_output(obs, obj, texts=True)
     if isinstance(obj.get("error"), dict):  # a 200 that says it failed (a response has "error": null)
+        obs.error = True
+    if obj.get("status") in _NOT_DONE:
+        # Queued (background mode: refused up front, but an upstream may queue on its own): the
+        # answer is written, and billed, later, outside this call. Nothing to count: its reserve.
         obs.error = True
 
 

@@ -117,6 +117,9 @@ class Observation:
     # Choices that called a tool or function (OpenAI chat and Responses; the JSON policy holds
     # no other dialect): their answer is the call, not text.
     calls: set[int] = field(default_factory=set)
+    # Output the provider bills that the answer does not show: a Responses reasoning item (its
+    # tokens are hidden; a summary, when asked for, is a fraction of them). Not countable.
+    hidden_output: bool = False
     first_token_at: float | None = None
     chunks: int = 0
     malformed: bool = False

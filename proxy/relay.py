@@ -117,8 +117,9 @@ class Exchange:
         found = provider_usage(self.obs)
         # An embeddings usage has no output count, and no output to count: it is final as it is.
         final = self.obs.usage_final or self.call.endpoint == "embeddings"
-        if self.call.audio_output and (found is None or not final):
-            return self.reserve_usage()  # its audio tokens cannot be counted from the answer
+        if (self.call.audio_output or self.obs.hidden_output) and (found is None or not final):
+            # Its audio tokens, or its reasoning tokens, cannot be counted from the answer.
+            return self.reserve_usage()
         if found is None and self.call.generations > self.call.choices:
             # best_of: the provider wrote (and bills) answers it did not return; no count of the
             # answer sees them.

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import ledger_entries
 from tests.test_bad_input import (
     Plan,
     Reply,
@@ -233,6 +234,37 @@ async def test_background_responses_are_refused_before_anything(
         proxy, lambda: script.received, redis_client, "/v1/responses", dumps(body), headers={"X-Run-Id": "bg"}
     )
     assert reply.upstream_calls == 1, reply.describe()
+
+
+async def test_a_response_the_upstream_queued_anyway_is_billed_at_its_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    # A call sent without background, answered as a background one is (an upstream or gateway
+    # that queues on its own): the generation comes later, outside the proxy. Was: ok, billed
+    # the prompt counted and 0 output tokens.
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    queued = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": "queued",
+        "model": "gpt-4o-mini",
+    }
+    script.plan = Plan(chunks=[dumps({**queued, "output": [], "usage": None, "error": None, "tools": []})])
+    async with proxy.client() as client:
+        reply = await client.responses.create(
+            model="gpt-4o-mini",
+            input="write an essay",
+            max_output_tokens=1000,
+            extra_headers={"X-Run-Id": "q"},
+        )
+    assert reply.status == "queued"  # passed on as it came
+    [entry] = await ledger_entries(proxy, "q")
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == (
+        "upstream_error",
+        "reserve",
+        "1000",
+    ), entry
 
 
 # 6. Anthropic usage with an unusable count is billed as 0 ------------------------------------

@@ -454,6 +454,128 @@ async def test_a_responses_reasoning_summary_is_counted_without_usage_streamed_o
     assert int(entry["output_tokens"]) >= 300, entry
 
 
+# -- a Responses answer that reasons: its hidden reasoning tokens cannot be counted ------------
+
+# What OpenAI bills for it (the answer the proxy never read, or that came without usage): 2,990
+# reasoning tokens that no event nor body shows, and 10 tokens of text.
+THOUGHT = {"input_tokens": 5, "output_tokens": 3000, "output_tokens_details": {"reasoning_tokens": 2990}}
+REASONING_ITEM = {"id": "rs_1", "type": "reasoning", "summary": []}
+ANSWER_ITEM = {
+    "id": "msg_1",
+    "type": "message",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "output_text", "text": "The proof is complete.", "annotations": []}],
+}
+
+
+def _reasoned(status: str, output: list[Any], usage: Any) -> dict[str, Any]:
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": "o4-mini",
+        "status": status,
+        "output": output,
+        "usage": usage,
+        "error": None,
+        "incomplete_details": None,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
+
+
+@pytest.mark.parametrize("how", ["client-left", "no-usage"])
+async def test_a_responses_answer_that_reasons_is_billed_at_its_reserve_without_the_providers_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, how: str
+) -> None:
+    """Its reasoning tokens are billed as output and never shown (a summary, when asked for, is a
+    fraction of them): a count of what came back is prompt and text alone. Was: 0 output tokens
+    for a client that left while the model thought (``cancel``), 5 for the text without usage."""
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url), policy={"on_client_disconnect": "cancel"}
+    )
+    run = {"X-Run-Id": "think"}
+    async with proxy.client() as client:
+        if how == "client-left":
+            live = _reasoned("in_progress", [], None)
+            started = _sse_ev("response.created", {"sequence_number": 0, "response": live}) + _sse_ev(
+                "response.output_item.added",
+                {"sequence_number": 1, "output_index": 0, "item": REASONING_ITEM},
+            )
+            waiting = [_sse_ev("response.in_progress", {"sequence_number": 2, "response": live})] * 3
+            done = _reasoned("completed", [REASONING_ITEM, ANSWER_ITEM], THOUGHT)
+            last = _sse_ev("response.completed", {"sequence_number": 3, "response": done})
+            script.plan = Plan(
+                content_type="text/event-stream", chunks=[started, *waiting, last], delay_s=0.2
+            )
+            stream = await client.responses.create(
+                model="o4-mini", input="prove it", max_output_tokens=4000, stream=True, extra_headers=run
+            )
+            async for event in stream:
+                if event.type == "response.output_item.added":
+                    break  # the model is thinking: the client gives up
+            await stream.close()
+        else:
+            script.plan = Plan(chunks=[dumps(_reasoned("completed", [REASONING_ITEM, ANSWER_ITEM], None))])
+            reply = await client.responses.create(
+                model="o4-mini", input="prove it", max_output_tokens=4000, extra_headers=run
+            )
+            assert reply.output_text == "The proof is complete."
+    entry = await the_entry(redis_client)
+    assert entry["outcome"] == ("client_disconnected" if how == "client-left" else "ok"), entry
+    assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
+    assert int(entry["output_tokens"]) >= THOUGHT["output_tokens"]
+
+
+# -- the image generation tool's tokens: reported apart from usage, billed all the same --------
+
+IMAGE_CALL = {"id": "ig_1", "type": "image_generation_call", "status": "completed", "result": "aGVsbG8="}
+TOOL_USAGE = {
+    "image_gen": {
+        "input_tokens": 50,
+        "input_tokens_details": {"image_tokens": 0, "text_tokens": 50},
+        "output_tokens": 1056,
+        "total_tokens": 1106,
+    },
+    "web_search": {"num_requests": 0},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_image_generation_tools_tokens_are_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """OpenAI reports them in ``tool_usage``, apart from the model's ``usage``, and bills them.
+    Was: billed the model's 20 + 30 tokens only, the image's 1,106 not at all."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    usage = {"input_tokens": 20, "output_tokens": 30, "total_tokens": 50}
+    final = {**_reasoned("completed", [IMAGE_CALL], usage), "model": "gpt-4o", "tool_usage": TOOL_USAGE}
+    if stream:
+        started = _sse_ev(
+            "response.created", {"sequence_number": 0, "response": {**final, "status": "in_progress"}}
+        )
+        done = _sse_ev("response.completed", {"sequence_number": 1, "response": final})
+        script.plan = Plan(content_type="text/event-stream", chunks=[started, done])
+    else:
+        script.plan = Plan(chunks=[dumps(final)])
+    async with proxy.client() as client:
+        reply: Any = await client.responses.create(
+            model="gpt-4o",
+            input="draw a cat",
+            tools=[{"type": "image_generation"}],
+            stream=stream,
+            extra_headers={"X-Run-Id": "img"},
+        )
+        if stream:
+            reply = [event async for event in reply][-1].response
+    assert reply.tool_usage is not None and reply.tool_usage.image_gen.output_tokens == 1056
+    entry = await the_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("70", "1086"), entry
+
+
 # -- the Anthropic SDK's other Messages calls get Anthropic's error format --------------------
 
 
