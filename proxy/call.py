@@ -107,6 +107,8 @@ class Call:
     choices: int = 1  # answers the client gets back (n, for every prompt)
     # A chat call asking for audio: its audio tokens cannot be counted from the answer.
     audio_output: bool = False
+    # It reasons in tokens billed and not shown (``ModelConfig.hidden_reasoning``, ``_reasons``).
+    hidden_reasoning: bool = False
     # A legacy completion with echo: each answer starts with its prompt (counted as input).
     echo: bool = False
     generations: int = 1  # answers the provider writes and bills (best_of when larger, per prompt)
@@ -379,6 +381,7 @@ def plan_call(
         choices=answers(view),
         generations=generations(view),
         audio_output=isinstance(view, ChatBody) and _asks_audio(body.get("modalities")),
+        hidden_reasoning=model_config.hidden_reasoning or _reasons(endpoint, body),
         echo=isinstance(view, CompletionBody) and body.get("echo") is True,
         continues=continues,
         conversation=conversation,
@@ -419,3 +422,16 @@ def _stored_prompt(view: RequestView) -> str | None:
 
 def _asks_audio(modalities: Any) -> bool:
     return isinstance(modalities, list) and "audio" in modalities
+
+
+def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """Whether the request asks the model to reason: OpenAI's reasoning tokens are never
+    streamed, and Claude 4's thinking is streamed as a summary while it bills the whole."""
+    if endpoint == "messages":
+        thinking = body.get("thinking")
+        return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+    effort = body.get("reasoning_effort")
+    if endpoint == "responses":
+        reasoning = body.get("reasoning")
+        effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    return isinstance(effort, str) and effort != "none"

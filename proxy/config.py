@@ -256,6 +256,11 @@ class ModelConfig(_Frozen):
     # Input tokens a provider adds to a call that carries tools, beyond their definitions (the
     # system prompt of Anthropic's tool use). None: 600 for an Anthropic upstream, else 0.
     tools_input_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
+    # The model reasons in tokens it bills and never streams, unasked (OpenAI's o-series and
+    # gpt-5): a call of it left without the provider's final usage is billed at its reserve, as
+    # one that asks to reason (reasoning_effort, Anthropic's thinking) is; a count of what came
+    # back would miss the reasoning.
+    hidden_reasoning: bool = False
     price_per_million: PricePerMillion | None = None
     # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
     # flex), beside the default's; a priced model refuses a tier not priced here.

@@ -117,9 +117,16 @@ class Exchange:
         found = provider_usage(self.obs)
         # An embeddings usage has no output count, and no output to count: it is final as it is.
         final = self.obs.usage_final or self.call.endpoint == "embeddings"
-        if (self.call.audio_output or self.obs.hidden_output) and (found is None or not final):
-            # Its audio tokens, or its reasoning tokens, cannot be counted from the answer.
-            return self.reserve_usage()
+        hidden = self.call.audio_output or self.call.hidden_reasoning or self.obs.hidden_output
+        if hidden and (found is None or not final):
+            # Its audio tokens, or its reasoning tokens, cannot be counted from the answer: the
+            # output is the reserve's; the input the provider told (message_start) stands.
+            if found is None or not found.input_tokens:
+                return self.reserve_usage()
+            reserved = self.call.reserved_output_tokens
+            return replace(
+                found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
+            )
         if found is None and self.call.generations > self.call.choices:
             # best_of: the provider wrote (and bills) answers it did not return; no count of the
             # answer sees them.

@@ -535,6 +535,65 @@ async def test_streamed_chat_reasoning_is_counted_when_the_client_leaves(
     assert int(entry["output_tokens"]) >= 1000, entry  # was 0
 
 
+@pytest.mark.parametrize("how", ["reasoning_effort", "model", "neither"])
+async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_client_leaves(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, how: str
+) -> None:
+    """OpenAI's reasoning models bill reasoning tokens they never stream, all written before the
+    first text. Cancel counted the prompt and the streamed text: 1 output token for an answer
+    that may have thought thousands. Asked for (reasoning_effort), or a model the operator says
+    reasons unasked (o-series, gpt-5): its reserve. Neither: the text counted, as before."""
+    models = {"o4-mini": {"upstream": "openai", "hidden_reasoning": how == "model"}}
+    proxy = await make_proxy(
+        upstreams=scripted_upstreams(script.base_url),
+        models=models,
+        policy={"on_client_disconnect": "cancel"},
+    )
+    first = b"data: " + chunk([{"index": 0, "delta": {"role": "assistant", "content": "Hello"}}]) + b"\n\n"
+    more = b"data: " + chunk([{"index": 0, "delta": {"content": " there"}}]) + b"\n\n"
+    script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
+    body = {**CHAT, "model": "o4-mini", "max_tokens": 4000}
+    if how == "reasoning_effort":
+        body["reasoning_effort"] = "high"
+    await read_until_then_leave(proxy, "/v1/chat/completions", body, b"Hello")
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected", entry
+    if how == "neither":
+        assert entry["usage_source"] != "reserve" and int(entry["output_tokens"]) < 10, entry
+    else:
+        assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+async def test_an_anthropic_stream_that_thinks_is_billed_its_reserved_output_when_the_client_leaves(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, thinking: bool
+) -> None:
+    """Claude 4 streams a summary of its thinking and bills the whole of it: cancel counted the
+    summary. With thinking on, the output is the reserve's; message_start's input stands."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_client_disconnect": "cancel"})
+    kind = "thinking" if thinking else "text"
+    block = ev("content_block_start", {"index": 0, "content_block": {"type": kind, kind: ""}})
+    piece = (
+        {"type": "thinking_delta", "thinking": "Let me see"}
+        if thinking
+        else {"type": "text_delta", "text": "Let me see"}
+    )
+    delta = ev("content_block_delta", {"index": 0, "delta": piece})
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[MESSAGE_START + block + delta, delta, delta], delay_s=0.5
+    )
+    body: dict[str, Any] = {**ANTHROPIC_BODY, "max_tokens": 4000}
+    if thinking:
+        body["thinking"] = {"type": "enabled", "budget_tokens": 2000}
+    await read_until_then_leave(proxy, "/v1/messages", body, b"Let me see")
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["input_tokens"]) == ("client_disconnected", "700"), entry
+    if thinking:
+        assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
+    else:
+        assert entry["usage_source"] != "reserve" and int(entry["output_tokens"]) < 10, entry
+
+
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
 async def test_chat_reasoning_is_counted_without_usage(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, field: str
