@@ -111,9 +111,12 @@ def timeout_for(call: Call) -> aiohttp.ClientTimeout:
 
 
 async def open_upstream(
-    session: aiohttp.ClientSession, call: Call
+    session: aiohttp.ClientSession, call: Call, query: str = ""
 ) -> aiohttp.ClientResponse | TransportFailure:
-    url = call.upstream.base_url + call.dialect.path
+    # The client's query as it came (still percent-encoded): an Azure-style api-version, a
+    # server's options, the anthropic SDK's ?beta=true. OpenAI, Anthropic, vLLM and SGLang read
+    # no body field from it; an upstream that did could run what was not reserved.
+    url = call.upstream.base_url + call.dialect.path + (f"?{query}" if query else "")
     # Always the parsed body: raw bytes with duplicate keys could mean one thing to our parser
     # (what was validated and reserved) and another to the upstream's.
     data = orjson.dumps(call.body)

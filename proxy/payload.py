@@ -36,12 +36,20 @@ class _Body(BaseModel):
     model: str = Field(min_length=1, max_length=256)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    # Always sent upstream as true (the proxy reads the usage chunk) and the chunk stripped
+    # unless this is true: anything but a bool is refused, as OpenAI refuses it.
+    include_usage: bool | None = None
+
+
 class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
     # Priority or flex processing is priced apart (``call.rates_for``).
     service_tier: str | None = None
     stream: bool | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = _TokenCount
     max_completion_tokens: int | None = _TokenCount
     n: int | None = Field(default=None, ge=1, le=128)
@@ -55,7 +63,7 @@ class CompletionBody(_Body):
     # Null is the API's "<|endoftext|>": named, but empty.
     prompt: str | list[str] | list[int] | list[list[int]] | None
     stream: bool | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     # From 0 here (OpenAI's spec): with echo and logprobs, a prompt is scored, nothing written.
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)
     n: int | None = Field(default=None, ge=1, le=128)
@@ -141,11 +149,20 @@ class ResponsesBody(_Body):
 FAST_TIER = "fast"
 
 
+class Thinking(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    # Bounds a clamp of max_tokens (``call.least_cap_accepted``). Anthropic refuses any but an
+    # integer (2048.0 included), as the proxy does: one it did not read would let a clamp below.
+    budget_tokens: int | None = None
+
+
 class MessagesBody(_Body):
     """Anthropic Messages API: ``max_tokens`` is required there."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    thinking: Thinking | None = None
     speed: str | None = None
     system: str | list[dict[str, Any]] | None = None
     stream: bool | None = None
@@ -166,7 +183,9 @@ BODY_MODELS: dict[Endpoint, type[_Body]] = {
 def _describe(err: ValidationError) -> tuple[str, str | None]:
     first = err.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
-    return f"Invalid request body: {param or 'body'}: {first['msg']}", param
+    # Not pydantic's "or instance of StreamOptions": the client sent JSON, not our classes.
+    message = "Input should be an object" if first["type"] == "model_type" else first["msg"]
+    return f"Invalid request body: {param or 'body'}: {message}", param
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestView]:

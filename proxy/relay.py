@@ -386,7 +386,9 @@ class Exchange:
         inflight.inc()
         try:
             started = time.monotonic()
-            upstream = await open_upstream(self.services.session, self.call)
+            upstream = await open_upstream(
+                self.services.session, self.call, self.request.rel_url.raw_query_string
+            )
             self.upstream_s += time.monotonic() - started
             if isinstance(upstream, TransportFailure):
                 return await self._transport_failure(upstream)

@@ -79,6 +79,7 @@ class Received:
     body: Any
     raw: bytes
     method: str = "POST"
+    query: str = ""  # as it came, still percent-encoded
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,8 @@ class FakeUpstream:
             body: Any = json.loads(raw) if raw else None
         except ValueError:
             body = None
-        self.received.append(Received(request.path, dict(request.headers), body, raw, request.method))
+        query = request.rel_url.raw_query_string
+        self.received.append(Received(request.path, dict(request.headers), body, raw, request.method, query))
         if request.method == "POST" and request.path in FORMAT_PATHS:
             from tests import fake_formats  # imported late: it builds on this module
 

@@ -241,6 +241,8 @@ CHAT_BAD: list[tuple[str, JsonDict]] = [
     ("stream", _with(CHAT, stream=1)),
     ("stream", _with(CHAT, stream="true")),
     ("stream_options", _with(CHAT, stream=True, stream_options="include_usage")),
+    ("stream_options", _with(CHAT, stream=True, stream_options={"include_usage": "no"})),
+    ("stream_options", _with(CHAT, stream=True, stream_options={"include_usage": 0})),
     ("max_tokens", _with(CHAT, max_tokens="10")),
     ("max_tokens", _with(CHAT, max_tokens=1e30)),
     ("max_tokens", _with(CHAT, max_tokens=10.0)),
@@ -266,6 +268,7 @@ COMPLETION_BAD: list[tuple[str, JsonDict]] = [
     ("prompt", _with(COMPLETIONS, prompt=[1.5])),
     ("prompt", _with(COMPLETIONS, prompt={"text": "hi"})),
     ("stream", _with(COMPLETIONS, stream="yes")),
+    ("stream_options", _with(COMPLETIONS, stream=True, stream_options={"include_usage": "false"})),
     ("max_tokens", _with(COMPLETIONS, max_tokens="10")),
     ("max_tokens", _with(COMPLETIONS, max_tokens=1e30)),
     ("max_tokens", _with(COMPLETIONS, max_tokens=-1)),
@@ -300,6 +303,20 @@ async def test_missing_or_mistyped_field_is_a_400_naming_it(
     error = assert_refused(reply, 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] is not None and error["param"].split(".")[0] == param, error
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("value", ["no", "false", "true", 0, 1, [], {}], ids=repr)
+async def test_a_non_boolean_include_usage_is_refused_as_openai_refuses_it(
+    post: Any, redis_client: aioredis.Redis, path: str, value: Any
+) -> None:
+    # Was forced to true and forwarded: a 200 stream, where OpenAI answers 400 invalid_type (and
+    # a truthy one the client may have meant as "yes" lost its usage chunk to the stripping).
+    body = _with(path, stream=True, stream_options={"include_usage": value})
+    reply = await post(path, dumps(body), headers={"X-Run-Id": "usage-typed"})
+    error = assert_refused(reply, 400)
+    assert (error["type"], error["param"]) == ("invalid_request_error", "stream_options.include_usage")
+    assert await redis_client.hgetall("lbp:{team-a}:run:usage-typed") == {}  # nothing reserved
 
 
 @pytest.mark.parametrize(

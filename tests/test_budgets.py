@@ -643,6 +643,33 @@ async def test_a_clamp_never_goes_below_what_the_provider_takes(
             assert fake.received[-1].body["max_tokens"] == 3000
 
 
+@pytest.mark.parametrize("budget", [2048.0, 2048.5, "2048", True], ids=repr)
+async def test_a_thinking_budget_that_is_no_integer_is_refused_before_a_clamp_can_pass_it(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, budget: Any
+) -> None:
+    # Was not read as a budget at all: the clamp lowered max_tokens to 1500, below 2048, and the
+    # call went out for Anthropic to refuse (it refuses any budget_tokens but an integer, 2048.0
+    # included: "thinking.enabled.budget_tokens: Input should be a valid integer").
+    upstream = {"base_url": fake.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    proxy = await make_proxy(
+        upstreams={"anthropic": upstream},
+        models={"*": {"upstream": "anthropic"}},
+        tiers=tiers(run={"output_tokens": 1500}, on_budget_short="clamp"),
+    )
+    thinking = {"type": "enabled", "budget_tokens": budget}
+    body = {"model": "claude-sonnet-4", "max_tokens": 4096, "thinking": thinking, "messages": MSGS}
+    auth = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "float", "anthropic-version": "2023-06-01"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/messages", json=body, headers=auth) as resp,
+    ):
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error" and "thinking.budget_tokens" in error["message"]
+    assert fake.received == []
+    assert await redis_client.hgetall("lbp:{team-a}:run:float") == {}  # nothing reserved
+
+
 @pytest.mark.parametrize("owner", ["tenant", "windows"])
 async def test_a_day_or_month_ceiling_a_reload_adds_sees_what_was_spent_before(
     owner: str, make_proxy: ProxyFactory, fake: FakeUpstream

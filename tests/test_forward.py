@@ -8,20 +8,24 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
+from urllib.parse import parse_qs
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 from pydantic import SecretStr
+from yarl import URL
 
 from proxy.app import build_app
 from proxy.config_load import parse_config
 from proxy.forward import StallGuard
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, base_config, unreachable_port
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, unreachable_port
 from tests.fake_upstream import FakeUpstream
+
+MSGS: list[Any] = [{"role": "user", "content": "hi"}]
 
 
 class Content:
@@ -120,3 +124,35 @@ async def test_a_connect_timeout_is_billed_nothing_for_nothing_went_out(
     (entry,) = reply.new_entries
     assert reply.status == 504 and entry["outcome"] == "upstream_timeout"
     assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("none", "0", "0")
+
+
+async def test_the_client_s_query_string_goes_upstream_as_it_came(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # Was dropped: an Azure-style gateway's api-version, a server's options in the query (the
+    # SDKs' default_query / extra_query) never reached the upstream.
+    proxy = await make_proxy()
+    client = proxy.client(default_query={"api-version": "2024-06-01"})
+    await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, extra_query={"opt": "a b&c=/é+"})
+    sent = fake.received[-1]
+    assert sent.path == "/v1/chat/completions"
+    assert parse_qs(sent.query) == {"api-version": ["2024-06-01"], "opt": ["a b&c=/é+"]}
+    stream = await client.chat.completions.create(
+        model="gpt-4o-mini", messages=MSGS, stream=True, extra_query={"x": "1"}
+    )
+    async for _chunk in stream:
+        pass
+    assert fake.received[-1].query == "api-version=2024-06-01&x=1"
+    await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=MSGS)
+    assert fake.received[-1].query == ""
+    # Byte for byte, percent-encoding included; on an Anthropic upstream too (the anthropic
+    # SDK's beta namespace sends ?beta=true).
+    upstream = {"base_url": fake.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    claude = await make_proxy(upstreams={"claude": upstream}, models={"*": {"upstream": "claude"}})
+    body = {"model": "claude-sonnet-4", "max_tokens": 10, "messages": MSGS}
+    query = "beta=true&q=a%2Bb+c%26%C3%A9&flag"
+    url = URL(f"{claude.url}/v1/messages?{query}", encoded=True)
+    headers = {"x-api-key": KEY_A, "anthropic-version": "2023-06-01"}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    assert (fake.received[-1].path, fake.received[-1].query) == ("/v1/messages", query)

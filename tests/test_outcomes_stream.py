@@ -117,7 +117,11 @@ async def test_client_asking_for_usage_gets_the_providers_chunk(proxy: Proxy, fa
     assert fake.received[-1].body["stream_options"] == {"include_usage": True}
 
 
-@pytest.mark.parametrize("options", [None, {"include_usage": False}], ids=["no-options", "include-false"])
+@pytest.mark.parametrize(
+    "options",
+    [None, {"include_usage": False}, {"include_usage": None}],
+    ids=["no-options", "include-false", "include-null"],
+)
 async def test_usage_the_client_did_not_ask_for_is_stripped(
     proxy: Proxy, fake: FakeUpstream, options: JsonDict | None
 ) -> None:
