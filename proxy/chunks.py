@@ -14,6 +14,9 @@ import orjson
 from proxy.observe import parse_json
 
 USAGE_NULL_TAIL = b',"usage":null}'
+# A "usage" key, at any depth: a string "usage" that is not a key (a content text, a token of its
+# logprobs) is never followed by a colon.
+USAGE_KEY = re.compile(rb'"usage"\s*:')
 USAGE_NULL_FIELD = b',"usage":null'
 # OpenAI's padding field (stream_options.include_obfuscation, on by default), last in a chunk.
 PAD_FIELD = b',"obfuscation":"'
@@ -66,9 +69,9 @@ def event_over(events: bytes | bytearray, limit: int) -> bool:
 def without_usage_null(data: bytes) -> bytes | None:
     """``data`` (a chunk whose top-level ``usage`` is null) with that field cut out of its bytes,
     every other byte as it came; None when the bytes do not say where it is for sure."""
-    # The one "usage" of the bytes is the top-level field (a quoted word is a key or a whole
-    # string, never part of a text): not a nested one, nor one of two (the parser kept the last).
-    if data.count(b'"usage"') != 1:
+    # The one "usage" key of the bytes is the top-level field: not a nested one, nor one of two
+    # (the parser kept the last).
+    if len(USAGE_KEY.findall(data)) != 1:
         return None
     if data.endswith(USAGE_NULL_TAIL):  # OpenAI's place for it, before the object's end
         cut = data[: -len(USAGE_NULL_TAIL)] + b"}"

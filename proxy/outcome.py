@@ -112,7 +112,8 @@ def classify_answer(
     if obs.refused or any(r in REFUSAL_REASONS for r in reasons):
         return Outcome("refused")
     if json_mode and policy.on_invalid_json == "reject":
-        for index in sorted(set(obs.finish_reasons) | obs.calls) or [0]:
+        # Every answer, those whose finish reason never came (or came empty) too: n > 1.
+        for index in sorted(set(obs.finish_reasons) | obs.calls | set(obs.contents)) or [0]:
             if obs.finish_reasons.get(index) in NOT_THE_ANSWER_REASONS:
                 continue
             text = obs.content_of(index)

@@ -4,6 +4,7 @@ gives (client bytes and observation), however the stream is cut into reads."""
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import orjson
@@ -427,3 +428,28 @@ def test_a_usage_only_chunk_without_a_choices_list_is_dropped_for_a_client_that_
         out, seen, _ = relay(stream, [], runs=runs, wants_usage=False)
         assert b"prompt_tokens" not in out and out.count(b"data: ") == 3, out
         assert seen[2] is not None and seen[2].output_tokens == 5
+
+
+@pytest.mark.parametrize("one_event_a_read", [False, True])
+@pytest.mark.parametrize("runs", [True, False])
+def test_a_text_or_logprob_token_that_is_the_word_usage_keeps_its_bytes(
+    runs: bool, one_event_a_read: bool
+) -> None:
+    """A content piece or a logprobs token that is the word "usage" is a string, not a key: the
+    client that did not ask for usage gets that chunk as every other one, byte for byte (written
+    again, its numbers and escapes came out in orjson's spelling: -1e-05 as -0.00001)."""
+
+    def piece(text: str) -> bytes:
+        token = {"token": text, "logprob": -1e-05, "bytes": list(text.encode()), "top_logprobs": []}
+        logprobs = {"content": [token], "refusal": None}
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+        # As Python's json writes it: non-ASCII escaped, floats in repr.
+        chunk = json.dumps({**BASE, "choices": [choice], "usage": None}, separators=(",", ":"))
+        return b"data: " + chunk.encode() + b"\n\n"
+
+    events = [ROLE, piece("usage"), piece("caf\u00e9"), piece("usage"), finish()]
+    stream = b"".join([*events, USAGE, DONE])
+    cuts = list(itertools.accumulate(len(e) for e in events)) if one_event_a_read else []
+    out, seen, _ = relay(stream, cuts, runs=runs, wants_usage=False)
+    assert out == b"".join(events).replace(b',"usage":null}', b"}")
+    assert seen[0] == "usagecaf\u00e9usage"

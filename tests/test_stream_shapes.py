@@ -107,3 +107,25 @@ async def test_a_chunk_that_is_not_json_is_an_upstream_error(
     entry = await only_entry(redis_client)
     # Billed all the same, on the provider's figures, and tagged as the failure it is.
     assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "provider")
+
+
+async def test_every_answer_of_n_is_held_to_json_whether_or_not_its_finish_reason_came(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """n = 2 from a server that sends "" for a finish reason it has not (SGLang, older Ollama):
+    the second answer, not JSON, is rejected as the first would be."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_invalid_json": "reject"})
+
+    def piece(index: int, text: str, reason: str = "") -> bytes:
+        choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        return f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n".encode()
+
+    chunks = [piece(0, '{"a": 1}'), piece(1, "Sure! "), piece(1, "{}"), piece(0, "", "stop"), usage(5)]
+    script.plan = Plan(content_type="text/event-stream", chunks=[*chunks, b"data: [DONE]\n\n"])
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0)
+    _, error = await read_stream(client, n=2, response_format={"type": "json_object"})
+    assert isinstance(error, openai.APIError) and "rejected" in error.message
+    entry = await only_entry(redis_client)
+    assert entry["outcome"].startswith("rejected:parse-json: "), entry  # was "ok"
+    assert (entry["usage_source"], entry["output_tokens"]) == ("provider", "5")
