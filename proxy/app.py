@@ -30,7 +30,7 @@ from proxy.redis_store import RedisStore
 from proxy.relay import Services
 from proxy.reload import ConfigReloader
 from proxy.settle import Settlement
-from proxy.store import Store
+from proxy.store import Eviction, Store
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
 STOP_LOOP_S = 5.0
@@ -95,6 +95,36 @@ def default_store_factory(config: Config) -> Store:
         socket_timeout_s=config.redis.socket_timeout_s,
         settled_marker_ttl_s=config.limits.settled_marker_ttl_s,
     )
+
+
+async def check_eviction(store: Store, metrics: Metrics, known: Eviction | None) -> Eviction | None:
+    """The store's eviction settings, into the metrics; loud when it may drop the proxy's keys
+    (once for each setting found), never a refusal to start: a managed Redis may be set so on
+    purpose. ``known``: what was found before (None: nothing yet), kept while it cannot be read."""
+    try:
+        found = await store.eviction()
+    except StoreError:
+        return known
+    except Exception:
+        # A reply read wrong must not end the loop that keeps the budget windows' clock.
+        log.warning("could not read the store's eviction policy", exc_info=True)
+        return known
+    policy = found.policy or "unknown"
+    metrics.store_drops_keys.clear()
+    metrics.store_drops_keys.labels(policy).set(1 if found.drops_keys else 0)
+    if found.drops_keys and found != known:
+        said = (
+            f"its maxmemory-policy is {policy} (maxmemory {found.maxmemory} bytes)"
+            if found.policy is not None
+            else "its maxmemory-policy could not be read (CONFIG and INFO refused)"
+        )
+        log.warning(
+            f"the Redis server may drop the proxy's keys when its memory is full: {said}. A budget's "
+            "counter dropped starts again from zero (its ceiling then overspent), a reservation or "
+            "ledger entry dropped is lost; set maxmemory-policy noeviction",
+            extra={"policy": policy, "maxmemory": found.maxmemory},
+        )
+    return found
 
 
 def metrics_handler(metrics: Metrics) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -279,6 +309,7 @@ def build_app(
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         store = store_factory(config)
         state.store = store
+        eviction: Eviction | None = None
         try:
             await store.ping()
             await store.load_scripts()
@@ -288,15 +319,19 @@ def build_app(
             warning = await store.persistence_warning()
             if warning:
                 log.warning(warning)
+            eviction = await check_eviction(store, state.metrics, None)
         except StoreError as err:  # the readiness probe reports it; calls get 503
             log.error("store unreachable at start", extra={"error": str(err)})
 
         async def clock() -> None:
+            nonlocal eviction
             # Budget windows follow the store's clock; a host's clock is stepped or drifts.
             while True:
                 await asyncio.sleep(CLOCK_SYNC_S)
                 with contextlib.suppress(StoreError):
                     await store.sync_clock()
+                # Read again: a store down at start, a policy changed on a live server.
+                eviction = await check_eviction(store, state.metrics, eviction)
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     return  # a cancel a store client swallowed
@@ -353,7 +388,15 @@ def build_app(
         # No cookie jar: a provider's (or its gateway's) cookies set on one caller's call would go
         # upstream with every later caller's, their own keys beside them.
         state.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
+            connector=connector,
+            auto_decompress=True,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            # The provider's headers parsed with room, as the server's (``server_options``): past
+            # aiohttp's defaults (8,190 bytes a header, 128 headers) a gateway's long set-cookie or
+            # CSP would fail every call the provider answered and billed (a 502, at the reserve).
+            max_line_size=64 * 1024,
+            max_field_size=64 * 1024,
+            max_headers=1024,
         )
         yield
         await state.session.close()

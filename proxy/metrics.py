@@ -55,6 +55,9 @@ class GaugeValue:
     def dec(self, amount: int | float = 1) -> None:
         self.value -= amount
 
+    def set(self, value: int | float) -> None:
+        self.value = value
+
 
 class HistogramValue:
     __slots__ = ("bounds", "counts", "sum")
@@ -99,6 +102,10 @@ class _Family(Generic[V]):
 
     def _new(self) -> V:
         raise NotImplementedError
+
+    def clear(self) -> None:
+        """Drop every label set (a state read again: the old one is no longer true)."""
+        self._values.clear()
 
     def items(self) -> list[tuple[list[str], V]]:
         if not self.labelnames and not self._values:
@@ -211,6 +218,13 @@ class Metrics:
             "llm_proxy_leases_expired", "Reservations settled at their reserve by a reaper."
         )
         self.store_errors = Counter("llm_proxy_store_errors", "Store operations that failed.", ["operation"])
+        self.store_drops_keys = Gauge(
+            "llm_proxy_store_drops_keys",
+            "1 when the store may drop keys when its memory is full (its maxmemory-policy, the label, "
+            "is not noeviction and a maxmemory is set; unknown: it would not say), budget counters and "
+            "leases among them: a ceiling then overspent. Read at start and every 30 s.",
+            ["policy"],
+        )
         self.prior_contexts = Counter(
             "llm_proxy_prior_contexts",
             "Responses calls that continue a stored context (previous_response_id, conversation), by "

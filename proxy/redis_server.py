@@ -112,6 +112,9 @@ class RedisServerProcess:
             "everysec",
             "--save",
             "",
+            # Full, it refuses writes (calls get 503) rather than drop a budget's counter or a lease.
+            "--maxmemory-policy",
+            "noeviction",
             "--logfile",
             str(self.data_dir / "redis.log"),
             "--daemonize",

@@ -42,6 +42,7 @@ from proxy.store import (
     RESERVED_METERS,
     TENANTS_KEY,
     Clamp,
+    Eviction,
     ExpiredLease,
     MeterState,
     Refusal,
@@ -87,6 +88,12 @@ NOT_RUN_ERRORS = (AuthenticationError, BusyLoadingError)
 
 def transient(err: ResponseError | RespError) -> bool:
     return isinstance(err, TRANSIENT_ERRORS) or str(err).startswith(TRANSIENT_REPLIES)
+
+
+def _refused(err: ResponseError) -> bool:
+    """A command this server will never run for us (disabled, renamed, not this user's), rather
+    than one it cannot run now."""
+    return isinstance(err, NoPermissionError) or not transient(err)
 
 
 # A kept context size as context.lua writes it: digits, a bound's followed by ~ and digits.
@@ -258,6 +265,36 @@ class RedisStore:
         if found.get("appendonly") != "yes" and not saves.get("save"):
             return "the Redis server keeps nothing on disk (no AOF, no RDB): a restart loses the ledger"
         return None
+
+    async def eviction(self) -> Eviction:
+        """Read with CONFIG GET, else from INFO (a managed Redis often refuses CONFIG), from
+        every primary of a Cluster: each holds some tenants' keys."""
+        cluster = isinstance(self._client, RedisCluster)
+        nodes: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if cluster else {}
+        try:
+            try:
+                found: Any = await self._client.execute_command(
+                    "CONFIG GET", "maxmemory-policy", "maxmemory", **nodes
+                )
+                policy_key = "maxmemory-policy"
+            except ResponseError as err:
+                if not _refused(err):
+                    raise
+                found = await self._client.info("memory", **nodes)
+                policy_key = "maxmemory_policy"
+        except ResponseError as err:
+            if not _refused(err):  # a Cluster down, TRYAGAIN: read again later
+                raise StoreError(f"eviction policy: {err}") from err
+            return Eviction(None)
+        except STORE_FAILURES as err:
+            raise StoreError(f"eviction policy: {err}") from err
+        # A Cluster's answer is one per node (unless only one node answered).
+        answers = list(found.values()) if cluster and policy_key not in found else [found]
+        settings = [
+            Eviction(str(a[policy_key]), int(a.get("maxmemory") or 0)) if policy_key in a else Eviction(None)
+            for a in answers
+        ]
+        return next((e for e in settings if e.drops_keys), settings[0])
 
     async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         if self._pipe is not None:

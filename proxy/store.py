@@ -124,6 +124,26 @@ class MeterState:
     reserved: int
 
 
+# The one maxmemory-policy under which a full Redis drops no key (it refuses writes: an OOM
+# reply, a transient store error). Every other drops keys, the volatile-* ones those with a TTL:
+# a budget window's counter (its ceiling starts again from zero, overspent), a call's lease.
+NO_EVICTION = "noeviction"
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """What the store does when its memory is full: its ``maxmemory-policy`` (None: it would not
+    say, CONFIG and INFO refused or renamed) and ``maxmemory`` in bytes (0: no limit)."""
+
+    policy: str | None
+    maxmemory: int = 0
+
+    @property
+    def drops_keys(self) -> bool:
+        """Whether the proxy's keys may go (a policy not read cannot rule it out)."""
+        return self.policy is None or (self.policy != NO_EVICTION and self.maxmemory > 0)
+
+
 class Store(Protocol):
     async def ping(self) -> None: ...
 
@@ -143,6 +163,11 @@ class Store(Protocol):
     async def load_scripts(self) -> None: ...
 
     async def persistence_warning(self) -> str | None: ...
+
+    async def eviction(self) -> Eviction:
+        """The store's eviction settings (on a Cluster, a primary's that drops keys, if any);
+        StoreError when it cannot be reached."""
+        ...
 
     async def reserve(
         self,

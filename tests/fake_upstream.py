@@ -27,6 +27,7 @@ openai SDK: ``extra_body={"fake": {...}}``); every key is optional:
   first_event_delay_s  sleep between a stream's headers and its first event
   delay_s          sleep before answering at all (any mode)
   two_usage        send the usage chunk twice (usage_early: before last content)
+  headers          dict of extra response headers (a long set-cookie, a CSP)
 
 Token rule: prompt = words in message contents + 3 per message (chat), words
 in the prompt(s) (completions), words per input with a minimum of 1
@@ -308,7 +309,7 @@ class FakeUpstream:
         model = str(body.get("model", ""))
         chat, embed = path == "/v1/chat/completions", path == "/v1/embeddings"
         stream = bool(body.get("stream")) and not embed
-        headers = {"x-request-id": f"req_{no}"}
+        headers = {"x-request-id": f"req_{no}", **(ctl.get("headers") or {})}
         plan: _Plan | None = None
         n_inputs = 0
         if embed:

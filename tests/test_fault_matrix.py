@@ -14,8 +14,17 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
+import proxy.app as app_module
+from proxy.app import STATE
 from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, leave_once_upstream_received
+from tests.conftest import (
+    KEY_A,
+    UPSTREAM_KEY,
+    Proxy,
+    ProxyFactory,
+    base_config,
+    leave_once_upstream_received,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -284,6 +293,88 @@ async def test_start_warns_when_redis_keeps_nothing_on_disk(
     finally:
         volatile.stop()
     assert UPSTREAM_KEY not in caplog.text
+
+
+def drops_keys(proxy: Proxy, policy: str) -> float | None:
+    return proxy.app[STATE].metrics.registry.get_sample_value(
+        "llm_proxy_store_drops_keys", {"policy": policy}
+    )
+
+
+def eviction_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "may drop the proxy's keys" in r.getMessage()]
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
+async def test_start_warns_when_redis_may_evict_the_proxys_keys(
+    make_proxy: ProxyFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """Under memory pressure such a Redis drops keys (volatile-*: those with a TTL, as a budget
+    window's counter and a lease have): a ceiling starts again from zero and is overspent."""
+    evicting = RedisServerProcess(
+        tmp_path / "evicting",
+        port=free_port(),
+        extra_args=("--maxmemory", "100mb", "--maxmemory-policy", policy),
+    )
+    evicting.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+            proxy = await make_proxy(redis={"url": evicting.url})
+        (record,) = eviction_warnings(caplog)
+        assert f"maxmemory-policy is {policy}" in record.getMessage()
+        assert "noeviction" in record.getMessage() and record.__dict__["policy"] == policy
+        assert drops_keys(proxy, policy) == 1
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="proxy.app"):
+            proxy = await make_proxy()  # the session server: noeviction, as the embedded one
+        assert not eviction_warnings(caplog)
+        assert drops_keys(proxy, "noeviction") == 0 and drops_keys(proxy, policy) is None
+    finally:
+        evicting.stop()
+
+
+async def test_a_policy_changed_on_a_live_redis_is_noticed(
+    make_proxy: ProxyFactory,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(app_module, "CLOCK_SYNC_S", 0.05)
+    with caplog.at_level(logging.WARNING, logger="proxy.app"):
+        proxy = await make_proxy(redis={"url": own_redis.url})
+        assert drops_keys(proxy, "noeviction") == 0
+        await own_client.config_set("maxmemory", "100mb")
+        await own_client.config_set("maxmemory-policy", "allkeys-lfu")
+        for _ in range(200):
+            if drops_keys(proxy, "allkeys-lfu") == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert drops_keys(proxy, "allkeys-lfu") == 1 and drops_keys(proxy, "noeviction") is None
+    (record,) = eviction_warnings(caplog)
+    assert record.__dict__["policy"] == "allkeys-lfu"
+
+
+async def test_a_redis_down_at_start_is_read_once_it_answers(
+    make_proxy: ProxyFactory,
+    own_redis: RedisServerProcess,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(app_module, "CLOCK_SYNC_S", 0.05)
+    own_redis.stop()
+    with caplog.at_level(logging.WARNING, logger="proxy.app"):
+        proxy = await make_proxy(redis={"url": own_redis.url})
+        assert drops_keys(proxy, "allkeys-random") is None
+        own_redis.extra_args = ("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-random")
+        own_redis.start()
+        for _ in range(200):
+            if drops_keys(proxy, "allkeys-random") == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert drops_keys(proxy, "allkeys-random") == 1
+    (record,) = eviction_warnings(caplog)
+    assert record.__dict__["policy"] == "allkeys-random"
 
 
 async def test_client_gone_right_after_the_last_chunk_is_billed_once(

@@ -10,8 +10,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import KEY_A, ProxyFactory
+from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import assert_provider_usage, the_entry
 from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, dumps, scripted_upstreams
 
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
@@ -228,3 +229,39 @@ async def test_one_callers_upstream_cookies_never_go_with_another_callers_key(
         await runner.cleanup()
     assert seen[1]["authorization"] == "Bearer sk-caller-bob"
     assert "cookie" not in seen[1], seen[1]["cookie"]
+
+
+# -- headers past the HTTP parser's defaults ----------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"content-security-policy": "default-src 'self'" + " https://cdn.example" * 1000},
+        {f"x-gateway-hop-{i}": "edge" for i in range(200)},
+    ],
+    ids=["a-20-kb-header", "200-headers"],
+)
+async def test_an_answer_with_long_or_many_headers_is_relayed_and_billed(
+    proxy: Proxy, fake: FakeUpstream, stream: bool, extra: dict[str, str]
+) -> None:
+    """aiohttp's client refuses a response header past 8,190 bytes, or past 128 headers: an
+    answer the provider sent (and billed) with a gateway's long CSP was a 502 billed at the
+    reserve."""
+    async with proxy.client() as client:
+        answer = await client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=stream,
+            extra_body={"fake": {"headers": extra}},
+            extra_headers={"X-Run-Id": "long"},
+        )
+        if isinstance(answer, openai.AsyncStream):
+            assert [chunk async for chunk in answer]
+        else:
+            assert answer.choices[0].message.content
+    entry = await the_entry(proxy, "long", wait_s=5.0)
+    assert entry["outcome"] == "ok"
+    (bill,) = fake.bill
+    assert_provider_usage(entry, bill)

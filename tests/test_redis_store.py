@@ -6,19 +6,21 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoPermissionError, ResponseError
 
 from proxy.auth import Identity
 from proxy.config import TierConfig
 from proxy.reaper import reap_tenant
-from proxy.redis_server import RedisServerProcess
+from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
-from proxy.store import ACTUAL_METERS, Clamp, Refusal, Reservation, Scope, Tentative
+from proxy.store import ACTUAL_METERS, Clamp, Eviction, Refusal, Reservation, Scope, Tentative
 from tests.cluster import RedisClusterProcesses
 from tests.conftest import ProxyFactory, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
@@ -1092,3 +1094,62 @@ async def test_a_call_whose_settle_reply_came_late_is_told_what_the_ledger_holds
         assert response.headers["x-billing-input-tokens"] == ledger[0][1]["input_tokens"]
     finally:
         await blocker.aclose()
+
+
+# -- eviction ---------------------------------------------------------------------------------
+
+EVICTING = ("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+
+
+async def test_eviction_is_read_from_every_primary(store: RedisStore) -> None:
+    assert await store.eviction() == Eviction("noeviction", 0)
+    assert not (await store.eviction()).drops_keys
+    client = store.client
+    # On a Cluster, a primary other than the one keyless commands go to.
+    where: dict[str, Any] = {}
+    if isinstance(client, RedisCluster):
+        where = {"target_nodes": next(n for n in client.get_primaries() if n != client.get_default_node())}
+    await client.execute_command(
+        "CONFIG SET", "maxmemory-policy", "volatile-lru", "maxmemory", "100mb", **where
+    )
+    try:
+        found = await store.eviction()
+    finally:
+        await client.execute_command(
+            "CONFIG SET", "maxmemory-policy", "noeviction", "maxmemory", "0", **where
+        )
+    assert found == Eviction("volatile-lru", 100 * 1024 * 1024) and found.drops_keys
+
+
+async def test_eviction_is_read_from_info_where_config_is_renamed(tmp_path: Path) -> None:
+    server = RedisServerProcess(
+        tmp_path / "redis", port=free_port(), extra_args=(*EVICTING, "--rename-command", "CONFIG", "")
+    )
+    server.start()
+    store = RedisStore.from_url(server.url)
+    try:
+        with pytest.raises(ResponseError):  # as a managed Redis answers it
+            await store.client.config_get("maxmemory-policy")
+        assert await store.eviction() == Eviction("allkeys-lru", 100 * 1024 * 1024)
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_eviction_not_told_cannot_rule_out_dropped_keys(tmp_path: Path) -> None:
+    server = RedisServerProcess(tmp_path / "redis", port=free_port())
+    server.start()
+    admin = RedisStore.from_url(server.url)
+    await admin.client.acl_setuser("proxy", enabled=True, passwords=["+pw"], keys=["*"], commands=[
+        "+@all", "-config", "-info"
+    ])  # fmt: skip
+    store = RedisStore.from_url(f"redis://proxy:pw@127.0.0.1:{server.port}/0")
+    try:
+        with pytest.raises(NoPermissionError):
+            await store.client.info("memory")
+        found = await store.eviction()
+    finally:
+        await store.close()
+        await admin.close()
+        server.stop()
+    assert found == Eviction(None) and found.drops_keys
