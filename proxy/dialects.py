@@ -36,6 +36,14 @@ def _chat_body(obs: Observation, obj: dict[str, Any]) -> None:
     obs.observe(obj, streaming=False)
 
 
+def _embeddings_body(obs: Observation, obj: dict[str, Any]) -> None:
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and usage.get("prompt_tokens", usage.get("input_tokens")) is None:
+        # A total alone (Voyage AI's report) is all input: an embedding writes nothing.
+        obj = {**obj, "usage": {**usage, "prompt_tokens": usage.get("total_tokens")}}
+    obs.observe(obj, streaming=False)
+
+
 # -- OpenAI Responses API ---------------------------------------------------------------------
 
 
@@ -416,7 +424,9 @@ DIALECTS: dict[Endpoint, Dialect] = {
     "completions": Dialect(
         "completions", "openai", "/completions", _chat_event, _chat_body, True, DONE, False
     ),
-    "embeddings": Dialect("embeddings", "openai", "/embeddings", _chat_event, _chat_body, False, None, False),
+    "embeddings": Dialect(
+        "embeddings", "openai", "/embeddings", _chat_event, _embeddings_body, False, None, False
+    ),
     "responses": Dialect(
         "responses", "openai", "/responses", _responses_event, _responses_body, False, None, False
     ),

@@ -73,6 +73,9 @@ class Estimate:
     # How many times the provider reads (and bills) the prompt: 2 for a compacting Messages
     # request (its summarizing step reads it all, then the answer at most as much).
     input_reads: int = 1
+    # The texts a provider counts one by one, not as one prompt (an embeddings batch's inputs, a
+    # legacy completion's prompts and suffixes): counted each on its own when no usage comes.
+    separate_texts: tuple[str, ...] = ()
 
     @property
     def input_exact(self) -> bool:
@@ -190,6 +193,7 @@ def estimate(
     reads = 2 if compacts(view) else 1
     input_tokens = (bound + overhead) * reads + id_tokens
     later = () if exact else tuple(parts)
+    separate = tuple(parts) if isinstance(view, EmbeddingBody | CompletionBody) else ()
     if isinstance(view, EmbeddingBody):
         return Estimate(
             prompt_text=text,
@@ -199,6 +203,7 @@ def estimate(
             output_cap_field=None,
             uncounted=later,
             cache_scope=cache_scope,
+            separate_texts=separate,
         )
     cap_field: str | None = None
     cap: int | None = None
@@ -229,4 +234,5 @@ def estimate(
         uncounted=later,
         cache_scope=cache_scope,
         input_reads=reads,
+        separate_texts=separate,
     )

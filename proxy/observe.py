@@ -247,7 +247,11 @@ class Observation:
         return text
 
     def all_text(self, echoes: Sequence[str] = ()) -> str:
-        """Every answer's text; ``echoes``: prompts an answer may begin with (a legacy
+        """Every answer's text (see ``answers``)."""
+        return "".join(self.answers(echoes))
+
+    def answers(self, echoes: Sequence[str] = ()) -> list[str]:
+        """Each answer's text; ``echoes``: prompts an answer may begin with (a legacy
         completion's echo, billed as input), the shortest it does begin with left out. Not by
         the answer's index: an upstream that drops n numbers its answers otherwise, and a longer
         prompt may be what a shorter one's answer went on to write."""
@@ -257,7 +261,7 @@ class Observation:
             # "" among them (an empty prompt) is every answer's shortest: nothing left out.
             echo = min((p for p in echoes if text.startswith(p)), key=len, default="")
             out.append(text[len(echo) :] + "".join(self.extras.get(index, ())))
-        return "".join(out)
+        return out
 
 
 def parse_json(data: bytes) -> Any:

@@ -141,12 +141,18 @@ def estimated_usage(
     encoding: str,
     tokenizer: Tokenizer,
     echoes: Sequence[str] = (),
+    separate_texts: Sequence[str] = (),
 ) -> BilledUsage:
     """Count what was sent and what came back, when the provider said nothing (``echoes``: see
-    ``Observation.all_text``)."""
-    input_tokens, source = tokenizer.count(prompt_text, encoding)
-    output_tokens, out_source = tokenizer.count(obs.all_text(echoes), encoding)
-    if out_source == "chars":
+    ``Observation.answers``; ``separate_texts``: the prompt's texts the provider counts each on
+    its own, the line breaks that join them in ``prompt_text`` no part of its input). Each answer
+    is counted on its own too: joined, answers would share tokens (4 characters of four answers
+    "a", merges across their ends), each of which the provider bills apart."""
+    counts = [tokenizer.count(text, encoding) for text in separate_texts or [prompt_text]]
+    answers = [tokenizer.count(text, encoding) for text in obs.answers(echoes)]
+    input_tokens, source = sum(n for n, _ in counts), counts[0][1]
+    output_tokens = sum(n for n, _ in answers)
+    if any(out_source == "chars" for _, out_source in answers):
         source = "chars"
     return BilledUsage(
         input_tokens=input_tokens + prompt_overhead_tokens,

@@ -96,6 +96,7 @@ class Exchange:
             encoding=self.call.encoding,
             tokenizer=self.services.tokenizer,
             echoes=self._echoes(),  # billed as input: not output again
+            separate_texts=est.separate_texts,
         )
         # The upstream was held to the reserved output (its cap went in every cap field): a
         # count of the text above it (4 characters a token, another tokenizer's) is the count's
@@ -117,20 +118,19 @@ class Exchange:
         found = provider_usage(self.obs)
         # An embeddings usage has no output count, and no output to count: it is final as it is.
         final = self.obs.usage_final or self.call.endpoint == "embeddings"
-        hidden = self.call.audio_output or self.call.hidden_reasoning or self.obs.hidden_output
-        if hidden and (found is None or not final):
-            # Its audio tokens, or its reasoning tokens, cannot be counted from the answer: the
-            # output is the reserve's; the input the provider told (message_start) stands.
+        # Output no count of the answer sees: audio tokens (its text is only the transcript),
+        # reasoning tokens (never streamed, or streamed as a summary), and the answers best_of
+        # wrote (and the provider bills) but did not return.
+        call = self.call
+        unseen = call.audio_output or call.hidden_reasoning or self.obs.hidden_output
+        if (unseen or call.generations > call.choices) and (found is None or not final):
+            # The output is the reserve's; the input the provider told (message_start) stands.
             if found is None or not found.input_tokens:
                 return self.reserve_usage()
-            reserved = self.call.reserved_output_tokens
+            reserved = call.reserved_output_tokens
             return replace(
                 found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
             )
-        if found is None and self.call.generations > self.call.choices:
-            # best_of: the provider wrote (and bills) answers it did not return; no count of the
-            # answer sees them.
-            return self.reserve_usage()
         if found is not None and not final and not complete and not self.obs.error:
             # Input is known (message_start) but the stream broke or stalled before the output
             # count: the provider may have written up to the cap, as for a stream with no usage.

@@ -7,6 +7,7 @@ from typing import Any
 
 import openai
 import pytest
+import tiktoken
 
 from proxy.observe import Observation
 from proxy.redis_server import free_port
@@ -283,6 +284,84 @@ async def test_embeddings(proxy: Proxy, fake: FakeUpstream) -> None:
     assert entry["output_tokens"] == "0"
 
 
+def merging_encoding() -> tiktoken.Encoding:
+    """A tokenizer that writes "aa" as one token: text joined across answers merges."""
+    ranks = {bytes([i]): i for i in range(256)} | {b"aa": 256}
+    return tiktoken.Encoding(name="o200k_base", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+
+
+@pytest.mark.parametrize("counter", ["chars", "tokenizer"])
+async def test_without_usage_each_answer_is_counted_on_its_own(
+    make_proxy: ProxyFactory, fake: FakeUpstream, counter: str
+) -> None:
+    """Four answers "a", a token each to the provider, were counted as the one text "aaaa": 1 token
+    at 4 characters a token, 2 with a tokenizer that merges "aa"."""
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": merging_encoding()} if counter == "tokenizer" else {})
+    )
+    async with proxy.client() as client:
+        await client.completions.create(
+            model=MODEL,
+            prompt="say a",
+            n=4,
+            max_tokens=5,
+            extra_body={"fake": {"no_usage": True, "content": "a"}},
+            extra_headers=run_headers("n4"),
+        )
+    entry = await the_entry(proxy, "n4")
+    assert entry["usage_source"] == counter, entry
+    assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens == 4, entry
+
+
+async def test_an_embeddings_usage_of_a_total_alone_is_the_providers_input(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """Voyage AI's embeddings report {"total_tokens": N} alone: all of it input, as an embedding
+    writes nothing. It was ignored, and the input counted (4 characters a token: 6, not 9)."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    data = [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}]
+    answer = {"object": "list", "data": data, "model": "voyage-3", "usage": {"total_tokens": 9}}
+    script.plan = Plan(chunks=[dumps(answer)])
+    async with proxy.client() as client:
+        result = await client.embeddings.create(
+            model="voyage-3", input="one two three four five", extra_headers=run_headers("v")
+        )
+    assert result.data[0].embedding == [0.5, 0.25]
+    entry = await the_entry(proxy, "v")
+    assert (entry["usage_source"], entry["input_tokens"]) == ("provider", "9"), entry
+    assert entry["output_tokens"] == "0", entry
+
+
+@pytest.mark.parametrize("counter", ["chars", "tokenizer"])
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/completions"])
+async def test_without_usage_each_input_of_a_batch_is_counted_on_its_own(
+    make_proxy: ProxyFactory, fake: FakeUpstream, path: str, counter: str
+) -> None:
+    """A provider counts each input of an embeddings batch (each prompt of a completions list)
+    on its own. Counted joined, the line breaks between them were billed (with a tokenizer: one
+    token more per input than the provider's 100), and at 4 characters a token short inputs
+    shared their tokens (50 for 100 one-letter inputs)."""
+    encodings = {"cl100k_base": byte_encoding(), "o200k_base": byte_encoding()}
+    proxy = await make_proxy(tokenizer=Tokenizer(encodings if counter == "tokenizer" else {}))
+    inputs = ["a"] * 100
+    no_usage: Any = {"fake": {"no_usage": True}}
+    async with proxy.client() as client:
+        if path == "/v1/embeddings":
+            await client.embeddings.create(
+                model="text-embedding-3-small",
+                input=inputs,
+                extra_body=no_usage,
+                extra_headers=run_headers("b"),
+            )
+        else:
+            await client.completions.create(
+                model=MODEL, prompt=inputs, max_tokens=1, extra_body=no_usage, extra_headers=run_headers("b")
+            )
+    entry = await the_entry(proxy, "b")
+    assert entry["usage_source"] == counter, entry
+    assert int(entry["input_tokens"]) == fake.bill[0].prompt_tokens == 100, entry
+
+
 UPSTREAM_FAILURES = [
     pytest.param(
         {"mode": "error", "status": 500}, 500, openai.InternalServerError, "upstream_error", "zero", id="500"
@@ -394,6 +473,38 @@ async def test_legacy_completions_without_usage_bill_the_answers_best_of_did_not
     assert fake.bill[-1].completion_tokens == 24  # what the provider wrote: 3 answers of 8 words
     assert entry["usage_source"] == "reserve", entry
     assert int(entry["output_tokens"]) == 150 >= fake.bill[-1].completion_tokens, entry
+
+
+def _best_of_answer(stream: bool) -> list[bytes]:
+    """One answer of the three best_of=3 wrote, and a usage with the prompt's count only."""
+    head = {"id": "cmpl-1", "object": "text_completion", "model": MODEL}
+    usage = {"prompt_tokens": 1}
+    if not stream:
+        choice = {"index": 0, "text": "one answer", "logprobs": None, "finish_reason": "stop"}
+        return [dumps({**head, "choices": [choice], "usage": usage})]
+    chunks = [
+        {"choices": [{"index": 0, "text": "one answer", "logprobs": None, "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]},
+        {"choices": [], "usage": usage},
+    ]
+    return [*(b"data: " + dumps({**head, **c}) + b"\n\n" for c in chunks), b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+async def test_a_best_of_usage_without_an_output_count_bills_the_answers_it_did_not_return(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, stream: bool
+) -> None:
+    """A usage with the prompt's count only: its output was counted from the one answer
+    returned (2 tokens), as if best_of had written nothing else."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(
+        content_type="text/event-stream" if stream else "application/json", chunks=_best_of_answer(stream)
+    )
+    body = {"model": MODEL, "prompt": "write", "best_of": 3, "max_tokens": 50, "stream": stream}
+    result = await raw_post(proxy, body, "best-of", path="/v1/completions")
+    assert result.status == 200, result.body
+    entry = await the_entry(proxy, "best-of")
+    assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "150"), entry
 
 
 @pytest.mark.parametrize(
