@@ -446,7 +446,13 @@ def build_app(
             if added:
                 state.tokenizer.load_more(added)
 
-        reloader = ConfigReloader(config_path, lambda: state.config, apply)
+        def counted(result: str) -> None:
+            state.metrics.config_reloads.labels(result).inc()
+
+        for result in ("applied", "refused"):  # at 0 from the start: a first refusal is an increase
+            state.metrics.config_reloads.labels(result)
+
+        reloader = ConfigReloader(config_path, lambda: state.config, apply, counted=counted)
         if reloader.changed():
             reloader.reload("file changed while starting")
         loop = asyncio.get_running_loop()

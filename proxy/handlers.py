@@ -69,6 +69,11 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             # or a price it changed).
             config = state.config
             identity = authenticate(request, config, passthrough=state.passthrough)
+            if len(raw) > config.limits.max_body_bytes:
+                # Read under the limit of its start: one it lowered refuses it as aiohttp would.
+                raise web.HTTPRequestEntityTooLarge(
+                    max_size=config.limits.max_body_bytes, actual_size=len(raw)
+                )
         body, view = parse_body(raw, endpoint)
         # Much new text is estimated at its byte length here and counted later: before the call
         # only if the reserve needs it, else while the call runs (``reserve.reserve``).

@@ -240,6 +240,12 @@ class Metrics:
             "counted, or not lowered for a store error).",
             ["result"],
         )
+        self.config_reloads = Counter(
+            "llm_proxy_config_reloads",
+            "Config reloads (SIGHUP, the file saved) by result: applied, or refused (the file did not "
+            "validate; the old config stays in force).",
+            ["result"],
+        )
         self.duration = Histogram(
             "llm_proxy_request_duration_seconds",
             "Whole call duration as the client sees it.",

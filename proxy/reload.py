@@ -31,10 +31,20 @@ def _stamp(path: Path) -> tuple[int, int] | None:
 
 
 class ConfigReloader:
-    def __init__(self, path: Path, current: Callable[[], Config], apply: Callable[[Config], None]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        current: Callable[[], Config],
+        apply: Callable[[Config], None],
+        *,
+        counted: Callable[[str], None] = lambda result: None,
+    ) -> None:
         self.path = path
         self._current = current
         self._apply = apply
+        # Each reload's result (``applied``, ``refused``), for the metrics: a refusal in the log
+        # alone goes unseen by whatever alerts on metrics, while the old config stays in force.
+        self._counted = counted
         self._stamp = _stamp(path)
         # Start-only settings are compared with the file as it was at start, not with the config
         # in force: that one carries what the command line and the worker set (--port,
@@ -59,6 +69,7 @@ class ConfigReloader:
                 "config reload refused; the old config stays in force",
                 extra={"reason": reason, "error": str(err)},
             )
+            self._counted("refused")
             return False
         baseline = self._started_from or old
         running = _start_only(baseline)
@@ -77,6 +88,7 @@ class ConfigReloader:
             )
         new = _keep_start_only(new, old)
         self._apply(new)
+        self._counted("applied")
         log.info(
             "config reloaded",
             extra={

@@ -784,7 +784,7 @@ async def _reload_to(proxy: Proxy, raw: dict[str, Any], path: Path) -> None:
     raise AssertionError("not reloaded")
 
 
-@pytest.mark.parametrize("change", ["key revoked", "ceiling lowered", "price raised"])
+@pytest.mark.parametrize("change", ["key revoked", "ceiling lowered", "price raised", "body limit lowered"])
 async def test_a_body_that_comes_after_a_reload_is_judged_by_the_new_config(
     fake: FakeUpstream,
     tmp_path: Path,
@@ -801,6 +801,8 @@ async def test_a_body_that_comes_after_a_reload_is_judged_by_the_new_config(
     path = tmp_path / "config.yaml"
     proxy = await _proxy_from_file(raw, path)
     body = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
+    if change == "body limit lowered":
+        body = body.replace(b'"hi"', b'"' + b"hi " * 500 + b'"')  # 1,581 bytes
     run = change.replace(" ", "-")
     try:
         reader, writer = await _send_head(proxy, body, run)
@@ -809,6 +811,9 @@ async def test_a_body_that_comes_after_a_reload_is_judged_by_the_new_config(
             raw["keys"] = [k for k in raw["keys"] if k["name"] != "a-ci"]
         elif change == "ceiling lowered":
             raw["tiers"] = tiers(key={"requests": 0})
+        elif change == "body limit lowered":
+            # Read under the limit of its start (4 MiB): forwarded, past the one in force.
+            raw["limits"] = {**raw["limits"], "max_body_bytes": 1024}
         else:
             raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "100", "output": "100"}
         await _reload_to(proxy, raw, path)
@@ -819,7 +824,7 @@ async def test_a_body_that_comes_after_a_reload_is_judged_by_the_new_config(
             tokens = int(entry["input_tokens"]) + int(entry["output_tokens"])
             assert int(entry["cost_micros"]) == 100 * tokens  # 100 per million: micro-units a token
         else:
-            assert status == (401 if change == "key revoked" else 429)
+            assert status == {"key revoked": 401, "ceiling lowered": 429, "body limit lowered": 413}[change]
             assert fake.received == []
     finally:
         await proxy.runner.cleanup()

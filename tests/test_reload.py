@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy.app import STATE, build_app
 from proxy.config_load import load_config
 from proxy.redis_server import RedisServerProcess
+from proxy.tokenizer import Tokenizer
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
@@ -79,5 +80,48 @@ async def test_a_model_a_reload_adds_is_counted_with_its_encoding(
             await asyncio.sleep(0.05)
         # 400 words and the message's own few tokens: not the prompt's 2,000 bytes.
         assert reserved[-1] < 1000, reserved[:3]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_refused_reload_is_counted_and_leaves_the_old_config_in_force(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file that did not validate was refused in the log alone: whatever watches the metrics
+    (and alerts on them) saw nothing, and the next restart failed on the file."""
+    raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    state = app[STATE]
+
+    def reloads() -> dict[str, float]:
+        return {labels[0]: value.value for labels, value in state.metrics.config_reloads.items()}
+
+    async def sighup_until(result: str) -> None:
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(250):  # the file check may take it first: counted all the same
+            if reloads()[result]:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(reloads())
+
+    try:
+        assert reloads() == {"applied": 0, "refused": 0}  # exported from the start
+        in_force = state.config
+        path.write_text("tiers: [this is not valid")
+        await sighup_until("refused")
+        assert state.config is in_force and reloads()["applied"] == 0
+        raw["tiers"] = {"standard": {"run": {"requests": 2}}}
+        path.write_text(yaml.safe_dump(raw))
+        await sighup_until("applied")
+        assert state.config.tiers["standard"].run.requests == 2
     finally:
         await runner.cleanup()
