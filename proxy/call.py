@@ -426,10 +426,12 @@ def _asks_audio(modalities: Any) -> bool:
 
 def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:
     """Whether the request asks the model to reason: OpenAI's reasoning tokens are never
-    streamed, and Claude 4's thinking is streamed as a summary while it bills the whole."""
+    streamed, and Claude 4's thinking is streamed as a summary while it bills the whole (every
+    type but disabled thinks: enabled, adaptive, between_tools)."""
     if endpoint == "messages":
         thinking = body.get("thinking")
-        return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        return isinstance(kind, str) and kind != "disabled"
     effort = body.get("reasoning_effort")
     if endpoint == "responses":
         reasoning = body.get("reasoning")

@@ -70,8 +70,10 @@ def without_usage_null(data: bytes) -> bytes | None:
     """``data`` (a chunk whose top-level ``usage`` is null) with that field cut out of its bytes,
     every other byte as it came; None when the bytes do not say where it is for sure."""
     # The one "usage" key of the bytes is the top-level field: not a nested one, nor one of two
-    # (the parser kept the last).
-    if len(USAGE_KEY.findall(data)) != 1:
+    # (the parser kept the last). Several: the cut is checked (a legacy completion's
+    # top_logprobs names its tokens as keys, "usage" among them).
+    keys = len(USAGE_KEY.findall(data))
+    if not keys:
         return None
     if data.endswith(USAGE_NULL_TAIL):  # OpenAI's place for it, before the object's end
         cut = data[: -len(USAGE_NULL_TAIL)] + b"}"
@@ -80,6 +82,13 @@ def without_usage_null(data: bytes) -> bytes | None:
         if at < 0 or data[at + len(USAGE_NULL_FIELD)] != COMMA:
             return None
         cut = data[:at] + data[at + len(USAGE_NULL_FIELD) :]
+    if keys > 1:
+        whole = parse_json(data)
+        whole.pop("usage", None)
+        try:
+            return cut if parse_json(cut) == whole else None
+        except ValueError:
+            return None
     # A key spelled with escapes ("us\u0061ge") is "usage" all the same: the count did not see it.
     if b"\\u" in data and "usage" in parse_json(cut):
         return None

@@ -6,10 +6,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import quote
 
 import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
+from yarl import URL
 
 from proxy.auth import Identity
 from proxy.call import Call
@@ -87,6 +89,8 @@ PASSED_HEADERS = frozenset(
 PASSED_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 # The provider's id of the call, for a support ticket; x-request-id is the proxy's (the ledger's).
 UPSTREAM_ID_HEADERS = frozenset({"x-request-id", "request-id"})
+# What a query may hold unescaped (RFC 3986), and the escapes themselves: kept as they came.
+QUERY_SAFE = "!$&'()*+,;=:@/?%"
 
 
 def provider_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
@@ -110,13 +114,23 @@ def timeout_for(call: Call) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=up.timeout_s, connect=up.connect_timeout_s)
 
 
+def upstream_url(upstream: UpstreamConfig, path: str, query: str) -> str | URL:
+    """``path`` at ``upstream`` with the client's ``query`` (``raw_query_string``)."""
+    url = upstream.base_url + path
+    if not query:
+        return url
+    # Its escapes as they came: a parse of the whole URL would decode some (%2F, %3F, %7E),
+    # which a signed query's signature covers. Only bytes a URL may not hold are escaped.
+    return URL(f"{URL(url)}?{quote(query, safe=QUERY_SAFE)}", encoded=True)
+
+
 async def open_upstream(
     session: aiohttp.ClientSession, call: Call, query: str = ""
 ) -> aiohttp.ClientResponse | TransportFailure:
     # The client's query as it came (still percent-encoded): an Azure-style api-version, a
     # server's options, the anthropic SDK's ?beta=true. OpenAI, Anthropic, vLLM and SGLang read
     # no body field from it; an upstream that did could run what was not reserved.
-    url = call.upstream.base_url + call.dialect.path + (f"?{query}" if query else "")
+    url = upstream_url(call.upstream, call.dialect.path, query)
     # Always the parsed body: raw bytes with duplicate keys could mean one thing to our parser
     # (what was validated and reserved) and another to the upstream's.
     data = orjson.dumps(call.body)

@@ -41,6 +41,7 @@ from proxy.forward import (
     provider_headers,
     read_limited,
     upstream_headers,
+    upstream_url,
 )
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
@@ -186,7 +187,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     assert state.session is not None
     try:
         async with state.session.get(
-            upstream.base_url + "/models",
+            upstream_url(upstream, "/models", request.rel_url.raw_query_string),
             headers=upstream_headers(upstream, identity),
             timeout=aiohttp.ClientTimeout(total=upstream.timeout_s, connect=upstream.connect_timeout_s),
             # Never followed: the upstream's key would go to whatever host a redirect names

@@ -453,3 +453,27 @@ def test_a_text_or_logprob_token_that_is_the_word_usage_keeps_its_bytes(
     out, seen, _ = relay(stream, cuts, runs=runs, wants_usage=False)
     assert out == b"".join(events).replace(b',"usage":null}', b"}")
     assert seen[0] == "usagecaf\u00e9usage"
+
+
+def test_a_legacy_completion_s_top_logprob_token_usage_keeps_the_chunk_s_bytes() -> None:
+    """A legacy completion's ``top_logprobs`` names each token as a key: a token that is the word
+    "usage" is a nested key, not the top-level field. The chunk went out written again (its
+    numbers in orjson's spelling: -1e-05 as -0.00001) for a client that did not ask for usage."""
+    logprobs = {
+        "tokens": ["usage"],
+        "token_logprobs": [-1e-05],
+        "top_logprobs": [{"usage": -1e-05, " use": -12.5}],
+        "text_offset": [0],
+    }
+    choice = {"text": "usage", "index": 0, "logprobs": logprobs, "finish_reason": None}
+    base = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
+    chunk = json.dumps({**base, "choices": [choice], "usage": None}, separators=(",", ":")).encode()
+    end = {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "stop"}]}
+    last = json.dumps({**end, "usage": None}, separators=(",", ":")).encode()
+    stream = b"data: " + chunk + b"\n\ndata: " + last + b"\n\n" + DONE
+    obs = Observation()
+    events = EventFilter(obs, dialect=DIALECTS["completions"], choices=1, client_wants_usage=False)
+    out = events.read(stream, limit=1 << 20)
+    expected = chunk.replace(b',"usage":null}', b"}")
+    assert out is not None and out.startswith(b"data: " + expected + b"\n\n"), out
+    assert obs.content_of(0) == "usage"

@@ -156,3 +156,18 @@ async def test_the_client_s_query_string_goes_upstream_as_it_came(
     async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
     assert (fake.received[-1].path, fake.received[-1].query) == ("/v1/messages", query)
+
+
+async def test_a_query_s_escapes_go_upstream_as_they_came(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Escapes a URL parser may decode (%2F, %3F, %3A, %40, %7E: a signed query's, a SAS token's
+    base64 %2F) go as sent: the query is the client's, byte for byte."""
+    proxy = await make_proxy()
+    query = "sig=ab%2Fcd%3D&next=%3Fx%3Ay%40z&t=%7E"
+    url = URL(f"{proxy.url}/v1/chat/completions?{query}", encoded=True)
+    body = {"model": "gpt-4o-mini", "messages": MSGS}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    assert fake.received[-1].query == query

@@ -265,3 +265,16 @@ async def test_an_answer_with_long_or_many_headers_is_relayed_and_billed(
     assert entry["outcome"] == "ok"
     (bill,) = fake.bill
     assert_provider_usage(entry, bill)
+
+
+async def test_models_goes_with_the_client_s_query_as_a_billed_call_does(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """An Azure-style gateway wants its api-version on every path: the SDK's default_query went
+    with every billed call, and not with the model list (the gateway's 4xx)."""
+    proxy = await make_proxy()
+    client = openai.AsyncOpenAI(
+        base_url=proxy.url + "/v1", api_key=KEY_A, default_query={"api-version": "2024-06-01"}, max_retries=0
+    )
+    await client.models.list()
+    assert (fake.received[-1].path, fake.received[-1].query) == ("/v1/models", "api-version=2024-06-01")

@@ -805,3 +805,24 @@ async def test_an_anthropic_stream_cut_mid_answer_prices_its_known_input_at_its_
     )
     # 700 x 3 + 5,000 x 0.30 for the input; the output at the reserve, at its dearest rate.
     assert entry["cost_micros"] == str(700 * 3 + 5000 * 3 // 10 + 500 * 15), entry
+
+
+@pytest.mark.parametrize("kind", ["between_tools", "adaptive"])
+async def test_an_anthropic_stream_thinking_in_any_mode_is_billed_its_reserved_output_when_the_client_leaves(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, kind: str
+) -> None:
+    """Thinking is on for every type but disabled (the anthropic SDK's between_tools thinks
+    between tool calls): cancel had counted the summary, as for a call that does not think."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_client_disconnect": "cancel"})
+    block = ev("content_block_start", {"index": 0, "content_block": {"type": "thinking", "thinking": ""}})
+    delta = ev(
+        "content_block_delta", {"index": 0, "delta": {"type": "thinking_delta", "thinking": "Let me see"}}
+    )
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[MESSAGE_START + block + delta, delta, delta], delay_s=0.5
+    )
+    body: dict[str, Any] = {**ANTHROPIC_BODY, "max_tokens": 4000, "thinking": {"type": kind}}
+    await read_until_then_leave(proxy, "/v1/messages", body, b"Let me see")
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["input_tokens"]) == ("client_disconnected", "700"), entry
+    assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
