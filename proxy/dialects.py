@@ -286,15 +286,47 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             if delta["stop_reason"] == "refusal":
                 obs.refused = True
         if isinstance(obj.get("usage"), dict):
-            obs.partial_usage.update({k: v for k, v in obj["usage"].items() if v is not None})
+            _take_delta_usage(obs.partial_usage, obj["usage"])
             _anthropic_tier(obs, obj["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
-            # Final only with an output count of its own (message_start's is a placeholder).
-            obs.usage_final = token_count(obj["usage"].get("output_tokens")) is not None
+            # Final only with an output count of its own (message_start's is a placeholder), and
+            # once the answer has stopped: a message_delta before the one with the stop reason
+            # (a turn with server tools may send several) tells the output so far.
+            obs.usage_final = (
+                token_count(obj["usage"].get("output_tokens")) is not None and 0 in obs.finish_reasons
+            )
     elif kind == "message_stop":
         obs.done = True
     elif kind == "error":
         obs.error = True
+
+
+# Input counts message_delta repeats from message_start (or grows: a server tool's results read).
+_CUMULATIVE_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def _take_delta_usage(held: dict[str, Any], usage: dict[str, Any]) -> None:
+    """message_delta's usage over what message_start told. Its counts are cumulative: one below
+    the count held is a placeholder (the 0 of upstreams that tell the input in message_start
+    alone: SGLang's Anthropic API, gateways), not the input shrinking; the held one stands. Not
+    beside compaction's ``iterations``, where the top-level counts are a part of the whole."""
+    given = {k: v for k, v in usage.items() if v is not None}
+    if "iterations" not in given:
+        for key in _CUMULATIVE_INPUT:
+            if key in given:
+                given[key] = _cumulative(held.get(key), given[key])
+        split, held_split = given.get("cache_creation"), held.get("cache_creation")
+        if isinstance(split, dict) and isinstance(held_split, dict):
+            given["cache_creation"] = {
+                **held_split,
+                **{k: _cumulative(held_split.get(k), v) for k, v in split.items()},
+            }
+    held.update(given)
+
+
+def _cumulative(held: Any, given: Any) -> Any:
+    before, now = token_count(held), token_count(given)
+    return held if before is not None and now is not None and now < before else given
 
 
 def _anthropic_tier(obs: Observation, usage: Any) -> None:

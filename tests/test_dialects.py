@@ -626,3 +626,129 @@ async def test_the_sdk_has_the_whole_answer_as_soon_as_its_last_event_came(
     assert entry["outcome"] == "ok"
     # message_stop / response.completed ends the answer: nothing may follow it.
     assert took < 15, f"the SDK waited {took:.2f} s for the upstream to close"
+
+
+# -- Anthropic message_delta usage: cumulative ---------------------------------------------------
+
+CACHED_START = {
+    "input_tokens": 10, "output_tokens": 1, "cache_read_input_tokens": 100, "cache_creation_input_tokens": 50,
+    "cache_creation": {"ephemeral_5m_input_tokens": 20, "ephemeral_1h_input_tokens": 30},
+}  # fmt: skip
+CACHE_PRICES = {"input": "3", "output": "15", "cached_input": "0.3", "cache_creation_input": "3.75",
+                "cache_creation_input_1h": "6"}  # fmt: skip
+
+
+def _anthropic_stream(tail: list[bytes]) -> Plan:
+    start = {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": CACHED_START,
+    }  # fmt: skip
+    head = [
+        _sse_ev("message_start", {"message": start}),
+        _sse_ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+        _sse_ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello world"}}),
+        _sse_ev("content_block_stop", {"index": 0}),
+    ]
+    return Plan(content_type="text/event-stream", chunks=head + tail)
+
+
+async def _cache_priced(make_proxy: ProxyFactory, script: ScriptedUpstream) -> Proxy:
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    return await make_proxy(
+        upstreams={"anthropic": upstream},
+        models={"claude-*": {"upstream": "anthropic", "price_per_million": CACHE_PRICES}},
+    )
+
+
+@pytest.mark.parametrize(
+    ("delta_usage", "billed"),
+    [
+        # Anthropic repeats the input counts (cumulative): the same figures.
+        ({**CACHED_START, "output_tokens": 42}, ("160", "100", "50", "30")),
+        # Server tools read more input during the turn: the final, larger figures.
+        (
+            {"input_tokens": 2500, "cache_read_input_tokens": 300, "cache_creation_input_tokens": 50,
+             "output_tokens": 42, "server_tool_use": {"web_search_requests": 1}},
+            ("2850", "300", "50", "30"),
+        ),
+        # A placeholder 0 (upstreams that tell the input in message_start alone): message_start's.
+        (
+            {"input_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+             "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+             "output_tokens": 42},
+            ("160", "100", "50", "30"),
+        ),
+    ],
+    ids=["repeated", "grown", "zeros"],
+)  # fmt: skip
+async def test_an_anthropic_streams_input_is_the_largest_cumulative_count(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    delta_usage: dict[str, Any],
+    billed: tuple[str, ...],
+) -> None:
+    """message_delta's usage is cumulative. An upstream whose message_delta says input 0 (SGLang's
+    Anthropic API did; gateways do) had its whole input billed as 0: 160 tokens, 315 of the call's
+    945 micro-units, gone from the bill."""
+    proxy = await _cache_priced(make_proxy, script)
+    end = {"delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": delta_usage}
+    script.plan = _anthropic_stream([_sse_ev("message_delta", end), _sse_ev("message_stop", {})])
+    client = claude(proxy)
+    async with client.messages.stream(
+        model="claude-x", max_tokens=1000, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        final = await stream.get_final_message()
+    await client.close()
+    assert final.usage.output_tokens == 42
+    entry = await the_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "42")
+    got = tuple(
+        entry[k]
+        for k in (
+            "input_tokens",
+            "cached_input_tokens",
+            "cache_creation_input_tokens",
+            "cache_creation_1h_input_tokens",
+        )
+    )
+    assert got == billed, entry
+    fresh, read, written, hour = (int(n) for n in billed)
+    fresh -= read + written
+    exact = (
+        fresh * 3_000_000 + read * 300_000 + (written - hour) * 3_750_000 + hour * 6_000_000 + 42 * 15_000_000
+    )
+    assert entry["cost_micros"] == str(-(-exact // 10**6)), entry
+
+
+async def test_an_anthropic_stream_cut_after_a_message_delta_before_its_stop_is_billed_its_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A turn may send several message_delta events (server tools); the one with the stop reason
+    carries the final output count. Cut after an earlier one, the stream was billed that one's 30
+    output tokens as final, where a cut stream's output is its reserve's until the final count
+    came (README, faults)."""
+    proxy = await _cache_priced(make_proxy, script)
+    early = {
+        "delta": {"stop_reason": None, "stop_sequence": None},
+        "usage": {"input_tokens": 2000, "output_tokens": 30},
+    }
+    script.plan = _anthropic_stream([_sse_ev("message_delta", early)])  # then the connection ends
+    body = {
+        "model": "claude-x",
+        "max_tokens": 1000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
+        headers={"anthropic-version": "2023-06-01"},
+    )  # fmt: skip
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "upstream_error", entry
+    # The input the provider told stands (2,000 + 150 cache reads and writes); the output is the reserve's.
+    assert (entry["input_tokens"], entry["output_tokens"], entry["usage_source"]) == (
+        "2150",
+        "1000",
+        "reserve",
+    )
