@@ -74,13 +74,35 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     # A detail absent or null is none of that kind; one that is not a count makes the whole
     # unusable, as Anthropic's do (a cached count read as 0 would bill cache reads at full price).
     cached = _detail(prompt_details, "cached_tokens")
+    # DeepSeek's own name for its cache reads, which its answers without prompt_tokens_details
+    # carry alone.
+    hits = _detail(raw, "prompt_cache_hit_tokens")
     written = _detail(prompt_details, "cache_write_tokens")  # a subset of the input
     reasoning = _detail(completion_details, "reasoning_tokens")
     audio_in = _detail(prompt_details, "audio_tokens")
     audio_out = _detail(completion_details, "audio_tokens")
-    if cached is None or written is None or reasoning is None or audio_in is None or audio_out is None:
+    # Perplexity's, at the top of its usage and in none of its other counts (total_tokens is
+    # prompt + completion): the search results its model read (citation_tokens, input at the input
+    # price) and its research step's thinking (reasoning_tokens, priced apart).
+    citations = _detail(raw, "citation_tokens")
+    reasoning_beside = _detail(raw, "reasoning_tokens")
+    if (
+        cached is None
+        or hits is None
+        or written is None
+        or reasoning is None
+        or audio_in is None
+        or audio_out is None
+        or citations is None
+        or reasoning_beside is None
+    ):
         return None
-    if reasoning and given is not None:
+    cached = cached or hits
+    prompt += citations
+    if reasoning_beside and not reasoning:
+        reasoning = reasoning_beside
+        completion += reasoning
+    elif reasoning and given is not None:
         # OpenAI counts reasoning within completion_tokens; Gemini's OpenAI-compatible usage (and
         # gateways that translate it) beside it: total_tokens then counts it on top, or it is more
         # than the completion count, which it cannot be a part of. Billed either way.

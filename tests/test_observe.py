@@ -46,6 +46,54 @@ def test_usage_zero_is_real_and_garbage_is_missing() -> None:
     assert usage is not None and (usage.cached_input_tokens, usage.reasoning_tokens) == (2, 3)
 
 
+def test_usage_parts_named_by_deepseek_and_perplexity_are_read() -> None:
+    # DeepSeek's cache reads, in an answer without prompt_tokens_details (its documented shape).
+    deepseek = parse_usage(
+        {
+            "prompt_tokens": 1000,
+            "completion_tokens": 10,
+            "total_tokens": 1010,
+            "prompt_cache_hit_tokens": 900,
+            "prompt_cache_miss_tokens": 100,
+        }
+    )
+    assert deepseek is not None
+    assert (deepseek.input_tokens, deepseek.cached_input_tokens, deepseek.output_tokens) == (1000, 900, 10)
+    # Perplexity's sonar-deep-research: citation and reasoning tokens beside prompt and completion
+    # (its cost object bills 230 + 20,470 input, 13,498 output and 145,885 reasoning tokens).
+    perplexity = parse_usage(
+        {
+            "prompt_tokens": 230,
+            "completion_tokens": 13498,
+            "total_tokens": 13728,
+            "citation_tokens": 20470,
+            "num_search_queries": 50,
+            "reasoning_tokens": 145885,
+            "search_context_size": "low",
+        }
+    )
+    assert perplexity is not None
+    assert (perplexity.input_tokens, perplexity.output_tokens, perplexity.reasoning_tokens) == (
+        20700,
+        159383,
+        145885,
+    )
+    # Not counts: the whole report is unusable, as for OpenAI's details.
+    assert parse_usage({"prompt_tokens": 5, "completion_tokens": 1, "prompt_cache_hit_tokens": "4"}) is None
+    assert parse_usage({"prompt_tokens": 5, "completion_tokens": 1, "reasoning_tokens": -1}) is None
+    # Reasoning in completion_tokens_details stands: a top-level copy is not counted again.
+    both = parse_usage(
+        {
+            "prompt_tokens": 5,
+            "completion_tokens": 7,
+            "total_tokens": 12,
+            "reasoning_tokens": 3,
+            "completion_tokens_details": {"reasoning_tokens": 3},
+        }
+    )
+    assert both is not None and (both.output_tokens, both.reasoning_tokens) == (7, 3)
+
+
 async def test_streamed_text_with_escapes_is_estimated_from_the_decoded_text(
     make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
 ) -> None:

@@ -419,3 +419,89 @@ async def test_reasoning_left_out_of_completion_tokens_is_still_billed(
     entry = await _entry(redis_client)
     assert (entry["input_tokens"], entry["output_tokens"], entry["total_tokens"]) == ("21", "60", "81")
     assert int(entry["cost_micros"]) == 21 * 1 + 60 * 10
+
+
+def _chat_stream(model: str, usage: dict[str, Any]) -> Plan:
+    base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": model}
+    chunks = [
+        {
+            **base,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}],
+        },
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {**base, "choices": [], "usage": usage},
+    ]
+    body = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks)
+    return Plan(content_type="text/event-stream", chunks=[body + b"data: [DONE]\n\n"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_perplexity_citation_and_reasoning_tokens_are_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """sonar-deep-research's usage (a real answer's figures): citation tokens are input beside
+    prompt_tokens, reasoning tokens beside completion_tokens at their own price, neither in
+    total_tokens. Its cost object bills them all: 0.58704 in tokens (and 0.25 for 50 searches,
+    a fee per search no token price holds)."""
+    price = {"input": "2", "output": "8", "reasoning": "3"}
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"sonar-deep-research": {"upstream": "openai", "price_per_million": price}},
+    )
+    usage = {
+        "prompt_tokens": 230,
+        "completion_tokens": 13498,
+        "total_tokens": 13728,
+        "citation_tokens": 20470,
+        "num_search_queries": 50,
+        "reasoning_tokens": 145885,
+        "cost": {
+            "input_tokens_cost": 0.00046,
+            "output_tokens_cost": 0.10798,
+            "citation_tokens_cost": 0.04094,
+            "reasoning_tokens_cost": 0.43766,
+            "search_queries_cost": 0.25,
+            "total_cost": 0.83704,
+        },
+    }
+    model = "sonar-deep-research"
+    script.plan = _chat_stream(model, usage) if stream else _chat_answer(model, usage)
+    request = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "perplexity")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert (entry["input_tokens"], entry["output_tokens"], entry["reasoning_tokens"]) == (
+        "20700",
+        "159383",
+        "145885",
+    )
+    assert int(entry["cost_micros"]) == 460 + 107_984 + 40_940 + 437_655  # 108,444 when read as 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_deepseek_cache_hits_are_billed_at_the_cached_price(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """DeepSeek's documented usage names its cache reads prompt_cache_hit_tokens (answers
+    without prompt_tokens_details carry only that): a tenth of the price of a miss."""
+    price = {"input": "0.28", "cached_input": "0.028", "output": "0.42"}
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"deepseek-chat": {"upstream": "openai", "price_per_million": price}},
+    )
+    usage = {
+        "prompt_tokens": 100_000,
+        "completion_tokens": 1000,
+        "total_tokens": 101_000,
+        "prompt_cache_hit_tokens": 90_000,
+        "prompt_cache_miss_tokens": 10_000,
+    }
+    model = "deepseek-chat"
+    script.plan = _chat_stream(model, usage) if stream else _chat_answer(model, usage)
+    request = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "deepseek")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["cached_input_tokens"] == "90000"
+    # 10,000 misses, 90,000 hits, 1,000 output: 5,740 micro-units, not 28,420.
+    assert int(entry["cost_micros"]) == 2_800 + 2_520 + 420
