@@ -292,11 +292,14 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             # Final only with an output count of its own (message_start's is a placeholder), and
             # once the answer has stopped: a message_delta before the one with the stop reason
             # (a turn with server tools may send several) tells the output so far.
-            obs.usage_final = (
-                token_count(obj["usage"].get("output_tokens")) is not None and 0 in obs.finish_reasons
-            )
+            told = token_count(obj["usage"].get("output_tokens")) is not None
+            obs.output_told = obs.output_told or told
+            obs.usage_final = told and 0 in obs.finish_reasons
     elif kind == "message_stop":
         obs.done = True
+        # The answer is whole: the last output count told is final, its stop reason sent with
+        # it, in a later message_delta, or never (gateways that translate another API's stream).
+        obs.usage_final = obs.usage_final or obs.output_told
     elif kind == "error":
         obs.error = True
 
@@ -306,10 +309,12 @@ _CUMULATIVE_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_
 
 
 def _take_delta_usage(held: dict[str, Any], usage: dict[str, Any]) -> None:
-    """message_delta's usage over what message_start told. Its counts are cumulative: one below
-    the count held is a placeholder (the 0 of upstreams that tell the input in message_start
-    alone: SGLang's Anthropic API, gateways), not the input shrinking; the held one stands. Not
-    beside compaction's ``iterations``, where the top-level counts are a part of the whole."""
+    """message_delta's usage over what message_start told. Its counts are cumulative: a 0 below
+    the count held is a placeholder (upstreams that tell the input in message_start alone:
+    SGLang's Anthropic API, gateways), not the input shrinking; the held one stands. Any other
+    count is the final one, lower too (message_start's may be an estimate: NVIDIA Dynamo's, the
+    whole prompt, its cache reads among it). Not beside compaction's ``iterations``, where the
+    top-level counts are a part of the whole."""
     given = {k: v for k, v in usage.items() if v is not None}
     if "iterations" not in given:
         for key in _CUMULATIVE_INPUT:
@@ -325,8 +330,7 @@ def _take_delta_usage(held: dict[str, Any], usage: dict[str, Any]) -> None:
 
 
 def _cumulative(held: Any, given: Any) -> Any:
-    before, now = token_count(held), token_count(given)
-    return held if before is not None and now is not None and now < before else given
+    return held if token_count(given) == 0 and token_count(held) else given
 
 
 def _anthropic_tier(obs: Observation, usage: Any) -> None:

@@ -127,14 +127,14 @@ def upstream_url(upstream: UpstreamConfig, path: str, query: str) -> str | URL:
 async def open_upstream(
     session: aiohttp.ClientSession, call: Call, query: str = ""
 ) -> aiohttp.ClientResponse | TransportFailure:
-    # The client's query as it came (still percent-encoded): an Azure-style api-version, a
-    # server's options, the anthropic SDK's ?beta=true. OpenAI, Anthropic, vLLM and SGLang read
-    # no body field from it; an upstream that did could run what was not reserved.
-    url = upstream_url(call.upstream, call.dialect.path, query)
     # Always the parsed body: raw bytes with duplicate keys could mean one thing to our parser
     # (what was validated and reserved) and another to the upstream's.
     data = orjson.dumps(call.body)
     try:
+        # The client's query as it came (still percent-encoded): an Azure-style api-version, a
+        # server's options, the anthropic SDK's ?beta=true. OpenAI, Anthropic, vLLM and SGLang
+        # read no body field from it; an upstream that did could run what was not reserved.
+        url = upstream_url(call.upstream, call.dialect.path, query)
         headers = upstream_headers(call.upstream, call.identity)
         headers.update(call.feature_headers)
         # A stream's headers within timeout_s of its connection, as a whole answer's: sock_read
@@ -149,7 +149,8 @@ async def open_upstream(
     except aiohttp.ClientConnectorError as err:
         return TransportFailure("connect", f"cannot connect to upstream: {err.os_error.strerror or err}")
     except ValueError as err:
-        # aiohttp refused to build the request (a header value it cannot send): nothing went out.
+        # aiohttp (or yarl, for a query's URL) refused to build the request (a header value it
+        # cannot send, a host with no IDNA form): nothing went out.
         return TransportFailure("connect", f"cannot send the request upstream: {err}")
     except aiohttp.ConnectionTimeoutError:
         return TransportFailure("connect_timeout", "cannot connect to upstream: connect timed out")

@@ -101,7 +101,10 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     prompt += citations
     if reasoning_beside and not reasoning:
         reasoning = reasoning_beside
-        completion += reasoning
+        # SGLang's, of the same name and place (its total_tokens too is prompt + completion),
+        # is a part of completion_tokens: Perplexity's comes with its citations, or is more.
+        if "citation_tokens" in raw or reasoning > completion:
+            completion += reasoning
     elif reasoning and given is not None:
         # OpenAI counts reasoning within completion_tokens; Gemini's OpenAI-compatible usage (and
         # gateways that translate it) beside it: total_tokens then counts it on top, or it is more
@@ -152,6 +155,8 @@ class Observation:
     # Usage that arrives in parts (Anthropic: message_start, then message_delta).
     partial_usage: dict[str, Any] = field(default_factory=dict)
     usage_final: bool = True
+    # An Anthropic stream's message_delta told an output count (message_start's is a placeholder).
+    output_told: bool = False
     # The id of the answer the provider keeps (Responses API): a later call may continue it.
     response_id: str | None = None
     # Responses messages that are not the final answer (a ``phase`` of ``commentary``), by

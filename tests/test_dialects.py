@@ -681,7 +681,7 @@ async def _cache_priced(make_proxy: ProxyFactory, script: ScriptedUpstream) -> P
     ],
     ids=["repeated", "grown", "zeros"],
 )  # fmt: skip
-async def test_an_anthropic_streams_input_is_the_largest_cumulative_count(
+async def test_an_anthropic_streams_input_is_its_last_cumulative_count_a_zero_placeholder_aside(
     make_proxy: ProxyFactory,
     script: ScriptedUpstream,
     redis_client: aioredis.Redis,
@@ -752,3 +752,86 @@ async def test_an_anthropic_stream_cut_after_a_message_delta_before_its_stop_is_
         "1000",
         "reserve",
     )
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        # The usage, then the stop reason in a message_delta of its own.
+        [
+            _sse_ev("message_delta", {"delta": {"stop_reason": None}, "usage": {"output_tokens": 42}}),
+            _sse_ev("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None}}),
+        ],
+        # No stop reason at all (a gateway's translation that maps none).
+        [_sse_ev("message_delta", {"delta": {"stop_reason": None}, "usage": {"output_tokens": 42}})],
+    ],
+    ids=["stop-reason-later", "no-stop-reason"],
+)
+async def test_an_anthropic_stream_that_ends_with_message_stop_is_billed_its_last_output_count(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, tail: list[bytes]
+) -> None:
+    """message_stop ends the answer: the last message_delta's output count is final, whether its
+    stop reason came with it, after it or never. A thinking call had been billed its reserved
+    output (1,000 tokens, not the 42 the provider told) for a stream that came whole."""
+    proxy = await _cache_priced(make_proxy, script)
+    script.plan = _anthropic_stream([*tail, _sse_ev("message_stop", {})])
+    body = {
+        "model": "claude-x",
+        "max_tokens": 1000,
+        "stream": True,
+        "thinking": {"type": "enabled", "budget_tokens": 500},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
+        headers={"anthropic-version": "2023-06-01"},
+    )  # fmt: skip
+    assert reply.status == 200
+    (entry,) = reply.new_entries
+    billed = (entry["outcome"], entry["usage_source"], entry["output_tokens"])
+    assert billed == ("ok", "provider", "42"), entry
+
+
+async def test_an_anthropic_stream_s_input_estimate_is_replaced_by_the_final_count(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A server that translates another API's stream (NVIDIA Dynamo's /v1/messages) tells an
+    estimate of the whole prompt in message_start and the provider's counts in message_delta:
+    1,200 tokens, 1,000 of them cache reads. Its lower input_tokens (200, the uncached part) is
+    no placeholder: kept at 1,200, the cache reads were billed twice, once at the full price."""
+    proxy = await _cache_priced(make_proxy, script)
+    start = {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 1200, "output_tokens": 0, "cache_creation_input_tokens": 0},
+    }  # fmt: skip
+    final = {"input_tokens": 200, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 0}
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[
+            _sse_ev("message_start", {"message": start}),
+            _sse_ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            _sse_ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello"}}),
+            _sse_ev("content_block_stop", {"index": 0}),
+            _sse_ev(
+                "message_delta",
+                {"delta": {"stop_reason": "end_turn"}, "usage": {**final, "output_tokens": 42}},
+            ),
+            _sse_ev("message_stop", {}),
+        ],
+    )
+    body = {
+        "model": "claude-x",
+        "max_tokens": 1000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
+        headers={"anthropic-version": "2023-06-01"},
+    )  # fmt: skip
+    (entry,) = reply.new_entries
+    billed = (entry["input_tokens"], entry["cached_input_tokens"], entry["output_tokens"])
+    assert billed == ("1200", "1000", "42"), entry
+    # 200 x 3 + 1,000 x 0.30 + 42 x 15, in micro-units.
+    assert entry["cost_micros"] == str(600 + 300 + 630), entry

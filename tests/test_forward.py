@@ -171,3 +171,22 @@ async def test_a_query_s_escapes_go_upstream_as_they_came(
     async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
     assert fake.received[-1].query == query
+
+
+async def test_a_url_aiohttp_cannot_build_is_not_billed_with_a_query_either(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """A base_url whose host has no IDNA form (an empty label): aiohttp refuses the URL, nothing
+    goes out, a 502 billed 0. With a query the URL was built before that guard: a 500, its
+    reservation left to a reaper, which bills its reserve."""
+    from tests.test_bad_input import dumps, send
+
+    upstream = {"base_url": "http://ex\u00e4mple..com/v1", "api_key_env": "TEST_UPSTREAM_KEY"}
+    proxy = await make_proxy(upstreams={"openai": upstream})
+    body = {"model": "gpt-4o-mini", "messages": MSGS}
+    for path in ("/v1/chat/completions", "/v1/chat/completions?api-version=1"):
+        reply = await send(proxy, lambda: [], redis_client, path, dumps(body))
+        assert reply.status == 502, (path, reply.body)
+        (entry,) = reply.new_entries
+        billed = (entry["outcome"], entry["usage_source"], entry["total_tokens"])
+        assert billed == ("upstream_error", "none", "0"), entry

@@ -94,6 +94,14 @@ def test_usage_parts_named_by_deepseek_and_perplexity_are_read() -> None:
     assert both is not None and (both.output_tokens, both.reasoning_tokens) == (7, 3)
 
 
+def test_sglang_s_top_level_reasoning_tokens_are_within_its_completion_tokens() -> None:
+    # The same name at the same place as Perplexity's, and total_tokens prompt + completion for
+    # both; SGLang counts it within completion_tokens (a count that fits there, no citations).
+    usage = {"prompt_tokens": 29, "total_tokens": 134, "completion_tokens": 105, "reasoning_tokens": 80}
+    sglang = parse_usage(usage)
+    assert sglang is not None and (sglang.output_tokens, sglang.reasoning_tokens) == (105, 80)
+
+
 async def test_streamed_text_with_escapes_is_estimated_from_the_decoded_text(
     make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
 ) -> None:

@@ -505,3 +505,32 @@ async def test_deepseek_cache_hits_are_billed_at_the_cached_price(
     assert entry["cached_input_tokens"] == "90000"
     # 10,000 misses, 90,000 hits, 1,000 output: 5,740 micro-units, not 28,420.
     assert int(entry["cost_micros"]) == 2_800 + 2_520 + 420
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglang_top_level_reasoning_tokens_are_a_part_of_its_completion_tokens(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """SGLang's usage names its reasoning count reasoning_tokens at the top, as Perplexity does,
+    but counts it within completion_tokens (total_tokens is prompt + completion for both): 80 of
+    its 105 output tokens had been billed twice, 185 output tokens."""
+    price = {"input": "1", "output": "10", "reasoning": "10"}
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"qwen3-8b": {"upstream": "openai", "price_per_million": price}},
+    )
+    usage = {
+        "prompt_tokens": 29,
+        "total_tokens": 134,
+        "completion_tokens": 105,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 80,
+    }
+    model = "qwen3-8b"
+    script.plan = _chat_stream(model, usage) if stream else _chat_answer(model, usage)
+    request = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "sglang")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert (entry["input_tokens"], entry["output_tokens"], entry["reasoning_tokens"]) == ("29", "105", "80")
+    assert int(entry["cost_micros"]) == 29 * 1 + 105 * 10
