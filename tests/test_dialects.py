@@ -638,10 +638,10 @@ CACHE_PRICES = {"input": "3", "output": "15", "cached_input": "0.3", "cache_crea
                 "cache_creation_input_1h": "6"}  # fmt: skip
 
 
-def _anthropic_stream(tail: list[bytes]) -> Plan:
+def _anthropic_stream(tail: list[bytes], start_usage: dict[str, Any] = CACHED_START) -> Plan:
     start = {
         "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": CACHED_START,
+        "stop_reason": None, "stop_sequence": None, "usage": start_usage,
     }  # fmt: skip
     head = [
         _sse_ev("message_start", {"message": start}),
@@ -650,6 +650,25 @@ def _anthropic_stream(tail: list[bytes]) -> Plan:
         _sse_ev("content_block_stop", {"index": 0}),
     ]
     return Plan(content_type="text/event-stream", chunks=head + tail)
+
+
+async def _streamed_message(
+    proxy: Proxy, script: ScriptedUpstream, redis_client: aioredis.Redis, **fields: Any
+) -> tuple[int, dict[str, str]]:
+    """One streamed Messages call (``fields`` added to its body): its status and ledger entry."""
+    body = {
+        "model": "claude-x",
+        "max_tokens": 1000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        **fields,
+    }
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
+        headers={"anthropic-version": "2023-06-01"},
+    )  # fmt: skip
+    (entry,) = reply.new_entries
+    return reply.status, entry
 
 
 async def _cache_priced(make_proxy: ProxyFactory, script: ScriptedUpstream) -> Proxy:
@@ -734,17 +753,7 @@ async def test_an_anthropic_stream_cut_after_a_message_delta_before_its_stop_is_
         "usage": {"input_tokens": 2000, "output_tokens": 30},
     }
     script.plan = _anthropic_stream([_sse_ev("message_delta", early)])  # then the connection ends
-    body = {
-        "model": "claude-x",
-        "max_tokens": 1000,
-        "stream": True,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    reply = await send(
-        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
-        headers={"anthropic-version": "2023-06-01"},
-    )  # fmt: skip
-    (entry,) = reply.new_entries
+    _, entry = await _streamed_message(proxy, script, redis_client)
     assert entry["outcome"] == "upstream_error", entry
     # The input the provider told stands (2,000 + 150 cache reads and writes); the output is the reserve's.
     assert (entry["input_tokens"], entry["output_tokens"], entry["usage_source"]) == (
@@ -775,19 +784,9 @@ async def test_an_anthropic_stream_that_ends_with_message_stop_is_billed_its_las
     output (1,000 tokens, not the 42 the provider told) for a stream that came whole."""
     proxy = await _cache_priced(make_proxy, script)
     script.plan = _anthropic_stream([*tail, _sse_ev("message_stop", {})])
-    body = {
-        "model": "claude-x",
-        "max_tokens": 1000,
-        "stream": True,
-        "thinking": {"type": "enabled", "budget_tokens": 500},
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    reply = await send(
-        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
-        headers={"anthropic-version": "2023-06-01"},
-    )  # fmt: skip
-    assert reply.status == 200
-    (entry,) = reply.new_entries
+    thinking = {"type": "enabled", "budget_tokens": 500}
+    status, entry = await _streamed_message(proxy, script, redis_client, thinking=thinking)
+    assert status == 200
     billed = (entry["outcome"], entry["usage_source"], entry["output_tokens"])
     assert billed == ("ok", "provider", "42"), entry
 
@@ -800,37 +799,12 @@ async def test_an_anthropic_stream_s_input_estimate_is_replaced_by_the_final_cou
     1,200 tokens, 1,000 of them cache reads. Its lower input_tokens (200, the uncached part) is
     no placeholder: kept at 1,200, the cache reads were billed twice, once at the full price."""
     proxy = await _cache_priced(make_proxy, script)
-    start = {
-        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": 1200, "output_tokens": 0, "cache_creation_input_tokens": 0},
-    }  # fmt: skip
+    start = {"input_tokens": 1200, "output_tokens": 0, "cache_creation_input_tokens": 0}
     final = {"input_tokens": 200, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 0}
-    script.plan = Plan(
-        content_type="text/event-stream",
-        chunks=[
-            _sse_ev("message_start", {"message": start}),
-            _sse_ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
-            _sse_ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hello"}}),
-            _sse_ev("content_block_stop", {"index": 0}),
-            _sse_ev(
-                "message_delta",
-                {"delta": {"stop_reason": "end_turn"}, "usage": {**final, "output_tokens": 42}},
-            ),
-            _sse_ev("message_stop", {}),
-        ],
-    )
-    body = {
-        "model": "claude-x",
-        "max_tokens": 1000,
-        "stream": True,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    reply = await send(
-        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
-        headers={"anthropic-version": "2023-06-01"},
-    )  # fmt: skip
-    (entry,) = reply.new_entries
+    end = {"delta": {"stop_reason": "end_turn"}, "usage": {**final, "output_tokens": 42}}
+    tail = [_sse_ev("message_delta", end), _sse_ev("message_stop", {})]
+    script.plan = _anthropic_stream(tail, start_usage=start)
+    _, entry = await _streamed_message(proxy, script, redis_client)
     billed = (entry["input_tokens"], entry["cached_input_tokens"], entry["output_tokens"])
     assert billed == ("1200", "1000", "42"), entry
     # 200 x 3 + 1,000 x 0.30 + 42 x 15, in micro-units.
