@@ -75,9 +75,18 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     # unusable, as Anthropic's do (a cached count read as 0 would bill cache reads at full price).
     cached = _detail(prompt_details, "cached_tokens")
     # DeepSeek's own name for its cache reads, which its answers without prompt_tokens_details
-    # carry alone.
+    # carry alone; Moonshot's (Kimi's) at the top of its usage. A part of prompt_tokens, both.
     hits = _detail(raw, "prompt_cache_hit_tokens")
-    written = _detail(prompt_details, "cache_write_tokens")  # a subset of the input
+    kimi_hits = _detail(raw, "cached_tokens")
+    # Cache writes, a subset of the input: OpenRouter's and OpenAI's name, and LiteLLM's (with
+    # the share kept an hour, priced apart).
+    written = _detail(prompt_details, "cache_write_tokens")
+    litellm_written = _detail(prompt_details, "cache_creation_tokens")
+    split = prompt_details.get("cache_creation_token_details") if isinstance(prompt_details, dict) else None
+    hour = _detail(split, "ephemeral_1h_input_tokens")
+    # Anthropic's own names, at the top of a gateway's OpenAI-format usage (LiteLLM, Portkey).
+    read_top = _detail(raw, "cache_read_input_tokens")
+    written_top = _detail(raw, "cache_creation_input_tokens")
     reasoning = _detail(completion_details, "reasoning_tokens")
     audio_in = _detail(prompt_details, "audio_tokens")
     audio_out = _detail(completion_details, "audio_tokens")
@@ -89,7 +98,12 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     if (
         cached is None
         or hits is None
+        or kimi_hits is None
         or written is None
+        or litellm_written is None
+        or hour is None
+        or read_top is None
+        or written_top is None
         or reasoning is None
         or audio_in is None
         or audio_out is None
@@ -97,7 +111,24 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         or reasoning_beside is None
     ):
         return None
-    cached = cached or hits
+    cached = cached or hits or kimi_hits
+    written = written or litellm_written
+    total = token_count(raw.get("total_tokens"))
+    # Whether prompt_tokens holds Anthropic's counts depends on the gateway and its version:
+    # Portkey's leaves both out (its total_tokens counts them on top); LiteLLM's holds its reads
+    # (also told as cached_tokens) and, in its versions that also tell them as
+    # cache_creation_tokens, its writes, while others left the writes out. One the gateway does
+    # not also tell the OpenAI way, or that prompt_tokens cannot hold, is billed beside it: where
+    # that reading is wrong (LiteLLM before it told cache_creation_tokens), the writes are billed
+    # once more at the input price, never less than the provider billed.
+    top = read_top + written_top
+    all_beside = bool(top) and total is not None and total >= prompt + completion + top
+    given_prompt = prompt
+    if read_top and (all_beside or not cached or read_top > given_prompt):
+        prompt += read_top
+    if written_top and (all_beside or not written or written_top > given_prompt):
+        prompt += written_top
+    cached, written = max(cached, read_top), max(written, written_top)
     prompt += citations
     if reasoning_beside and not reasoning:
         reasoning = reasoning_beside
@@ -105,19 +136,22 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         # is a part of completion_tokens: Perplexity's comes with its citations, or is more.
         if "citation_tokens" in raw or reasoning > completion:
             completion += reasoning
-    elif reasoning and given is not None:
+    elif (
+        reasoning
+        and given is not None
+        and (reasoning > completion or (total is not None and total >= prompt + completion + reasoning))
+    ):
         # OpenAI counts reasoning within completion_tokens; Gemini's OpenAI-compatible usage (and
         # gateways that translate it) beside it: total_tokens then counts it on top, or it is more
         # than the completion count, which it cannot be a part of. Billed either way.
-        total = token_count(raw.get("total_tokens"))
-        if reasoning > completion or (total is not None and total >= prompt + completion + reasoning):
-            completion += reasoning
+        completion += reasoning
     return ProviderUsage(
         prompt,
         completion,
         cached,
         reasoning,
         cache_creation_input_tokens=written,
+        cache_creation_1h_input_tokens=min(hour, written),
         audio_input_tokens=audio_in,
         audio_output_tokens=audio_out,
         output_known=given is not None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 import redis.asyncio as aioredis
@@ -158,3 +160,123 @@ def test_the_fast_path_leaves_anything_unusual_to_the_parser() -> None:
 def test_finish_reasons_of_every_dialect_give_their_outcome(reason: str, tag: str) -> None:
     obs = Observation(finish_reasons={0: reason})
     assert classify_answer(obs, PolicyConfig(), json_mode=False).tag == tag
+
+
+# Anthropic's own bill for one call: 10 input tokens after the cache breakpoint, 2,000 read from the
+# cache, 1,000 written to it (400 of them kept an hour), 50 output. Priced below (micro-units per
+# token): 10 * 1 + 2,000 * 0.1 + 600 * 5 + 400 * 10 + 50 * 2.
+GATEWAY_PRICES = {
+    "input": "1",
+    "cached_input": "0.1",
+    "cache_creation_input": "5",
+    "cache_creation_input_1h": "10",
+    "output": "2",
+}
+ANTHROPIC_BILL = 10 + 200 + 3000 + 4000 + 100
+WRITTEN_1H = {
+    "cache_creation_token_details": {"ephemeral_5m_input_tokens": 600, "ephemeral_1h_input_tokens": 400}
+}
+# The same call as OpenAI-format gateways in front of Claude report it.
+GATEWAY_USAGES = {
+    # LiteLLM (1.80): every input token in prompt_tokens, both kinds told the OpenAI way too.
+    "litellm": {
+        "prompt_tokens": 3010,
+        "completion_tokens": 50,
+        "total_tokens": 3060,
+        "prompt_tokens_details": {"cached_tokens": 2000, "cache_creation_tokens": 1000, **WRITTEN_1H},
+        "cache_read_input_tokens": 2000,
+        "cache_creation_input_tokens": 1000,
+    },
+    # LiteLLM's calculate_usage of 2025: the reads in prompt_tokens, the writes beside it.
+    "litellm-2025": {
+        "prompt_tokens": 2010,
+        "completion_tokens": 50,
+        "total_tokens": 2060,
+        "prompt_tokens_details": {"cached_tokens": 2000, **WRITTEN_1H},
+        "cache_read_input_tokens": 2000,
+        "cache_creation_input_tokens": 1000,
+    },
+    # Portkey: prompt_tokens is Anthropic's input_tokens, total_tokens counts the cache on top.
+    "portkey": {
+        "prompt_tokens": 10,
+        "completion_tokens": 50,
+        "total_tokens": 3060,
+        "prompt_tokens_details": {"cached_tokens": 2000, **WRITTEN_1H},
+        "cache_read_input_tokens": 2000,
+        "cache_creation_input_tokens": 1000,
+    },
+    # Portkey before it told cached_tokens or counted the cache in total_tokens.
+    "portkey-2024": {
+        "prompt_tokens": 10,
+        "completion_tokens": 50,
+        "total_tokens": 60,
+        "prompt_tokens_details": WRITTEN_1H,
+        "cache_read_input_tokens": 2000,
+        "cache_creation_input_tokens": 1000,
+    },
+}
+
+
+@pytest.mark.parametrize("gateway", sorted(GATEWAY_USAGES))
+def test_anthropic_cache_counts_told_by_a_gateway_are_each_read_once(gateway: str) -> None:
+    usage = parse_usage(GATEWAY_USAGES[gateway])
+    assert usage is not None
+    assert (usage.input_tokens, usage.cached_input_tokens, usage.output_tokens) == (3010, 2000, 50)
+    assert (usage.cache_creation_input_tokens, usage.cache_creation_1h_input_tokens) == (1000, 400)
+
+
+def test_moonshot_cache_reads_at_the_top_of_its_usage_are_a_part_of_the_prompt() -> None:
+    usage = parse_usage(
+        {"prompt_tokens": 2010, "completion_tokens": 50, "total_tokens": 2060, "cached_tokens": 2000}
+    )
+    assert usage is not None and (usage.input_tokens, usage.cached_input_tokens) == (2010, 2000)
+    assert parse_usage({"prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": "4"}) is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("gateway", sorted(GATEWAY_USAGES))
+async def test_a_gateway_in_front_of_claude_is_billed_what_anthropic_bills(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, gateway: str, stream: bool
+) -> None:
+    # Was: LiteLLM's writes priced as plain input (1 not 5), Portkey's reads taken out of its
+    # 10-token prompt_tokens, its writes not billed at all.
+    proxy = await make_proxy(models={"*": {"upstream": "openai", "price_per_million": GATEWAY_PRICES}})
+    answer = await proxy.client().chat.completions.create(
+        model="claude-sonnet-4-5",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=stream,
+        extra_body={"fake": {"usage": GATEWAY_USAGES[gateway]}},
+    )
+    if stream:
+        async for _ in answer:  # type: ignore[union-attr]
+            pass
+    for _ in range(100):
+        entries = await redis_client.xrange("lbp:{team-a}:ledger")
+        if entries:
+            break
+        await asyncio.sleep(0.05)
+    ((_, entry),) = entries
+    assert (entry["input_tokens"], entry["cached_input_tokens"]) == ("3010", "2000"), entry
+    assert int(entry["cost_micros"]) == ANTHROPIC_BILL, entry
+
+
+def test_a_top_level_count_not_told_the_openai_way_too_is_never_billed_below_the_provider() -> None:
+    # LiteLLM's Anthropic usage of 2024 counted the writes in prompt_tokens and told them only at
+    # the top; its 2025 usage, otherwise the same, left them out. Read as beside: the first is
+    # billed 1,000 input tokens more than Anthropic billed, the second exactly.
+    usage = parse_usage(
+        {
+            "prompt_tokens": 3010,
+            "completion_tokens": 50,
+            "total_tokens": 3060,
+            "prompt_tokens_details": {"cached_tokens": 2000},
+            "cache_read_input_tokens": 2000,
+            "cache_creation_input_tokens": 1000,
+        }
+    )
+    assert usage is not None
+    assert (usage.input_tokens, usage.cached_input_tokens, usage.cache_creation_input_tokens) == (
+        4010,
+        2000,
+        1000,
+    )
