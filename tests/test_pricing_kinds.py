@@ -435,6 +435,29 @@ def _chat_stream(model: str, usage: dict[str, Any]) -> Plan:
     return Plan(content_type="text/event-stream", chunks=[body + b"data: [DONE]\n\n"])
 
 
+async def _billed_chat(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    *,
+    model: str,
+    price: dict[str, str],
+    usage: dict[str, Any],
+    stream: bool,
+) -> dict[str, str]:
+    """One chat call of ``model`` (priced ``price``) whose answer reports ``usage``, streamed or
+    not: its ledger entry."""
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={model: {"upstream": "openai", "price_per_million": price}},
+    )
+    script.plan = _chat_stream(model, usage) if stream else _chat_answer(model, usage)
+    request = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, model)
+    assert status == 200
+    return await _entry(redis_client)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_perplexity_citation_and_reasoning_tokens_are_billed(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
@@ -444,10 +467,6 @@ async def test_perplexity_citation_and_reasoning_tokens_are_billed(
     total_tokens. Its cost object bills them all: 0.58704 in tokens (and 0.25 for 50 searches,
     a fee per search no token price holds)."""
     price = {"input": "2", "output": "8", "reasoning": "3"}
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"sonar-deep-research": {"upstream": "openai", "price_per_million": price}},
-    )
     usage = {
         "prompt_tokens": 230,
         "completion_tokens": 13498,
@@ -464,12 +483,9 @@ async def test_perplexity_citation_and_reasoning_tokens_are_billed(
             "total_cost": 0.83704,
         },
     }
-    model = "sonar-deep-research"
-    script.plan = _chat_stream(model, usage) if stream else _chat_answer(model, usage)
-    request = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "perplexity")
-    assert status == 200
-    entry = await _entry(redis_client)
+    entry = await _billed_chat(
+        make_proxy, script, redis_client, model="sonar-deep-research", price=price, usage=usage, stream=stream
+    )
     assert (entry["input_tokens"], entry["output_tokens"], entry["reasoning_tokens"]) == (
         "20700",
         "159383",
@@ -485,10 +501,6 @@ async def test_deepseek_cache_hits_are_billed_at_the_cached_price(
     """DeepSeek's documented usage names its cache reads prompt_cache_hit_tokens (answers
     without prompt_tokens_details carry only that): a tenth of the price of a miss."""
     price = {"input": "0.28", "cached_input": "0.028", "output": "0.42"}
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"deepseek-chat": {"upstream": "openai", "price_per_million": price}},
-    )
     usage = {
         "prompt_tokens": 100_000,
         "completion_tokens": 1000,
@@ -496,12 +508,9 @@ async def test_deepseek_cache_hits_are_billed_at_the_cached_price(
         "prompt_cache_hit_tokens": 90_000,
         "prompt_cache_miss_tokens": 10_000,
     }
-    model = "deepseek-chat"
-    script.plan = _chat_stream(model, usage) if stream else _chat_answer(model, usage)
-    request = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "deepseek")
-    assert status == 200
-    entry = await _entry(redis_client)
+    entry = await _billed_chat(
+        make_proxy, script, redis_client, model="deepseek-chat", price=price, usage=usage, stream=stream
+    )
     assert entry["cached_input_tokens"] == "90000"
     # 10,000 misses, 90,000 hits, 1,000 output: 5,740 micro-units, not 28,420.
     assert int(entry["cost_micros"]) == 2_800 + 2_520 + 420
@@ -515,10 +524,6 @@ async def test_sglang_top_level_reasoning_tokens_are_a_part_of_its_completion_to
     but counts it within completion_tokens (total_tokens is prompt + completion for both): 80 of
     its 105 output tokens had been billed twice, 185 output tokens."""
     price = {"input": "1", "output": "10", "reasoning": "10"}
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"qwen3-8b": {"upstream": "openai", "price_per_million": price}},
-    )
     usage = {
         "prompt_tokens": 29,
         "total_tokens": 134,
@@ -526,11 +531,8 @@ async def test_sglang_top_level_reasoning_tokens_are_a_part_of_its_completion_to
         "prompt_tokens_details": None,
         "reasoning_tokens": 80,
     }
-    model = "qwen3-8b"
-    script.plan = _chat_stream(model, usage) if stream else _chat_answer(model, usage)
-    request = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "sglang")
-    assert status == 200
-    entry = await _entry(redis_client)
+    entry = await _billed_chat(
+        make_proxy, script, redis_client, model="qwen3-8b", price=price, usage=usage, stream=stream
+    )
     assert (entry["input_tokens"], entry["output_tokens"], entry["reasoning_tokens"]) == ("29", "105", "80")
     assert int(entry["cost_micros"]) == 29 * 1 + 105 * 10
