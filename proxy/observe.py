@@ -145,6 +145,14 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         # gateways that translate it) beside it: total_tokens then counts it on top, or it is more
         # than the completion count, which it cannot be a part of. Billed either way.
         completion += reasoning
+    if given is not None and total is not None and total > prompt + completion:
+        # Gemini's own OpenAI-compatible usage tells no reasoning count: its total_tokens holds
+        # the thoughts (billed as output) that completion_tokens leaves out, and any tool-use
+        # prompt (input). What total_tokens counts beyond the rest is billed as reasoning: the
+        # dearer reading, never less than the provider billed.
+        extra = total - prompt - completion
+        completion += extra
+        reasoning += extra
     return ProviderUsage(
         prompt,
         completion,

@@ -280,3 +280,435 @@ def test_a_top_level_count_not_told_the_openai_way_too_is_never_billed_below_the
         2000,
         1000,
     )
+
+
+# Usage objects as providers and gateways send them (the source of each beside it; "shape" where
+# the figures are illustrative and only the fields are the provider's), and what the provider
+# bills: (input, cached reads, cache writes, output, reasoning), each whole with its parts.
+PROVIDER_USAGES: dict[str, tuple[dict[str, object], tuple[int, int, int, int, int]]] = {
+    # OpenAI API reference, chat completion object.
+    "openai-chat": (
+        {
+            "prompt_tokens": 19,
+            "completion_tokens": 10,
+            "total_tokens": 29,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        },
+        (19, 0, 0, 10, 0),
+    ),
+    # OpenAI prompt caching guide.
+    "openai-chat-cached": (
+        {
+            "prompt_tokens": 2006,
+            "completion_tokens": 300,
+            "total_tokens": 2306,
+            "prompt_tokens_details": {"cached_tokens": 1920},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        },
+        (2006, 1920, 0, 300, 0),
+    ),
+    # Shape: OpenAI's o-series, reasoning within completion_tokens.
+    "openai-chat-reasoning": (
+        {
+            "prompt_tokens": 75,
+            "completion_tokens": 1186,
+            "total_tokens": 1261,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 1024,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        },
+        (75, 0, 0, 1186, 1024),
+    ),
+    # Shape: OpenAI's predicted outputs, rejected prediction tokens within completion_tokens.
+    "openai-chat-prediction": (
+        {
+            "prompt_tokens": 242,
+            "completion_tokens": 288,
+            "total_tokens": 530,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 18,
+                "rejected_prediction_tokens": 10,
+            },
+        },
+        (242, 0, 0, 288, 0),
+    ),
+    # Shape: OpenAI's gpt-4o-audio-preview, audio within completion_tokens.
+    "openai-chat-audio": (
+        {
+            "prompt_tokens": 17,
+            "completion_tokens": 98,
+            "total_tokens": 115,
+            "prompt_tokens_details": {
+                "cached_tokens": 0,
+                "audio_tokens": 0,
+                "text_tokens": 17,
+                "image_tokens": 0,
+            },
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 76,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+                "text_tokens": 22,
+            },
+        },
+        (17, 0, 0, 98, 0),
+    ),
+    # Shape: OpenAI's Responses API.
+    "openai-responses": (
+        {
+            "input_tokens": 36,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 87,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 123,
+        },
+        (36, 0, 0, 87, 0),
+    ),
+    "openai-responses-reasoning": (
+        {
+            "input_tokens": 75,
+            "input_tokens_details": {"cached_tokens": 64},
+            "output_tokens": 1186,
+            "output_tokens_details": {"reasoning_tokens": 1024},
+            "total_tokens": 1261,
+        },
+        (75, 64, 0, 1186, 1024),
+    ),
+    # Shape: Azure OpenAI (o1), as OpenAI's.
+    "azure-openai": (
+        {
+            "completion_tokens": 1518,
+            "prompt_tokens": 1566,
+            "total_tokens": 3084,
+            "completion_tokens_details": {"reasoning_tokens": 576},
+            "prompt_tokens_details": {"cached_tokens": 1408},
+        },
+        (1566, 1408, 0, 1518, 576),
+    ),
+    # Gemini's own OpenAI-compatible endpoint (gemini-3-flash-preview, discuss.ai.google.dev
+    # thread 127400): no reasoning count at all; total_tokens is Gemini's totalTokenCount, which
+    # holds the thoughts (billed as output) that completion_tokens leaves out.
+    "gemini-openai-compat": (
+        {"completion_tokens": 3, "prompt_tokens": 9, "total_tokens": 105},
+        (9, 0, 0, 96, 93),
+    ),
+    # A gateway's translation of Gemini (router-for-me/CLIProxyAPI#5733): thoughts told beside a
+    # completion_tokens that leaves them out.
+    "gemini-thoughts-beside": (
+        {
+            "completion_tokens": 0,
+            "total_tokens": 81,
+            "prompt_tokens": 21,
+            "completion_tokens_details": {"reasoning_tokens": 60},
+        },
+        (21, 0, 0, 60, 60),
+    ),
+    # Translations that fold the thoughts in (mozilla-ai/any-llm#1291, gemini-2.5-flash).
+    "gemini-thoughts-within": (
+        {
+            "prompt_tokens": 20,
+            "completion_tokens": 533,
+            "total_tokens": 553,
+            "completion_tokens_details": {"reasoning_tokens": 382},
+        },
+        (20, 0, 0, 533, 382),
+    ),
+    # DeepSeek (deepseek-v4-flash, a logged receipt): both names for its cache reads.
+    "deepseek": (
+        {
+            "completion_tokens": 1957,
+            "completion_tokens_details": {"reasoning_tokens": 42},
+            "prompt_cache_hit_tokens": 0,
+            "prompt_cache_miss_tokens": 810,
+            "prompt_tokens": 810,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "total_tokens": 2767,
+        },
+        (810, 0, 0, 1957, 42),
+    ),
+    # DeepSeek's older shape: hits and misses, no prompt_tokens_details.
+    "deepseek-cached": (
+        {
+            "prompt_tokens": 120,
+            "prompt_cache_hit_tokens": 96,
+            "prompt_cache_miss_tokens": 24,
+            "completion_tokens": 15,
+            "total_tokens": 135,
+        },
+        (120, 96, 0, 15, 0),
+    ),
+    # OpenRouter usage accounting docs: cache writes within prompt_tokens.
+    "openrouter": (
+        {
+            "completion_tokens": 2,
+            "completion_tokens_details": {"reasoning_tokens": 0},
+            "cost": 0.95,
+            "cost_details": {"upstream_inference_cost": 19},
+            "prompt_tokens": 194,
+            "prompt_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 100, "audio_tokens": 0},
+            "total_tokens": 196,
+        },
+        (194, 0, 100, 2, 0),
+    ),
+    # OpenRouter in front of Claude (mozilla-ai/any-llm#622): nulls among the details.
+    "openrouter-claude": (
+        {
+            "completion_tokens": 122,
+            "prompt_tokens": 13559,
+            "total_tokens": 13681,
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": None,
+                "audio_tokens": None,
+                "reasoning_tokens": 0,
+                "rejected_prediction_tokens": None,
+                "image_tokens": 0,
+            },
+            "prompt_tokens_details": {"audio_tokens": 0, "cached_tokens": 0, "video_tokens": 0},
+            "cost": 0.017558,
+            "is_byok": False,
+        },
+        (13559, 0, 0, 122, 0),
+    ),
+    # A gateway in front of xAI (x-ai/grok-4.1-fast-reasoning): reasoning within completion.
+    "openrouter-style-grok-reasoning": (
+        {
+            "completion_tokens": 241,
+            "completion_tokens_details": {"audio_tokens": 0, "image_tokens": 0, "reasoning_tokens": 204},
+            "prompt_tokens": 163,
+            "prompt_tokens_details": {"audio_tokens": 0, "cache_write_tokens": 0, "cached_tokens": 162},
+            "total_tokens": 404,
+        },
+        (163, 162, 0, 241, 204),
+    ),
+    # LiteLLM 1.80.11 in front of Claude on Bedrock (BerriAI/litellm#11364).
+    "litellm-claude": (
+        {
+            "total_tokens": 103925,
+            "prompt_tokens": 98805,
+            "completion_tokens": 5120,
+            "prompt_tokens_details": {
+                "text_tokens": None,
+                "audio_tokens": None,
+                "image_tokens": None,
+                "cached_tokens": 66360,
+                "cache_creation_tokens": 32435,
+            },
+            "cache_read_input_tokens": 66360,
+            "completion_tokens_details": {
+                "text_tokens": None,
+                "audio_tokens": None,
+                "image_tokens": None,
+                "reasoning_tokens": 1710,
+                "accepted_prediction_tokens": None,
+                "rejected_prediction_tokens": None,
+            },
+            "cache_creation_input_tokens": 32435,
+        },
+        (98805, 66360, 32435, 5120, 1710),
+    ),
+    # LiteLLM's AnthropicConfig.calculate_usage of 2025 (reads added to prompt_tokens, writes not)
+    # for Anthropic's input 10, reads 2,000, writes 1,000, output 50.
+    "litellm-claude-2025": (
+        {
+            "prompt_tokens": 2010,
+            "completion_tokens": 50,
+            "total_tokens": 2060,
+            "prompt_tokens_details": {"cached_tokens": 2000},
+            "cache_creation_input_tokens": 1000,
+            "cache_read_input_tokens": 2000,
+        },
+        (3010, 2000, 1000, 50, 0),
+    ),
+    # Portkey's AnthropicChatCompleteResponseTransform, same call.
+    "portkey-claude": (
+        {
+            "prompt_tokens": 10,
+            "completion_tokens": 50,
+            "total_tokens": 3060,
+            "cache_read_input_tokens": 2000,
+            "cache_creation_input_tokens": 1000,
+        },
+        (3010, 2000, 1000, 50, 0),
+    ),
+    # Shape: Groq, its timings beside.
+    "groq": (
+        {
+            "queue_time": 0.037493756,
+            "prompt_tokens": 18,
+            "prompt_time": 0.000680594,
+            "completion_tokens": 556,
+            "completion_time": 0.463333333,
+            "total_tokens": 574,
+            "total_time": 0.464013927,
+        },
+        (18, 0, 0, 556, 0),
+    ),
+    # xAI's Chat Completions reasoning example: reasoning beside completion_tokens.
+    "xai-reasoning": (
+        {
+            "prompt_tokens": 32,
+            "completion_tokens": 9,
+            "total_tokens": 135,
+            "prompt_tokens_details": {
+                "text_tokens": 32,
+                "audio_tokens": 0,
+                "image_tokens": 0,
+                "cached_tokens": 6,
+            },
+            "completion_tokens_details": {
+                "reasoning_tokens": 94,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+            "num_sources_used": 0,
+        },
+        (32, 6, 0, 103, 94),
+    ),
+    # xAI's prompt caching docs.
+    "xai-cached": (
+        {
+            "prompt_tokens": 125,
+            "completion_tokens": 48,
+            "total_tokens": 173,
+            "prompt_tokens_details": {
+                "text_tokens": 125,
+                "audio_tokens": 0,
+                "image_tokens": 0,
+                "cached_tokens": 98,
+            },
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        },
+        (125, 98, 0, 48, 0),
+    ),
+    # Shape: xAI's Responses API, its reasoning beside output_tokens too.
+    "xai-responses": (
+        {
+            "input_tokens": 100,
+            "output_tokens": 20,
+            "output_tokens_details": {"reasoning_tokens": 15},
+            "total_tokens": 135,
+            "cost_in_usd_ticks": 37756000,
+        },
+        (100, 0, 0, 35, 15),
+    ),
+    # Shape: Mistral.
+    "mistral": ({"prompt_tokens": 16, "completion_tokens": 34, "total_tokens": 50}, (16, 0, 0, 34, 0)),
+    # Shape: Fireworks (and Together), cached reads in prompt_tokens_details.
+    "fireworks": (
+        {
+            "prompt_tokens": 1200,
+            "total_tokens": 1230,
+            "completion_tokens": 30,
+            "prompt_tokens_details": {"cached_tokens": 1024},
+        },
+        (1200, 1024, 0, 30, 0),
+    ),
+    # vLLM with --enable-prompt-tokens-details (vllm-project/vllm#18067).
+    "vllm": (
+        {
+            "total_tokens": 2306,
+            "prompt_tokens": 2006,
+            "completion_tokens": 300,
+            "prompt_tokens_details": {"cached_tokens": 1920},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        },
+        (2006, 1920, 0, 300, 0),
+    ),
+    "vllm-null-details": (
+        {"prompt_tokens": 36, "total_tokens": 164, "prompt_tokens_details": None, "completion_tokens": 128},
+        (36, 0, 0, 128, 0),
+    ),
+    # SGLang with a reasoning parser (the shape of sgl-project/sglang#17156, the count made up):
+    # a part of completion_tokens.
+    "sglang-reasoning": (
+        {
+            "prompt_tokens": 29,
+            "total_tokens": 134,
+            "completion_tokens": 105,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 80,
+        },
+        (29, 0, 0, 105, 80),
+    ),
+    # Shape: Ollama's OpenAI-compatible API.
+    "ollama": ({"prompt_tokens": 26, "completion_tokens": 300, "total_tokens": 326}, (26, 0, 0, 300, 0)),
+    # Kimi K2.5 (openclaw/openclaw#25436; its completion and total made up): the reads at the
+    # top and in the details.
+    "moonshot": (
+        {
+            "prompt_tokens": 1113,
+            "completion_tokens": 40,
+            "total_tokens": 1153,
+            "cached_tokens": 1024,
+            "prompt_tokens_details": {"cached_tokens": 1024},
+        },
+        (1113, 1024, 0, 40, 0),
+    ),
+    # Shape: Perplexity sonar.
+    "perplexity-sonar": (
+        {"prompt_tokens": 14, "completion_tokens": 70, "total_tokens": 84, "search_context_size": "low"},
+        (14, 0, 0, 70, 0),
+    ),
+    # Perplexity sonar-deep-research (API reference): citations and reasoning beside the rest.
+    "perplexity-deep-research": (
+        {
+            "prompt_tokens": 230,
+            "completion_tokens": 13498,
+            "total_tokens": 13728,
+            "citation_tokens": 20470,
+            "num_search_queries": 50,
+            "reasoning_tokens": 145885,
+            "search_context_size": "low",
+        },
+        (20700, 0, 0, 159383, 145885),
+    ),
+    # Shape: Cerebras.
+    "cerebras": (
+        {
+            "prompt_tokens": 12,
+            "completion_tokens": 34,
+            "total_tokens": 46,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+        (12, 0, 0, 34, 0),
+    ),
+}
+
+
+@pytest.mark.parametrize("provider", sorted(PROVIDER_USAGES))
+def test_each_provider_s_usage_is_read_as_it_bills(provider: str) -> None:
+    raw, expected = PROVIDER_USAGES[provider]
+    usage = parse_usage(raw)
+    assert usage is not None
+    got = (
+        usage.input_tokens,
+        usage.cached_input_tokens,
+        usage.cache_creation_input_tokens,
+        usage.output_tokens,
+        usage.reasoning_tokens,
+    )
+    assert got == expected

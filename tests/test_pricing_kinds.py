@@ -536,3 +536,25 @@ async def test_sglang_top_level_reasoning_tokens_are_a_part_of_its_completion_to
     )
     assert (entry["input_tokens"], entry["output_tokens"], entry["reasoning_tokens"]) == ("29", "105", "80")
     assert int(entry["cost_micros"]) == 29 * 1 + 105 * 10
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_gemini_thoughts_told_only_in_total_tokens_are_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """Gemini's own OpenAI-compatible endpoint tells no reasoning count: completion_tokens is the
+    answer only, total_tokens (Gemini's totalTokenCount) holds the 93 thought tokens too, which
+    Google bills as output. They had been billed 0: 3 output tokens of 96."""
+    price = {"input": "1", "output": "10"}
+    usage = {"completion_tokens": 3, "prompt_tokens": 9, "total_tokens": 105}
+    entry = await _billed_chat(
+        make_proxy,
+        script,
+        redis_client,
+        model="gemini-3-flash-preview",
+        price=price,
+        usage=usage,
+        stream=stream,
+    )
+    assert (entry["input_tokens"], entry["output_tokens"], entry["reasoning_tokens"]) == ("9", "96", "93")
+    assert int(entry["cost_micros"]) == 9 * 1 + 96 * 10
