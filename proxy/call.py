@@ -433,7 +433,14 @@ def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         return isinstance(kind, str) and kind != "disabled"
     effort = body.get("reasoning_effort")
-    if endpoint == "responses":
-        reasoning = body.get("reasoning")
-        effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and endpoint == "responses":
+        effort = reasoning.get("effort")
+    elif isinstance(reasoning, dict) and reasoning.get("enabled") is not False:
+        # OpenRouter's unified parameter on chat: an effort, a token budget, or on (its exclude
+        # hides the reasoning from the answer, which is billed all the same).
+        budget = reasoning.get("max_tokens")
+        if reasoning.get("enabled") is True or (isinstance(budget, int) and budget > 0):
+            return True
+        effort = reasoning.get("effort", effort)
     return isinstance(effort, str) and effort != "none"

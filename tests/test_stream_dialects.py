@@ -535,7 +535,10 @@ async def test_streamed_chat_reasoning_is_counted_when_the_client_leaves(
     assert int(entry["output_tokens"]) >= 1000, entry  # was 0
 
 
-@pytest.mark.parametrize("how", ["reasoning_effort", "model", "neither"])
+@pytest.mark.parametrize(
+    "how",
+    ["reasoning_effort", "model", "neither", "openrouter-budget", "openrouter-effort", "openrouter-off"],
+)
 async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_client_leaves(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, how: str
 ) -> None:
@@ -555,10 +558,18 @@ async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_
     body = {**CHAT, "model": "o4-mini", "max_tokens": 4000}
     if how == "reasoning_effort":
         body["reasoning_effort"] = "high"
+    # OpenRouter's unified reasoning parameter (exclude: the reasoning is hidden, and billed).
+    openrouter = {
+        "openrouter-budget": {"max_tokens": 2000, "exclude": True},
+        "openrouter-effort": {"effort": "high"},
+        "openrouter-off": {"enabled": False, "effort": "high"},
+    }
+    if how in openrouter:
+        body["reasoning"] = openrouter[how]
     await read_until_then_leave(proxy, "/v1/chat/completions", body, b"Hello")
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected", entry
-    if how == "neither":
+    if how in ("neither", "openrouter-off"):
         assert entry["usage_source"] != "reserve" and int(entry["output_tokens"]) < 10, entry
     else:
         assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
