@@ -432,6 +432,8 @@ def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:
         thinking = body.get("thinking")
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         return isinstance(kind, str) and kind != "disabled"
+    if _gemini_thinks(body):
+        return True
     effort = body.get("reasoning_effort")
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and endpoint == "responses":
@@ -444,3 +446,15 @@ def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:
             return True
         effort = reasoning.get("effort", effort)
     return isinstance(effort, str) and effort != "none"
+
+
+def _gemini_thinks(body: dict[str, Any]) -> bool:
+    """Gemini's OpenAI-compatible thinking switch (the SDK's ``extra_body={"extra_body": {"google":
+    {"thinking_config": ...}}}``): its thoughts are billed and never streamed (``include_thoughts``:
+    a summary of them). A budget of 0 turns thinking off."""
+    extra = body.get("extra_body")
+    google = extra.get("google") if isinstance(extra, dict) else None
+    config = google.get("thinking_config") if isinstance(google, dict) else None
+    if not isinstance(config, dict):
+        return False
+    return config.get("thinking_budget") != 0

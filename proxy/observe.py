@@ -246,6 +246,10 @@ class Observation:
         reason = choice.get("finish_reason")
         if isinstance(reason, str) and reason:  # "" on every chunk (older Ollama, SGLang): none
             self.finish_reasons[index] = reason
+        if reason == "error" or isinstance(choice.get("error"), dict):
+            # OpenRouter: a choice that failed mid-answer, on HTTP 200 (its error on the choice,
+            # not always at the top): the provider's failure, not a whole answer.
+            self.error = True
         # legacy completions carry "text" on the choice itself
         self.add_text(index, choice.get("text"), content=True)
         if part is None:

@@ -537,7 +537,16 @@ async def test_streamed_chat_reasoning_is_counted_when_the_client_leaves(
 
 @pytest.mark.parametrize(
     "how",
-    ["reasoning_effort", "model", "neither", "openrouter-budget", "openrouter-effort", "openrouter-off"],
+    [
+        "reasoning_effort",
+        "model",
+        "neither",
+        "openrouter-budget",
+        "openrouter-effort",
+        "openrouter-off",
+        "gemini-budget",
+        "gemini-off",
+    ],
 )
 async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_client_leaves(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, how: str
@@ -566,10 +575,15 @@ async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_
     }
     if how in openrouter:
         body["reasoning"] = openrouter[how]
+    if how.startswith("gemini"):
+        # Gemini's OpenAI-compatible thinking switch, as the openai SDK sends it (its thoughts
+        # are billed, never streamed): a budget of 0 turns thinking off.
+        budget = 0 if how == "gemini-off" else 2000
+        body["extra_body"] = {"google": {"thinking_config": {"thinking_budget": budget}}}
     await read_until_then_leave(proxy, "/v1/chat/completions", body, b"Hello")
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected", entry
-    if how in ("neither", "openrouter-off"):
+    if how in ("neither", "openrouter-off", "gemini-off"):
         assert entry["usage_source"] != "reserve" and int(entry["output_tokens"]) < 10, entry
     else:
         assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
@@ -754,6 +768,41 @@ async def test_a_provider_error_event_carrying_usage_reaches_a_client_that_did_n
     assert raised is not None and "overloaded" in raised, raised  # now: None, a clean end
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "upstream_error", entry
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_openrouter_choice_that_ends_in_error_is_an_upstream_error(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """OpenRouter, on HTTP 200: a choice that failed mid-answer ends with finish_reason "error"
+    (its error on the choice). Was ok, billed on the few tokens counted (a stream without
+    usage) or shown: now upstream_error at its reserve, the answer passed on as it came."""
+    proxy = await proxy_for(make_proxy, script)
+    failed = {"index": 0, "finish_reason": "error", "native_finish_reason": "error",
+              "error": {"code": 502, "message": "Provider disconnected"}}  # fmt: skip
+    if stream:
+        chunks = [
+            b": OPENROUTER PROCESSING\n\n",
+            chat_event({"role": "assistant", "content": "Hel"}),
+            b"data: " + chunk([{**failed, "delta": {"content": ""}}]) + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    else:
+        answer = {"id": "gen-1", "object": "chat.completion", "created": 1, "model": "m",
+                  "choices": [{**failed, "message": {"role": "assistant", "content": "Hel"}}]}  # fmt: skip
+        chunks = [dumps(answer)]
+        script.plan = Plan(chunks=chunks)
+    body: dict[str, Any] = {**CHAT, "stream": stream, "max_tokens": 500}
+    if stream:  # its events' "usage": null kept: every byte as it came
+        body["stream_options"] = {"include_usage": True}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
+    (entry,) = reply.new_entries
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "reserve"), entry
+    if stream:
+        assert reply.body.startswith(b"".join(chunks[:3])) and reply.body.endswith(b"data: [DONE]\n\n")
+    else:
+        assert json.loads(reply.body) == json.loads(chunks[0])
 
 
 async def cut_after_message_start(
