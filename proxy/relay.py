@@ -127,19 +127,11 @@ class Exchange:
             # The output is the reserve's; the input the provider told (message_start) stands.
             if found is None or not found.input_tokens:
                 return self.reserve_usage()
-            reserved = call.reserved_output_tokens
-            return replace(
-                found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
-            )
+            return self._reserved_output(found)
         if found is not None and not final and not complete and not self.obs.error:
             # Input is known (message_start) but the stream broke or stalled before the output
             # count: the provider may have written up to the cap, as for a stream with no usage.
-            # Its input count stands; the output is the reserve's.
-            reserved = self.call.reserved_output_tokens
-            # Not redone as a whole reserve by the settle (``input_known``).
-            return replace(
-                found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
-            )
+            return self._reserved_output(found)
         if found is not None and not final and self.obs.all_text():
             # Input is known (message_start, a report of prompt tokens only) but the final
             # output count never came: count what was streamed, never less than what the
@@ -150,6 +142,14 @@ class Exchange:
         if found is not None:
             return found
         return self._estimated_usage() if complete else self.reserve_usage()
+
+    def _reserved_output(self, found: BilledUsage) -> BilledUsage:
+        """The provider's input count, the reserve's output (never below what it told): not redone
+        as a whole reserve by the settle (``input_known``)."""
+        reserved = self.call.reserved_output_tokens
+        return replace(
+            found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
+        )
 
     async def settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
         """Settle and record the call, once: the first outcome wins, later calls get its result.

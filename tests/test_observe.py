@@ -48,6 +48,28 @@ def test_usage_zero_is_real_and_garbage_is_missing() -> None:
     assert usage is not None and (usage.cached_input_tokens, usage.reasoning_tokens) == (2, 3)
 
 
+# A real sonar-deep-research answer's usage: citation and reasoning tokens beside prompt and
+# completion, neither in total_tokens; its cost object bills them all (0.58704 in tokens, and
+# 0.25 for 50 searches, a fee per search no token price holds).
+SONAR_DEEP_RESEARCH_USAGE = {
+    "prompt_tokens": 230,
+    "completion_tokens": 13498,
+    "total_tokens": 13728,
+    "citation_tokens": 20470,
+    "num_search_queries": 50,
+    "reasoning_tokens": 145885,
+    "search_context_size": "low",
+    "cost": {
+        "input_tokens_cost": 0.00046,
+        "output_tokens_cost": 0.10798,
+        "citation_tokens_cost": 0.04094,
+        "reasoning_tokens_cost": 0.43766,
+        "search_queries_cost": 0.25,
+        "total_cost": 0.83704,
+    },
+}
+
+
 def test_usage_parts_named_by_deepseek_and_perplexity_are_read() -> None:
     # DeepSeek's cache reads, in an answer without prompt_tokens_details (its documented shape).
     deepseek = parse_usage(
@@ -63,17 +85,7 @@ def test_usage_parts_named_by_deepseek_and_perplexity_are_read() -> None:
     assert (deepseek.input_tokens, deepseek.cached_input_tokens, deepseek.output_tokens) == (1000, 900, 10)
     # Perplexity's sonar-deep-research: citation and reasoning tokens beside prompt and completion
     # (its cost object bills 230 + 20,470 input, 13,498 output and 145,885 reasoning tokens).
-    perplexity = parse_usage(
-        {
-            "prompt_tokens": 230,
-            "completion_tokens": 13498,
-            "total_tokens": 13728,
-            "citation_tokens": 20470,
-            "num_search_queries": 50,
-            "reasoning_tokens": 145885,
-            "search_context_size": "low",
-        }
-    )
+    perplexity = parse_usage(SONAR_DEEP_RESEARCH_USAGE)
     assert perplexity is not None
     assert (perplexity.input_tokens, perplexity.output_tokens, perplexity.reasoning_tokens) == (
         20700,

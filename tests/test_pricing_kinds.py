@@ -16,6 +16,7 @@ from proxy.app import STATE
 from proxy.report import TOKEN_FIELDS
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_observe import SONAR_DEEP_RESEARCH_USAGE
 
 # gpt-4o-audio-preview's list prices per million: text 2.5 in, 10 out; audio 40 in, 80 out.
 AUDIO_PRICE = {"input": "2.5", "output": "10", "audio_input": "40", "audio_output": "80"}
@@ -467,22 +468,7 @@ async def test_perplexity_citation_and_reasoning_tokens_are_billed(
     total_tokens. Its cost object bills them all: 0.58704 in tokens (and 0.25 for 50 searches,
     a fee per search no token price holds)."""
     price = {"input": "2", "output": "8", "reasoning": "3"}
-    usage = {
-        "prompt_tokens": 230,
-        "completion_tokens": 13498,
-        "total_tokens": 13728,
-        "citation_tokens": 20470,
-        "num_search_queries": 50,
-        "reasoning_tokens": 145885,
-        "cost": {
-            "input_tokens_cost": 0.00046,
-            "output_tokens_cost": 0.10798,
-            "citation_tokens_cost": 0.04094,
-            "reasoning_tokens_cost": 0.43766,
-            "search_queries_cost": 0.25,
-            "total_cost": 0.83704,
-        },
-    }
+    usage = SONAR_DEEP_RESEARCH_USAGE
     entry = await _billed_chat(
         make_proxy, script, redis_client, model="sonar-deep-research", price=price, usage=usage, stream=stream
     )
