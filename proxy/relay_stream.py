@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from proxy.body_reader import BodyReader
 from proxy.events import EventFilter
 from proxy.forward import StallGuard
 from proxy.lease import LeaseRenewal
@@ -74,8 +75,9 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     )
     guard = StallGuard(upstream, call.upstream.timeout_s)
     renewal = LeaseRenewal(call, ex.services.store, ex.services.metrics)
+    body = BodyReader(upstream.content)
     # Looked up once: the loop runs once per read of the upstream, often once per event.
-    next_piece = upstream.content.iter_any().__aiter__().__anext__
+    next_piece = body.read
     read, write, monotonic = events.read, response.write, time.monotonic
     limit = ex.services.config.limits.max_upstream_body_bytes
     secret = ex.operator_key
@@ -84,7 +86,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     try:
         # What came with the upstream's headers goes out with ours, in one send; ours never
         # wait on the upstream: they go out (if no events took them) before any wait.
-        pending = upstream.content.read_nowait()
+        pending = body.read_nowait()
         while True:
             if pending:
                 piece, pending = pending, b""
@@ -95,10 +97,9 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                     except CLIENT_GONE:
                         client_gone = True
                 guard.waiting_since = waited = monotonic()
-                try:
-                    piece = await next_piece()
-                except StopAsyncIteration:
-                    break
+                piece = await next_piece()
+                if not piece:
+                    break  # the body's end
                 guard.waiting_since = None
                 waited_s += monotonic() - waited
             # Every complete event of this read goes out in one write, as soon as it came.
@@ -200,9 +201,9 @@ async def _drain(next_piece: Callable[[], Awaitable[bytes]], within_s: float) ->
     """Read the upstream's body to its end, its bytes dropped, for at most ``within_s``."""
     try:
         async with asyncio.timeout(within_s):
-            while True:
-                await next_piece()
-    except (StopAsyncIteration, TimeoutError, *UPSTREAM_BROKEN):
+            while await next_piece():
+                pass
+    except (TimeoutError, *UPSTREAM_BROKEN):
         pass  # ended, slow (closed, not reused) or broken: the answer was whole all the same
 
 
