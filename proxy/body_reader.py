@@ -39,28 +39,40 @@ FAST = aiohttp.__version__.startswith(_TESTED_MINOR) and all(
 
 class BodyReader:
     """``await read()`` returns what came since the last read (waiting for some when nothing
-    did), ``b""`` at the body's end; raises what the connection failed with, as ``readany``."""
+    did), ``b""`` at the body's end; raises what the connection failed with once what came
+    before the failure was read (``readany`` raises it at once, dropping those bytes)."""
 
-    __slots__ = ("_content", "read")
+    __slots__ = ("_content", "read", "read_nowait")
 
     def __init__(self, content: StreamReader, *, fast: bool = FAST) -> None:
         self._content = content
+        # Only aiohttp's own reader: the body of a 204 (EMPTY_PAYLOAD, a subclass) has none of
+        # the internals set.
+        fast = fast and type(content) is StreamReader
         self.read = self._read_fast if fast else content.readany
+        # What is buffered now, ``b""`` when nothing is.
+        self.read_nowait = self._read_nowait_fast if fast else content.read_nowait
 
-    def read_nowait(self) -> bytes:
-        """What is buffered now, ``b""`` when nothing is."""
+    def _read_nowait_fast(self) -> bytes:
         content = self._content
+        if content._buffer:
+            return self._take()
         if content._exception is not None:
             raise content._exception
-        return self._take() if content._buffer else b""
+        return b""
 
     async def _read_fast(self) -> bytes:
         content = self._content
-        if content._exception is not None:
-            raise content._exception
-        while not content._buffer and not content._eof:
+        # What came before the connection failed first: an upstream that closed or reset right
+        # after its answer's end ([DONE], its usage) while the relay was writing to a slow client
+        # has sent it all; raising at once dropped it (a whole answer billed at its reserve).
+        while not content._buffer:
+            if content._exception is not None:
+                raise content._exception
+            if content._eof:
+                return b""
             await content._wait("readany")
-        return self._take() if content._buffer else b""
+        return self._take()
 
     def _take(self) -> bytes:
         # As ``_read_nowait(-1)``, with every chunk taken in one join and one resume.

@@ -1,5 +1,6 @@
 """The upstream body read in whole runs: the same bytes as ``readany``, each run in one read
-with one resume of the connection, across flow-control pauses, partial reads and a cut body."""
+with one resume of the connection, across flow-control pauses, partial reads and a cut body
+(what came before the cut read before its failure, where ``readany`` drops it)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,41 @@ async def test_a_body_cut_short_fails_the_read_as_readany_does(
                 while piece := await reader.read():
                     got += piece
     assert got == EVENT
+
+
+@pytest.mark.parametrize("first_read", ["read", "read_nowait"])
+async def test_what_came_before_the_connection_failed_is_read_before_its_failure(
+    aiohttp_server: Callable[..., object], session: aiohttp.ClientSession, first_read: str
+) -> None:
+    # Read only once the cut is known (the relay busy writing to a slow client meanwhile):
+    # readany raises it at once, and the answer's end that came before it ([DONE], the usage)
+    # is lost.
+    sent = events(3)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"".join(sent))
+        assert request.transport is not None
+        request.transport.close()  # no terminating chunk
+        return response
+
+    server = await serve(aiohttp_server, handler)
+    async with session.get(server.make_url("/")) as upstream:
+        async with asyncio.timeout(5):
+            while upstream.content.exception() is None:
+                await asyncio.sleep(0.01)
+        reader = BodyReader(upstream.content)
+        got = reader.read_nowait() if first_read == "read_nowait" else await reader.read()
+        assert got == b"".join(sent)
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await reader.read()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "readany"])
+async def test_the_body_of_a_204_is_read_as_empty(fast: bool) -> None:
+    # aiohttp's EMPTY_PAYLOAD (a 204's body, whatever its content type) has none of the internals
+    # set: a stream relay of one failed on an AttributeError, logged as the proxy's own fault.
+    reader = BodyReader(aiohttp.EMPTY_PAYLOAD, fast=fast)
+    assert reader.read_nowait() == b""
+    assert await reader.read() == b""

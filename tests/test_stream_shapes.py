@@ -3,6 +3,7 @@ in one read, texts that are not JSON, half an emoji in a JSON answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -11,9 +12,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import KEY_A, ProxyFactory
-from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams
 from tests.test_fault_matrix import only_entry
 from tests.test_stream_dialects import proxy_for
+from tests.test_upstream_bodies import read_request
 
 HEAD = '{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
 
@@ -129,3 +131,68 @@ async def test_every_answer_of_n_is_held_to_json_whether_or_not_its_finish_reaso
     entry = await only_entry(redis_client)
     assert entry["outcome"].startswith("rejected:parse-json: "), entry  # was "ok"
     assert (entry["usage_source"], entry["output_tokens"]) == ("provider", "5")
+
+
+def http_chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+async def test_an_answer_whole_before_its_connection_broke_is_billed_whole_behind_a_slow_client(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """The upstream sends its finish, usage and [DONE], then closes before the chunked body's
+    end, while the relay waits on a client slow to read: the bytes it had sent were dropped (a
+    read raised the cut first), the whole answer was an upstream_error billed at its reserve
+    (1,000 output tokens, not 3) and the client told the stream failed."""
+    sent = asyncio.Event()
+    first = content("first ")
+    large = content("x" * 100_000)  # past aiohttp's 64 KiB: the relay's write waits for the client
+    tail = FINISH + usage(3) + b"data: [DONE]\n\n"
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await read_request(reader)
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            writer.write(head + http_chunk(first))
+            await sent.wait()  # the client stopped reading
+            writer.write(http_chunk(large))
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the relay has it, and waits on the client
+            writer.write(http_chunk(tail))  # and no last chunk: the connection closes
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    proxy = await make_proxy(upstreams=scripted_upstreams(f"http://127.0.0.1:{port}/v1"))
+    body = json.dumps(
+        {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 1000,
+        }
+    ).encode()
+    host, proxy_port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(proxy_port), limit=1 << 20)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY_A}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        async with asyncio.timeout(10):
+            received = await reader.readuntil(b"first ")
+            (handler,) = proxy.runner.server.connections  # type: ignore[union-attr]
+            handler.pause_writing()  # a client that reads no more, for now
+            sent.set()
+            await asyncio.sleep(0.5)  # the tail came and the connection closed meanwhile
+            handler.resume_writing()
+            received += await reader.readuntil(b"0\r\n\r\n")
+    finally:
+        writer.close()
+        server.close()
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "3"), entry
+    assert b"data: [DONE]" in received and b"error" not in received, received[-400:]
