@@ -70,11 +70,11 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
             continue
         kind = item.get("type")
         final = not _side_message(item)
-        if isinstance(kind, str) and (kind.endswith("_call") or kind == "mcp_approval_request"):
+        if _is_call(kind):
             obs.calls.add(0)  # function_call, custom_tool_call, computer_call, ...: not text
             if texts:
-                for key in ("arguments", "input"):
-                    obs.add_text(0, item.get(key), content=False)
+                for text in _call_texts(item):
+                    obs.add_text(0, text, content=False)
         if kind == "reasoning":
             obs.hidden_output = True
         if texts and kind == "reasoning":
@@ -94,6 +94,26 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                     obs.add_text(0, part.get("refusal"), content=False)
             elif part.get("type") == "output_text" and texts:
                 obs.add_text(0, part.get("text"), content=final)
+
+
+# What the model writes for a call, output it bills: the tool's name, its arguments or input, the
+# code interpreter's code, and (see _call_texts) its action. A stream's deltas carry all but the
+# name, told whole as the item starts, and the calls that stream none (below).
+_CALL_INPUTS = ("arguments", "input", "code")
+_CALL_TEXTS = ("name", *_CALL_INPUTS)
+# Calls told whole in their items (response.output_item.added, then .done), with no deltas.
+_UNSTREAMED_CALLS = frozenset({"mcp_approval_request", "local_shell_call"})
+
+
+def _call_texts(item: dict[str, Any], fields: tuple[str, ...] = _CALL_TEXTS) -> list[Any]:
+    """The ``fields`` of a call item, and its action (a command, a search's query) as JSON."""
+    action = item.get("action")
+    texts = [item.get(name) for name in fields]
+    return [*texts, orjson.dumps(action).decode()] if isinstance(action, dict) else texts
+
+
+def _is_call(kind: Any) -> bool:
+    return isinstance(kind, str) and (kind.endswith("_call") or kind == "mcp_approval_request")
 
 
 def _with_image_tokens(usage: ProviderUsage, tool_usage: Any) -> ProviderUsage:
@@ -140,6 +160,8 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         item = obj.get("item")
         if isinstance(item, dict) and item.get("type") == "reasoning":
             obs.hidden_output = True  # the model thinks: tokens billed, never streamed
+        if isinstance(item, dict) and _is_call(item.get("type")):
+            obs.add_text(0, item.get("name"), content=False)  # never streamed as a delta
         if isinstance(item, dict) and _side_message(item):
             for key in (obj.get("output_index"), item.get("id")):
                 if isinstance(key, int | str) and not isinstance(key, bool):
@@ -151,6 +173,9 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
     elif kind == "response.output_item.done":
         start = obs.message_starts.pop(obj.get("output_index"), None) if obs.message_starts else None
         item = obj.get("item")
+        if isinstance(item, dict) and item.get("type") in _UNSTREAMED_CALLS:
+            for text in _call_texts(item, _CALL_INPUTS):  # whole now; its name was counted
+                obs.add_text(0, text, content=False)
         if start is not None and isinstance(item, dict) and _side_message(item):
             pieces = obs.contents.get(0, [])
             moved = [p.decode() if isinstance(p, bytes) else p for p in pieces[start:]]
@@ -272,6 +297,7 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         block = obj.get("content_block")
         if isinstance(block, dict) and block.get("type") in _ANTHROPIC_CALLS:
             obs.calls.add(0)  # an answer that is a call: not text held to JSON
+            obs.add_text(0, block.get("name"), content=False)  # written, not streamed as a delta
     elif kind == "message_start":
         message = obj.get("message")
         if isinstance(message, dict) and isinstance(message.get("usage"), dict):
@@ -361,6 +387,7 @@ def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.add_text(0, block.get("text"), content=True)
             elif block.get("type") in _ANTHROPIC_CALLS:
                 obs.calls.add(0)
+                obs.add_text(0, block.get("name"), content=False)
                 obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
             elif block.get("type") == "thinking":
                 obs.add_text(0, block.get("thinking"), content=False)

@@ -32,10 +32,11 @@ REFUSAL_REASONS = frozenset({"content_filter", "refusal"})
 # "length" (OpenAI chat), "max_output_tokens" (Responses), "max_tokens" and
 # "model_context_window_exceeded" (Anthropic: the answer filled what the context had left).
 TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens", "model_context_window_exceeded"})
-# The answer is a call, not text (OpenAI's "tool_calls", Anthropic's "tool_use"), or a turn an
-# Anthropic server tool paused ("pause_turn"), or its compaction step did ("compaction", with
-# pause_after_compaction: the compaction block alone): continued by the next call.
-NOT_THE_ANSWER_REASONS = frozenset({"tool_calls", "tool_use", "pause_turn", "compaction"})
+# The answer is a call, not text (OpenAI's "tool_calls" and legacy functions' "function_call",
+# Anthropic's "tool_use"), or a turn an Anthropic server tool paused ("pause_turn"), or its
+# compaction step did ("compaction", with pause_after_compaction: the compaction block alone):
+# continued by the next call.
+NOT_THE_ANSWER_REASONS = frozenset({"tool_calls", "function_call", "tool_use", "pause_turn", "compaction"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,9 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.dialects import DIALECTS
+from proxy.observe import Observation
+from proxy.payload import Endpoint
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
@@ -452,6 +455,104 @@ async def test_a_responses_reasoning_summary_is_counted_without_usage_streamed_o
     assert entry["usage_source"] != "provider"
     # 300 words of summary the model wrote (and the provider bills, and more): counted either way.
     assert int(entry["output_tokens"]) >= 300, entry
+
+
+CODE = "import math\n" + "".join(f"print(math.factorial({i}))\n" for i in range(100))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_responses_code_interpreter_call_s_code_is_counted_without_usage_streamed_or_not(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    # The code the model writes for the code interpreter is output it bills: counted from its
+    # deltas when streamed, it was not counted from the whole body (0 output tokens for it).
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    call = {"id": "ci_1", "type": "code_interpreter_call", "status": "completed", "code": CODE,
+            "container_id": "cntr_1", "outputs": None}  # fmt: skip
+    final = {"id": "resp_1", "object": "response", "status": "completed", "output": [call]}
+    if stream:
+        chunks = [
+            _sse_ev("response.created", {"response": {**final, "status": "in_progress", "output": []}}),
+            _sse_ev("response.output_item.added", {"output_index": 0, "item": {**call, "code": ""}}),
+            _sse_ev("response.code_interpreter_call_code.delta", {"item_id": "ci_1", "delta": CODE}),
+            _sse_ev("response.completed", {"response": final}),
+        ]
+        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    else:
+        script.plan = Plan(chunks=[dumps(final)])
+    body = {"model": "gpt-4o-mini", "input": "compute", "max_output_tokens": 4000, "stream": stream,
+            "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}  # fmt: skip
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/responses", dumps(body))
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    assert entry["usage_source"] != "provider"
+    assert int(entry["output_tokens"]) >= len(CODE) // 4, entry
+
+
+# A tool's name the model writes when it calls it, as long as OpenAI takes (64 characters).
+TOOL = "look_up_the_current_weather_forecast_for_a_city_by_its_full_name"
+TOOL_INPUT = {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "stream", "answer"),
+    [
+        ("chat.completions", False, [{"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                "name": TOOL, "arguments": json.dumps(TOOL_INPUT)}}]}}]}]),
+        ("responses", False, [{"id": "r", "status": "completed", "output": [{
+            "type": "function_call", "id": "fc", "call_id": "c", "name": TOOL,
+            "arguments": json.dumps(TOOL_INPUT)}]}]),
+        ("responses", True, [
+            {"type": "response.output_item.added", "output_index": 0, "item": {
+                "type": "function_call", "id": "fc", "call_id": "c", "name": TOOL, "arguments": ""}},
+            {"type": "response.function_call_arguments.delta", "item_id": "fc",
+             "delta": json.dumps(TOOL_INPUT)}]),
+        # An MCP approval request streams no deltas: its item is told whole, as it starts and ends.
+        ("responses", True, [
+            {"type": f"response.output_item.{event}", "output_index": 0, "item": {
+                "type": "mcp_approval_request", "id": "mcpr", "server_label": "w", "name": TOOL,
+                "arguments": json.dumps(TOOL_INPUT)}} for event in ("added", "done")]),
+        ("messages", False, [{"type": "message", "stop_reason": "tool_use", "content": [
+            {"type": "tool_use", "id": "t", "name": TOOL, "input": TOOL_INPUT}]}]),
+        ("messages", True, [
+            {"type": "content_block_start", "index": 0, "content_block": {
+                "type": "tool_use", "id": "t", "name": TOOL, "input": {}}},
+            {"type": "content_block_delta", "index": 0, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(TOOL_INPUT)}}]),
+    ],
+)  # fmt: skip
+def test_a_call_s_name_is_counted_as_output_in_every_dialect(
+    endpoint: Endpoint, stream: bool, answer: list[dict[str, Any]]
+) -> None:
+    # The model writes the name of the tool it calls: output chat's count holds (its answers'
+    # tool_calls), the Responses and Anthropic ones left out, streamed or not (a call cut
+    # under cancel, an answer without usage, billed for its arguments alone; a streamed MCP
+    # approval request for nothing at all).
+    obs = Observation()
+    dialect = DIALECTS[endpoint]
+    for obj in answer:
+        (dialect.observe_event if stream else dialect.observe_body)(obs, obj)
+    text = obs.all_text()
+    assert (text.count(TOOL), text.count("Paris")) == (1, 1), text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_local_shell_call_s_command_is_counted_as_output_streamed_or_not(stream: bool) -> None:
+    # The command is the model's output; a local shell call streams no deltas (its item is told
+    # whole as it starts and ends): it was counted neither way.
+    item = {"type": "local_shell_call", "id": "lsh", "call_id": "c", "status": "completed",
+            "action": {"type": "exec", "command": ["curl", "wttr.in/Paris"], "env": {}}}  # fmt: skip
+    obs = Observation()
+    dialect = DIALECTS["responses"]
+    if stream:
+        for event in ("added", "done"):
+            dialect.observe_event(
+                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
+            )
+    else:
+        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    assert obs.all_text().count("wttr.in/Paris") == 1, obs.all_text()
 
 
 # -- a Responses answer that reasons: its hidden reasoning tokens cannot be counted ------------

@@ -174,6 +174,29 @@ def test_finish_reasons_of_every_dialect_give_their_outcome(reason: str, tag: st
     assert classify_answer(obs, PolicyConfig(), json_mode=False).tag == tag
 
 
+@pytest.mark.parametrize(
+    ("finish", "call"),
+    [
+        (
+            "tool_calls",
+            {"tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        ),
+        ("function_call", {"function_call": {"name": "f", "arguments": "{}"}}),  # legacy functions
+    ],
+)
+def test_a_call_said_before_it_is_not_held_to_json_whichever_way_it_is_called(
+    finish: str, call: dict[str, object]
+) -> None:
+    # A model may say a few words before it calls: the call ends the turn, not a JSON answer.
+    # Legacy functions end such a turn with "function_call" as tools do with "tool_calls": was
+    # rejected (parse-json), its answer withheld from the client.
+    obs = Observation()
+    message = {"role": "assistant", "content": "Let me look that up.", **call}
+    obs.observe({"choices": [{"index": 0, "message": message, "finish_reason": finish}]}, streaming=False)
+    policy = PolicyConfig(on_invalid_json="reject")
+    assert classify_answer(obs, policy, json_mode=True).tag == "ok"
+
+
 # Anthropic's own bill for one call: 10 input tokens after the cache breakpoint, 2,000 read from the
 # cache, 1,000 written to it (400 of them kept an hour), 50 output. Priced below (micro-units per
 # token): 10 * 1 + 2,000 * 0.1 + 600 * 5 + 400 * 10 + 50 * 2.
