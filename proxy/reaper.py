@@ -73,10 +73,17 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
     return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
 
 
-async def reap_tenant(store: Store, tenant: str, *, grace_s: float = 0.0) -> list[dict[str, str]]:
+async def reap_tenant(
+    store: Store,
+    tenant: str,
+    *,
+    grace_s: float = 0.0,
+    on_settled: Callable[[Mapping[str, str]], None] = lambda entry: None,
+) -> list[dict[str, str]]:
     """Settle every lease of one tenant that ran out ``grace_s`` ago or more; returns the ledger
-    entries this call wrote. A lease that cannot be settled is logged and skipped: it never
-    blocks the others."""
+    entries this call wrote, each given to ``on_settled`` as soon as it is written: a store error
+    later in the round raises, and the entries written before it would go uncounted. A lease
+    that cannot be settled is logged and skipped: it never blocks the others."""
     settled: list[dict[str, str]] = []
     while True:
         leases = await store.expired_leases(tenant=tenant, limit=BATCH, grace_ms=int(grace_s * 1000))
@@ -103,6 +110,7 @@ async def reap_tenant(store: Store, tenant: str, *, grace_s: float = 0.0) -> lis
             progress += 1
             if entry_id is not None:
                 settled.append(entry)
+                on_settled(entry)
                 log.warning("lease expired, settled at reserve", extra={"entry": entry})
         if len(leases) < BATCH or not progress:
             return settled
@@ -140,8 +148,7 @@ async def run_reaper(
                 tenants.add(tenant)
             if loop.time() - answering_since >= grace_s:
                 for tenant in sorted(tenants):
-                    for entry in await reap_tenant(store, tenant, grace_s=grace_s):
-                        on_settled(entry)
+                    await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled)
         except StoreError as err:
             answering_since = None
             log.error("reaper could not reach the store", extra={"error": str(err)})

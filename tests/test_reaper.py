@@ -4,12 +4,17 @@ registration went through."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 
 from proxy.app import STATE
+from proxy.reaper import run_reaper
+from proxy.redis_server import RedisServerProcess
+from proxy.redis_store import RedisStore
 from proxy.store import TENANTS_KEY, Reservation, Scope
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -130,3 +135,59 @@ async def test_a_clamped_call_a_reaper_bills_is_clamped_in_the_ledger(
     assert entry["outcome"] == "lease_expired"
     assert entry["reserved_output_tokens"] == "6"
     assert entry["clamped"] == "1", entry
+
+
+async def test_leases_a_round_settled_before_a_store_error_are_counted(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A round settles the first expired lease, then the store fails on the second (a failover,
+    a timeout): the first is in the ledger, and was never handed to ``on_settled`` (the spend
+    counters), as the round's entries went with the error; the next rounds do not find it."""
+    admin = RedisStore.from_url(redis_server.url)
+    await admin.load_scripts()
+    for run in ("r1", "r2"):
+        reserved = await admin.reserve(
+            tenant="team-a",
+            reservation_id=f"lease-{run}",
+            run_id=run,
+            scopes=[Scope(name="run", key=f"lbp:{{team-a}}:run:{run}")],
+            amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+            lease_ms=1,
+            record=f'{{"run_id": "{run}"}}',
+        )
+        assert isinstance(reserved, Reservation)
+        await asyncio.sleep(0.01)  # lease-r1 runs out first: the round reaps it first
+    await admin.close()
+    # A user that may not touch r2's meters yet: its settle fails with NOPERM, a store error
+    # that passes (the round stops there, to be tried again).
+    keys = ["~lbp:tenants", "~lbp:{team-a}:leases", "~lbp:{team-a}:resv:*", "~lbp:{team-a}:ledger"]
+    keys += ["~lbp:{team-a}:runlog:*", "~lbp:{team-a}:run:r1"]
+    await redis_client.execute_command("ACL", "SETUSER", "reaper7", "on", ">pw", "+@all", *keys)
+    store = RedisStore.from_url(redis_server.url.replace("redis://", "redis://reaper7:pw@"))
+    await store.load_scripts()
+    counted: list[str] = []
+
+    def count(entry: Mapping[str, str]) -> None:
+        counted.append(entry["reservation_id"])
+
+    task = asyncio.create_task(run_reaper(store, 0.05, count, known=lambda: ["team-a"]))
+    try:
+        for _ in range(100):
+            if counted:
+                break
+            await asyncio.sleep(0.05)
+        assert await redis_client.xlen("lbp:{team-a}:ledger") == 1  # lease-r1 billed
+        assert counted == ["lease-r1"]  # before: [], billed and never counted
+        await redis_client.execute_command("ACL", "SETUSER", "reaper7", "allkeys")
+        for _ in range(100):
+            if len(counted) == 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.close()
+        await redis_client.execute_command("ACL", "DELUSER", "reaper7")
+    ledger = [e["reservation_id"] for _, e in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert ledger == counted == ["lease-r1", "lease-r2"]
