@@ -223,11 +223,14 @@ def estimate(
             cap = model_max_output_tokens or default_max_output_tokens
     elif model_max_output_tokens is not None:
         cap = min(cap, model_max_output_tokens)
+    # A legacy completion scoring its prompt (max_tokens 0, echo): vLLM runs it as max_tokens 1
+    # and bills that token for each answer, though it returns the prompt alone.
+    reserved = max(cap, 1) if isinstance(view, CompletionBody) else cap
     return Estimate(
         prompt_text=text,
         prompt_overhead_tokens=overhead + id_tokens,
         input_tokens=input_tokens,
-        output_tokens=cap * generations(view),
+        output_tokens=reserved * generations(view),
         output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
         enforce_cap=cap if asked != cap else None,
         output_cap=cap,

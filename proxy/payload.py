@@ -222,6 +222,16 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             param="background",
             code="unsupported_parameter",
         )
+    if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
+        # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
+        # times, its rows billed as input; no count of them can be read from base64 before the call.
+        raise BadRequest(
+            "Prompt embeddings are not supported through this proxy: it reserves a call's input "
+            "and the answers of every prompt before forwarding it, and cannot count the prompts "
+            "or tokens of 'prompt_embeds'. Send the prompt as text or token ids.",
+            param="prompt_embeds",
+            code="unsupported_parameter",
+        )
     return data, view
 
 

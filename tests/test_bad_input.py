@@ -1375,7 +1375,7 @@ async def test_a_legacy_completion_scoring_its_prompt_with_max_tokens_0_is_bille
     assert reply.status == 200, reply.describe()
     assert (reply.upstream_calls, reply.ledger_growth) == (1, 1), reply.describe()
     (entry,) = reply.new_entries
-    assert entry["reserved_output_tokens"] == "0", entry
+    assert entry["reserved_output_tokens"] == "1", entry  # the token vLLM writes to score it
     assert entry["output_tokens"] == "0", entry
     assert fake.received[-1].body["max_tokens"] == 0  # forwarded as asked
 

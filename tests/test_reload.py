@@ -7,7 +7,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -20,7 +20,7 @@ from proxy.app import STATE, build_app
 from proxy.config_load import load_config
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 
@@ -123,5 +123,77 @@ async def test_a_refused_reload_is_counted_and_leaves_the_old_config_in_force(
         path.write_text(yaml.safe_dump(raw))
         await sighup_until("applied")
         assert state.config.tiers["standard"].run.requests == 2
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(("next_ceiling", "next_status"), [(10, 200), (1, 429)])
+async def test_a_reload_shortening_run_ttl_keeps_a_run_alive_under_a_call_in_flight(
+    next_ceiling: int,
+    next_status: int,
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-streaming call does not renew its run's keys: they must outlive its lease (the
+    config refuses a ``run_ttl_s`` that does not). A reload may shorten both the timeouts and
+    ``run_ttl_s`` while a call with the old, longer lease is in flight: the next call of the run
+    set the new TTL on the run's keys (served, or refused by the run's ceiling), which then expired
+    under the first call (its reserve and the run's past spend gone: the run ceiling spent
+    again)."""
+    raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    raw["upstreams"]["openai"]["timeout_s"] = 5000
+    raw["limits"]["run_ttl_s"] = 7200
+    raw["tiers"] = {"standard": {"run": {"requests": 10}}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    state = app[STATE]
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "long-lease"}
+    run_keys = ("lbp:{team-a}:run:long-lease", "lbp:{team-a}:runlog:long-lease")
+
+    async def post(fake_control: dict[str, Any]) -> int:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": fake_control}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                await resp.read()
+                return resp.status
+
+    try:
+        slow = asyncio.ensure_future(post({"delay_s": 5}))
+        await until_upstream_received(fake, 1)
+        # The call's lease, as the reserve set it (under the old setting: 5,000 s and the margin).
+        [(held, lease_ends_ms)] = cast(
+            list[tuple[str, float]], await redis_client.zrange("lbp:{team-a}:leases", 0, -1, withscores=True)
+        )
+        raw["upstreams"]["openai"]["timeout_s"] = 5
+        raw["limits"]["run_ttl_s"] = 3600
+        raw["tiers"]["standard"]["run"]["requests"] = next_ceiling
+        before = state.config
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(250):
+            if state.config is not before:
+                break
+            await asyncio.sleep(0.02)
+        assert state.config.limits.run_ttl_s == 3600
+        assert await post({}) == next_status  # the run's next call, under the new setting
+        assert await redis_client.zscore("lbp:{team-a}:leases", held) is not None, "still in flight"
+        clock: tuple[int, int] = await redis_client.time()
+        now_ms = clock[0] * 1000 + clock[1] // 1000
+        for key in run_keys:
+            left_ms = await redis_client.pttl(key)
+            if key.endswith(":runlog:long-lease") and left_ms == -2:
+                continue  # no entry yet: the refused call writes none, the first has not settled
+            # Expired before the call's lease ends, its reserve and the run's spend went with it.
+            assert now_ms + left_ms > lease_ends_ms, key
+        assert await slow == 200
     finally:
         await runner.cleanup()

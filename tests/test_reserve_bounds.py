@@ -4,6 +4,7 @@ below it (Anthropic's threshold compaction, video and audio by URL, a stored pro
 from __future__ import annotations
 
 import asyncio
+import base64
 from typing import Any
 
 import aiohttp
@@ -13,7 +14,7 @@ import redis.asyncio as aioredis
 from tests.conftest import KEY_A, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
-from tests.test_bad_input import Plan, ScriptedUpstream, dumps, send
+from tests.test_bad_input import Plan, ScriptedUpstream, assert_refused, dumps, send
 from tests.test_budgets import meters, tiers
 from tests.test_stream_dialects import proxy_for
 
@@ -204,3 +205,72 @@ async def test_a_stored_prompt_is_not_reserved_at_a_whole_conversation_that_name
             assert resp.status == 200, await resp.text()  # was: 429, reserved at 20,000+
     [entry] = await ledger_entries(proxy, "fresh")
     assert int(entry["input_tokens"]) < 1000, entry
+
+
+# -- vLLM's prompt embeddings: prompts the request does not show as text or token ids -----------
+
+
+def vllm_answer(prompts: int, max_tokens: int, embed_rows: int) -> dict[str, Any]:
+    """What vLLM answers a completion of ``prompts`` prompts, each written to its cap: its usage
+    counts the rows of every embeddings tensor as prompt tokens."""
+    choices = [
+        {"index": i, "text": "word " * max_tokens, "logprobs": None, "finish_reason": "length"}
+        for i in range(prompts)
+    ]
+    usage = {"prompt_tokens": prompts * embed_rows, "completion_tokens": prompts * max_tokens}
+    return {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": choices, "usage": usage}
+
+
+async def test_a_completion_with_prompt_embeddings_is_refused_not_reserved_as_one_prompt(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """vLLM (``--enable-prompt-embeds``) takes ``prompt_embeds``: base64 tensors, each one more
+    prompt beside ``prompt``'s, answered n times up to ``max_tokens``, its rows billed as input.
+    Reserved as the one empty prompt ``prompt: null`` is (0 input, 50 output), ten tensors passed
+    a 100-token run ceiling by 20,400 tokens: 500 output and 20,000 input the reserve never held."""
+    proxy = await proxy_for(make_proxy, script, tiers=tiers(run={"total_tokens": 100}))
+    script.plan = Plan(chunks=[dumps(vllm_answer(prompts=10, max_tokens=50, embed_rows=2000))])
+    tensor = base64.b64encode(b"PK\x03\x04" + bytes(64)).decode()  # a torch.save zip, in short
+    body = {"model": "m", "prompt": None, "prompt_embeds": [tensor] * 10, "max_tokens": 50}
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        "/v1/completions",
+        dumps(body),
+        headers={"X-Run-Id": "embeds"},
+    )
+    error = assert_refused(reply, 400)  # was: forwarded, 20,500 tokens billed past the ceiling
+    assert (error["param"], error["code"]) == ("prompt_embeds", "unsupported_parameter")
+
+
+async def test_scoring_prompts_on_vllm_reserves_the_token_it_writes_for_each(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """``echo`` with ``max_tokens: 0`` scores the prompts (lm-eval-harness's loglikelihood
+    requests). vLLM runs it as ``max_tokens: 1`` and bills that token for every answer
+    (``completion_tokens`` counts each output's tokens) while it returns the prompt alone: reserved
+    at 0 output, each such call passed its reserve by a token per prompt."""
+    proxy = await proxy_for(make_proxy, script)
+    prompts = ["the cat sat", "on the mat", "a dog ran", "far away"]
+    choices = [
+        {"index": i, "text": p, "logprobs": None, "finish_reason": "length"} for i, p in enumerate(prompts)
+    ]
+    usage = {"prompt_tokens": 12, "completion_tokens": len(prompts), "total_tokens": 12 + len(prompts)}
+    answer = {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": choices, "usage": usage}
+    script.plan = Plan(chunks=[dumps(answer)])
+    body = {"model": "m", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0}
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        "/v1/completions",
+        dumps(body),
+        headers={"X-Run-Id": "score"},
+    )
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    assert entry["output_tokens"] == "4", entry
+    assert int(entry["reserved_output_tokens"]) >= 4, entry  # was 0
+    assert entry["overshoot_tokens"] == "0", entry
+    assert b'"max_tokens":0' in script.received[-1]  # forwarded as asked

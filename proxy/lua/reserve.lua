@@ -50,9 +50,21 @@ end
 
 -- The TTL this call's config gives a scope key, which an operator's reload may have changed:
 -- 0 is none (runs kept for ever, a key's all-time scope), so a TTL an earlier setting gave the
--- key goes. The reserve's setting is the newest a key sees (settle.lua only lengthens).
-local function set_ttl(key, ttl)
-  if ttl > 0 then redis.call('EXPIRE', key, ttl) else redis.call('PERSIST', key) end
+-- key goes. The reserve's setting is the newest a key sees (settle.lua only lengthens), save a
+-- shorter one on a run with calls in flight (busy): a non-streaming call never renews its run's
+-- keys, which the setting it was reserved under made outlive its lease, and a reload may shorten
+-- the timeouts and the setting together. Set then, the run's keys would expire under that call
+-- (its reserve and the run's past spend with them); the first reserve of an idle run sets it.
+local function set_ttl(key, ttl, busy)
+  if ttl <= 0 then
+    redis.call('PERSIST', key)
+    return
+  end
+  if busy then
+    local left = redis.call('PTTL', key)
+    if left == -1 or left > ttl * 1000 then return end
+  end
+  redis.call('EXPIRE', key, ttl)
 end
 
 local METERS = {'requests', 'input_tokens', 'output_tokens', 'total_tokens', 'cost_micros', 'concurrent'}
@@ -84,6 +96,11 @@ for m = 1, NM do
 end
 local BORN, PEAK = 2 * NM + 1, 2 * NM + 2
 FIELDS[BORN], FIELDS[PEAK] = 'born', 'peak:concurrent'
+-- Whether a scope's FIELDS, as read before this reserve wrote, hold calls in flight (each holds
+-- a request until it settles).
+local function holds_calls(vals)
+  return vals ~= nil and (tonumber(vals[NM + 1]) or 0) > 0
+end
 local state = {}   -- state[s][m] = {ceiling, used, reserved} for limited meters
 local held = {}    -- held[s]: the scope holds this call's reserve
 local seen = {}    -- seen[s]: the scope's FIELDS, when its check read them
@@ -214,7 +231,7 @@ if refusal then
   redis.call('HINCRBY', key, 'refused:' .. refusal[3], 1)
   -- A refusal may write the key first (a run's first call): it expires as a reserve's would.
   local ttl = tonumber(ARGV[base + (refusal[2] - 1) * stride])
-  set_ttl(key, ttl)
+  set_ttl(key, ttl, refusal[2] == run_scope and holds_calls(seen[refusal[2]]))
   if refusal[2] == run_scope then index_follows_run() end
   return refusal
 end
@@ -252,7 +269,7 @@ local function hold(s)
     end
   end
   if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
-  set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]))
+  set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]), s == run_scope and holds_calls(vals))
   return life
 end
 
