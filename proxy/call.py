@@ -105,8 +105,8 @@ class Call:
     estimate: Estimate
     body: dict[str, Any]
     choices: int = 1  # answers the client gets back (n, for every prompt)
-    # A chat call asking for audio: its audio tokens cannot be counted from the answer.
-    audio_output: bool = False
+    # A chat call asking for audio or images: their tokens cannot be counted from the answer.
+    media_output: bool = False
     # It reasons in tokens billed and not shown (``ModelConfig.hidden_reasoning``, ``_reasons``).
     hidden_reasoning: bool = False
     # A legacy completion with echo: each answer starts with its prompt (counted as input).
@@ -380,7 +380,7 @@ def plan_call(
         body=body,
         choices=answers(view),
         generations=generations(view),
-        audio_output=isinstance(view, ChatBody) and _asks_audio(body.get("modalities")),
+        media_output=isinstance(view, ChatBody) and _asks_media(body.get("modalities")),
         hidden_reasoning=model_config.hidden_reasoning or _reasons(endpoint, body),
         echo=isinstance(view, CompletionBody) and body.get("echo") is True,
         continues=continues,
@@ -420,8 +420,10 @@ def _stored_prompt(view: RequestView) -> str | None:
     return "#" + hashlib.sha256(("prompt:" + named).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _asks_audio(modalities: Any) -> bool:
-    return isinstance(modalities, list) and "audio" in modalities
+def _asks_media(modalities: Any) -> bool:
+    """Audio (OpenAI's audio models) or images (OpenRouter's image models): output tokens
+    billed that no text shows (a transcript, if any, is a fraction of them)."""
+    return isinstance(modalities, list) and ("audio" in modalities or "image" in modalities)
 
 
 def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:

@@ -75,7 +75,7 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
             if texts:
                 for text in _call_texts(item):
                     obs.add_text(0, text, content=False)
-        if kind == "reasoning":
+        if kind in _UNCOUNTED_ITEMS:
             obs.hidden_output = True
         if texts and kind == "reasoning":
             # A reasoning item's summary (and its text, where sent): output the provider bills,
@@ -97,19 +97,38 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
 
 
 # What the model writes for a call, output it bills: the tool's name, its arguments or input, the
-# code interpreter's code, and (see _call_texts) its action. A stream's deltas carry all but the
-# name, told whole as the item starts, and the calls that stream none (below).
+# code interpreter's code, and (see _call_texts) what it writes as a structure. A stream's deltas
+# carry all but the name, told whole as the item starts, and the calls that stream none (below).
 _CALL_INPUTS = ("arguments", "input", "code")
 _CALL_TEXTS = ("name", *_CALL_INPUTS)
-# Calls told whole in their items (response.output_item.added, then .done), with no deltas.
-_UNSTREAMED_CALLS = frozenset({"mcp_approval_request", "local_shell_call"})
+# Written as structures, counted as JSON: an action (a command, a search, a click), a computer
+# call's batch of actions, a file search's queries, an apply_patch operation (its path and diff).
+_CALL_STRUCTURES = ("action", "actions", "queries", "operation")
+# Calls told whole in their items (response.output_item.added, then .done), with no deltas; an
+# apply_patch operation's diff streams, so it is not among them.
+_UNSTREAMED_CALLS = frozenset(
+    {"mcp_approval_request", "local_shell_call", "computer_call", "web_search_call", "file_search_call"}
+)
+# Items whose output tokens no text shows: reasoning (hidden, or summarized) and a generated
+# image (its image tokens, and each partial image's, billed; its base64 is not their count).
+_UNCOUNTED_ITEMS = frozenset({"reasoning", "image_generation_call"})
 
 
 def _call_texts(item: dict[str, Any], fields: tuple[str, ...] = _CALL_TEXTS) -> list[Any]:
-    """The ``fields`` of a call item, and its action (a command, a search's query) as JSON."""
-    action = item.get("action")
+    """The ``fields`` of a call item, and its structures (``_CALL_STRUCTURES``) as JSON."""
     texts = [item.get(name) for name in fields]
-    return [*texts, orjson.dumps(action).decode()] if isinstance(action, dict) else texts
+    for name in _CALL_STRUCTURES:
+        value = item.get(name)
+        if name == "action" and item.get("actions"):
+            continue  # a computer call's batch holds every action, a lone one told beside it too
+        if isinstance(value, dict) and name == "action":
+            # Not what the model wrote: a web search's sources (the tool's results, there when
+            # asked for), and its deprecated ``query``, the first of its ``queries`` told again.
+            drop = ("sources", "query") if "queries" in value else ("sources",)
+            value = {k: v for k, v in value.items() if k not in drop}
+        if isinstance(value, dict | list) and value:
+            texts.append(orjson.dumps(value).decode())
+    return texts
 
 
 def _is_call(kind: Any) -> bool:
@@ -158,8 +177,8 @@ def _responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         obs.add_text(0, obj.get("delta"), content=not side)
     elif kind == "response.output_item.added":
         item = obj.get("item")
-        if isinstance(item, dict) and item.get("type") == "reasoning":
-            obs.hidden_output = True  # the model thinks: tokens billed, never streamed
+        if isinstance(item, dict) and item.get("type") in _UNCOUNTED_ITEMS:
+            obs.hidden_output = True  # it thinks, or draws: tokens billed, never streamed as text
         if isinstance(item, dict) and _is_call(item.get("type")):
             obs.add_text(0, item.get("name"), content=False)  # never streamed as a delta
         if isinstance(item, dict) and _side_message(item):
@@ -290,7 +309,9 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(delta, dict):
             if delta.get("type") == "text_delta":
                 obs.add_text(0, delta.get("text"), content=True)
-            else:  # tool input, thinking: output tokens too
+            elif delta.get("type") == "compaction_delta":  # the context's summary: output too
+                obs.add_text(0, delta.get("content"), content=False)
+            else:  # tool input, thinking: output tokens too (a citation's cited text is not)
                 for key in ("partial_json", "thinking"):
                     obs.add_text(0, delta.get(key), content=False)
     elif kind == "content_block_start":
@@ -298,6 +319,8 @@ def _anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(block, dict) and block.get("type") in _ANTHROPIC_CALLS:
             obs.calls.add(0)  # an answer that is a call: not text held to JSON
             obs.add_text(0, block.get("name"), content=False)  # written, not streamed as a delta
+        elif isinstance(block, dict) and block.get("type") == "compaction":
+            obs.add_text(0, block.get("content"), content=False)  # a summary may come whole here
     elif kind == "message_start":
         message = obj.get("message")
         if isinstance(message, dict) and isinstance(message.get("usage"), dict):
@@ -391,6 +414,8 @@ def _anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
             elif block.get("type") == "thinking":
                 obs.add_text(0, block.get("thinking"), content=False)
+            elif block.get("type") == "compaction":  # the summary compaction wrote: billed output
+                obs.add_text(0, block.get("content"), content=False)
     _anthropic_tier(obs, obj.get("usage"))
     obs.usage = anthropic_usage(obj.get("usage"))
     obs.usage_final = obs.usage is None or obs.usage.output_known

@@ -118,11 +118,11 @@ class Exchange:
         found = provider_usage(self.obs)
         # An embeddings usage has no output count, and no output to count: it is final as it is.
         final = self.obs.usage_final or self.call.endpoint == "embeddings"
-        # Output no count of the answer sees: audio tokens (its text is only the transcript),
-        # reasoning tokens (never streamed, or streamed as a summary), and the answers best_of
-        # wrote (and the provider bills) but did not return.
+        # Output no count of the answer sees: audio and image tokens (its text is only a
+        # transcript, or words beside the image), reasoning tokens (never streamed, or streamed
+        # as a summary), and the answers best_of wrote (and the provider bills) but did not return.
         call = self.call
-        unseen = call.audio_output or call.hidden_reasoning or self.obs.hidden_output
+        unseen = call.media_output or call.hidden_reasoning or self.obs.hidden_output
         if (unseen or call.generations > call.choices) and (found is None or not final):
             # The output is the reserve's; the input the provider told (message_start) stands.
             if found is None or not found.input_tokens:

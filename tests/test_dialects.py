@@ -555,6 +555,151 @@ def test_a_local_shell_call_s_command_is_counted_as_output_streamed_or_not(strea
     assert obs.all_text().count("wttr.in/Paris") == 1, obs.all_text()
 
 
+# Calls whose model-written part is a structure: an action, a batch of them, search queries. A
+# search's results and sources are the tool's, not the model's output.
+WRITTEN_CALLS = [
+    {"type": "computer_call", "id": "cu", "call_id": "c", "status": "completed",
+     "action": {"type": "type", "text": "Paris weather"}, "pending_safety_checks": []},
+    {"type": "computer_call", "id": "cu", "call_id": "c", "status": "completed",
+     "actions": [{"type": "type", "text": "Paris weather"}], "pending_safety_checks": [],
+     "action": None},
+    {"type": "web_search_call", "id": "ws", "status": "completed",
+     "action": {"type": "search", "query": "Paris weather"}},
+    {"type": "web_search_call", "id": "ws", "status": "completed",
+     "action": {"type": "search", "query": "Paris weather", "queries": ["Paris weather"],
+                "sources": [{"type": "url", "url": "https://Rainy.example"}]}},
+    {"type": "file_search_call", "id": "fs", "status": "completed", "queries": ["Paris weather"],
+     "results": [{"file_id": "f", "filename": "w.txt", "score": 0.9, "text": "Rainy all week."}]},
+]  # fmt: skip
+WRITTEN_CALL_IDS = ["computer", "computer-batch", "web-search", "web-search-sources", "file-search"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("item", WRITTEN_CALLS, ids=WRITTEN_CALL_IDS)
+def test_a_call_s_action_or_queries_are_counted_as_output_once_streamed_or_not(
+    item: dict[str, Any], stream: bool
+) -> None:
+    """These calls stream no deltas (their items are told whole as they start and end). Was: a
+    streamed one counted nothing, a computer call's batch of actions and a file search's queries
+    nothing streamed or not (a call cut under cancel, an answer without usage)."""
+    obs = Observation()
+    dialect = DIALECTS["responses"]
+    if stream:
+        for event in ("added", "done"):
+            dialect.observe_event(
+                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
+            )
+    else:
+        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    text = obs.all_text()
+    assert (text.count("Paris weather"), text.count("Rainy")) == (1, 0), text
+    assert obs.contents == {}  # not the answer held to JSON
+
+
+def test_an_apply_patch_operation_is_counted_as_output_once_streamed_or_not() -> None:
+    """The model writes the file's path and diff. Was: an answer without usage counted neither;
+    streamed, the diff comes as deltas and is counted from them alone."""
+    item = {"type": "apply_patch_call", "id": "ap", "call_id": "c", "status": "completed",
+            "operation": {"type": "create_file", "path": "paris.md", "diff": "+Paris weather"}}  # fmt: skip
+    body = Observation()
+    DIALECTS["responses"].observe_body(body, {"id": "r", "status": "completed", "output": [item]})
+    streamed = Observation()
+    for event in (
+        {"type": "response.output_item.added", "output_index": 0,
+         "item": {**item, "status": "in_progress", "operation": {**item["operation"], "diff": ""}}},
+        {"type": "response.apply_patch_call_operation_diff.delta", "output_index": 0,
+         "item_id": "ap", "delta": "+Paris weather"},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+    ):  # fmt: skip
+        DIALECTS["responses"].observe_event(streamed, event)
+    assert body.all_text().count("Paris weather") == 1, body.all_text()
+    assert "paris.md" in body.all_text()
+    assert streamed.all_text().count("Paris weather") == 1, streamed.all_text()
+
+
+@pytest.mark.parametrize("how", ["deltas", "whole-at-start", "body"])
+def test_an_anthropic_compaction_summary_is_counted_as_output_once(how: str) -> None:
+    """Threshold compaction writes a summary of the context (its own iteration's output tokens,
+    billed). Was: an answer without the final usage (a client gone under cancel) counted the
+    answer alone, the summary nothing."""
+    summary = "The user asked about Paris weather twice."
+    obs = Observation()
+    dialect = DIALECTS["messages"]
+    if how == "body":
+        content = [{"type": "compaction", "content": summary, "encrypted_content": "EnC"},
+                   {"type": "text", "text": "Sunny."}]  # fmt: skip
+        dialect.observe_body(obs, {"type": "message", "stop_reason": "end_turn", "content": content})
+    else:
+        start = summary if how == "whole-at-start" else None
+        events = [
+            {"type": "content_block_start", "index": 0,
+             "content_block": {"type": "compaction", "content": start, "encrypted_content": None}},
+            *([] if start else [{"type": "content_block_delta", "index": 0, "delta": {
+                "type": "compaction_delta", "content": summary, "encrypted_content": "EnC"}}]),
+            {"type": "content_block_stop", "index": 0},
+            {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+            {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "Sunny."}},
+        ]  # fmt: skip
+        for event in events:
+            dialect.observe_event(obs, event)
+    assert obs.all_text().count("Paris weather") == 1, obs.all_text()
+    assert "EnC" not in obs.all_text() and obs.content_of(0) == "Sunny."
+
+
+# What the model writes in a computer use action or a web search's query.
+QUERY = "weather forecast for Paris tomorrow"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"type": "computer_call", "id": "cu", "call_id": "c", "status": "completed",
+         "pending_safety_checks": [], "action": {"type": "type", "text": QUERY}},
+        {"type": "web_search_call", "id": "ws", "status": "completed",
+         "action": {"type": "search", "query": QUERY}},
+    ],
+    ids=["computer_call", "web_search_call"],
+)  # fmt: skip
+def test_a_call_s_action_is_counted_as_output_streamed_as_whole(stream: bool, item: dict[str, Any]) -> None:
+    # A computer use action and a search's query are the model's output, counted from a whole
+    # body's item; streamed, the item is told whole as it starts and ends, with no deltas (as a
+    # local shell call's): its action was not counted, an answer without usage billed without it.
+    obs = Observation()
+    dialect = DIALECTS["responses"]
+    if stream:
+        for event in ("added", "done"):
+            dialect.observe_event(
+                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
+            )
+        final = {"id": "r", "status": "completed", "output": [item]}
+        dialect.observe_event(obs, {"type": "response.completed", "response": final})
+    else:
+        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    assert obs.all_text().count(QUERY) == 1, obs.all_text()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_sources_a_web_search_found_are_not_counted_as_its_output(stream: bool) -> None:
+    # With include ["web_search_call.action.sources"] a search's action lists the pages it found:
+    # results it read, not text the model wrote. Counted with its query, an answer without usage
+    # was billed every URL as output.
+    sources = [{"type": "url", "url": f"https://example.com/forecast/paris/{i}"} for i in range(50)]
+    item = {"type": "web_search_call", "id": "ws", "status": "completed",
+            "action": {"type": "search", "query": QUERY, "sources": sources}}  # fmt: skip
+    obs = Observation()
+    dialect = DIALECTS["responses"]
+    if stream:
+        for event in ("added", "done"):
+            dialect.observe_event(
+                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
+            )
+    else:
+        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    text = obs.all_text()
+    assert (text.count(QUERY), text.count("example.com")) == (1, 0), text
+
+
 # -- a Responses answer that reasons: its hidden reasoning tokens cannot be counted ------------
 
 # What OpenAI bills for it (the answer the proxy never read, or that came without usage): 2,990
@@ -675,6 +820,46 @@ async def test_the_image_generation_tools_tokens_are_billed(
     entry = await the_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
     assert (entry["input_tokens"], entry["output_tokens"]) == ("70", "1086"), entry
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_generated_image_without_usage_is_billed_its_reserved_output(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """Its image tokens (1,056 here, and 100 more for each partial image) are billed as output and
+    no text shows them: its base64 is not their count. Was: an answer without usage billed only
+    its few words of text, the image nothing."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    final = {**_reasoned("completed", [IMAGE_CALL, ANSWER_ITEM], None), "model": "gpt-4o"}
+    if stream:
+        events = [
+            ("response.created", {"response": {**final, "status": "in_progress", "output": []}}),
+            ("response.output_item.added",
+             {"output_index": 0, "item": {**IMAGE_CALL, "status": "in_progress"}}),
+            ("response.image_generation_call.partial_image",
+             {"output_index": 0, "item_id": "ig_1", "partial_image_index": 0, "partial_image_b64": "aGk="}),
+            ("response.output_item.done", {"output_index": 0, "item": IMAGE_CALL}),
+            ("response.completed", {"response": final}),
+        ]  # fmt: skip
+        chunks = [_sse_ev(kind, {"sequence_number": n, **obj}) for n, (kind, obj) in enumerate(events)]
+        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    else:
+        script.plan = Plan(chunks=[dumps(final)])
+    async with proxy.client() as client:
+        reply: Any = await client.responses.create(
+            model="gpt-4o",
+            input="draw a cat",
+            tools=[{"type": "image_generation"}],
+            max_output_tokens=4000,
+            stream=stream,
+            extra_headers={"X-Run-Id": "img"},
+        )
+        if stream:
+            reply = [event async for event in reply][-1].response
+    assert reply.output[0].type == "image_generation_call"
+    entry = await the_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "reserve"), entry
+    assert entry["output_tokens"] == "4000", entry
 
 
 # -- the Anthropic SDK's other Messages calls get Anthropic's error format --------------------

@@ -573,6 +573,28 @@ async def test_an_audio_answer_without_an_output_count_is_billed_at_its_reserve(
     assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "1000"), entry  # the model's cap
 
 
+async def test_an_image_answer_without_usage_is_billed_at_its_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """OpenRouter's image models (``modalities`` with ``image``) bill the image's tokens as output
+    (1,290 for a Gemini image) and return it as a data URL beside a few words of text. Was: the
+    words alone counted, the image billed nothing."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "iVBORw0KGgo" * 200}}
+    message = {"role": "assistant", "content": "Here is your cat.", "images": [image]}
+    answer = {"id": "c", "object": "chat.completion", "model": MODEL,
+              "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}  # fmt: skip
+    script.plan = Plan(chunks=[dumps(answer)])
+    body = {
+        "model": MODEL, "modalities": ["image", "text"], "max_completion_tokens": 2000,
+        "messages": [{"role": "user", "content": "Draw a cat."}],
+    }  # fmt: skip
+    result = await raw_post(proxy, body, "image")
+    assert result.status == 200, result.body
+    entry = await the_entry(proxy, "image")
+    assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "1000"), entry  # the model's cap
+
+
 def test_an_audio_answers_transcript_is_its_text() -> None:
     obs = Observation()
     obs.observe(
