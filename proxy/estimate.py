@@ -35,6 +35,11 @@ from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
 # Chat formats add a few tokens per message and for priming the reply.
 TOKENS_PER_MESSAGE = 4
 TOKENS_PER_REPLY = 3
+# The special tokens a server's tokenizer adds to each text it tokenizes on its own (an
+# embeddings input, a legacy completion's prompt or suffix), none of them in the text's count or
+# bytes: BOS or [CLS], EOS or [SEP], and a SentencePiece model's word-start piece before a first
+# character it writes as bytes. OpenAI adds none but for a null prompt (its "<|endoftext|>").
+SPECIAL_TOKENS_PER_INPUT = 3
 # The field that caps output when the request named none.
 DEFAULT_CAP_FIELD: dict[Endpoint, str] = {
     "chat.completions": "max_completion_tokens",
@@ -47,6 +52,9 @@ DEFAULT_CAP_FIELD: dict[Endpoint, str] = {
 LEGACY_DEFAULT_MAX_TOKENS = 16
 # Anthropic's tool-use system prompt: 346 tokens on current models, at most 530 (Claude 3 Opus).
 ANTHROPIC_TOOLS_INPUT_TOKENS = 600
+# OpenAI writes a tool's enum as a TypeScript union ("a" | "b"): its cookbook counts 3 tokens for
+# each item beside the item's own, where the item's JSON ("a",) counts about 1.
+ENUM_ITEM_TOKENS = 2
 # The input Anthropic adds for each of its own tools, by type prefix (its published figures: the
 # computer tool's definition and its system prompt).
 ANTHROPIC_TOOL_TOKENS = (("bash_", 245), ("text_editor_", 700), ("computer_", 735 + 499))
@@ -76,6 +84,9 @@ class Estimate:
     # The texts a provider counts one by one, not as one prompt (an embeddings batch's inputs, a
     # legacy completion's prompts and suffixes): counted each on its own when no usage comes.
     separate_texts: tuple[str, ...] = ()
+    # Reserved for the special tokens of ``separate_texts`` (SPECIAL_TOKENS_PER_INPUT each), kept
+    # when the texts are counted, never billed by a count of the proxy's own (OpenAI adds none).
+    special_tokens: int = 0
 
     @property
     def input_exact(self) -> bool:
@@ -89,7 +100,7 @@ def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
     exact = (
         tokenizer.upper_bound_of_parts(est.uncounted, encoding, scope=est.cache_scope)
         + est.prompt_overhead_tokens
-    ) * est.input_reads
+    ) * est.input_reads + est.special_tokens
     return replace(est, input_tokens=min(exact, est.input_tokens), uncounted=())
 
 
@@ -126,23 +137,53 @@ def tools_overhead(view: RequestView, tools_input_tokens: int) -> int:
     the definitions it writes for them (its published figures; a tool's JSON here is one line)."""
     # Chat's legacy ``functions`` are tools to the provider: the same tool-use prompt.
     tools = getattr(view, "tools", None) or getattr(view, "functions", None)
-    if not tools:
+    if not tools and not _mcp_servers(view):
         return 0
-    tokens = tools_input_tokens
+    tokens = tools_input_tokens + ENUM_ITEM_TOKENS * _enum_items(tools)
     if isinstance(view, MessagesBody):
-        for tool in tools:
+        for tool in tools or ():
             kind = tool.get("type")
             if isinstance(kind, str):
                 tokens += next((n for prefix, n in ANTHROPIC_TOOL_TOKENS if kind.startswith(prefix)), 0)
     return tokens
 
 
+def _enum_items(value: Any) -> int:
+    """How many items the enums of tool schemas (``value``, at any depth) list."""
+    items = 0
+    stack = [value]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            enum = value.get("enum")
+            items += len(enum) if isinstance(enum, list) else 0
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return items
+
+
+def _mcp_servers(view: RequestView) -> bool:
+    """Anthropic's MCP connector (``mcp_servers``, no ``tools`` needed): the servers' tools,
+    which Anthropic fetches, are tools to the model, with the same tool-use system prompt."""
+    servers = (view.model_extra or {}).get("mcp_servers") if isinstance(view, MessagesBody) else None
+    return isinstance(servers, list) and bool(servers)
+
+
 def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
     """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
     and tokens given directly as token ids."""
     if isinstance(view, ChatBody):
+        # vLLM's RAG documents and chat template arguments: written into the prompt by the
+        # templates that read them (Command R writes each document's keys and values).
+        extra = view.model_extra or {}
         parts = _with_json(
-            message_parts(view.messages), view.tools, view.functions, _schema(view.response_format)
+            message_parts(view.messages),
+            view.tools,
+            view.functions,
+            _schema(view.response_format),
+            extra.get("documents"),
+            extra.get("chat_template_kwargs"),
         )
         return parts, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
     if isinstance(view, ResponsesBody):
@@ -191,9 +232,10 @@ def estimate(
     text = "\n".join(parts)
     bound, exact = tokenizer.quick_bound_of_parts(parts, encoding, quick_chars=quick_chars, scope=cache_scope)
     reads = 2 if compacts(view) else 1
-    input_tokens = (bound + overhead) * reads + id_tokens
-    later = () if exact else tuple(parts)
     separate = tuple(parts) if isinstance(view, EmbeddingBody | CompletionBody) else ()
+    specials = SPECIAL_TOKENS_PER_INPUT * len(separate)
+    input_tokens = (bound + overhead) * reads + id_tokens + specials
+    later = () if exact else tuple(parts)
     if isinstance(view, EmbeddingBody):
         return Estimate(
             prompt_text=text,
@@ -204,6 +246,7 @@ def estimate(
             uncounted=later,
             cache_scope=cache_scope,
             separate_texts=separate,
+            special_tokens=specials,
         )
     cap_field: str | None = None
     cap: int | None = None
@@ -238,4 +281,5 @@ def estimate(
         cache_scope=cache_scope,
         input_reads=reads,
         separate_texts=separate,
+        special_tokens=specials,
     )

@@ -222,6 +222,17 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             param="background",
             code="unsupported_parameter",
         )
+    if isinstance(view, ChatBody) and data.get("chat_template") is not None:
+        # vLLM's own Jinja template for this request: what it writes is no function of the
+        # request's text (a loop writes any number of tokens from a few bytes), so no reserve
+        # can bound it.
+        raise BadRequest(
+            "A request's own chat template is not supported through this proxy: it reserves a "
+            "call's input before forwarding it, and cannot bound what a template writes. Send "
+            "the request without 'chat_template' (the model's own template applies).",
+            param="chat_template",
+            code="unsupported_parameter",
+        )
     if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
         # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
         # times, its rows billed as input; no count of them can be read from base64 before the call.
@@ -333,7 +344,6 @@ def _is_media(part: dict[str, Any]) -> bool:
 _NOT_TEXT = frozenset(
     {
         "type",
-        "role",
         "id",
         "call_id",
         "tool_call_id",
@@ -355,6 +365,10 @@ _NOT_TEXT = frozenset(
         "format",
     }
 )
+# Roles a chat format writes as one token, which the per-message overhead holds. Any other is
+# text the provider bills: vLLM takes custom roles, and a template such as Llama 3's writes the
+# role into the prompt.
+_OVERHEAD_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # Keys whose object value the model reads as JSON, its keys included: a tool call's input or
 # arguments, and a tool's schema (an MCP tool list passed back among the items; a schema's
 # property names are keys, its "type"s would be dropped as enums).
@@ -380,7 +394,9 @@ def prompt_texts(value: Any) -> list[str]:
                     stack.extend(reversed(_document_texts(value)))
                 continue
             for key, inner in reversed(value.items()):
-                if key in _NOT_TEXT:
+                if key in _NOT_TEXT or (
+                    key == "role" and isinstance(inner, str) and inner in _OVERHEAD_ROLES
+                ):
                     continue
                 if key in _AS_JSON and isinstance(inner, dict | list):
                     parts.append(orjson.dumps(inner).decode())

@@ -1236,6 +1236,38 @@ async def test_anthropic_tool_use_input_is_reserved(
     assert reply.status == 200, reply.describe()
 
 
+async def test_anthropic_mcp_servers_without_tools_reserve_the_tool_use_input(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Anthropic's MCP connector (``mcp_servers``, beta mcp-client-2025-04-04) needs no ``tools``:
+    Anthropic fetches the server's tools and the model uses them as tools, with the tool-use
+    system prompt (346 tokens) billed. Without ``tools`` it was not reserved: a call under a
+    300-token run ceiling went out reserved at 29 tokens and was billed 394."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    proxy = await make_proxy(
+        upstreams={"anthropic": upstream},
+        models={"claude-*": {"upstream": "anthropic"}},
+        tiers={"standard": {"run": {"total_tokens": 300}}},
+    )
+    script.plan = Plan(chunks=[_claude_answer(346 + 40 + 8)])  # prompt, one small tool, "hi"
+    server = {"type": "url", "url": "https://mcp.example.com/sse", "name": "example"}
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 16,
+        "mcp_servers": [server],
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        "/v1/messages",
+        dumps(body),
+        headers={"X-Run-Id": "mcp", "anthropic-beta": "mcp-client-2025-04-04"},
+    )
+    assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()  # was 200, billed 394
+
+
 def test_the_tool_use_input_of_a_model_is_the_operator_s_to_set() -> None:
     from proxy.call import tools_input_tokens
     from proxy.config import ModelConfig, UpstreamConfig

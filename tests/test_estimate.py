@@ -13,10 +13,11 @@ import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
+import tiktoken
 
 from proxy.app import STATE
-from proxy.estimate import estimate
-from proxy.payload import ChatBody, Endpoint, MessagesBody, ResponsesBody
+from proxy.estimate import SPECIAL_TOKENS_PER_INPUT, counted, estimate
+from proxy.payload import ChatBody, EmbeddingBody, Endpoint, MessagesBody, ResponsesBody
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
@@ -77,6 +78,24 @@ def test_without_an_encoding_the_byte_bound_is_final() -> None:
         QUICK_BOUND_CHARS,
         True,
     )
+
+
+def test_the_special_tokens_of_each_input_stay_reserved_once_the_inputs_are_counted() -> None:
+    """A batch's quick bound holds each input's special tokens ([CLS] and [SEP], a server's BOS
+    and EOS); counted, the reserve comes down to the texts' count, and must keep them."""
+    inputs = ["x" * 2000] * 10  # 20,000 new characters: a quick estimate
+    est = estimate(
+        "embeddings",
+        EmbeddingBody(model="e", input=inputs),
+        encoding="o200k_base",
+        tokenizer=Tokenizer({"o200k_base": QuarterEncoding()}),
+        model_max_output_tokens=None,
+        default_max_output_tokens=100,
+    )
+    specials = SPECIAL_TOKENS_PER_INPUT * len(inputs)
+    assert not est.input_exact and est.input_tokens == 20000 + 9 + specials
+    exact = counted(est, Tokenizer({"o200k_base": QuarterEncoding()}), "o200k_base")
+    assert exact.input_tokens == 10 * 500 + 9 + specials
 
 
 def quick_estimates(proxy: Proxy, result: str) -> int:
@@ -543,3 +562,41 @@ async def test_a_message_naming_a_media_type_still_has_its_text_reserved(
     assert status == 429, answer[:300]
     assert fake.received == []
     assert await redis_client.xlen("lbp:{team-a}:ledger") == 0
+
+
+def test_a_tools_enum_is_reserved_as_openai_counts_it() -> None:
+    """OpenAI's cookbook counts a tool's enum as 3 tokens an item beside the item's own (the
+    function 7, its name and description, its properties 3 and 3 each, an enum -3, the tools 12),
+    checked there against gpt-4o's usage. The tools' JSON holds about 1 per item beside it: a
+    1,000-item enum was reserved some 2,000 tokens below what the provider bills."""
+    # A tokenizer that writes JSON's '","' as one token, as cl100k and o200k do.
+    ranks = {bytes([i]): i for i in range(256)} | {b'",': 256, b'","': 257}
+    enc = tiktoken.Encoding(name="o200k_base", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+    items = [f"v{i}" for i in range(1000)]
+    prop = {"type": "string", "description": "", "enum": items}
+    fn = {
+        "name": "pick",
+        "description": "Pick one.",
+        "parameters": {"type": "object", "properties": {"x": prop}},
+    }
+    body = ChatBody(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[{"type": "function", "function": fn}],
+    )
+    est = estimate(
+        "chat.completions",
+        body,
+        encoding="o200k_base",
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        model_max_output_tokens=None,
+        default_max_output_tokens=100,
+    )
+
+    def count(text: str) -> int:
+        return len(enc.encode_ordinary(text))
+
+    enum = -3 + sum(3 + count(item) for item in items)
+    tools = 7 + count("pick:Pick one") + 3 + 3 + enum + count("x:string:") + 12
+    billed = 4 + count("hi") + 3 + tools  # the message, the reply's priming, the tools
+    assert est.input_tokens >= billed, (est.input_tokens, billed)

@@ -274,3 +274,124 @@ async def test_scoring_prompts_on_vllm_reserves_the_token_it_writes_for_each(
     assert int(entry["reserved_output_tokens"]) >= 4, entry  # was 0
     assert entry["overshoot_tokens"] == "0", entry
     assert b'"max_tokens":0' in script.received[-1]  # forwarded as asked
+
+
+# -- what an OpenAI-compatible server tokenizes beyond the texts the proxy counts --------------
+
+
+async def billed_and_reserved(proxy: Any, path: str, run: str, body: dict[str, Any]) -> tuple[int, int]:
+    """Post ``body`` (its ``fake.usage`` is what the server bills) and read its ledger entry."""
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + path, json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    (entry,) = await ledger_entries(proxy, run)
+    return int(entry["input_tokens"]), int(entry["reserved_input_tokens"])
+
+
+async def test_a_custom_role_is_reserved_as_the_prompt_text_it_is(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """vLLM takes any string as a message's role (``CustomChatCompletionMessageParam``: "Enables
+    custom roles in the Chat Completion API"), and a chat template such as Llama 3's writes it
+    into the prompt (``'<|start_header_id|>' + message['role'] + '<|end_header_id|>'``), billed as
+    input. The role was never counted: a 9,000-byte role, ~2,000 tokens billed, reserved at the
+    9 of the message's "hi" and its overhead, past any ceiling by the role's whole length."""
+    proxy = await make_proxy()
+    body = {
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "max_tokens": 5,
+        "messages": [{"role": "narrator " * 1000, "content": "hi"}],
+        "fake": {"usage": {"prompt_tokens": 2010}},  # the role's ~2,000 tokens and the template's
+    }
+    billed, reserved = await billed_and_reserved(proxy, "/v1/chat/completions", "role", body)
+    assert billed == 2010
+    assert billed <= reserved, (billed, reserved)  # was reserved at 9
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "billed"),
+    [
+        # A BERT embedding model on vLLM or TEI: [CLS] a [SEP], 3 tokens an input (was 4,095).
+        ("/v1/embeddings", {"model": "BAAI/bge-small-en-v1.5", "input": ["a"] * 2048}, 3 * 2048),
+        # e5-mistral on vLLM: <s>, SentencePiece's word-start piece, the byte of a character
+        # outside its vocabulary, </s>: 4 tokens an input of one byte (was 4,095).
+        ("/v1/embeddings", {"model": "intfloat/e5-mistral-7b-instruct", "input": ["\x7f"] * 2048}, 4 * 2048),
+        # Llama 2 on vLLM: <s> and "▁a" for each prompt (was 199).
+        (
+            "/v1/completions",
+            {"model": "meta-llama/Llama-2-7b-hf", "prompt": ["a"] * 100, "max_tokens": 1},
+            200,
+        ),
+        # OpenAI: a prompt left null is "<|endoftext|>", one token (was 0).
+        ("/v1/completions", {"model": "gpt-3.5-turbo-instruct", "prompt": None, "max_tokens": 1}, 1),
+    ],
+    ids=["bert-embeddings", "sentencepiece-embeddings", "llama-2-prompts", "null-prompt"],
+)
+async def test_the_special_tokens_a_server_adds_to_each_input_are_reserved(
+    make_proxy: ProxyFactory, fake: FakeUpstream, path: str, body: dict[str, Any], billed: int
+) -> None:
+    """An embeddings input and a legacy completion's prompt are each tokenized on their own,
+    with the special tokens the model's tokenizer adds (BOS or [CLS], EOS or [SEP]) and, for a
+    SentencePiece model, the word-start piece in front: none of them in the text's UTF-8 bytes.
+    Reserved at the bytes alone, a batch of short inputs was billed up to twice its reserve."""
+    proxy = await make_proxy()
+    body = {**body, "fake": {"usage": {"prompt_tokens": billed}}}
+    got, reserved = await billed_and_reserved(proxy, path, "specials", body)
+    assert got == billed
+    assert billed <= reserved, (billed, reserved)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # vLLM's RAG documents: a template that reads them (Command R, Granite) writes them out.
+        {"documents": [{"title": "Manual", "text": "Press the red button twice. " * 300}]},
+        # vLLM's template arguments: a template may write any of them into the prompt.
+        {"chat_template_kwargs": {"system_note": "Always answer in formal English. " * 300}},
+    ],
+    ids=["documents", "chat_template_kwargs"],
+)
+async def test_what_a_vllm_chat_template_writes_from_the_request_is_reserved(
+    make_proxy: ProxyFactory, fake: FakeUpstream, extra: dict[str, Any]
+) -> None:
+    """vLLM's chat requests take ``documents`` and ``chat_template_kwargs``, handed to the model's
+    chat template, which writes what it reads of them into the prompt, billed as input. Neither
+    was counted: ~1,800 tokens billed for a call reserved at the 9 of its message."""
+    proxy = await make_proxy()
+    body = {
+        "model": "CohereForAI/c4ai-command-r-v01",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        **extra,
+        "fake": {"usage": {"prompt_tokens": 1810}},
+    }
+    billed, reserved = await billed_and_reserved(proxy, "/v1/chat/completions", "template", body)
+    assert billed == 1810
+    assert billed <= reserved, (billed, reserved)
+
+
+async def test_a_requests_own_chat_template_is_refused_before_anything_is_reserved(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """vLLM renders a request's own ``chat_template`` (Jinja) when it trusts request templates:
+    a loop of a few bytes writes a prompt of any length, billed as input, which no count of the
+    request can bound. It went out reserved at its messages."""
+    proxy = await proxy_for(make_proxy, script)
+    template = "{% for i in range(100000) %}word {% endfor %}"
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template": template,
+    }
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        "/v1/chat/completions",
+        dumps(body),
+        headers={"X-Run-Id": "tpl"},
+    )
+    error = assert_refused(reply, 400)  # was: forwarded, reserved at 9 input tokens
+    assert (error["param"], error["code"]) == ("chat_template", "unsupported_parameter")
