@@ -8,6 +8,7 @@ or quick estimates are off), the count comes first.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -50,19 +51,24 @@ async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> 
             "could not count a quick reserve", extra={"request_id": call.request_id, "error": repr(err)}
         )
         return
-    before = reserve_amounts(call.estimate, call.rates_reserved)
+    # What Redis holds, not the estimate: a settle billing at the reserve, or a stream keeping
+    # its context, may have counted the estimate meanwhile.
+    before = dict(reservation.amounts)
     after = reserve_amounts(exact, call.rates_reserved)
     # Billed at its reserve (no usage came back), the call is billed at the exact count.
     call.estimate = exact
     if after == before:
         return
-    try:
-        if not await store.shrink(
+    shrinking = asyncio.ensure_future(
+        store.shrink(
             tenant=reservation.tenant,
             reservation_id=reservation.id,
             scope_keys=[s.key for s in reservation.scopes],
             amounts=after,
-        ):
+        )
+    )
+    try:
+        if not await _landed(shrinking):
             return  # settled already
     except StoreError as err:
         metrics.quick_estimates.labels("failed").inc()
@@ -76,3 +82,13 @@ async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> 
     call.reservation = replace(
         reservation, amounts=after, tightest_remaining=reservation.tightest_remaining + freed
     )
+
+
+async def _landed(shrinking: asyncio.Future[bool]) -> bool:
+    """The shrink's answer, even when the settle cancels the refinement while it is on its way:
+    sent, it may land all the same, and the settle (which waits for this) must know the reserve
+    Redis then holds, not the bound (its ledger entry's figure, what a reaper billed)."""
+    try:
+        return await asyncio.shield(shrinking)
+    except asyncio.CancelledError:
+        return await shrinking

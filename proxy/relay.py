@@ -212,25 +212,17 @@ class Exchange:
         if refining is not None and not refining.done():
             # What it has not done yet would only lower a reserve about to go; and a backlog of
             # counts not started (a fast upstream, new large prompts) would grow without bound.
+            # A shrink already on its way is waited for (``refine``): it may land all the same,
+            # and the reserve this call knows must stay the one Redis holds.
             refining.cancel()
-            self.services.metrics.quick_estimates.labels("dropped").inc()
+            await asyncio.wait((refining,))
+            if refining.cancelled():
+                self.services.metrics.quick_estimates.labels("dropped").inc()
         if usage.source == "reserve" and not usage.input_known:
-            # Billed at its reserve: at the exact count, not the quick bound (counted here if the
-            # background count has not landed, not behind other calls' counts), and taken from
-            # the estimate as it is now: a count that landed since the usage was worked out may
-            # have lowered the reserve already.
-            if not self.call.estimate.input_exact:
-                try:
-                    est = self.call.estimate
-                    self.call.estimate = await asyncio.to_thread(
-                        counted, est, self.services.tokenizer, self.call.encoding
-                    )
-                except Exception as err:  # the quick bound is an upper bound: billed at it
-                    self.services.metrics.quick_estimates.labels("failed").inc()
-                    log.warning(
-                        "could not count a reserve",
-                        extra={"request_id": self.call.request_id, "error": repr(err)},
-                    )
+            # Billed at its reserve: at the exact count, not the quick bound, and taken from the
+            # estimate as it is now: a count that landed since the usage was worked out may have
+            # lowered the reserve already.
+            await self._count_input()
             usage = self.reserve_usage()
         made = self._contexts_made()
         owned = self._contexts_owned(made)
@@ -266,6 +258,24 @@ class Exchange:
             self.services.metrics.store_errors.labels("settle").inc()
         return settlement
 
+    async def _count_input(self) -> None:
+        """Count a quick bound for a call billed at its reserve, if the background count has not
+        landed: here, not behind other calls' counts on the estimate thread."""
+        if self.call.estimate.input_exact:
+            return
+        try:
+            est = self.call.estimate
+            self.call.estimate = await asyncio.to_thread(
+                counted, est, self.services.tokenizer, self.call.encoding
+            )
+        except Exception as err:  # the quick bound is an upper bound: billed at it
+            self.services.metrics.quick_estimates.labels("failed").inc()
+            log.warning(
+                "could not count a reserve", extra={"request_id": self.call.request_id, "error": repr(err)}
+            )
+            # Final: a stream keeping its context counts before its settle, which tries no more.
+            self.call.estimate = replace(self.call.estimate, uncounted=())
+
     async def keep_context(self) -> None:
         """Before a stream's last event goes out: it carries the answer (and its id), and a
         client may continue it as soon as it has it, before the stream ends and the call is
@@ -279,7 +289,14 @@ class Exchange:
         made = self._contexts_made()
         owned = self._contexts_owned(made)
         kept = made if made and self.services.config.limits.prior_context_ttl_s else []
-        writes: list[Awaitable[None]] = [self._remember(kept, self.usage(complete=True))] if kept else []
+        usage = self.usage(complete=True)
+        if kept and usage.source == "reserve" and not usage.input_known:
+            # Kept at what the settle bills, the exact count: a quick bound kept now would stay
+            # (a bound never lowers a bound), reserved and, without usage, billed by every call
+            # continuing it.
+            await self._count_input()
+            usage = self.usage(complete=True)
+        writes: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
         if owned:
             writes.append(self._claim(owned))  # its owner's before the id reaches the client
         if not writes:

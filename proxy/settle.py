@@ -50,14 +50,24 @@ def bill_if_lost_until_ms(call: Call, marker_ttl_s: int, *, now_s: float) -> int
     return int(now_s * 1000 + left_s * 1000) if left_s > 0 else 0
 
 
+def held_tokens(call: Call) -> tuple[int, int]:
+    """The input and output tokens the store held for the call: its reservation as last lowered.
+    Not its estimate, which a quick bound's count may have lowered with no shrink behind it (the
+    count landed after the lease ran out or with the store failing, or at the settle itself, to
+    bill a call without usage at the exact count): the bound was held, and released, then."""
+    if call.reservation is None:  # a reserve whose reply was lost: what it asked for
+        return call.reserved_input_tokens, call.reserved_output_tokens
+    held = call.reservation.amounts
+    return held.get("input_tokens", 0), held.get("output_tokens", 0)
+
+
 def entry_fields(
     call: Call, outcome: Outcome, usage: BilledUsage, cost: int, finish_reasons: str
 ) -> dict[str, str]:
     now = time.monotonic()
     ttft_ms = "" if call.first_token_at is None else str(int((call.first_token_at - call.started_at) * 1000))
-    overshoot = max(
-        0, usage.input_tokens + usage.output_tokens - call.reserved_input_tokens - call.reserved_output_tokens
-    )
+    held_input, held_output = held_tokens(call)
+    overshoot = max(0, usage.input_tokens + usage.output_tokens - held_input - held_output)
     entry = {
         "request_id": call.request_id,
         "reservation_id": call.reservation_id,
@@ -79,8 +89,8 @@ def entry_fields(
         "total_tokens": str(usage.total_tokens),
         "usage_source": usage.source,
         "cost_micros": str(cost),
-        "reserved_input_tokens": str(call.reserved_input_tokens),
-        "reserved_output_tokens": str(call.reserved_output_tokens),
+        "reserved_input_tokens": str(held_input),
+        "reserved_output_tokens": str(held_output),
         "overshoot_tokens": str(overshoot),
         "clamped": "1" if call.clamped else "0",
         "upstream_status": str(call.upstream_status),

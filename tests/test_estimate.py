@@ -18,8 +18,9 @@ import tiktoken
 from proxy.app import STATE
 from proxy.estimate import SPECIAL_TOKENS_PER_INPUT, counted, estimate
 from proxy.payload import ChatBody, EmbeddingBody, Endpoint, MessagesBody, ResponsesBody
+from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
-from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
+from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, ledger_entries, run_headers
 from tests.test_budgets import meters, tiers
@@ -220,6 +221,110 @@ async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
     assert entry["usage_source"] == "reserve"
     assert int(entry["input_tokens"]) == EXACT_INPUT  # not the byte-length bound it reserved first
     assert len(fake.received) == 1
+
+
+async def test_the_ledger_shows_the_reserve_redis_held_when_the_count_came_after_it(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Billed at its reserve before its count lowered it: billed at the exact count, but the
+    reserve it held until its settle (and released then) was the byte bound, which is what its
+    ledger entry's reserved figure says, not the count its settle made."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    call = asyncio.ensure_future(failing_call(proxy, "held"))
+    for _ in range(500):
+        if enc.entries >= 2:  # the background count, dropped; the settle's own
+            break
+        await asyncio.sleep(0.01)
+    assert enc.entries == 2
+    assert await reserved_input(proxy, "held") == QUICK_INPUT  # never lowered
+    gate.set()
+    with pytest.raises(openai.InternalServerError):
+        await call
+    [entry] = await ledger_entries(proxy, "held")
+    assert entry["usage_source"] == "reserve" and int(entry["input_tokens"]) == EXACT_INPUT
+    assert int(entry["reserved_input_tokens"]) == QUICK_INPUT
+    assert quick_estimates(proxy, "lowered") == 0
+    state = (await meters(proxy, "held"))["meters"]
+    assert all(m["reserved"] == 0 for m in state.values()), state
+
+
+async def until_quick(proxy: Proxy, result: str, count: int = 1) -> None:
+    for _ in range(500):
+        if quick_estimates(proxy, result) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no quick estimate {result}")
+
+
+async def slow_call(proxy: Proxy, run: str) -> Any:
+    return await proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=10,
+        extra_headers=run_headers(run),
+        extra_body={"fake": {"delay_s": 1.0}},
+    )
+
+
+async def test_a_shrink_the_store_refused_leaves_the_bound_in_the_ledger_as_in_redis(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """Counted while the store refused writes (out of memory): the bound stays reserved until
+    the settle releases it, and the ledger's reserved figure is that bound."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(redis={"url": own_redis.url}, tokenizer=Tokenizer({"o200k_base": enc}))
+    call = asyncio.ensure_future(slow_call(proxy, "refused"))
+    await until_upstream_received(fake, 1)
+    await own_client.config_set("maxmemory", "1")  # over its limit: writes get -OOM
+    try:
+        gate.set()
+        await until_quick(proxy, "failed")
+    finally:
+        await own_client.config_set("maxmemory", "0")
+    assert await reserved_input(proxy, "refused") == QUICK_INPUT
+    await call
+    [entry] = await ledger_entries(proxy, "refused")
+    assert entry["usage_source"] == "provider"
+    assert int(entry["reserved_input_tokens"]) == QUICK_INPUT
+    state = (await meters(proxy, "refused"))["meters"]
+    assert all(m["reserved"] == 0 for m in state.values()), state
+
+
+async def test_a_settle_waits_for_a_shrink_on_its_way_and_shows_what_it_left(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """The call ends while its shrink waits on the store (writes paused): the shrink lands before
+    the settle, which releases the count; the call's entry and headers say the same."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(
+        redis={"url": own_redis.url},
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        tiers=tiers(run={"total_tokens": 10**6}),
+    )
+    call = asyncio.ensure_future(
+        proxy.client().chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": TEXT}],
+            max_tokens=10,
+            extra_headers=run_headers("paused"),
+            extra_body={"fake": {"delay_s": 0.5}},
+        )
+    )
+    await until_upstream_received(fake, 1)
+    await own_client.execute_command("CLIENT", "PAUSE", "2000", "WRITE")  # the shrink waits
+    gate.set()
+    reply = await call  # answered within the pause: its settle waited behind the shrink
+    [entry] = await ledger_entries(proxy, "paused")
+    assert int(entry["reserved_input_tokens"]) == EXACT_INPUT  # what Redis held: lowered
+    assert quick_estimates(proxy, "lowered") == 1 and quick_estimates(proxy, "dropped") == 0
+    state = (await meters(proxy, "paused"))["meters"]
+    assert all(m["reserved"] == 0 for m in state.values()), state
+    room = 10**6 - int(entry["input_tokens"]) - int(entry["output_tokens"])
+    assert reply.headers["x-budget-remaining-total-tokens"] == str(room)
 
 
 async def test_a_count_that_fails_bills_the_quick_bound_and_never_fails_the_call(

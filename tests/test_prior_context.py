@@ -6,6 +6,7 @@ contexts and bills them as OpenAI does."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -255,6 +256,50 @@ async def test_a_quick_estimate_keeps_the_context_through_its_count_and_a_settle
     assert int(entry["reserved_input_tokens"]) == exact + FIRST_CONTEXT
     assert reply.headers["x-billing-input-tokens"] == str(exact + FIRST_CONTEXT)
     assert reply.headers["x-billing-usage-source"] != "provider"
+
+
+async def test_a_stream_billed_at_its_reserve_keeps_its_context_at_the_count_it_bills(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Much new text, its count still queued on the estimate thread when the last event goes, and
+    no usage (a reasoning model's output is billed at its reserve): the context is kept at what
+    the call bills, the exact count, not at the byte bound, which a later bound never lowers and
+    every call continuing it would reserve (and, without usage, pay for) again."""
+    queued = threading.Event()
+
+    class Queued(QuarterEncoding):
+        def encode_ordinary(self, text: str) -> list[int]:
+            if threading.current_thread().name.startswith("estimate"):
+                assert queued.wait(10), "the estimate thread was never released"
+            return super().encode_ordinary(text)
+
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": Queued()}))
+    try:
+        stream = await client(proxy).responses.create(
+            model="gpt-4o-mini",
+            input=TEXT,
+            max_output_tokens=16,
+            reasoning={"effort": "low"},
+            stream=True,
+            extra_body={"fake": {"no_usage": True}},
+        )
+        async for _ in stream:
+            pass
+    finally:
+        queued.set()
+    [entry] = await ledger_entries(proxy, "chain")
+    assert entry["usage_source"] == "reserve"
+    assert int(entry["input_tokens"]) == len(TEXT) // 4 + RESPONSES_OVERHEAD  # the exact count
+    billed = int(entry["input_tokens"]) + int(entry["output_tokens"])
+    assert await redis_client.get(ctx("resp_1")) == f"{billed}~0"
+    # A call continuing it without usage is billed at its own count and that size.
+    reply = await client(proxy).responses.with_raw_response.create(
+        model="gpt-4o-mini",
+        input="hi",
+        previous_response_id="resp_1",
+        extra_body={"fake": {"no_usage": True}},
+    )
+    assert billed < int(reply.headers["x-billing-input-tokens"]) < billed + 50
 
 
 async def test_a_stream_cut_after_it_started_keeps_its_answer_at_what_it_billed(
