@@ -1182,6 +1182,21 @@ def _claude_answer(input_tokens: int) -> bytes:
     )
 
 
+async def _claude_proxy(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    *,
+    max_output_tokens: int | None = None,
+    **options: Any,
+) -> Proxy:
+    """A proxy whose claude-* models go to ``script`` as an Anthropic upstream."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    model: dict[str, Any] = {"upstream": "anthropic"}
+    if max_output_tokens is not None:
+        model["max_output_tokens"] = max_output_tokens
+    return await make_proxy(upstreams={"anthropic": upstream}, models={"claude-*": model}, **options)
+
+
 @pytest.mark.parametrize(
     ("tool", "billed_input"),
     [
@@ -1201,12 +1216,7 @@ async def test_anthropic_tool_use_input_is_reserved(
 ) -> None:
     """A Messages call with tools is billed a system prompt the request does not carry: the
     reserve holds it, so a run ceiling the call would pass refuses it first."""
-    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
-    proxy = await make_proxy(
-        upstreams={"anthropic": upstream},
-        models={"claude-*": {"upstream": "anthropic"}},
-        tiers={"standard": {"run": {"total_tokens": 300}}},
-    )
+    proxy = await _claude_proxy(make_proxy, script, tiers={"standard": {"run": {"total_tokens": 300}}})
     script.plan = Plan(chunks=[_claude_answer(billed_input)])
     body = {
         "model": "claude-sonnet-4-5",
@@ -1243,12 +1253,7 @@ async def test_anthropic_mcp_servers_without_tools_reserve_the_tool_use_input(
     Anthropic fetches the server's tools and the model uses them as tools, with the tool-use
     system prompt (346 tokens) billed. Without ``tools`` it was not reserved: a call under a
     300-token run ceiling went out reserved at 29 tokens and was billed 394."""
-    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
-    proxy = await make_proxy(
-        upstreams={"anthropic": upstream},
-        models={"claude-*": {"upstream": "anthropic"}},
-        tiers={"standard": {"run": {"total_tokens": 300}}},
-    )
+    proxy = await _claude_proxy(make_proxy, script, tiers={"standard": {"run": {"total_tokens": 300}}})
     script.plan = Plan(chunks=[_claude_answer(346 + 40 + 8)])  # prompt, one small tool, "hi"
     server = {"type": "url", "url": "https://mcp.example.com/sse", "name": "example"}
     body = {
@@ -1285,11 +1290,7 @@ async def test_a_model_cap_that_would_leave_no_room_above_the_thinking_budget_is
     """Anthropic refuses max_tokens not above thinking.budget_tokens: lowered to the model's cap
     (4096) under a budget of 10,000, a valid request went out invalid (a 400 about a mistake the
     client did not make)."""
-    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
-    proxy = await make_proxy(
-        upstreams={"anthropic": upstream},
-        models={"claude-*": {"upstream": "anthropic", "max_output_tokens": 4096}},
-    )
+    proxy = await _claude_proxy(make_proxy, script, max_output_tokens=4096)
     body: dict[str, Any] = {
         "model": "claude-sonnet-4-5",
         "max_tokens": 16000,

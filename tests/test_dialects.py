@@ -537,21 +537,29 @@ def test_a_call_s_name_is_counted_as_output_in_every_dialect(
     assert (text.count(TOOL), text.count("Paris")) == (1, 1), text
 
 
+def _observed_item(item: dict[str, Any], *, stream: bool, completed: bool = False) -> Observation:
+    """A Responses answer of one output ``item``: streamed, the item told whole as it starts and
+    ends (no deltas), then ``response.completed`` when ``completed``; else a whole body."""
+    obs = Observation()
+    dialect = DIALECTS["responses"]
+    body = {"id": "r", "status": "completed", "output": [item]}
+    if not stream:
+        dialect.observe_body(obs, body)
+        return obs
+    for event in ("added", "done"):
+        dialect.observe_event(obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item})
+    if completed:
+        dialect.observe_event(obs, {"type": "response.completed", "response": body})
+    return obs
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_local_shell_call_s_command_is_counted_as_output_streamed_or_not(stream: bool) -> None:
     # The command is the model's output; a local shell call streams no deltas (its item is told
     # whole as it starts and ends): it was counted neither way.
     item = {"type": "local_shell_call", "id": "lsh", "call_id": "c", "status": "completed",
             "action": {"type": "exec", "command": ["curl", "wttr.in/Paris"], "env": {}}}  # fmt: skip
-    obs = Observation()
-    dialect = DIALECTS["responses"]
-    if stream:
-        for event in ("added", "done"):
-            dialect.observe_event(
-                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
-            )
-    else:
-        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    obs = _observed_item(item, stream=stream)
     assert obs.all_text().count("wttr.in/Paris") == 1, obs.all_text()
 
 
@@ -582,15 +590,7 @@ def test_a_call_s_action_or_queries_are_counted_as_output_once_streamed_or_not(
     """These calls stream no deltas (their items are told whole as they start and end). Was: a
     streamed one counted nothing, a computer call's batch of actions and a file search's queries
     nothing streamed or not (a call cut under cancel, an answer without usage)."""
-    obs = Observation()
-    dialect = DIALECTS["responses"]
-    if stream:
-        for event in ("added", "done"):
-            dialect.observe_event(
-                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
-            )
-    else:
-        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    obs = _observed_item(item, stream=stream)
     text = obs.all_text()
     assert (text.count("Paris weather"), text.count("Rainy")) == (1, 0), text
     assert obs.contents == {}  # not the answer held to JSON
@@ -665,17 +665,7 @@ def test_a_call_s_action_is_counted_as_output_streamed_as_whole(stream: bool, it
     # A computer use action and a search's query are the model's output, counted from a whole
     # body's item; streamed, the item is told whole as it starts and ends, with no deltas (as a
     # local shell call's): its action was not counted, an answer without usage billed without it.
-    obs = Observation()
-    dialect = DIALECTS["responses"]
-    if stream:
-        for event in ("added", "done"):
-            dialect.observe_event(
-                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
-            )
-        final = {"id": "r", "status": "completed", "output": [item]}
-        dialect.observe_event(obs, {"type": "response.completed", "response": final})
-    else:
-        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    obs = _observed_item(item, stream=stream, completed=True)
     assert obs.all_text().count(QUERY) == 1, obs.all_text()
 
 
@@ -687,15 +677,7 @@ def test_the_sources_a_web_search_found_are_not_counted_as_its_output(stream: bo
     sources = [{"type": "url", "url": f"https://example.com/forecast/paris/{i}"} for i in range(50)]
     item = {"type": "web_search_call", "id": "ws", "status": "completed",
             "action": {"type": "search", "query": QUERY, "sources": sources}}  # fmt: skip
-    obs = Observation()
-    dialect = DIALECTS["responses"]
-    if stream:
-        for event in ("added", "done"):
-            dialect.observe_event(
-                obs, {"type": f"response.output_item.{event}", "output_index": 0, "item": item}
-            )
-    else:
-        dialect.observe_body(obs, {"id": "r", "status": "completed", "output": [item]})
+    obs = _observed_item(item, stream=stream)
     text = obs.all_text()
     assert (text.count(QUERY), text.count("example.com")) == (1, 0), text
 
