@@ -35,6 +35,12 @@ MAX_COUNT = 10**15 - 1
 MAX_UNITS = Decimal("999999999.999999")
 METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")
 Period = Literal["minute", "hour", "day", "month"]
+# Metric label values that stand for many (see metrics): every pass-through caller's tenant
+# (``auth``: ``pt-`` and 32 hex digits of its key's digest; 12 before), and every model the config
+# does not name exactly. A configured tenant or model named so would merge into them.
+PASSTHROUGH_TENANT = "passthrough"
+PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
+OTHER_MODEL = "other"
 
 
 class _Frozen(BaseModel):
@@ -324,6 +330,11 @@ class KeyConfig(_Frozen):
     def _tenant_name(cls, value: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
             raise ValueError("tenant names use letters, digits, '.', '_' and '-' (at most 64)")
+        if value == PASSTHROUGH_TENANT or PASSTHROUGH_TENANT_ID.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is reserved for pass-through callers ('{PASSTHROUGH_TENANT}' and 'pt-' "
+                "with 12 or 32 hex digits): name the tenant otherwise"
+            )
         return value
 
     @field_validator("name")
@@ -552,6 +563,11 @@ class Config(_Frozen):
         for pattern, model in self.models.items():
             if model.upstream not in self.upstreams:
                 raise ValueError(f"models.{pattern}.upstream: unknown upstream {model.upstream!r}")
+        if OTHER_MODEL in self.models:
+            raise ValueError(
+                f"models.{OTHER_MODEL}: the name is reserved (the metrics' label for models the config "
+                "does not name): route it with a pattern or name the model otherwise"
+            )
         names = [key.name for key in self.keys]
         if len(names) != len(set(names)):
             raise ValueError("keys: names must be unique")

@@ -8,7 +8,6 @@ key in a label.
 
 from __future__ import annotations
 
-import re
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
@@ -22,13 +21,11 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from proxy.config import Config
+from proxy.config import OTHER_MODEL, PASSTHROUGH_TENANT, PASSTHROUGH_TENANT_ID, Config
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2, 3, 5, 10)
-PASSTHROUGH_TENANT = "passthrough"
-OTHER_MODEL = "other"
 
 
 class CounterValue:
@@ -275,17 +272,13 @@ class Metrics:
         return self.collect()
 
 
-# A pass-through caller's tenant (``auth``: 32 hex digits of its key's digest; 12 before), one
-# per key a caller sends: unbounded, so one label for them all.
-PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
-
-
 def tenant_label(tenant: str, config: Config) -> str:
     if tenant in config.tenants:
         return tenant
     # A tenant no longer in this config (a reload removed its keys while its calls were in
     # flight, journaled or left to a reaper) is still the ledger's: its spend keeps its name.
-    # Every other name came from a config, so the labels stay bounded.
+    # Every other name came from a config, so the labels stay bounded. A pass-through caller's
+    # tenant, one per key a caller sends, is unbounded: one label for them all (config refuses it).
     return PASSTHROUGH_TENANT if PASSTHROUGH_TENANT_ID.fullmatch(tenant) else tenant
 
 

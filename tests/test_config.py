@@ -513,3 +513,19 @@ def test_the_configuration_reference_names_every_limit() -> None:
     reference = readme[readme.index("## Configuration reference") : readme.index("## Metrics")]
     missing = [name for name in LimitsConfig.model_fields if name not in reference]
     assert missing == [], missing
+
+
+@pytest.mark.parametrize("tenant", ["passthrough", "pt-0123456789ab", "pt-" + "a" * 32])
+def test_a_tenant_named_like_pass_through_callers_is_a_config_error(tenant: str) -> None:
+    # Its metrics would merge into the pass-through callers' label (or fall into it on a reload).
+    keys = [{"name": "k", "sha256": "a" * 64, "tenant": tenant}]
+    assert "keys.0.tenant" in error_of({**UP, "keys": keys})
+    assert "reserved" in error_of({**UP, "keys": keys})
+    assert parse_config({**UP, "keys": [{**keys[0], "tenant": "pt-team"}]}, {}).tenants == {"pt-team"}
+
+
+def test_a_model_named_like_the_unknown_models_label_is_a_config_error() -> None:
+    # Its metrics would merge with every model the config does not name.
+    error = error_of({**UP, "models": {"other": {"upstream": "openai"}}})
+    assert "models.other" in error and "reserved" in error
+    assert parse_config({**UP, "models": {"other-*": {"upstream": "openai"}}}, {}).route("other-1")
