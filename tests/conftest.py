@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +129,17 @@ class Proxy:
     runner: web.AppRunner
 
     def client(self, key: str = KEY_A, **kwargs: Any) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **{"max_retries": 0, **kwargs})
+        # One TLS context for every client (the proxy is plain HTTP): the SDK's own loads the CA
+        # bundle, 30 ms of a blocked loop per client, which many clients at once made last
+        # seconds, and an upstream's timeout pass under a test's own load.
+        http_client = openai.DefaultAsyncHttpxClient(verify=_client_tls())
+        options = {"max_retries": 0, "http_client": http_client, **kwargs}
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **options)
+
+
+@functools.cache
+def _client_tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 ProxyFactory = Callable[..., Awaitable[Proxy]]
