@@ -222,15 +222,16 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             param="background",
             code="unsupported_parameter",
         )
-    if isinstance(view, ChatBody) and data.get("chat_template") is not None:
+    template_param = _own_chat_template(data) if isinstance(view, ChatBody) else None
+    if template_param is not None:
         # vLLM's own Jinja template for this request: what it writes is no function of the
         # request's text (a loop writes any number of tokens from a few bytes), so no reserve
         # can bound it.
         raise BadRequest(
             "A request's own chat template is not supported through this proxy: it reserves a "
             "call's input before forwarding it, and cannot bound what a template writes. Send "
-            "the request without 'chat_template' (the model's own template applies).",
-            param="chat_template",
+            f"the request without '{template_param}' (the model's own template applies).",
+            param=template_param,
             code="unsupported_parameter",
         )
     if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
@@ -330,6 +331,18 @@ def _is_audio_reference(message: dict[str, Any]) -> bool:
     """An assistant message that sends an earlier audio answer back by its id: the provider
     reads that audio again, as input."""
     return message.get("role") == "assistant" and isinstance(message.get("audio"), dict)
+
+
+def _own_chat_template(data: dict[str, Any]) -> str | None:
+    """Where a chat request sends a template of its own, if it does: ``chat_template``, or one
+    inside ``chat_template_kwargs``, which vLLM hands on to the tokenizer's template call (its own
+    check of untrusted request templates looks at both)."""
+    if data.get("chat_template") is not None:
+        return "chat_template"
+    kwargs = data.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("chat_template") is not None:
+        return "chat_template_kwargs"
+    return None
 
 
 def _is_media(part: dict[str, Any]) -> bool:

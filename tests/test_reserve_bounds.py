@@ -371,19 +371,23 @@ async def test_what_a_vllm_chat_template_writes_from_the_request_is_reserved(
     assert billed <= reserved, (billed, reserved)
 
 
+@pytest.mark.parametrize("where", ["chat_template", "chat_template_kwargs"])
 async def test_a_requests_own_chat_template_is_refused_before_anything_is_reserved(
-    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, where: str
 ) -> None:
     """vLLM renders a request's own ``chat_template`` (Jinja) when it trusts request templates:
     a loop of a few bytes writes a prompt of any length, billed as input, which no count of the
-    request can bound. It went out reserved at its messages."""
+    request can bound. It went out reserved at its messages. vLLM takes the template from
+    ``chat_template_kwargs`` as well (handed on to the tokenizer's ``apply_chat_template``, and
+    refused by vLLM's own untrusted-template check alike): that went out reserved at the JSON."""
     proxy = await proxy_for(make_proxy, script)
     template = "{% for i in range(100000) %}word {% endfor %}"
+    sent = {"chat_template": template} if where == "chat_template" else {where: {"chat_template": template}}
     body = {
         "model": "m",
         "max_tokens": 5,
         "messages": [{"role": "user", "content": "hi"}],
-        "chat_template": template,
+        **sent,
     }
     reply = await send(
         proxy,
@@ -394,4 +398,4 @@ async def test_a_requests_own_chat_template_is_refused_before_anything_is_reserv
         headers={"X-Run-Id": "tpl"},
     )
     error = assert_refused(reply, 400)  # was: forwarded, reserved at 9 input tokens
-    assert (error["param"], error["code"]) == ("chat_template", "unsupported_parameter")
+    assert (error["param"], error["code"]) == (where, "unsupported_parameter")
