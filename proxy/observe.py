@@ -14,6 +14,9 @@ from typing import Any
 
 import orjson
 
+# OpenRouter's reasoning_details that hold no text of the reasoning it bills (reasoning.text does).
+HIDDEN_REASONING_DETAILS = frozenset({"reasoning.encrypted", "reasoning.summary"})
+
 
 @dataclass(frozen=True, slots=True)
 class ProviderUsage:
@@ -263,6 +266,13 @@ class Observation:
         # server sending both for compatibility sends the same text twice: one is read).
         thinking = part.get("reasoning_content")
         self.add_text(index, thinking if isinstance(thinking, str) and thinking else part.get("reasoning"))
+        details = part.get("reasoning_details")
+        if isinstance(details, list) and any(
+            isinstance(d, dict) and d.get("type") in HIDDEN_REASONING_DETAILS for d in details
+        ):
+            # OpenRouter: reasoning billed in full, sent only encrypted or summarized (no text of
+            # it to count, or a summary of it), as OpenAI's and Anthropic's models do.
+            self.hidden_output = True
         refusal = part.get("refusal")
         if refusal:
             self.refused = True

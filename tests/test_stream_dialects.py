@@ -589,6 +589,32 @@ async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_
         assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
 
 
+@pytest.mark.parametrize("detail", ["reasoning.encrypted", "reasoning.summary", "reasoning.text"])
+async def test_openrouter_reasoning_details_without_its_text_are_billed_the_reserve_when_the_client_leaves(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, detail: str
+) -> None:
+    """OpenRouter streams a model's reasoning as reasoning_details: encrypted (nothing to count)
+    or a summary of what it bills. Cancel counted the streamed text: 1 output token for an answer
+    that thought thousands. Sent as text (reasoning.text, with delta.reasoning), it is counted."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_client_disconnect": "cancel"})
+    item = {"type": detail, "id": "rs_1", "format": "openai-responses-v1", "index": 0}
+    item |= {"data": "gAAAAB" + "x" * 200} if detail == "reasoning.encrypted" else {}
+    item |= {"summary": "Thought about it."} if detail == "reasoning.summary" else {}
+    delta: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_details": [item]}
+    if detail == "reasoning.text":
+        item["text"] = delta["reasoning"] = "Thought about it."
+    first = b"data: " + chunk([{"index": 0, "delta": delta, "finish_reason": None}]) + b"\n\n"
+    text = b"data: " + chunk([{"index": 0, "delta": {"content": "Hello"}}]) + b"\n\n"
+    script.plan = Plan(content_type="text/event-stream", chunks=[first + text, text, text], delay_s=0.5)
+    await read_until_then_leave(proxy, "/v1/chat/completions", {**CHAT, "max_tokens": 4000}, b"Hello")
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected", entry
+    if detail == "reasoning.text":
+        assert entry["usage_source"] != "reserve" and int(entry["output_tokens"]) < 20, entry
+    else:
+        assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry  # was 1
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 async def test_an_anthropic_stream_that_thinks_is_billed_its_reserved_output_when_the_client_leaves(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, thinking: bool
