@@ -5,7 +5,7 @@ with one resume of the connection, across flow-control pauses, partial reads and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -27,6 +27,20 @@ async def serve(aiohttp_server: Callable[..., object], handler: Callable[..., ob
     server = await aiohttp_server(app)  # type: ignore[operator]
     assert isinstance(server, TestServer)
     return server
+
+
+def chunked(chunks: list[bytes]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A handler sending ``chunks``, one HTTP chunk each, then the body's end."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    return handler
 
 
 @pytest.fixture
@@ -93,15 +107,7 @@ async def test_a_body_past_the_flow_control_marks_comes_whole(
     # 2 MiB in 1 KiB chunks against a reader that lags: reading pauses and must resume.
     sent = [bytes([65 + i % 26]) * 1024 for i in range(2048)]
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        for chunk in sent:
-            await response.write(chunk)
-        await response.write_eof()
-        return response
-
-    server = await serve(aiohttp_server, handler)
+    server = await serve(aiohttp_server, chunked(sent))
     async with session.get(server.make_url("/"), read_bufsize=16 * 1024) as upstream:
         async with asyncio.timeout(20):
             got = await read_all(BodyReader(upstream.content, fast=fast), pause_s=0.001)
@@ -113,15 +119,7 @@ async def test_a_partial_read_before_leaves_the_rest_from_its_offset(
 ) -> None:
     sent = events(5)
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        for event in sent:
-            await response.write(event)
-        await response.write_eof()
-        return response
-
-    server = await serve(aiohttp_server, handler)
+    server = await serve(aiohttp_server, chunked(sent))
     async with session.get(server.make_url("/")) as upstream:
         head = await upstream.content.read(7)  # leaves an offset into the first chunk
         reader = BodyReader(upstream.content)

@@ -771,6 +771,23 @@ TOOL_USAGE = {
 }
 
 
+async def _draw_a_cat(proxy: Proxy, *, stream: bool, **options: Any) -> Any:
+    """A Responses call with the image generation tool, through the openai SDK; the final
+    response (a stream's, from its last event)."""
+    async with proxy.client() as client:
+        reply: Any = await client.responses.create(
+            model="gpt-4o",
+            input="draw a cat",
+            tools=[{"type": "image_generation"}],
+            stream=stream,
+            extra_headers={"X-Run-Id": "img"},
+            **options,
+        )
+        if stream:
+            reply = [event async for event in reply][-1].response
+    return reply
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_image_generation_tools_tokens_are_billed(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
@@ -788,16 +805,7 @@ async def test_the_image_generation_tools_tokens_are_billed(
         script.plan = Plan(content_type="text/event-stream", chunks=[started, done])
     else:
         script.plan = Plan(chunks=[dumps(final)])
-    async with proxy.client() as client:
-        reply: Any = await client.responses.create(
-            model="gpt-4o",
-            input="draw a cat",
-            tools=[{"type": "image_generation"}],
-            stream=stream,
-            extra_headers={"X-Run-Id": "img"},
-        )
-        if stream:
-            reply = [event async for event in reply][-1].response
+    reply = await _draw_a_cat(proxy, stream=stream)
     assert reply.tool_usage is not None and reply.tool_usage.image_gen.output_tokens == 1056
     entry = await the_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
@@ -827,17 +835,7 @@ async def test_a_generated_image_without_usage_is_billed_its_reserved_output(
         script.plan = Plan(content_type="text/event-stream", chunks=chunks)
     else:
         script.plan = Plan(chunks=[dumps(final)])
-    async with proxy.client() as client:
-        reply: Any = await client.responses.create(
-            model="gpt-4o",
-            input="draw a cat",
-            tools=[{"type": "image_generation"}],
-            max_output_tokens=4000,
-            stream=stream,
-            extra_headers={"X-Run-Id": "img"},
-        )
-        if stream:
-            reply = [event async for event in reply][-1].response
+    reply = await _draw_a_cat(proxy, stream=stream, max_output_tokens=4000)
     assert reply.output[0].type == "image_generation_call"
     entry = await the_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "reserve"), entry
