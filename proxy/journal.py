@@ -56,7 +56,7 @@ class PendingSettlement:
     # would have.
     owned_contexts: list[str] = field(default_factory=list)
 
-    async def apply(self, store: Store) -> str | None:
+    async def apply(self, store: Store, on_sent: Callable[[], None] | None = None) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
         the call's own settle, tried live or replayed from a journal: applied again after a try
         whose reply was lost, it gets that try's entry (settle.lua), which is then counted."""
@@ -72,6 +72,7 @@ class PendingSettlement:
             scope_ttls_s=self.scope_ttls_s,
             runlog_ttl_s=self.runlog_ttl_s,
             own=True,
+            on_sent=on_sent,
         )
 
 

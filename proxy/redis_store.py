@@ -10,7 +10,7 @@ import contextlib
 import hashlib
 import re
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -296,9 +296,17 @@ class RedisStore:
         ]
         return next((e for e in settings if e.drops_keys), settings[0])
 
-    async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def _script(
+        self,
+        name: str,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        *,
+        on_sent: Callable[[], None] | None = None,
+    ) -> Any:
         if self._pipe is not None:
-            return await self._piped_script(name, keys, args)
+            return await self._piped_script(name, keys, args, on_sent)
+        # redis-py (a Cluster) does not say when a command is written: ``on_sent`` is not called.
         source, sha = self._scripts[name]
         try:
             try:
@@ -316,12 +324,14 @@ class RedisStore:
             sent = not ("connecting to" in str(err) or "Connection refused" in str(err))
             raise StoreError(f"{name}: {err}", maybe_applied=sent) from err
 
-    async def _piped_script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def _piped_script(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], on_sent: Callable[[], None] | None
+    ) -> Any:
         assert self._pipe is not None
         source, sha = self._scripts[name]
         try:
             try:
-                return await self._pipe.call("EVALSHA", sha, len(keys), *keys, *args)
+                return await self._pipe.call("EVALSHA", sha, len(keys), *keys, *args, on_sent=on_sent)
             except RespError as err:
                 if not str(err).startswith("NOSCRIPT"):
                     raise
@@ -407,6 +417,7 @@ class RedisStore:
         scope_ttls_s: Sequence[int] = (),
         runlog_ttl_s: int = 0,
         own: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -431,7 +442,7 @@ class RedisStore:
             1 if own else 0,
             *scope_ttls_s,
         ]
-        result = await self._script("settle", keys, args)
+        result = await self._script("settle", keys, args, on_sent=on_sent)
         return str(result[1]) if int(result[0]) == 1 else None
 
     async def shrink(

@@ -39,6 +39,9 @@ log = logging.getLogger("proxy.relay")
 # hint for a later reserve, written in a fraction of a millisecond by a store that answers; one
 # that does not (a long script, a lost connection) must not hold the answer for its timeout.
 KEEP_CONTEXT_WAIT_S = 0.25
+# A whole answer goes out with the settle on its way (``Exchange.settle_early``) only while its
+# lease has at least this part of its time left: past that a reaper might be billing the call.
+EARLY_ANSWER_LEASE_PART = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +54,11 @@ class Services:
     journal: Journal
     # Settle tasks still running (see ``Exchange.settle``); shutdown waits for them.
     settling: set[asyncio.Future[Settlement]]
+
+
+def _tell(early: asyncio.Future[Settlement], settlement: Settlement) -> None:
+    if not early.done():
+        early.set_result(settlement)
 
 
 async def _all(writes: list[Awaitable[None]]) -> None:
@@ -159,16 +167,40 @@ class Exchange:
         left out of the metrics and the log, and shutdown waits for the task
         (``Services.settling``) before it closes the journal and the store.
         """
+        return await asyncio.shield(self._start_settle(outcome, usage))
+
+    async def settle_early(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+        """``settle`` for an answer the client gets whole, with the settlement in its headers
+        (a non-streaming body): that settlement as soon as the settle is on its way to the
+        store, not once the store has answered. A round trip and the script's run less for the
+        client to wait, and the settle is still ahead of any command this process sends later:
+        the client's next call, reserved here, finds this one's reserve replaced.
+
+        Where the store's answer may differ from what was asked (a reaper may have billed the
+        call: its lease is old), where context writes ride with the settle (the next call may
+        continue this one), or when the store cannot say it sent the settle, this waits for
+        the answer as ``settle`` does. A settle that then fails is journaled as before."""
+        loop = asyncio.get_running_loop()
+        early: asyncio.Future[Settlement] = loop.create_future()
+        settled = self._start_settle(outcome, usage, early)
+        await asyncio.wait((early, settled), return_when=asyncio.FIRST_COMPLETED)
+        if early.done() and not settled.done():
+            return early.result()
+        return await asyncio.shield(settled)
+
+    def _start_settle(
+        self, outcome: Outcome, usage: BilledUsage, early: asyncio.Future[Settlement] | None = None
+    ) -> asyncio.Future[Settlement]:
         if self._settling is None:
             self.call.first_token_at = self.obs.first_token_at
             self.call.served_tier = self.obs.service_tier
             self._settlement = asyncio.get_running_loop().create_future()
-            task = asyncio.ensure_future(self._settle_and_record(outcome, usage, self._settlement))
+            task = asyncio.ensure_future(self._settle_and_record(outcome, usage, self._settlement, early))
             self.services.settling.add(task)
             task.add_done_callback(self._settled)
             self._settling = task
         assert self._settlement is not None
-        return await asyncio.shield(self._settlement)
+        return self._settlement
 
     def _settled(self, task: asyncio.Future[Settlement]) -> None:
         self.services.settling.discard(task)
@@ -193,9 +225,14 @@ class Exchange:
             )
 
     async def _settle_and_record(
-        self, outcome: Outcome, usage: BilledUsage, settled: asyncio.Future[Settlement]
+        self,
+        outcome: Outcome,
+        usage: BilledUsage,
+        settled: asyncio.Future[Settlement],
+        early: asyncio.Future[Settlement] | None,
     ) -> Settlement:
-        settlement = await self._settle(outcome, usage)  # a failure reaches ``settled`` in _settled
+        # A failure reaches ``settled`` in _settled.
+        settlement = await self._settle(outcome, usage, early)
         settled.set_result(settlement)
         overhead = time.monotonic() - self.call.started_at - self.upstream_s
         # Recorded once the answer has gone (its headers or last event carry the settlement):
@@ -207,7 +244,9 @@ class Exchange:
         record_call(self.services.metrics, self.services.config, self.call, settlement, overhead)
         return settlement
 
-    async def _settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+    async def _settle(
+        self, outcome: Outcome, usage: BilledUsage, early: asyncio.Future[Settlement] | None = None
+    ) -> Settlement:
         refining = self.call.refining
         if refining is not None and not refining.done():
             # What it has not done yet would only lower a reserve about to go; and a backlog of
@@ -228,16 +267,6 @@ class Exchange:
         owned = self._contexts_owned(made)
         if (made or owned) and not usage.input_tokens + usage.output_tokens:
             made = owned = []  # billed nothing (it never went out): it made no context
-        settling = settle(
-            self.services.store,
-            self.services.journal,
-            self.call,
-            outcome,
-            usage,
-            self.obs.finish_reasons,
-            marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
-            owned_contexts=owned,  # journaled: a mark lost with the store is made when it is back
-        )
         kept = made if made and self.services.config.limits.prior_context_ttl_s else []
         waits: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
         # A stream's early write marked them already (unless still on its way, or it failed).
@@ -247,6 +276,20 @@ class Exchange:
             waits.append(self._claim(claims))
         if self._keeping is not None and not self._keeping.done():
             waits.append(self._keeping)  # a stream's early write, still waiting on the store
+        told = None
+        if early is not None and not waits and self._lease_fresh():
+            told = functools.partial(_tell, early)
+        settling = settle(
+            self.services.store,
+            self.services.journal,
+            self.call,
+            outcome,
+            usage,
+            self.obs.finish_reasons,
+            marker_ttl_s=self.services.config.limits.settled_marker_ttl_s,
+            owned_contexts=owned,  # journaled: a mark lost with the store is made when it is back
+            on_sent=told,
+        )
         if waits:
             # In the settle's round trip: a client's next call, continuing this one, is sent only
             # once this answer has gone. A size kept is never lowered (``remember_context``): the
@@ -257,6 +300,16 @@ class Exchange:
         if not settlement.stored:
             self.services.metrics.store_errors.labels("settle").inc()
         return settlement
+
+    def _lease_fresh(self) -> bool:
+        """Whether no reaper can have billed the call: its lease, as Redis last confirmed it, has
+        at least half its time left (clocks and delays differ; a whole answer's call ends within
+        its timeout, which with the default margin is 95% of its lease)."""
+        reservation = self.call.reservation
+        if reservation is None:
+            return False
+        age_s = time.monotonic() - self.call.lease_confirmed_at
+        return age_s < reservation.lease_ms / 1000 * EARLY_ANSWER_LEASE_PART
 
     async def _count_input(self) -> None:
         """Count a quick bound for a call billed at its reserve, if the background count has not

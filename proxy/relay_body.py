@@ -68,7 +68,7 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
         outcome = classify_answer(
             ex.obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing
         )
-    settlement = await ex.settle(outcome, ex.usage(complete=not failed))
+    settlement = await ex.settle_early(outcome, ex.usage(complete=not failed))
     headers = ex.headers(settlement)
     if outcome.tag == "rejected":
         headers["x-should-retry"] = "false"

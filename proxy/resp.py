@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlparse
 
@@ -46,19 +47,30 @@ class _Protocol(asyncio.Protocol):
         # Commands issued in one turn of the event loop leave in one write.
         self.outgoing: list[bytes] = []
         self.in_flight = 0  # written, reply not yet read
+        # Told once their command is written (``PipelinedConnection.call``'s ``on_sent``).
+        self.on_written: list[Callable[[], None]] = []
 
-    def queue(self, command: bytes) -> None:
+    def queue(self, command: bytes, on_sent: Callable[[], None] | None = None) -> None:
         # Commands wait while earlier ones are in flight and leave together when a reply comes
         # (a send to Redis costs more CPU than the command): never more than one reply away.
         if not self.outgoing and not self.in_flight:
             asyncio.get_running_loop().call_soon(self.flush)
         self.outgoing.append(command)
+        if on_sent is not None:
+            self.on_written.append(on_sent)
 
     def flush(self) -> None:
+        written = False
         if self.outgoing and self.transport is not None and not self.closed:
             self.transport.write(b"".join(self.outgoing))
             self.in_flight += len(self.outgoing)
+            written = True
         self.outgoing.clear()
+        if self.on_written:
+            told, self.on_written = self.on_written, []
+            if written:  # else their commands fail, and their callers hear it so
+                for on_sent in told:
+                    on_sent()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport, though not always an ``asyncio.Transport`` subclass (uvloop's).
@@ -94,6 +106,7 @@ class _Protocol(asyncio.Protocol):
     def _fail(self, error: ConnectionLost) -> None:
         self.closed = True
         self.sent_at.clear()
+        self.on_written.clear()
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
@@ -176,7 +189,9 @@ class PipelinedConnection:
         if not attempt.cancelled():
             attempt.exception()  # read: a failure every waiter left before is not reported unread
 
-    async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
+    async def _send(
+        self, protocol: _Protocol, args: tuple[Any, ...], on_sent: Callable[[], None] | None = None
+    ) -> Any:
         assert protocol.transport is not None
         # Packed first: a command that cannot be packed must leave no waiter behind, or every
         # later reply would go to the caller before its own.
@@ -184,7 +199,7 @@ class PipelinedConnection:
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         protocol.waiters.append(waiter)
         protocol.sent_at.append(time.monotonic())
-        protocol.queue(command)
+        protocol.queue(command, on_sent)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         return await waiter
@@ -200,9 +215,12 @@ class PipelinedConnection:
             if protocol is not None and protocol.overdue(self._timeout_s):
                 protocol._fail(ConnectionLost("Redis did not answer in time", sent=True))
 
-    async def call(self, *args: Any) -> Any:
+    async def call(self, *args: Any, on_sent: Callable[[], None] | None = None) -> Any:
+        """Send a command and return its reply. ``on_sent`` is called once the command is written
+        to the connection, ahead of every command of this process sent after it (not when it
+        never is: the call then raises ``ConnectionLost``)."""
         protocol = await self._ready()
-        return await self._send(protocol, args)
+        return await self._send(protocol, args, on_sent)
 
     async def close(self) -> None:
         if self._attempt is not None:

@@ -4,9 +4,10 @@ in the same script, once; what the client is told of its bill (headers, the stre
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -119,9 +120,13 @@ async def settle(
     *,
     marker_ttl_s: int,
     owned_contexts: Sequence[str] = (),
+    on_sent: Callable[[Settlement], None] | None = None,
 ) -> Settlement:
     """Replace the reserve by the actual figures and append the ledger entry, exactly once (the
-    caller shields it: see ``Exchange._settle``); journaled when the store fails."""
+    caller shields it: see ``Exchange._settle``); journaled when the store fails.
+
+    ``on_sent`` is handed the settlement the store is asked to write once that is on its way
+    (``Store.settle``): what it returns then, unless a reaper billed the call first."""
     reservation = call.reservation
     assert reservation is not None, "settle without reserve"
     cost = _cost(call, usage)
@@ -140,8 +145,20 @@ async def settle(
         runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
         owned_contexts=list(owned_contexts),
     )
-    entry_id, stored = await settle_or_journal(store, journal, pending)
     overshoot = int(entry["overshoot_tokens"])
+    told = None
+    if on_sent is not None:
+        asked = Settlement(
+            outcome=outcome,
+            usage=usage,
+            cost_micros=cost,
+            entry_id=None,
+            finish_reasons=reasons,
+            actual=actual,
+            overshoot_tokens=overshoot,
+        )
+        told = functools.partial(on_sent, asked)
+    entry_id, stored = await settle_or_journal(store, journal, pending, on_sent=told)
     if stored and entry_id is None:
         # A reaper billed it first (its lease ran out while it ran): the client is told what
         # the ledger holds (and the budget it left), not what this settle would have written.
@@ -214,12 +231,12 @@ def _cost(call: Call, usage: BilledUsage) -> int:
 
 
 async def settle_or_journal(
-    store: Store, journal: Journal, pending: PendingSettlement
+    store: Store, journal: Journal, pending: PendingSettlement, *, on_sent: Callable[[], None] | None = None
 ) -> tuple[str | None, bool]:
     """The ledger entry's id (None: settled before, by a reaper or an earlier try) and whether
     the store answered (False: journaled, or left to a reaper)."""
     try:
-        return await pending.apply(store), True
+        return await pending.apply(store, on_sent), True
     except StoreError as err:
         # The answer is not held back: the settlement waits in the local journal and is applied
         # when the store is back (exactly once: settling is idempotent by reservation id).

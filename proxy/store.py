@@ -6,7 +6,7 @@ billing path only see this interface.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -200,7 +200,12 @@ class Store(Protocol):
         scope_ttls_s: Sequence[int] = (),
         runlog_ttl_s: int = 0,
         own: bool = False,
-    ) -> str | None: ...
+        on_sent: Callable[[], None] | None = None,
+    ) -> str | None:
+        """The ledger entry's id, None when settled before. ``on_sent``: called once the settle
+        is on its way, ahead of any later command of this process (a store that cannot tell
+        never calls it)."""
+        ...
 
     async def renew(
         self, *, tenant: str, reservation_id: str, lease_ms: int, scopes: Sequence[Scope] = ()

@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from proxy.app import build_app, server_options
+from proxy.app import STATE, build_app, server_options
 from proxy.config import Config, EventLoopChoice
 from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
@@ -127,6 +127,13 @@ class Proxy:
     app: web.Application
     config: Config
     runner: web.AppRunner
+
+    async def recorded(self) -> None:
+        """Until every call answered so far is recorded: a whole answer goes out once its settle
+        is on its way (``Exchange.settle_early``); its metrics and log line follow the reply."""
+        settling = self.app[STATE].settling
+        if settling:
+            await asyncio.wait(set(settling), timeout=10)
 
     def client(self, key: str = KEY_A, **kwargs: Any) -> openai.AsyncOpenAI:
         # One TLS context for every client (the proxy is plain HTTP): the SDK's own loads the CA

@@ -122,6 +122,7 @@ async def test_counters_equal_the_ledger(
         if len(await redis_client.xrange(LEDGER)) == len(fake.bill):
             break
         await asyncio.sleep(0.05)
+    await proxy.recorded()
 
     async with aiohttp.ClientSession() as session:
         async with session.get(proxy.url + "/metrics") as resp:
@@ -179,6 +180,7 @@ async def test_metrics_on_their_own_address(make_proxy: ProxyFactory, fake: Fake
     port = free_port()
     proxy = await make_proxy(metrics={"listen": {"host": "127.0.0.1", "port": port}})
     await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=MSGS)
+    await proxy.recorded()
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
             assert resp.status == 200

@@ -188,6 +188,7 @@ async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
         "messages": [{"role": "user", "content": "hi"}],
     }
     assert (await _post(proxy.url, "/v1/messages", request, "kinds"))[0] == 200
+    await proxy.recorded()
     exported = generate_latest(proxy.app[STATE].metrics.registry).decode()
     written = [line for line in exported.splitlines() if 'type="cache_creation_input"' in line]
     assert written[0].endswith(" 700.0")

@@ -135,6 +135,7 @@ async def test_a_context_the_proxy_never_billed_is_reserved_at_the_request(
         model="gpt-4o-mini", input="hi", previous_response_id="resp_elsewhere", max_output_tokens=16
     )
     assert reply.headers["x-billing-input-tokens"] == "3001"  # billed on the provider's figures
+    await proxy.recorded()
     async with (
         aiohttp.ClientSession() as session,
         session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp,

@@ -95,13 +95,27 @@ async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
     make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
 ) -> None:
     """Its lease ran out under it (a store outage during renewals, say): the reaper's entry
-    stands, and the client was told the figures of a settle that wrote nothing."""
+    stands, and the client was told the figures of a settle that wrote nothing. A whole answer
+    waits for its settle's reply once half its lease is gone (a lease 2.1 s long here, the answer
+    after 1.5 s); before that it goes out with the settle on its way (``test_relay``)."""
     ceiling = 100_000
     proxy = await make_proxy(
-        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0},
+        upstreams={
+            "openai": {
+                "base_url": fake.base_url,
+                "api_key_env": "TEST_UPSTREAM_KEY",
+                "timeout_s": 2,
+                "connect_timeout_s": 2,
+            }
+        },
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": 0.1},
         tiers={"standard": {"run": {"total_tokens": ceiling}}},
     )
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 1}}
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "fake": {"delay_s": 1.5},
+    }
     resp = await post_and_expire_its_lease(proxy, redis_client, body, "overtaken")
     entries = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert [e["outcome"] for e in entries] == ["lease_expired"]

@@ -157,7 +157,7 @@ async def test_a_reaped_priority_call_names_its_tier(
     )
     script.plan = _chat_answer("gpt-5", {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12})
 
-    async def died(store: Any, journal: Any, pending: Any) -> tuple[None, bool]:
+    async def died(store: Any, journal: Any, pending: Any, **_: Any) -> tuple[None, bool]:
         return None, False  # the process died before its settle reached the store
 
     monkeypatch.setattr("proxy.settle.settle_or_journal", died)

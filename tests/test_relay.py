@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
+from collections.abc import Awaitable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from proxy import relay
 from proxy.app import STATE
 from proxy.outcome import Outcome
-from tests.conftest import KEY_A, ProxyFactory
+from proxy.redis_server import RedisServerProcess
+from tests.conftest import KEY_A, ProxyFactory, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
+
+T = TypeVar("T")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -113,3 +119,143 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
     # asyncio's own flag for an exception nobody read, which it logs when the future is collected.
     assert not settlement._log_traceback  # type: ignore[attr-defined]
     assert isinstance(settlement.exception(), RuntimeError)
+
+
+# Holds a Redis this long and says when it let go (the store's clock is the machine's).
+HOLD_S = 3
+HOLDING = (
+    "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < "
+    f"{HOLD_S} do end return redis.call('TIME')"
+)
+# The fake upstream answers this long after it has the call: the store is held by then.
+UPSTREAM_DELAY_S = 1.5
+
+
+async def _answered_while_the_store_was_held(
+    store: RedisServerProcess, fake: FakeUpstream, call: Awaitable[T]
+) -> tuple[bool, T]:
+    """Send ``call`` (which asks the fake to answer after UPSTREAM_DELAY_S), hold the store once
+    the upstream has it (reserved), and say whether the answer came while the store was held:
+    an order, not a duration. Its settle is sent to the held store."""
+    blocker = aioredis.Redis.from_url(store.url)
+    try:
+        received = len(fake.received)
+        asked = asyncio.ensure_future(call)
+        await until_upstream_received(fake, received + 1)
+        hold = asyncio.ensure_future(blocker.eval(HOLDING, 0))
+        assert store.port is not None
+        await until_redis_busy(store.port)
+        assert not asked.done(), "answered before the store was held: the test proves nothing"
+        answer = await asked
+        answered_at = time.time()
+        seconds, micros = await hold
+    finally:
+        await blocker.aclose()
+    return answered_at < int(seconds) + int(micros) / 1e6, answer
+
+
+async def _ledger(client: aioredis.Redis, tenant: str, count: int) -> list[dict[str, str]]:
+    """The tenant's ledger once it holds ``count`` entries: settles sent early land a little later."""
+    for _ in range(500):
+        entries = await client.xrange(f"lbp:{{{tenant}}}:ledger")
+        if len(entries) >= count:
+            return [fields for _, fields in entries]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the ledger has {len(entries)} entries, not {count}")
+
+
+async def test_a_whole_answer_does_not_wait_for_the_store_to_answer_its_settle(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """A non-streaming answer goes out once its settle is on its way to the store, not once the
+    store has run it: the round trip and the script are not the client's to wait for. What its
+    headers say is what the store then writes."""
+    proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 10})
+    client = proxy.client()
+    await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    early, raw = await _answered_while_the_store_was_held(
+        own_redis,
+        fake,
+        client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hello there"}],
+            extra_headers={"X-Run-Id": "early"},
+            extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
+        ),
+    )
+    assert early, "the answer waited for the store"
+    assert raw.status_code == 200
+    (entry,) = [e for e in await _ledger(own_client, "team-a", 2) if e["run_id"] == "early"]
+    assert raw.headers["x-billing-outcome"] == entry["outcome"] == "ok"
+    assert raw.headers["x-billing-input-tokens"] == entry["input_tokens"] == str(fake.bill[-1].prompt_tokens)
+    assert raw.headers["x-billing-output-tokens"] == entry["output_tokens"]
+    assert raw.headers["x-billing-cost-micros"] == entry["cost_micros"]
+    assert raw.headers["x-billing-usage-source"] == entry["usage_source"] == "provider"
+    meters = await own_client.hgetall("lbp:{team-a}:run:early")
+    assert meters["used:requests"] == "1" and meters["resv:concurrent"] == "0"
+    assert await own_client.zcard("lbp:{team-a}:leases") == 0
+
+
+async def test_an_answer_whose_lease_is_old_waits_for_its_settle(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess
+) -> None:
+    """Past half its lease a reaper may be billing the call (its headers would then say
+    lease_expired, at the reserve): the answer waits for what the store says."""
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 10},
+        upstreams={
+            "openai": {
+                "base_url": fake.base_url,
+                "api_key_env": "TEST_UPSTREAM_KEY",
+                "timeout_s": 2,  # lease 2.1 s: half of it is gone when the upstream answers
+                "connect_timeout_s": 2,
+            }
+        },
+        limits={"lease_margin_s": 0.1, "reaper_interval_s": 60},
+    )
+    client = proxy.client()
+    await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    early, raw = await _answered_while_the_store_was_held(
+        own_redis,
+        fake,
+        client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hello"}],
+            extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
+        ),
+    )
+    assert not early, "the answer did not wait for its settle"
+    assert raw.status_code == 200 and raw.headers["x-billing-outcome"] == "ok"
+
+
+async def test_an_answer_whose_context_is_kept_waits_for_its_settle(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess
+) -> None:
+    """A stored Responses answer's size is written with its settle, for the next call that
+    continues it (sent once this answer is in): that answer waits for both."""
+    proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 10})
+    client = proxy.client()
+    await client.responses.create(model="gpt-4o-mini", input="hi")
+    early, raw = await _answered_while_the_store_was_held(
+        own_redis,
+        fake,
+        client.responses.with_raw_response.create(
+            model="gpt-4o-mini", input="hello", extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}}
+        ),
+    )
+    assert not early, "the answer did not wait for its context's write"
+    assert raw.status_code == 200
+
+
+async def test_sequential_calls_find_the_last_ones_reserve_replaced(make_proxy: ProxyFactory) -> None:
+    """An answer that went out before its settle's reply: the client's next call, reserved
+    behind that settle, finds its concurrency slot free (a run allowing one call at a time)."""
+    proxy = await make_proxy(tiers={"standard": {"run": {"concurrent": 1, "requests": 50}}})
+    client = proxy.client()
+    for i in range(30):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": f"call {i}"}],
+            extra_headers={"X-Run-Id": "one-at-a-time"},
+        )
+        assert raw.status_code == 200

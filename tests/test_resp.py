@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.redis_server import RedisServerProcess
-from proxy.resp import PipelinedConnection, RespError
+from proxy.redis_server import RedisServerProcess, free_port
+from proxy.resp import ConnectionLost, PipelinedConnection, RespError
 from tests.conftest import KEY_A, ProxyFactory
 
 
@@ -135,3 +135,39 @@ async def test_a_percent_encoded_redis_password_is_sent_as_the_password(
         text = await resp.text()
     assert resp.status == 200, text
     assert json.loads(text)["choices"]
+
+
+async def test_on_sent_is_told_once_the_command_is_written_not_when_queued(
+    redis_server: RedisServerProcess,
+) -> None:
+    """``on_sent`` says a command is on the wire, ahead of what this process sends later: one
+    queued behind a command in flight is written with that command's reply, and only then told."""
+    pipe = PipelinedConnection(redis_server.url, timeout_s=5)
+    try:
+        slow = asyncio.ensure_future(
+            pipe.call("EVAL", "local t = redis.call('TIME')[1] while redis.call('TIME')[1] - t < 1 do end", 0)
+        )
+        await asyncio.sleep(0.1)  # written, and Redis runs it
+        told: list[bool] = []
+        ping: asyncio.Future[Any] = asyncio.ensure_future(
+            pipe.call("PING", on_sent=lambda: told.append(ping.done()))
+        )
+        await asyncio.sleep(0.2)
+        assert told == []  # queued behind the script in flight, not written yet
+        assert await ping == "PONG"
+        assert slow.done()
+        assert told == [False]  # written once the script's reply came, before its own reply
+    finally:
+        await pipe.close()
+
+
+async def test_on_sent_is_not_told_of_a_command_never_written() -> None:
+    pipe = PipelinedConnection(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1)
+    told: list[str] = []
+    try:
+        with pytest.raises(ConnectionLost) as refused:
+            await pipe.call("PING", on_sent=lambda: told.append("sent"))
+        assert not refused.value.sent
+        assert told == []
+    finally:
+        await pipe.close()
