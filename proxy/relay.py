@@ -30,7 +30,7 @@ from proxy.outcome import BilledUsage, Outcome, OutcomeTag, estimated_usage, pro
 from proxy.record import record_call
 from proxy.relay_body import relay_body, relay_upstream_error
 from proxy.relay_stream import REDACTED, relay_stream
-from proxy.settle import Settlement, billing_headers, settle
+from proxy.settle import MARKER_TRUST, Settlement, billing_headers, settle
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
@@ -302,14 +302,16 @@ class Exchange:
         return settlement
 
     def _lease_fresh(self) -> bool:
-        """Whether no reaper can have billed the call: its lease, as Redis last confirmed it, has
-        at least half its time left (clocks and delays differ; a whole answer's call ends within
-        its timeout, which with the default margin is 95% of its lease)."""
+        """Whether the store writes what the settle asks: no reaper can have billed the call (its
+        lease, as Redis last confirmed it, has at least half its time left: clocks and delays
+        differ; a whole answer's call ends within its timeout, 95% of its lease by default), and
+        a reservation the store lost is still billed (``settle.bill_if_lost_until_ms``)."""
         reservation = self.call.reservation
         if reservation is None:
             return False
         age_s = time.monotonic() - self.call.lease_confirmed_at
-        return age_s < reservation.lease_ms / 1000 * EARLY_ANSWER_LEASE_PART
+        marker_s = self.services.config.limits.settled_marker_ttl_s * MARKER_TRUST
+        return age_s < min(reservation.lease_ms / 1000 * EARLY_ANSWER_LEASE_PART, marker_s)
 
     async def _count_input(self) -> None:
         """Count a quick bound for a call billed at its reserve, if the background count has not

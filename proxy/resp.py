@@ -49,6 +49,9 @@ class _Protocol(asyncio.Protocol):
         self.in_flight = 0  # written, reply not yet read
         # Told once their command is written (``PipelinedConnection.call``'s ``on_sent``).
         self.on_written: list[Callable[[], None]] = []
+        # The scripts an EVALSHA on this connection has run: a new connection's server may have
+        # none (restarted, failed over), and their EVALSHA is refused (NOSCRIPT).
+        self.scripts_run: set[str] = set()
 
     def queue(self, command: bytes, on_sent: Callable[[], None] | None = None) -> None:
         # Commands wait while earlier ones are in flight and leave together when a reply comes
@@ -218,9 +221,22 @@ class PipelinedConnection:
     async def call(self, *args: Any, on_sent: Callable[[], None] | None = None) -> Any:
         """Send a command and return its reply. ``on_sent`` is called once the command is written
         to the connection, ahead of every command of this process sent after it (not when it
-        never is: the call then raises ``ConnectionLost``)."""
+        never is: the call then raises ``ConnectionLost``). Nor for an EVALSHA of a script this
+        connection has not run yet: refused (NOSCRIPT), its caller's EVAL would go behind the
+        commands written meanwhile."""
         protocol = await self._ready()
-        return await self._send(protocol, args, on_sent)
+        sha = args[1] if len(args) > 1 and args[0] == "EVALSHA" else None
+        if sha is not None and sha not in protocol.scripts_run:
+            on_sent = None
+        try:
+            reply = await self._send(protocol, args, on_sent)
+        except RespError as err:
+            if sha is not None and str(err).startswith("NOSCRIPT"):  # SCRIPT FLUSH on this server
+                protocol.scripts_run.discard(sha)
+            raise
+        if sha is not None:
+            protocol.scripts_run.add(sha)
+        return reply
 
     async def close(self) -> None:
         if self._attempt is not None:

@@ -17,6 +17,7 @@ from proxy import relay
 from proxy.app import STATE
 from proxy.outcome import Outcome
 from proxy.redis_server import RedisServerProcess
+from proxy.redis_store import _load_scripts
 from tests.conftest import KEY_A, ProxyFactory, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 
@@ -259,3 +260,78 @@ async def test_sequential_calls_find_the_last_ones_reserve_replaced(make_proxy: 
             extra_headers={"X-Run-Id": "one-at-a-time"},
         )
         assert raw.status_code == 200
+
+
+async def test_the_first_settle_after_a_redis_restart_is_ahead_of_the_next_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """A restarted (or failed over) Redis has no scripts: the first settle on the new connection
+    comes back NOSCRIPT and is sent again whole, behind whatever was written meanwhile. Its answer
+    must not go out on the refused try: the client's next call, reserved in between, found this
+    one's slot still held (a run allowing one call at a time) and was refused."""
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 10},
+        tiers={"standard": {"run": {"concurrent": 1, "requests": 50}}},
+    )
+    client = proxy.client()
+    run = {"X-Run-Id": "one-at-a-time"}
+    messages: Any = [{"role": "user", "content": "hi"}]
+    await client.chat.completions.create(model="gpt-4o-mini", messages=messages, extra_headers=run)
+    # The restart as the proxy sees it: its connections drop and the scripts are gone. The first
+    # reserve after it loads reserve.lua again (EVAL): here, as another call's would have.
+    await own_client.script_flush()
+    await own_client.client_kill_filter(_type="normal", skipme=True)
+    await own_client.script_load(_load_scripts()["reserve"][0])
+    blocker = aioredis.Redis.from_url(own_redis.url)
+    try:
+        received = len(fake.received)
+        asked = asyncio.ensure_future(
+            client.chat.completions.with_raw_response.create(
+                model="gpt-4o-mini",
+                messages=messages,
+                extra_headers=run,
+                extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
+            )
+        )
+        await until_upstream_received(fake, received + 1)
+        hold = asyncio.ensure_future(blocker.eval(HOLDING, 0))
+        assert own_redis.port is not None
+        await until_redis_busy(own_redis.port)
+        first = await asked
+        assert first.status_code == 200
+        # Sent at once, as a client's next call is: while the store still holds the settle.
+        second = await client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=messages, extra_headers=run
+        )
+        await hold
+    finally:
+        await blocker.aclose()
+    assert second.status_code == 200, second.headers.get("x-billing-refused-meter")
+
+
+async def test_an_answer_past_the_window_a_lost_reservation_is_billed_in_waits_for_its_settle(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past 90% of the settled marker's life since its lease was confirmed, a settle that finds its
+    reservation lost (a failover) writes nothing: the headers must not say what it would have
+    written. The window is made short here (the marker's life is at least 60 s)."""
+    monkeypatch.setattr("proxy.relay.MARKER_TRUST", 0.001)  # 60 ms of a 60 s marker
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 10}, limits={"settled_marker_ttl_s": 60}
+    )
+    client = proxy.client()
+    await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    early, raw = await _answered_while_the_store_was_held(
+        own_redis,
+        fake,
+        client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hello"}],
+            extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
+        ),
+    )
+    assert not early, "the answer did not wait for its settle"
+    assert raw.status_code == 200

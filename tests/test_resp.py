@@ -171,3 +171,27 @@ async def test_on_sent_is_not_told_of_a_command_never_written() -> None:
         assert told == []
     finally:
         await pipe.close()
+
+
+async def test_on_sent_waits_for_a_script_the_connection_has_not_run(
+    own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """A new connection's server may have lost its scripts (restarted, failed over): an EVALSHA
+    refused there (NOSCRIPT) is sent again behind what was written meanwhile, so it is not told
+    sent; once the connection has run the script it is."""
+    sha = await own_client.script_load("return 7")
+    pipe = PipelinedConnection(own_redis.url, timeout_s=5)
+    told: list[int] = []
+    try:
+        assert await pipe.call("EVALSHA", sha, 0, on_sent=lambda: told.append(1)) == 7
+        assert told == []
+        assert await pipe.call("EVALSHA", sha, 0, on_sent=lambda: told.append(2)) == 7
+        assert told == [2]
+        await own_client.script_flush()
+        with pytest.raises(RespError, match="NOSCRIPT"):
+            await pipe.call("EVALSHA", sha, 0, on_sent=lambda: told.append(3))
+        await own_client.script_load("return 7")
+        assert await pipe.call("EVALSHA", sha, 0, on_sent=lambda: told.append(4)) == 7
+        assert told == [2, 3]  # flushed on a live connection: told once, then not until it ran
+    finally:
+        await pipe.close()
