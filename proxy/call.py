@@ -294,6 +294,8 @@ def plan_call(
         media_part_input_tokens=model_config.media_part_input_tokens,
         tools_input_tokens=tools_input_tokens(model_config, upstream),
         cache_scope=identity.tenant,
+        template_call_tokens=model_config.prompt_overhead_tokens,
+        template_message_tokens=model_config.message_overhead_tokens,
     )
     if isinstance(view, ChatBody) and upstream.chat_output_cap_field == "max_tokens":
         # An upstream that reads only max_tokens: the cap goes there, always (it may have none

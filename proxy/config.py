@@ -262,6 +262,12 @@ class ModelConfig(_Frozen):
     # Input tokens a provider adds to a call that carries tools, beyond their definitions (the
     # system prompt of Anthropic's tool use). None: 600 for an Anthropic upstream, else 0.
     tools_input_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
+    # Input tokens the served model's chat template adds beyond OpenAI's chat format, which the
+    # estimate counts (``estimate.TOKENS_PER_MESSAGE``): per call (a default system block: Llama
+    # 3.1's date lines on vLLM, about 25) and per message (its role headers, about 5 more). Not
+    # counted, each short call is billed past its reserve by that much (0: nothing added).
+    prompt_overhead_tokens: int = Field(default=0, ge=0, le=10_000_000)
+    message_overhead_tokens: int = Field(default=0, ge=0, le=10_000_000)
     # The model reasons in tokens it bills and never streams, unasked (OpenAI's o-series and
     # gpt-5): a call of it left without the provider's final usage is billed at its reserve, as
     # one that asks to reason (reasoning_effort, Anthropic's thinking) is; a count of what came
@@ -288,7 +294,14 @@ class ModelConfig(_Frozen):
             )
         return value
 
-    @field_validator("max_output_tokens", "media_part_input_tokens", "tools_input_tokens", mode="before")
+    @field_validator(
+        "max_output_tokens",
+        "media_part_input_tokens",
+        "tools_input_tokens",
+        "prompt_overhead_tokens",
+        "message_overhead_tokens",
+        mode="before",
+    )
     @classmethod
     def _not_a_bool(cls, value: Any) -> Any:
         # YAML's no/off/false would be 0 tokens (the 600 of Anthropic's tool prompt unreserved).

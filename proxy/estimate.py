@@ -170,6 +170,20 @@ def _mcp_servers(view: RequestView) -> bool:
     return isinstance(servers, list) and bool(servers)
 
 
+def chat_messages(view: RequestView) -> int:
+    """The messages a chat format frames (each with its role's tokens): a chat call's messages, a
+    Responses call's input items and an Anthropic call's messages, each with one more for the
+    system prompt (its instructions, its system) whether sent or not; none for the endpoints
+    that take plain text (legacy completions, embeddings)."""
+    if isinstance(view, ChatBody):
+        return len(view.messages)
+    if isinstance(view, ResponsesBody):
+        return (1 if isinstance(view.input, str) else len(view.input or ())) + 1
+    if isinstance(view, MessagesBody):
+        return len(view.messages) + 1
+    return 0
+
+
 def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
     """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
     and tokens given directly as token ids."""
@@ -185,18 +199,17 @@ def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, in
             extra.get("documents"),
             extra.get("chat_template_kwargs"),
         )
-        return parts, TOKENS_PER_MESSAGE * len(view.messages) + TOKENS_PER_REPLY, 0
+        return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
     if isinstance(view, ResponsesBody):
-        items = 1 if isinstance(view.input, str) else len(view.input or ())
         text_format = view.text.get("format") if view.text else None
         variables = variable_texts(view.prompt.get("variables")) if view.prompt else []
         parts = _with_json(
             items_parts(view.input or [], view.instructions) + variables, view.tools, _schema(text_format)
         )
-        return parts, TOKENS_PER_MESSAGE * (items + 1) + TOKENS_PER_REPLY, 0
+        return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
     if isinstance(view, MessagesBody):
         parts = _with_json(items_parts(view.messages, view.system), view.tools)
-        return parts, TOKENS_PER_MESSAGE * (len(view.messages) + 1) + TOKENS_PER_REPLY, 0
+        return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
     source = (view.prompt if isinstance(view, CompletionBody) else view.input) or ""
     # Insert mode: each prompt of a list is sent with the suffix.
     suffix = [view.suffix] * prompts(view) if isinstance(view, CompletionBody) and view.suffix else []
@@ -220,9 +233,20 @@ def estimate(
     tools_input_tokens: int = 0,
     quick_chars: int = QUICK_BOUND_CHARS,
     cache_scope: str = "",
+    template_call_tokens: int = 0,
+    template_message_tokens: int = 0,
 ) -> Estimate:
+    """``template_call_tokens`` and ``template_message_tokens``: what the model's chat template
+    adds beyond OpenAI's chat format, per call and per message (``ModelConfig``'s
+    ``prompt_overhead_tokens`` and ``message_overhead_tokens``)."""
     parts, overhead, id_tokens = prompt_of(endpoint, view)
     overhead += tools_overhead(view, tools_input_tokens)
+    if not isinstance(view, EmbeddingBody | CompletionBody):
+        # A fixed part of the input, as the per-message tokens are: kept when the text is
+        # counted after a quick reserve, and charged when the provider gives no usage (it bills
+        # the template's tokens as input too). Legacy completions and embeddings are sent no
+        # chat template: the special tokens their server adds are SPECIAL_TOKENS_PER_INPUT's.
+        overhead += template_call_tokens + template_message_tokens * chat_messages(view)
     if isinstance(view, MessagesBody):
         overhead += search_result_bytes(view.messages)
     if media_part_input_tokens:

@@ -1152,3 +1152,49 @@ async def test_an_instance_whose_store_answered_late_follows_the_stores_clock(
         assert int(await _redis_now(fresh)) // 60 == minute, "the test straddled a minute"
     assert refused, "a second call in one minute of the store's clock was let through"
     assert len(fake.received) == 1
+
+
+# Llama 3.1 on vLLM: its chat template adds a system block (about 25 tokens) and about 5 tokens
+# a message beyond OpenAI's chat format, which the estimate counts.
+TEMPLATE = {"prompt_overhead_tokens": 25, "message_overhead_tokens": 5}
+TEMPLATE_RESERVE = INPUT_RESERVE + 25 + 5
+
+
+@pytest.mark.parametrize("ceiling", [TEMPLATE_RESERVE, TEMPLATE_RESERVE - 1])
+async def test_a_chat_templates_tokens_are_reserved_against_the_ceiling(
+    make_proxy: ProxyFactory, fake: FakeUpstream, ceiling: int
+) -> None:
+    """Reserved at the text alone, a short call went out under a ceiling its template's tokens
+    then passed (billed by the provider some 30 tokens above its reserve, per call in flight)."""
+    models = {"gpt-4o-mini": {"upstream": "openai", **TEMPLATE}}
+    proxy = await make_proxy(models=models, tiers=tiers(run={"input_tokens": ceiling}))
+    if ceiling < TEMPLATE_RESERVE:
+        with pytest.raises(openai.RateLimitError):
+            await call(proxy, "template")
+        assert fake.received == []
+        return
+    await call(proxy, "template")
+    (entry,) = await ledger_entries(proxy, "template")
+    assert int(entry["reserved_input_tokens"]) == TEMPLATE_RESERVE
+    # Reserved, never billed by itself: the provider's usage holds the template's tokens.
+    assert int(entry["input_tokens"]) == FAKE_PROMPT and entry["usage_source"] == "provider"
+
+
+async def test_a_reload_changes_a_chat_templates_reserve_for_the_next_call(
+    fake: FakeUpstream, tmp_path: Path, redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    path = tmp_path / "config.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    try:
+        await call(proxy, "before")
+        raw["models"]["gpt-4o-mini"].update(TEMPLATE)
+        await _reload_to(proxy, raw, path)
+        await call(proxy, "after")
+        (before,) = await ledger_entries(proxy, "before")
+        (after,) = await ledger_entries(proxy, "after")
+        assert int(before["reserved_input_tokens"]) == INPUT_RESERVE
+        assert int(after["reserved_input_tokens"]) == TEMPLATE_RESERVE
+    finally:
+        await proxy.runner.cleanup()

@@ -415,7 +415,16 @@ def test_a_key_name_that_cannot_be_part_of_a_redis_key_is_refused(name: str) -> 
     assert parse_config(ok, {}).keys[0].name == "ci-bot@team.example/2+x_y"
 
 
-@pytest.mark.parametrize("field", ["max_output_tokens", "media_part_input_tokens", "tools_input_tokens"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "max_output_tokens",
+        "media_part_input_tokens",
+        "tools_input_tokens",
+        "prompt_overhead_tokens",
+        "message_overhead_tokens",
+    ],
+)
 @pytest.mark.parametrize("value", [True, False])
 def test_a_model_token_count_is_not_true_or_false(field: str, value: bool) -> None:
     """YAML's no/off/false became 0: the 600 tokens of Anthropic's tool prompt left unreserved."""
@@ -529,3 +538,25 @@ def test_a_model_named_like_the_unknown_models_label_is_a_config_error() -> None
     error = error_of({**UP, "models": {"other": {"upstream": "openai"}}})
     assert "models.other" in error and "reserved" in error
     assert parse_config({**UP, "models": {"other-*": {"upstream": "openai"}}}, {}).route("other-1")
+
+
+def test_a_models_chat_template_overhead_is_read_and_defaults_to_none() -> None:
+    """What a served model's chat template adds beyond OpenAI's chat format (Llama 3.1 on vLLM:
+    a system block of about 25 tokens, about 5 a message): reserved, it kept calls from passing
+    a ceiling by that much each."""
+    models = {
+        "llama-3.1-*": {"upstream": "openai", "prompt_overhead_tokens": 25, "message_overhead_tokens": 5},
+        "*": {"upstream": "openai"},
+    }
+    config = parse_config({**UP, "models": models}, {})
+    llama = config.models["llama-3.1-*"]
+    assert (llama.prompt_overhead_tokens, llama.message_overhead_tokens) == (25, 5)
+    other = config.models["*"]
+    assert (other.prompt_overhead_tokens, other.message_overhead_tokens) == (0, 0)
+
+
+@pytest.mark.parametrize("field", ["prompt_overhead_tokens", "message_overhead_tokens"])
+def test_a_negative_chat_template_overhead_is_refused(field: str) -> None:
+    """A negative figure would lower the reserve below the input counted, under the worst case."""
+    error = error_of({**UP, "models": {"*": {"upstream": "openai", field: -5}}})
+    assert f"models.*.{field}" in error and "greater than or equal to 0" in error, error

@@ -17,7 +17,15 @@ import tiktoken
 
 from proxy.app import STATE
 from proxy.estimate import SPECIAL_TOKENS_PER_INPUT, counted, estimate
-from proxy.payload import ChatBody, EmbeddingBody, Endpoint, MessagesBody, ResponsesBody
+from proxy.payload import (
+    ChatBody,
+    CompletionBody,
+    EmbeddingBody,
+    Endpoint,
+    MessagesBody,
+    RequestView,
+    ResponsesBody,
+)
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received
@@ -606,12 +614,22 @@ async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
 ) -> None:
     """Its lease ran out while its quick estimate was being counted: the reaper billed the bound
     the record held (shrink.lua lowers nothing once the lease has run out). The count landed
-    after, and the client was told the figures and cost of the exact count, not the ledger's."""
+    after, and the client was told the figures and cost of the exact count, not the ledger's. A
+    whole answer waits for its settle's reply once half its lease is gone (a lease 2.1 s long
+    here, the answer after 1.5 s); before that it goes out with the settle on its way."""
     gate = threading.Event()
     enc = QuarterEncoding(gate)
     proxy = await make_proxy(
         tokenizer=Tokenizer({"o200k_base": enc}),
-        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0},
+        upstreams={
+            "openai": {
+                "base_url": fake.base_url,
+                "api_key_env": "TEST_UPSTREAM_KEY",
+                "timeout_s": 2,
+                "connect_timeout_s": 2,
+            }
+        },
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": 0.1},
         models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
     )
     leases = "lbp:{team-a}:leases"
@@ -705,3 +723,110 @@ def test_a_tools_enum_is_reserved_as_openai_counts_it() -> None:
     tools = 7 + count("pick:Pick one") + 3 + 3 + enum + count("x:string:") + 12
     billed = 4 + count("hi") + 3 + tools  # the message, the reply's priming, the tools
     assert est.input_tokens >= billed, (est.input_tokens, billed)
+
+
+# -- a served model's chat template: a per-model reserve beyond OpenAI's chat format ---------
+
+# Llama 3.1 on vLLM: a system block of about 25 tokens a call, about 5 a message beyond the 4.
+TEMPLATE = {"prompt_overhead_tokens": 25, "message_overhead_tokens": 5}
+TEMPLATE_MODELS = {MODEL: {"upstream": "openai", **TEMPLATE}, "*": {"upstream": "openai"}}
+TWO_TURNS = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "how are you?"},
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "view", "added"),
+    [
+        ("chat.completions", ChatBody(model="m", messages=TWO_TURNS), 25 + 5 * 3),
+        # Items and one for the instructions, as the per-message tokens count them.
+        ("responses", ResponsesBody(model="m", input=TWO_TURNS, instructions="be brief"), 25 + 5 * 4),
+        ("responses", ResponsesBody(model="m", input="hi"), 25 + 5 * 2),
+        ("messages", MessagesBody(model="m", messages=TWO_TURNS, max_tokens=5), 25 + 5 * 4),
+        # Plain text: no chat template frames it (a server's own tokens: SPECIAL_TOKENS_PER_INPUT).
+        ("completions", CompletionBody(model="m", prompt=["a", "b"]), 0),
+        ("embeddings", EmbeddingBody(model="m", input=["a", "b"]), 0),
+    ],
+    ids=["chat", "responses-items", "responses-text", "messages", "completions", "embeddings"],
+)
+def test_a_chat_template_adds_its_tokens_per_call_and_per_message(
+    endpoint: Endpoint, view: RequestView, added: int
+) -> None:
+    kwargs: dict[str, Any] = {
+        "encoding": "o200k_base",
+        "tokenizer": Tokenizer({}),
+        "model_max_output_tokens": 10,
+        "default_max_output_tokens": 10,
+    }
+    plain = estimate(endpoint, view, **kwargs)
+    framed = estimate(endpoint, view, template_call_tokens=25, template_message_tokens=5, **kwargs)
+    assert framed.input_tokens == plain.input_tokens + added
+    # As overhead: billed as input by a count of the proxy's own, as the per-message tokens are.
+    assert framed.prompt_overhead_tokens == plain.prompt_overhead_tokens + added
+
+
+def test_a_chat_templates_tokens_stay_reserved_once_a_quick_estimate_is_counted() -> None:
+    """Counted, a quick reserve comes down to the text's count plus the fixed overhead: the
+    template's tokens must be part of that overhead, or the count drops them."""
+    view = ChatBody(model="m", messages=[{"role": "user", "content": TEXT}])
+    tokenizer = Tokenizer({"o200k_base": QuarterEncoding()})
+    est = estimate(
+        "chat.completions",
+        view,
+        encoding="o200k_base",
+        tokenizer=tokenizer,
+        model_max_output_tokens=None,
+        default_max_output_tokens=10,
+        template_call_tokens=25,
+        template_message_tokens=5,
+    )
+    assert not est.input_exact and est.input_tokens == QUICK_INPUT + 30
+    assert counted(est, tokenizer, "o200k_base").input_tokens == EXACT_INPUT + 30
+
+
+async def test_a_quick_reserve_lowered_to_the_count_keeps_the_chat_templates_tokens(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(
+        models=TEMPLATE_MODELS,
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        tiers=tiers(run={"total_tokens": 10**6}),
+    )
+    _stream, chunks = await big_stream(proxy, "template", max_tokens=10, fake={"chunk_delay_s": 0.1})
+    assert await reserved_input(proxy, "template") == QUICK_INPUT + 30
+    gate.set()
+    await until_quick(proxy, "lowered")
+    assert await reserved_input(proxy, "template") == EXACT_INPUT + 30
+    async for _chunk in chunks:
+        pass
+    [entry] = await ledger_entries(proxy, "template")
+    assert int(entry["reserved_input_tokens"]) == EXACT_INPUT + 30
+    # The provider's figures are the bill: the template's tokens are in them, not added again.
+    assert int(entry["input_tokens"]) == FAKE_PROMPT and entry["usage_source"] == "provider"
+
+
+async def test_a_call_without_usage_is_billed_its_chat_templates_tokens_as_input(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Without the provider's usage the proxy counts what it sent; the provider bills the
+    template's tokens as input too, as it does OpenAI's per-message tokens, which the count holds."""
+    proxy = await make_proxy(models=TEMPLATE_MODELS)
+    client = proxy.client()
+    for model, run in ((MODEL, "framed"), ("other-model", "plain")):
+        await client.chat.completions.create(
+            model=model,
+            messages=TWO_TURNS,
+            max_tokens=5,
+            extra_headers=run_headers(run),
+            extra_body={"fake": {"no_usage": True}},
+        )
+    [framed] = await ledger_entries(proxy, "framed")
+    [plain] = await ledger_entries(proxy, "plain")
+    # Counted at 4 characters a token (no tokenizer here): neither the provider's nor the reserve.
+    assert framed["usage_source"] == plain["usage_source"] == "chars", framed
+    assert int(framed["input_tokens"]) == int(plain["input_tokens"]) + 25 + 5 * 3
+    assert int(framed["reserved_input_tokens"]) == int(plain["reserved_input_tokens"]) + 25 + 5 * 3
