@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 
@@ -145,19 +145,16 @@ async def settle(
         runlog_ttl_s=next((s.ttl_s for s in reservation.scopes if s.name == "run"), 0),
         owned_contexts=list(owned_contexts),
     )
-    overshoot = int(entry["overshoot_tokens"])
-    told = None
-    if on_sent is not None:
-        asked = Settlement(
-            outcome=outcome,
-            usage=usage,
-            cost_micros=cost,
-            entry_id=None,
-            finish_reasons=reasons,
-            actual=actual,
-            overshoot_tokens=overshoot,
-        )
-        told = functools.partial(on_sent, asked)
+    asked = Settlement(
+        outcome=outcome,
+        usage=usage,
+        cost_micros=cost,
+        entry_id=None,
+        finish_reasons=reasons,
+        actual=actual,
+        overshoot_tokens=int(entry["overshoot_tokens"]),
+    )
+    told = functools.partial(on_sent, asked) if on_sent is not None else None
     entry_id, stored = await settle_or_journal(store, journal, pending, on_sent=told)
     if stored and entry_id is None:
         # A reaper billed it first (its lease ran out while it ran): the client is told what
@@ -165,21 +162,18 @@ async def settle(
         # The reaper billed the amounts the reservation's record held, which the call's estimate
         # may since have left (a quick bound counted after the lease ran out, when shrink.lua
         # lowers nothing; a settle at the reserve counting it now).
-        outcome = Outcome("lease_expired")
         held = reservation.amounts
         usage = reserve_usage(held.get("input_tokens", 0), held.get("output_tokens", 0))
         cost = held.get("cost_micros", 0)
-        actual, overshoot = _actual(usage, cost), 0
-    return Settlement(
-        stored=stored,
-        outcome=outcome,
-        usage=usage,
-        cost_micros=cost,
-        entry_id=entry_id,
-        finish_reasons=reasons,
-        actual=actual,
-        overshoot_tokens=overshoot,
-    )
+        return replace(
+            asked,
+            outcome=Outcome("lease_expired"),
+            usage=usage,
+            cost_micros=cost,
+            actual=_actual(usage, cost),
+            overshoot_tokens=0,
+        )
+    return replace(asked, stored=stored, entry_id=entry_id)
 
 
 def _actual(usage: BilledUsage, cost: int) -> dict[str, int]:

@@ -121,6 +121,19 @@ def base_config(upstream_url: str, redis_url: str, **overrides: Any) -> dict[str
     return raw
 
 
+def upstream_timing_out(base_url: str, timeout_s: float) -> dict[str, Any]:
+    """The tests' upstream with a timeout of its own: a call's lease is that plus
+    ``limits.lease_margin_s``."""
+    return {
+        "openai": {
+            "base_url": base_url,
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": timeout_s,
+            "connect_timeout_s": 2,
+        }
+    }
+
+
 @dataclass
 class Proxy:
     url: str

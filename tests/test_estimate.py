@@ -28,7 +28,7 @@ from proxy.payload import (
 )
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
-from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received
+from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received, upstream_timing_out
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, ledger_entries, run_headers
 from tests.test_budgets import meters, tiers
@@ -540,14 +540,19 @@ async def test_every_kind_of_media_part_is_reserved(
     assert parts * 1000 < reserved < parts * 1000 + 100, entry
 
 
-def media_reserve(endpoint: Endpoint, view: Any, per_part: int) -> int:
-    """What ``media_part_input_tokens`` of ``per_part`` adds to the estimate of ``view``."""
-    kwargs: dict[str, Any] = {
+def _character_estimate_kwargs() -> dict[str, Any]:
+    """An estimate at 4 characters a token (no encoding installed), 10 output tokens."""
+    return {
         "encoding": "o200k_base",
         "tokenizer": Tokenizer({}),
         "model_max_output_tokens": 10,
         "default_max_output_tokens": 10,
     }
+
+
+def media_reserve(endpoint: Endpoint, view: Any, per_part: int) -> int:
+    """What ``media_part_input_tokens`` of ``per_part`` adds to the estimate of ``view``."""
+    kwargs = _character_estimate_kwargs()
     plain = estimate(endpoint, view, **kwargs)
     return (
         estimate(endpoint, view, media_part_input_tokens=per_part, **kwargs).input_tokens - plain.input_tokens
@@ -621,14 +626,7 @@ async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
     enc = QuarterEncoding(gate)
     proxy = await make_proxy(
         tokenizer=Tokenizer({"o200k_base": enc}),
-        upstreams={
-            "openai": {
-                "base_url": fake.base_url,
-                "api_key_env": "TEST_UPSTREAM_KEY",
-                "timeout_s": 2,
-                "connect_timeout_s": 2,
-            }
-        },
+        upstreams=upstream_timing_out(fake.base_url, 2),
         limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": 0.1},
         models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
     )
@@ -754,12 +752,7 @@ TWO_TURNS = [
 def test_a_chat_template_adds_its_tokens_per_call_and_per_message(
     endpoint: Endpoint, view: RequestView, added: int
 ) -> None:
-    kwargs: dict[str, Any] = {
-        "encoding": "o200k_base",
-        "tokenizer": Tokenizer({}),
-        "model_max_output_tokens": 10,
-        "default_max_output_tokens": 10,
-    }
+    kwargs = _character_estimate_kwargs()
     plain = estimate(endpoint, view, **kwargs)
     framed = estimate(endpoint, view, template_call_tokens=25, template_message_tokens=5, **kwargs)
     assert framed.input_tokens == plain.input_tokens + added

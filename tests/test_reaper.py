@@ -16,7 +16,7 @@ from proxy.reaper import run_reaper
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import TENANTS_KEY, Reservation, Scope
-from tests.conftest import KEY_A, Proxy, ProxyFactory
+from tests.conftest import KEY_A, Proxy, ProxyFactory, upstream_timing_out
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, MSGS, run_headers
 
@@ -100,14 +100,7 @@ async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
     after 1.5 s); before that it goes out with the settle on its way (``test_relay``)."""
     ceiling = 100_000
     proxy = await make_proxy(
-        upstreams={
-            "openai": {
-                "base_url": fake.base_url,
-                "api_key_env": "TEST_UPSTREAM_KEY",
-                "timeout_s": 2,
-                "connect_timeout_s": 2,
-            }
-        },
+        upstreams=upstream_timing_out(fake.base_url, 2),
         limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": 0.1},
         tiers={"standard": {"run": {"total_tokens": ceiling}}},
     )

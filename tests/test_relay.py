@@ -18,7 +18,14 @@ from proxy.app import STATE
 from proxy.outcome import Outcome
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import _load_scripts
-from tests.conftest import KEY_A, ProxyFactory, until_redis_busy, until_upstream_received
+from tests.conftest import (
+    KEY_A,
+    Proxy,
+    ProxyFactory,
+    until_redis_busy,
+    until_upstream_received,
+    upstream_timing_out,
+)
 from tests.fake_upstream import FakeUpstream
 
 T = TypeVar("T")
@@ -125,8 +132,8 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
 # Holds a Redis this long and says when it let go (the store's clock is the machine's).
 HOLD_S = 3
 HOLDING = (
-    "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < "
-    f"{HOLD_S} do end return redis.call('TIME')"
+    "local function now() local t = redis.call('TIME') return t[1] * 1e6 + t[2] end "
+    f"local t0 = now() while now() - t0 < {HOLD_S} * 1e6 do end return redis.call('TIME')"
 )
 # The fake upstream answers this long after it has the call: the store is held by then.
 UPSTREAM_DELAY_S = 1.5
@@ -155,6 +162,24 @@ async def _answered_while_the_store_was_held(
     return answered_at < int(seconds) + int(micros) / 1e6, answer
 
 
+async def _held_chat(proxy: Proxy, store: RedisServerProcess, fake: FakeUpstream) -> tuple[bool, Any]:
+    """A first call (the tenant registered, the scripts run on the proxy's connection), then a
+    chat call in run "held", answered while the store is held: whether it came before the store
+    let go, and its raw answer."""
+    client = proxy.client()
+    await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    return await _answered_while_the_store_was_held(
+        store,
+        fake,
+        client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": "hello there"}],
+            extra_headers={"X-Run-Id": "held"},
+            extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
+        ),
+    )
+
+
 async def _ledger(client: aioredis.Redis, tenant: str, count: int) -> list[dict[str, str]]:
     """The tenant's ledger once it holds ``count`` entries: settles sent early land a little later."""
     for _ in range(500):
@@ -172,27 +197,16 @@ async def test_a_whole_answer_does_not_wait_for_the_store_to_answer_its_settle(
     store has run it: the round trip and the script are not the client's to wait for. What its
     headers say is what the store then writes."""
     proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 10})
-    client = proxy.client()
-    await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
-    early, raw = await _answered_while_the_store_was_held(
-        own_redis,
-        fake,
-        client.chat.completions.with_raw_response.create(
-            model="gpt-4o-mini",
-            messages=[{"role": "user", "content": "hello there"}],
-            extra_headers={"X-Run-Id": "early"},
-            extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
-        ),
-    )
+    early, raw = await _held_chat(proxy, own_redis, fake)
     assert early, "the answer waited for the store"
     assert raw.status_code == 200
-    (entry,) = [e for e in await _ledger(own_client, "team-a", 2) if e["run_id"] == "early"]
+    (entry,) = [e for e in await _ledger(own_client, "team-a", 2) if e["run_id"] == "held"]
     assert raw.headers["x-billing-outcome"] == entry["outcome"] == "ok"
     assert raw.headers["x-billing-input-tokens"] == entry["input_tokens"] == str(fake.bill[-1].prompt_tokens)
     assert raw.headers["x-billing-output-tokens"] == entry["output_tokens"]
     assert raw.headers["x-billing-cost-micros"] == entry["cost_micros"]
     assert raw.headers["x-billing-usage-source"] == entry["usage_source"] == "provider"
-    meters = await own_client.hgetall("lbp:{team-a}:run:early")
+    meters = await own_client.hgetall("lbp:{team-a}:run:held")
     assert meters["used:requests"] == "1" and meters["resv:concurrent"] == "0"
     assert await own_client.zcard("lbp:{team-a}:leases") == 0
 
@@ -204,27 +218,10 @@ async def test_an_answer_whose_lease_is_old_waits_for_its_settle(
     lease_expired, at the reserve): the answer waits for what the store says."""
     proxy = await make_proxy(
         redis={"url": own_redis.url, "socket_timeout_s": 10},
-        upstreams={
-            "openai": {
-                "base_url": fake.base_url,
-                "api_key_env": "TEST_UPSTREAM_KEY",
-                "timeout_s": 2,  # lease 2.1 s: half of it is gone when the upstream answers
-                "connect_timeout_s": 2,
-            }
-        },
+        upstreams=upstream_timing_out(fake.base_url, 2),  # lease 2.1 s: half gone at the answer
         limits={"lease_margin_s": 0.1, "reaper_interval_s": 60},
     )
-    client = proxy.client()
-    await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
-    early, raw = await _answered_while_the_store_was_held(
-        own_redis,
-        fake,
-        client.chat.completions.with_raw_response.create(
-            model="gpt-4o-mini",
-            messages=[{"role": "user", "content": "hello"}],
-            extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
-        ),
-    )
+    early, raw = await _held_chat(proxy, own_redis, fake)
     assert not early, "the answer did not wait for its settle"
     assert raw.status_code == 200 and raw.headers["x-billing-outcome"] == "ok"
 
@@ -322,16 +319,6 @@ async def test_an_answer_past_the_window_a_lost_reservation_is_billed_in_waits_f
     proxy = await make_proxy(
         redis={"url": own_redis.url, "socket_timeout_s": 10}, limits={"settled_marker_ttl_s": 60}
     )
-    client = proxy.client()
-    await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
-    early, raw = await _answered_while_the_store_was_held(
-        own_redis,
-        fake,
-        client.chat.completions.with_raw_response.create(
-            model="gpt-4o-mini",
-            messages=[{"role": "user", "content": "hello"}],
-            extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
-        ),
-    )
+    early, raw = await _held_chat(proxy, own_redis, fake)
     assert not early, "the answer did not wait for its settle"
     assert raw.status_code == 200
