@@ -21,6 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, request_id_for, run_id_for
+from proxy.config import Config
 from proxy.dialects import DIALECTS, dialect_of_path
 from proxy.errors import (
     ApiError,
@@ -46,7 +47,7 @@ from proxy.forward import (
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange
-from proxy.reserve import reserve
+from proxy.reserve import Reloaded, reserve
 from proxy.scopes import run_key, scopes_for
 from proxy.store import ALL_METERS, MeterState, Store
 from proxy.tokenizer import Tokenizer
@@ -64,47 +65,28 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, state.ids)
         raw = await read_body(request, config.limits.max_body_bytes)
-        if state.config is not config:
-            # Reloaded while the body came (a client decides how long that takes): the call is
-            # reserved, so judged, under the config in force now (a key it revoked, a ceiling
-            # or a price it changed).
-            config = state.config
-            identity = authenticate(request, config, passthrough=state.passthrough)
-            if len(raw) > config.limits.max_body_bytes:
-                # Read under the limit of its start: one it lowered refuses it as aiohttp would.
-                raise web.HTTPRequestEntityTooLarge(
-                    max_size=config.limits.max_body_bytes, actual_size=len(raw)
+        while True:
+            if state.config is not config:
+                # Reloaded while the call waited (its body, which a client decides how long takes;
+                # its count or the store, in ``reserve``): it is reserved, so judged, under the
+                # config in force now (a key it revoked, a ceiling, a price or a route it changed).
+                config = state.config
+                identity = authenticate_again(request, config, raw, passthrough=state.passthrough)
+            call = planned(request, endpoint, raw, identity, run_id, config, state)
+            try:
+                await reserve(
+                    await registered(state, identity),
+                    state.journal,
+                    call,
+                    config,
+                    metrics=state.metrics,
+                    count_now=functools.partial(count_now, tokenizer=state.tokenizer),
+                    count_later=functools.partial(count_later, state),
+                    in_force=lambda: state.config,
                 )
-        body, view = parse_body(raw, endpoint)
-        # Much new text is estimated at its byte length here and counted later: before the call
-        # only if the reserve needs it, else while the call runs (``reserve.reserve``).
-        call = plan_call(
-            request_id=request_id,
-            identity=identity,
-            run_id=run_id,
-            endpoint=endpoint,
-            body=body,
-            view=view,
-            config=config,
-            tokenizer=state.tokenizer,
-            ids=state.ids,
-            anthropic_beta=header_list(request.headers, "anthropic-beta"),
-        )
-        call.feature_headers = feature_headers(request.headers, call.upstream)
-        if state.store is None:
-            raise StoreError("store not opened")
-        if identity.tenant not in state.registered_tenants:
-            await state.store.register_tenant(identity.tenant)
-            state.registered_tenants.add(identity.tenant)
-        await reserve(
-            state.store,
-            state.journal,
-            call,
-            config,
-            metrics=state.metrics,
-            count_now=functools.partial(count_now, tokenizer=state.tokenizer),
-            count_later=functools.partial(count_later, state),
-        )
+                break
+            except Reloaded:
+                continue  # nothing reserved: planned again, from the body as it came
     except ApiError as err:
         if isinstance(err, BudgetExceeded):
             record_refusal(state.metrics, config, identity.tenant, err)
@@ -113,6 +95,55 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         state.metrics.store_errors.labels("reserve").inc()
         return _refused(endpoint, request_id, StoreUnavailable())
     return await Exchange(request, call, state.services_for(config)).run()
+
+
+def authenticate_again(request: web.Request, config: Config, raw: bytes, *, passthrough: bool) -> Identity:
+    """The caller under a config reloaded since the call began."""
+    identity = authenticate(request, config, passthrough=passthrough)
+    if len(raw) > config.limits.max_body_bytes:
+        # Read under the limit of its start: one it lowered refuses it as aiohttp would.
+        raise web.HTTPRequestEntityTooLarge(max_size=config.limits.max_body_bytes, actual_size=len(raw))
+    return identity
+
+
+def planned(
+    request: web.Request,
+    endpoint: Endpoint,
+    raw: bytes,
+    identity: Identity,
+    run_id: str,
+    config: Config,
+    state: State,
+) -> Call:
+    """Route and estimate the call under ``config``. Parsed here, not before: planning sets
+    fields of the body (its output cap), and a call planned again starts from the body as sent."""
+    body, view = parse_body(raw, endpoint)
+    # Much new text is estimated at its byte length here and counted later: before the call
+    # only if the reserve needs it, else while the call runs (``reserve.reserve``).
+    call = plan_call(
+        request_id=request[REQUEST_ID],
+        identity=identity,
+        run_id=run_id,
+        endpoint=endpoint,
+        body=body,
+        view=view,
+        config=config,
+        tokenizer=state.tokenizer,
+        ids=state.ids,
+        anthropic_beta=header_list(request.headers, "anthropic-beta"),
+    )
+    call.feature_headers = feature_headers(request.headers, call.upstream)
+    return call
+
+
+async def registered(state: State, identity: Identity) -> Store:
+    """The store, with the caller's tenant known to it."""
+    if state.store is None:
+        raise StoreError("store not opened")
+    if identity.tenant not in state.registered_tenants:
+        await state.store.register_tenant(identity.tenant)
+        state.registered_tenants.add(identity.tenant)
+    return state.store
 
 
 async def count_later(state: State, call: Call) -> Estimate:

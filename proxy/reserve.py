@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -25,6 +26,11 @@ from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
 from proxy.settle import release_unforwarded
 from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative
+
+
+class Reloaded(Exception):
+    """The config was reloaded while the reserve waited (a count, the store): nothing is
+    reserved; the call is to be judged again under the config in force (``handlers``)."""
 
 
 def lease_ms(call: Call, config: Config) -> int:
@@ -94,6 +100,7 @@ async def reserve(
     metrics: Metrics,
     count_now: Counter,
     count_later: Counter,
+    in_force: Callable[[], Config],
 ) -> Reservation:
     """Reserve the worst case against every scope, all or nothing; raise when it does not fit.
 
@@ -101,7 +108,10 @@ async def reserve(
     fit, the input is counted exactly first and reserved again, so a budget refuses or clamps only
     on the exact count; when it fits, the call goes on at once and the reserve is lowered to the
     exact count in the background (``refine``). ``count_now`` counts for a reserve that waits
-    (not queued behind the refinements of other calls, which ``count_later`` runs)."""
+    (not queued behind the refinements of other calls, which ``count_later`` runs).
+
+    ``in_force``: the config in force now. Each reserve script runs under ``config`` only while
+    that is still the one in force; a reload during a wait before it raises ``Reloaded``."""
     tier = config.tiers.get(call.identity.tier)
     run_ttl_s = config.limits.run_ttl_s
     # The window by the store's clock, which every instance shares (a host's own may be off).
@@ -144,6 +154,7 @@ async def reserve(
         if not call.estimate.input_exact and not config.limits.quick_estimates:
             await count_first(call, count_later, metrics)  # one count at a time, as configured
             asked = time.monotonic()
+        _still_in_force(config, in_force)
         in_flight = True
         result = await _reserve(store, call, config, tier, scopes, record)
         in_flight = False
@@ -151,6 +162,7 @@ async def reserve(
             metrics.quick_estimates.labels("counted_first").inc()
             await count_first(call, count_now, metrics)
             asked = time.monotonic()
+            _still_in_force(config, in_force)  # the tentative reserve wrote nothing
             in_flight = True
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
@@ -175,6 +187,15 @@ async def reserve(
         # window) are shared with keys of other tiers, whose ceilings must not meet the bound.
         call.refining = asyncio.ensure_future(refine(store, call, count_later, metrics))
     return result
+
+
+def _still_in_force(config: Config, in_force: Callable[[], Config]) -> None:
+    """Called after the last wait before a reserve script, with nothing of the call's in the
+    store. A reload during those waits (the store's clock, prior contexts, the count, which may
+    take a while) may have revoked the key or changed a ceiling, a price or the route: the
+    script must not run under the config it replaced."""
+    if in_force() is not config:
+        raise Reloaded
 
 
 def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,10 +20,12 @@ from aiohttp import web
 from proxy.app import STATE, build_app
 from proxy.config_load import load_config
 from proxy.redis_server import RedisServerProcess
+from proxy.scopes import run_key
 from proxy.tokenizer import Tokenizer
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
+from tests.test_estimate import TEXT, QuarterEncoding
 
 
 class WordEncoding:
@@ -196,4 +199,86 @@ async def test_a_reload_shortening_run_ttl_keeps_a_run_alive_under_a_call_in_fli
             assert now_ms + left_ms > lease_ends_ms, key
         assert await slow == 200
     finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("change", ["key revoked", "ceiling lowered", "price raised"])
+@pytest.mark.parametrize("waits", ["quick estimates off", "bound does not fit"])
+async def test_a_reload_while_a_call_waits_on_its_count_judges_it_by_the_new_config(
+    change: str,
+    waits: str,
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The body came whole before the reload, but the reserve waited on the prompt's exact count
+    (quick estimates off; or its byte bound did not fit a ceiling the count does): the call was
+    reserved and forwarded under the config the reload replaced, so a key it revoked got that
+    call out, a ceiling it lowered let it through, and a price it raised was not charged. Now
+    planned again under the new config (route, price) once the count is in."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    raw["limits"] = {**raw["limits"], "quick_estimates": waits == "bound does not fit"}
+    # The exact count (10,007 input tokens) fits; the byte bound (40,007) does not.
+    raw["tiers"] = {"standard": {"run": {"input_tokens": 20_000}}}
+    raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "1", "output": "1"}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    app = build_app(load_config(path), tokenizer=Tokenizer({"o200k_base": enc}), config_path=path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    state = app[STATE]
+    run = "waits-" + waits.replace(" ", "-")
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 5}
+
+    async def post() -> int:
+        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                await resp.read()
+                return resp.status
+
+    try:
+        pending = asyncio.ensure_future(post())
+        for _ in range(500):
+            if enc.entries:
+                break
+            await asyncio.sleep(0.01)
+        assert enc.entries == 1, "the reserve never waited on the count"
+        if change == "key revoked":
+            raw["keys"] = [k for k in raw["keys"] if k["name"] != "a-ci"]
+        elif change == "ceiling lowered":
+            raw["tiers"]["standard"]["run"]["input_tokens"] = 5_000  # below the exact count
+        else:
+            raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "100", "output": "100"}
+        before = state.config
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(250):
+            if state.config is not before:
+                break
+            await asyncio.sleep(0.02)
+        assert state.config is not before, "not reloaded"
+        gate.set()
+        status = await asyncio.wait_for(pending, 20)
+        if change == "price raised":
+            assert status == 200
+            ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
+            tokens = int(entry["input_tokens"]) + int(entry["output_tokens"])
+            assert int(entry["cost_micros"]) == 100 * tokens  # 100 per million: micro-units a token
+            return
+        assert status == {"key revoked": 401, "ceiling lowered": 429}[change]
+        assert fake.received == []
+        assert await redis_client.zcard("lbp:{team-a}:leases") == 0
+        assert state.store is not None
+        meters = await state.store.meters(run_key("team-a", run))
+        assert all(m.reserved == 0 and m.used == 0 for m in meters.values()), meters
+    finally:
+        gate.set()
         await runner.cleanup()
