@@ -64,7 +64,7 @@ async def relay(request: web.Request) -> web.StreamResponse:
         held = b""
         async for piece in up.content.iter_any():
             if after is not None and not stream:
-                held += piece  # as the proxy's: a JSON answer goes out once the call is settled
+                held += piece  # a JSON answer goes out once the call's second script has answered
                 continue
             if after is not None and piece.endswith(DONE):
                 # As the proxy's: a stream's events go out as they come, its [DONE] after the settle.

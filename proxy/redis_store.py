@@ -306,7 +306,8 @@ class RedisStore:
     ) -> Any:
         if self._pipe is not None:
             return await self._piped_script(name, keys, args, on_sent)
-        # redis-py (a Cluster) does not say when a command is written: ``on_sent`` is not called.
+        # redis-py (a Cluster, or TLS: rediss://) does not say when a command is written: ``on_sent``
+        # is not called.
         source, sha = self._scripts[name]
         try:
             try:

@@ -173,13 +173,15 @@ class Exchange:
         """``settle`` for an answer the client gets whole, with the settlement in its headers
         (a non-streaming body): that settlement as soon as the settle is on its way to the
         store, not once the store has answered. A round trip and the script's run less for the
-        client to wait, and the settle is still ahead of any command this process sends later:
-        the client's next call, reserved here, finds this one's reserve replaced.
+        client to wait, and the settle is still ahead of every later command on the connection
+        the reserves share: the client's next call, reserved here, finds this one's reserve
+        replaced (one another worker or instance serves may, rarely, reach the store first).
 
         Where the store's answer may differ from what was asked (a reaper may have billed the
-        call: its lease is old), where context writes ride with the settle (the next call may
-        continue this one), or when the store cannot say it sent the settle, this waits for
-        the answer as ``settle`` does. A settle that then fails is journaled as before."""
+        call, its lease half gone; a reservation the store lost would no longer be billed, 90%
+        of the settled marker's life gone), where context writes ride with the settle (the next
+        call may continue this one), or when the store cannot say it sent the settle, this waits
+        for the answer as ``settle`` does. A settle that then fails is journaled as before."""
         loop = asyncio.get_running_loop()
         early: asyncio.Future[Settlement] = loop.create_future()
         settled = self._start_settle(outcome, usage, early)

@@ -220,7 +220,7 @@ class PipelinedConnection:
 
     async def call(self, *args: Any, on_sent: Callable[[], None] | None = None) -> Any:
         """Send a command and return its reply. ``on_sent`` is called once the command is written
-        to the connection, ahead of every command of this process sent after it (not when it
+        to the connection, ahead of every command sent on it after it (not when it
         never is: the call then raises ``ConnectionLost``). Nor for an EVALSHA of a script this
         connection has not run yet: refused (NOSCRIPT), its caller's EVAL would go behind the
         commands written meanwhile."""

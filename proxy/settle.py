@@ -28,7 +28,8 @@ class Settlement:
     usage: BilledUsage
     cost_micros: int
     # The ledger entry this call wrote; None when the store did not answer (``stored`` False:
-    # journaled, written on replay) or the reservation was settled before (a reaper took it).
+    # journaled, written on replay), the reservation was settled before (a reaper took it), or
+    # not known yet (the settlement handed to ``settle``'s ``on_sent``).
     entry_id: str | None
     finish_reasons: str
     actual: dict[str, int]
@@ -126,7 +127,8 @@ async def settle(
     caller shields it: see ``Exchange._settle``); journaled when the store fails.
 
     ``on_sent`` is handed the settlement the store is asked to write once that is on its way
-    (``Store.settle``): what it returns then, unless a reaper billed the call first."""
+    (``Store.settle``): its figures are those returned, unless a reaper billed the call first
+    (its ``entry_id`` is not known yet)."""
     reservation = call.reservation
     assert reservation is not None, "settle without reserve"
     cost = _cost(call, usage)

@@ -203,8 +203,9 @@ class Store(Protocol):
         on_sent: Callable[[], None] | None = None,
     ) -> str | None:
         """The ledger entry's id, None when settled before. ``on_sent``: called once the settle
-        is on its way, ahead of any later command of this process (a store that cannot tell
-        never calls it)."""
+        is on its way, ahead of any later command on the connection the reserve and settle
+        scripts share (a store that cannot tell never calls it: a Cluster, TLS, a connection
+        that has not run the script yet)."""
         ...
 
     async def renew(
