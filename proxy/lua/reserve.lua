@@ -89,17 +89,22 @@ local stride = 2 + NM
 local amounts = {}
 for m = 1, NM do amounts[m] = tonumber(ARGV[3 + m]) end
 
-local FIELDS = {}
-for m = 1, NM do
-  FIELDS[m] = 'used:' .. METERS[m]
-  FIELDS[NM + m] = 'resv:' .. METERS[m]
+-- used:<meter> then resv:<meter>, in METERS order, then born and peak:concurrent: written out,
+-- as building them from METERS took a dozen string concatenations every call.
+local FIELDS = {'used:requests', 'used:input_tokens', 'used:output_tokens', 'used:total_tokens',
+  'used:cost_micros', 'used:concurrent', 'resv:requests', 'resv:input_tokens', 'resv:output_tokens',
+  'resv:total_tokens', 'resv:cost_micros', 'resv:concurrent', 'born', 'peak:concurrent'}
+-- A meter's field as a number (absent: 0). A field at 0 (the resv:* fields of a scope with no
+-- call in flight) skips tonumber: a C string-to-double conversion, several times the cost of
+-- the comparison, and a reserve makes dozens.
+local function num(v)
+  if v == nil or v == '0' then return 0 end
+  return tonumber(v) or 0
 end
-local BORN, PEAK = 2 * NM + 1, 2 * NM + 2
-FIELDS[BORN], FIELDS[PEAK] = 'born', 'peak:concurrent'
--- Whether a scope's FIELDS, as read before this reserve wrote, hold calls in flight (each holds
--- a request until it settles).
-local function holds_calls(vals)
-  return vals ~= nil and (tonumber(vals[NM + 1]) or 0) > 0
+-- Whether a scope's fields, as read before this reserve wrote, hold calls in flight (each holds
+-- a request until it settles). at: where resv:requests is in vals, less one (FIELDS: NM).
+local function holds_calls(vals, at)
+  return vals ~= nil and num(vals[at + 1]) > 0
 end
 local state = {}   -- state[s][m] = {ceiling, used, reserved} for limited meters
 local held = {}    -- held[s]: the scope holds this call's reserve
@@ -110,13 +115,15 @@ for s = 1, nscopes do
   held[s] = (s == run_scope) or ARGV[off + 1] == '1'
   local vals = nil
   for m = 1, NM do
-    local ceiling = tonumber(ARGV[off + 1 + m])
+    -- Most ceilings are unlimited: comparing the string is far cheaper than tonumber.
+    local arg, ceiling = ARGV[off + 1 + m], -1
+    if arg ~= '-1' then ceiling = tonumber(arg) end
     if ceiling >= 0 then
       held[s] = true  -- whatever the caller said: a ceiling checks what is held
       -- One read per limited scope (a call costs more than the fields it names).
       vals = vals or redis.call('HMGET', KEYS[2 + s], unpack(FIELDS))
       seen[s] = vals
-      state[s][m] = {ceiling, tonumber(vals[m]) or 0, tonumber(vals[NM + m]) or 0}
+      state[s][m] = {ceiling, tonumber(vals[m]) or 0, num(vals[NM + m])}
     end
   end
 end
@@ -231,45 +238,51 @@ if refusal then
   redis.call('HINCRBY', key, 'refused:' .. refusal[3], 1)
   -- A refusal may write the key first (a run's first call): it expires as a reserve's would.
   local ttl = tonumber(ARGV[base + (refusal[2] - 1) * stride])
-  set_ttl(key, ttl, refusal[2] == run_scope and holds_calls(seen[refusal[2]]))
+  set_ttl(key, ttl, refusal[2] == run_scope and holds_calls(seen[refusal[2]], NM))
   if refusal[2] == run_scope then index_follows_run() end
   return refusal
 end
 
 -- Below this a sum in Lua's numbers (doubles) is exact; past it (never in practice) HINCRBY adds.
 local EXACT = 9007199254740992
+-- The amounts as written (the record's, and a meter's new value where it held nothing).
+local amt = {}
+for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 
 -- Writes this call's reserve on scope s; returns which life of the key it landed in: one that
 -- expired and was written anew holds other calls' reserves, never this one's (settle.lua and
 -- shrink.lua release only from it). One read of the scope's fields (the check's, where it read
--- them) and one write of them all: a command from a script costs Redis a few microseconds,
--- mostly outside the command itself, and one HINCRBY per meter made most of a reserve's commands.
+-- them, else only the resv:* ones, born and peak) and one write of them all: one HINCRBY per
+-- meter made most of a reserve's commands, and every field a command names costs Redis too.
 local function hold(s)
   local key = KEYS[2 + s]
-  local vals = seen[s] or redis.call('HMGET', key, unpack(FIELDS))
-  local life, peak, writes = vals[BORN], tonumber(vals[PEAK]) or 0, {}
+  local vals, at = seen[s], NM  -- at: where resv:requests is in vals, less one
+  if not vals then
+    vals, at = redis.call('HMGET', key, unpack(FIELDS, NM + 1)), 0
+  end
+  local life, peak, writes, n = vals[at + NM + 1], num(vals[at + NM + 2]), {}, 0
   if not life then
     life = ARGV[1]
-    writes = {'born', ARGV[1]}
+    writes[1], writes[2], n = 'born', ARGV[1], 2
   end
   for m = 1, NM do
     if amounts[m] ~= 0 then
-      local have = tonumber(vals[NM + m]) or 0
+      local have = num(vals[at + m])
       local now = have + amounts[m]
+      local now_s = nil
       if have < EXACT and now < EXACT then
-        writes[#writes + 1] = FIELDS[NM + m]
-        writes[#writes + 1] = string.format('%d', now)
+        now_s = (have == 0) and amt[m] or string.format('%d', now)
+        writes[n + 1], writes[n + 2], n = FIELDS[NM + m], now_s, n + 2
       else
-        now = redis.call('HINCRBY', key, FIELDS[NM + m], string.format('%d', amounts[m]))
+        now = redis.call('HINCRBY', key, FIELDS[NM + m], amt[m])
       end
-      if METERS[m] == 'concurrent' and now > peak then
-        writes[#writes + 1] = 'peak:concurrent'
-        writes[#writes + 1] = string.format('%d', now)
+      if m == NM and now > peak then  -- concurrent, METERS' last
+        writes[n + 1], writes[n + 2], n = 'peak:concurrent', now_s or string.format('%d', now), n + 2
       end
     end
   end
-  if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
-  set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]), s == run_scope and holds_calls(vals))
+  if n > 0 then redis.call('HSET', key, unpack(writes)) end
+  set_ttl(key, tonumber(ARGV[base + (s - 1) * stride]), s == run_scope and holds_calls(vals, at))
   return life
 end
 
@@ -311,8 +324,6 @@ for s = 1, nscopes do
   scopes[s] = KEYS[2 + s]
   ttls[s] = ARGV[base + (s - 1) * stride]
 end
-local amt = {}
-for m = 1, NM do amt[m] = string.format('%d', amounts[m]) end
 redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', table.concat(amt, ' '),
   'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped, 'ttls', table.concat(ttls, ' '), 'born', table.concat(born, ' '))
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])

@@ -80,8 +80,9 @@ for m = 1, #ACTUAL do
 end
 local entry = cjson.decode(ARGV[2 + #ACTUAL])
 
-local RESV = {'born'}
-for m = 1, #RESERVED do RESV[m + 1] = 'resv:' .. RESERVED[m] end
+-- born, then resv:<meter> in RESERVED order.
+local RESV = {'born', 'resv:requests', 'resv:input_tokens', 'resv:output_tokens', 'resv:total_tokens',
+  'resv:cost_micros', 'resv:concurrent'}
 -- The TTLs here are those of the call's reserve, whose setting a reload may have changed since:
 -- a settle never shortens a key's life nor ends a key kept for ever (a later reserve, under
 -- the newer setting, decides those), save for a key it writes first. 0 is none.
@@ -96,41 +97,39 @@ local function extend(key, ttl, new, left)
   end
 end
 
--- The used meters this settle adds to: the figures above zero, the same in every scope.
-local ADD, ADD_BY = {}, {}
+-- The used meters this settle adds to: the figures above zero, the same in every scope. Each
+-- figure and each amount reserved is read as a number once, not once a scope: the Lua side of
+-- a script (tonumber, string.format, tables, closures) costs Redis about as much as the
+-- commands it sends.
+local NR = #RESERVED
+local HELD = {}  -- what a scope holding the reserve reads: RESV, then ADD
+for i = 1, #RESV do HELD[i] = RESV[i] end
+local ADD, ADD_BY, ADD_N, nadd = {}, {}, {}, 0
 for m = 1, #ACTUAL do
   local v = ARGV[1 + m]
   if v ~= '0' then
-    ADD[#ADD + 1] = 'used:' .. ACTUAL[m]
-    ADD_BY[#ADD_BY + 1] = v
+    nadd = nadd + 1
+    ADD[nadd], ADD_BY[nadd], ADD_N[nadd] = 'used:' .. ACTUAL[m], v, tonumber(v)
+    HELD[NR + 1 + nadd] = ADD[nadd]
   end
 end
+local RELEASE = {}
+for m = 1, NR do RELEASE[m] = tonumber(amounts[m]) or 0 end
 -- Below this a sum in Lua's numbers (doubles) is exact; past it (never in practice) HINCRBY adds.
 local EXACT = 9007199254740992
 
--- Per scope, one read of every field this settle changes and one write of them all: a command
--- from a script costs Redis a few microseconds, mostly outside the command itself, and one
--- HINCRBY per meter made most of a settle's commands.
+-- Per scope, one read of every field this settle changes and one write of them all: one HINCRBY
+-- per meter made most of a settle's commands, and a command from a script costs Redis a
+-- microsecond or more, more with every field it names (each goes from Lua to Redis and back).
 for s = 5, #KEYS do
   local key = KEYS[s]
   local life = born[s - 4]
   local holds = life ~= '-'
-  local names = {}
+  local got, adds_at, writes, n = {}, 0, {}, 0
   if holds then
-    for i = 1, #RESV do names[i] = RESV[i] end
-  end
-  local adds_at = #names
-  for i = 1, #ADD do names[adds_at + i] = ADD[i] end
-  local got = #names > 0 and redis.call('HMGET', key, unpack(names)) or {}
-  local writes = {}
-  local function put(field, have, by)
-    local sum = have + tonumber(by)
-    if have < EXACT and sum < EXACT then
-      writes[#writes + 1] = field
-      writes[#writes + 1] = string.format('%d', sum)
-    else
-      redis.call('HINCRBY', key, field, by)
-    end
+    got, adds_at = redis.call('HMGET', key, unpack(HELD)), NR + 1
+  elseif nadd > 0 then
+    got = redis.call('HMGET', key, unpack(ADD))
   end
   local new, left
   if holds then
@@ -139,10 +138,18 @@ for s = 5, #KEYS do
     -- does not hold this reserve: releasing it would take other calls' reserves, or go below
     -- zero, and either is room past the ceiling. Records older than 'born': never below zero.
     if not lost and (not life or got[1] == life) then
-      for m = 1, #RESERVED do
+      for m = 1, NR do
         local have = tonumber(got[m + 1]) or 0
-        local release = math.min(tonumber(amounts[m]) or 0, have)
-        if release > 0 then put(RESV[m + 1], have, string.format('%d', -release)) end
+        local release = RELEASE[m]
+        if have < release then release = have end
+        if release > 0 then
+          if have < EXACT then
+            local left_s = (have == release) and '0' or string.format('%d', have - release)
+            writes[n + 1], writes[n + 2], n = RESV[m + 1], left_s, n + 2
+          else
+            redis.call('HINCRBY', key, RESV[m + 1], string.format('%d', -release))
+          end
+        end
       end
     end
   else
@@ -151,22 +158,28 @@ for s = 5, #KEYS do
     left = redis.call('PTTL', key)
     new = left == -2
   end
-  for i = 1, #ADD do put(ADD[i], tonumber(got[adds_at + i]) or 0, ADD_BY[i]) end
-  if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
+  for i = 1, nadd do
+    local have = tonumber(got[adds_at + i]) or 0
+    local sum = have + ADD_N[i]
+    if have < EXACT and sum < EXACT then
+      writes[n + 1], writes[n + 2], n = ADD[i], string.format('%d', sum), n + 2
+    else
+      redis.call('HINCRBY', key, ADD[i], ADD_BY[i])
+    end
+  end
+  if n > 0 then redis.call('HSET', key, unpack(writes)) end
   local ttl = tonumber(ARGV[11 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
   if ttl then extend(key, ttl, new, left) end
 end
 
-local fields = {}
+local fields, nf = {}, 0
 for name, value in pairs(entry) do
-  fields[#fields + 1] = name
-  fields[#fields + 1] = tostring(value)
+  fields[nf + 1], fields[nf + 2], nf = name, tostring(value), nf + 2
 end
 if lost then
-  fields[#fields + 1] = 'reservation'
-  fields[#fields + 1] = 'lost'
+  fields[nf + 1], fields[nf + 2] = 'reservation', 'lost'
 end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
 local first = redis.call('RPUSH', KEYS[4], id) == 1
