@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios: list[float] = []
             redis_ratios: list[float] = []
             p50s: dict[str, list[float]] = {"A": [], "B": []}
+            ttfbs: dict[str, list[float]] = {"A": [], "B": []}  # a stream's first byte
             redis_pid = redis.process.pid if redis.process is not None else None
             for round_no in range(args.rounds):
                 order = ("A", "B", "B", "A") if round_no % 2 == 0 else ("B", "A", "A", "B")
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                     spent[arm].append(ms)
                     redis_spent[arm].append(redis_ms)
                     p50s[arm].append(float(result["latency_ms"]["p50"]))
+                    ttfb = (result.get("ttfb_ms") or {}).get("p50")
+                    if ttfb is not None:
+                        ttfbs[arm].append(float(ttfb))
                     print(
                         f"round {round_no} {arm}: {ms:.4f} ms/call, Redis {redis_ms:.4f} ms/call, "
                         f"{result['rps']} req/s, p50 {result['latency_ms']['p50']} ms",
@@ -197,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                     else {}
                 ),
                 "p50_ms_median": {arm: round(statistics.median(v), 3) for arm, v in p50s.items()},
+                **(
+                    {"ttfb_p50_ms_median": {arm: round(statistics.median(v), 3) for arm, v in ttfbs.items()}}
+                    if ttfbs["A"] and ttfbs["B"]
+                    else {}
+                ),
             }
         )
     )
