@@ -1,9 +1,8 @@
 """Relay an event stream as it arrives, then settle it and end it with the billing comment.
 
-Every complete event of a read goes out in one write as soon as it came (the stream's first
-event in one of its own, ahead of the rest of its read); only events the client must not see
-(usage it did not ask for) are rewritten or dropped (``events.EventFilter``), every other one is
-passed on byte for byte. A client that stops reading is dropped after a bounded
+Every complete event of a read goes out in one write as soon as it came; only events the client
+must not see (usage it did not ask for) are rewritten or dropped (``events.EventFilter``), every
+other one is passed on byte for byte. A client that stops reading is dropped after a bounded
 wait, so the lease keeps being renewed and the call is settled.
 """
 
@@ -88,7 +87,6 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
         # What came with the upstream's headers goes out with ours, in one send; ours never
         # wait on the upstream: they go out (if no events took them) before any wait.
         pending = body.read_nowait()
-        first = True
         while True:
             if pending:
                 piece, pending = pending, b""
@@ -104,14 +102,6 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                     break  # the body's end
                 guard.waiting_since = None
                 waited_s += monotonic() - waited
-            if first:
-                # The first event goes out before the rest of its read is filtered: a client's
-                # first token does not wait on the events that came with it (an upstream that
-                # sent several at once, often all of a short answer). One write more per stream.
-                first = False
-                end = piece.find(b"\n\n") + 2
-                if 1 < end < len(piece):
-                    piece, pending = piece[:end], piece[end:]
             # Every complete event of this read goes out in one write, as soon as it came.
             out = read(piece, limit=limit)
             if out is None:

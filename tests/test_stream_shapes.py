@@ -11,7 +11,6 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.relay_stream import _EventStream
 from tests.conftest import KEY_A, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams
 from tests.test_fault_matrix import only_entry
@@ -65,38 +64,6 @@ async def test_many_small_events_in_one_read_are_billed_on_the_provider_usage(
     assert error is None and text == "".join(f"word{i} " for i in range(40))
     entry = await only_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "40")
-
-
-async def test_the_first_event_of_a_read_goes_out_before_the_others_are_filtered(
-    make_proxy: ProxyFactory,
-    script: ScriptedUpstream,
-    redis_client: aioredis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """An upstream that sends all of a short answer at once: its first event reaches the client
-    in a write of its own, so the first token waits on none of the others; they follow in one
-    write, and the answer and its bill are whole."""
-    writes: list[bytes] = []
-    original = _EventStream.write
-
-    async def noting(self: _EventStream, data: bytes) -> None:
-        writes.append(bytes(data))
-        await original(self, data)
-
-    monkeypatch.setattr(_EventStream, "write", noting)
-    proxy = await proxy_for(make_proxy, script)
-    events = [content(f"w{i} ") for i in range(5)]
-    whole = b"".join([*events, FINISH, usage(5), b"data: [DONE]\n\n"])
-    script.plan = Plan(content_type="text/event-stream", chunks=[whole])
-    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0)
-    text, error = await read_stream(client)
-    assert error is None and text == "w0 w1 w2 w3 w4 "
-    # Usage the client did not ask for is cut (its chunk, each chunk's null); [DONE] goes with
-    # the billing comment.
-    sent = [e.replace(b',"usage":null', b"") for e in [*events, FINISH]]
-    assert writes == [sent[0], b"".join(sent[1:])]
-    entry = await only_entry(redis_client)
-    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "5")
 
 
 @pytest.mark.parametrize("tail", ["", ',"obfuscation":"Xy3"'], ids=["usage-last", "openai-padding"])
