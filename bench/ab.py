@@ -9,6 +9,8 @@ median and spread of the per-round ratio B / A of proxy CPU ms per call.
 A is ``--base`` (default ``HEAD``), checked out into a temporary ``git worktree``; B is this
 working tree, uncommitted changes included. Each proxy imports its own tree (``PYTHONPATH``);
 both run the same generated config (``bench/scenarios.py``) on ports of their own.
+``--python-a`` / ``--python-b``: the interpreter each arm's proxy runs on (a venv with the
+project's dependencies; default this one), to compare interpreters on the same code.
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--obfuscation", action="store_true", help="stream chunks end in OpenAI's padding field (run.py)"
     )
+    parser.add_argument(
+        "--python-a",
+        default=sys.executable,
+        help="the interpreter arm A's proxy runs on, from a venv with the project's dependencies "
+        "(default: this one)",
+    )
+    parser.add_argument("--python-b", default=sys.executable, help="the same for arm B")
     args = parser.parse_args(argv)
     known = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", args.base + "^{commit}"],
@@ -137,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             servers.append(upstream)
             redis.start()
             proxies: dict[str, Server] = {}
-            for arm, root in (("A", base_root), ("B", ROOT)):
+            arms = (("A", base_root, args.python_a), ("B", ROOT, args.python_b))
+            for arm, root, python in arms:
                 (workdir / arm).mkdir()
                 config_path = workdir / arm / "proxy.yaml"
                 config = proxy_config(free_port(), upstream.url, redis.url, "info")
                 config_path.write_text(yaml.safe_dump(config))
-                proxies[arm] = start_proxy(config_path, workdir / arm, None, root=root)
+                proxies[arm] = start_proxy(config_path, workdir / arm, None, root=root, python=python)
                 servers.append(proxies[arm])
             ratios: list[float] = []
             redis_ratios: list[float] = []
@@ -184,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rate": args.rate,
                 "concurrency": args.concurrency,
                 "base": args.base,
+                "python": {"A": args.python_a, "B": args.python_b},
                 "chunk_delay_ms": args.chunk_delay_ms,
                 "obfuscation": args.obfuscation,
                 "ratio_b_over_a_median": round(statistics.median(ratios), 4),

@@ -84,9 +84,12 @@ def start_upstream(
     return start_ready_line("upstream", argv, workdir)
 
 
-def start_proxy(config_path: Path, workdir: Path, workers: int | None, *, root: Path = ROOT) -> Server:
-    """The proxy of the source tree ``root`` (``bench/ab.py`` runs two trees side by side)."""
-    argv = [PYTHON, "-m", "proxy", "serve", "--config", str(config_path)]
+def start_proxy(
+    config_path: Path, workdir: Path, workers: int | None, *, root: Path = ROOT, python: str = PYTHON
+) -> Server:
+    """The proxy of the source tree ``root`` on the interpreter ``python`` (``bench/ab.py`` runs
+    two trees, or two interpreters, side by side)."""
+    argv = [python, "-m", "proxy", "serve", "--config", str(config_path)]
     if workers is not None:
         argv += ["--workers", str(workers)]
     env = {**os.environ, "BENCH_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(root)}
