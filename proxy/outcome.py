@@ -82,14 +82,13 @@ class BilledUsage:
         )
 
 
+# What a call that never went out is billed: nothing, and no request counted (``settle._actual``).
+NOTHING_BILLED = BilledUsage(
+    input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
+)
 # Token kinds a bill names: input and output, and the parts of them priced apart (cache reads
 # and writes, writes kept an hour, audio, reasoning).
-TOKEN_KINDS = tuple(
-    kind
-    for kind, _ in BilledUsage(
-        input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
-    ).by_kind()
-)
+TOKEN_KINDS = tuple(kind for kind, _ in NOTHING_BILLED.by_kind())
 
 
 def _json_problem(text: str) -> str | None:

@@ -26,7 +26,15 @@ from proxy.journal import Journal
 from proxy.lease import LeaseRenewal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation
-from proxy.outcome import BilledUsage, Outcome, OutcomeTag, estimated_usage, provider_usage, reserve_usage
+from proxy.outcome import (
+    NOTHING_BILLED,
+    BilledUsage,
+    Outcome,
+    OutcomeTag,
+    estimated_usage,
+    provider_usage,
+    reserve_usage,
+)
 from proxy.record import record_call
 from proxy.relay_body import relay_body, relay_upstream_error
 from proxy.relay_stream import REDACTED, relay_stream
@@ -459,6 +467,16 @@ class Exchange:
         inflight = self.services.metrics.inflight.labels(tenant)
         inflight.inc()
         try:
+            if self.request.transport is None:
+                # The client left while its call was reserved (a slow store, a client's short
+                # timeout): its answer would reach nobody, and the provider would bill it all the
+                # same. Nothing goes out, and nothing is billed.
+                return await self.failed(
+                    "client_disconnected",
+                    499,
+                    "The client closed the connection before the call went out.",
+                    NOTHING_BILLED,
+                )
             started = time.monotonic()
             upstream = await open_upstream(
                 self.services.session, self.call, self.request.rel_url.raw_query_string
@@ -501,13 +519,7 @@ class Exchange:
     async def _transport_failure(self, failure: TransportFailure) -> web.Response:
         timed_out = failure.kind in ("timeout", "connect_timeout")
         tag: OutcomeTag = "upstream_timeout" if timed_out else "upstream_error"
-        usage = (
-            self.reserve_usage()
-            if failure.went_out
-            else BilledUsage(
-                input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
-            )
-        )
+        usage = self.reserve_usage() if failure.went_out else NOTHING_BILLED
         return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage)
 
     async def failed(

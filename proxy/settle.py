@@ -15,7 +15,7 @@ import orjson
 from proxy.call import Call
 from proxy.errors import StoreError
 from proxy.journal import Journal, PendingSettlement
-from proxy.outcome import BilledUsage, Outcome, reserve_usage
+from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, worst_rates
 from proxy.store import ACTUAL_METERS, Store
 
@@ -262,10 +262,7 @@ def release_unforwarded(call: Call, journal: Journal, scopes: list[str], run_ttl
     so that, once the store answers, its reservation is released (not reaped at full reserve).
     If the reserve never happened, applying it changes nothing."""
     zero = dict.fromkeys(ACTUAL_METERS, 0)
-    usage = BilledUsage(
-        input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
-    )
-    entry = entry_fields(call, Outcome("not_forwarded"), usage, 0, "")
+    entry = entry_fields(call, Outcome("not_forwarded"), NOTHING_BILLED, 0, "")
     try:
         journal.append(
             PendingSettlement(

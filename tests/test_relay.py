@@ -322,3 +322,66 @@ async def test_an_answer_past_the_window_a_lost_reservation_is_billed_in_waits_f
     early, raw = await _held_chat(proxy, own_redis, fake)
     assert not early, "the answer did not wait for its settle"
     assert raw.status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_gone_while_its_call_was_reserved_has_nothing_forwarded_nor_billed(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    stream: bool,
+) -> None:
+    """A client that leaves while the store is slow to reserve (its SDK's timeout ran out) gets
+    no answer: its call must not go out, or the provider would bill it and the ledger with it.
+    Its reserve is released, nothing is billed, and the ledger says why."""
+    proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 10})
+    # A first call: the tenant is known to the store and the store's clock read, so the second
+    # call's only wait on the store is its reserve.
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+    )
+    received = len(fake.received)
+    pipe = proxy.app[STATE].store._pipe  # type: ignore[union-attr]
+    assert pipe is not None and pipe._protocol is not None
+    blocker = aioredis.Redis.from_url(own_redis.url)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    body = orjson.dumps(
+        {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    )
+    try:
+        hold = asyncio.ensure_future(blocker.eval(HOLDING, 0))
+        assert own_redis.port is not None
+        await until_redis_busy(own_redis.port)
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+            f"X-Run-Id: gone-early\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        # Until the proxy's reserve is on its way to the held store: then the client leaves.
+        deadline = time.monotonic() + 10
+        while not pipe._protocol.waiters:
+            assert time.monotonic() < deadline, "the reserve never went out"
+            await asyncio.sleep(0.01)
+        writer.close()
+        await hold
+    finally:
+        await blocker.aclose()
+    entries: list[Any] = []
+    deadline = time.monotonic() + 10
+    while len(entries) < 2:
+        assert time.monotonic() < deadline, "the second call was never settled"
+        await asyncio.sleep(0.02)
+        entries = await own_client.xrange("lbp:{team-a}:ledger")
+    assert len(fake.received) == received, "a call whose client had left went out"
+    entry = entries[-1][1]
+    assert entry["outcome"] == "client_disconnected"
+    assert entry["usage_source"] == "none"
+    assert entry["input_tokens"] == entry["output_tokens"] == entry["cost_micros"] == "0"
+    run = await own_client.hgetall("lbp:{team-a}:run:gone-early")
+    assert run.get("used:requests", "0") == "0"  # not a request made
+    assert all(run[f"resv:{m}"] == "0" for m in ("requests", "input_tokens", "output_tokens"))
+    assert await own_client.zcard("lbp:{team-a}:leases") == 0
