@@ -37,7 +37,12 @@ KEY_SCOPE_HEADERS = ("OpenAI-Organization", "OpenAI-Project")
 
 
 def presented_key(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
+    headers = request.headers
+    if len(headers.getall("Authorization", ())) > 1 or len(headers.getall("x-api-key", ())) > 1:
+        # Which of several a gateway in front reads is its own choice: the key it checked may
+        # not be the one checked here.
+        raise Unauthorized("Several Authorization or x-api-key headers: send your key once.")
+    header = headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()

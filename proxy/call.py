@@ -74,9 +74,12 @@ def request_id_for(request: web.Request, ids: IdSource) -> str:
 def run_id_for(request: web.Request, ids: IdSource) -> str:
     """The run a call belongs to; a call without ``X-Run-Id`` is a run of its own (a new id,
     never the client's ``X-Request-Id``, which a gateway may repeat)."""
-    sent = request.headers.get("x-run-id")
-    if sent is None:
+    given = request.headers.getall("x-run-id", ())
+    if not given:
         return f"run_{ids.new()}"
+    if len(given) > 1:
+        raise BadRequest("Several X-Run-Id headers: send one.", param="X-Run-Id")
+    sent = given[0]
     if not SANE_ID.fullmatch(sent):
         raise BadRequest(
             "Invalid X-Run-Id: use 1 to 128 letters, digits, '.', '_', ':' or '-'.", param="X-Run-Id"
