@@ -38,10 +38,10 @@ KEY_SCOPE_HEADERS = ("OpenAI-Organization", "OpenAI-Project")
 
 def presented_key(request: web.Request) -> str | None:
     headers = request.headers
-    if len(headers.getall("Authorization", ())) > 1 or len(headers.getall("x-api-key", ())) > 1:
-        # Which of several a gateway in front reads is its own choice: the key it checked may
-        # not be the one checked here.
-        raise Unauthorized("Several Authorization or x-api-key headers: send your key once.")
+    if len(set(headers.getall("Authorization", ()))) > 1 or len(set(headers.getall("x-api-key", ()))) > 1:
+        # Which of two a gateway in front reads is its own choice: the key it checked may not be
+        # the one checked here. (The same value twice says one thing: taken.)
+        raise Unauthorized("Two different Authorization or x-api-key headers: send your key once.")
     header = headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer" and value.strip():

@@ -77,8 +77,8 @@ def run_id_for(request: web.Request, ids: IdSource) -> str:
     given = request.headers.getall("x-run-id", ())
     if not given:
         return f"run_{ids.new()}"
-    if len(given) > 1:
-        raise BadRequest("Several X-Run-Id headers: send one.", param="X-Run-Id")
+    if len(set(given)) > 1:
+        raise BadRequest("Two different X-Run-Id headers: send one.", param="X-Run-Id")
     sent = given[0]
     if not SANE_ID.fullmatch(sent):
         raise BadRequest(
