@@ -435,8 +435,27 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
+async def expect_continue_once_known(request: web.Request) -> web.StreamResponse | None:
+    """``expect_continue`` for a billed call: a caller the proxy does not know is refused before it
+    sends its body (which may be megabytes), not after."""
+    state = request.app[STATE]
+    try:
+        authenticate(request, state.config, passthrough=state.passthrough)
+    except ApiError as err:
+        dialect = dialect_of_path(request.path)
+        return dialect.error_response(
+            err.status,
+            err.message,
+            err.error_type,
+            code=err.code,
+            param=err.param,
+            headers={**err.headers, **dialect.id_headers(request_id_for(request, state.ids))},
+        )
+    return await expect_continue(request)
+
+
 def add_routes(app: web.Application) -> None:
-    post = functools.partial(app.router.add_post, expect_handler=expect_continue)
+    post = functools.partial(app.router.add_post, expect_handler=expect_continue_once_known)
     post("/v1/chat/completions", chat_completions)
     post("/v1/completions", completions)
     post("/v1/embeddings", embeddings)
