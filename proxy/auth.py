@@ -37,17 +37,21 @@ KEY_SCOPE_HEADERS = ("OpenAI-Organization", "OpenAI-Project")
 
 
 def presented_key(request: web.Request) -> str | None:
+    """The caller's key: a bearer token (``Authorization``) or ``x-api-key``. Two different keys
+    are refused: which one a gateway in front read is its own choice, and the key it checked may
+    not be the one billed. The same key twice (a client's default header and its own, or both
+    headers) is one key."""
     headers = request.headers
-    if len(set(headers.getall("Authorization", ()))) > 1 or len(set(headers.getall("x-api-key", ()))) > 1:
-        # Which of two a gateway in front reads is its own choice: the key it checked may not be
-        # the one checked here. (The same value twice says one thing: taken.)
-        raise Unauthorized("Two different Authorization or x-api-key headers: send your key once.")
-    header = headers.get("Authorization", "")
+    keys = {key for key in map(_bearer_key, headers.getall("Authorization", ())) if key}
+    keys.update(key for key in (value.strip() for value in headers.getall("x-api-key", ())) if key)
+    if len(keys) > 1:
+        raise Unauthorized("Two different keys (Authorization, x-api-key): send your key once.")
+    return next(iter(keys), None)
+
+
+def _bearer_key(header: str) -> str | None:
     scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    api_key = request.headers.get("x-api-key", "").strip()
-    return api_key or None
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
 def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> Identity:

@@ -443,7 +443,7 @@ async def expect_continue_once_known(request: web.Request) -> web.StreamResponse
         authenticate(request, state.config, passthrough=state.passthrough)
     except ApiError as err:
         dialect = dialect_of_path(request.path)
-        return dialect.error_response(
+        refused = dialect.error_response(
             err.status,
             err.message,
             err.error_type,
@@ -451,6 +451,10 @@ async def expect_continue_once_known(request: web.Request) -> web.StreamResponse
             param=err.param,
             headers={**err.headers, **dialect.id_headers(request_id_for(request, state.ids))},
         )
+        # The body was never asked for: a client that leaves it unsent and reuses the connection
+        # would have its next request read as that body. The connection ends with this answer.
+        refused.force_close()
+        return refused
     return await expect_continue(request)
 
 

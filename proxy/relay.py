@@ -467,7 +467,8 @@ class Exchange:
         inflight = self.services.metrics.inflight.labels(tenant)
         inflight.inc()
         try:
-            if self.request.transport is None:
+            client = self.request.transport
+            if client is None or client.is_closing():
                 # The client left while its call was reserved (a slow store, a client's short
                 # timeout): its answer would reach nobody, and the provider would bill it all the
                 # same. Nothing goes out, and nothing is billed.

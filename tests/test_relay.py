@@ -341,6 +341,7 @@ async def test_a_client_gone_while_its_call_was_reserved_has_nothing_forwarded_n
     await proxy.client().chat.completions.create(
         model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
     )
+    await proxy.recorded()  # its settle answered: the one command the store is then sent is the reserve
     received = len(fake.received)
     pipe = proxy.app[STATE].store._pipe  # type: ignore[union-attr]
     assert pipe is not None and pipe._protocol is not None
