@@ -274,7 +274,7 @@ async def test_another_tenants_run_is_a_404_whatever_the_headers(proxy: Proxy) -
         {"X-Run-Id": "same-run"},
         {"X-Run-Id": "other"},
         {"X-Tenant": "team-a", "OpenAI-Organization": "team-a", "OpenAI-Project": "team-a"},
-        {"X-Api-Key": KEY_A},  # a second key in another header does not switch tenants
+        {"X-Api-Key": KEY_A},  # a second key in another header: refused, never switches tenants
         {"Cookie": f"key={KEY_A}"},
     ]
     paths = [
@@ -286,7 +286,7 @@ async def test_another_tenants_run_is_a_404_whatever_the_headers(proxy: Proxy) -
     for headers in sneaky_headers:
         for path in paths:
             reply = await call(proxy, path, method="GET", headers=headers, key=KEY_B)
-            error = assert_openai_error(reply, 404)
+            error = assert_openai_error(reply, 401 if "X-Api-Key" in headers else 404)
             assert error["type"] != "permission_denied", reply.describe()
             assert b"team-a" not in reply.body, reply.describe()
             assert b"a-ci" not in reply.body, reply.describe()
@@ -343,7 +343,6 @@ async def test_a_call_with_another_tenants_run_id_is_charged_to_the_caller(
         ({"X-Run-Id": "same-run"}, CHAT_BODY),
         ({"X-Run-Id": "same-run", "X-Tenant": "team-a", "OpenAI-Organization": "team-a"}, CHAT_BODY),
         ({"X-Run-Id": "same-run"}, {**CHAT_BODY, "user": "team-a", "metadata": {"tenant": "team-a"}}),
-        ({"X-Run-Id": "same-run", "X-Api-Key": KEY_A}, CHAT_BODY),
         ({"X-Run-Id": "same-run"}, {**CHAT_BODY, "stream": True}),
         ({"X-Run-Id": "run:same-run"}, CHAT_BODY),
         ({"X-Run-Id": "same-run:ledger"}, CHAT_BODY),
@@ -351,11 +350,16 @@ async def test_a_call_with_another_tenants_run_id_is_charged_to_the_caller(
     for headers, body in attempts:
         reply = await call(proxy, CHAT, body=body, headers=headers, key=KEY_B)
         assert reply.status == 200, reply.describe()
+    # A second key in another header switches nothing: the call is refused, charged to nobody.
+    both = await call(
+        proxy, CHAT, body=CHAT_BODY, headers={"X-Run-Id": "same-run", "X-Api-Key": KEY_A}, key=KEY_B
+    )
+    assert_openai_error(both, 401)
 
     assert await dump_keys(redis_client, "lbp:{team-a}:*") == team_a_before
     team_b = await dump_keys(redis_client, "lbp:{team-b}:*")
     assert team_b["lbp:{team-b}:run:same-run"][0] == "hash"
-    assert int(team_b["lbp:{team-b}:run:same-run"][1]["used:requests"]) == 5
+    assert int(team_b["lbp:{team-b}:run:same-run"][1]["used:requests"]) == 4
     ledger_b = team_b["lbp:{team-b}:ledger"][1]
     assert len(ledger_b) == len(attempts)
     assert {fields["tenant"] for _id, fields in ledger_b} == {"team-b"}
@@ -365,7 +369,7 @@ async def test_a_call_with_another_tenants_run_id_is_charged_to_the_caller(
     a_run = await call(proxy, "/v1/billing/runs/same-run/ledger", method="GET", key=KEY_A)
     b_run = await call(proxy, "/v1/billing/runs/same-run/ledger", method="GET", key=KEY_B)
     assert [e["tenant"] for e in a_run.json()["data"]] == ["team-a"]
-    assert [e["tenant"] for e in b_run.json()["data"]] == ["team-b"] * 5
+    assert [e["tenant"] for e in b_run.json()["data"]] == ["team-b"] * 4
     a_meters = await call(proxy, "/v1/billing/runs/same-run", method="GET", key=KEY_A)
     assert a_meters.json()["meters"]["requests"]["used"] == 1
 
