@@ -436,11 +436,12 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
 
 
 async def expect_continue_once_known(request: web.Request) -> web.StreamResponse | None:
-    """``expect_continue`` for a billed call: a caller the proxy does not know is refused before it
-    sends its body (which may be megabytes), not after."""
+    """``expect_continue`` for a billed call: a caller the proxy does not know, or a run id it
+    refuses, is refused before the body is sent (it may be megabytes), not after."""
     state = request.app[STATE]
     try:
         authenticate(request, state.config, passthrough=state.passthrough)
+        run_id_for(request, state.ids)  # its id, when the header names none, is made again later
     except ApiError as err:
         dialect = dialect_of_path(request.path)
         refused = dialect.error_response(

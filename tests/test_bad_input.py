@@ -587,15 +587,16 @@ async def test_an_unknown_expectation_is_refused_in_openais_format(proxy: Proxy)
 
 async def test_a_caller_it_does_not_know_is_refused_before_it_sends_its_body(proxy: Proxy) -> None:
     """With ``Expect: 100-continue`` a client waits for the go-ahead before it uploads its body
-    (curl does for large ones): a wrong key is refused then, in the API's format, the body never
-    asked for. A known key still gets its 100 Continue (the test above)."""
+    (curl does for large ones): a wrong key (or a run id the proxy refuses) is refused then, in the
+    API's format, the body never asked for. A known key still gets its 100 Continue (the test above)."""
     port = int(proxy.url.rsplit(":", 1)[1])
     asks = [
-        (CHAT, "Authorization: Bearer sk-proxy-nobody"),
-        ("/v1/messages", "Authorization: Bearer sk-proxy-nobody"),
-        ("/v1/messages", "x-api-key: sk-proxy-nobody"),  # the anthropic SDK's header
+        (CHAT, "Authorization: Bearer sk-proxy-nobody", 401),
+        ("/v1/messages", "Authorization: Bearer sk-proxy-nobody", 401),
+        ("/v1/messages", "x-api-key: sk-proxy-nobody", 401),  # the anthropic SDK's header
+        (CHAT, f"Authorization: Bearer {KEY_A}\r\nX-Run-Id: not a run id", 400),
     ]
-    for path, auth in asks:
+    for path, auth, status in asks:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\nContent-Type: application/json\r\n"
@@ -603,7 +604,7 @@ async def test_a_caller_it_does_not_know_is_refused_before_it_sends_its_body(pro
         )
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 401"), head
+        assert head.startswith(f"HTTP/1.1 {status}".encode()), head
         # A keep-alive client that leaves the body unsent must not have its next request read as
         # that body: the connection ends with the answer.
         assert b"\r\nconnection: close\r\n" in head.lower(), head
@@ -612,7 +613,9 @@ async def test_a_caller_it_does_not_know_is_refused_before_it_sends_its_body(pro
         )
         error = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
         writer.close()
-        if path == CHAT:
+        if status == 400:
+            assert error["error"]["param"] == "X-Run-Id", error
+        elif path == CHAT:
             assert error["error"]["code"] == "invalid_api_key", error
         else:
             assert error["type"] == "error" and error["error"]["type"] == "authentication_error", error
