@@ -22,7 +22,7 @@ from proxy.app import STATE, State, metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, request_id_for, run_id_for
 from proxy.config import Config
-from proxy.dialects import DIALECTS, dialect_of_path
+from proxy.dialects import DIALECTS, Dialect, dialect_of_path
 from proxy.errors import (
     ApiError,
     BadRequest,
@@ -90,10 +90,10 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     except ApiError as err:
         if isinstance(err, BudgetExceeded):
             record_refusal(state.metrics, config, identity.tenant, err)
-        return _refused(endpoint, request_id, err)
+        return _refused(DIALECTS[endpoint], request_id, err)
     except StoreError:
         state.metrics.store_errors.labels("reserve").inc()
-        return _refused(endpoint, request_id, StoreUnavailable())
+        return _refused(DIALECTS[endpoint], request_id, StoreUnavailable())
     return await Exchange(request, call, state.services_for(config)).run()
 
 
@@ -175,15 +175,15 @@ async def read_body(request: web.Request, limit_bytes: int) -> bytes:
         raise BadRequest("The connection was lost before the request body arrived whole.") from None
 
 
-def _refused(endpoint: Endpoint, request_id: str, err: ApiError) -> web.Response:
+def _refused(dialect: Dialect, request_id: str, err: ApiError) -> web.Response:
     """An error before forwarding, in the format of the API the client speaks."""
-    return DIALECTS[endpoint].error_response(
+    return dialect.error_response(
         err.status,
         err.message,
         err.error_type,
         code=err.code,
         param=err.param,
-        headers={**err.headers, **DIALECTS[endpoint].id_headers(request_id)},
+        headers={**err.headers, **dialect.id_headers(request_id)},
     )
 
 
@@ -443,15 +443,7 @@ async def expect_continue_once_known(request: web.Request) -> web.StreamResponse
         authenticate(request, state.config, passthrough=state.passthrough)
         run_id_for(request, state.ids)  # its id, when the header names none, is made again later
     except ApiError as err:
-        dialect = dialect_of_path(request.path)
-        refused = dialect.error_response(
-            err.status,
-            err.message,
-            err.error_type,
-            code=err.code,
-            param=err.param,
-            headers={**err.headers, **dialect.id_headers(request_id_for(request, state.ids))},
-        )
+        refused = _refused(dialect_of_path(request.path), request_id_for(request, state.ids), err)
         # The body was never asked for: a client that leaves it unsent and reuses the connection
         # would have its next request read as that body. The connection ends with this answer.
         refused.force_close()
