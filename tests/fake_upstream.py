@@ -26,6 +26,7 @@ openai SDK: ``extra_body={"fake": {...}}``); every key is optional:
   id_prefix        Responses: the prefix of a response id (default resp_)
   first_event_delay_s  sleep between a stream's headers and its first event
   delay_s          sleep before answering at all (any mode)
+  hold             wait before answering until the test calls ``release()`` (any mode)
   two_usage        send the usage chunk twice (usage_early: before last content)
   headers          dict of extra response headers (a long set-cookie, a CSP)
 
@@ -161,6 +162,7 @@ class FakeUpstream:
         self.contexts: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._released = asyncio.Event()  # for "hold": set by release()
 
     async def start(self) -> str:
         app = web.Application()
@@ -172,6 +174,10 @@ class FakeUpstream:
         self.port = int(self._runner.addresses[0][1])
         self.base_url = f"http://{self.host}:{self.port}/v1"
         return self.base_url
+
+    def release(self) -> None:
+        """Answer the calls held (``"hold": true``), and any that ask to be held from now on."""
+        self._released.set()
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -333,6 +339,8 @@ class FakeUpstream:
             self.bill.append(BillEntry(no, path, model, stream, p_tok, c_tok, cached, reasoning, mode))
         if ctl.get("delay_s"):
             await asyncio.sleep(float(ctl["delay_s"]))
+        if ctl.get("hold"):
+            await self._released.wait()
         if mode == "stall_before_headers":
             await asyncio.sleep(float(ctl.get("stall_s", 30)))
         if mode == "error":

@@ -301,6 +301,16 @@ async def test_a_shrink_the_store_refused_leaves_the_bound_in_the_ledger_as_in_r
     assert all(m["reserved"] == 0 for m in state.values()), state
 
 
+async def until_script_parked(client: aioredis.Redis) -> None:
+    """Until a script waits in Redis behind a ``CLIENT PAUSE ... WRITE`` (flag ``b``)."""
+    for _ in range(1000):
+        clients = await client.client_list()
+        if any("b" in c["flags"] and c["cmd"] == "evalsha" for c in clients):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no script waited behind the pause")
+
+
 async def test_a_settle_waits_for_a_shrink_on_its_way_and_shows_what_it_left(
     make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
 ) -> None:
@@ -319,13 +329,21 @@ async def test_a_settle_waits_for_a_shrink_on_its_way_and_shows_what_it_left(
             messages=[{"role": "user", "content": TEXT}],
             max_tokens=10,
             extra_headers=run_headers("paused"),
-            extra_body={"fake": {"delay_s": 0.5}},
+            extra_body={"fake": {"hold": True}},
         )
     )
     await until_upstream_received(fake, 1)
-    await own_client.execute_command("CLIENT", "PAUSE", "2000", "WRITE")  # the shrink waits
+    await own_client.execute_command("CLIENT", "PAUSE", "10000", "WRITE")  # the shrink waits
     gate.set()
-    reply = await call  # answered within the pause: its settle waited behind the shrink
+    # The answer comes once the shrink is on its way: a fixed delay may end before the count
+    # does on a loaded machine, and the settle then drops the count (a different path).
+    await until_script_parked(own_client)
+    fake.release()
+    # The settle waits behind the shrink, and the settle is a write too. Should a loaded machine
+    # read the answer only after the unpause, the shrink lands first: the same figures.
+    await asyncio.sleep(0.3)
+    await own_client.execute_command("CLIENT", "UNPAUSE")
+    reply = await call
     [entry] = await ledger_entries(proxy, "paused")
     assert int(entry["reserved_input_tokens"]) == EXACT_INPUT  # what Redis held: lowered
     assert quick_estimates(proxy, "lowered") == 1 and quick_estimates(proxy, "dropped") == 0
@@ -362,14 +380,18 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
     client = proxy.client()
     other = "other " * 7000
-    await client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": TEXT}],
-        max_tokens=10,
-        extra_headers=run_headers("a"),
-        extra_body={"fake": {"delay_s": 0.3}},  # its count is under way before it settles
+    first = asyncio.ensure_future(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": TEXT}],
+            max_tokens=10,
+            extra_headers=run_headers("a"),
+            extra_body={"fake": {"hold": True}},
+        )
     )
-    assert await asyncio.to_thread(enc.entered.wait, 5)  # the first count holds the thread
+    assert await asyncio.to_thread(enc.entered.wait, 10)  # the first count holds the thread
+    fake.release()  # a settles while its count is under way
+    await first
     await client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": other}],
