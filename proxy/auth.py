@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from proxy.config import Config
-from proxy.errors import Forbidden, Unauthorized
+from proxy.errors import BadRequest, Forbidden, Unauthorized
 
 PASSTHROUGH_TIER = "standard"
 PASSTHROUGH_ID_DIGITS = 32
@@ -54,6 +54,20 @@ def _bearer_key(header: str) -> str | None:
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
+def _key_scope(request: web.Request) -> tuple[tuple[str, str], ...]:
+    """The organization and project the caller's own key is billed to. Two different values of
+    one are refused, as two keys are: the provider would read one, a gateway in front perhaps
+    the other, and the call would be billed where nobody checked."""
+    scope = []
+    for name in KEY_SCOPE_HEADERS:
+        values = request.headers.getall(name, ())
+        if len(set(values)) > 1:
+            raise BadRequest(f"Two different {name} headers: send one.", param=name)
+        if values:
+            scope.append((name, values[0]))
+    return tuple(scope)
+
+
 def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> Identity:
     key = presented_key(request)
     if key is None:
@@ -69,7 +83,7 @@ def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> 
         raise Unauthorized("Incorrect API key provided.") from None
     digest = hashlib.sha256(encoded).hexdigest()
     if passthrough:
-        scope = tuple((name, request.headers[name]) for name in KEY_SCOPE_HEADERS if name in request.headers)
+        scope = _key_scope(request)
         # 128 bits of the key's digest: the tenant id is shown (billing views, the ledger), and
         # 48 bits (the first 12 digits, before) let a key of the same tenant be found in hours.
         name = f"pt-{digest[:PASSTHROUGH_ID_DIGITS]}"

@@ -175,6 +175,29 @@ async def test_passthrough_sends_the_callers_organization_and_project(
     assert (sent.get("openai-organization"), sent.get("openai-project")) == ("org-abc", "proj_xyz"), sent
 
 
+@pytest.mark.parametrize("name", ["OpenAI-Organization", "OpenAI-Project"])
+async def test_passthrough_refuses_two_different_organizations_or_projects(
+    make_proxy: ProxyFactory, fake: FakeUpstream, name: str
+) -> None:
+    """The provider bills the one it reads, a gateway in front may have checked the other: as
+    two keys, refused before anything is reserved or sent. The same value twice is one value."""
+    proxy = await make_proxy(passthrough=True, upstreams=passthrough_upstreams(fake.base_url))
+    fake.api_key = None  # any key: the caller's own
+    own = [("Authorization", "Bearer sk-own")]
+    async with aiohttp.ClientSession() as session:
+        two = [*own, (name, "first"), (name, "second")]
+        async with session.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=two) as resp:
+            assert resp.status == 400, await resp.text()
+            error = (await resp.json())["error"]
+            assert error["param"] == name and error["message"].startswith(f"Two different {name}"), error
+        assert fake.received == []
+        alike = [*own, (name, "same"), (name, "same")]
+        async with session.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=alike) as resp:
+            assert resp.status == 200, await resp.text()
+    [sent] = fake.received
+    assert [v for k, v in sent.headers.items() if k.lower() == name.lower()] == ["same"]
+
+
 async def test_with_the_proxys_key_the_callers_organization_is_not_sent(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
