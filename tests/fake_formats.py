@@ -8,7 +8,7 @@ after_chunks (default 2), stall_s (default 30), status and error_body (json | te
 POST /v1/responses  (auth ``Authorization: Bearer <key>``; OpenAI error bodies)
   prompt = words of ``input`` (string, or items whose ``content`` is a string or text parts;
   +3 per item with a ``role``) + words of ``instructions``; output is capped by
-  ``max_output_tokens``.
+  ``max_output_tokens``.  delay_s and hold (until ``FakeUpstream.release()``) as for chat.
   modes: ok | truncate (incomplete, max_output_tokens) | content_filter (half the reply,
   incomplete, content_filter) | refusal (a ``refusal`` content part) | failed | error |
   stall_before_headers | stall_mid_stream | cut | malformed_sse | no_done | non_json
@@ -297,6 +297,8 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
         _bill(host, no, request.path, model, stream, mode, **toks)
     if ctl.get("delay_s"):
         await asyncio.sleep(float(ctl["delay_s"]))
+    if ctl.get("hold"):
+        await host._released.wait()  # FakeUpstream.release()
     if mode == "stall_before_headers":
         await asyncio.sleep(float(ctl.get("stall_s", 30)))
     if mode == "error":

@@ -22,7 +22,15 @@ import proxy.reserve
 from proxy.app import STATE
 from proxy.redis_server import RedisServerProcess
 from proxy.store import Reservation, Scope
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, base_config, digest
+from tests.conftest import (
+    KEY_A,
+    UPSTREAM_KEY,
+    Proxy,
+    ProxyFactory,
+    base_config,
+    digest,
+    until_upstream_received,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 
@@ -240,20 +248,18 @@ async def test_key_window_refusal_has_retry_after(make_proxy: ProxyFactory, fake
 
 
 async def _in_flight(proxy: Proxy, fake: FakeUpstream, key: str = KEY_A) -> asyncio.Task[Any]:
-    """A call the upstream holds for a second, once it has reached the upstream."""
+    """A call the upstream holds until the test calls ``fake.release()``, once it has reached the
+    upstream (a fixed delay may end before the test has looked, on a loaded machine)."""
     slow = asyncio.create_task(
         proxy.client(key).chat.completions.create(
             model="gpt-4o-mini",
             messages=MSGS,
             max_tokens=10,
             extra_headers={"X-Run-Id": "in-flight"},
-            extra_body={"fake": {"delay_s": 1.0}},
+            extra_body={"fake": {"hold": True}},
         )
     )
-    for _ in range(400):
-        if fake.received:
-            break
-        await asyncio.sleep(0.01)
+    await until_upstream_received(fake, 1)
     return slow
 
 
@@ -297,6 +303,7 @@ async def test_a_call_in_flight_shows_in_every_window_a_ceiling_names_or_not(
         assert view["concurrent"]["peak"] == (1 if name in ("key", "key:day") else None), name
     # The key's lifetime, the window its ceiling names and the run; not the day and month windows.
     assert await _holders(redis_client) == ["key:a-ci:all", "key:a-ci:day", "run:in-flight"]
+    fake.release()
     await slow
     after = await _key_view(proxy)
     for name, view in after.items():
@@ -335,6 +342,7 @@ async def test_a_tenant_window_another_tier_limits_sees_the_calls_in_flight_of_e
     with pytest.raises(openai.RateLimitError) as caught:
         await proxy.client("sk-a1").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=10)
     assert caught.value.response.headers["x-should-retry"] == "true"  # fits once that call ends
+    fake.release()
     await slow
     await proxy.client("sk-a1").chat.completions.create(model="gpt-4o-mini", messages=MSGS, max_tokens=10)
     assert len(fake.bill) == 2
@@ -356,6 +364,7 @@ async def test_a_tenant_holds_nothing_on_windows_only_other_tenants_limit(
     proxy = await make_proxy(keys=keys, tiers=tiers_)
     slow = await _in_flight(proxy, fake, "sk-b1")
     holders = await _holders(redis_client)
+    fake.release()
     await slow
     assert holders == ["key:b1:all", "run:in-flight"], holders
 
@@ -944,8 +953,6 @@ async def test_legacy_functions_reserve_the_models_tool_prompt_as_tools_do(
 async def test_a_clamp_refused_for_a_concurrency_slot_names_the_slot_not_the_output(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
-    from tests.conftest import until_upstream_received
-
     # The run affords 50 output tokens (a clamp to 50 fits); the key's one slot is taken.
     proxy = await make_proxy(
         tiers={
@@ -964,7 +971,7 @@ async def test_a_clamp_refused_for_a_concurrency_slot_names_the_slot_not_the_out
             messages=MSGS,
             max_tokens=5,
             extra_headers={"X-Run-Id": "slow"},
-            extra_body={"fake": {"delay_s": 0.6}},
+            extra_body={"fake": {"hold": True}},  # in flight until the next call was refused
         )
     )
     await until_upstream_received(fake, 1)
@@ -972,6 +979,7 @@ async def test_a_clamp_refused_for_a_concurrency_slot_names_the_slot_not_the_out
         await client.chat.completions.create(
             model="gpt-4o-mini", messages=MSGS, max_tokens=100, extra_headers={"X-Run-Id": "next"}
         )
+    fake.release()
     await slow
     headers = caught.value.response.headers
     assert headers["x-should-retry"] == "true"

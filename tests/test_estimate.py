@@ -151,12 +151,17 @@ async def test_the_call_goes_out_before_the_count_and_its_reserve_comes_down_to_
     proxy = await make_proxy(
         tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"total_tokens": 10**6})
     )
-    _stream, chunks = await big_stream(proxy, "quick", max_tokens=10, fake={"chunk_delay_s": 0.1})
-    # The provider answered while the count still waits: the reserve is the byte-length bound.
+    call = asyncio.ensure_future(big_stream(proxy, "quick", max_tokens=10, fake={"hold": True}))
+    await until_upstream_received(fake, 1)
+    # The call went out while the count still waits: the reserve is the byte-length bound.
     assert enc.counted == []
     assert await reserved_input(proxy, "quick") == QUICK_INPUT
     gate.set()
+    # Lowered while the upstream holds the answer: a stream that ended first (a fixed pace may,
+    # on a loaded machine) would settle and drop the count.
     assert await lowered_to_exact(proxy, "quick")
+    fake.release()
+    _stream, chunks = await call
     async for _chunk in chunks:
         pass
     [entry] = await ledger_entries(proxy, "quick")
@@ -198,15 +203,26 @@ async def test_a_budget_decides_on_the_exact_count_never_the_byte_bound(
 
 
 async def failing_call(proxy: Proxy, run: str) -> Any:
-    """A bare 502 after the call went out: billed at its reserve."""
+    """A bare 502 after the call went out, once the test calls ``fake.release()``: billed at its
+    reserve."""
     return await proxy.client().chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": TEXT}],
         max_tokens=10,
         extra_headers=run_headers(run),
-        # Answered once the background count is under way (it starts at the reserve).
-        extra_body={"fake": {"mode": "error", "status": 502, "error_body": "none", "delay_s": 0.3}},
+        # Answered once the test saw the background count under way (it starts at the reserve): a
+        # fixed delay may end first on a loaded machine, and the settle then drops the count.
+        extra_body={"fake": {"mode": "error", "status": 502, "error_body": "none", "hold": True}},
     )
+
+
+async def until_counts_begun(enc: QuarterEncoding, count: int) -> None:
+    """Until ``count`` counts of long texts have begun (each may then wait on ``enc.gate``)."""
+    for _ in range(500):
+        if enc.entries >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{enc.entries} counts begun, not {count}")
 
 
 async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
@@ -216,11 +232,10 @@ async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
     enc = QuarterEncoding(gate)
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
     call = asyncio.ensure_future(failing_call(proxy, "lost"))
+    await until_counts_begun(enc, 1)
+    fake.release()
     # The background count holds the estimate thread; the settle counts for itself, not behind it.
-    for _ in range(500):
-        if enc.entries >= 2:
-            break
-        await asyncio.sleep(0.01)
+    await until_counts_begun(enc, 2)
     assert enc.entries == 2
     gate.set()
     with pytest.raises(openai.InternalServerError):
@@ -241,10 +256,9 @@ async def test_the_ledger_shows_the_reserve_redis_held_when_the_count_came_after
     enc = QuarterEncoding(gate)
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
     call = asyncio.ensure_future(failing_call(proxy, "held"))
-    for _ in range(500):
-        if enc.entries >= 2:  # the background count, dropped; the settle's own
-            break
-        await asyncio.sleep(0.01)
+    await until_counts_begun(enc, 1)
+    fake.release()
+    await until_counts_begun(enc, 2)  # the background count, dropped; the settle's own
     assert enc.entries == 2
     assert await reserved_input(proxy, "held") == QUICK_INPUT  # never lowered
     gate.set()
@@ -267,12 +281,13 @@ async def until_quick(proxy: Proxy, result: str, count: int = 1) -> None:
 
 
 async def slow_call(proxy: Proxy, run: str) -> Any:
+    """A call answered once the test calls ``fake.release()``."""
     return await proxy.client().chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": TEXT}],
         max_tokens=10,
         extra_headers=run_headers(run),
-        extra_body={"fake": {"delay_s": 1.0}},
+        extra_body={"fake": {"hold": True}},
     )
 
 
@@ -293,6 +308,7 @@ async def test_a_shrink_the_store_refused_leaves_the_bound_in_the_ledger_as_in_r
     finally:
         await own_client.config_set("maxmemory", "0")
     assert await reserved_input(proxy, "refused") == QUICK_INPUT
+    fake.release()  # only now: an answer before the shrink was refused would drop the count
     await call
     [entry] = await ledger_entries(proxy, "refused")
     assert entry["usage_source"] == "provider"
@@ -359,8 +375,11 @@ async def test_a_count_that_fails_bills_the_quick_bound_and_never_fails_the_call
     enc = QuarterEncoding()
     enc.fail = True
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    call = asyncio.ensure_future(failing_call(proxy, "failing"))
+    await until_quick(proxy, "failed")  # the background count's; an answer before it drops it
+    fake.release()
     with pytest.raises(openai.InternalServerError) as caught:
-        await failing_call(proxy, "failing")
+        await call
     assert caught.value.status_code == 502
     [entry] = await ledger_entries(proxy, "failing")
     assert entry["usage_source"] == "reserve" and int(entry["input_tokens"]) == QUICK_INPUT
@@ -811,11 +830,15 @@ async def test_a_quick_reserve_lowered_to_the_count_keeps_the_chat_templates_tok
         tokenizer=Tokenizer({"o200k_base": enc}),
         tiers=tiers(run={"total_tokens": 10**6}),
     )
-    _stream, chunks = await big_stream(proxy, "template", max_tokens=10, fake={"chunk_delay_s": 0.1})
+    call = asyncio.ensure_future(big_stream(proxy, "template", max_tokens=10, fake={"hold": True}))
+    await until_upstream_received(fake, 1)
     assert await reserved_input(proxy, "template") == QUICK_INPUT + 30
     gate.set()
+    # Lowered while the upstream holds the answer, not raced against a fixed pace of events.
     await until_quick(proxy, "lowered")
     assert await reserved_input(proxy, "template") == EXACT_INPUT + 30
+    fake.release()
+    _stream, chunks = await call
     async for _chunk in chunks:
         pass
     [entry] = await ledger_entries(proxy, "template")

@@ -31,7 +31,7 @@ from tests.conftest import (
 )
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
-from tests.test_estimate import TEXT, QuarterEncoding
+from tests.test_estimate import TEXT, QuarterEncoding, until_quick
 from tests.test_store_faults import _ledger_len, journaling_proxy, wait_for
 
 ADMIN = "sk-admin-ops"
@@ -243,13 +243,20 @@ async def test_a_quick_estimate_keeps_the_context_through_its_count_and_a_settle
     at its count and the context (what the provider bills)."""
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": QuarterEncoding()}))
     await first(proxy)
-    reply = await client(proxy).responses.with_raw_response.create(
-        model="gpt-4o-mini",
-        input=TEXT,
-        previous_response_id="resp_1",
-        max_output_tokens=16,
-        extra_body={"fake": {"no_usage": True, "delay_s": 0.3}},  # counted while it runs
+    call = asyncio.ensure_future(
+        client(proxy).responses.with_raw_response.create(
+            model="gpt-4o-mini",
+            input=TEXT,
+            previous_response_id="resp_1",
+            max_output_tokens=16,
+            extra_body={"fake": {"no_usage": True, "hold": True}},
+        )
     )
+    # Answered once lowered to the count (while it runs): an answer after a fixed delay may come
+    # first on a loaded machine, and the settle then drops the count.
+    await until_quick(proxy, "lowered")
+    fake.release()
+    reply = await call
     exact = len(TEXT) // 4 + RESPONSES_OVERHEAD
     [entry] = [
         e for e in await ledger_entries(proxy, "chain") if e["request_id"] == reply.headers["x-request-id"]
@@ -323,18 +330,25 @@ async def test_a_size_that_cannot_be_kept_never_fails_the_call(
     """Redis refusing writes (out of memory) while a call ends: the settle is journaled, and the
     size, a hint for a later reserve, is given up; the answer is delivered all the same."""
     proxy = await make_proxy(redis={"url": own_redis.url, "socket_timeout_s": 1})
-    body = {"model": "gpt-4o-mini", "input": "hello", "fake": {"delay_s": 0.5}}
+    # Both held until Redis refuses writes: an answer after a fixed delay could come before.
+    body = {"model": "gpt-4o-mini", "input": "hello", "fake": {"hold": True}}
     headers = {"Authorization": f"Bearer {KEY_A}"}
     async with aiohttp.ClientSession() as session:
-        for stream in (False, True):
-            sent = asyncio.ensure_future(
-                session.post(proxy.url + "/v1/responses", json={**body, "stream": stream}, headers=headers)
-            )
-            await until_upstream_received(fake, len(fake.received) + 1)
-            await own_client.config_set("maxmemory", "1")  # over its limit: writes get -OOM
-            async with await sent as reply:
+
+        async def answered(stream: bool) -> None:
+            async with session.post(
+                proxy.url + "/v1/responses", json={**body, "stream": stream}, headers=headers
+            ) as reply:
                 assert reply.status == 200, await reply.text()
                 assert b"response.completed" in await reply.read() or not stream
+
+        sent = asyncio.gather(answered(False), answered(True))
+        await until_upstream_received(fake, 2)
+        await own_client.config_set("maxmemory", "1")  # over its limit: writes get -OOM
+        try:
+            fake.release()
+            await sent
+        finally:
             await own_client.config_set("maxmemory", "0")
     assert len(fake.bill) == 2
     assert await own_client.exists("lbp:{team-a}:ctx:resp_1", "lbp:{team-a}:ctx:resp_2") == 0

@@ -71,10 +71,15 @@ async def test_a_tenant_of_the_config_lost_from_the_registry_is_reaped(
 
 
 async def post_and_expire_its_lease(
-    proxy: Proxy, redis_client: aioredis.Redis, body: dict[str, Any], run: str
+    proxy: Proxy,
+    redis_client: aioredis.Redis,
+    body: dict[str, Any],
+    run: str,
+    held: FakeUpstream | None = None,
 ) -> aiohttp.ClientResponse:
     """Post ``body`` and, once it holds its lease, make that lease run out (as a store outage
-    during its renewals would): the reaper bills it while it is still in flight."""
+    during its renewals would): the reaper bills it while it is still in flight. ``held``: the
+    upstream holds the answer (``"hold": true``) and is released once the reaper's entry is in."""
     leases = "lbp:{team-a}:leases"
     headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
     async with aiohttp.ClientSession() as session:
@@ -85,6 +90,12 @@ async def post_and_expire_its_lease(
             await asyncio.sleep(0.01)
         (reservation,) = await redis_client.zrange(leases, 0, -1)
         await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
+        if held is not None:
+            for _ in range(500):
+                if await redis_client.xlen("lbp:{team-a}:ledger"):
+                    break
+                await asyncio.sleep(0.01)
+            held.release()
         resp = await answer
         assert resp.status == 200
         await resp.read()
@@ -134,9 +145,10 @@ async def test_a_clamped_call_a_reaper_bills_is_clamped_in_the_ledger(
         "model": "gpt-4o-mini",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 100,
-        "fake": {"delay_s": 1},
+        # Answered once reaped: after a fixed delay the settle may come first on a loaded machine.
+        "fake": {"hold": True},
     }
-    await post_and_expire_its_lease(proxy, redis_client, body, "reaped-clamp")
+    await post_and_expire_its_lease(proxy, redis_client, body, "reaped-clamp", held=fake)
     assert fake.received[-1].body["max_tokens"] == 6  # clamped
     (entry,) = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert entry["outcome"] == "lease_expired"

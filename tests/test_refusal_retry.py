@@ -28,14 +28,15 @@ SHORT = [{"role": "user", "content": "hi"}]
 async def _in_flight(
     client: openai.AsyncOpenAI, upstream: FakeUpstream, *, max_tokens: int, **fake: Any
 ) -> asyncio.Task[Any]:
-    """A call that holds its reserve (and its concurrency slot) for 0.6 s, well under way."""
+    """A call that holds its reserve (and its concurrency slot) until the test calls
+    ``upstream.release()``, well under way (a fixed delay may end first on a loaded machine)."""
     slow = asyncio.create_task(
         client.chat.completions.create(
             model=MODEL,
             messages=SHORT,
             max_tokens=max_tokens,
             extra_headers={"X-Run-Id": "slow"},
-            extra_body={"fake": {"delay_s": 0.6, **fake}},
+            extra_body={"fake": {"hold": True, **fake}},
         )
     )
     await until_upstream_received(upstream, len(upstream.received) + 1)
@@ -51,6 +52,7 @@ async def _refused_while_one_in_flight(
         await client.chat.completions.create(
             model=MODEL, messages=messages, extra_headers={"X-Run-Id": "next"}, **kw
         )
+    upstream.release()
     await slow
     # Once the call in flight ended, the very same request is served.
     again = await client.chat.completions.create(
@@ -116,6 +118,7 @@ async def test_clamp_tier_refusal_that_clears_once_in_flight_ends_says_retry(
         await client.chat.completions.create(
             model=MODEL, messages=SHORT, max_tokens=200, extra_headers={"X-Run-Id": "next"}
         )
+    fake.release()
     await slow
     again = await client.chat.completions.create(
         model=MODEL, messages=SHORT, max_tokens=200, extra_headers={"X-Run-Id": "next2"}
@@ -134,6 +137,7 @@ async def test_a_window_that_blocks_gives_its_reset_even_when_another_scope_is_r
     slow = await _in_flight(client, fake, max_tokens=5)
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=5)
+    fake.release()
     await slow
     headers = caught.value.response.headers
     assert headers["x-billing-refused-scope"] == "key" and headers["x-should-retry"] == "false"

@@ -104,7 +104,9 @@ async def test_a_refusal_is_final_when_any_ceiling_never_clears(
                 messages=MESSAGES,
                 max_tokens=10,
                 extra_headers={"X-Run-Id": "r"},
-                extra_body={"fake": {"delay_s": 0.5}},
+                # In flight until the next call is refused: a fixed delay may end first on a
+                # loaded machine, and the key's requests alone then refuse it.
+                extra_body={"fake": {"hold": True}},
             )
         )
         await until_upstream_received(fake, 2)
@@ -112,6 +114,7 @@ async def test_a_refusal_is_final_when_any_ceiling_never_clears(
             await client.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=10, extra_headers={"X-Run-Id": "r"}
             )
+        fake.release()
         await slow
     assert caught.value.response.headers["x-billing-refused-scope"] == "run"
     assert caught.value.response.headers["x-should-retry"] == "false"

@@ -923,18 +923,23 @@ async def test_a_tenant_cannot_tell_whether_another_tenant_sent_a_text(
 
     enc = QuarterEncoding()
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
-    # Tenant B sends its text; the proxy counts it while the call runs.
-    await proxy.client(KEY_B).chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": TEXT}],
-        max_tokens=5,
-        extra_body={"fake": {"delay_s": 0.3}},
+    # Tenant B sends its text; the proxy counts it while the call runs. Answered once counted:
+    # an answer after a fixed delay may come first on a loaded machine, and the count is dropped.
+    sent = asyncio.ensure_future(
+        proxy.client(KEY_B).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": TEXT}],
+            max_tokens=5,
+            extra_body={"fake": {"hold": True}},
+        )
     )
     for _ in range(500):
         if len(TEXT) in enc.counted:
             break
         await asyncio.sleep(0.01)
     assert len(TEXT) in enc.counted
+    fake.release()
+    await sent
     # From now on no long text is counted before its call ends (a busy estimate thread).
     enc.gate = threading.Event()
     try:

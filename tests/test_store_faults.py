@@ -70,12 +70,22 @@ async def journaling_proxy(
 
 
 async def leased_stream(
-    session: aiohttp.ClientSession, proxy: Proxy, client: aioredis.Redis, run: str, *, chunks: int
-) -> aiohttp.ClientResponse:
-    """A slow stream, read up to its first event: reserved, its lease in Redis."""
+    session: aiohttp.ClientSession,
+    proxy: Proxy,
+    fake: FakeUpstream,
+    client: aioredis.Redis,
+    run: str,
+    *,
+    chunks: int,
+) -> asyncio.Future[aiohttp.ClientResponse]:
+    """A slow stream, reserved and its lease in Redis, that the upstream answers once the test
+    calls ``fake.release()``: a fault the test brings about before that comes before the settle
+    (a stream already under way may end first on a loaded machine)."""
     body, headers = slow_stream(run, chunks=chunks, delay_s=0.05)
-    resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
-    await resp.content.readuntil(b"\n\n")
+    body["fake"]["hold"] = True
+    received = len(fake.received)
+    resp = asyncio.ensure_future(session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers))
+    await until_upstream_received(fake, received + 1)
     assert await client.zcard(LEASES) == 1
     return resp
 
@@ -89,9 +99,10 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
 ) -> None:
     proxy, journal_dir = await journaling_proxy(make_proxy, own_redis, tmp_path)
     async with aiohttp.ClientSession() as session:
-        resp = await leased_stream(session, proxy, own_client, "outage", chunks=20)
+        pending = await leased_stream(session, proxy, fake, own_client, "outage", chunks=20)
         await asyncio.to_thread(own_redis.stop)  # graceful: the reservation is in the AOF
-        rest = await resp.read()
+        fake.release()
+        rest = await (await pending).read()
     assert rest.endswith(b"data: [DONE]\n\n")  # the client got its whole answer
     (journal_file,) = journal_dir.glob("journal-*.jsonl")
     (line,) = journal_file.read_text().splitlines()
@@ -154,9 +165,10 @@ async def test_after_an_outage_longer_than_the_lease_the_journal_bills_before_an
         limits={**limits, "reaper_interval_s": 0.1, "reap_grace_s": 2},
     )
     async with aiohttp.ClientSession() as session:
-        resp = await leased_stream(session, serving, own_client, "outage", chunks=10)
+        pending = await leased_stream(session, serving, fake, own_client, "outage", chunks=10)
         await asyncio.to_thread(own_redis.stop)
-        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        fake.release()
+        assert (await (await pending).read()).endswith(b"data: [DONE]\n\n")
     await asyncio.sleep(outage_s)  # the lease (1 s + 0.5 s) runs out while Redis is down
     await asyncio.to_thread(own_redis.start)
     await wait_for(lambda: _ledger_len(own_client, 1))
@@ -290,14 +302,18 @@ async def test_a_reservation_lost_mid_call_is_billed_by_the_live_settle(
     lost with it come back with the TTLs a reserve gives them."""
     proxy = await make_proxy(tiers={"standard": {"windows": [{"period": "hour", "requests": 100}]}})
     body, headers = slow_stream("lost", chunks=10, delay_s=0.05)
+    body["fake"]["hold"] = True  # answered once the reservation is lost, not raced against it
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
-        await resp.content.readuntil(b"\n\n")
+        pending = asyncio.ensure_future(
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        )
+        await until_upstream_received(fake, 1)
         (record,) = await redis_client.keys("lbp:{team-a}:resv:*")
         (window,) = await redis_client.keys("lbp:{team-a}:key:a-ci:hour:*")
         assert await redis_client.ttl(window) > 3600
         await redis_client.delete(record, window, "lbp:{team-a}:run:lost")
-        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        fake.release()
+        assert (await (await pending).read()).endswith(b"data: [DONE]\n\n")
     assert await redis_client.hget(window, "used:requests") == "1"
     assert await redis_client.ttl(window) > 3600  # a window key: kept a week past its window
     # A run key: limits.run_ttl_s (a week by default), as a reserve gives it.
@@ -400,9 +416,10 @@ async def test_a_settle_refused_while_redis_is_out_of_memory_is_replayed_once_me
 ) -> None:
     proxy, journal_dir = await journaling_proxy(make_proxy, own_redis, tmp_path)
     async with aiohttp.ClientSession() as session:
-        resp = await leased_stream(session, proxy, own_client, "oom", chunks=10)
+        pending = await leased_stream(session, proxy, fake, own_client, "oom", chunks=10)
         await own_client.config_set("maxmemory", "1")  # over its limit: writes get -OOM
-        rest = await resp.read()
+        fake.release()
+        rest = await (await pending).read()
         assert rest.endswith(b"data: [DONE]\n\n")
         await asyncio.sleep(0.5)  # replays meet -OOM too
         assert await own_client.xlen(LEDGER) == 0
@@ -465,8 +482,8 @@ async def test_a_settle_that_cannot_be_journaled_still_delivers_the_answer(
         journal_dir=str(blocker / "journal"),
         limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.2},
     )
-    # The upstream holds the answer long enough for Redis to be stopped before the settle.
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 2}}
+    # The upstream holds the answer until Redis is stopped: before the settle.
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"hold": True}}
     async with aiohttp.ClientSession() as session:
         pending = asyncio.ensure_future(
             session.post(
@@ -475,6 +492,7 @@ async def test_a_settle_that_cannot_be_journaled_still_delivers_the_answer(
         )
         await until_upstream_received(fake, 1)  # reserved; the call is at the upstream
         await asyncio.to_thread(own_redis.stop)
+        fake.release()
         async with await pending as resp:
             status, answer = resp.status, await resp.json()
     assert status == 200 and answer["object"] == "chat.completion"

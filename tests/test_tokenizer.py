@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from proxy.tokenizer import CACHED_TEXT_CHARS, Tokenizer
 from tests.conftest import ProxyFactory
+from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, byte_encoding, ledger_entries, run_headers
 
 
@@ -108,7 +109,9 @@ class ThreadRecordingEncoding(CountingEncoding):
         return super().encode_ordinary(text)
 
 
-async def test_large_prompts_are_counted_off_the_loop_one_at_a_time(make_proxy: ProxyFactory) -> None:
+async def test_large_prompts_are_counted_off_the_loop_one_at_a_time(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
     enc = ThreadRecordingEncoding()
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}, cache_chars=0))
     async with proxy.client() as client:
@@ -119,11 +122,19 @@ async def test_large_prompts_are_counted_off_the_loop_one_at_a_time(make_proxy: 
                 messages=[{"role": "user", "content": f"{i} " + "many words " * 4000}],
                 max_tokens=5,
                 extra_headers=run_headers(f"big-{i}"),
-                # Answered after the counts began: a call settled first would drop its count.
-                extra_body={"fake": {"delay_s": 0.3}},
+                extra_body={"fake": {"hold": True}},
             )
 
-        await asyncio.gather(*(one(i) for i in range(4)))
+        calls = asyncio.gather(*(one(i) for i in range(4)))
+        # Answered once all four were counted: a call settled first drops its count, and a fixed
+        # delay may end before the counts even began on a loaded machine.
+        for _ in range(1000):
+            if sum(len(text) >= 32 * 1024 for text in enc.encoded) == 4:
+                break
+            await asyncio.sleep(0.01)
+        fake.release()
+        await calls
+    assert sum(len(text) >= 32 * 1024 for text in enc.encoded) == 4
     assert enc.threads and all(name.startswith("estimate") for name in enc.threads)
     assert enc.most_at_once == 1
 
