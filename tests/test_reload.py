@@ -170,7 +170,7 @@ async def test_a_reload_shortening_run_ttl_keeps_a_run_alive_under_a_call_in_fli
                 return resp.status
 
     try:
-        slow = asyncio.ensure_future(post({"delay_s": 5}))
+        slow = asyncio.ensure_future(post({"hold": True}))  # in flight until the checks are done
         await until_upstream_received(fake, 1)
         # The call's lease, as the reserve set it (under the old setting: 5,000 s and the margin).
         [(held, lease_ends_ms)] = cast(
@@ -197,6 +197,7 @@ async def test_a_reload_shortening_run_ttl_keeps_a_run_alive_under_a_call_in_fli
                 continue  # no entry yet: the refused call writes none, the first has not settled
             # Expired before the call's lease ends, its reserve and the run's spend went with it.
             assert now_ms + left_ms > lease_ends_ms, key
+        fake.release()
         assert await slow == 200
     finally:
         await runner.cleanup()
