@@ -131,12 +131,16 @@ async def test_client_gone_before_a_non_streaming_answer_is_still_billed(
     body = {
         "model": "gpt-4o-mini",
         "messages": MSGS,
-        "fake": {"mode": "stall_before_headers", "stall_s": 1.0},
+        "fake": {"hold": True},  # answered once the client has left, however slow the machine
     }
     async with aiohttp.ClientSession() as session:
         await leave_once_upstream_received(
             session.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH), fake
         )
+    # The proxy serves on this loop: it reads the client's FIN (on loopback, at once) in a turn of
+    # the loop well before this timer's.
+    await asyncio.sleep(0.3)
+    fake.release()
     entry = await only_entry(redis_client, timeout_s=5)
     assert entry["outcome"] == "client_disconnected" and entry["usage_source"] == "provider"
     assert int(entry["output_tokens"]) == fake.bill[0].completion_tokens
