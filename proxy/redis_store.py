@@ -52,8 +52,12 @@ from proxy.store import (
     key_prefix,
 )
 
-# What a store call can raise: redis-py's errors, and the cluster client's own (not a RedisError).
-STORE_FAILURES = (RedisError, RedisClusterException)
+# What a store call can raise: redis-py's errors, the cluster client's own (not a RedisError),
+# and what redis-py's asyncio connection leaks when the socket under it is torn down mid-write
+# (a Cluster's failover, a peer's reset): AttributeError or TypeError on a transport gone None
+# (redis/redis-py#4287, 8.1). Each ``try`` below wraps only the client's call, so these are the
+# store failing, never our own code.
+STORE_FAILURES = (RedisError, RedisClusterException, AttributeError, TypeError)
 # Error replies that say "not now" rather than "never": the call may be tried again (a settle
 # refused for them is journaled and replayed, never parked). Out of memory, a failed disk
 # write, too few replicas, a replica after a failover and auth or ACL trouble all pass or get

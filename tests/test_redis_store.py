@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoPermissionError, ResponseError
 
 from proxy.auth import Identity
@@ -454,6 +455,39 @@ async def test_the_proxy_bills_through_a_redis_cluster(
     finally:
         await store.close()
     assert entry["outcome"] == "ok" and int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_a_connection_redis_py_tears_down_under_a_call_is_a_store_failure_not_a_500(
+    cluster: RedisClusterProcesses,
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """redis-py 8.1 leaks AttributeError (or TypeError) when a connection is torn down under a
+    write, as in a Cluster's failover (redis/redis-py#4287; seen in this suite's failover test:
+    ``self._writer.writelines`` on a writer gone None). Redis stays real; only that write of
+    redis-py's fails, once, as it does then. The call is refused as the store being down (503,
+    nothing forwarded), not answered with a 500; the next is served."""
+    proxy = await make_proxy(redis={"url": cluster.url, "cluster": True})
+    write = AbstractConnection._send_packed_command
+    torn: list[bool] = []
+
+    async def torn_down_once(self: AbstractConnection, command: Any) -> None:
+        # The call's reserve (the first write naming a reservation), not the reaper's rounds.
+        if not torn and b"resv:" in b"".join(bytes(part) for part in command):
+            torn.append(True)
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+        await write(self, command)
+
+    monkeypatch.setattr(AbstractConnection, "_send_packed_command", torn_down_once)
+    client = proxy.client()
+    hi: list[Any] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.chat.completions.create(model="gpt-4o-mini", messages=hi)
+    assert refused.value.status_code == 503, refused.value
+    assert torn and fake.received == []
+    reply = await client.chat.completions.create(model="gpt-4o-mini", messages=hi)
+    assert reply.choices[0].finish_reason == "stop"
 
 
 async def test_a_retried_reserve_reserves_once(store: RedisStore) -> None:
