@@ -222,6 +222,15 @@ async def until_upstream_received(fake: FakeUpstream, count: int, timeout_s: flo
         await asyncio.sleep(0.01)
 
 
+def busy_script(seconds: float) -> str:
+    """A Lua script that holds Redis ``seconds``, counted in microseconds: TIME's seconds alone
+    would end it up to a second early (at a second's end), eating a test's margin."""
+    return (
+        "local function now() local t = redis.call('TIME') return t[1] * 1e6 + t[2] end "
+        f"local t0 = now() while now() - t0 < {seconds} * 1e6 do end return 1"
+    )
+
+
 async def until_redis_busy(port: int, timeout_s: float = 10.0) -> None:
     """Until the Redis on ``port`` answers no PING within 0.5 s: a script sent to it just before
     holds it (a fixed sleep may end before that script even reached it on a loaded machine)."""

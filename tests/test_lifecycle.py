@@ -16,7 +16,15 @@ from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.tokenizer import Tokenizer
 from proxy.workers import GC_YOUNG_THRESHOLD
-from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, base_config, slow_stream, until_redis_busy
+from tests.conftest import (
+    KEY_A,
+    UPSTREAM_KEY,
+    ProxyFactory,
+    base_config,
+    busy_script,
+    slow_stream,
+    until_redis_busy,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -226,7 +234,7 @@ async def test_a_reserve_cut_by_shutdown_is_released_not_reaped(
             headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "first"}
             async with session.post(proc.url + "/v1/chat/completions", json=body, headers=headers) as r:
                 assert r.status == 200  # the tenant is registered: the next call's first write is its reserve
-            spin = "local s = redis.call('TIME')[1] while redis.call('TIME')[1] - s < 4 do end"
+            spin = busy_script(4)
             blocking = asyncio.ensure_future(busy.eval(spin, 0))
             assert redis_server.port is not None
             await until_redis_busy(redis_server.port)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
-from tests.conftest import KEY_A, ProxyFactory, base_config, slow_stream
+from tests.conftest import KEY_A, ProxyFactory, base_config, busy_script, slow_stream
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 from tests.test_resilience import until
@@ -219,7 +219,7 @@ async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_a
         journal_dir=str(tmp_path / "journal"),
         limits={"journal_replay_s": 0.1},
     )
-    busy = "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < 2 do end return 1"
+    busy = busy_script(2)
     body = {
         "model": "gpt-4o-mini",
         "messages": [{"role": "user", "content": "hi"}],

@@ -23,7 +23,7 @@ from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
 from proxy.store import ACTUAL_METERS, Clamp, Eviction, Refusal, Reservation, Scope, Tentative
 from tests.cluster import RedisClusterProcesses
-from tests.conftest import ProxyFactory, until_redis_busy, until_upstream_received
+from tests.conftest import ProxyFactory, busy_script, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 
 AMOUNTS = {
@@ -1086,7 +1086,7 @@ async def test_a_size_that_is_not_digits_is_read_as_unknown_and_replaced(store: 
         assert await c.get("lbp:{t}:ctx:conv_j") == "7", junk
 
 
-BUSY_3_S = "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < 3 do end return 1"
+BUSY_3_S = busy_script(3)
 
 
 async def test_a_call_whose_settle_reply_came_late_is_told_what_the_ledger_holds(

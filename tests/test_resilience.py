@@ -16,7 +16,7 @@ from proxy.journal import Journal, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope
-from tests.conftest import KEY_A, ProxyFactory, until_redis_busy
+from tests.conftest import KEY_A, ProxyFactory, busy_script, until_redis_busy
 from tests.fake_upstream import FakeUpstream
 
 LEDGER = "lbp:{team-a}:ledger"
@@ -92,9 +92,9 @@ async def test_a_reserve_whose_reply_is_lost_is_released_not_charged(
     await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=MSGS)  # warm up
     await own_client.delete(LEDGER)
     fake.received.clear()
-    # A busy script holds the server for 2 s: our reserve waits behind it, times out on our
+    # A busy script holds the server for 3 s: our reserve waits behind it, times out on our
     # side, and then runs all the same.
-    busy = "local t0 = redis.call('TIME')[1] while tonumber(redis.call('TIME')[1]) - t0 < 2 do end return 1"
+    busy = busy_script(3)
     blocker = aioredis.Redis.from_url(own_redis.url)
     hold = asyncio.create_task(blocker.eval(busy, 0))
     assert own_redis.port is not None
