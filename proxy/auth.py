@@ -54,18 +54,20 @@ def _bearer_key(header: str) -> str | None:
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
+def one_header(request: web.Request, name: str) -> str | None:
+    """The value of a header that says who pays or what is billed (a run, a project). Two
+    different values are refused, as two keys are: the proxy would act on one, a gateway in
+    front perhaps on the other. The same value twice is one value."""
+    values = request.headers.getall(name, ())
+    if len(set(values)) > 1:
+        raise BadRequest(f"Two different {name} headers: send one.", param=name)
+    return values[0] if values else None
+
+
 def _key_scope(request: web.Request) -> tuple[tuple[str, str], ...]:
-    """The organization and project the caller's own key is billed to. Two different values of
-    one are refused, as two keys are: the provider would read one, a gateway in front perhaps
-    the other, and the call would be billed where nobody checked."""
-    scope = []
-    for name in KEY_SCOPE_HEADERS:
-        values = request.headers.getall(name, ())
-        if len(set(values)) > 1:
-            raise BadRequest(f"Two different {name} headers: send one.", param=name)
-        if values:
-            scope.append((name, values[0]))
-    return tuple(scope)
+    """The organization and project the caller's own key is billed to."""
+    found = ((name, one_header(request, name)) for name in KEY_SCOPE_HEADERS)
+    return tuple((name, value) for name, value in found if value is not None)
 
 
 def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> Identity:

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.auth import Identity
+from proxy.auth import Identity, one_header
 from proxy.config import Config, ModelConfig, PolicyConfig, UpstreamConfig
 from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
@@ -74,12 +74,9 @@ def request_id_for(request: web.Request, ids: IdSource) -> str:
 def run_id_for(request: web.Request, ids: IdSource) -> str:
     """The run a call belongs to; a call without ``X-Run-Id`` is a run of its own (a new id,
     never the client's ``X-Request-Id``, which a gateway may repeat)."""
-    given = request.headers.getall("x-run-id", ())
-    if not given:
+    sent = one_header(request, "X-Run-Id")
+    if sent is None:
         return f"run_{ids.new()}"
-    if len(set(given)) > 1:
-        raise BadRequest("Two different X-Run-Id headers: send one.", param="X-Run-Id")
-    sent = given[0]
     if not SANE_ID.fullmatch(sent):
         raise BadRequest(
             "Invalid X-Run-Id: use 1 to 128 letters, digits, '.', '_', ':' or '-'.", param="X-Run-Id"
