@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.auth import Identity
-from proxy.config import Ceilings, TierConfig, WindowCeilings
+from proxy.config_tiers import Ceilings, TierConfig, WindowCeilings
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
 from proxy.resp import PipelinedConnection

@@ -11,7 +11,7 @@ warm-up:
   scenario sends;
 * ``upper_bound()`` on the message texts of a 100 KB chat body (system prompt, user and
   assistant turns with prose, code and a table), extracted as the proxy does
-  (``proxy.payload.message_parts``);
+  (``proxy.prompt_parts.message_parts``);
 * the whole estimate of that body as the proxy's handler runs it: ``parse_body`` (JSON and
   validation), then ``proxy.estimate.estimate``;
 * the event loop's worst stall while estimates run, inline on the loop and in a worker thread
@@ -89,7 +89,7 @@ def chat_body(size: int, model: str) -> bytes:
 def message_texts(raw: bytes) -> str:
     data = json.loads(raw)
     try:
-        from proxy.payload import message_parts
+        from proxy.prompt_parts import message_parts
 
         return "\n".join(message_parts(data["messages"]))
     except ImportError:  # the proxy moved it: count the contents

@@ -5,80 +5,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import http_exceptions, web, web_protocol
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy.call import REQUEST_ID, IdSource, request_id_for
 from proxy.config import Config
-from proxy.dialects import Dialect, dialect_of_path
-from proxy.errors import ApiError, StoreError, StoreUnavailable, error_response
+from proxy.error_answers import answer_parser_errors_in_openai_format, error_middleware
+from proxy.errors import StoreError
 from proxy.journal import Journal
 from proxy.logs import flush_logs
 from proxy.metrics import Metrics
 from proxy.reaper import run_reaper
 from proxy.record import record_entry, record_reaped
 from proxy.redis_store import RedisStore
-from proxy.relay import Services
 from proxy.reload import ConfigReloader
-from proxy.settle import Settlement
+from proxy.state import STATE, State
 from proxy.store import Eviction, Store
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
 STOP_LOOP_S = 5.0
 log = logging.getLogger("proxy.app")
-
-
-@dataclass(slots=True)
-class State:
-    """What handlers read. ``config`` is swapped whole on reload; nothing else mutates."""
-
-    config: Config
-    passthrough: bool
-    tokenizer: Tokenizer
-    metrics: Metrics
-    journal: Journal
-    ids: IdSource = field(default_factory=IdSource)
-    store: Store | None = None
-    session: aiohttp.ClientSession | None = None
-    # Large prompts are counted here, one at a time: off the event loop, and never more than one
-    # core spent tokenizing (several at once on few cores only fight over them and the GIL).
-    estimator: ThreadPoolExecutor | None = None
-    ready: bool = False
-    # Tenants this process has registered for the reapers (one SADD per tenant per process).
-    registered_tenants: set[str] = field(default_factory=set)
-    # Settlements under way (``Exchange._settle``): shutdown lets them finish.
-    settling: set[asyncio.Future[Settlement]] = field(default_factory=set)
-    # What every exchange is given, made once per config (see ``services_for``).
-    services: Services | None = None
-    # Serving processes sharing the port: each keeps its own metrics (``handlers.metrics``).
-    workers: int = 1
-
-    def services_for(self, config: Config) -> Services:
-        services = self.services
-        if services is None or services.config is not config:
-            assert self.store is not None and self.session is not None
-            services = self.services = Services(
-                store=self.store,
-                session=self.session,
-                tokenizer=self.tokenizer,
-                config=config,
-                metrics=self.metrics,
-                journal=self.journal,
-                settling=self.settling,
-            )
-        return services
-
-
-STATE = web.AppKey("state", State)
 RELOAD_POLL_S = 2.0
 # How often the store's clock is measured again (budget windows follow it: ``Store.now``).
 CLOCK_SYNC_S = 30.0
@@ -146,124 +98,6 @@ def server_options(config: Config) -> dict[str, Any]:
     refuse in OpenAI's format); past these the parser refuses, also in OpenAI's format
     (``answer_parser_errors_in_openai_format``)."""
     return {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024, "max_headers": 1024}
-
-
-_PLAIN_HANDLE_ERROR = web_protocol.RequestHandler.handle_error
-# What the parser refused, in words of our own: its messages quote the raw bytes (a header
-# value: a key), on their first line too. Most specific first.
-_PARSER_REFUSALS: tuple[tuple[type[Exception], str], ...] = (
-    (http_exceptions.LineTooLong, "a request line or header is too long"),
-    (http_exceptions.InvalidHeader, "a header is not valid"),
-    (http_exceptions.BadHttpMethod, "the method is not valid"),
-    (http_exceptions.BadStatusLine, "the request line is not valid"),
-    (http_exceptions.TransferEncodingError, "the body's framing is not valid"),
-    (http_exceptions.ContentLengthError, "the body's length is not valid"),
-    (http_exceptions.ContentEncodingError, "the body's encoding is not valid"),
-)
-
-
-def _handle_error_in_openai_format(
-    self: web_protocol.RequestHandler,
-    request: web.BaseRequest,
-    status: int = 500,
-    exc: BaseException | None = None,
-    message: str | None = None,
-) -> web.StreamResponse:
-    """aiohttp's answer to a request its parser refused (before any middleware: a control
-    character in a header, Content-Length beside chunked, a bad chunk size, past the parser's
-    limits), in OpenAI's error format rather than its own text/plain page. Neither the answer nor
-    the log line quotes the request's bytes (a key in them): a reason of our own words."""
-    if status >= 500:
-        return _PLAIN_HANDLE_ERROR(self, request, status, exc, message)  # not the parser's
-    if request.writer.output_size > 0:  # as aiohttp's: a response started cannot be replaced
-        raise ConnectionError("Response is sent already, cannot send another response with the error message")
-    reason = next((words for kind, words in _PARSER_REFUSALS if isinstance(exc, kind)), "it is malformed")
-    log.info(
-        "request refused by the HTTP parser",
-        extra={"status": status, "reason": reason, "error": type(exc).__name__, "remote": request.remote},
-    )
-    response = error_response(
-        status,
-        f"The request is not valid HTTP: {reason}.",
-        "invalid_request_error",
-        code="bad_http_request",
-        # On every answer (README). No app state reaches here; rare enough for a system call (a
-        # source made at import would repeat its ids in every worker forked after it).
-        headers={"x-request-id": f"req_{os.urandom(16).hex()}"},
-    )
-    response.force_close()  # as aiohttp's: the connection's framing is not to be trusted
-    return response
-
-
-def answer_parser_errors_in_openai_format() -> None:
-    """Make aiohttp answer requests its HTTP parser refuses in OpenAI's error format. aiohttp
-    builds its ``RequestHandler`` itself and offers no hook for its error page, so its method is
-    replaced, for the process (every server in it, as it must: the runner is aiohttp's).
-    Idempotent; ``build_app`` calls it."""
-    web_protocol.RequestHandler.handle_error = _handle_error_in_openai_format  # type: ignore[method-assign]
-
-
-@web.middleware
-async def error_middleware(
-    request: web.Request, handler: Callable[[web.Request], object]
-) -> web.StreamResponse:
-    """Every error leaves in the format of the API called (OpenAI's, or Anthropic's on
-    ``/v1/messages``); no stack trace ever reaches a client."""
-    state = request.app[STATE]
-    request[REQUEST_ID] = request_id_for(request, state.ids)
-    limit = state.config.limits.max_header_bytes
-    if sum(len(name) + len(value) for name, value in request.raw_headers) > limit:
-        return _error(request, 431, f"The request headers exceed {limit} bytes.", code="headers_too_large")
-    try:
-        response = await handler(request)  # type: ignore[misc]
-        assert isinstance(response, web.StreamResponse)
-        if not response.prepared:  # a stream's went out with its headers
-            for name, value in _dialect(request).id_headers(request[REQUEST_ID]).items():
-                response.headers.setdefault(name, value)
-        return response
-    except ApiError as err:
-        return _error(request, err.status, err.message, err.error_type, code=err.code, headers=err.headers)
-    except StoreError:
-        down = StoreUnavailable()
-        return _error(
-            request, down.status, down.message, down.error_type, code=down.code, headers=down.headers
-        )
-    except web.HTTPException as err:
-        if err.status == 404:
-            message = (
-                f"Unknown endpoint {request.method} {request.path}: this proxy forwards only calls "
-                "it can bill."
-            )
-            return _error(request, 404, message, code="unknown_url")
-        if isinstance(err, web.HTTPMethodNotAllowed):
-            message = f"Method {request.method} is not allowed on {request.path}."
-            allowed = {"Allow": ", ".join(sorted(err.allowed_methods))}  # RFC 9110 asks for it
-            return _error(request, 405, message, code="method_not_allowed", headers=allowed)
-        if err.status == 413:
-            return _error(request, 413, "The request body is too large.", code="body_too_large")
-        return _error(request, err.status, err.reason)
-    except Exception:
-        log.exception("unhandled error", extra={"path": request.path})
-        message = "Internal proxy error; the call was not forwarded or was settled."
-        return _error(request, 500, message, "server_error")
-
-
-def _error(
-    request: web.Request,
-    status: int,
-    message: str,
-    error_type: str = "invalid_request_error",
-    *,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    dialect = _dialect(request)
-    ids = dialect.id_headers(request[REQUEST_ID])
-    return dialect.error_response(status, message, error_type, code=code, headers={**(headers or {}), **ids})
-
-
-def _dialect(request: web.Request) -> Dialect:
-    return dialect_of_path(request.path)
 
 
 async def _stopped(task: asyncio.Task[None]) -> None:

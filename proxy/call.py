@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
-import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aiohttp import web
-
-from proxy.auth import Identity, one_header
-from proxy.config import Config, ModelConfig, PolicyConfig, UpstreamConfig
+from proxy.auth import Identity
+from proxy.config import Config, PolicyConfig, UpstreamConfig
+from proxy.config_models import ModelConfig
 from proxy.dialects import DIALECTS, Dialect
 from proxy.errors import BadRequest, NotFound
 from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS, Estimate, estimate
+from proxy.ids import IdSource
 from proxy.payload import (
     FAST_TIER,
     ChatBody,
@@ -31,10 +29,10 @@ from proxy.payload import (
     generations,
     set_output_cap,
 )
+from proxy.service_tiers import asked_tier, dearest, rates_for, tier_rates
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
-SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # A provider's id for a context it keeps (resp_..., conv_...) as OpenAI writes it: its own key.
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -45,43 +43,6 @@ def context_key(context_id: str) -> str:
     if CONTEXT_ID.fullmatch(context_id):
         return context_id
     return "#" + hashlib.sha256(context_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-class IdSource:
-    """Unique ids without a system call each: a counter under a keyed hash (a random per-process
-    key). The ids are shown to callers (x-request-id, a call's own run, the ledger's
-    reservation_id): a plain counter would tell a tenant how many calls the others made."""
-
-    def __init__(self) -> None:
-        self._key = os.urandom(16)
-        self._next = itertools.count(1).__next__
-
-    def new(self) -> str:
-        # 128 bits: distinct counters never meet in practice, across processes too.
-        return hashlib.blake2b(self._next().to_bytes(8, "little"), key=self._key, digest_size=16).hexdigest()
-
-
-# The call's id, set once by the error middleware for every request (and every answer's headers).
-REQUEST_ID = web.RequestKey("request_id", str)
-
-
-def request_id_for(request: web.Request, ids: IdSource) -> str:
-    """Echo the client's request id when it is sane, else make one."""
-    sent = request.headers.get("x-request-id", "")
-    return sent if SANE_ID.fullmatch(sent) else f"req_{ids.new()}"
-
-
-def run_id_for(request: web.Request, ids: IdSource) -> str:
-    """The run a call belongs to; a call without ``X-Run-Id`` is a run of its own (a new id,
-    never the client's ``X-Request-Id``, which a gateway may repeat)."""
-    sent = one_header(request, "X-Run-Id")
-    if sent is None:
-        return f"run_{ids.new()}"
-    if not SANE_ID.fullmatch(sent):
-        raise BadRequest(
-            "Invalid X-Run-Id: use 1 to 128 letters, digits, '.', '_', ':' or '-'.", param="X-Run-Id"
-        )
-    return sent
 
 
 @dataclass(slots=True, kw_only=True)
@@ -145,7 +106,7 @@ class Call:
     stored_prompt: str | None = None
     prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
     # Of ``continues``, those the reserve found marked as this call's tenant's already: not
-    # marked again (``relay.Exchange._contexts_owned``).
+    # marked again (``contexts.contexts_owned``).
     continues_owned: tuple[str, ...] = ()
 
     @property
@@ -174,61 +135,10 @@ class Call:
         return self.estimate.output_tokens
 
 
-# Tiers that are the default's price: OpenAI's "auto" is the project's default tier.
-DEFAULT_SERVICE_TIERS = frozenset({"auto", "default"})
-
-
-def asked_tier(view: RequestView) -> str | None:
-    """The processing tier a request asks for: OpenAI's service_tier, Anthropic's fast mode."""
-    if isinstance(view, ChatBody | ResponsesBody):
-        return view.service_tier
-    if isinstance(view, MessagesBody) and view.speed == FAST_TIER:
-        return FAST_TIER
-    return None
-
-
-def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[str, int] | None]:
-    """The tier a request asks for (None: the default) and its prices per million tokens, or
-    the refusal of a tier the operator did not price (billing it at the default's prices would
-    charge a priority call at half its cost)."""
-    asked = asked_tier(view)
-    price = model.price_per_million
-    if asked is None or asked in DEFAULT_SERVICE_TIERS:
-        return None, price.rates if price else None
-    if price is None:  # an unpriced model: its cost is not counted, whatever the tier
-        return asked, None
-    tier_price = model.service_tiers.get(asked)
-    if tier_price is None:
-        field = "speed" if asked == FAST_TIER and isinstance(view, MessagesBody) else "service_tier"
-        raise BadRequest(
-            f"The service tier '{asked[:64]}' has no price for the model '{view.model}' in this proxy's "
-            f"config: leave {field} unset, or ask the operator to price that tier.",
-            param=field,
-            code="unsupported_service_tier",
-        )
-    return asked, tier_price.rates
-
-
 def tools_input_tokens(model: ModelConfig, upstream: UpstreamConfig) -> int:
     if model.tools_input_tokens is not None:
         return model.tools_input_tokens
     return ANTHROPIC_TOOLS_INPUT_TOKENS if upstream.kind == "anthropic" else 0
-
-
-def tier_rates(model: ModelConfig) -> dict[str, dict[str, int]]:
-    price = model.price_per_million
-    if price is None:
-        return {}
-    return {"default": price.rates, **{name: tier.rates for name, tier in model.service_tiers.items()}}
-
-
-def dearest(rates: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    """Each price at its highest among ``rates``."""
-    top: dict[str, int] = {}
-    for each in rates:
-        for kind, rate in each.items():
-            top[kind] = max(rate, top.get(kind, rate))
-    return top
 
 
 # The Responses API refuses a max_output_tokens below 16 (integer_below_min_value).

@@ -1,5 +1,8 @@
 """Configuration's shape: frozen pydantic models, validated as a whole.
 
+The root ``Config`` and its small sections are here; a model's entry, the keys and the tiers are
+in ``config_models``, ``config_keys`` and ``config_tiers``, on the base in ``config_base``.
+
 ``config_load.load_config`` reads the file and the environment into a ``Config`` at start and on
 reload; it is passed down explicitly.
 """
@@ -9,16 +12,12 @@ from __future__ import annotations
 import fnmatch
 import importlib.util
 import re
-from collections.abc import Mapping
-from decimal import Decimal
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Literal, Self
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     field_validator,
@@ -26,38 +25,11 @@ from pydantic import (
 )
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 
+from proxy.config_base import OTHER_MODEL, Frozen, Period
+from proxy.config_keys import AdminKeyConfig, KeyConfig
+from proxy.config_models import ModelConfig
+from proxy.config_tiers import TierConfig
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
-
-MICROS_PER_UNIT = 1_000_000
-# The largest figure the store holds exactly (15 digits; pricing.MAX_AMOUNT), and in whole units
-# of money: a ceiling or a price per million past it could be neither reserved against nor settled.
-MAX_COUNT = 10**15 - 1
-MAX_UNITS = Decimal("999999999.999999")
-METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")
-Period = Literal["minute", "hour", "day", "month"]
-# Metric label values that stand for many (see metrics): every pass-through caller's tenant
-# (``auth``: ``pt-`` and 32 hex digits of its key's digest; 12 before), and every model the config
-# does not name exactly. A configured tenant or model named so would merge into them.
-PASSTHROUGH_TENANT = "passthrough"
-PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
-OTHER_MODEL = "other"
-
-
-class _Frozen(BaseModel):
-    # No YAML .inf or .nan for a number: a timeout or a margin of .inf passed its bounds, and a
-    # lease of infinite milliseconds then failed every call.
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
-        """A copy whose values derived from fields (the ``cached_property``s, kept in the
-        instance's ``__dict__``, which pydantic copies) are computed again from its own."""
-        copy = super().model_copy(update=update, deep=deep)
-        for klass in type(copy).__mro__:
-            for name, attr in vars(klass).items():
-                if isinstance(attr, cached_property):
-                    copy.__dict__.pop(name, None)
-        return copy
-
 
 USERINFO_CUT = (
     "its user name or password holds '/', '?', '#' or '@' (percent-encode them: %2F, %3F, %23, %40)"
@@ -70,12 +42,12 @@ def _userinfo_cut(url: str) -> bool:
     return "@" in url.partition("://")[2] and "@" not in urlsplit(url).netloc
 
 
-class ListenConfig(_Frozen):
+class ListenConfig(Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
 
 
-class RedisConfig(_Frozen):
+class RedisConfig(Frozen):
     url: str | None = None
     # Read the URL from this environment variable when set there (containers: REDIS_URL).
     url_env: str | None = None
@@ -148,7 +120,7 @@ class RedisConfig(_Frozen):
         return self
 
 
-class UpstreamConfig(_Frozen):
+class UpstreamConfig(Frozen):
     base_url: str
     # openai: Bearer auth, OpenAI endpoints. anthropic: x-api-key + anthropic-version, /messages.
     kind: Literal["openai", "anthropic"] = "openai"
@@ -204,287 +176,19 @@ class UpstreamConfig(_Frozen):
         return self
 
 
-class PricePerMillion(_Frozen):
-    """Prices in the operator's currency per million tokens; stored exactly as decimals."""
-
-    input: Decimal = Field(ge=0, le=MAX_UNITS)
-    output: Decimal = Field(ge=0, le=MAX_UNITS)
-    cached_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
-    reasoning: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
-    # Anthropic prompt-cache writes; priced as input unless given. Those kept an hour (a dearer
-    # write): as cache_creation_input unless given.
-    cache_creation_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
-    cache_creation_input_1h: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
-    # Audio tokens (OpenAI audio models), parts of input and output: as text unless given.
-    audio_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
-    audio_output: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
-
-    @cached_property
-    def rates(self) -> dict[str, int]:
-        """Micro-units per million tokens by token type, computed once per config."""
-        return self.micros_per_million()
-
-    def micros_per_million(self) -> dict[str, int]:
-        def micros(price: Decimal) -> int:
-            scaled = price * MICROS_PER_UNIT
-            if scaled != scaled.to_integral_value():
-                raise ValueError("prices are limited to 6 decimal places per million tokens")
-            return int(scaled)
-
-        def given(price: Decimal | None, otherwise: Decimal) -> Decimal:
-            return otherwise if price is None else price
-
-        creation = given(self.cache_creation_input, self.input)
-        return {
-            "input": micros(self.input),
-            "cached_input": micros(given(self.cached_input, self.input)),
-            "cache_creation_input": micros(creation),
-            "cache_creation_input_1h": micros(given(self.cache_creation_input_1h, creation)),
-            "audio_input": micros(given(self.audio_input, self.input)),
-            "output": micros(self.output),
-            "reasoning": micros(given(self.reasoning, self.output)),
-            "audio_output": micros(given(self.audio_output, self.output)),
-        }
-
-    @model_validator(mode="after")
-    def _six_places(self) -> PricePerMillion:
-        self.micros_per_million()
-        return self
-
-
-class ModelConfig(_Frozen):
-    upstream: str
-    encoding: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    # Input tokens reserved for each image, audio or file part of a prompt: their count depends
-    # on the model, the size and the detail, which the proxy cannot know (0: not reserved).
-    media_part_input_tokens: int = Field(default=0, ge=0, le=10_000_000)
-    # Input tokens a provider adds to a call that carries tools, beyond their definitions (the
-    # system prompt of Anthropic's tool use). None: 600 for an Anthropic upstream, else 0.
-    tools_input_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
-    # Input tokens the served model's chat template adds beyond OpenAI's chat format, which the
-    # estimate counts (``estimate.TOKENS_PER_MESSAGE``): per call (a default system block: Llama
-    # 3.1's date lines on vLLM, about 25) and per message (its role headers, about 5 more). Not
-    # counted, each short call is billed past its reserve by that much (0: nothing added).
-    prompt_overhead_tokens: int = Field(default=0, ge=0, le=10_000_000)
-    message_overhead_tokens: int = Field(default=0, ge=0, le=10_000_000)
-    # The model reasons in tokens it bills and never streams, unasked (OpenAI's o-series and
-    # gpt-5): a call of it left without the provider's final usage is billed at its reserve, as
-    # one that asks to reason (reasoning_effort, Anthropic's thinking) is; a count of what came
-    # back would miss the reasoning.
-    hidden_reasoning: bool = False
-    price_per_million: PricePerMillion | None = None
-    # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
-    # flex), beside the default's; a priced model refuses a tier not priced here.
-    service_tiers: dict[str, PricePerMillion] = {}
-
-    @field_validator("encoding")
-    @classmethod
-    def _known_encoding(cls, value: str | None) -> str | None:
-        # A name tiktoken does not know (a typo: o200k, o200k-base) loaded nothing at start and
-        # left the model reserved at UTF-8 bytes and counted at 4 characters a token, unseen.
-        if value is None or value == "bytes":
-            return value
-        import tiktoken
-
-        known = tiktoken.list_encoding_names()
-        if value not in known:
-            raise ValueError(
-                f"unknown tiktoken encoding {value[:60]!r} (known: {', '.join(known)}; or bytes)"
-            )
-        return value
-
-    @field_validator(
-        "max_output_tokens",
-        "media_part_input_tokens",
-        "tools_input_tokens",
-        "prompt_overhead_tokens",
-        "message_overhead_tokens",
-        mode="before",
-    )
-    @classmethod
-    def _not_a_bool(cls, value: Any) -> Any:
-        # YAML's no/off/false would be 0 tokens (the 600 of Anthropic's tool prompt unreserved).
-        if isinstance(value, bool):
-            raise ValueError("a token count, not true or false")
-        return value
-
-    @model_validator(mode="after")
-    def _tiers_beside_a_price(self) -> ModelConfig:
-        if self.service_tiers and self.price_per_million is None:
-            # An unpriced model's calls cost 0: a tier's prices would be ignored.
-            raise ValueError("service_tiers: price_per_million (the default tier's prices) is needed too")
-        for name in self.service_tiers:
-            if name in ("auto", "default"):
-                raise ValueError(f"service_tiers.{name}: the default tier's prices are price_per_million")
-        return self
-
-
-def _check_digest(value: str | None) -> str | None:
-    if value is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", value):
-        raise ValueError("must be a 64-character hex SHA-256 digest")
-    return value.lower() if value else value
-
-
-class KeyConfig(_Frozen):
-    name: str
-    sha256: str | None = None
-    key_env: str | None = None
-    tenant: str
-    tier: str = "standard"
-
-    @field_validator("sha256")
-    @classmethod
-    def _hex_digest(cls, value: str | None) -> str | None:
-        return _check_digest(value)
-
-    @field_validator("tenant")
-    @classmethod
-    def _tenant_name(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
-            raise ValueError("tenant names use letters, digits, '.', '_' and '-' (at most 64)")
-        if value == PASSTHROUGH_TENANT or PASSTHROUGH_TENANT_ID.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is reserved for pass-through callers ('{PASSTHROUGH_TENANT}' and 'pt-' "
-                "with 12 or 32 hex digits): name the tenant otherwise"
-            )
-        return value
-
-    @field_validator("name")
-    @classmethod
-    def _key_name(cls, value: str) -> str:
-        # Part of Redis keys, of the lease record (one scope key a line) and of log lines.
-        if not re.fullmatch(r"[A-Za-z0-9._@/+-]{1,128}", value):
-            raise ValueError("key names use letters, digits and '.', '_', '@', '/', '+', '-' (at most 128)")
-        return value
-
-    @model_validator(mode="after")
-    def _one_source(self) -> KeyConfig:
-        if (self.sha256 is None) == (self.key_env is None):
-            raise ValueError("give exactly one of sha256 or key_env")
-        return self
-
-
-class AdminKeyConfig(_Frozen):
-    """A key for operator-only endpoints (``/metrics`` on the main port)."""
-
-    name: str
-    sha256: str | None = None
-    key_env: str | None = None
-
-    @field_validator("sha256")
-    @classmethod
-    def _hex_digest(cls, value: str | None) -> str | None:
-        return _check_digest(value)
-
-    @model_validator(mode="after")
-    def _one_source(self) -> AdminKeyConfig:
-        if (self.sha256 is None) == (self.key_env is None):
-            raise ValueError("give exactly one of sha256 or key_env")
-        return self
-
-
-class MetricsConfig(_Frozen):
+class MetricsConfig(Frozen):
     # A separate address for Prometheus (no auth there: bind it where only scrapers reach).
     # On the main port /metrics needs an admin key.
     listen: ListenConfig | None = None
 
 
-class PolicyConfig(_Frozen):
+class PolicyConfig(Frozen):
     on_truncate: Literal["pass", "reject"] = "pass"
     on_invalid_json: Literal["pass", "reject"] = "pass"
     on_client_disconnect: Literal["drain", "cancel"] = "drain"
 
 
-class PolicyOverride(_Frozen):
-    on_truncate: Literal["pass", "reject"] | None = None
-    on_invalid_json: Literal["pass", "reject"] | None = None
-    on_client_disconnect: Literal["drain", "cancel"] | None = None
-
-
-class Ceilings(_Frozen):
-    """Ceilings of one scope; an absent field is unlimited (the meter still accumulates)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
-
-    requests: int | None = Field(default=None, ge=0, le=MAX_COUNT)
-    input_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
-    output_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
-    total_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
-    cost: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS, alias="cost_usd")
-    concurrent: int | None = Field(default=None, ge=0, le=MAX_COUNT)
-
-    @field_validator("requests", "input_tokens", "output_tokens", "total_tokens", "concurrent", mode="before")
-    @classmethod
-    def _not_a_bool(cls, value: Any) -> Any:
-        # YAML's true/false/yes/no/on/off would be a ceiling of 1 or 0 (0 refuses every call).
-        if isinstance(value, bool):
-            raise ValueError("a ceiling is a count, not true or false")
-        return value
-
-    @field_validator("cost")
-    @classmethod
-    def _whole_micro_units(cls, value: Decimal | None) -> Decimal | None:
-        # Silently rounded before: 1e-7 became a ceiling of 0, refusing every priced call.
-        if value is not None and value * MICROS_PER_UNIT != (value * MICROS_PER_UNIT).to_integral_value():
-            raise ValueError("cost ceilings are limited to 6 decimal places")
-        return value
-
-    @cached_property
-    def meters(self) -> dict[str, int]:
-        """``as_meters`` computed once per config (read on every reservation)."""
-        return self.as_meters()
-
-    def as_meters(self) -> dict[str, int]:
-        """Ceilings keyed by meter name, integers only (cost in micro-units)."""
-        out: dict[str, int] = {}
-        for meter in ("requests", "input_tokens", "output_tokens", "total_tokens", "concurrent"):
-            value = getattr(self, meter)
-            if value is not None:
-                out[meter] = int(value)
-        if self.cost is not None:
-            out["cost_micros"] = int(self.cost * MICROS_PER_UNIT)
-        return out
-
-
-class WindowCeilings(Ceilings):
-    period: Period
-
-    @model_validator(mode="after")
-    def _no_concurrency(self) -> WindowCeilings:
-        if self.concurrent is not None:
-            raise ValueError("concurrent is not a windowed meter: limit it under run or key")
-        return self
-
-
-class TierConfig(_Frozen):
-    run: Ceilings = Ceilings()
-    # Per API key over its whole life (not windowed): e.g. concurrent calls per key.
-    key: Ceilings = Ceilings()
-    windows: tuple[WindowCeilings, ...] = ()
-    tenant: tuple[WindowCeilings, ...] = ()
-    policy: PolicyOverride = PolicyOverride()
-    on_budget_short: Literal["refuse", "clamp"] = "refuse"
-    min_output_tokens: int = Field(default=1, ge=1)
-
-    @model_validator(mode="after")
-    def _one_window_per_period(self) -> TierConfig:
-        for name in ("windows", "tenant"):
-            periods = [w.period for w in getattr(self, name)]
-            if len(periods) != len(set(periods)):
-                raise ValueError(f"{name}: one entry per period (merge the ceilings of a period into one)")
-        return self
-
-    def __hash__(self) -> int:
-        # Hashed on every call (the key scopes' cache): pydantic's hash walks every field, each time.
-        return self._hash
-
-    @cached_property
-    def _hash(self) -> int:
-        return hash(tuple(getattr(self, name) for name in type(self).model_fields))
-
-
-class LimitsConfig(_Frozen):
+class LimitsConfig(Frozen):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # All request header names and values together; larger requests get 431.
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=60 * 1024)
@@ -533,7 +237,7 @@ class LimitsConfig(_Frozen):
         return self
 
 
-class LogConfig(_Frozen):
+class LogConfig(Frozen):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["json", "text"] = "json"
 
@@ -541,7 +245,7 @@ class LogConfig(_Frozen):
 EventLoopChoice = Literal["auto", "uvloop", "asyncio"]
 
 
-class Config(_Frozen):
+class Config(Frozen):
     listen: ListenConfig = ListenConfig()
     log: LogConfig = LogConfig()
     redis: RedisConfig = RedisConfig()

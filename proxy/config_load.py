@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, ValidationError
 
-from proxy.config import AdminKeyConfig, Config, KeyConfig, ListenConfig, RedisConfig
+from proxy.config import Config, ListenConfig, RedisConfig
+from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.errors import ConfigError
 
 

@@ -23,13 +23,9 @@ from proxy.payload import (
     ResponsesBody,
     compacts,
     generations,
-    items_parts,
-    media_parts,
-    message_parts,
     prompts,
-    search_result_bytes,
-    variable_texts,
 )
+from proxy.prompt_parts import items_parts, media_parts, message_parts, search_result_bytes, variable_texts
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
 
 # Chat formats add a few tokens per message and for priming the reply.

@@ -8,9 +8,6 @@ import functools
 import hashlib
 import hmac
 import logging
-from collections.abc import Mapping
-from datetime import UTC, datetime
-from typing import Any
 
 import aiohttp
 import orjson
@@ -18,9 +15,10 @@ from aiohttp import HttpVersion11, hdrs, web, web_urldispatcher
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
-from proxy.app import STATE, State, metrics_handler
+from proxy.app import metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
-from proxy.call import REQUEST_ID, SANE_ID, Call, plan_call, request_id_for, run_id_for
+from proxy.billing_views import key_self, run_ledger, run_meters
+from proxy.call import Call, plan_call
 from proxy.config import Config
 from proxy.dialects import DIALECTS, Dialect, dialect_of_path
 from proxy.errors import (
@@ -32,7 +30,6 @@ from proxy.errors import (
     StoreUnavailable,
     Unauthorized,
     error_response,
-    store_unavailable_response,
 )
 from proxy.estimate import Estimate, counted
 from proxy.forward import (
@@ -44,12 +41,13 @@ from proxy.forward import (
     upstream_headers,
     upstream_url,
 )
+from proxy.ids import REQUEST_ID, request_id_for, run_id_for
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange
 from proxy.reserve import Reloaded, reserve
-from proxy.scopes import run_key, scopes_for
-from proxy.store import ALL_METERS, MeterState, Store
+from proxy.state import STATE, State
+from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger("proxy.handlers")
@@ -271,109 +269,6 @@ def _is_error_object(body: bytes) -> bool:
     except orjson.JSONDecodeError:
         return False
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
-
-
-def _caller(request: web.Request) -> tuple[State, Identity, Store]:
-    state = request.app[STATE]
-    identity = authenticate(request, state.config, passthrough=state.passthrough)
-    if state.store is None:
-        raise StoreError("store not opened")
-    return state, identity, state.store
-
-
-def _run_id(request: web.Request) -> str:
-    run_id = request.match_info["run_id"]
-    if not SANE_ID.fullmatch(run_id):
-        raise NotFound(f"No run '{run_id[:128]}' for this tenant.")
-    return run_id
-
-
-async def run_meters(request: web.Request) -> web.Response:
-    try:
-        state, identity, store = _caller(request)
-    except StoreError:
-        return store_unavailable_response()
-    run_id = _run_id(request)
-    meters = await store.meters(run_key(identity.tenant, run_id))
-    if all(m.used == 0 and m.reserved == 0 for m in meters.values()):
-        raise NotFound(f"No run '{run_id}' for this tenant.")
-    tier = state.config.tiers.get(identity.tier)
-    out = _meter_view(meters, tier.run.meters if tier else {})
-    summary = ", ".join(
-        f"{m} {out[m]['used']}/{out[m]['ceiling'] if out[m]['ceiling'] is not None else 'unlimited'}"
-        for m in ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros")
-    )
-    return web.json_response(
-        {
-            "object": "billing.run",
-            "run_id": run_id,
-            "tenant": identity.tenant,
-            "meters": out,
-            "summary": summary,
-        }
-    )
-
-
-def _meter_view(
-    meters: dict[str, MeterState], ceilings: Mapping[str, int], *, peak_kept: bool = True
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for meter in ALL_METERS:
-        state_ = meters[meter]
-        out[meter] = {"used": state_.used, "reserved": state_.reserved, "ceiling": ceilings.get(meter)}
-    # Kept where calls hold their reserve (Scope.holds); elsewhere nobody counted it.
-    out["concurrent"]["peak"] = meters["peak_concurrent"].used if peak_kept else None
-    return out
-
-
-async def key_self(request: web.Request) -> web.Response:
-    """The caller's key and tenant windows: used / reserved / ceiling per meter."""
-    try:
-        state, identity, store = _caller(request)
-    except StoreError:
-        return store_unavailable_response()
-    tier = state.config.tiers.get(identity.tier)
-    windows = []
-    config = state.config
-    scopes = scopes_for(
-        identity,
-        "-",
-        tier,
-        datetime.fromtimestamp(await store.synced_now(), UTC),  # the windows the reserves pick
-        run_ttl_s=config.limits.run_ttl_s,
-        tenant_periods=config.tenant_periods(identity.tenant),
-    )
-    found = await store.scope_meters(tenant=identity.tenant, keys=[s.key for s in scopes[1:]])
-    for scope in scopes[1:]:  # all but the run
-        meters = found[scope.key]
-        windows.append(
-            {
-                "scope": scope.name,
-                "resets_at": scope.resets_at_s,
-                "meters": _meter_view(meters, scope.ceilings, peak_kept=scope.holds),
-            }
-        )
-    return web.json_response(
-        {
-            "object": "billing.key",
-            "key": identity.key_name,
-            "tenant": identity.tenant,
-            "tier": identity.tier,
-            "windows": windows,
-        }
-    )
-
-
-async def run_ledger(request: web.Request) -> web.Response:
-    try:
-        _state, identity, store = _caller(request)
-    except StoreError:
-        return store_unavailable_response()
-    run_id = _run_id(request)
-    entries = await store.run_ledger(tenant=identity.tenant, run_id=run_id)
-    if not entries:
-        raise NotFound(f"No run '{run_id}' for this tenant.")
-    return web.json_response({"object": "list", "run_id": run_id, "data": entries})
 
 
 async def metrics(request: web.Request) -> web.StreamResponse:

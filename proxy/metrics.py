@@ -21,7 +21,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from proxy.config import OTHER_MODEL, PASSTHROUGH_TENANT, PASSTHROUGH_TENANT_ID, Config
+from proxy.config import Config
+from proxy.config_base import OTHER_MODEL, PASSTHROUGH_TENANT, PASSTHROUGH_TENANT_ID
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)

@@ -7,7 +7,6 @@ every other field passes through to the upstream unchanged.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import orjson
@@ -46,7 +45,7 @@ class StreamOptions(BaseModel):
 
 class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    # Priority or flex processing is priced apart (``call.rates_for``).
+    # Priority or flex processing is priced apart (``service_tiers.rates_for``).
     service_tier: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -277,62 +276,6 @@ def set_output_cap(body: dict[str, Any], field: str, cap: int) -> None:
         body[name] = value if lower else cap
 
 
-# Content parts whose tokens are not text: OpenAI chat, Responses, Anthropic, and the video and
-# audio by URL of OpenAI-compatible servers (vLLM, SGLang).
-MEDIA_PART_TYPES = frozenset(
-    {
-        "image_url",
-        "input_audio",
-        "video_url",
-        "audio_url",
-        "file",
-        "input_image",
-        "input_file",
-        "image",
-        "document",
-        "computer_screenshot",
-    }
-)
-# Where parts nest: a message's content, a tool result's content or output. Not elsewhere: a
-# tool call's own arguments ("input") are the model's JSON, whatever types they name.
-_PART_HOLDERS = ("content", "output")
-
-
-def _parts(*sources: Any) -> Iterator[dict[str, Any]]:
-    """Every object of the messages, items or variables of ``sources``, a tool result's parts
-    included (not the insides of a media part or a search result)."""
-    stack = list(sources)
-    while stack:
-        value = stack.pop()
-        if isinstance(value, list):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            yield value
-            if not (_is_media(value) or value.get("type") == "web_search_result"):
-                held = (value.get(key) for key in _PART_HOLDERS)
-                stack.extend(inner for inner in held if isinstance(inner, list | dict))
-
-
-def search_result_bytes(*sources: Any) -> int:
-    """The length of the page text Anthropic's web search results carry back encrypted (billed as
-    input again in later turns): counted in bytes, as no tokenizer can read it."""
-    results = (part for part in _parts(*sources) if part.get("type") == "web_search_result")
-    blobs = (result.get("encrypted_content") for result in results)
-    return sum(len(blob) for blob in blobs if isinstance(blob, str))
-
-
-def media_parts(*sources: Any) -> int:
-    """How many image, audio and file parts the messages, items or variables of ``sources``
-    hold, a tool result's included, and earlier audio answers sent back by id."""
-    return sum(1 for part in _parts(*sources) if _is_media(part) or _is_audio_reference(part))
-
-
-def _is_audio_reference(message: dict[str, Any]) -> bool:
-    """An assistant message that sends an earlier audio answer back by its id: the provider
-    reads that audio again, as input."""
-    return message.get("role") == "assistant" and isinstance(message.get("audio"), dict)
-
-
 def _own_chat_template(data: dict[str, Any]) -> str | None:
     """Where a chat request sends a template of its own, if it does: ``chat_template``, or one
     inside ``chat_template_kwargs``, which vLLM hands on to the tokenizer's template call (its own
@@ -343,107 +286,3 @@ def _own_chat_template(data: dict[str, Any]) -> str | None:
     if isinstance(kwargs, dict) and kwargs.get("chat_template") is not None:
         return "chat_template_kwargs"
     return None
-
-
-def _is_media(part: dict[str, Any]) -> bool:
-    kind = part.get("type")
-    # A type may be anything: a list. An object with a role is a message (its content is what
-    # the model reads), whatever type it also names: never a media part whose text is skipped.
-    return isinstance(kind, str) and kind in MEDIA_PART_TYPES and "role" not in part
-
-
-# Keys whose strings are not prompt text: ids, enums, signatures, and payloads that are not
-# text (media are priced per part, by ``media_parts``; encrypted reasoning is opaque).
-_NOT_TEXT = frozenset(
-    {
-        "type",
-        "id",
-        "call_id",
-        "tool_call_id",
-        "tool_use_id",
-        "status",
-        "signature",
-        "encrypted_content",
-        "result",  # an image generation call's image
-        "cache_control",
-        "audio",  # a chat message's reference to earlier audio: {"id": ...}
-        "data",
-        "url",
-        "file_id",
-        "file_data",
-        "image_url",
-        "media_type",
-        "mime_type",
-        "detail",
-        "format",
-    }
-)
-# Roles a chat format writes as one token, which the per-message overhead holds. Any other is
-# text the provider bills: vLLM takes custom roles, and a template such as Llama 3's writes the
-# role into the prompt.
-_OVERHEAD_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-# Keys whose object value the model reads as JSON, its keys included: a tool call's input or
-# arguments, and a tool's schema (an MCP tool list passed back among the items; a schema's
-# property names are keys, its "type"s would be dropped as enums).
-_AS_JSON = frozenset({"input", "arguments", "input_schema", "parameters", "schema"})
-
-
-def prompt_texts(value: Any) -> list[str]:
-    """Every string a prompt value carries, at any depth, in order: contents, refusals, names,
-    tool calls and their results, reasoning summaries, whatever an item type holds. What the
-    provider bills as input is among them, so a new item type cannot slip past the reserve."""
-    parts: list[str] = []
-    stack = [value]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            parts.append(value)
-        elif isinstance(value, list):
-            stack.extend(reversed(value))
-        elif isinstance(value, dict):
-            kind = value.get("type")
-            if _is_media(value):
-                if kind == "document":
-                    stack.extend(reversed(_document_texts(value)))
-                continue
-            for key, inner in reversed(value.items()):
-                if key in _NOT_TEXT or (
-                    key == "role" and isinstance(inner, str) and inner in _OVERHEAD_ROLES
-                ):
-                    continue
-                if key in _AS_JSON and isinstance(inner, dict | list):
-                    parts.append(orjson.dumps(inner).decode())
-                else:
-                    stack.append(inner)
-    return parts
-
-
-def _document_texts(document: dict[str, Any]) -> list[Any]:
-    """What of an Anthropic document is text the model reads: its title and context, and a
-    plain-text or content-block source (a PDF, a URL or a file is priced per part)."""
-    source = document.get("source")
-    texts = [document.get("title"), document.get("context")]
-    if isinstance(source, dict):
-        if source.get("type") == "text":
-            texts.append(source.get("data"))
-        elif source.get("type") == "content":
-            texts.append(source.get("content"))
-    return texts
-
-
-def variable_texts(variables: Any) -> list[str]:
-    """The text of a stored prompt's variables: strings, or parts carrying text (an image or a
-    file part adds none, as in messages)."""
-    return prompt_texts(list(variables.values())) if isinstance(variables, dict) else []
-
-
-def message_parts(messages: list[dict[str, Any]]) -> list[str]:
-    """All text a chat request sends: contents, names, refusals and tool calls."""
-    return prompt_texts(messages)
-
-
-def items_parts(
-    items: str | list[dict[str, Any]], extra: str | list[dict[str, Any]] | None = None
-) -> list[str]:
-    """All text of a Responses ``input`` (or Anthropic ``messages``) plus instructions/system."""
-    return prompt_texts(extra) + (prompt_texts(items) or [""])

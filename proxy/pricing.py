@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.config import MAX_COUNT
+from proxy.config_base import MAX_COUNT
 from proxy.estimate import Estimate
 
 TOKENS_PER_MILLION = 1_000_000

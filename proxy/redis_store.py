@@ -7,33 +7,20 @@ keys of one tenant (see ``store.key_prefix``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from importlib import resources
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import (
-    AuthenticationError,
-    BusyLoadingError,
-    ClusterError,
-    MasterDownError,
-    NoPermissionError,
-    NoScriptError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
+from redis.exceptions import ResponseError
 
-from proxy.errors import StoreError, StoreRejected
-from proxy.resp import ConnectionLost, PipelinedConnection, RespError
+from proxy.errors import StoreError
+from proxy.redis_contexts import ContextCommands
+from proxy.redis_failures import STORE_FAILURES, refused
+from proxy.redis_scripts import ScriptRunner, load_scripts
+from proxy.resp import PipelinedConnection
 from proxy.store import (
     ACTUAL_METERS,
     ALL_METERS,
@@ -51,75 +38,6 @@ from proxy.store import (
     Tentative,
     key_prefix,
 )
-
-# What a store call can raise: redis-py's errors, the cluster client's own (not a RedisError),
-# and what redis-py's asyncio connection leaks when the socket under it is torn down mid-write
-# (a Cluster's failover, a peer's reset): AttributeError or TypeError on a transport gone None
-# (redis/redis-py#4287, 8.1). Each ``try`` below wraps only the client's call, so these are the
-# store failing, never our own code.
-STORE_FAILURES = (RedisError, RedisClusterException, AttributeError, TypeError)
-# Error replies that say "not now" rather than "never": the call may be tried again (a settle
-# refused for them is journaled and replayed, never parked). Out of memory, a failed disk
-# write, too few replicas, a replica after a failover and auth or ACL trouble all pass or get
-# fixed; what never passes is a script refusing its input.
-TRANSIENT_REPLIES = (
-    "BUSY",
-    "LOADING",
-    "TRYAGAIN",
-    "CLUSTERDOWN",
-    "MASTERDOWN",
-    "READONLY",
-    "OOM",
-    "MISCONF",
-    "NOREPLICAS",
-    "NOAUTH",
-    "WRONGPASS",
-    "NOPERM",
-    "ERR max number of clients",
-)
-# The same replies as redis-py raises them: it strips the code off those it has a class for.
-TRANSIENT_ERRORS = (
-    ClusterError,
-    TryAgainError,
-    MasterDownError,
-    ReadOnlyError,
-    OutOfMemoryError,
-    NoPermissionError,
-)
-# Replies redis-py raises as connection errors, though the command never ran.
-NOT_RUN_ERRORS = (AuthenticationError, BusyLoadingError)
-
-
-def transient(err: ResponseError | RespError) -> bool:
-    return isinstance(err, TRANSIENT_ERRORS) or str(err).startswith(TRANSIENT_REPLIES)
-
-
-def _refused(err: ResponseError) -> bool:
-    """A command this server will never run for us (disabled, renamed, not this user's), rather
-    than one it cannot run now."""
-    return isinstance(err, NoPermissionError) or not transient(err)
-
-
-# A kept context size as context.lua writes it: digits, a bound's followed by ~ and digits.
-CONTEXT_SIZE = re.compile(r"([0-9]+)(?:~[0-9]*)?")
-
-
-SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
-# Whose a context the provider keeps is (owner.lua): kept as long as the provider keeps it.
-CONTEXT_OWNER_TTL_S = 30 * 24 * 3600
-
-
-def _owner_key(context_id: str) -> str:
-    # Not under a tenant's hash tag: looked up by a caller of any tenant (one key, one slot).
-    return f"lbp:ctxowner:{context_id}"
-
-
-def _load_scripts() -> dict[str, tuple[str, str]]:
-    scripts = {}
-    for name in SCRIPT_NAMES:
-        source = resources.files("proxy").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")
-        scripts[name] = (source, hashlib.sha1(source.encode()).hexdigest())
-    return scripts
 
 
 def clamped_amounts(amounts: Mapping[str, int], per_choice: int, clamp: Clamp) -> dict[str, int]:
@@ -149,7 +67,7 @@ def _run_scope(prefix: str, run_id: str, scope_keys: Sequence[str]) -> int:
     return list(scope_keys).index(run_key) + 1 if run_key in scope_keys else 0
 
 
-class RedisStore:
+class RedisStore(ContextCommands, ScriptRunner):
     def __init__(
         self,
         client: aioredis.Redis | RedisCluster,
@@ -163,7 +81,7 @@ class RedisStore:
         self._pool = pool
         # Single-node only: the hot-path scripts share one pipelined connection.
         self._pipe = pipe
-        self._scripts = _load_scripts()
+        self._scripts = load_scripts()
         # The store's clock minus this process's monotonic clock (seconds), None until first
         # measured: see ``now``. Monotonic: a step of the host's wall clock between two measures
         # must not move the windows.
@@ -282,12 +200,12 @@ class RedisStore:
                 )
                 policy_key = "maxmemory-policy"
             except ResponseError as err:
-                if not _refused(err):
+                if not refused(err):
                     raise
                 found = await self._client.info("memory", **nodes)
                 policy_key = "maxmemory_policy"
         except ResponseError as err:
-            if not _refused(err):  # a Cluster down, TRYAGAIN: read again later
+            if not refused(err):  # a Cluster down, TRYAGAIN: read again later
                 raise StoreError(f"eviction policy: {err}") from err
             return Eviction(None)
         except STORE_FAILURES as err:
@@ -299,54 +217,6 @@ class RedisStore:
             for a in answers
         ]
         return next((e for e in settings if e.drops_keys), settings[0])
-
-    async def _script(
-        self,
-        name: str,
-        keys: Sequence[str],
-        args: Sequence[Any],
-        *,
-        on_sent: Callable[[], None] | None = None,
-    ) -> Any:
-        if self._pipe is not None:
-            return await self._piped_script(name, keys, args, on_sent)
-        # redis-py (a Cluster, or TLS: rediss://) does not say when a command is written: ``on_sent``
-        # is not called.
-        source, sha = self._scripts[name]
-        try:
-            try:
-                return await self._client.evalsha(sha, len(keys), *keys, *args)
-            except NoScriptError:
-                return await self._client.eval(source, len(keys), *keys, *args)
-        except ResponseError as err:
-            if transient(err):
-                raise StoreError(f"{name}: {err}") from err
-            raise StoreRejected(f"{name}: {err}") from err
-        except NOT_RUN_ERRORS as err:
-            raise StoreError(f"{name}: {err}") from err
-        except STORE_FAILURES as err:
-            # A refused connection never carried the command; a timeout or reset may have.
-            sent = not ("connecting to" in str(err) or "Connection refused" in str(err))
-            raise StoreError(f"{name}: {err}", maybe_applied=sent) from err
-
-    async def _piped_script(
-        self, name: str, keys: Sequence[str], args: Sequence[Any], on_sent: Callable[[], None] | None
-    ) -> Any:
-        assert self._pipe is not None
-        source, sha = self._scripts[name]
-        try:
-            try:
-                return await self._pipe.call("EVALSHA", sha, len(keys), *keys, *args, on_sent=on_sent)
-            except RespError as err:
-                if not str(err).startswith("NOSCRIPT"):
-                    raise
-                return await self._pipe.call("EVAL", source, len(keys), *keys, *args)
-        except RespError as err:
-            if transient(err):
-                raise StoreError(f"{name}: {err}") from err
-            raise StoreRejected(f"{name}: {err}") from err
-        except ConnectionLost as err:
-            raise StoreError(f"{name}: {err}", maybe_applied=err.sent) from err
 
     async def reserve(
         self,
@@ -543,45 +413,6 @@ class RedisStore:
                     for meter, value in zip(RESERVED_METERS, values, strict=False):
                         unheld[key][meter] += value
         return {key: _meter_states(raw, unheld[key]) for key, raw in zip(keys, hashes, strict=True)}
-
-    async def prior_context_tokens(self, *, tenant: str, ids: Sequence[str]) -> int | None:
-        prefix = key_prefix(tenant)
-        try:
-            # One slot (the tenant's hash tag): one command, on Cluster too.
-            found: Any = await self._client.mget([f"{prefix}ctx:{i}" for i in ids])
-        except STORE_FAILURES as err:
-            raise StoreError(f"prior context: {err}") from err
-        # A bound ('~' and the size it continued: a cut call's reserve) reserves its size.
-        sizes = [int(m[1]) for f in found if f is not None and (m := CONTEXT_SIZE.fullmatch(str(f)))]
-        return max(sizes) if sizes else None
-
-    async def remember_context(
-        self,
-        *,
-        tenant: str,
-        ids: Sequence[str],
-        tokens: int,
-        ttl_s: int,
-        bound: bool = False,
-        base_tokens: int = 0,
-    ) -> None:
-        prefix = key_prefix(tenant)
-        # One script (one slot: the tenant's hash tag): a size kept is never lowered (context.lua).
-        await self._script(
-            "context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s, 0 if bound else 1, base_tokens]
-        )
-
-    async def context_owners(self, *, ids: Sequence[str]) -> list[str | None]:
-        try:
-            # One key a command: the keys are in other slots than the tenant's (Cluster).
-            found: list[Any] = [await self._client.get(_owner_key(i)) for i in ids]
-        except STORE_FAILURES as err:
-            raise StoreError(f"context owners: {err}") from err
-        return [None if f is None else str(f) for f in found]
-
-    async def claim_contexts(self, *, tenant: str, ids: Sequence[str]) -> None:
-        for i in ids:
-            await self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S])
 
     async def register_tenant(self, tenant: str) -> None:
         try:

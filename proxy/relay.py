@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 import aiohttp
 from aiohttp import web
 
-from proxy.call import Call, context_key
+from proxy.call import Call
 from proxy.config import Config
-from proxy.errors import StoreError
+from proxy.contexts import claim, contexts_made, contexts_owned, remember
 from proxy.estimate import counted
 from proxy.forward import TransportFailure, open_upstream, operator_key_sent, provider_headers
 from proxy.journal import Journal
@@ -43,10 +43,6 @@ from proxy.store import Store
 from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger("proxy.relay")
-# How long a stream's last event waits for its context's size to be kept (``keep_context``): a
-# hint for a later reserve, written in a fraction of a millisecond by a store that answers; one
-# that does not (a long script, a lost connection) must not hold the answer for its timeout.
-KEEP_CONTEXT_WAIT_S = 0.25
 # A whole answer goes out with the settle on its way (``Exchange.settle_early``) only while its
 # lease has at least this part of its time left: past that a reaper might be billing the call.
 EARLY_ANSWER_LEASE_PART = 0.5
@@ -69,10 +65,6 @@ def _tell(early: asyncio.Future[Settlement], settlement: Settlement) -> None:
         early.set_result(settlement)
 
 
-async def _all(writes: list[Awaitable[None]]) -> None:
-    await asyncio.gather(*writes)
-
-
 class Exchange:
     """One call from forward to settle; settles exactly once whatever happens."""
 
@@ -90,9 +82,9 @@ class Exchange:
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self.upstream_s = 0.0
         self.provider_headers: dict[str, str] = {}  # once it answered: see forward.provider_headers
-        self._context_kept = False  # see ``keep_context``
-        self._keeping: asyncio.Future[None] | None = None  # its write, once started
-        self._claimed: set[str] = set()  # the contexts marked as its tenant's (``_claim``)
+        self.context_kept = False  # see ``contexts.keep_context``
+        self.keeping: asyncio.Future[None] | None = None  # its write, once started
+        self.claimed: set[str] = set()  # the contexts marked as its tenant's (``contexts.claim``)
 
     @functools.cached_property
     def operator_key(self) -> bytes | None:
@@ -271,21 +263,21 @@ class Exchange:
             # Billed at its reserve: at the exact count, not the quick bound, and taken from the
             # estimate as it is now: a count that landed since the usage was worked out may have
             # lowered the reserve already.
-            await self._count_input()
+            await self.count_input()
             usage = self.reserve_usage()
-        made = self._contexts_made()
-        owned = self._contexts_owned(made)
+        made = contexts_made(self)
+        owned = contexts_owned(self, made)
         if (made or owned) and not usage.input_tokens + usage.output_tokens:
             made = owned = []  # billed nothing (it never went out): it made no context
         kept = made if made and self.services.config.limits.prior_context_ttl_s else []
-        waits: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
+        waits: list[Awaitable[None]] = [remember(self, kept, usage)] if kept else []
         # A stream's early write marked them already (unless still on its way, or it failed).
-        keeping = self._keeping is not None and not self._keeping.done()
-        claims = owned if keeping else [i for i in owned if i not in self._claimed]
+        keeping = self.keeping is not None and not self.keeping.done()
+        claims = owned if keeping else [i for i in owned if i not in self.claimed]
         if claims:
-            waits.append(self._claim(claims))
-        if self._keeping is not None and not self._keeping.done():
-            waits.append(self._keeping)  # a stream's early write, still waiting on the store
+            waits.append(claim(self, claims))
+        if self.keeping is not None and not self.keeping.done():
+            waits.append(self.keeping)  # a stream's early write, still waiting on the store
         told = None
         if early is not None and not waits and self._lease_fresh():
             told = functools.partial(_tell, early)
@@ -323,7 +315,7 @@ class Exchange:
         marker_s = self.services.config.limits.settled_marker_ttl_s * MARKER_TRUST
         return age_s < min(reservation.lease_ms / 1000 * EARLY_ANSWER_LEASE_PART, marker_s)
 
-    async def _count_input(self) -> None:
+    async def count_input(self) -> None:
         """Count a quick bound for a call billed at its reserve, if the background count has not
         landed: here, not behind other calls' counts on the estimate thread."""
         if self.call.estimate.input_exact:
@@ -340,107 +332,6 @@ class Exchange:
             )
             # Final: a stream keeping its context counts before its settle, which tries no more.
             self.call.estimate = replace(self.call.estimate, uncounted=())
-
-    async def keep_context(self) -> None:
-        """Before a stream's last event goes out: it carries the answer (and its id), and a
-        client may continue it as soon as it has it, before the stream ends and the call is
-        settled. The settle writes the size again, at what it bills.
-
-        The event waits for the write at most ``KEEP_CONTEXT_WAIT_S``: past that the write goes
-        on (the settle waits for it, and shutdown for the settle) and the answer goes out."""
-        if self._context_kept:
-            return
-        self._context_kept = True
-        made = self._contexts_made()
-        owned = self._contexts_owned(made)
-        kept = made if made and self.services.config.limits.prior_context_ttl_s else []
-        usage = self.usage(complete=True)
-        if kept and usage.source == "reserve" and not usage.input_known:
-            # Kept at what the settle bills, the exact count: a quick bound kept now would stay
-            # (a bound never lowers a bound), reserved and, without usage, billed by every call
-            # continuing it.
-            await self._count_input()
-            usage = self.usage(complete=True)
-        writes: list[Awaitable[None]] = [self._remember(kept, usage)] if kept else []
-        if owned:
-            writes.append(self._claim(owned))  # its owner's before the id reaches the client
-        if not writes:
-            return
-        self._keeping = asyncio.ensure_future(_all(writes))
-        # Not cancelled by the timeout, nor by a cancel of this handler (shutdown): the settle
-        # (in a task of its own) waits for it.
-        await asyncio.wait((self._keeping,), timeout=KEEP_CONTEXT_WAIT_S)
-
-    def _contexts_owned(self, made: list[str]) -> list[str]:
-        """What becomes this call's tenant's: the contexts it made, and those it continued (a
-        previous response no tenant had marked: made before, or with the provider directly).
-        Only with the operator's key (a pass-through caller's own key goes upstream), and never
-        a stored prompt: the operator's, for any tenant to name."""
-        call = self.call
-        if call.endpoint != "responses" or self.operator_key is None:
-            return []
-        if self.obs.error or call.upstream_status >= 300:
-            return []
-        # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
-        # a stream's last event) for nothing.
-        skip = {call.stored_prompt, *call.continues_owned}
-        continued = [c for c in call.continues if c not in made and c not in skip]
-        return [c for c in made if c != call.stored_prompt] + continued
-
-    def _contexts_made(self) -> list[str]:
-        """Where the provider keeps this call's context for a later call to continue."""
-        call = self.call
-        if call.endpoint != "responses":
-            return []
-        if self.obs.error or call.upstream_status >= 300:
-            # It failed (``status: failed``, an error event), or the upstream answered an error:
-            # its conversation is as it was, whatever the failed call billed (its usage may be
-            # 0), and a failed answer is not continued.
-            return []
-        kept = [call.conversation] if call.conversation else []
-        if call.stored_prompt and call.continues == (call.stored_prompt,):
-            # At what the call billed: an upper bound of the template it read. Not a call that
-            # continues a response or a conversation: it billed that too, and its size, never
-            # lowered, would be reserved for every fresh call naming the prompt.
-            kept.append(call.stored_prompt)
-        answer = self.obs.response_id
-        if answer is None:
-            # Never seen whole (a body cut mid-JSON, a timeout, a transport that broke once the
-            # call went out): the provider may have made it and added it to its conversation,
-            # kept at what this call bills (its reserve, an upper bound; nothing, not 0, when
-            # nothing went out). Its own id is unknown.
-            return kept
-        if call.stores_answer:
-            kept.append(context_key(answer))
-        return kept
-
-    async def _claim(self, ids: list[str]) -> None:
-        """The contexts this call made or continued are its tenant's: another tenant's call
-        continuing them is refused (``reserve``)."""
-        try:
-            await self.services.store.claim_contexts(tenant=self.call.identity.tenant, ids=ids)
-            self._claimed.update(ids)
-        except StoreError as err:
-            self.services.metrics.store_errors.labels("claim_context").inc()
-            extra = {"request_id": self.call.request_id, "error": repr(err)}
-            log.warning("could not mark a context as its tenant's", extra=extra)
-
-    async def _remember(self, ids: list[str], usage: BilledUsage) -> None:
-        """The context a later call continues is what this one read and wrote."""
-        try:
-            await self.services.store.remember_context(
-                tenant=self.call.identity.tenant,
-                ids=ids,
-                tokens=usage.input_tokens + usage.output_tokens,
-                ttl_s=self.services.config.limits.prior_context_ttl_s,
-                bound=usage.source == "reserve",
-                base_tokens=self.call.prior_context_tokens,
-            )
-        except StoreError as err:
-            # Only a later call's reserve is the poorer for it (its request alone).
-            self.services.metrics.store_errors.labels("remember_context").inc()
-            extra = {"request_id": self.call.request_id, "error": repr(err)}
-            log.warning("could not keep a context's size", extra=extra)
 
     def error(
         self,

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.body_reader import BodyReader
+from proxy.contexts import keep_context
 from proxy.events import EventFilter
 from proxy.forward import StallGuard
 from proxy.lease import LeaseRenewal
@@ -108,7 +109,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                 failure = Outcome("upstream_error")  # one event larger than we hold
                 break
             if obs.done and out:
-                await ex.keep_context()  # before the client has the answer whole (its id)
+                await keep_context(ex)  # before the client has the answer whole (its id)
             if secret is not None and secret in out:  # whole events: a key is never cut
                 out = out.replace(secret, REDACTED)
             if not out or client_gone:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TextIO
 
-from proxy.config import MICROS_PER_UNIT
+from proxy.config_base import MICROS_PER_UNIT
 from proxy.outcome import TOKEN_KINDS
 
 GROUPS = {"model": "model", "run": "run_id", "key": "key"}

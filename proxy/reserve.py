@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 import orjson
 
 from proxy.call import Call, least_cap_accepted
-from proxy.config import Config, TierConfig
+from proxy.config import Config
+from proxy.config_tiers import TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, NotFound, StoreError
 from proxy.forward import operator_key_sent
 from proxy.journal import Journal

@@ -10,7 +10,8 @@ import functools
 from datetime import UTC, datetime, timedelta
 
 from proxy.auth import Identity
-from proxy.config import Period, TierConfig, WindowCeilings
+from proxy.config_base import Period
+from proxy.config_tiers import TierConfig, WindowCeilings
 from proxy.store import Scope, key_prefix
 
 # Window keys outlive their window so reports can still read them.

@@ -19,10 +19,11 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from proxy.app import STATE, build_app, server_options
+from proxy.app import build_app, server_options
 from proxy.config import Config, EventLoopChoice
 from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
+from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from proxy.workers import new_event_loop
 from tests.cluster import RedisClusterProcesses

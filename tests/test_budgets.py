@@ -19,8 +19,8 @@ import yaml
 from prometheus_client import generate_latest
 
 import proxy.reserve
-from proxy.app import STATE
 from proxy.redis_server import RedisServerProcess
+from proxy.state import STATE
 from proxy.store import Reservation, Scope
 from tests.conftest import (
     KEY_A,

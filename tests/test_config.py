@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.config import Config, TierConfig
+from proxy.config import Config
 from proxy.config_load import load_config, parse_config
+from proxy.config_tiers import TierConfig
 from proxy.errors import ConfigError
 from proxy.reload import ConfigReloader
 from tests.conftest import base_config

@@ -15,7 +15,6 @@ import pytest
 import redis.asyncio as aioredis
 import tiktoken
 
-from proxy.app import STATE
 from proxy.estimate import SPECIAL_TOKENS_PER_INPUT, counted, estimate
 from proxy.payload import (
     ChatBody,
@@ -27,6 +26,7 @@ from proxy.payload import (
     ResponsesBody,
 )
 from proxy.redis_server import RedisServerProcess
+from proxy.state import STATE
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received, upstream_timing_out
 from tests.fake_upstream import FakeUpstream

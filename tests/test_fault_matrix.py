@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 import yaml
 
 import proxy.app as app_module
-from proxy.app import STATE
 from proxy.redis_server import RedisServerProcess, free_port
+from proxy.state import STATE
 from tests.conftest import (
     KEY_A,
     UPSTREAM_KEY,

@@ -11,9 +11,10 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from proxy.app import STATE, build_app, server_options
+from proxy.app import build_app, server_options
 from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
+from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from proxy.workers import GC_YOUNG_THRESHOLD
 from tests.conftest import (

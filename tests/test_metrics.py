@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import STATE
 from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, Metrics
 from proxy.redis_server import free_port
+from proxy.state import STATE
 from tests.conftest import KEY_A, ProxyFactory, digest
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, dumps, scripted_upstreams, send

@@ -203,7 +203,7 @@ def test_a_tool_schema_among_the_items_is_counted_with_its_property_names() -> N
 
 def test_an_anthropic_document_of_content_blocks_is_counted_with_its_title_and_context() -> None:
     # Only a plain-text source was read: content blocks, a title and a context went unreserved.
-    from proxy.payload import prompt_texts
+    from proxy.prompt_parts import prompt_texts
 
     document = {
         "type": "document",

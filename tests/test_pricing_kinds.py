@@ -12,8 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
-from proxy.app import STATE
 from proxy.report import TOKEN_FIELDS
+from proxy.state import STATE
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream
 from tests.test_observe import SONAR_DEEP_RESEARCH_USAGE

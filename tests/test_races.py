@@ -211,7 +211,7 @@ async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_a
     own_client: aioredis.Redis,
     tmp_path: Path,
 ) -> None:
-    from proxy.app import STATE
+    from proxy.state import STATE
     from tests.conftest import until_redis_busy, until_upstream_received
 
     proxy = await make_proxy(

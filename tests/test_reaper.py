@@ -11,10 +11,10 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
-from proxy.app import STATE
 from proxy.reaper import run_reaper
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
+from proxy.state import STATE
 from proxy.store import TENANTS_KEY, Reservation, Scope
 from tests.conftest import KEY_A, Proxy, ProxyFactory, upstream_timing_out
 from tests.fake_upstream import FakeUpstream

@@ -16,7 +16,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoPermissionError, ResponseError
 
 from proxy.auth import Identity
-from proxy.config import TierConfig
+from proxy.config_tiers import TierConfig
 from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore

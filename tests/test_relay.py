@@ -14,10 +14,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy import relay
-from proxy.app import STATE
 from proxy.outcome import Outcome
+from proxy.redis_scripts import load_scripts
 from proxy.redis_server import RedisServerProcess
-from proxy.redis_store import _load_scripts
+from proxy.state import STATE
 from tests.conftest import (
     KEY_A,
     Proxy,
@@ -112,7 +112,7 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
     ex.services = SimpleNamespace(  # type: ignore[assignment]
         settling=set(), store=None, journal=None, config=SimpleNamespace(limits=limits)
     )
-    ex._settling = ex._settlement = ex._keeping = None
+    ex._settling = ex._settlement = ex.keeping = None
     ex.upstream_s = 0.0
     handler = asyncio.ensure_future(ex.settle(Outcome("ok"), SimpleNamespace(source="provider")))  # type: ignore[arg-type]
     await asyncio.sleep(0.01)
@@ -284,7 +284,7 @@ async def test_the_first_settle_after_a_redis_restart_is_ahead_of_the_next_call(
     # reserve after it loads reserve.lua again (EVAL): here, as another call's would have.
     await own_client.script_flush()
     await own_client.client_kill_filter(_type="normal", skipme=True)
-    await own_client.script_load(_load_scripts()["reserve"][0])
+    await own_client.script_load(load_scripts()["reserve"][0])
     blocker = aioredis.Redis.from_url(own_redis.url)
     try:
         received = len(fake.received)

@@ -17,10 +17,11 @@ import tiktoken
 import yaml
 from aiohttp import web
 
-from proxy.app import STATE, build_app
+from proxy.app import build_app
 from proxy.config_load import load_config
 from proxy.redis_server import RedisServerProcess
 from proxy.scopes import run_key
+from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config, until_upstream_received
 from tests.fake_upstream import FakeUpstream

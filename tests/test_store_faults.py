@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.app import STATE
 from proxy.errors import StoreError, StoreRejected
 from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement, store_tag
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
+from proxy.state import STATE
 from proxy.store import Scope
 from tests.conftest import KEY_A, Proxy, ProxyFactory, slow_stream, unreachable_port, until_upstream_received
 from tests.fake_upstream import FakeUpstream

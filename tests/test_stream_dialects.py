@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from proxy.app import STATE
+from proxy.state import STATE
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
 from tests.test_contract_edges import read_until_then_leave

@@ -1,0 +1,42 @@
+"""The shared base of the configuration's sections: the frozen pydantic model they derive from,
+and the constants (limits, units, reserved names) more than one of them reads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from decimal import Decimal
+from functools import cached_property
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict
+
+MICROS_PER_UNIT = 1_000_000
+# The largest figure the store holds exactly (15 digits; pricing.MAX_AMOUNT), and in whole units
+# of money: a ceiling or a price per million past it could be neither reserved against nor settled.
+MAX_COUNT = 10**15 - 1
+MAX_UNITS = Decimal("999999999.999999")
+Period = Literal["minute", "hour", "day", "month"]
+# Metric label values that stand for many (see metrics): every pass-through caller's tenant
+# (``auth``: ``pt-`` and 32 hex digits of its key's digest; 12 before), and every model the config
+# does not name exactly. A configured tenant or model named so would merge into them.
+PASSTHROUGH_TENANT = "passthrough"
+PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
+OTHER_MODEL = "other"
+
+
+class Frozen(BaseModel):
+    # No YAML .inf or .nan for a number: a timeout or a margin of .inf passed its bounds, and a
+    # lease of infinite milliseconds then failed every call.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy whose values derived from fields (the ``cached_property``s, kept in the
+        instance's ``__dict__``, which pydantic copies) are computed again from its own."""
+        copy = super().model_copy(update=update, deep=deep)
+        for klass in type(copy).__mro__:
+            for name, attr in vars(klass).items():
+                if isinstance(attr, cached_property):
+                    copy.__dict__.pop(name, None)
+        return copy

@@ -1,0 +1,129 @@
+"""A served model's configuration (``models:``): its upstream, how its tokens are counted and
+reserved, and its prices per million tokens.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from functools import cached_property
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from proxy.config_base import MAX_UNITS, MICROS_PER_UNIT, Frozen
+
+
+class PricePerMillion(Frozen):
+    """Prices in the operator's currency per million tokens; stored exactly as decimals."""
+
+    input: Decimal = Field(ge=0, le=MAX_UNITS)
+    output: Decimal = Field(ge=0, le=MAX_UNITS)
+    cached_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    reasoning: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    # Anthropic prompt-cache writes; priced as input unless given. Those kept an hour (a dearer
+    # write): as cache_creation_input unless given.
+    cache_creation_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    cache_creation_input_1h: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    # Audio tokens (OpenAI audio models), parts of input and output: as text unless given.
+    audio_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    audio_output: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+
+    @cached_property
+    def rates(self) -> dict[str, int]:
+        """Micro-units per million tokens by token type, computed once per config."""
+        return self.micros_per_million()
+
+    def micros_per_million(self) -> dict[str, int]:
+        def micros(price: Decimal) -> int:
+            scaled = price * MICROS_PER_UNIT
+            if scaled != scaled.to_integral_value():
+                raise ValueError("prices are limited to 6 decimal places per million tokens")
+            return int(scaled)
+
+        def given(price: Decimal | None, otherwise: Decimal) -> Decimal:
+            return otherwise if price is None else price
+
+        creation = given(self.cache_creation_input, self.input)
+        return {
+            "input": micros(self.input),
+            "cached_input": micros(given(self.cached_input, self.input)),
+            "cache_creation_input": micros(creation),
+            "cache_creation_input_1h": micros(given(self.cache_creation_input_1h, creation)),
+            "audio_input": micros(given(self.audio_input, self.input)),
+            "output": micros(self.output),
+            "reasoning": micros(given(self.reasoning, self.output)),
+            "audio_output": micros(given(self.audio_output, self.output)),
+        }
+
+    @model_validator(mode="after")
+    def _six_places(self) -> PricePerMillion:
+        self.micros_per_million()
+        return self
+
+
+class ModelConfig(Frozen):
+    upstream: str
+    encoding: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    # Input tokens reserved for each image, audio or file part of a prompt: their count depends
+    # on the model, the size and the detail, which the proxy cannot know (0: not reserved).
+    media_part_input_tokens: int = Field(default=0, ge=0, le=10_000_000)
+    # Input tokens a provider adds to a call that carries tools, beyond their definitions (the
+    # system prompt of Anthropic's tool use). None: 600 for an Anthropic upstream, else 0.
+    tools_input_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
+    # Input tokens the served model's chat template adds beyond OpenAI's chat format, which the
+    # estimate counts (``estimate.TOKENS_PER_MESSAGE``): per call (a default system block: Llama
+    # 3.1's date lines on vLLM, about 25) and per message (its role headers, about 5 more). Not
+    # counted, each short call is billed past its reserve by that much (0: nothing added).
+    prompt_overhead_tokens: int = Field(default=0, ge=0, le=10_000_000)
+    message_overhead_tokens: int = Field(default=0, ge=0, le=10_000_000)
+    # The model reasons in tokens it bills and never streams, unasked (OpenAI's o-series and
+    # gpt-5): a call of it left without the provider's final usage is billed at its reserve, as
+    # one that asks to reason (reasoning_effort, Anthropic's thinking) is; a count of what came
+    # back would miss the reasoning.
+    hidden_reasoning: bool = False
+    price_per_million: PricePerMillion | None = None
+    # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
+    # flex), beside the default's; a priced model refuses a tier not priced here.
+    service_tiers: dict[str, PricePerMillion] = {}  # noqa: RUF012 (a pydantic field: copied per instance)
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str | None) -> str | None:
+        # A name tiktoken does not know (a typo: o200k, o200k-base) loaded nothing at start and
+        # left the model reserved at UTF-8 bytes and counted at 4 characters a token, unseen.
+        if value is None or value == "bytes":
+            return value
+        import tiktoken
+
+        known = tiktoken.list_encoding_names()
+        if value not in known:
+            raise ValueError(
+                f"unknown tiktoken encoding {value[:60]!r} (known: {', '.join(known)}; or bytes)"
+            )
+        return value
+
+    @field_validator(
+        "max_output_tokens",
+        "media_part_input_tokens",
+        "tools_input_tokens",
+        "prompt_overhead_tokens",
+        "message_overhead_tokens",
+        mode="before",
+    )
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        # YAML's no/off/false would be 0 tokens (the 600 of Anthropic's tool prompt unreserved).
+        if isinstance(value, bool):
+            raise ValueError("a token count, not true or false")
+        return value
+
+    @model_validator(mode="after")
+    def _tiers_beside_a_price(self) -> ModelConfig:
+        if self.service_tiers and self.price_per_million is None:
+            # An unpriced model's calls cost 0: a tier's prices would be ignored.
+            raise ValueError("service_tiers: price_per_million (the default tier's prices) is needed too")
+        for name in self.service_tiers:
+            if name in ("auto", "default"):
+                raise ValueError(f"service_tiers.{name}: the default tier's prices are price_per_million")
+        return self

@@ -1,0 +1,133 @@
+"""What a call leaves for a later call to continue: the contexts the provider keeps for it, their
+size kept (what a call continuing one reserves) and each marked as its tenant's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+from proxy.call import context_key
+from proxy.errors import StoreError
+from proxy.outcome import BilledUsage
+
+if TYPE_CHECKING:
+    from proxy.relay import Exchange
+
+log = logging.getLogger("proxy.relay")
+# How long a stream's last event waits for its context's size to be kept (``keep_context``): a
+# hint for a later reserve, written in a fraction of a millisecond by a store that answers; one
+# that does not (a long script, a lost connection) must not hold the answer for its timeout.
+KEEP_CONTEXT_WAIT_S = 0.25
+
+
+async def _all(writes: list[Awaitable[None]]) -> None:
+    await asyncio.gather(*writes)
+
+
+async def keep_context(ex: Exchange) -> None:
+    """Before a stream's last event goes out: it carries the answer (and its id), and a
+    client may continue it as soon as it has it, before the stream ends and the call is
+    settled. The settle writes the size again, at what it bills.
+
+    The event waits for the write at most ``KEEP_CONTEXT_WAIT_S``: past that the write goes
+    on (the settle waits for it, and shutdown for the settle) and the answer goes out."""
+    if ex.context_kept:
+        return
+    ex.context_kept = True
+    made = contexts_made(ex)
+    owned = contexts_owned(ex, made)
+    kept = made if made and ex.services.config.limits.prior_context_ttl_s else []
+    usage = ex.usage(complete=True)
+    if kept and usage.source == "reserve" and not usage.input_known:
+        # Kept at what the settle bills, the exact count: a quick bound kept now would stay
+        # (a bound never lowers a bound), reserved and, without usage, billed by every call
+        # continuing it.
+        await ex.count_input()
+        usage = ex.usage(complete=True)
+    writes: list[Awaitable[None]] = [remember(ex, kept, usage)] if kept else []
+    if owned:
+        writes.append(claim(ex, owned))  # its owner's before the id reaches the client
+    if not writes:
+        return
+    ex.keeping = asyncio.ensure_future(_all(writes))
+    # Not cancelled by the timeout, nor by a cancel of this handler (shutdown): the settle
+    # (in a task of its own) waits for it.
+    await asyncio.wait((ex.keeping,), timeout=KEEP_CONTEXT_WAIT_S)
+
+
+def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
+    """What becomes this call's tenant's: the contexts it made, and those it continued (a
+    previous response no tenant had marked: made before, or with the provider directly).
+    Only with the operator's key (a pass-through caller's own key goes upstream), and never
+    a stored prompt: the operator's, for any tenant to name."""
+    call = ex.call
+    if call.endpoint != "responses" or ex.operator_key is None:
+        return []
+    if ex.obs.error or call.upstream_status >= 300:
+        return []
+    # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
+    # a stream's last event) for nothing.
+    skip = {call.stored_prompt, *call.continues_owned}
+    continued = [c for c in call.continues if c not in made and c not in skip]
+    return [c for c in made if c != call.stored_prompt] + continued
+
+
+def contexts_made(ex: Exchange) -> list[str]:
+    """Where the provider keeps this call's context for a later call to continue."""
+    call = ex.call
+    if call.endpoint != "responses":
+        return []
+    if ex.obs.error or call.upstream_status >= 300:
+        # It failed (``status: failed``, an error event), or the upstream answered an error:
+        # its conversation is as it was, whatever the failed call billed (its usage may be
+        # 0), and a failed answer is not continued.
+        return []
+    kept = [call.conversation] if call.conversation else []
+    if call.stored_prompt and call.continues == (call.stored_prompt,):
+        # At what the call billed: an upper bound of the template it read. Not a call that
+        # continues a response or a conversation: it billed that too, and its size, never
+        # lowered, would be reserved for every fresh call naming the prompt.
+        kept.append(call.stored_prompt)
+    answer = ex.obs.response_id
+    if answer is None:
+        # Never seen whole (a body cut mid-JSON, a timeout, a transport that broke once the
+        # call went out): the provider may have made it and added it to its conversation,
+        # kept at what this call bills (its reserve, an upper bound; nothing, not 0, when
+        # nothing went out). Its own id is unknown.
+        return kept
+    if call.stores_answer:
+        kept.append(context_key(answer))
+    return kept
+
+
+async def claim(ex: Exchange, ids: list[str]) -> None:
+    """The contexts this call made or continued are its tenant's: another tenant's call
+    continuing them is refused (``reserve``)."""
+    try:
+        await ex.services.store.claim_contexts(tenant=ex.call.identity.tenant, ids=ids)
+        ex.claimed.update(ids)
+    except StoreError as err:
+        ex.services.metrics.store_errors.labels("claim_context").inc()
+        extra = {"request_id": ex.call.request_id, "error": repr(err)}
+        log.warning("could not mark a context as its tenant's", extra=extra)
+
+
+async def remember(ex: Exchange, ids: list[str], usage: BilledUsage) -> None:
+    """The context a later call continues is what this one read and wrote."""
+    try:
+        await ex.services.store.remember_context(
+            tenant=ex.call.identity.tenant,
+            ids=ids,
+            tokens=usage.input_tokens + usage.output_tokens,
+            ttl_s=ex.services.config.limits.prior_context_ttl_s,
+            bound=usage.source == "reserve",
+            base_tokens=ex.call.prior_context_tokens,
+        )
+    except StoreError as err:
+        # Only a later call's reserve is the poorer for it (its request alone).
+        ex.services.metrics.store_errors.labels("remember_context").inc()
+        extra = {"request_id": ex.call.request_id, "error": repr(err)}
+        log.warning("could not keep a context's size", extra=extra)

@@ -1,0 +1,190 @@
+"""Observe Anthropic Messages answers: its stream's events and its whole bodies, read into an
+``Observation``, and its usage (``anthropic_usage``) read into ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.observe import Observation, ProviderUsage, token_count
+from proxy.payload import FAST_TIER
+
+
+def anthropic_usage(raw: Any) -> ProviderUsage | None:
+    """Anthropic's ``input_tokens`` leaves out cache reads and writes; ours includes them. Any
+    count that is not one makes the whole unusable (None), as OpenAI usage is: the text is then
+    counted, never billed as 0."""
+    if not isinstance(raw, dict):
+        return None
+    counts = _anthropic_counts(raw)
+    iterations = raw.get("iterations")
+    if counts is None or (iterations is not None and not isinstance(iterations, list)):
+        return None
+    input_tokens, output_tokens, cache_read, cache_creation, hour = counts
+    # Context compaction (a beta the client turns on): the summarizing step is billed too, and
+    # is left out of the top-level figures; every other iteration is in them.
+    for iteration in iterations or ():
+        if isinstance(iteration, dict) and iteration.get("type") == "compaction":
+            more = _anthropic_counts(iteration)
+            if more is None or more[1] is None:
+                return None
+            input_tokens += more[0]
+            if output_tokens is not None:  # else the final figures are still to come
+                output_tokens += more[1]
+            cache_read += more[2]
+            cache_creation += more[3]
+            hour += more[4]
+    return ProviderUsage(
+        input_tokens=input_tokens + cache_read + cache_creation,
+        output_tokens=output_tokens or 0,
+        cached_input_tokens=cache_read,
+        reasoning_tokens=0,
+        cache_creation_input_tokens=cache_creation,
+        cache_creation_1h_input_tokens=min(hour, cache_creation),
+        output_known=output_tokens is not None,
+    )
+
+
+def _anthropic_counts(raw: dict[str, Any]) -> tuple[int, int | None, int, int, int] | None:
+    """Input, output (None: not given yet), cache reads, cache writes, and the writes kept an
+    hour; None when a count is not one."""
+    input_tokens = token_count(raw.get("input_tokens"))
+    given = raw.get("output_tokens")
+    output_tokens = None if given is None else token_count(given)
+    # Cache fields may be absent or null: none of that kind.
+    cache_read = token_count(raw.get("cache_read_input_tokens") or 0)
+    cache_creation = token_count(raw.get("cache_creation_input_tokens") or 0)
+    # Writes kept an hour cost more than those kept five minutes: their share of the writes.
+    split = raw.get("cache_creation")
+    hour = token_count((split.get("ephemeral_1h_input_tokens") if isinstance(split, dict) else None) or 0)
+    if input_tokens is None or cache_read is None or cache_creation is None or hour is None:
+        return None
+    if given is not None and output_tokens is None:
+        return None
+    return input_tokens, output_tokens, cache_read, cache_creation, hour
+
+
+# Blocks that are calls of a tool (the client's, or one Anthropic runs), not text.
+_ANTHROPIC_CALLS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
+
+
+def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    kind = obj.get("type")
+    if kind == "content_block_delta":
+        delta = obj.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("type") == "text_delta":
+                obs.add_text(0, delta.get("text"), content=True)
+            elif delta.get("type") == "compaction_delta":  # the context's summary: output too
+                obs.add_text(0, delta.get("content"), content=False)
+            else:  # tool input, thinking: output tokens too (a citation's cited text is not)
+                for key in ("partial_json", "thinking"):
+                    obs.add_text(0, delta.get(key), content=False)
+    elif kind == "content_block_start":
+        block = obj.get("content_block")
+        if isinstance(block, dict) and block.get("type") in _ANTHROPIC_CALLS:
+            obs.calls.add(0)  # an answer that is a call: not text held to JSON
+            obs.add_text(0, block.get("name"), content=False)  # written, not streamed as a delta
+        elif isinstance(block, dict) and block.get("type") == "compaction":
+            obs.add_text(0, block.get("content"), content=False)  # a summary may come whole here
+    elif kind == "message_start":
+        message = obj.get("message")
+        if isinstance(message, dict) and isinstance(message.get("usage"), dict):
+            obs.partial_usage.update(message["usage"])
+            _anthropic_tier(obs, message["usage"])
+            obs.usage = anthropic_usage(obs.partial_usage)
+            obs.usage_final = False  # output_tokens arrives with message_delta
+    elif kind == "message_delta":
+        delta = obj.get("delta")
+        if isinstance(delta, dict) and isinstance(delta.get("stop_reason"), str):
+            obs.finish_reasons[0] = delta["stop_reason"]
+            if delta["stop_reason"] == "refusal":
+                obs.refused = True
+        if isinstance(obj.get("usage"), dict):
+            _take_delta_usage(obs.partial_usage, obj["usage"])
+            _anthropic_tier(obs, obj["usage"])
+            obs.usage = anthropic_usage(obs.partial_usage)
+            # Final only with an output count of its own (message_start's is a placeholder), and
+            # once the answer has stopped: a message_delta before the one with the stop reason
+            # (a turn with server tools may send several) tells the output so far.
+            told = token_count(obj["usage"].get("output_tokens")) is not None
+            obs.output_told = obs.output_told or told
+            obs.usage_final = told and 0 in obs.finish_reasons
+    elif kind == "message_stop":
+        obs.done = True
+        # The answer is whole: the last output count told is final, its stop reason sent with
+        # it, in a later message_delta, or never (gateways that translate another API's stream).
+        obs.usage_final = obs.usage_final or obs.output_told
+    elif kind == "error":
+        obs.error = True
+
+
+# Input counts message_delta repeats from message_start (or grows: a server tool's results read).
+_CUMULATIVE_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def _take_delta_usage(held: dict[str, Any], usage: dict[str, Any]) -> None:
+    """message_delta's usage over what message_start told. Its counts are cumulative: a 0 below
+    the count held is a placeholder (upstreams that tell the input in message_start alone:
+    SGLang's Anthropic API, gateways), not the input shrinking; the held one stands. Any other
+    count is the final one, lower too (message_start's may be an estimate: NVIDIA Dynamo's, the
+    whole prompt, its cache reads among it). Not beside compaction's ``iterations``, where the
+    top-level counts are a part of the whole."""
+    given = {k: v for k, v in usage.items() if v is not None}
+    if "iterations" not in given:
+        for key in _CUMULATIVE_INPUT:
+            if key in given:
+                given[key] = _cumulative(held.get(key), given[key])
+        split, held_split = given.get("cache_creation"), held.get("cache_creation")
+        if isinstance(split, dict) and isinstance(held_split, dict):
+            given["cache_creation"] = {
+                **held_split,
+                **{k: _cumulative(held_split.get(k), v) for k, v in split.items()},
+            }
+    held.update(given)
+
+
+def _cumulative(held: Any, given: Any) -> Any:
+    return held if token_count(given) == 0 and token_count(held) else given
+
+
+def _anthropic_tier(obs: Observation, usage: Any) -> None:
+    """The tier Anthropic says served the call (its "standard" is the default's prices); fast
+    mode (``usage.speed``) is priced as a tier of its own, ``fast``."""
+    if not isinstance(usage, dict):
+        return
+    tier = usage.get("service_tier")
+    if usage.get("speed") == "fast":
+        obs.service_tier = FAST_TIER
+    elif isinstance(tier, str) and tier:
+        obs.service_tier = "default" if tier == "standard" else tier
+
+
+def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    if obj.get("type") == "error" or isinstance(obj.get("error"), dict):  # a gateway's OpenAI shape
+        obs.error = True
+        return
+    reason = obj.get("stop_reason")
+    if isinstance(reason, str):
+        obs.finish_reasons[0] = reason
+        if reason == "refusal":
+            obs.refused = True
+    for block in obj.get("content") or ():
+        if isinstance(block, dict):
+            if block.get("type") == "text":
+                obs.add_text(0, block.get("text"), content=True)
+            elif block.get("type") in _ANTHROPIC_CALLS:
+                obs.calls.add(0)
+                obs.add_text(0, block.get("name"), content=False)
+                obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
+            elif block.get("type") == "thinking":
+                obs.add_text(0, block.get("thinking"), content=False)
+            elif block.get("type") == "compaction":  # the summary compaction wrote: billed output
+                obs.add_text(0, block.get("content"), content=False)
+    _anthropic_tier(obs, obj.get("usage"))
+    obs.usage = anthropic_usage(obj.get("usage"))
+    obs.usage_final = obs.usage is None or obs.usage.output_known

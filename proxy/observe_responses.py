@@ -1,0 +1,205 @@
+"""Observe the OpenAI Responses API's answers: its stream's typed events and its whole bodies,
+read into an ``Observation`` (status, refusals, calls, usage and the text written).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from proxy.observe import Observation, ProviderUsage, parse_usage, token_count
+
+
+def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool) -> None:
+    """Status, refusals, usage and (for a whole body) the text of a response object."""
+    _response_id(obs, response)
+    status = response.get("status")
+    details = response.get("incomplete_details")
+    reason = details.get("reason") if isinstance(details, dict) else None
+    if status == "incomplete":
+        obs.finish_reasons[0] = str(reason or "incomplete")
+    elif isinstance(status, str):
+        obs.finish_reasons[0] = status
+    if status == "failed":
+        obs.error = True
+    tier = response.get("service_tier")
+    if isinstance(tier, str) and tier:
+        obs.service_tier = tier
+    usage = parse_usage(response.get("usage"))
+    if usage is not None:
+        obs.take_usage(_with_image_tokens(usage, response.get("tool_usage")))
+    for item in response.get("output") or ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        final = not _side_message(item)
+        if _is_call(kind):
+            obs.calls.add(0)  # function_call, custom_tool_call, computer_call, ...: not text
+            if texts:
+                for text in _call_texts(item):
+                    obs.add_text(0, text, content=False)
+        if kind in _UNCOUNTED_ITEMS:
+            obs.hidden_output = True
+        if texts and kind == "reasoning":
+            # A reasoning item's summary (and its text, where sent): output the provider bills,
+            # counted as a stream's reasoning deltas are when no usage comes.
+            for part in item.get("summary") or ():
+                if isinstance(part, dict):
+                    obs.add_text(0, part.get("text"), content=False)
+        for part in item.get("content") or ():
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "reasoning_text" and texts:
+                obs.add_text(0, part.get("text"), content=False)
+            elif part.get("type") == "refusal":
+                obs.refused = True
+                if texts:
+                    obs.add_text(0, part.get("refusal"), content=False)
+            elif part.get("type") == "output_text" and texts:
+                obs.add_text(0, part.get("text"), content=final)
+
+
+# What the model writes for a call, output it bills: the tool's name, its arguments or input, the
+# code interpreter's code, and (see _call_texts) what it writes as a structure. A stream's deltas
+# carry all but the name, told whole as the item starts, and the calls that stream none (below).
+_CALL_INPUTS = ("arguments", "input", "code")
+_CALL_TEXTS = ("name", *_CALL_INPUTS)
+# Written as structures, counted as JSON: an action (a command, a search, a click), a computer
+# call's batch of actions, a file search's queries, an apply_patch operation (its path and diff).
+_CALL_STRUCTURES = ("action", "actions", "queries", "operation")
+# Calls told whole in their items (response.output_item.added, then .done), with no deltas; an
+# apply_patch operation's diff streams, so it is not among them.
+_UNSTREAMED_CALLS = frozenset(
+    {"mcp_approval_request", "local_shell_call", "computer_call", "web_search_call", "file_search_call"}
+)
+# Items whose output tokens no text shows: reasoning (hidden, or summarized) and a generated
+# image (its image tokens, and each partial image's, billed; its base64 is not their count).
+_UNCOUNTED_ITEMS = frozenset({"reasoning", "image_generation_call"})
+
+
+def _call_texts(item: dict[str, Any], fields: tuple[str, ...] = _CALL_TEXTS) -> list[Any]:
+    """The ``fields`` of a call item, and its structures (``_CALL_STRUCTURES``) as JSON."""
+    texts = [item.get(name) for name in fields]
+    for name in _CALL_STRUCTURES:
+        value = item.get(name)
+        if name == "action" and item.get("actions"):
+            continue  # a computer call's batch holds every action, a lone one told beside it too
+        if isinstance(value, dict) and name == "action":
+            # Not what the model wrote: a web search's sources (the tool's results, there when
+            # asked for), and its deprecated ``query``, the first of its ``queries`` told again.
+            drop = ("sources", "query") if "queries" in value else ("sources",)
+            value = {k: v for k, v in value.items() if k not in drop}
+        if isinstance(value, dict | list) and value:
+            texts.append(orjson.dumps(value).decode())
+    return texts
+
+
+def _is_call(kind: Any) -> bool:
+    return isinstance(kind, str) and (kind.endswith("_call") or kind == "mcp_approval_request")
+
+
+def _with_image_tokens(usage: ProviderUsage, tool_usage: Any) -> ProviderUsage:
+    """``usage`` with the image generation tool's tokens, which OpenAI reports apart from it
+    (``tool_usage.image_gen``) and bills all the same; priced at the model's rates."""
+    image = tool_usage.get("image_gen") if isinstance(tool_usage, dict) else None
+    if not isinstance(image, dict):
+        return usage
+    image_in = token_count(image.get("input_tokens"))
+    image_out = token_count(image.get("output_tokens"))
+    return replace(
+        usage,
+        input_tokens=usage.input_tokens + (image_in or 0),
+        output_tokens=usage.output_tokens + (image_out or 0),
+    )
+
+
+def _side_message(item: dict[str, Any]) -> bool:
+    """A message that is not the answer: commentary before it (``phase``, gpt-5.3-codex on).
+    With a structured output only the final answer is JSON (the SDK parses only it)."""
+    phase = item.get("phase")
+    return item.get("type") == "message" and phase is not None and phase != "final_answer"
+
+
+def _response_id(obs: Observation, response: dict[str, Any]) -> None:
+    found = response.get("id")
+    if isinstance(found, str) and found:
+        obs.response_id = found
+
+
+# Deltas that are not text: base64 audio (its tokens are not its characters').
+_UNCOUNTED_DELTAS = frozenset({"response.audio.delta", "response.image_generation_call.partial_image"})
+
+
+def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    kind = obj.get("type")
+    if kind == "response.output_text.delta":
+        side = obs.side_messages and (
+            obj.get("output_index") in obs.side_messages or obj.get("item_id") in obs.side_messages
+        )
+        obs.add_text(0, obj.get("delta"), content=not side)
+    elif kind == "response.output_item.added":
+        item = obj.get("item")
+        if isinstance(item, dict) and item.get("type") in _UNCOUNTED_ITEMS:
+            obs.hidden_output = True  # it thinks, or draws: tokens billed, never streamed as text
+        if isinstance(item, dict) and _is_call(item.get("type")):
+            obs.add_text(0, item.get("name"), content=False)  # never streamed as a delta
+        if isinstance(item, dict) and _side_message(item):
+            for key in (obj.get("output_index"), item.get("id")):
+                if isinstance(key, int | str) and not isinstance(key, bool):
+                    obs.side_messages.add(key)
+        elif isinstance(item, dict) and item.get("type") == "message" and item.get("phase") is None:
+            # Its phase may be told only once it is done: where its text starts, to take it
+            # back out of the answer then (items stream one after another).
+            obs.message_starts[obj.get("output_index")] = len(obs.contents.get(0, ()))
+    elif kind == "response.output_item.done":
+        start = obs.message_starts.pop(obj.get("output_index"), None) if obs.message_starts else None
+        item = obj.get("item")
+        if isinstance(item, dict) and item.get("type") in _UNSTREAMED_CALLS:
+            for text in _call_texts(item, _CALL_INPUTS):  # whole now; its name was counted
+                obs.add_text(0, text, content=False)
+        if start is not None and isinstance(item, dict) and _side_message(item):
+            pieces = obs.contents.get(0, [])
+            moved = [p.decode() if isinstance(p, bytes) else p for p in pieces[start:]]
+            del pieces[start:]
+            obs.extras.setdefault(0, []).extend(moved)
+    elif isinstance(kind, str) and kind.endswith(".delta") and kind not in _UNCOUNTED_DELTAS:
+        # Refusals, call arguments and inputs, reasoning text and summaries: output tokens too,
+        # counted when no usage comes (a cancelled stream, say).
+        if kind == "response.refusal.delta":
+            obs.refused = True
+        elif kind.startswith("response.reasoning_summary"):
+            obs.hidden_output = True  # a summary of reasoning that is itself not streamed
+        elif "call" in kind:
+            obs.calls.add(0)
+        obs.add_text(0, obj.get("delta"), content=False)
+    elif kind == "response.created":
+        response = obj.get("response")
+        if isinstance(response, dict):
+            _response_id(obs, response)  # a stream cut after it leaves a response a call can continue
+    elif kind in ("response.completed", "response.incomplete", "response.failed"):
+        response = obj.get("response")
+        if isinstance(response, dict):
+            _responses_output(obs, response, texts=False)
+        if kind == "response.failed":
+            obs.error = True
+        obs.done = True
+    elif kind == "error":
+        obs.error = True
+
+
+# A whole response body in these states is not the answer yet (OpenAI's background mode).
+_NOT_DONE = frozenset({"queued", "in_progress"})
+
+
+def responses_body(obs: Observation, obj: dict[str, Any]) -> None:
+    obs.chunks += 1
+    _responses_output(obs, obj, texts=True)
+    if isinstance(obj.get("error"), dict):  # a 200 that says it failed (a response has "error": null)
+        obs.error = True
+    if obj.get("status") in _NOT_DONE:
+        # Queued (background mode: refused up front, but an upstream may queue on its own): the
+        # answer is written, and billed, later, outside this call. Nothing to count: its reserve.
+        obs.error = True

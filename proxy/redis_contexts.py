@@ -1,0 +1,68 @@
+"""The Redis store's commands for the contexts a provider keeps: the size of each (reserved by
+a later call continuing it) and the tenant it is (no other tenant's call continues it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.errors import StoreError
+from proxy.redis_failures import STORE_FAILURES
+from proxy.redis_scripts import ScriptRunner
+from proxy.store import key_prefix
+
+# A kept context size as context.lua writes it: digits, a bound's followed by ~ and digits.
+CONTEXT_SIZE = re.compile(r"([0-9]+)(?:~[0-9]*)?")
+# Whose a context the provider keeps is (owner.lua): kept as long as the provider keeps it.
+CONTEXT_OWNER_TTL_S = 30 * 24 * 3600
+
+
+def _owner_key(context_id: str) -> str:
+    # Not under a tenant's hash tag: looked up by a caller of any tenant (one key, one slot).
+    return f"lbp:ctxowner:{context_id}"
+
+
+class ContextCommands(ScriptRunner):
+    """``RedisStore``'s commands on the contexts a provider keeps (``Store.prior_context_tokens``
+    to ``Store.claim_contexts``)."""
+
+    async def prior_context_tokens(self, *, tenant: str, ids: Sequence[str]) -> int | None:
+        prefix = key_prefix(tenant)
+        try:
+            # One slot (the tenant's hash tag): one command, on Cluster too.
+            found: Any = await self._client.mget([f"{prefix}ctx:{i}" for i in ids])
+        except STORE_FAILURES as err:
+            raise StoreError(f"prior context: {err}") from err
+        # A bound ('~' and the size it continued: a cut call's reserve) reserves its size.
+        sizes = [int(m[1]) for f in found if f is not None and (m := CONTEXT_SIZE.fullmatch(str(f)))]
+        return max(sizes) if sizes else None
+
+    async def remember_context(
+        self,
+        *,
+        tenant: str,
+        ids: Sequence[str],
+        tokens: int,
+        ttl_s: int,
+        bound: bool = False,
+        base_tokens: int = 0,
+    ) -> None:
+        prefix = key_prefix(tenant)
+        # One script (one slot: the tenant's hash tag): a size kept is never lowered (context.lua).
+        await self._script(
+            "context", [f"{prefix}ctx:{i}" for i in ids], [tokens, ttl_s, 0 if bound else 1, base_tokens]
+        )
+
+    async def context_owners(self, *, ids: Sequence[str]) -> list[str | None]:
+        try:
+            # One key a command: the keys are in other slots than the tenant's (Cluster).
+            found: list[Any] = [await self._client.get(_owner_key(i)) for i in ids]
+        except STORE_FAILURES as err:
+            raise StoreError(f"context owners: {err}") from err
+        return [None if f is None else str(f) for f in found]
+
+    async def claim_contexts(self, *, tenant: str, ids: Sequence[str]) -> None:
+        for i in ids:
+            await self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S])

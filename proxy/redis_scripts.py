@@ -1,0 +1,85 @@
+"""The Lua scripts of the Redis store: read from ``proxy/lua``, and run by SHA on the pipelined
+connection when there is one, else through redis-py, their failures told apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, ResponseError
+
+from proxy.errors import StoreError, StoreRejected
+from proxy.redis_failures import NOT_RUN_ERRORS, STORE_FAILURES, transient
+from proxy.resp import ConnectionLost, PipelinedConnection, RespError
+
+SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
+
+
+def load_scripts() -> dict[str, tuple[str, str]]:
+    scripts = {}
+    for name in SCRIPT_NAMES:
+        source = resources.files("proxy").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")
+        scripts[name] = (source, hashlib.sha1(source.encode()).hexdigest())
+    return scripts
+
+
+class ScriptRunner:
+    """How ``RedisStore`` runs a script: on its pipelined connection, else its redis-py client
+    (both set, and the scripts read, by ``RedisStore``)."""
+
+    _client: aioredis.Redis | RedisCluster
+    _pipe: PipelinedConnection | None
+    _scripts: dict[str, tuple[str, str]]
+
+    async def _script(
+        self,
+        name: str,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        *,
+        on_sent: Callable[[], None] | None = None,
+    ) -> Any:
+        if self._pipe is not None:
+            return await self._piped_script(name, keys, args, on_sent)
+        # redis-py (a Cluster, or TLS: rediss://) does not say when a command is written: ``on_sent``
+        # is not called.
+        source, sha = self._scripts[name]
+        try:
+            try:
+                return await self._client.evalsha(sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return await self._client.eval(source, len(keys), *keys, *args)
+        except ResponseError as err:
+            if transient(err):
+                raise StoreError(f"{name}: {err}") from err
+            raise StoreRejected(f"{name}: {err}") from err
+        except NOT_RUN_ERRORS as err:
+            raise StoreError(f"{name}: {err}") from err
+        except STORE_FAILURES as err:
+            # A refused connection never carried the command; a timeout or reset may have.
+            sent = not ("connecting to" in str(err) or "Connection refused" in str(err))
+            raise StoreError(f"{name}: {err}", maybe_applied=sent) from err
+
+    async def _piped_script(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], on_sent: Callable[[], None] | None
+    ) -> Any:
+        assert self._pipe is not None
+        source, sha = self._scripts[name]
+        try:
+            try:
+                return await self._pipe.call("EVALSHA", sha, len(keys), *keys, *args, on_sent=on_sent)
+            except RespError as err:
+                if not str(err).startswith("NOSCRIPT"):
+                    raise
+                return await self._pipe.call("EVAL", source, len(keys), *keys, *args)
+        except RespError as err:
+            if transient(err):
+                raise StoreError(f"{name}: {err}") from err
+            raise StoreRejected(f"{name}: {err}") from err
+        except ConnectionLost as err:
+            raise StoreError(f"{name}: {err}", maybe_applied=err.sent) from err

@@ -1,0 +1,59 @@
+"""The processing tier a call asks for, and the prices it is reserved and billed at."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from proxy.config_models import ModelConfig
+from proxy.errors import BadRequest
+from proxy.payload import FAST_TIER, ChatBody, MessagesBody, RequestView, ResponsesBody
+
+# Tiers that are the default's price: OpenAI's "auto" is the project's default tier.
+DEFAULT_SERVICE_TIERS = frozenset({"auto", "default"})
+
+
+def asked_tier(view: RequestView) -> str | None:
+    """The processing tier a request asks for: OpenAI's service_tier, Anthropic's fast mode."""
+    if isinstance(view, ChatBody | ResponsesBody):
+        return view.service_tier
+    if isinstance(view, MessagesBody) and view.speed == FAST_TIER:
+        return FAST_TIER
+    return None
+
+
+def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[str, int] | None]:
+    """The tier a request asks for (None: the default) and its prices per million tokens, or
+    the refusal of a tier the operator did not price (billing it at the default's prices would
+    charge a priority call at half its cost)."""
+    asked = asked_tier(view)
+    price = model.price_per_million
+    if asked is None or asked in DEFAULT_SERVICE_TIERS:
+        return None, price.rates if price else None
+    if price is None:  # an unpriced model: its cost is not counted, whatever the tier
+        return asked, None
+    tier_price = model.service_tiers.get(asked)
+    if tier_price is None:
+        field = "speed" if asked == FAST_TIER and isinstance(view, MessagesBody) else "service_tier"
+        raise BadRequest(
+            f"The service tier '{asked[:64]}' has no price for the model '{view.model}' in this proxy's "
+            f"config: leave {field} unset, or ask the operator to price that tier.",
+            param=field,
+            code="unsupported_service_tier",
+        )
+    return asked, tier_price.rates
+
+
+def tier_rates(model: ModelConfig) -> dict[str, dict[str, int]]:
+    price = model.price_per_million
+    if price is None:
+        return {}
+    return {"default": price.rates, **{name: tier.rates for name, tier in model.service_tiers.items()}}
+
+
+def dearest(rates: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Each price at its highest among ``rates``."""
+    top: dict[str, int] = {}
+    for each in rates:
+        for kind, rate in each.items():
+            top[kind] = max(rate, top.get(kind, rate))
+    return top

@@ -1,0 +1,63 @@
+"""The app's typed state: what its handlers read, one per app (``STATE``)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from proxy.config import Config
+from proxy.ids import IdSource
+from proxy.journal import Journal
+from proxy.metrics import Metrics
+from proxy.relay import Services
+from proxy.settle import Settlement
+from proxy.store import Store
+from proxy.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class State:
+    """What handlers read. ``config`` is swapped whole on reload; nothing else mutates."""
+
+    config: Config
+    passthrough: bool
+    tokenizer: Tokenizer
+    metrics: Metrics
+    journal: Journal
+    ids: IdSource = field(default_factory=IdSource)
+    store: Store | None = None
+    session: aiohttp.ClientSession | None = None
+    # Large prompts are counted here, one at a time: off the event loop, and never more than one
+    # core spent tokenizing (several at once on few cores only fight over them and the GIL).
+    estimator: ThreadPoolExecutor | None = None
+    ready: bool = False
+    # Tenants this process has registered for the reapers (one SADD per tenant per process).
+    registered_tenants: set[str] = field(default_factory=set)
+    # Settlements under way (``Exchange._settle``): shutdown lets them finish.
+    settling: set[asyncio.Future[Settlement]] = field(default_factory=set)
+    # What every exchange is given, made once per config (see ``services_for``).
+    services: Services | None = None
+    # Serving processes sharing the port: each keeps its own metrics (``handlers.metrics``).
+    workers: int = 1
+
+    def services_for(self, config: Config) -> Services:
+        services = self.services
+        if services is None or services.config is not config:
+            assert self.store is not None and self.session is not None
+            services = self.services = Services(
+                store=self.store,
+                session=self.session,
+                tokenizer=self.tokenizer,
+                config=config,
+                metrics=self.metrics,
+                journal=self.journal,
+                settling=self.settling,
+            )
+        return services
+
+
+STATE = web.AppKey("state", State)
