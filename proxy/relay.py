@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 from aiohttp import web
 
+from proxy.billed_usage import billed_usage
 from proxy.call import Call
 from proxy.config import Config
 from proxy.contexts import claim, contexts_made, contexts_owned, remember
@@ -31,8 +32,6 @@ from proxy.outcome import (
     BilledUsage,
     Outcome,
     OutcomeTag,
-    estimated_usage,
-    provider_usage,
     reserve_usage,
 )
 from proxy.record import record_call
@@ -90,74 +89,12 @@ class Exchange:
     def operator_key(self) -> bytes | None:
         return operator_key_sent(self.call.upstream, self.call.identity)
 
-    # -- usage helpers -------------------------------------------------------------------
-
     def reserve_usage(self) -> BilledUsage:
         return reserve_usage(self.call.reserved_input_tokens, self.call.reserved_output_tokens)
 
-    def _estimated_usage(self) -> BilledUsage:
-        est = self.call.estimate
-        counted = estimated_usage(
-            self.obs,
-            prompt_text=est.prompt_text,
-            prompt_overhead_tokens=est.prompt_overhead_tokens,
-            encoding=self.call.encoding,
-            tokenizer=self.services.tokenizer,
-            echoes=self._echoes(),  # billed as input: not output again
-            separate_texts=est.separate_texts,
-        )
-        # The upstream was held to the reserved output (its cap went in every cap field): a
-        # count of the text above it (4 characters a token, another tokenizer's) is the count's
-        # error, not tokens the provider wrote.
-        reserved = self.call.reserved_output_tokens
-        if counted.output_tokens > reserved:
-            return replace(counted, output_tokens=reserved)
-        return counted
-
-    def _echoes(self) -> list[str]:
-        """The prompts a legacy completion with echo repeats at the start of its answers; none for
-        token-id prompts, whose text the proxy cannot be sure of."""
-        prompt = self.call.body.get("prompt") if self.call.echo else None
-        prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
-        return prompts if all(isinstance(p, str) for p in prompts) else []
-
     def usage(self, *, complete: bool) -> BilledUsage:
-        """Provider figures first; else count a complete answer; else the reserve."""
-        found = provider_usage(self.obs)
-        # An embeddings usage has no output count, and no output to count: it is final as it is.
-        final = self.obs.usage_final or self.call.endpoint == "embeddings"
-        # Output no count of the answer sees: audio and image tokens (its text is only a
-        # transcript, or words beside the image), reasoning tokens (never streamed, or streamed
-        # as a summary), and the answers best_of wrote (and the provider bills) but did not return.
-        call = self.call
-        unseen = call.media_output or call.hidden_reasoning or self.obs.hidden_output
-        if (unseen or call.generations > call.choices) and (found is None or not final):
-            # The output is the reserve's; the input the provider told (message_start) stands.
-            if found is None or not found.input_tokens:
-                return self.reserve_usage()
-            return self._reserved_output(found)
-        if found is not None and not final and not complete and not self.obs.error:
-            # Input is known (message_start) but the stream broke or stalled before the output
-            # count: the provider may have written up to the cap, as for a stream with no usage.
-            return self._reserved_output(found)
-        if found is not None and not final and self.obs.all_text():
-            # Input is known (message_start, a report of prompt tokens only) but the final
-            # output count never came: count what was streamed, never less than what the
-            # provider last said.
-            counted = self._estimated_usage()
-            if counted.output_tokens > found.output_tokens:
-                return replace(found, output_tokens=counted.output_tokens, source=counted.source)
-        if found is not None:
-            return found
-        return self._estimated_usage() if complete else self.reserve_usage()
-
-    def _reserved_output(self, found: BilledUsage) -> BilledUsage:
-        """The provider's input count, the reserve's output (never below what it told): not redone
-        as a whole reserve by the settle (``input_known``)."""
-        reserved = self.call.reserved_output_tokens
-        return replace(
-            found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
-        )
+        """What bills the call as it stands (``billed_usage``)."""
+        return billed_usage(self.call, self.obs, self.services.tokenizer, complete=complete)
 
     async def settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
         """Settle and record the call, once: the first outcome wins, later calls get its result.

@@ -1,0 +1,81 @@
+"""Which figures bill a call: the provider's first; else a count of a complete answer (tiktoken,
+else 4 characters a token); else the reserve, which the call may have spent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy.call import Call
+from proxy.observe import Observation
+from proxy.outcome import BilledUsage, estimated_usage, provider_usage, reserve_usage
+from proxy.tokenizer import Tokenizer
+
+
+def billed_usage(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:
+    """Provider figures first; else count a complete answer; else the reserve."""
+    found = provider_usage(obs)
+    # An embeddings usage has no output count, and no output to count: it is final as it is.
+    final = obs.usage_final or call.endpoint == "embeddings"
+    # Output no count of the answer sees: audio and image tokens (its text is only a
+    # transcript, or words beside the image), reasoning tokens (never streamed, or streamed
+    # as a summary), and the answers best_of wrote (and the provider bills) but did not return.
+    unseen = call.media_output or call.hidden_reasoning or obs.hidden_output
+    if (unseen or call.generations > call.choices) and (found is None or not final):
+        # The output is the reserve's; the input the provider told (message_start) stands.
+        if found is None or not found.input_tokens:
+            return reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
+        return _reserved_output(call, found)
+    if found is not None and not final and not complete and not obs.error:
+        # Input is known (message_start) but the stream broke or stalled before the output
+        # count: the provider may have written up to the cap, as for a stream with no usage.
+        return _reserved_output(call, found)
+    if found is not None and not final and obs.all_text():
+        # Input is known (message_start, a report of prompt tokens only) but the final
+        # output count never came: count what was streamed, never less than what the
+        # provider last said.
+        counted = _estimated_usage(call, obs, tokenizer)
+        if counted.output_tokens > found.output_tokens:
+            return replace(found, output_tokens=counted.output_tokens, source=counted.source)
+    if found is not None:
+        return found
+    if complete:
+        return _estimated_usage(call, obs, tokenizer)
+    return reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
+
+
+def _estimated_usage(call: Call, obs: Observation, tokenizer: Tokenizer) -> BilledUsage:
+    est = call.estimate
+    counted = estimated_usage(
+        obs,
+        prompt_text=est.prompt_text,
+        prompt_overhead_tokens=est.prompt_overhead_tokens,
+        encoding=call.encoding,
+        tokenizer=tokenizer,
+        echoes=_echoes(call),  # billed as input: not output again
+        separate_texts=est.separate_texts,
+    )
+    # The upstream was held to the reserved output (its cap went in every cap field): a
+    # count of the text above it (4 characters a token, another tokenizer's) is the count's
+    # error, not tokens the provider wrote.
+    reserved = call.reserved_output_tokens
+    if counted.output_tokens > reserved:
+        return replace(counted, output_tokens=reserved)
+    return counted
+
+
+def _echoes(call: Call) -> list[str]:
+    """The prompts a legacy completion with echo repeats at the start of its answers; none for
+    token-id prompts, whose text the proxy cannot be sure of."""
+    prompt = call.body.get("prompt") if call.echo else None
+    prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    return prompts if all(isinstance(p, str) for p in prompts) else []
+
+
+def _reserved_output(call: Call, found: BilledUsage) -> BilledUsage:
+    """The provider's input count, the reserve's output (never below what it told): not redone
+    as a whole reserve by the settle (``input_known``)."""
+    reserved = call.reserved_output_tokens
+    return replace(
+        found, output_tokens=max(found.output_tokens, reserved), source="reserve", input_known=True
+    )
