@@ -250,6 +250,34 @@ async def until_redis_busy(port: int, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def until_redis_has_unread(port: int, *, besides: set[int], timeout_s: float = 10.0) -> None:
+    """Until a command waits, unread, on a connection to the busy Redis on ``port`` other than
+    ``besides`` (``unread_at`` before the command was sent): a call has sent its script. From
+    Linux's socket tables: a busy Redis answers no CLIENT LIST, and reads nothing until its
+    script ends."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not unread_at(port) - besides:
+        assert asyncio.get_running_loop().time() < deadline, "no command reached Redis"
+        await asyncio.sleep(0.01)
+
+
+def unread_at(port: int) -> set[int]:
+    """The client ports of the open connections to ``port`` holding bytes its server has not
+    read (a PING of ``until_redis_busy``'s, closed, may still count until its close is out)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, remote, state, queues = row.split()[1:5]
+            established = state == "01"
+            if established and int(local.rsplit(":", 1)[1], 16) == port and int(queues.split(":")[1], 16):
+                found.add(int(remote.rsplit(":", 1)[1], 16))
+    return found
+
+
 async def leave_once_upstream_received(request: Awaitable[Any], fake: FakeUpstream) -> None:
     """Send ``request`` and leave (drop the connection) once the fake upstream has the call, before
     its answer: a client timeout of a fixed 0.1 s could fire before the proxy even had the request

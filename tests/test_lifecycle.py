@@ -24,7 +24,9 @@ from tests.conftest import (
     base_config,
     busy_script,
     slow_stream,
+    unread_at,
     until_redis_busy,
+    until_redis_has_unread,
 )
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
@@ -226,7 +228,10 @@ async def test_a_reserve_cut_by_shutdown_is_released_not_reaped(
     """Shutdown past its grace period cancels a call whose reserve script is on its way: the
     script may still run (here: once a busy Redis gets to it), and the call never goes out. It
     is released through the journal, not left for a reaper to bill at its reserve."""
-    raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=0.5)
+    # No reaper round while Redis is busy: the only command then waiting on it is the reserve.
+    raw = base_config(
+        fake.base_url, redis_server.url, shutdown_grace_s=0.5, limits={"reaper_interval_s": 600}
+    )
     proc = ProxyProcess(raw, tmp_path).start()
     busy = aioredis.Redis.from_url(redis_server.url)
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
@@ -240,10 +245,12 @@ async def test_a_reserve_cut_by_shutdown_is_released_not_reaped(
             assert redis_server.port is not None
             await until_redis_busy(redis_server.port)
             headers["X-Run-Id"] = "cut"
+            waiting = unread_at(redis_server.port)  # the PING that found Redis busy, say
             cut = asyncio.ensure_future(
                 session.post(proc.url + "/v1/chat/completions", json=body, headers=headers)
             )
-            await asyncio.sleep(1.0)  # the call reaches its reserve, which waits behind the script
+            # The call reaches its reserve, which waits behind the script.
+            await until_redis_has_unread(redis_server.port, besides=waiting)
             proc.signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait) == 0
             cut.cancel()
