@@ -1,4 +1,5 @@
-"""The application factory: typed app state, resources opened in ``cleanup_ctx``."""
+"""The application factory: the typed state (``state``) filled, resources opened in ``cleanup_ctx``,
+the background loops (reaper, journal replay, clock and eviction checks, config reload)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,19 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
 from proxy.error_answers import answer_parser_errors_in_openai_format, error_middleware
 from proxy.errors import StoreError
+from proxy.handlers import add_routes, metrics_handler
 from proxy.journal import Journal
 from proxy.logs import flush_logs
 from proxy.metrics import Metrics
@@ -79,15 +81,6 @@ async def check_eviction(store: Store, metrics: Metrics, known: Eviction | None)
     return found
 
 
-def metrics_handler(metrics: Metrics) -> Callable[[web.Request], Awaitable[web.Response]]:
-    async def handler(request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
-
-    return handler
-
-
 def encodings_in(config: Config) -> set[str]:
     names = {encoding_for_model(pattern, model.encoding) for pattern, model in config.models.items()}
     return names | {"o200k_base", "cl100k_base"}
@@ -122,8 +115,6 @@ def build_app(
     registry: CollectorRegistry | None = None,
     workers: int = 1,
 ) -> web.Application:
-    from proxy.handlers import add_routes
-
     answer_parser_errors_in_openai_format()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     state = State(

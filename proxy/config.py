@@ -1,7 +1,8 @@
 """Configuration's shape: frozen pydantic models, validated as a whole.
 
 The root ``Config`` and its small sections are here; a model's entry, the keys and the tiers are
-in ``config_models``, ``config_keys`` and ``config_tiers``, on the base in ``config_base``.
+in ``config_models``, ``config_keys`` and ``config_tiers``; their base model and the limits they
+share in ``config_base``.
 
 ``config_load.load_config`` reads the file and the environment into a ``Config`` at start and on
 reload; it is passed down explicitly.

@@ -68,7 +68,7 @@ def answer_parser_errors_in_openai_format() -> None:
     """Make aiohttp answer requests its HTTP parser refuses in OpenAI's error format. aiohttp
     builds its ``RequestHandler`` itself and offers no hook for its error page, so its method is
     replaced, for the process (every server in it, as it must: the runner is aiohttp's).
-    Idempotent; ``build_app`` calls it."""
+    Idempotent; ``app.build_app`` calls it."""
     web_protocol.RequestHandler.handle_error = _handle_error_in_openai_format  # type: ignore[method-assign]
 
 

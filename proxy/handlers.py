@@ -8,14 +8,15 @@ import functools
 import hashlib
 import hmac
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import orjson
 from aiohttp import HttpVersion11, hdrs, web, web_urldispatcher
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.app import metrics_handler
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing_views import key_self, run_ledger, run_meters
 from proxy.call import Call, plan_call
@@ -42,6 +43,7 @@ from proxy.forward import (
     upstream_url,
 )
 from proxy.ids import REQUEST_ID, request_id_for, run_id_for
+from proxy.metrics import Metrics
 from proxy.payload import Endpoint, parse_body
 from proxy.record import record_refusal
 from proxy.relay import Exchange
@@ -269,6 +271,15 @@ def _is_error_object(body: bytes) -> bool:
     except orjson.JSONDecodeError:
         return False
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+
+
+def metrics_handler(metrics: Metrics) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    return handler
 
 
 async def metrics(request: web.Request) -> web.StreamResponse:

@@ -30,7 +30,8 @@ class IdSource:
         return hashlib.blake2b(self._next().to_bytes(8, "little"), key=self._key, digest_size=16).hexdigest()
 
 
-# The call's id, set once by the error middleware for every request (and every answer's headers).
+# The call's id, set once by ``error_answers.error_middleware`` for every request (and every
+# answer's headers).
 REQUEST_ID = web.RequestKey("request_id", str)
 
 

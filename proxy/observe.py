@@ -214,7 +214,7 @@ class Observation:
     def take_usage(self, usage: ProviderUsage) -> None:
         self.usage = usage
         self.usage_chunks += 1
-        # A report without an output count is not the final word on the output (see relay).
+        # A report without an output count is not the final word on the output (see ``billed_usage``).
         self.usage_final = usage.output_known
 
     def add_text(self, index: int, piece: Any, *, content: bool = False) -> None:

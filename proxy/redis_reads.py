@@ -25,8 +25,8 @@ def _meter_states(raw: Mapping[str, Any], unheld: Mapping[str, int]) -> dict[str
 
 
 class ReadCommands:
-    """``RedisStore``'s reads (``Store.meters`` to ``Store.ledger_pages``), on its redis-py
-    client (set by ``RedisStore``)."""
+    """``RedisStore``'s reads (``meters``, ``scope_meters``, ``tenants`` and the ledger's pages),
+    on its redis-py client (set by ``RedisStore``)."""
 
     _client: aioredis.Redis | RedisCluster
 

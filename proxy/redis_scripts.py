@@ -20,7 +20,7 @@ from proxy.resp import ConnectionLost, PipelinedConnection, RespError
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
 
 
-def load_scripts() -> dict[str, tuple[str, str]]:
+def read_scripts() -> dict[str, tuple[str, str]]:
     scripts = {}
     for name in SCRIPT_NAMES:
         source = resources.files("proxy").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")

@@ -1,7 +1,9 @@
 """The Redis backend of the store: Lua scripts by SHA, one hash tag per tenant.
 
 Works unchanged against a single server or a Redis Cluster, because every script touches only
-keys of one tenant (see ``store.key_prefix``).
+keys of one tenant (see ``store.key_prefix``). ``RedisStore`` holds the writes (reserve, settle,
+shrink, renew, leases), its clock and its checks of the server; how a script runs, the reads and
+the kept contexts' commands are mixins (``redis_scripts``, ``redis_reads``, ``redis_contexts``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from proxy.errors import StoreError
 from proxy.redis_contexts import ContextCommands
 from proxy.redis_failures import STORE_FAILURES, refused
 from proxy.redis_reads import ReadCommands
-from proxy.redis_scripts import ScriptRunner, load_scripts
+from proxy.redis_scripts import ScriptRunner, read_scripts
 from proxy.resp import PipelinedConnection
 from proxy.store import (
     ACTUAL_METERS,
@@ -70,7 +72,7 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
         self._pool = pool
         # Single-node only: the hot-path scripts share one pipelined connection.
         self._pipe = pipe
-        self._scripts = load_scripts()
+        self._scripts = read_scripts()
         # The store's clock minus this process's monotonic clock (seconds), None until first
         # measured: see ``now``. Monotonic: a step of the host's wall clock between two measures
         # must not move the windows.

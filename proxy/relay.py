@@ -2,7 +2,8 @@
 
 The steps after ``reserve``: forward, observe, settle, record. ``Exchange`` holds the call's
 state and its one settle; how the answer is carried lives beside it: ``relay_body`` (a JSON
-answer, an upstream's error) and ``relay_stream`` (an event stream, relayed as it arrives).
+answer, an upstream's error) and ``relay_stream`` (an event stream, relayed as it arrives); which
+figures bill it is ``billed_usage``'s to say, and what it leaves for a later call ``contexts``'.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The processing tier a call asks for, and the prices it is reserved and billed at."""
+"""The processing tier a call asks for (a provider's ``service_tier``: priority, flex; not a
+budget tier of ``config_tiers``), and the prices it is reserved and billed at."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ async def settle(
     on_sent: Callable[[Settlement], None] | None = None,
 ) -> Settlement:
     """Replace the reserve by the actual figures and append the ledger entry, exactly once (the
-    caller shields it: see ``Exchange._settle``); journaled when the store fails.
+    caller shields it: see ``relay.Exchange.settle``); journaled when the store fails.
 
     ``on_sent`` is handed the settlement the store is asked to write once that is on its way
     (``Store.settle``): its figures are those returned, unless a reaper billed the call first

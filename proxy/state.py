@@ -37,7 +37,7 @@ class State:
     ready: bool = False
     # Tenants this process has registered for the reapers (one SADD per tenant per process).
     registered_tenants: set[str] = field(default_factory=set)
-    # Settlements under way (``Exchange._settle``): shutdown lets them finish.
+    # Settlements under way (``relay.Exchange.settle``): shutdown lets them finish.
     settling: set[asyncio.Future[Settlement]] = field(default_factory=set)
     # What every exchange is given, made once per config (see ``services_for``).
     services: Services | None = None

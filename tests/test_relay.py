@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from proxy import relay
 from proxy.outcome import Outcome
-from proxy.redis_scripts import load_scripts
+from proxy.redis_scripts import read_scripts
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
 from tests.conftest import (
@@ -284,7 +284,7 @@ async def test_the_first_settle_after_a_redis_restart_is_ahead_of_the_next_call(
     # reserve after it loads reserve.lua again (EVAL): here, as another call's would have.
     await own_client.script_flush()
     await own_client.client_kill_filter(_type="normal", skipme=True)
-    await own_client.script_load(load_scripts()["reserve"][0])
+    await own_client.script_load(read_scripts()["reserve"][0])
     blocker = aioredis.Redis.from_url(own_redis.url)
     try:
         received = len(fake.received)
