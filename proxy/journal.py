@@ -12,6 +12,7 @@ would be billed in two stores, and its real figures would never reach its own).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -137,11 +138,32 @@ class Journal:
         return self._file
 
     def append(self, pending: PendingSettlement) -> None:
-        """Durable before returning: the caller has already answered the client."""
+        """Durable before returning, without an await: for a caller being cancelled (a reserve
+        cut by shutdown), which must not lose the line to a second cancel."""
+        os.fsync(self._write(pending).fileno())
+        self._journaled(pending)
+
+    async def append_off_loop(self, pending: PendingSettlement) -> None:
+        """``append``, its fsync on a worker thread: durable before returning, and a slow disk
+        does not stall every other call (during an outage every settle is journaled)."""
+        # A descriptor of its own: ``_open`` may close the file meanwhile (after its removal),
+        # and its number be reused.
+        fd = os.dup(self._write(pending).fileno())
+        try:
+            await asyncio.to_thread(os.fsync, fd)
+        finally:
+            os.close(fd)
+        self._journaled(pending)
+
+    def _write(self, pending: PendingSettlement) -> BinaryIO:
+        # One whole line, written and flushed on the loop: a replay, also on the loop, never
+        # reads half of it.
         handle = self._open()
         handle.write(json.dumps(asdict(pending), separators=(",", ":")).encode() + b"\n")
         handle.flush()
-        os.fsync(handle.fileno())
+        return handle
+
+    def _journaled(self, pending: PendingSettlement) -> None:
         log.warning(
             "settlement journaled until the store is back",
             extra={"reservation_id": pending.reservation_id, "journal": str(self.path)},

@@ -237,7 +237,7 @@ async def settle_or_journal(
         # The answer is not held back: the settlement waits in the local journal and is applied
         # when the store is back (exactly once: settling is idempotent by reservation id).
         try:
-            journal.append(pending)
+            await journal.append_off_loop(pending)
         except OSError as disk:
             # Not lost: its reservation stays in the store, where a reaper bills it at its
             # reserve once the store is back. The answer still goes to the client: an error now

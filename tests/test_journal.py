@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import DEAD_LETTERS, Journal
-from proxy.redis_server import RedisServerProcess
+from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
+from proxy.settle import settle_or_journal
 from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
 
 
@@ -133,3 +137,36 @@ async def test_two_processes_replaying_one_directory_apply_and_count_each_line_o
     assert sorted(c["reservation_id"] for c in counted) == sorted(rids)
     assert list(journal_dir.glob("journal-*")) == []
     assert (journal_dir / "rejected.jsonl").read_text().count("{torn") == 20
+
+
+async def test_a_disk_slow_to_sync_does_not_hold_the_event_loop_while_a_settle_is_journaled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """During an outage every settle is journaled, durable (fsync) before its call goes on. On
+    the event loop, a disk slow to sync held every other call of the process meanwhile."""
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing there: it fails
+    journal = Journal(tmp_path / "journal")
+    loop = asyncio.get_running_loop()
+    turned = threading.Event()
+    synced_after_a_turn: list[bool] = []
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        # Waits for a turn of the loop: given at once when this runs off the loop; on the loop
+        # (which it holds) never, and it gives up after 5 s.
+        loop.call_soon_threadsafe(turned.set)
+        synced_after_a_turn.append(turned.wait(5))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    try:
+        entry_id, stored = await settle_or_journal(store, journal, _line("journaled"))
+    finally:
+        monkeypatch.undo()
+        await store.close()
+    assert (entry_id, stored) == (None, False)
+    assert synced_after_a_turn == [True]
+    assert journal.pending
+    lines = journal.path.read_text().splitlines()
+    assert [json.loads(line)["reservation_id"] for line in lines] == ["journaled"]
+    journal.close()
