@@ -25,7 +25,7 @@ from proxy.payload import set_output_cap
 from proxy.pricing import MAX_AMOUNT, reserve_amounts, worst_rates
 from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
-from proxy.settle import release_unforwarded
+from proxy.settle import release_unforwarded, release_unforwarded_off_loop
 from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative
 
 
@@ -168,7 +168,7 @@ async def reserve(
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:
         if err.maybe_applied:
-            release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
+            await release_unforwarded_off_loop(call, journal, [sc.key for sc in scopes], run_ttl_s)
         raise
     except asyncio.CancelledError:
         if in_flight:

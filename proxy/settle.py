@@ -260,28 +260,44 @@ async def settle_or_journal(
 def release_unforwarded(call: Call, journal: Journal, scopes: list[str], run_ttl_s: int) -> None:
     """A reserve whose reply was lost may still have happened: journal a zero settlement for it,
     so that, once the store answers, its reservation is released (not reaped at full reserve).
-    If the reserve never happened, applying it changes nothing."""
-    zero = dict.fromkeys(ACTUAL_METERS, 0)
-    entry = entry_fields(call, Outcome("not_forwarded"), NOTHING_BILLED, 0, "")
+    If the reserve never happened, applying it changes nothing. Synced without an await: for a
+    reserve cut by shutdown, whose task is being cancelled."""
     try:
-        journal.append(
-            PendingSettlement(
-                tenant=call.identity.tenant,
-                reservation_id=call.reservation_id,
-                run_id=call.run_id,
-                scope_keys=scopes,
-                actual=zero,
-                entry=entry,
-                runlog_ttl_s=run_ttl_s,
-            )
-        )
+        journal.append(_release(call, scopes, run_ttl_s))
     except OSError as disk:
-        # The client still hears that nothing went out (not a 500); should the reserve have
-        # happened, a reaper bills it at its reserve, as for a process that died here.
-        log.critical(
-            "the release of an unforwarded reserve could not be journaled",
-            extra={"reservation_id": call.reservation_id, "journal_error": str(disk)},
-        )
+        _release_lost(call, disk)
+
+
+async def release_unforwarded_off_loop(
+    call: Call, journal: Journal, scopes: list[str], run_ttl_s: int
+) -> None:
+    """``release_unforwarded``, synced on a worker thread (``Journal.append_off_loop``): a store
+    that times out every reserve has each one released this way."""
+    try:
+        await journal.append_off_loop(_release(call, scopes, run_ttl_s))
+    except OSError as disk:
+        _release_lost(call, disk)
+
+
+def _release(call: Call, scopes: list[str], run_ttl_s: int) -> PendingSettlement:
+    return PendingSettlement(
+        tenant=call.identity.tenant,
+        reservation_id=call.reservation_id,
+        run_id=call.run_id,
+        scope_keys=scopes,
+        actual=dict.fromkeys(ACTUAL_METERS, 0),
+        entry=entry_fields(call, Outcome("not_forwarded"), NOTHING_BILLED, 0, ""),
+        runlog_ttl_s=run_ttl_s,
+    )
+
+
+def _release_lost(call: Call, disk: OSError) -> None:
+    # The client still hears that nothing went out (not a 500); should the reserve have
+    # happened, a reaper bills it at its reserve, as for a process that died here.
+    log.critical(
+        "the release of an unforwarded reserve could not be journaled",
+        extra={"reservation_id": call.reservation_id, "journal_error": str(disk)},
+    )
 
 
 def budget_headers(call: Call, settlement: Settlement) -> dict[str, str]:

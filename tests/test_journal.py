@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 from proxy.journal import DEAD_LETTERS, Journal
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
-from proxy.settle import settle_or_journal
+from proxy.settle import release_unforwarded_off_loop, settle_or_journal
+from tests.test_billed_usage import chat, planned
 from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
 
 
@@ -139,34 +140,53 @@ async def test_two_processes_replaying_one_directory_apply_and_count_each_line_o
     assert (journal_dir / "rejected.jsonl").read_text().count("{torn") == 20
 
 
+@pytest.fixture
+async def syncs_after_a_turn(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """``os.fsync`` that syncs only once the event loop has turned: at once when it runs off the
+    loop; on the loop (which it then holds) never, and it gives up after 5 s. One flag per
+    sync: whether the loop turned."""
+    loop = asyncio.get_running_loop()
+    real_fsync = os.fsync
+    flags: list[bool] = []
+
+    def slow_fsync(fd: int) -> None:
+        turned = threading.Event()
+        loop.call_soon_threadsafe(turned.set)
+        flags.append(turned.wait(5))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    return flags
+
+
 async def test_a_disk_slow_to_sync_does_not_hold_the_event_loop_while_a_settle_is_journaled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, syncs_after_a_turn: list[bool]
 ) -> None:
     """During an outage every settle is journaled, durable (fsync) before its call goes on. On
     the event loop, a disk slow to sync held every other call of the process meanwhile."""
     store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing there: it fails
     journal = Journal(tmp_path / "journal")
-    loop = asyncio.get_running_loop()
-    turned = threading.Event()
-    synced_after_a_turn: list[bool] = []
-    real_fsync = os.fsync
-
-    def slow_fsync(fd: int) -> None:
-        # Waits for a turn of the loop: given at once when this runs off the loop; on the loop
-        # (which it holds) never, and it gives up after 5 s.
-        loop.call_soon_threadsafe(turned.set)
-        synced_after_a_turn.append(turned.wait(5))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", slow_fsync)
     try:
         entry_id, stored = await settle_or_journal(store, journal, _line("journaled"))
     finally:
-        monkeypatch.undo()
         await store.close()
     assert (entry_id, stored) == (None, False)
-    assert synced_after_a_turn == [True]
-    assert journal.pending
+    assert syncs_after_a_turn == [True]
     lines = journal.path.read_text().splitlines()
     assert [json.loads(line)["reservation_id"] for line in lines] == ["journaled"]
+    journal.close()
+
+
+async def test_the_release_of_a_reserve_whose_reply_was_lost_is_synced_off_the_loop(
+    tmp_path: Path, syncs_after_a_turn: list[bool]
+) -> None:
+    """A store that times out every reserve has each one released through the journal: as for
+    a settle, its sync does not hold the other calls."""
+    call = planned(chat(max_tokens=5))
+    journal = Journal(tmp_path / "journal")
+    await release_unforwarded_off_loop(call, journal, ["lbp:{team-a}:run:run-1"], 60)
+    assert syncs_after_a_turn == [True]
+    (line,) = journal.path.read_text().splitlines()
+    assert json.loads(line)["reservation_id"] == call.reservation_id
+    assert json.loads(line)["entry"]["outcome"] == "not_forwarded"
     journal.close()
