@@ -146,13 +146,11 @@ class Journal:
     async def append_off_loop(self, pending: PendingSettlement) -> None:
         """``append``, its fsync on a worker thread: durable before returning, and a slow disk
         does not stall every other call (during an outage every settle is journaled)."""
-        # A descriptor of its own: ``_open`` may close the file meanwhile (after its removal),
-        # and its number be reused.
+        # A descriptor of its own, closed by the thread once synced: ``_open`` may close the
+        # file meanwhile (after its removal). Shielded: a cancel of the caller (shutdown) stops
+        # neither the sync nor its close.
         fd = os.dup(self._write(pending).fileno())
-        try:
-            await asyncio.to_thread(os.fsync, fd)
-        finally:
-            os.close(fd)
+        await asyncio.shield(asyncio.to_thread(_synced, fd))
         self._journaled(pending)
 
     def _write(self, pending: PendingSettlement) -> BinaryIO:
@@ -255,6 +253,13 @@ class Journal:
             if empty:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
+
+
+def _synced(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _still_at(handle: IO[Any], path: Path) -> bool:

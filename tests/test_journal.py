@@ -190,3 +190,42 @@ async def test_the_release_of_a_reserve_whose_reply_was_lost_is_synced_off_the_l
     assert json.loads(line)["reservation_id"] == call.reservation_id
     assert json.loads(line)["entry"]["outcome"] == "not_forwarded"
     journal.close()
+
+
+async def test_a_cancel_during_the_sync_neither_stops_it_nor_closes_its_descriptor_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shutdown cancels a call waiting on its line's sync: the sync goes on, on its own
+    descriptor, and the thread closes that once done (none left open)."""
+    started, go_on = threading.Event(), threading.Event()
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def held_fsync(fd: int) -> None:
+        started.set()
+        go_on.wait(5)
+        real_fsync(fd)
+        synced.append(fd)
+
+    monkeypatch.setattr(os, "fsync", held_fsync)
+    journal = Journal(tmp_path / "journal")
+    go_on.set()
+    await journal.append_off_loop(_line("first"))  # the journal's own file is open from here
+    go_on.clear()
+    started.clear()
+    open_before = len(os.listdir("/proc/self/fd"))
+    waiting = asyncio.ensure_future(journal.append_off_loop(_line("cut")))
+    assert await asyncio.to_thread(started.wait, 5)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    go_on.set()
+    for _ in range(500):
+        if len(synced) == 2 and len(os.listdir("/proc/self/fd")) == open_before:
+            break
+        await asyncio.sleep(0.01)
+    assert len(synced) == 2  # the cut call's line was synced all the same
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    lines = journal.path.read_text().splitlines()
+    assert [json.loads(line)["reservation_id"] for line in lines] == ["first", "cut"]
+    journal.close()
