@@ -187,13 +187,33 @@ class Journal:
                 # applying (settles failing meanwhile), stay. No await in between: no race.
                 self._file.seek(len(text))
                 rest = "".join(line + "\n" for line in lines[done:]).encode() + self._file.read()
-                self._file.seek(0)
-                self._file.truncate()
-                self._file.write(rest)
-                self._file.flush()
-                os.fsync(self._file.fileno())
+                self._replace_file(rest)
         applied += await self._adopt(store, on_applied)
         return applied
+
+    def _replace_file(self, rest: bytes) -> None:
+        """Our file holding ``rest`` alone, replaced whole: written beside it, synced, locked and
+        renamed over it. Truncated in place, a full disk (or a crash) between the truncate and
+        the write lost the lines still pending: billed at their reserve by a reaper instead."""
+        assert self._file is not None
+        kept = self.path.with_name(f".{self.path.name}.tmp")  # no journal-*.jsonl: none adopts it
+        with contextlib.suppress(FileNotFoundError):
+            kept.unlink()  # a crash's, mid-rewrite
+        handle = kept.open("a+b")  # appended to as our file is, wherever a read left it
+        try:
+            # Locked before it takes our file's name: no process adopts it meanwhile.
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.write(rest)
+            handle.flush()
+            os.fsync(handle.fileno())
+            os.replace(kept, self.path)
+        except BaseException:
+            handle.close()
+            with contextlib.suppress(FileNotFoundError):
+                kept.unlink()
+            raise
+        self._file.close()
+        self._file = handle
 
     async def _adopt(self, store: Store, on_applied: OnApplied) -> int:
         applied = 0

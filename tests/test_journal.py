@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -229,3 +231,68 @@ async def test_a_cancel_during_the_sync_neither_stops_it_nor_closes_its_descript
     lines = journal.path.read_text().splitlines()
     assert [json.loads(line)["reservation_id"] for line in lines] == ["first", "cut"]
     journal.close()
+
+
+FILLS_THE_DISK = """
+import asyncio, resource, sys
+from pathlib import Path
+from proxy.journal import Journal, PendingSettlement
+from proxy.redis_store import RedisStore
+from tests.test_store_faults import _settlement_line
+
+async def main(url: str, directory: str) -> None:
+    store = RedisStore.from_url(url)
+    await store.load_scripts()
+    journal = Journal(Path(directory))
+    journal.append(PendingSettlement(**_settlement_line("first")))
+    room = journal.path.stat().st_size
+
+    async def disk_fills_meanwhile() -> None:
+        # While the replay applies the first line: two more, then no file may grow past the
+        # size of one line (a full disk, to this process).
+        journal.append(PendingSettlement(**_settlement_line("second")))
+        journal.append(PendingSettlement(**_settlement_line("third")))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (room, resource.RLIM_INFINITY))
+
+    replay = asyncio.ensure_future(journal.replay(store))
+    filling = asyncio.ensure_future(disk_fills_meanwhile())
+    try:
+        print("applied", await replay)
+    except OSError as err:
+        print("replay failed:", err)
+    await filling
+    try:
+        journal.close()
+    except OSError as err:  # what the full disk left in its buffer: the process goes all the same
+        print("close failed:", err)
+    await store.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_disk_full_while_the_journal_drops_its_applied_lines_loses_none_pending(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A replay drops the lines it applied by writing the rest again. In place (truncate, then
+    write), a disk that filled meanwhile left the file empty or torn: the lines still pending
+    were lost, and their calls billed at their reserve by a reaper instead of their figures."""
+    journal_dir = tmp_path / "journal"
+    await held_reservations(redis_client, "first", "second", "third")
+    root = Path(__file__).resolve().parents[1]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", FILLS_THE_DISK, redis_server.url, str(journal_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "replay failed" in done.stdout, done.stdout  # the disk was full for the rewrite
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
+        await journal.replay(store)  # the dead process's journal, adopted
+    applied = [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)]
+    assert sorted(applied) == ["first", "second", "third"]  # each once
+    assert not (journal_dir / DEAD_LETTERS).exists()  # no torn line
