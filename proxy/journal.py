@@ -22,6 +22,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, BinaryIO
@@ -113,6 +114,9 @@ class Journal:
         self.path = directory / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._file: BinaryIO | None = None
         self._foreign_seen: set[Path] = set()
+        self._sync_thread: ThreadPoolExecutor | None = None  # started by the first off-loop sync
+        # One replay at a time: a shutdown's last replay may start while a round's still runs.
+        self._replaying = asyncio.Lock()
 
     def _open(self) -> BinaryIO:
         if self._file is not None and not _still_at(self._file, self.path):
@@ -144,14 +148,32 @@ class Journal:
         self._journaled(pending)
 
     async def append_off_loop(self, pending: PendingSettlement) -> None:
-        """``append``, its fsync on a worker thread: durable before returning, and a slow disk
-        does not stall every other call (during an outage every settle is journaled)."""
-        # A descriptor of its own, closed by the thread once synced: ``_open`` may close the
-        # file meanwhile (after its removal). Shielded: a cancel of the caller (shutdown) stops
-        # neither the sync nor its close.
-        fd = os.dup(self._write(pending).fileno())
-        await asyncio.shield(asyncio.to_thread(_synced, fd))
+        """``append``, its fsync on the journal's own thread: durable before returning, and a
+        slow disk does not stall every other call (during an outage every settle is journaled),
+        nor take the threads that resolve names and count tokens."""
+        handle = self._write(pending)
+        try:
+            # A descriptor of its own, closed by the thread once synced: ``_open`` may close the
+            # file meanwhile (after its removal).
+            fd = os.dup(handle.fileno())
+        except OSError:
+            os.fsync(handle.fileno())  # no descriptor to spare: synced here, as ``append``
+            self._journaled(pending)
+            return
+        # A plain future, not a task: a shutdown that cancels every task (and the caller with
+        # them) neither drops the sync from the thread's queue nor closes its descriptor.
+        synced = asyncio.wrap_future(self._syncer().submit(_synced, fd))
+        try:
+            await asyncio.shield(synced)
+        except asyncio.CancelledError:
+            synced.add_done_callback(_tell_unsynced)  # no caller left to hear it
+            raise
         self._journaled(pending)
+
+    def _syncer(self) -> ThreadPoolExecutor:
+        if self._sync_thread is None:
+            self._sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-sync")
+        return self._sync_thread
 
     def _write(self, pending: PendingSettlement) -> BinaryIO:
         # One whole line, written and flushed on the loop: a replay, also on the loop, never
@@ -174,6 +196,10 @@ class Journal:
     async def replay(self, store: Store, on_applied: OnApplied = _nothing) -> int:
         """Apply this process's pending lines, then any orphaned journals. Returns how many
         applied; ``on_applied`` gets each ledger entry the store took from them."""
+        async with self._replaying:
+            return await self._replay(store, on_applied)
+
+    async def _replay(self, store: Store, on_applied: OnApplied) -> int:
         applied = 0
         if self._file is not None:
             self._file.seek(0)
@@ -196,6 +222,9 @@ class Journal:
         renamed over it. Truncated in place, a full disk (or a crash) between the truncate and
         the write lost the lines still pending: billed at their reserve by a reaper instead."""
         assert self._file is not None
+        # Removed during an outage with no line appended since (which would have re-created it):
+        # renamed into a new one, the rest is at our path again, still locked.
+        self.directory.mkdir(parents=True, exist_ok=True)
         kept = self.path.with_name(f".{self.path.name}.tmp")  # no journal-*.jsonl: none adopts it
         with contextlib.suppress(FileNotFoundError):
             kept.unlink()  # a crash's, mid-rewrite
@@ -208,10 +237,13 @@ class Journal:
             os.fsync(handle.fileno())
             os.replace(kept, self.path)
         except BaseException:
-            handle.close()
+            # Unlinked first: the close flushes again what a full disk refused, and fails too.
             with contextlib.suppress(FileNotFoundError):
                 kept.unlink()
+            with contextlib.suppress(OSError):
+                handle.close()
             raise
+        _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
         self._file.close()
         self._file = handle
 
@@ -261,6 +293,9 @@ class Journal:
         return applied
 
     def close(self) -> None:
+        if self._sync_thread is not None:
+            self._sync_thread.shutdown(wait=True)  # every sync queued is done before we go
+            self._sync_thread = None
         if self._file is not None:
             empty = os.fstat(self._file.fileno()).st_size == 0
             if not empty and not _still_at(self._file, self.path):
@@ -276,6 +311,23 @@ class Journal:
 
 
 def _synced(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tell_unsynced(synced: asyncio.Future[None]) -> None:
+    if not synced.cancelled() and synced.exception() is not None:
+        log.critical(
+            "a journaled line could not be synced; if the host fails before its next sync, a "
+            "reaper bills its call at the reserve",
+            extra={"error": str(synced.exception())},
+        )
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
