@@ -1,6 +1,6 @@
 """A local journal for settlements the store could not take (Redis down between reserve and
-settle). Each line is one settlement; replaying it is exactly-once because settling is
-idempotent by reservation id.
+settle). Each line is one settlement (``journal_lines``: what it holds, how a file's lines are
+applied); replaying it is exactly-once because settling is idempotent by reservation id.
 
 Each process writes its own file and holds an exclusive ``flock`` on it while alive. At start,
 and on every replay round, a process adopts the files whose lock it can take (their writer
@@ -21,68 +21,17 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from redis.connection import parse_url
 
-from proxy.errors import StoreError, StoreRejected
+from proxy.journal_lines import DEAD_LETTERS, OnApplied, PendingSettlement, apply_lines, nothing
 from proxy.store import Store
 
 log = logging.getLogger("proxy.journal")
-DEAD_LETTERS = "rejected.jsonl"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PendingSettlement:
-    tenant: str
-    reservation_id: str
-    run_id: str
-    scope_keys: list[str]
-    actual: dict[str, int]
-    entry: dict[str, str]
-    # Until when (wall clock, ms) a call that went out is billed even if the store lost its
-    # reservation: while a reaper's settle of it would still have left its marker (see
-    # settle.settle). 0 (releases of unforwarded reserves, lines of older versions): never.
-    bill_if_lost_until_ms: int = 0
-    # The scope keys' TTLs (Scope.ttl_s), for keys a lost reservation's settle creates anew.
-    # Empty (lines of older versions): such keys get none.
-    scope_ttls_s: list[int] = field(default_factory=list)
-    # The run's ledger index expires this long after the settle (0, older versions: never).
-    runlog_ttl_s: int = 0
-    # The contexts the provider keeps that the call made or continued with the operator's key:
-    # marked as its tenant's once the store is back (Store.claim_contexts), as the live settle
-    # would have.
-    owned_contexts: list[str] = field(default_factory=list)
-
-    async def apply(self, store: Store, on_sent: Callable[[], None] | None = None) -> str | None:
-        """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
-        the call's own settle, tried live or replayed from a journal: applied again after a try
-        whose reply was lost, it gets that try's entry (settle.lua), which is then counted."""
-        return await store.settle(
-            tenant=self.tenant,
-            reservation_id=self.reservation_id,
-            run_id=self.run_id,
-            scope_keys=self.scope_keys,
-            actual=self.actual,
-            entry=self.entry,
-            # The store's clock: the journal may be replayed by an instance on another host.
-            bill_if_lost=await store.synced_now() * 1000 < self.bill_if_lost_until_ms,
-            scope_ttls_s=self.scope_ttls_s,
-            runlog_ttl_s=self.runlog_ttl_s,
-            own=True,
-            on_sent=on_sent,
-        )
-
-
-OnApplied = Callable[[Mapping[str, str]], None]
-
-
-def _nothing(entry: Mapping[str, str]) -> None:
-    pass
 
 
 # journal-<store tag>-<pid>-<random>.jsonl; older versions' (and untagged) journal-<pid>-<random>.
@@ -193,7 +142,7 @@ class Journal:
     def pending(self) -> bool:
         return self._file is not None and self.path.stat().st_size > 0
 
-    async def replay(self, store: Store, on_applied: OnApplied = _nothing) -> int:
+    async def replay(self, store: Store, on_applied: OnApplied = nothing) -> int:
         """Apply this process's pending lines, then any orphaned journals. Returns how many
         applied; ``on_applied`` gets each ledger entry the store took from them."""
         async with self._replaying:
@@ -205,7 +154,7 @@ class Journal:
             self._file.seek(0)
             text = self._file.read()
             lines = text.decode("utf-8", "replace").splitlines()
-            done = await _apply(store, lines, self.directory / DEAD_LETTERS, on_applied)
+            done = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
             applied += done
             if done:
                 # The lines applied go (applied again, a settle's own try gets its entry, and
@@ -277,7 +226,7 @@ class Journal:
                 if not _still_at(handle, path):
                     continue  # replayed meanwhile by another process, and removed or rewritten
                 lines = handle.read().splitlines()
-                done = await _apply(store, lines, self.directory / DEAD_LETTERS, on_applied)
+                done = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
                 applied += done
                 if done == len(lines):
                     path.unlink()
@@ -342,89 +291,3 @@ def _still_at(handle: IO[Any], path: Path) -> bool:
         return os.fstat(handle.fileno()).st_ino == path.stat().st_ino
     except FileNotFoundError:
         return False
-
-
-def _pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:
-    """A line's settlement; fields this version does not know (a later version's) are left out,
-    fields it added since are defaulted: both ways across an upgrade, the line is applied."""
-    known = {f.name for f in fields(PendingSettlement)}
-    return PendingSettlement(**{k: v for k, v in fields_of_line.items() if k in known})
-
-
-def _park(dead_letters: Path, line: str) -> bool:
-    """Never dropped: kept for an operator with the other lines the store cannot take. False
-    when the dead letters cannot be written (a full or read-only disk): the line stays where it
-    is, and the round stops there, the lines applied before it removed (not applied again)."""
-    try:
-        with dead_letters.open("a", encoding="utf-8", errors="surrogateescape") as parked:
-            parked.write(line + "\n")
-            parked.flush()
-            os.fsync(parked.fileno())
-    except OSError as err:
-        log.critical("a journal line could not be parked; kept", extra={"error": str(err)})
-        return False
-    return True
-
-
-async def _apply(store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied) -> int:
-    """Settle each line in order; stop at the first store error (retried on the next round)."""
-    done = 0
-    for line in lines:
-        if not line.strip():
-            done += 1
-            continue
-        try:
-            pending = _pending_of(json.loads(line))
-        except (ValueError, TypeError, AttributeError):
-            # Never dropped: parked for an operator with the lines the store rejects.
-            log.error("unreadable journal line parked", extra={"line": line[:200]})
-            if not _park(dead_letters, line):
-                break
-            done += 1
-            continue
-        try:
-            entry_id = await pending.apply(store)
-            if pending.owned_contexts:
-                # After the settle: a round stopped here applies the line again, idempotently.
-                try:
-                    await store.claim_contexts(tenant=pending.tenant, ids=list(pending.owned_contexts))
-                except StoreRejected as err:  # the settle is in: not a line to park
-                    log.error("could not mark a journaled call's contexts", extra={"error": str(err)})
-        except (TypeError, AttributeError, ValueError) as err:
-            # JSON of the wrong shape (a null where a list goes): it would stop every round here,
-            # holding back every line after it. Parked, as a line the store rejects.
-            log.error(
-                "journal line of the wrong shape parked",
-                extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},
-            )
-            if not _park(dead_letters, line):
-                break
-            done += 1
-            continue
-        except StoreRejected as err:
-            # The store will never take this line: park it for an operator, go on.
-            log.error(
-                "journaled settlement rejected by the store; parked",
-                extra={"reservation_id": pending.reservation_id, "error": str(err)},
-            )
-            if not _park(dead_letters, line):
-                break
-            done += 1
-            continue
-        except StoreError:
-            break
-        log.info(
-            "journaled settlement applied" if entry_id else "journaled settlement was already settled",
-            extra={"reservation_id": pending.reservation_id},
-        )
-        if entry_id is not None:
-            try:
-                on_applied(pending.entry)
-            except Exception:
-                # The metrics of an entry of another shape (an older version's): the ledger has it;
-                # the line must not be applied again and again for them.
-                log.exception(
-                    "a replayed settlement was not counted", extra={"reservation_id": pending.reservation_id}
-                )
-        done += 1
-    return done

@@ -14,7 +14,8 @@ import orjson
 
 from proxy.call import Call
 from proxy.errors import StoreError
-from proxy.journal import Journal, PendingSettlement
+from proxy.journal import Journal
+from proxy.journal_lines import PendingSettlement
 from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, worst_rates
 from proxy.store import ACTUAL_METERS, Store

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.journal import DEAD_LETTERS, Journal
+from proxy.journal import Journal
+from proxy.journal_lines import DEAD_LETTERS
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
 from proxy.settle import release_unforwarded_off_loop, settle_or_journal
@@ -77,7 +78,7 @@ async def test_an_orphaned_journal_with_bytes_not_utf8_is_replayed_and_blocks_no
 
 
 def _line(rid: str) -> Any:
-    from proxy.journal import PendingSettlement
+    from proxy.journal_lines import PendingSettlement
 
     return PendingSettlement(**_settlement_line(rid))
 
@@ -286,7 +287,8 @@ async def test_a_replay_after_the_journal_directory_was_removed_keeps_its_file(
 FILLS_THE_DISK = """
 import asyncio, resource, sys
 from pathlib import Path
-from proxy.journal import Journal, PendingSettlement
+from proxy.journal import Journal
+from proxy.journal_lines import PendingSettlement
 from proxy.redis_store import RedisStore
 from tests.test_store_faults import _settlement_line
 

@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.journal import Journal, PendingSettlement
+from proxy.journal import Journal
+from proxy.journal_lines import PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Scope

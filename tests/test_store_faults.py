@@ -17,7 +17,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.errors import StoreError, StoreRejected
-from proxy.journal import DEAD_LETTERS, Journal, PendingSettlement, store_tag
+from proxy.journal import Journal, store_tag
+from proxy.journal_lines import DEAD_LETTERS, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE

@@ -1,0 +1,154 @@
+"""A journal's lines: the settlement each holds, and applying a file's lines in order, those the
+store will never take (and those no version can read) parked in the dead letters, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from proxy.errors import StoreError, StoreRejected
+from proxy.store import Store
+
+log = logging.getLogger("proxy.journal")
+DEAD_LETTERS = "rejected.jsonl"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingSettlement:
+    tenant: str
+    reservation_id: str
+    run_id: str
+    scope_keys: list[str]
+    actual: dict[str, int]
+    entry: dict[str, str]
+    # Until when (wall clock, ms) a call that went out is billed even if the store lost its
+    # reservation: while a reaper's settle of it would still have left its marker (see
+    # settle.settle). 0 (releases of unforwarded reserves, lines of older versions): never.
+    bill_if_lost_until_ms: int = 0
+    # The scope keys' TTLs (Scope.ttl_s), for keys a lost reservation's settle creates anew.
+    # Empty (lines of older versions): such keys get none.
+    scope_ttls_s: list[int] = field(default_factory=list)
+    # The run's ledger index expires this long after the settle (0, older versions: never).
+    runlog_ttl_s: int = 0
+    # The contexts the provider keeps that the call made or continued with the operator's key:
+    # marked as its tenant's once the store is back (Store.claim_contexts), as the live settle
+    # would have.
+    owned_contexts: list[str] = field(default_factory=list)
+
+    async def apply(self, store: Store, on_sent: Callable[[], None] | None = None) -> str | None:
+        """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
+        the call's own settle, tried live or replayed from a journal: applied again after a try
+        whose reply was lost, it gets that try's entry (settle.lua), which is then counted."""
+        return await store.settle(
+            tenant=self.tenant,
+            reservation_id=self.reservation_id,
+            run_id=self.run_id,
+            scope_keys=self.scope_keys,
+            actual=self.actual,
+            entry=self.entry,
+            # The store's clock: the journal may be replayed by an instance on another host.
+            bill_if_lost=await store.synced_now() * 1000 < self.bill_if_lost_until_ms,
+            scope_ttls_s=self.scope_ttls_s,
+            runlog_ttl_s=self.runlog_ttl_s,
+            own=True,
+            on_sent=on_sent,
+        )
+
+
+OnApplied = Callable[[Mapping[str, str]], None]
+
+
+def nothing(entry: Mapping[str, str]) -> None:
+    pass
+
+
+def pending_of(fields_of_line: dict[str, Any]) -> PendingSettlement:
+    """A line's settlement; fields this version does not know (a later version's) are left out,
+    fields it added since are defaulted: both ways across an upgrade, the line is applied."""
+    known = {f.name for f in fields(PendingSettlement)}
+    return PendingSettlement(**{k: v for k, v in fields_of_line.items() if k in known})
+
+
+def park(dead_letters: Path, line: str) -> bool:
+    """Never dropped: kept for an operator with the other lines the store cannot take. False
+    when the dead letters cannot be written (a full or read-only disk): the line stays where it
+    is, and the round stops there, the lines applied before it removed (not applied again)."""
+    try:
+        with dead_letters.open("a", encoding="utf-8", errors="surrogateescape") as parked:
+            parked.write(line + "\n")
+            parked.flush()
+            os.fsync(parked.fileno())
+    except OSError as err:
+        log.critical("a journal line could not be parked; kept", extra={"error": str(err)})
+        return False
+    return True
+
+
+async def apply_lines(store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied) -> int:
+    """Settle each line in order; stop at the first store error (retried on the next round)."""
+    done = 0
+    for line in lines:
+        if not line.strip():
+            done += 1
+            continue
+        try:
+            pending = pending_of(json.loads(line))
+        except (ValueError, TypeError, AttributeError):
+            # Never dropped: parked for an operator with the lines the store rejects.
+            log.error("unreadable journal line parked", extra={"line": line[:200]})
+            if not park(dead_letters, line):
+                break
+            done += 1
+            continue
+        try:
+            entry_id = await pending.apply(store)
+            if pending.owned_contexts:
+                # After the settle: a round stopped here applies the line again, idempotently.
+                try:
+                    await store.claim_contexts(tenant=pending.tenant, ids=list(pending.owned_contexts))
+                except StoreRejected as err:  # the settle is in: not a line to park
+                    log.error("could not mark a journaled call's contexts", extra={"error": str(err)})
+        except (TypeError, AttributeError, ValueError) as err:
+            # JSON of the wrong shape (a null where a list goes): it would stop every round here,
+            # holding back every line after it. Parked, as a line the store rejects.
+            log.error(
+                "journal line of the wrong shape parked",
+                extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},
+            )
+            if not park(dead_letters, line):
+                break
+            done += 1
+            continue
+        except StoreRejected as err:
+            # The store will never take this line: park it for an operator, go on.
+            log.error(
+                "journaled settlement rejected by the store; parked",
+                extra={"reservation_id": pending.reservation_id, "error": str(err)},
+            )
+            if not park(dead_letters, line):
+                break
+            done += 1
+            continue
+        except StoreError:
+            break
+        log.info(
+            "journaled settlement applied" if entry_id else "journaled settlement was already settled",
+            extra={"reservation_id": pending.reservation_id},
+        )
+        if entry_id is not None:
+            try:
+                on_applied(pending.entry)
+            except Exception:
+                # The metrics of an entry of another shape (an older version's): the ledger has it;
+                # the line must not be applied again and again for them.
+                log.exception(
+                    "a replayed settlement was not counted", extra={"reservation_id": pending.reservation_id}
+                )
+        done += 1
+    return done
