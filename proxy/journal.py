@@ -192,9 +192,9 @@ class Journal:
             with contextlib.suppress(OSError):
                 handle.close()
             raise
-        _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
         self._file.close()
         self._file = handle
+        _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
 
     async def _adopt(self, store: Store, on_applied: OnApplied) -> int:
         applied = 0
