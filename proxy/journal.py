@@ -73,21 +73,14 @@ class Journal:
             # would go with the process. Its pending lines move to a new file at our path.
             old = self._file
             old.seek(0)
-            waiting = old.read()
-            self._file = None
-            handle = self._open()
-            handle.write(waiting)
-            handle.flush()
-            os.fsync(handle.fileno())
+            self._file = self._locked_at_path(old.read())
             old.close()
             log.warning(
                 "the journal file was removed; its pending lines written again",
                 extra={"journal": str(self.path)},
             )
         if self._file is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a+b")
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._file = self._locked_at_path(b"")
         return self._file
 
     def append(self, pending: PendingSettlement) -> None:
@@ -167,23 +160,31 @@ class Journal:
         return applied
 
     def _replace_file(self, rest: bytes) -> None:
-        """Our file holding ``rest`` alone, replaced whole: written beside it, synced, locked and
-        renamed over it. Truncated in place, a full disk (or a crash) between the truncate and
-        the write lost the lines still pending: billed at their reserve by a reaper instead."""
+        """Our file holding ``rest`` alone, replaced whole (``_locked_at_path``). Truncated in
+        place, a full disk (or a crash) between the truncate and the write lost the lines still
+        pending: billed at their reserve by a reaper instead."""
         assert self._file is not None
-        # Removed during an outage with no line appended since (which would have re-created it):
-        # renamed into a new one, the rest is at our path again, still locked.
+        handle = self._locked_at_path(rest)
+        self._file.close()
+        self._file = handle
+        _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
+
+    def _locked_at_path(self, content: bytes) -> BinaryIO:
+        """A file at our path holding ``content``: written beside it, synced, locked and then
+        renamed there, so no other process finds it unlocked and adopts it (a file created at
+        our path and locked after could be taken, found empty and removed, in between)."""
+        # Removed during an outage (or never made): the rename puts our file there again.
         self.directory.mkdir(parents=True, exist_ok=True)
         kept = self.path.with_name(f".{self.path.name}.tmp")  # no journal-*.jsonl: none adopts it
         with contextlib.suppress(FileNotFoundError):
             kept.unlink()  # a crash's, mid-rewrite
         handle = kept.open("a+b")  # appended to as our file is, wherever a read left it
         try:
-            # Locked before it takes our file's name: no process adopts it meanwhile.
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            handle.write(rest)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if content:  # a new file's first lines are synced by their appends
+                handle.write(content)
+                handle.flush()
+                os.fsync(handle.fileno())
             os.replace(kept, self.path)
         except BaseException:
             # Unlinked first: the close flushes again what a full disk refused, and fails too.
@@ -192,9 +193,7 @@ class Journal:
             with contextlib.suppress(OSError):
                 handle.close()
             raise
-        self._file.close()
-        self._file = handle
-        _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
+        return handle
 
     async def _adopt(self, store: Store, on_applied: OnApplied) -> int:
         applied = 0

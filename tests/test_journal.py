@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -349,3 +350,49 @@ async def test_a_disk_full_while_the_journal_drops_its_applied_lines_loses_none_
     assert sorted(applied) == ["first", "second", "third"]  # each once
     assert not (journal_dir / DEAD_LETTERS).exists()  # no torn line
     assert not list(journal_dir.glob(".*.tmp"))  # nor the rewrite the disk refused
+
+
+ADOPTS_THE_DIRECTORY = """
+import asyncio, sys
+from pathlib import Path
+from proxy.journal import Journal
+from proxy.redis_store import RedisStore
+
+print("adopted", asyncio.run(Journal(Path(sys.argv[1])).replay(RedisStore.from_url("redis://127.0.0.1:9"))))
+"""
+
+
+async def test_a_new_journal_file_is_never_at_its_path_unlocked_for_another_process_to_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process made its file at its path, then locked it. Another process's replay round in
+    between took the file for a dead process's, found it empty and removed it: the lines
+    appended next went to a file no path leads to, and with the process if it died before its
+    next append noticed. Here the other process runs just before the first lock is taken."""
+    journal_dir = tmp_path / "journal"
+    root = Path(__file__).resolve().parents[1]
+    real_flock = fcntl.flock
+    adopters: list[str] = []
+
+    def flock_after_another_round(handle: Any, operation: int) -> None:
+        if not adopters:
+            done = subprocess.run(
+                [sys.executable, "-c", ADOPTS_THE_DIRECTORY, str(journal_dir)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=root,
+                env={**os.environ, "PYTHONPATH": str(root)},
+            )
+            adopters.append(done.stdout + done.stderr)
+        real_flock(handle, operation)
+
+    journal = Journal(journal_dir)
+    monkeypatch.setattr(fcntl, "flock", flock_after_another_round)
+    journal.append(_line("first"))
+    monkeypatch.undo()
+    assert "adopted 0" in adopters[0], adopters
+    assert journal.path.exists(), "our file was taken and removed"
+    (line,) = journal.path.read_text().splitlines()
+    assert json.loads(line)["reservation_id"] == "first"
+    journal.close()
