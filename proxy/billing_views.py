@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.auth import Identity, authenticate
-from proxy.errors import NotFound, StoreError, store_unavailable_response
+from proxy.errors import NotFound, StoreError
 from proxy.ids import SANE_ID
 from proxy.scopes import run_key, scopes_for
 from proxy.state import STATE, State
@@ -18,6 +18,8 @@ from proxy.store import ALL_METERS, MeterState, Store
 
 
 def _caller(request: web.Request) -> tuple[State, Identity, Store]:
+    """Who asks, and the store to read; a store not open raises ``StoreError``, which the error
+    middleware answers with a 503 (``store_unavailable``), as a read the store fails."""
     state = request.app[STATE]
     identity = authenticate(request, state.config, passthrough=state.passthrough)
     if state.store is None:
@@ -33,10 +35,7 @@ def _run_id(request: web.Request) -> str:
 
 
 async def run_meters(request: web.Request) -> web.Response:
-    try:
-        state, identity, store = _caller(request)
-    except StoreError:
-        return store_unavailable_response()
+    state, identity, store = _caller(request)
     run_id = _run_id(request)
     meters = await store.meters(run_key(identity.tenant, run_id))
     if all(m.used == 0 and m.reserved == 0 for m in meters.values()):
@@ -72,10 +71,7 @@ def _meter_view(
 
 async def key_self(request: web.Request) -> web.Response:
     """The caller's key and tenant windows: used / reserved / ceiling per meter."""
-    try:
-        state, identity, store = _caller(request)
-    except StoreError:
-        return store_unavailable_response()
+    state, identity, store = _caller(request)
     tier = state.config.tiers.get(identity.tier)
     windows = []
     config = state.config
@@ -109,10 +105,7 @@ async def key_self(request: web.Request) -> web.Response:
 
 
 async def run_ledger(request: web.Request) -> web.Response:
-    try:
-        _state, identity, store = _caller(request)
-    except StoreError:
-        return store_unavailable_response()
+    _state, identity, store = _caller(request)
     run_id = _run_id(request)
     entries = await store.run_ledger(tenant=identity.tenant, run_id=run_id)
     if not entries:

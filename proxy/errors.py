@@ -122,13 +122,3 @@ def error_response(
         content_type="application/json",
         headers=headers,
     )
-
-
-def api_error_response(err: ApiError) -> web.Response:
-    return error_response(
-        err.status, err.message, err.error_type, param=err.param, code=err.code, headers=err.headers
-    )
-
-
-def store_unavailable_response() -> web.Response:
-    return api_error_response(StoreUnavailable())

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
@@ -116,6 +117,23 @@ async def test_store_down_at_start_gives_503_and_no_upstream_call(
             error = (await resp.json())["error"]
             assert error["code"] == "store_unavailable"
     assert fake.received == []
+
+
+BILLING_VIEWS = ["/v1/billing/runs/r1", "/v1/billing/runs/r1/ledger", "/v1/billing/keys/self"]
+
+
+@pytest.mark.parametrize("path", BILLING_VIEWS)
+async def test_the_billing_views_answer_503_while_the_store_is_down(
+    make_proxy: ProxyFactory, path: str
+) -> None:
+    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + path, headers={"Authorization": f"Bearer {KEY_A}"}) as resp:
+            assert resp.status == 503
+            assert resp.headers["retry-after"] == "1"
+            assert resp.headers["x-request-id"]
+            error = (await resp.json())["error"]
+            assert (error["code"], error["type"]) == ("store_unavailable", "service_unavailable")
 
 
 async def test_two_workers_share_the_port_and_stop_together(
