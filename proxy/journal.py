@@ -73,14 +73,14 @@ class Journal:
             # would go with the process. Its pending lines move to a new file at our path.
             old = self._file
             old.seek(0)
-            self._file = self._locked_at_path(old.read())
+            self._file = _locked_beside(self.path, old.read())
             old.close()
             log.warning(
                 "the journal file was removed; its pending lines written again",
                 extra={"journal": str(self.path)},
             )
         if self._file is None:
-            self._file = self._locked_at_path(b"")
+            self._file = _locked_beside(self.path, b"")
         return self._file
 
     def append(self, pending: PendingSettlement) -> None:
@@ -160,40 +160,14 @@ class Journal:
         return applied
 
     def _replace_file(self, rest: bytes) -> None:
-        """Our file holding ``rest`` alone, replaced whole (``_locked_at_path``). Truncated in
+        """Our file holding ``rest`` alone, replaced whole (``_locked_beside``). Truncated in
         place, a full disk (or a crash) between the truncate and the write lost the lines still
         pending: billed at their reserve by a reaper instead."""
         assert self._file is not None
-        handle = self._locked_at_path(rest)
+        handle = _locked_beside(self.path, rest)
         self._file.close()
         self._file = handle
         _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
-
-    def _locked_at_path(self, content: bytes) -> BinaryIO:
-        """A file at our path holding ``content``: written beside it, synced, locked and then
-        renamed there, so no other process finds it unlocked and adopts it (a file created at
-        our path and locked after could be taken, found empty and removed, in between)."""
-        # Removed during an outage (or never made): the rename puts our file there again.
-        self.directory.mkdir(parents=True, exist_ok=True)
-        kept = self.path.with_name(f".{self.path.name}.tmp")  # no journal-*.jsonl: none adopts it
-        with contextlib.suppress(FileNotFoundError):
-            kept.unlink()  # a crash's, mid-rewrite
-        handle = kept.open("a+b")  # appended to as our file is, wherever a read left it
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if content:  # a new file's first lines are synced by their appends
-                handle.write(content)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(kept, self.path)
-        except BaseException:
-            # Unlinked first: the close flushes again what a full disk refused, and fails too.
-            with contextlib.suppress(FileNotFoundError):
-                kept.unlink()
-            with contextlib.suppress(OSError):
-                handle.close()
-            raise
-        return handle
 
     async def _adopt(self, store: Store, on_applied: OnApplied) -> int:
         applied = 0
@@ -232,12 +206,8 @@ class Journal:
                     log.info("orphaned journal replayed", extra={"journal": str(path), "lines": done})
                 elif done:
                     # Stopped part-way: the lines applied go (see ``replay``), atomically.
-                    kept = path.with_name(f".{path.name}.tmp")
-                    with kept.open("w", encoding="utf-8", errors="surrogateescape") as out:
-                        out.write("".join(line + "\n" for line in lines[done:]))
-                        out.flush()
-                        os.fsync(out.fileno())
-                    os.replace(kept, path)
+                    rest = "".join(line + "\n" for line in lines[done:])
+                    _locked_beside(path, rest.encode("utf-8", "surrogateescape")).close()
         return applied
 
     def close(self) -> None:
@@ -256,6 +226,34 @@ class Journal:
             if empty:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
+
+
+def _locked_beside(path: Path, content: bytes) -> BinaryIO:
+    """A journal file at ``path`` holding ``content``, open and locked: written beside it,
+    synced, locked and then renamed there, so no other process finds it unlocked and adopts it
+    (a file created at its path and locked after could be taken, found empty and removed, in
+    between), and a full disk or a crash leaves the file that was there whole."""
+    # Removed during an outage (or never made): the rename puts the file there again.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = path.with_name(f".{path.name}.tmp")  # no journal-*.jsonl: none adopts it
+    with contextlib.suppress(FileNotFoundError):
+        kept.unlink()  # a crash's, mid-rewrite
+    handle = kept.open("a+b")  # appended to as a journal is, wherever a read left it
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if content:  # a new file's first lines are synced by their appends
+            handle.write(content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(kept, path)
+    except BaseException:
+        # Unlinked first: the close flushes again what a full disk refused, and fails too.
+        with contextlib.suppress(FileNotFoundError):
+            kept.unlink()
+        with contextlib.suppress(OSError):
+            handle.close()
+        raise
+    return handle
 
 
 def _synced(fd: int) -> None:
