@@ -8,6 +8,9 @@ died) and replays them too; a file is removed once every line in it is applied. 
 carries a tag of the store its lines belong to (its address, credentials left out): a process
 of another store sharing the directory leaves it alone and says so (applied there, a call
 would be billed in two stores, and its real figures would never reach its own).
+
+Lines are synced in groups: a sync covers every line written to its file before it began, so
+the lines that queued behind a sync share the next one (``_FileSyncs``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Journal:
         prefix = f"journal-{self.tag}-" if self.tag else "journal-"
         self.path = directory / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._file: BinaryIO | None = None
+        self._syncs = _FileSyncs()  # of ``_file``: a new file starts its own count
         self._foreign_seen: set[Path] = set()
         self._sync_thread: ThreadPoolExecutor | None = None  # started by the first off-loop sync
         # One replay at a time: a shutdown's last replay may start while a round's still runs.
@@ -73,7 +77,8 @@ class Journal:
             # would go with the process. Its pending lines move to a new file at our path.
             old = self._file
             old.seek(0)
-            self._file = _locked_beside(self.path, old.read())
+            self._file = _locked_beside(self.path, old.read())  # synced: its lines with it
+            self._syncs = _FileSyncs()
             old.close()
             log.warning(
                 "the journal file was removed; its pending lines written again",
@@ -81,6 +86,7 @@ class Journal:
             )
         if self._file is None:
             self._file = _locked_beside(self.path, b"")
+            self._syncs = _FileSyncs()
         return self._file
 
     def append(self, pending: PendingSettlement) -> None:
@@ -94,6 +100,8 @@ class Journal:
         slow disk does not stall every other call (during an outage every settle is journaled),
         nor take the threads that resolve names and count tokens."""
         handle = self._write(pending)
+        syncs = self._syncs
+        line = syncs.written
         try:
             # A descriptor of its own, closed by the thread once synced: ``_open`` may close the
             # file meanwhile (after its removal).
@@ -104,7 +112,7 @@ class Journal:
             return
         # A plain future, not a task: a shutdown that cancels every task (and the caller with
         # them) neither drops the sync from the thread's queue nor closes its descriptor.
-        synced = asyncio.wrap_future(self._syncer().submit(_synced, fd))
+        synced = asyncio.wrap_future(self._syncer().submit(syncs.sync, fd, line))
         try:
             await asyncio.shield(synced)
         except asyncio.CancelledError:
@@ -123,6 +131,7 @@ class Journal:
         handle = self._open()
         handle.write(json.dumps(asdict(pending), separators=(",", ":")).encode() + b"\n")
         handle.flush()
+        self._syncs.written += 1  # once flushed: a sync that sees it covers the line
         return handle
 
     def _journaled(self, pending: PendingSettlement) -> None:
@@ -167,6 +176,7 @@ class Journal:
         handle = _locked_beside(self.path, rest)
         self._file.close()
         self._file = handle
+        self._syncs = _FileSyncs()
         _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
 
     async def _adopt(self, store: Store, on_applied: OnApplied) -> int:
@@ -256,11 +266,31 @@ def _locked_beside(path: Path, content: bytes) -> BinaryIO:
     return handle
 
 
-def _synced(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class _FileSyncs:
+    """Group commit for one journal file: how many lines were written to it (counted on the
+    loop, once flushed) and how many a finished sync covers (set on the sync thread). A line's
+    sync that finds it covered already, by a sync that began after the line was written, only
+    closes its descriptor: during an outage the settles of many calls share one fsync instead
+    of queueing one each behind a slow disk. Per file: a sync of an earlier file (one replaced
+    or removed) covers none of a later one's lines."""
+
+    __slots__ = ("synced", "written")
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.synced = 0
+
+    def sync(self, fd: int, line: int) -> None:
+        """On the sync thread (one: syncs of a file run one at a time): make line ``line``
+        durable, then close ``fd``."""
+        try:
+            if self.synced < line:
+                # Read before the sync: every line counted so far was flushed before it.
+                covered = self.written
+                os.fsync(fd)
+                self.synced = max(self.synced, covered)
+        finally:
+            os.close(fd)
 
 
 def _tell_unsynced(synced: asyncio.Future[None]) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -91,7 +92,6 @@ async def test_lines_journaled_after_the_journal_directory_was_removed_survive_t
     an operator). The process kept appending to its open, now unlinked, file and said each line
     was journaled: once it dies before the store is back, they are gone, and the calls are billed
     at their reserve instead of their real figures; its close at shutdown raised."""
-    import shutil
 
     journal_dir = tmp_path / "journal"
     await held_reservations(redis_client, "before", "after")
@@ -216,8 +216,10 @@ async def test_a_shutdown_that_cancels_every_task_drops_no_sync_queued_nor_its_d
     journal.append(_line("opened"))  # the journal's own file is open from here
     open_before = len(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(os, "fsync", held_fsync)
-    waiting = [asyncio.ensure_future(journal.append_off_loop(_line(rid))) for rid in ("slow", "queued")]
-    assert await asyncio.to_thread(started.wait, 5)  # the first sync runs; the second waits
+    waiting = [asyncio.ensure_future(journal.append_off_loop(_line("slow")))]
+    assert await asyncio.to_thread(started.wait, 5)  # the first sync runs
+    # Written once that sync began, so not covered by it: its own waits, queued behind it.
+    waiting.append(asyncio.ensure_future(journal.append_off_loop(_line("queued"))))
     while len(journal.path.read_text().splitlines()) < 3:
         await asyncio.sleep(0.01)
     for task in asyncio.all_tasks():
@@ -233,6 +235,74 @@ async def test_a_shutdown_that_cancels_every_task_drops_no_sync_queued_nor_its_d
         await asyncio.sleep(0.01)
     assert len(synced) == 2  # both lines synced all the same
     assert len(os.listdir("/proc/self/fd")) == open_before
+    journal.close()
+
+
+class HeldSyncs:
+    """``os.fsync`` whose first call waits for ``go_on``; each call's file (inode) and size."""
+
+    def __init__(self) -> None:
+        self.started, self.go_on = threading.Event(), threading.Event()
+        self.calls: list[tuple[int, int]] = []
+        self._real = os.fsync
+        self._entered = 0
+
+    def __call__(self, fd: int) -> None:
+        self._entered += 1
+        if self._entered == 1:
+            self.started.set()
+            self.go_on.wait(5)
+        stat = os.fstat(fd)
+        self.calls.append((stat.st_ino, stat.st_size))
+        self._real(fd)
+
+
+async def test_the_lines_queued_behind_a_slow_sync_share_the_next_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """During an outage every settle is journaled, and a line is durable before its call goes
+    on. One fsync each, queued on the sync thread behind a slow disk, the Nth call waited N
+    syncs; a sync covers every line written before it began, so those queued share one."""
+    syncs = HeldSyncs()
+    journal = Journal(tmp_path / "journal")
+    monkeypatch.setattr(os, "fsync", syncs)
+    first = asyncio.ensure_future(journal.append_off_loop(_line("first")))
+    assert await asyncio.to_thread(syncs.started.wait, 5)
+    queued = [asyncio.ensure_future(journal.append_off_loop(_line(f"queued-{i}"))) for i in range(20)]
+    while len(journal.path.read_text().splitlines()) < 21:
+        await asyncio.sleep(0.01)
+    syncs.go_on.set()
+    await asyncio.gather(first, *queued)
+    size = journal.path.stat().st_size
+    assert len(syncs.calls) == 2, syncs.calls  # the slow one, and one for the 20 behind it
+    assert syncs.calls[-1] == (journal.path.stat().st_ino, size)  # every line, synced
+    monkeypatch.undo()
+    journal.close()
+
+
+async def test_a_sync_of_a_removed_journal_file_covers_no_line_of_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's directory removed during an outage, the next line goes to a new file. A
+    sync of the old file, however late it began, makes none of the new file's lines durable:
+    the line there is synced on its own."""
+    syncs = HeldSyncs()
+    journal = Journal(tmp_path / "journal")
+    monkeypatch.setattr(os, "fsync", syncs)
+    held = asyncio.ensure_future(journal.append_off_loop(_line("held")))
+    assert await asyncio.to_thread(syncs.started.wait, 5)
+    # Queued behind the held sync; it begins after the next line is written, to another file.
+    old_file = asyncio.ensure_future(journal.append_off_loop(_line("old-file")))
+    while len(journal.path.read_text().splitlines()) < 2:
+        await asyncio.sleep(0.01)
+    shutil.rmtree(tmp_path / "journal")
+    new_file = asyncio.ensure_future(journal.append_off_loop(_line("new-file")))
+    while not journal.path.exists() or len(journal.path.read_text().splitlines()) < 3:
+        await asyncio.sleep(0.01)
+    syncs.go_on.set()
+    await asyncio.gather(held, old_file, new_file)
+    assert (journal.path.stat().st_ino, journal.path.stat().st_size) in syncs.calls, syncs.calls
+    monkeypatch.undo()
     journal.close()
 
 
@@ -269,8 +339,6 @@ async def test_a_replay_after_the_journal_directory_was_removed_keeps_its_file(
     """Lines journaled, the directory removed (a cleanup), no line since, the store back: the
     replay applies them and writes what is left at its path again, round after round without
     an error (each line counted once)."""
-    import shutil
-
     journal_dir = tmp_path / "journal"
     await held_reservations(redis_client, "a", "b")
     counted: list[Any] = []
