@@ -9,6 +9,7 @@ import hashlib
 import os
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,14 @@ async def until_upstream_received(fake: FakeUpstream, count: int, timeout_s: flo
     while len(fake.received) < count:
         assert asyncio.get_running_loop().time() < deadline, f"the upstream got {len(fake.received)} calls"
         await asyncio.sleep(0.01)
+
+
+async def until_monotonic(due: float) -> None:
+    """Until ``time.monotonic()``, the clock a call's lease age is read on, reaches ``due``. A
+    sleep alone may end early by it: a loop's timers run on the loop's clock (uvloop's is libuv's,
+    read once a turn)."""
+    while (left := due - time.monotonic()) > 0:
+        await asyncio.sleep(left)
 
 
 def busy_script(seconds: float) -> str:

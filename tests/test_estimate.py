@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +29,17 @@ from proxy.payload import (
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
-from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, until_upstream_received, upstream_timing_out
+from tests.conftest import (
+    KEY_A,
+    Proxy,
+    ProxyFactory,
+    busy_script,
+    digest,
+    until_monotonic,
+    until_redis_busy,
+    until_upstream_received,
+    upstream_timing_out,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, ledger_entries, run_headers
 from tests.test_budgets import meters, tiers
@@ -656,19 +667,23 @@ def test_responses_screenshots_and_variables_are_media() -> None:
 
 
 async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
-    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
 ) -> None:
     """Its lease ran out while its quick estimate was being counted: the reaper billed the bound
     the record held (shrink.lua lowers nothing once the lease has run out). The count landed
     after, and the client was told the figures and cost of the exact count, not the ledger's. A
-    whole answer waits for its settle's reply once half its lease is gone (a lease 2.1 s long
-    here, the answer after 1.5 s); before that it goes out with the settle on its way."""
+    whole answer waits for its settle's reply once half its lease is gone; before that it goes
+    out with the settle on its way."""
     gate = threading.Event()
     enc = QuarterEncoding(gate)
+    timeout_s, margin_s = 4, 0.1
     proxy = await make_proxy(
         tokenizer=Tokenizer({"o200k_base": enc}),
-        upstreams=upstream_timing_out(fake.base_url, 2),
-        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": 0.1},
+        upstreams=upstream_timing_out(fake.base_url, timeout_s),
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": margin_s},
         models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
     )
     leases = "lbp:{team-a}:leases"
@@ -677,13 +692,16 @@ async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
         "model": "gpt-4o-mini",
         "messages": [{"role": "user", "content": TEXT}],
         "max_tokens": 10,
-        "fake": {"delay_s": 1.5},
+        # Answered once the count landed and past half the lease, well within the upstream's
+        # timeout: a fixed delay raced both on a loaded machine.
+        "fake": {"hold": True},
     }
     async with aiohttp.ClientSession() as session:
         answer = asyncio.ensure_future(
             session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
         )
         assert await asyncio.to_thread(enc.entered.wait, 5)  # reserved at the bound, being counted
+        leased_at = time.monotonic()  # the reserve was asked before
         (reservation,) = await redis_client.zrange(leases, 0, -1)
         await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
         for _ in range(200):
@@ -691,9 +709,24 @@ async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
                 break
             await asyncio.sleep(0.02)
         gate.set()  # the count lands now, while the call still runs
-        resp = await answer
-        assert resp.status == 200
-        await resp.read()
+        # Answered past half the lease (2.05 s), while Redis holds the settle's reply: an answer
+        # that went out with its settle on its way would be told the count every time.
+        half_lease_s = (timeout_s + margin_s) / 2
+        await until_monotonic(leased_at + half_lease_s - 0.6)
+        blocker = aioredis.Redis.from_url(redis_server.url)
+        busy = asyncio.ensure_future(blocker.eval(busy_script(2), 0))
+        try:
+            assert redis_server.port is not None
+            await until_redis_busy(redis_server.port)
+            await until_monotonic(leased_at + half_lease_s + 0.2)
+            assert max(enc.counted, default=0) >= CACHED_TEXT_CHARS, "the count never landed"
+            fake.release()
+            resp = await answer
+            assert resp.status == 200
+            await resp.read()
+        finally:
+            await busy
+            await blocker.aclose()
     ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
     assert entry["outcome"] == "lease_expired"
     assert resp.headers["x-billing-outcome"] == "lease_expired"

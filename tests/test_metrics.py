@@ -392,7 +392,7 @@ async def test_a_slow_upstream_body_is_not_proxy_overhead(
     upstream': an upstream that sends its headers at once and its body a second later (a gateway
     that flushes headers early) is upstream time, not the proxy's."""
     proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
-    script.plan = Plan(chunks=[GOOD_BODY[:20], GOOD_BODY[20:]], delay_s=1.0)
+    script.plan = Plan(chunks=[GOOD_BODY[:20], GOOD_BODY[20:]], delay_s=2.0)
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
     reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", dumps(body))
     assert reply.status == 200, reply.describe()
@@ -403,4 +403,6 @@ async def test_a_slow_upstream_body_is_not_proxy_overhead(
         await asyncio.sleep(0.02)
     overhead = metrics.overhead.labels()
     assert sum(overhead.counts) == 1
-    assert overhead.sum < 0.5, overhead.sum  # now: ~1.0 s, the upstream's body counted as the proxy's
+    # Counted as the proxy's, the upstream's body is 2 s at least; a second is far more than the
+    # proxy's own time, even on a loaded machine.
+    assert overhead.sum < 1.0, overhead.sum

@@ -598,10 +598,11 @@ async def test_a_response_whose_settle_was_journaled_stays_its_tenants(
     proxy, _ = await journaling_proxy(make_proxy, own_redis, tmp_path)
     a = proxy.client()
     asked = asyncio.ensure_future(
-        a.responses.create(model="gpt-4o-mini", input="my secret plan", extra_body={"fake": {"delay_s": 1.0}})
+        a.responses.create(model="gpt-4o-mini", input="my secret plan", extra_body={"fake": {"hold": True}})
     )
     await until_upstream_received(fake, 1)
     await asyncio.to_thread(own_redis.stop)  # graceful: the reservation is in the AOF
+    fake.release()  # answered once Redis is down: a stop slower than a fixed delay missed the end
     mine = await asyncio.wait_for(asked, 30)
     await asyncio.to_thread(own_redis.start)
     await wait_for(lambda: _ledger_len(own_client, 1))  # the journal replayed: A's call billed

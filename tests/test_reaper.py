@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -16,7 +17,15 @@ from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE
 from proxy.store import TENANTS_KEY, Reservation, Scope
-from tests.conftest import KEY_A, Proxy, ProxyFactory, upstream_timing_out
+from tests.conftest import (
+    KEY_A,
+    Proxy,
+    ProxyFactory,
+    busy_script,
+    until_monotonic,
+    until_redis_busy,
+    upstream_timing_out,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, MSGS, run_headers
 
@@ -76,10 +85,13 @@ async def post_and_expire_its_lease(
     body: dict[str, Any],
     run: str,
     held: FakeUpstream | None = None,
+    before_release: Callable[[float], Awaitable[None]] | None = None,
 ) -> aiohttp.ClientResponse:
     """Post ``body`` and, once it holds its lease, make that lease run out (as a store outage
     during its renewals would): the reaper bills it while it is still in flight. ``held``: the
-    upstream holds the answer (``"hold": true``) and is released once the reaper's entry is in."""
+    upstream holds the answer (``"hold": true``) and is released once the reaper's entry is in,
+    and ``before_release`` (handed the ``time.monotonic()`` the lease was seen at, after its
+    reserve was asked) has returned."""
     leases = "lbp:{team-a}:leases"
     headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
     async with aiohttp.ClientSession() as session:
@@ -88,6 +100,7 @@ async def post_and_expire_its_lease(
         )
         while not await redis_client.zcard(leases):
             await asyncio.sleep(0.01)
+        leased_at = time.monotonic()
         (reservation,) = await redis_client.zrange(leases, 0, -1)
         await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
         if held is not None:
@@ -95,6 +108,8 @@ async def post_and_expire_its_lease(
                 if await redis_client.xlen("lbp:{team-a}:ledger"):
                     break
                 await asyncio.sleep(0.01)
+            if before_release is not None:
+                await before_release(leased_at)
             held.release()
         resp = await answer
         assert resp.status == 200
@@ -103,24 +118,45 @@ async def post_and_expire_its_lease(
 
 
 async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
-    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
 ) -> None:
     """Its lease ran out under it (a store outage during renewals, say): the reaper's entry
     stands, and the client was told the figures of a settle that wrote nothing. A whole answer
-    waits for its settle's reply once half its lease is gone (a lease 2.1 s long here, the answer
-    after 1.5 s); before that it goes out with the settle on its way (``test_relay``)."""
+    waits for its settle's reply once half its lease is gone; before that it goes out with the
+    settle on its way (``test_relay``)."""
     ceiling = 100_000
+    timeout_s, margin_s = 4, 0.1
     proxy = await make_proxy(
-        upstreams=upstream_timing_out(fake.base_url, 2),
-        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": 0.1},
+        upstreams=upstream_timing_out(fake.base_url, timeout_s),
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": margin_s},
         tiers={"standard": {"run": {"total_tokens": ceiling}}},
     )
-    body = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": "hi"}],
-        "fake": {"delay_s": 1.5},
-    }
-    resp = await post_and_expire_its_lease(proxy, redis_client, body, "overtaken")
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"hold": True}}
+    blocker = aioredis.Redis.from_url(redis_server.url)
+    busy: list[asyncio.Future[Any]] = []
+
+    async def past_half_its_lease_with_the_store_slow(leased_at: float) -> None:
+        # Answered past half the lease (2.05 s) and well within the upstream's timeout (a fixed
+        # delay raced both on a loaded machine), while Redis holds the settle's reply: an answer
+        # that went out with its settle on its way would say "ok" every time, not only when it
+        # outran a quick reply.
+        half_lease_s = (timeout_s + margin_s) / 2
+        await until_monotonic(leased_at + half_lease_s - 0.6)
+        busy.append(asyncio.ensure_future(blocker.eval(busy_script(2), 0)))
+        assert redis_server.port is not None
+        await until_redis_busy(redis_server.port)
+        await until_monotonic(leased_at + half_lease_s + 0.2)
+
+    try:
+        resp = await post_and_expire_its_lease(
+            proxy, redis_client, body, "overtaken", fake, past_half_its_lease_with_the_store_slow
+        )
+    finally:
+        await asyncio.gather(*busy)
+        await blocker.aclose()
     entries = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert [e["outcome"] for e in entries] == ["lease_expired"]
     assert resp.headers["x-billing-outcome"] == "lease_expired"

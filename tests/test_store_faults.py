@@ -704,5 +704,5 @@ async def test_calls_while_redis_cannot_be_connected_to_are_refused_together_not
         took = time.monotonic() - started
     assert statuses == [503] * 30
     assert fake.received == []
-    # Generous: 16 socket timeouts; one after another they take 30.
-    assert took < 8, f"30 calls took {took:.1f} s to be refused"
+    # Generous, for a loaded machine: 24 socket timeouts; one after another they take 30 (15 s).
+    assert took < 12, f"30 calls took {took:.1f} s to be refused"

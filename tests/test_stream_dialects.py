@@ -771,7 +771,9 @@ async def test_the_wait_for_the_body_end_after_done_is_not_proxy_overhead(
             await asyncio.sleep(0.02)
         overhead = metrics.overhead.labels()
         assert sum(overhead.counts) == 4
-        assert overhead.sum / 4 < 0.15, overhead.sum  # now: each ~0.25 s, the drain's wait
+        # Counted as the proxy's, the drain's wait puts every call at 0.25 s at least: a loaded
+        # machine may slow one call past 0.1 s of the proxy's own time, hardly all four.
+        assert sum(overhead.counts[: overhead.bounds.index(0.1) + 1]), overhead.counts
     finally:
         await upstream.close()
 
