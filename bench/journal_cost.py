@@ -1,4 +1,5 @@
-"""What a journaled settle costs during a store outage: its line made durable on this disk.
+"""What the journal costs around a store outage: a settle's line made durable on this disk, and
+the replay of the lines once the store is back.
 
 ``.venv/bin/python bench/journal_cost.py [--calls N] [--concurrency C] [--disk-delay-ms MS] [--root DIR]``
 
@@ -6,7 +7,10 @@ During an outage every settle is journaled (``proxy.journal.Journal.append_off_l
 call goes on only once its line is synced (fsync). ``C`` calls settle at once, ``N`` in all; the
 table gives lines per second, each append's wait (p50, p99) and the syncs made per line.
 ``--disk-delay-ms`` adds that much to every sync, as a disk slow to sync would (a network
-volume, a busy disk); ``--dir`` puts the journal on another filesystem. ``--root`` measures
+volume, a busy disk); ``--dir`` puts the journal on another filesystem. Then a throwaway Redis
+holds the calls' reservations and the journal is replayed into it (``Journal.replay``): lines
+per second, which bounds how long an outage's lines take to be billed once the store is back
+(a reaper bills at its reserve what is left after ``reap_grace_s``). ``--root`` measures
 another source tree (a ``git worktree`` of an earlier commit) for a before/after.
 """
 
@@ -47,9 +51,18 @@ def line(i: int) -> dict[str, Any]:
     }
 
 
-async def run(calls: int, concurrency: int, directory: Path) -> tuple[float, list[float]]:
+async def run(
+    calls: int, concurrency: int, directory: Path, syncs: list[int]
+) -> tuple[float, list[float], float, int]:
+    """Journal ``calls`` settles, ``concurrency`` at once; then replay them into a new Redis.
+    Returns the journaling's seconds, each append's wait, the replay's seconds, and the syncs
+    made while journaling (``syncs[0]`` counts them all)."""
+    import redis.asyncio as aioredis
+
     from proxy.journal import Journal
     from proxy.journal_lines import PendingSettlement
+    from proxy.redis_server import RedisServerProcess
+    from proxy.redis_store import RedisStore
 
     journal = Journal(directory)
     waits_s: list[float] = []
@@ -64,8 +77,30 @@ async def run(calls: int, concurrency: int, directory: Path) -> tuple[float, lis
     began = time.perf_counter()
     await asyncio.gather(*(settler() for _ in range(concurrency)))
     elapsed_s = time.perf_counter() - began
-    journal.close()
-    return elapsed_s, waits_s
+    journaling_syncs = syncs[0]
+
+    redis = RedisServerProcess(directory.parent / "redis")
+    await asyncio.to_thread(redis.start)
+    try:
+        admin = aioredis.Redis.from_url(redis.url)
+        async with admin.pipeline(transaction=False) as pipe:
+            for i in range(calls):  # the reservations the calls held, as a reserve leaves them
+                pipe.hset(
+                    f"lbp:{{team-a}}:resv:res-{i:08d}", mapping={"amounts": "1 120 40 160 42 1", "born": "-"}
+                )
+            await pipe.execute()
+        await admin.aclose()
+        store = RedisStore.from_url(redis.url)
+        await store.load_scripts()
+        began = time.perf_counter()
+        replayed = await journal.replay(store)
+        replay_s = time.perf_counter() - began
+        await store.close()
+    finally:
+        journal.close()
+        await asyncio.to_thread(redis.stop)
+    assert replayed == calls, f"{replayed} of {calls} lines replayed"
+    return elapsed_s, waits_s, replay_s, journaling_syncs
 
 
 def main() -> None:
@@ -84,26 +119,31 @@ def main() -> None:
     logging.disable(logging.WARNING)  # one "journaled" warning per line otherwise
 
     real_fsync = os.fsync
-    syncs = 0
+    syncs = [0]
 
     def counted_fsync(fd: int) -> None:
-        nonlocal syncs
-        syncs += 1
+        syncs[0] += 1
         if args.disk_delay_ms:
             time.sleep(args.disk_delay_ms / 1000)
         real_fsync(fd)
 
     os.fsync = counted_fsync  # the journal's syncs, counted (and slowed, when asked)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        elapsed_s, waits_s = asyncio.run(run(args.calls, args.concurrency, Path(tmp) / "journal"))
+        elapsed_s, waits_s, replay_s, syncs_journaling = asyncio.run(
+            run(args.calls, args.concurrency, Path(tmp) / "journal", syncs)
+        )
     waits_ms = sorted(w * 1000 for w in waits_s)
     p99_ms = waits_ms[min(len(waits_ms) - 1, int(len(waits_ms) * 0.99))]
     print(f"tree {args.root}")
-    print("| calls | concurrency | disk delay ms | lines/s | wait p50 ms | wait p99 ms | syncs per line |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| calls | concurrency | disk delay ms | journaled lines/s | wait p50 ms | wait p99 ms "
+        "| syncs per line | replayed lines/s |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {args.calls} | {args.concurrency} | {args.disk_delay_ms:g} | {args.calls / elapsed_s:.0f} "
-        f"| {statistics.median(waits_ms):.2f} | {p99_ms:.2f} | {syncs / args.calls:.3f} |"
+        f"| {statistics.median(waits_ms):.2f} | {p99_ms:.2f} | {syncs_journaling / args.calls:.3f} "
+        f"| {args.calls / replay_s:.0f} |"
     )
 
 

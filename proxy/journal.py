@@ -156,14 +156,14 @@ class Journal:
             self._file.seek(0)
             text = self._file.read()
             lines = text.decode("utf-8", "replace").splitlines()
-            done = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+            done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
             applied += done
             if done:
                 # The lines applied go (applied again, a settle's own try gets its entry, and
-                # would be counted again); those not reached, and those appended while we were
+                # would be counted again); those left, and those appended while we were
                 # applying (settles failing meanwhile), stay. No await in between: no race.
                 self._file.seek(len(text))
-                rest = "".join(line + "\n" for line in lines[done:]).encode() + self._file.read()
+                rest = "".join(line + "\n" for line in left).encode() + self._file.read()
                 self._replace_file(rest)
         applied += await self._adopt(store, on_applied)
         return applied
@@ -209,14 +209,14 @@ class Journal:
                 if not _still_at(handle, path):
                     continue  # replayed meanwhile by another process, and removed or rewritten
                 lines = handle.read().splitlines()
-                done = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+                done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
                 applied += done
-                if done == len(lines):
+                if not left:
                     path.unlink()
                     log.info("orphaned journal replayed", extra={"journal": str(path), "lines": done})
                 elif done:
                     # Stopped part-way: the lines applied go (see ``replay``), atomically.
-                    rest = "".join(line + "\n" for line in lines[done:])
+                    rest = "".join(line + "\n" for line in left)
                     _locked_beside(path, rest.encode("utf-8", "surrogateescape")).close()
         return applied
 

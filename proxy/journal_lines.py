@@ -1,9 +1,12 @@
-"""A journal's lines: the settlement each holds, and applying a file's lines in order, those the
-store will never take (and those no version can read) parked in the dead letters, never dropped.
+"""A journal's lines: the settlement each holds, and applying a file's lines (a window of them at
+once), those the store will never take (and those no version can read) parked in the dead
+letters, never dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import json
 import logging
 import os
@@ -90,65 +93,112 @@ def park(dead_letters: Path, line: str) -> bool:
     return True
 
 
-async def apply_lines(store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied) -> int:
-    """Settle each line in order; stop at the first store error (retried on the next round)."""
-    done = 0
-    for line in lines:
+# Lines settled at once by a replay: their settles share round trips to the store (one write,
+# one read, on the connection the reserves share), where one at a time a replay of an outage's
+# lines took a round trip each, and a reaper, once ``reap_grace_s`` was up, billed at their
+# reserve the lines it had not reached.
+REPLAY_WINDOW = 64
+
+
+async def apply_lines(
+    store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied
+) -> tuple[int, list[str]]:
+    """Settle the lines, a window of them at a time, and park those the store will never take;
+    after a window in which the store failed, stop (the rest is retried on the next round).
+    Returns how many went (applied or parked) and the lines left, in order: not only a prefix,
+    since a line the store failed for may sit among lines of its window it took."""
+    gone = 0
+    left: list[str] = []
+    window: list[tuple[str, PendingSettlement]] = []
+
+    async def flush() -> bool:
+        """Apply the window; False when the round must stop."""
+        nonlocal gone
+        outcomes = await asyncio.gather(*(_apply_line(store, pending, on_applied) for _, pending in window))
+        going_on = True
+        for (line, _), outcome in zip(window, outcomes, strict=True):
+            if outcome is _Line.APPLIED or (outcome is _Line.TO_PARK and park(dead_letters, line)):
+                gone += 1
+            else:
+                left.append(line)
+                going_on = False
+        window.clear()
+        return going_on
+
+    for at, line in enumerate(lines):
         if not line.strip():
-            done += 1
+            gone += 1
             continue
         try:
             pending = pending_of(json.loads(line))
         except (ValueError, TypeError, AttributeError):
-            # Never dropped: parked for an operator with the lines the store rejects.
+            # Never dropped: parked for an operator with the lines the store rejects, in its turn.
+            if window and not await flush():
+                left.extend(lines[at:])
+                return gone, left
             log.error("unreadable journal line parked", extra={"line": line[:200]})
             if not park(dead_letters, line):
-                break
-            done += 1
+                left.extend(lines[at:])
+                return gone, left
+            gone += 1
             continue
-        try:
-            entry_id = await pending.apply(store)
-            if pending.owned_contexts:
-                # After the settle: a round stopped here applies the line again, idempotently.
-                try:
-                    await store.claim_contexts(tenant=pending.tenant, ids=list(pending.owned_contexts))
-                except StoreRejected as err:  # the settle is in: not a line to park
-                    log.error("could not mark a journaled call's contexts", extra={"error": str(err)})
-        except (TypeError, AttributeError, ValueError) as err:
-            # JSON of the wrong shape (a null where a list goes): it would stop every round here,
-            # holding back every line after it. Parked, as a line the store rejects.
-            log.error(
-                "journal line of the wrong shape parked",
-                extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},
-            )
-            if not park(dead_letters, line):
-                break
-            done += 1
-            continue
-        except StoreRejected as err:
-            # The store will never take this line: park it for an operator, go on.
-            log.error(
-                "journaled settlement rejected by the store; parked",
-                extra={"reservation_id": pending.reservation_id, "error": str(err)},
-            )
-            if not park(dead_letters, line):
-                break
-            done += 1
-            continue
-        except StoreError:
-            break
-        log.info(
-            "journaled settlement applied" if entry_id else "journaled settlement was already settled",
-            extra={"reservation_id": pending.reservation_id},
-        )
-        if entry_id is not None:
+        window.append((line, pending))
+        if len(window) == REPLAY_WINDOW and not await flush():
+            left.extend(lines[at + 1 :])
+            return gone, left
+    if window:
+        await flush()
+    return gone, left
+
+
+class _Line(enum.Enum):
+    APPLIED = enum.auto()  # or settled before: it goes
+    TO_PARK = enum.auto()  # the store will never take it
+    KEPT = enum.auto()  # the store failed: tried again on the next round
+
+
+async def _apply_line(store: Store, pending: PendingSettlement, on_applied: OnApplied) -> _Line:
+    try:
+        entry_id = await pending.apply(store)
+        if pending.owned_contexts:
+            # After the settle: a round stopped here applies the line again, idempotently.
             try:
-                on_applied(pending.entry)
-            except Exception:
-                # The metrics of an entry of another shape (an older version's): the ledger has it;
-                # the line must not be applied again and again for them.
-                log.exception(
-                    "a replayed settlement was not counted", extra={"reservation_id": pending.reservation_id}
-                )
-        done += 1
-    return done
+                await store.claim_contexts(tenant=pending.tenant, ids=list(pending.owned_contexts))
+            except StoreRejected as err:  # the settle is in: not a line to park
+                log.error("could not mark a journaled call's contexts", extra={"error": str(err)})
+    except (TypeError, AttributeError, ValueError) as err:
+        # JSON of the wrong shape (a null where a list goes): it would stop every round here,
+        # holding back every line after it. Parked, as a line the store rejects.
+        log.error(
+            "journal line of the wrong shape parked",
+            extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},
+        )
+        return _Line.TO_PARK
+    except StoreRejected as err:
+        # The store will never take this line: park it for an operator, go on.
+        log.error(
+            "journaled settlement rejected by the store; parked",
+            extra={"reservation_id": pending.reservation_id, "error": str(err)},
+        )
+        return _Line.TO_PARK
+    except StoreError:
+        return _Line.KEPT
+    except Exception:
+        # Our own fault: kept, and the lines of its window the store took still go (raised, the
+        # round would leave them all in the file, to be applied and counted again).
+        log.exception("a journal line could not be applied", extra={"reservation_id": pending.reservation_id})
+        return _Line.KEPT
+    log.info(
+        "journaled settlement applied" if entry_id else "journaled settlement was already settled",
+        extra={"reservation_id": pending.reservation_id},
+    )
+    if entry_id is not None:
+        try:
+            on_applied(pending.entry)
+        except Exception:
+            # The metrics of an entry of another shape (an older version's): the ledger has it;
+            # the line must not be applied again and again for them.
+            log.exception(
+                "a replayed settlement was not counted", extra={"reservation_id": pending.reservation_id}
+            )
+    return _Line.APPLIED

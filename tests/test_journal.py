@@ -20,7 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import Journal
-from proxy.journal_lines import DEAD_LETTERS
+from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
 from proxy.settle import release_unforwarded_off_loop, settle_or_journal
@@ -464,3 +464,79 @@ async def test_a_new_journal_file_is_never_at_its_path_unlocked_for_another_proc
     (line,) = journal.path.read_text().splitlines()
     assert json.loads(line)["reservation_id"] == "first"
     journal.close()
+
+
+async def test_a_line_the_store_fails_for_holds_back_no_line_of_its_window(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A replay settles its lines a window at a time. One line the store fails for (NOPERM
+    here, an ACL the operator then fixes: a failure that passes) stays for the next round; the
+    lines around it that the store took go, and none is applied or counted twice. Before, the
+    round stopped at that line, and every line after it waited for the next round."""
+    ids = [f"r{i}" for i in range(9)]
+    await held_reservations(redis_client, *ids, "blocked")
+    keys = ["~lbp:{team-a}:leases", "~lbp:{team-a}:resv:*", "~lbp:{team-a}:ledger"]
+    keys += ["~lbp:{team-a}:runlog:*", "~lbp:{team-a}:run:r1"]
+    await redis_client.execute_command("ACL", "SETUSER", "replayer", "on", ">pw", "+@all", *keys)
+    blocked = {**_settlement_line("blocked"), "scope_keys": ["lbp:{team-a}:run:blocked"]}
+    counted: list[str] = []
+    try:
+        async with replaying(redis_server.url.replace("redis://", "redis://replayer:pw@"), tmp_path) as (
+            store,
+            journal,
+        ):
+            for rid in ids[:4]:
+                journal.append(_line(rid))
+            journal.append(PendingSettlement(**blocked))
+            for rid in ids[4:]:
+                journal.append(_line(rid))
+            await journal.replay(store, lambda entry: counted.append(entry["reservation_id"]))
+            assert sorted(counted) == ids  # all but the one the store failed for
+            (left,) = journal.path.read_text().splitlines()
+            assert json.loads(left)["reservation_id"] == "blocked"
+            await redis_client.execute_command("ACL", "SETUSER", "replayer", "allkeys")
+            await journal.replay(store, lambda entry: counted.append(entry["reservation_id"]))
+            assert journal.path.read_text() == ""
+    finally:
+        await redis_client.execute_command("ACL", "DELUSER", "replayer")
+    assert sorted(counted) == sorted([*ids, "blocked"])  # each once
+    ledger = [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)]
+    assert sorted(ledger) == sorted([*ids, "blocked"])
+
+
+class SettlesInFlight(RedisStore):
+    """The real store, counting the settles it has been asked for and not yet answered."""
+
+    in_flight = 0
+    most = 0
+
+    async def settle(self, **kwargs: Any) -> str | None:
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            return await super().settle(**kwargs)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_a_replay_sends_the_settles_of_a_window_together(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """One at a time, a replay took a round trip per line: after a long outage a reaper, once
+    ``reap_grace_s`` was up, billed at their reserve the lines it had not reached. A window's
+    settles go together (one write on the shared connection)."""
+    ids = [f"r{i}" for i in range(REPLAY_WINDOW + 10)]
+    await held_reservations(redis_client, *ids)
+    orphan = tmp_path / "journal-99999-deadbeef.jsonl"  # a dead process's: adopted
+    orphan.write_text("".join(json.dumps(_settlement_line(rid)) + "\n" for rid in ids))
+    store = SettlesInFlight.from_url(redis_server.url)
+    await store.load_scripts()
+    journal = Journal(tmp_path)
+    try:
+        assert await journal.replay(store) == len(ids)
+    finally:
+        journal.close()
+        await store.close()
+    assert store.most > 1  # one at a time: 1 (each waited for its reply); here most of a window
+    assert not orphan.exists()
+    assert await redis_client.xlen(LEDGER) == len(ids)
