@@ -211,6 +211,9 @@ async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_a
     own_client: aioredis.Redis,
     tmp_path: Path,
 ) -> None:
+    """A settle whose reply a busy Redis holds past the socket timeout is journaled, though the
+    store runs it once free: the replay finds the entry that settle wrote, and the call is
+    billed, metered and counted once."""
     from proxy.state import STATE
     from tests.conftest import until_redis_busy, until_upstream_received
 
@@ -224,7 +227,7 @@ async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_a
         "model": "gpt-4o-mini",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 10,
-        "fake": {"delay_s": 0.5},
+        "fake": {"hold": True},
     }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         pending = asyncio.ensure_future(
@@ -239,6 +242,9 @@ async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_a
         hold = asyncio.ensure_future(blocker.eval(busy, 0))
         assert own_redis.port is not None
         await until_redis_busy(own_redis.port)
+        # Answered only once Redis is busy: after a fixed delay the settle could come first on a
+        # loaded machine, and go through before the store was held.
+        fake.release()
         async with await pending as resp:
             assert resp.status == 200
             await resp.read()
@@ -249,6 +255,8 @@ async def test_a_settle_held_past_the_socket_timeout_by_a_slow_redis_is_billed_a
     ((_, entry),) = await own_client.xrange(LEDGER)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider")
     metrics = proxy.app[STATE].metrics
+    # The settle met the busy store: its reply was late and it went to the journal.
+    assert [(names, v.value) for names, v in metrics.store_errors.items()] == [(["settle"], 1)]
     assert sum(v.value for _, v in metrics.requests.items()) == 1
     run = await own_client.hgetall("lbp:{team-a}:run:slow-settle")
     assert run["used:requests"] == "1" and run["resv:total_tokens"] == "0" and run["resv:concurrent"] == "0"

@@ -1109,7 +1109,7 @@ async def test_a_call_whose_settle_reply_came_late_is_told_what_the_ledger_holds
                 messages=[{"role": "user", "content": "hi"}],
                 max_tokens=10,
                 extra_headers={"X-Run-Id": "late-reply"},
-                extra_body={"fake": {"delay_s": 1.0}},
+                extra_body={"fake": {"hold": True}},
             )
         )
         while not fake.received and not call.done():
@@ -1119,6 +1119,9 @@ async def test_a_call_whose_settle_reply_came_late_is_told_what_the_ledger_holds
         await until_upstream_received(fake, 1)  # reserved, in flight
         hold = asyncio.create_task(blocker.eval(BUSY_3_S, 1, "lbp:{team-a}:busy"))
         await until_redis_busy(node.port)
+        # Answered only once the node is busy: after a fixed delay the settle could come first on
+        # a loaded machine, its reply in time, and nothing sent again.
+        fake.release()
         response = await call
         await hold
         ledger = await blocker.xrange("lbp:{team-a}:ledger")

@@ -293,13 +293,18 @@ async def test_the_first_settle_after_a_redis_restart_is_ahead_of_the_next_call(
                 model="gpt-4o-mini",
                 messages=messages,
                 extra_headers=run,
-                extra_body={"fake": {"delay_s": UPSTREAM_DELAY_S}},
+                extra_body={"fake": {"hold": True}},
             )
         )
         await until_upstream_received(fake, received + 1)
         hold = asyncio.ensure_future(blocker.eval(HOLDING, 0))
         assert own_redis.port is not None
         await until_redis_busy(own_redis.port)
+        # Answered only once the store is held, its settle refused only once the store lets go:
+        # after a fixed delay the whole settle could be over first on a loaded machine. No floor
+        # here: the sooner the answer, the longer a next call sent on an early answer has to
+        # reach the held store.
+        fake.release()
         first = await asked
         assert first.status_code == 200
         # Sent at once, as a client's next call is: while the store still holds the settle.

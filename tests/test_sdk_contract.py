@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import anthropic
+import httpx2
 import openai
 import pytest
 from multidict import CIMultiDict
@@ -37,16 +38,39 @@ async def _claude_proxy(make_proxy: ProxyFactory, fake: FakeUpstream) -> Proxy:
 # -- retries --------------------------------------------------------------------------------
 
 
-async def _second_call_while_first_in_flight(proxy: Proxy, fake: FakeUpstream, run: str) -> Any:
+async def _second_call_while_first_in_flight(
+    proxy: Proxy, fake: FakeUpstream, run: str
+) -> tuple[Any, list[int]]:
+    """A second call sent while the first is held upstream, and what its SDK made of it (a
+    refusal it did not retry past is returned): the result, and the status of each try. A
+    refusal answers the first, and the retry waits for that answer (with its settle ahead of
+    the retry's reserve): the retry meets the room it was told would clear, however long the
+    SDK's wait and however slow the machine. After a fixed delay the first could end before
+    the second was even refused, or after all its retries."""
     headers = {"X-Run-Id": run}
-    async with proxy.client(max_retries=0) as slow_client, proxy.client(max_retries=2) as client:
-        slow = asyncio.create_task(
-            slow_client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=10,
-                extra_headers=headers,
-                extra_body={"fake": {"delay_s": 0.4}},
+    statuses: list[int] = []
+    held: list[asyncio.Task[Any]] = []
+
+    async def tried(response: httpx2.Response) -> None:
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            fake.release()
+            await held[0]
+
+    hooked = openai.DefaultAsyncHttpxClient(event_hooks={"response": [tried]})
+    async with (
+        proxy.client(max_retries=0) as slow_client,
+        proxy.client(max_retries=2, http_client=hooked) as client,
+    ):
+        held.append(
+            asyncio.create_task(
+                slow_client.chat.completions.create(
+                    model=MODEL,
+                    messages=MESSAGES,
+                    max_tokens=10,
+                    extra_headers=headers,
+                    extra_body={"fake": {"hold": True}},
+                )
             )
         )
         await until_upstream_received(fake, 1)  # the first call holds its slot or its reserve
@@ -56,17 +80,18 @@ async def _second_call_while_first_in_flight(proxy: Proxy, fake: FakeUpstream, r
             )
         except openai.RateLimitError as err:
             second = err
-        await slow
-    return second
+        fake.release()  # never refused: the first is still held
+        await held[0]
+    return second, statuses
 
 
 async def test_a_concurrency_refusal_is_retried_by_the_sdk(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
     proxy = await make_proxy(tiers={"standard": {"key": {"concurrent": 1}}})
-    second = await _second_call_while_first_in_flight(proxy, fake, "conc")
+    second, statuses = await _second_call_while_first_in_flight(proxy, fake, "conc")
     assert not isinstance(second, openai.RateLimitError), second.response.headers
-    assert fake.calls == 2
+    assert statuses == [429, 200] and fake.calls == 2
 
 
 async def test_room_held_only_by_reserves_in_flight_is_retried(
@@ -74,9 +99,9 @@ async def test_room_held_only_by_reserves_in_flight_is_retried(
 ) -> None:
     # A call reserves 19 total tokens and uses 12: a second one fits once the first settled.
     proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 31}}})
-    second = await _second_call_while_first_in_flight(proxy, fake, "inflight")
+    second, statuses = await _second_call_while_first_in_flight(proxy, fake, "inflight")
     assert not isinstance(second, openai.RateLimitError), second.response.headers
-    assert fake.calls == 2
+    assert statuses == [429, 200] and fake.calls == 2
 
 
 async def test_a_concurrency_ceiling_of_zero_is_final(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
