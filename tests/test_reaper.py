@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
-from proxy.reaper import run_reaper
+from proxy.reaper import reap_tenant, run_reaper
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE
@@ -246,3 +246,58 @@ async def test_leases_a_round_settled_before_a_store_error_are_counted(
         await redis_client.execute_command("ACL", "DELUSER", "reaper7")
     ledger = [e["reservation_id"] for _, e in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert ledger == counted == ["lease-r1", "lease-r2"]
+
+
+class ScriptsInFlight(RedisStore):
+    """The real store, noting the most scripts of each name it was running at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.running: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+
+    async def _script(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self.running[name] = self.running.get(name, 0) + 1
+        self.most[name] = max(self.most.get(name, 0), self.running[name])
+        try:
+            return await super()._script(name, *args, **kwargs)
+        finally:
+            self.running[name] -= 1
+
+
+async def test_a_round_reads_and_settles_a_batch_of_leases_together(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A dead instance's leases held their budgets' room until reaped, and a round read each
+    lease, then settled each, one round trip after another. A batch's reads go together, then
+    its settles; each lease is billed once, at its reserve."""
+    store = ScriptsInFlight.from_url(redis_server.url)
+    await store.load_scripts()
+    scope = Scope(name="run", key="lbp:{team-a}:run:dead", ttl_s=600)
+    ids = [f"dead-{i}" for i in range(30)]
+    try:
+        for rid in ids:
+            held = await store.reserve(
+                tenant="team-a",
+                reservation_id=rid,
+                run_id="dead",
+                scopes=[scope],
+                amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+                lease_ms=1,
+                record='{"run_id": "dead"}',
+            )
+            assert isinstance(held, Reservation)
+        while await redis_client.zcount(
+            "lbp:{team-a}:leases", "-inf", int(await store.synced_now() * 1000)
+        ) < len(ids):
+            await asyncio.sleep(0.01)  # every lease ran out (1 ms each, by the store's clock)
+        counted: list[str] = []
+        reaped = await reap_tenant(
+            store, "team-a", on_settled=lambda entry: counted.append(entry["reservation_id"])
+        )
+        assert sorted(e["reservation_id"] for e in reaped) == sorted(counted) == sorted(ids)
+        assert store.most["lease"] > 1 and store.most["settle"] > 1  # one at a time: 1 and 1
+        meter = (await store.meters(scope.key))["total_tokens"]
+        assert (meter.used, meter.reserved) == (12 * len(ids), 0)
+    finally:
+        await store.close()
