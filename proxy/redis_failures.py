@@ -9,6 +9,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterError,
     MasterDownError,
+    MaxConnectionsError,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -56,6 +57,9 @@ TRANSIENT_ERRORS = (
 )
 # Replies redis-py raises as connection errors, though the command never ran.
 NOT_RUN_ERRORS = (AuthenticationError, BusyLoadingError)
+# What redis-py says of a command it never sent: a connection refused, or no connection free in
+# time (its blocking pool's wait, the cluster's; ``redis_cluster``).
+_NOT_SENT_MESSAGES = ("connecting to", "Connection refused", "No connection available")
 
 
 def transient(err: ResponseError | RespError) -> bool:
@@ -66,3 +70,8 @@ def refused(err: ResponseError) -> bool:
     """A command this server will never run for us (disabled, renamed, not this user's), rather
     than one it cannot run now."""
     return isinstance(err, NoPermissionError) or not transient(err)
+
+
+def never_sent(err: Exception) -> bool:
+    """A store failure that never carried its command (a timeout or a reset may have)."""
+    return isinstance(err, MaxConnectionsError) or any(m in str(err) for m in _NOT_SENT_MESSAGES)

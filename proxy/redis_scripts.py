@@ -14,7 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from proxy.errors import StoreError, StoreRejected
-from proxy.redis_failures import NOT_RUN_ERRORS, STORE_FAILURES, transient
+from proxy.redis_failures import NOT_RUN_ERRORS, STORE_FAILURES, never_sent, transient
 from proxy.resp import ConnectionLost, PipelinedConnection, RespError
 
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
@@ -61,9 +61,7 @@ class ScriptRunner:
         except NOT_RUN_ERRORS as err:
             raise StoreError(f"{name}: {err}") from err
         except STORE_FAILURES as err:
-            # A refused connection never carried the command; a timeout or reset may have.
-            sent = not ("connecting to" in str(err) or "Connection refused" in str(err))
-            raise StoreError(f"{name}: {err}", maybe_applied=sent) from err
+            raise StoreError(f"{name}: {err}", maybe_applied=not never_sent(err)) from err
 
     async def _piped_script(
         self, name: str, keys: Sequence[str], args: Sequence[Any], on_sent: Callable[[], None] | None

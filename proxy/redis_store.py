@@ -20,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from proxy.errors import StoreError
+from proxy.redis_cluster import QueuedCluster
 from proxy.redis_contexts import ContextCommands
 from proxy.redis_failures import STORE_FAILURES, refused
 from proxy.redis_reads import ReadCommands
@@ -91,8 +92,8 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
     ) -> RedisStore:
         client: aioredis.Redis | RedisCluster
         if cluster:
-            client = RedisCluster.from_url(
-                url, decode_responses=True, max_connections=pool_size, socket_timeout=socket_timeout_s
+            client = QueuedCluster.queued_from_url(
+                url, pool_size=pool_size, socket_timeout_s=socket_timeout_s
             )
         else:
             # A blocking pool: a burst waits for a free connection instead of failing a settle.

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from proxy.redis_failures import refused, transient
+from proxy.redis_failures import never_sent, refused, transient
 from proxy.redis_server import RedisServerProcess
 from proxy.resp import PipelinedConnection, RespError
 
@@ -72,3 +74,14 @@ async def test_an_unknown_command_is_never(send: Send) -> None:
     err = await reply_error(send, "NOSUCHCOMMAND")
     assert not transient(err)
     assert not isinstance(err, ResponseError) or refused(err)
+
+
+def test_a_wait_for_a_free_connection_that_ran_out_never_sent_its_command() -> None:
+    """A command whose connection was refused, or that found none free in time (the blocking
+    pool's wait, the cluster's), never went out: a reserve failing so is not taken for one
+    whose reply was lost (released through the journal). A timeout or a reset may have sent it."""
+    assert never_sent(MaxConnectionsError())  # the cluster client's, and ``QueuedCluster``'s
+    assert never_sent(RedisConnectionError("No connection available."))  # the blocking pool's
+    assert never_sent(RedisConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."))
+    assert not never_sent(RedisTimeoutError("Timeout reading from socket"))
+    assert not never_sent(RedisConnectionError("Connection reset by peer"))

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -23,7 +24,7 @@ from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
 from proxy.store import ACTUAL_METERS, Clamp, Eviction, Refusal, Reservation, Scope, Tentative
 from tests.cluster import RedisClusterProcesses
-from tests.conftest import ProxyFactory, busy_script, until_redis_busy, until_upstream_received
+from tests.conftest import KEY_A, ProxyFactory, busy_script, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 
 AMOUNTS = {
@@ -455,6 +456,37 @@ async def test_the_proxy_bills_through_a_redis_cluster(
     finally:
         await store.close()
     assert entry["outcome"] == "ok" and int(entry["output_tokens"]) == fake.bill[0].completion_tokens
+
+
+async def test_a_burst_above_the_cluster_pool_waits_for_connections(
+    cluster: RedisClusterProcesses, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """redis-py's cluster client fails a command at once when its node has no connection free
+    (a tenant's keys share one slot, so one node): a burst of more calls than ``pool_size`` was
+    refused, 503 (12 of 20 here), each reserve taken for one whose reply was lost. They wait
+    for a connection, as on a single Redis, and every call is served and billed."""
+    proxy = await make_proxy(redis={"url": cluster.url, "cluster": True, "pool_size": 4})
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> int:
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"call {i}"}]}
+            headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "burst"}
+            async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                await resp.read()
+                return resp.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(20)))
+    assert statuses == [200] * 20
+    store = RedisStore.from_url(cluster.url, cluster=True)
+    try:
+        for _ in range(100):  # the last settles' entries, written once their answers went
+            entries = await store.run_ledger(tenant="team-a", run_id="burst")
+            if len(entries) == 20:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+    assert len(entries) == 20 and {e["outcome"] for e in entries} == {"ok"}
 
 
 async def test_a_connection_redis_py_tears_down_under_a_call_is_a_store_failure_not_a_500(
