@@ -31,7 +31,7 @@ from typing import IO, Any, BinaryIO
 
 from redis.connection import parse_url
 
-from proxy.journal_lines import DEAD_LETTERS, OnApplied, PendingSettlement, apply_lines, nothing
+from proxy.journal_lines import DEAD_LETTERS, OnApplied, PendingSettlement, RoundCut, apply_lines, nothing
 from proxy.store import Store
 
 log = logging.getLogger("proxy.journal")
@@ -156,7 +156,11 @@ class Journal:
             self._file.seek(0)
             text = self._file.read()
             lines = text.decode("utf-8", "replace").splitlines()
-            done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+            cut: RoundCut | None = None
+            try:
+                done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+            except RoundCut as stop:  # a shutdown: what went still goes, then the cancel
+                cut, done, left = stop, stop.gone, stop.left
             applied += done
             if done:
                 # The lines applied go (applied again, a settle's own try gets its entry, and
@@ -165,6 +169,8 @@ class Journal:
                 self._file.seek(len(text))
                 rest = "".join(line + "\n" for line in left).encode() + self._file.read()
                 self._replace_file(rest)
+            if cut is not None:
+                raise cut
         applied += await self._adopt(store, on_applied)
         return applied
 
@@ -209,7 +215,11 @@ class Journal:
                 if not _still_at(handle, path):
                     continue  # replayed meanwhile by another process, and removed or rewritten
                 lines = handle.read().splitlines()
-                done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+                cut: RoundCut | None = None
+                try:
+                    done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+                except RoundCut as stop:  # a shutdown: what went still goes, then the cancel
+                    cut, done, left = stop, stop.gone, stop.left
                 applied += done
                 if not left:
                     path.unlink()
@@ -218,6 +228,8 @@ class Journal:
                     # Stopped part-way: the lines applied go (see ``replay``), atomically.
                     rest = "".join(line + "\n" for line in left)
                     _locked_beside(path, rest.encode("utf-8", "surrogateescape")).close()
+                if cut is not None:
+                    raise cut
         return applied
 
     def close(self) -> None:

@@ -110,13 +110,23 @@ async def apply_lines(
     gone = 0
     left: list[str] = []
     window: list[tuple[str, PendingSettlement]] = []
+    cut = False  # cancelled (a shutdown): the round stops, and RoundCut says what went
 
     async def flush() -> bool:
         """Apply the window; False when the round must stop."""
-        nonlocal gone
-        outcomes = await asyncio.gather(*(_apply_line(store, pending, on_applied) for _, pending in window))
-        going_on = True
-        for (line, _), outcome in zip(window, outcomes, strict=True):
+        nonlocal gone, cut
+        tasks = [asyncio.ensure_future(_apply_line(store, pending, on_applied)) for _, pending in window]
+        try:
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            # The lines the store took before the cancel (counted already) go all the same:
+            # left in the file, the shutdown's last replay would apply and count them again.
+            cut = True
+            for task in tasks:
+                task.cancel()  # any still running (none, when the cancel was the round's)
+        going_on = not cut
+        for (line, _), task in zip(window, tasks, strict=True):
+            outcome = task.result() if task.done() and not task.cancelled() else _Line.KEPT
             if outcome is _Line.APPLIED or (outcome is _Line.TO_PARK and park(dead_letters, line)):
                 gone += 1
             else:
@@ -124,6 +134,11 @@ async def apply_lines(
                 going_on = False
         window.clear()
         return going_on
+
+    def ended() -> tuple[int, list[str]]:
+        if cut:
+            raise RoundCut(gone, left)
+        return gone, left
 
     for at, line in enumerate(lines):
         if not line.strip():
@@ -135,7 +150,7 @@ async def apply_lines(
             # Never dropped: parked for an operator with the lines the store rejects, in its turn.
             if window and not await flush():
                 left.extend(lines[at:])
-                return gone, left
+                return ended()
             log.error("unreadable journal line parked", extra={"line": line[:200]})
             if not park(dead_letters, line):
                 left.extend(lines[at:])
@@ -145,10 +160,20 @@ async def apply_lines(
         window.append((line, pending))
         if len(window) == REPLAY_WINDOW and not await flush():
             left.extend(lines[at + 1 :])
-            return gone, left
+            return ended()
     if window:
         await flush()
-    return gone, left
+    return ended()
+
+
+class RoundCut(asyncio.CancelledError):
+    """``apply_lines`` cancelled: how many lines went before the cancel and the lines left, for
+    its caller to rewrite its file with before the cancel goes on."""
+
+    def __init__(self, gone: int, left: list[str]) -> None:
+        super().__init__()
+        self.gone = gone
+        self.left = left
 
 
 class _Line(enum.Enum):

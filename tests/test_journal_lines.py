@@ -1,0 +1,167 @@
+"""Applying a journal's lines (``journal_lines.apply_lines``, through ``Journal.replay``): a round
+cut by shutdown's cancel, then the shutdown's last replay, counts each entry once; where a round
+stopped by the store leaves the lines after it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from proxy.journal import Journal
+from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement
+from proxy.redis_server import RedisServerProcess
+from proxy.redis_store import RedisStore
+from tests.test_journal import _line
+from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
+
+IDS = [f"r{i}" for i in range(9)]
+
+
+class GatedStore(RedisStore):
+    """The real store; the settle of ``r4`` waits for ``gate`` before it is sent. With
+    ``swallows``, a cancel delivered mid-settle is swallowed and the settle finishes (what the
+    app says redis-py may do mid-command: see app._stopped)."""
+
+    swallows = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def settle(self, **kwargs: Any) -> str | None:
+        async def sent() -> str | None:
+            if kwargs["reservation_id"] == "r4":
+                self.entered.set()
+                await self.gate.wait()
+            return await RedisStore.settle(self, **kwargs)
+
+        if not self.swallows:
+            return await sent()
+        inner = asyncio.ensure_future(sent())
+        try:
+            return await asyncio.shield(inner)
+        except asyncio.CancelledError:
+            return await inner
+
+
+async def _cut_round_then_last_replay(url: str, tmp_path: Path, *, swallows: bool) -> list[str]:
+    store = GatedStore.from_url(url)
+    store.swallows = swallows
+    await store.load_scripts()
+    journal = Journal(tmp_path / "journal")
+    counted: list[str] = []
+
+    def count(entry: Any) -> None:
+        counted.append(entry["reservation_id"])
+
+    try:
+        for rid in IDS:
+            journal.append(_line(rid))
+        round_ = asyncio.ensure_future(journal.replay(store, count))
+        await asyncio.wait_for(store.entered.wait(), 10)
+        for _ in range(200):  # the lines not held are applied (one at a time before: r0..r3)
+            if len(counted) >= 4:
+                break
+            await asyncio.sleep(0.01)
+        round_.cancel()  # aiohttp's shutdown: app._stopped(loop task)
+        store.gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await round_
+        await journal.replay(store, count)  # journal_ctx: "a last try before the process goes"
+        assert journal.path.read_text() == ""
+    finally:
+        journal.close()
+        await store.close()
+    return counted
+
+
+async def test_a_round_whose_cancel_the_store_client_swallowed_counts_no_entry_twice(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A cancel the store client swallowed mid-settle (redis-py may: ``app._stopped``) still ends
+    the round once its window is done. The lines the store took go from the file before the
+    cancel goes on: left, the shutdown's last replay applied and counted them again."""
+    await held_reservations(redis_client, *IDS)
+    counted = await _cut_round_then_last_replay(redis_server.url, tmp_path, swallows=True)
+    twice = {rid: n for rid, n in collections.Counter(counted).items() if n > 1}
+    assert not twice, twice
+    assert sorted(counted) == IDS
+    assert await redis_client.xlen(LEDGER) == len(IDS)
+
+
+async def test_a_round_cancelled_mid_window_counts_no_entry_twice(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Shutdown cancels a round mid-window: the lines the store took before the cancel go from
+    the file (before, those before the line in flight were applied and counted again by the
+    shutdown's last replay), the lines it did not reach stay."""
+    await held_reservations(redis_client, *IDS)
+    counted = await _cut_round_then_last_replay(redis_server.url, tmp_path, swallows=False)
+    twice = {rid: n for rid, n in collections.Counter(counted).items() if n > 1}
+    assert not twice, twice
+    assert sorted(counted) == IDS
+    assert await redis_client.xlen(LEDGER) == len(IDS)
+
+
+ACL_KEYS = [
+    "~lbp:{team-a}:leases",
+    "~lbp:{team-a}:resv:*",
+    "~lbp:{team-a}:ledger",
+    "~lbp:{team-a}:runlog:*",
+    "~lbp:{team-a}:run:r1",
+]
+
+
+def _blocked() -> PendingSettlement:
+    return PendingSettlement(**{**_settlement_line("blocked"), "scope_keys": ["lbp:{team-a}:run:blocked"]})
+
+
+async def test_a_full_window_the_store_failed_for_leaves_each_line_after_it_once(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A window the store failed for (one line of it) stops the round: the lines after the
+    window stay, each once (a line of the window repeated there is applied and counted twice)."""
+    ids = [f"w{i}" for i in range(REPLAY_WINDOW + 5)]
+    await held_reservations(redis_client, *ids, "blocked")
+    await redis_client.execute_command("ACL", "SETUSER", "replayer", "on", ">pw", "+@all", *ACL_KEYS)
+    try:
+        url = redis_server.url.replace("redis://", "redis://replayer:pw@")
+        async with replaying(url, tmp_path) as (store, journal):
+            journal.append(_blocked())  # in the first window, which then fails
+            for rid in ids:
+                journal.append(_line(rid))
+            await journal.replay(store)
+            kept = [json.loads(line)["reservation_id"] for line in journal.path.read_text().splitlines()]
+            # the window's other 63 went; the lines after the window stay, each once
+            assert kept == ["blocked", *ids[REPLAY_WINDOW - 1 :]], kept
+    finally:
+        await redis_client.execute_command("ACL", "DELUSER", "replayer")
+
+
+async def test_an_unreadable_line_after_a_window_the_store_failed_for_stays(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """An unreadable line after a window the store failed for stays in the file, unparked,
+    for the next round: never dropped."""
+    await held_reservations(redis_client, "a", "blocked")
+    await redis_client.execute_command("ACL", "SETUSER", "replayer", "on", ">pw", "+@all", *ACL_KEYS)
+    try:
+        url = redis_server.url.replace("redis://", "redis://replayer:pw@")
+        async with replaying(url, tmp_path) as (store, journal):
+            journal.append(_line("a"))
+            journal.append(_blocked())
+            with journal.path.open("ab") as raw:
+                raw.write(b'{"tenant":"team-a","reserv\n')  # torn
+            await journal.replay(store)
+            kept = journal.path.read_text().splitlines()
+            assert len(kept) == 2 and kept[1] == '{"tenant":"team-a","reserv', kept
+            assert not (tmp_path / DEAD_LETTERS).exists()  # not parked yet: the round stopped
+    finally:
+        await redis_client.execute_command("ACL", "DELUSER", "replayer")
