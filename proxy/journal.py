@@ -78,7 +78,7 @@ class Journal:
             old = self._file
             old.seek(0)
             self._file = _locked_beside(self.path, old.read())  # synced: its lines with it
-            self._syncs = _FileSyncs()
+            self._syncs = _FileSyncs(self.directory)
             old.close()
             log.warning(
                 "the journal file was removed; its pending lines written again",
@@ -86,13 +86,15 @@ class Journal:
             )
         if self._file is None:
             self._file = _locked_beside(self.path, b"")
-            self._syncs = _FileSyncs()
+            self._syncs = _FileSyncs(self.directory)
         return self._file
 
     def append(self, pending: PendingSettlement) -> None:
         """Durable before returning, without an await: for a caller being cancelled (a reserve
         cut by shutdown), which must not lose the line to a second cancel."""
-        os.fsync(self._write(pending).fileno())
+        handle = self._write(pending)
+        self._syncs.name_synced()
+        os.fsync(handle.fileno())
         self._journaled(pending)
 
     async def append_off_loop(self, pending: PendingSettlement) -> None:
@@ -107,7 +109,8 @@ class Journal:
             # file meanwhile (after its removal).
             fd = os.dup(handle.fileno())
         except OSError:
-            os.fsync(handle.fileno())  # no descriptor to spare: synced here, as ``append``
+            syncs.name_synced()  # no descriptor to spare: synced here, as ``append``
+            os.fsync(handle.fileno())
             self._journaled(pending)
             return
         # A plain future, not a task: a shutdown that cancels every task (and the caller with
@@ -286,11 +289,20 @@ class _FileSyncs:
     of queueing one each behind a slow disk. Per file: a sync of an earlier file (one replaced
     or removed) covers none of a later one's lines."""
 
-    __slots__ = ("synced", "written")
+    __slots__ = ("_unnamed_in", "synced", "written")
 
-    def __init__(self) -> None:
+    def __init__(self, unnamed_in: Path | None = None) -> None:
         self.written = 0
         self.synced = 0
+        # The directory of a file just made there, until the file's name in it is synced: a
+        # line's sync covers the file's data, not its name, and a host crash could lose the
+        # name, and with it every line its callers were told was journaled.
+        self._unnamed_in = unnamed_in
+
+    def name_synced(self) -> None:
+        if self._unnamed_in is not None:
+            _sync_directory(self._unnamed_in)
+            self._unnamed_in = None
 
     def sync(self, fd: int, line: int) -> None:
         """On the sync thread (one: syncs of a file run one at a time): make line ``line``
@@ -299,6 +311,7 @@ class _FileSyncs:
             if self.synced < line:
                 # Read before the sync: every line counted so far was flushed before it.
                 covered = self.written
+                self.name_synced()
                 os.fsync(fd)
                 self.synced = max(self.synced, covered)
         finally:

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -175,7 +176,7 @@ async def test_a_disk_slow_to_sync_does_not_hold_the_event_loop_while_a_settle_i
     finally:
         await store.close()
     assert (entry_id, stored) == (None, False)
-    assert syncs_after_a_turn == [True]
+    assert syncs_after_a_turn == [True, True]  # the new file's name in its directory, the line
     lines = journal.path.read_text().splitlines()
     assert [json.loads(line)["reservation_id"] for line in lines] == ["journaled"]
     journal.close()
@@ -189,7 +190,7 @@ async def test_the_release_of_a_reserve_whose_reply_was_lost_is_synced_off_the_l
     call = planned(chat(max_tokens=5))
     journal = Journal(tmp_path / "journal")
     await release_unforwarded_off_loop(call, journal, ["lbp:{team-a}:run:run-1"], 60)
-    assert syncs_after_a_turn == [True]
+    assert syncs_after_a_turn == [True, True]  # the new file's name in its directory, the line
     (line,) = journal.path.read_text().splitlines()
     assert json.loads(line)["reservation_id"] == call.reservation_id
     assert json.loads(line)["entry"]["outcome"] == "not_forwarded"
@@ -273,9 +274,10 @@ async def test_the_lines_queued_behind_a_slow_sync_share_the_next_one(
         await asyncio.sleep(0.01)
     syncs.go_on.set()
     await asyncio.gather(first, *queued)
-    size = journal.path.stat().st_size
-    assert len(syncs.calls) == 2, syncs.calls  # the slow one, and one for the 20 behind it
-    assert syncs.calls[-1] == (journal.path.stat().st_ino, size)  # every line, synced
+    size, inode = journal.path.stat().st_size, journal.path.stat().st_ino
+    file_syncs = [call for call in syncs.calls if call[0] == inode]  # not its directory's
+    assert len(file_syncs) == 2, syncs.calls  # the slow one, and one for the 20 behind it
+    assert file_syncs[-1] == (inode, size)  # every line, synced
     monkeypatch.undo()
     journal.close()
 
@@ -540,3 +542,28 @@ async def test_a_replay_sends_the_settles_of_a_window_together(
     assert store.most > 1  # one at a time: 1 (each waited for its reply); here most of a window
     assert not orphan.exists()
     assert await redis_client.xlen(LEDGER) == len(ids)
+
+
+async def test_a_new_journal_file_has_its_name_synced_before_its_first_line_is_told_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line's sync makes the file's data durable, not its name in the directory: made during
+    an outage (or again after its removal) and never synced there, a host crash could lose the
+    file with every line its callers were told was journaled."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    journal = Journal(tmp_path / "journal")
+    await journal.append_off_loop(_line("first"))
+    assert synced[:2] == ["directory", "file"]
+    shutil.rmtree(tmp_path / "journal")
+    synced.clear()
+    await journal.append_off_loop(_line("after-removal"))
+    assert synced[-2:] == ["directory", "file"]  # after the new file (its lines copied, synced)
+    monkeypatch.undo()
+    journal.close()
