@@ -175,11 +175,13 @@ def build_app(
             record_entry(state.metrics, state.config, entry)
 
         async def loop() -> None:
+            pending = state.metrics.journal_pending.labels()
             while True:
                 try:
-                    await state.journal.replay(store, on_applied)
+                    await state.journal.replay(store, on_applied, state.metrics.journal_parked.inc)
                 except Exception:
                     log.exception("journal replay failed")
+                pending.set(state.journal.pending_lines)
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     return  # a cancel a store client swallowed
@@ -188,8 +190,8 @@ def build_app(
         task = asyncio.create_task(loop())
         yield
         await _stopped(task)
-        with contextlib.suppress(StoreError):
-            await state.journal.replay(store, on_applied)  # a last try before the process goes
+        with contextlib.suppress(StoreError):  # a last try before the process goes
+            await state.journal.replay(store, on_applied, state.metrics.journal_parked.inc)
         state.journal.close()
 
     async def settling_ctx(app: web.Application) -> AsyncIterator[None]:

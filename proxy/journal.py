@@ -31,7 +31,16 @@ from typing import IO, Any, BinaryIO
 
 from redis.connection import parse_url
 
-from proxy.journal_lines import DEAD_LETTERS, OnApplied, PendingSettlement, RoundCut, apply_lines, nothing
+from proxy.journal_lines import (
+    DEAD_LETTERS,
+    OnApplied,
+    OnParked,
+    PendingSettlement,
+    RoundCut,
+    apply_lines,
+    none_parked,
+    nothing,
+)
 from proxy.store import Store
 
 log = logging.getLogger("proxy.journal")
@@ -66,6 +75,8 @@ class Journal:
         self.path = directory / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._file: BinaryIO | None = None
         self._syncs = _FileSyncs()  # of ``_file``: a new file starts its own count
+        # Lines in our file the store has not taken yet (``pending_lines``).
+        self._pending_lines = 0
         self._foreign_seen: set[Path] = set()
         self._sync_thread: ThreadPoolExecutor | None = None  # started by the first off-loop sync
         # One replay at a time: a shutdown's last replay may start while a round's still runs.
@@ -135,6 +146,7 @@ class Journal:
         handle.write(json.dumps(asdict(pending), separators=(",", ":")).encode() + b"\n")
         handle.flush()
         self._syncs.written += 1  # once flushed: a sync that sees it covers the line
+        self._pending_lines += 1
         return handle
 
     def _journaled(self, pending: PendingSettlement) -> None:
@@ -144,16 +156,20 @@ class Journal:
         )
 
     @property
-    def pending(self) -> bool:
-        return self._file is not None and self.path.stat().st_size > 0
+    def pending_lines(self) -> int:
+        """Settlements in this process's file waiting for the store: an outage's backlog."""
+        return self._pending_lines
 
-    async def replay(self, store: Store, on_applied: OnApplied = nothing) -> int:
+    async def replay(
+        self, store: Store, on_applied: OnApplied = nothing, on_parked: OnParked = none_parked
+    ) -> int:
         """Apply this process's pending lines, then any orphaned journals. Returns how many
-        applied; ``on_applied`` gets each ledger entry the store took from them."""
+        applied; ``on_applied`` gets each ledger entry the store took from them, ``on_parked`` is
+        told of each line parked in the dead letters."""
         async with self._replaying:
-            return await self._replay(store, on_applied)
+            return await self._replay(store, on_applied, on_parked)
 
-    async def _replay(self, store: Store, on_applied: OnApplied) -> int:
+    async def _replay(self, store: Store, on_applied: OnApplied, on_parked: OnParked) -> int:
         applied = 0
         if self._file is not None:
             self._file.seek(0)
@@ -161,7 +177,9 @@ class Journal:
             lines = text.decode("utf-8", "replace").splitlines()
             cut: RoundCut | None = None
             try:
-                done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+                done, left = await apply_lines(
+                    store, lines, self.directory / DEAD_LETTERS, on_applied, on_parked
+                )
             except RoundCut as stop:  # a shutdown: what went still goes, then the cancel
                 cut, done, left = stop, stop.gone, stop.left
             applied += done
@@ -174,7 +192,7 @@ class Journal:
                 self._replace_file(rest)
             if cut is not None:
                 raise cut
-        applied += await self._adopt(store, on_applied)
+        applied += await self._adopt(store, on_applied, on_parked)
         return applied
 
     def _replace_file(self, rest: bytes) -> None:
@@ -186,9 +204,10 @@ class Journal:
         self._file.close()
         self._file = handle
         self._syncs = _FileSyncs()
+        self._pending_lines = rest.count(b"\n")
         _sync_directory(self.directory)  # the rename, durable: not the old file back after a crash
 
-    async def _adopt(self, store: Store, on_applied: OnApplied) -> int:
+    async def _adopt(self, store: Store, on_applied: OnApplied, on_parked: OnParked) -> int:
         applied = 0
         if not self.directory.exists():
             return 0
@@ -220,7 +239,9 @@ class Journal:
                 lines = handle.read().splitlines()
                 cut: RoundCut | None = None
                 try:
-                    done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied)
+                    done, left = await apply_lines(
+                        store, lines, self.directory / DEAD_LETTERS, on_applied, on_parked
+                    )
                 except RoundCut as stop:  # a shutdown: what went still goes, then the cancel
                     cut, done, left = stop, stop.gone, stop.left
                 applied += done

@@ -65,9 +65,14 @@ class PendingSettlement:
 
 
 OnApplied = Callable[[Mapping[str, str]], None]
+OnParked = Callable[[], None]
 
 
 def nothing(entry: Mapping[str, str]) -> None:
+    pass
+
+
+def none_parked() -> None:
     pass
 
 
@@ -101,12 +106,17 @@ REPLAY_WINDOW = 64
 
 
 async def apply_lines(
-    store: Store, lines: list[str], dead_letters: Path, on_applied: OnApplied
+    store: Store,
+    lines: list[str],
+    dead_letters: Path,
+    on_applied: OnApplied,
+    on_parked: OnParked = none_parked,
 ) -> tuple[int, list[str]]:
     """Settle the lines, a window of them at a time, and park those the store will never take;
     after a window in which the store failed, stop (the rest is retried on the next round).
     Returns how many went (applied or parked) and the lines left, in order: not only a prefix,
-    since a line the store failed for may sit among lines of its window it took."""
+    since a line the store failed for may sit among lines of its window it took. ``on_parked``
+    is told of each line parked."""
     gone = 0
     left: list[str] = []
     window: list[tuple[str, PendingSettlement]] = []
@@ -127,13 +137,19 @@ async def apply_lines(
         going_on = not cut
         for (line, _), task in zip(window, tasks, strict=True):
             outcome = task.result() if task.done() and not task.cancelled() else _Line.KEPT
-            if outcome is _Line.APPLIED or (outcome is _Line.TO_PARK and park(dead_letters, line)):
+            if outcome is _Line.APPLIED or (outcome is _Line.TO_PARK and parked(line)):
                 gone += 1
             else:
                 left.append(line)
                 going_on = False
         window.clear()
         return going_on
+
+    def parked(line: str) -> bool:
+        if not park(dead_letters, line):
+            return False
+        on_parked()
+        return True
 
     def ended() -> tuple[int, list[str]]:
         if cut:
@@ -152,7 +168,7 @@ async def apply_lines(
                 left.extend(lines[at:])
                 return ended()
             log.error("unreadable journal line parked", extra={"line": line[:200]})
-            if not park(dead_letters, line):
+            if not parked(line):
                 left.extend(lines[at:])
                 return gone, left
             gone += 1

@@ -216,6 +216,17 @@ class Metrics:
             "llm_proxy_leases_expired", "Reservations settled at their reserve by a reaper."
         )
         self.store_errors = Counter("llm_proxy_store_errors", "Store operations that failed.", ["operation"])
+        self.journal_pending = Gauge(
+            "llm_proxy_journal_pending_lines",
+            "Settlements in this process's journal waiting for the store (an outage's backlog, until "
+            "a replay applies them). Read at each replay round (limits.journal_replay_s).",
+            [],
+        )
+        self.journal_parked = Counter(
+            "llm_proxy_journal_parked_lines",
+            "Journal lines parked in the dead letters (rejected.jsonl) for an operator: the store "
+            "refused them for good, or no version can read them.",
+        )
         self.store_drops_keys = Gauge(
             "llm_proxy_store_drops_keys",
             "1 when the store may drop keys when its memory is full (its maxmemory-policy, the label, "

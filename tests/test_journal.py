@@ -492,13 +492,15 @@ async def test_a_line_the_store_fails_for_holds_back_no_line_of_its_window(
             journal.append(PendingSettlement(**blocked))
             for rid in ids[4:]:
                 journal.append(_line(rid))
+            assert journal.pending_lines == len(ids) + 1
             await journal.replay(store, lambda entry: counted.append(entry["reservation_id"]))
             assert sorted(counted) == ids  # all but the one the store failed for
+            assert journal.pending_lines == 1
             (left,) = journal.path.read_text().splitlines()
             assert json.loads(left)["reservation_id"] == "blocked"
             await redis_client.execute_command("ACL", "SETUSER", "replayer", "allkeys")
             await journal.replay(store, lambda entry: counted.append(entry["reservation_id"]))
-            assert journal.path.read_text() == ""
+            assert journal.path.read_text() == "" and journal.pending_lines == 0
     finally:
         await redis_client.execute_command("ACL", "DELUSER", "replayer")
     assert sorted(counted) == sorted([*ids, "blocked"])  # each once

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -116,8 +116,10 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     metrics = proxy.app[STATE].metrics
     # The spend counters count what the ledger holds: not yet this call, journaled.
     assert _counted(metrics.requests) == 0 and _counted(metrics.store_errors) == 1
+    await wait_for(_gauge_reads(metrics.journal_pending, 1))  # the outage's backlog, at a round
     await asyncio.to_thread(own_redis.start)
     await wait_for(lambda: _ledger_len(own_client, 1))
+    await wait_for(_gauge_reads(metrics.journal_pending, 0))
     await asyncio.sleep(0.3)  # more replay rounds: still applied once
     # Counted once, when the replay wrote its entry.
     assert _counted(metrics.requests) == 1
@@ -187,6 +189,13 @@ def _counted(family: Any, **labels: str) -> float:
         for names, value in family.items()
         if all(dict(zip(family.labelnames, names, strict=True)).get(k) == v for k, v in labels.items())
     )
+
+
+def _gauge_reads(family: Any, value: float) -> Callable[[], Awaitable[bool]]:
+    async def reads() -> bool:
+        return bool(_counted(family) == value)
+
+    return reads
 
 
 async def _ledger_len(client: aioredis.Redis, n: int) -> bool:
@@ -706,3 +715,19 @@ async def test_calls_while_redis_cannot_be_connected_to_are_refused_together_not
     assert fake.received == []
     # Generous, for a loaded machine: 24 socket timeouts; one after another they take 30 (15 s).
     assert took < 12, f"30 calls took {took:.1f} s to be refused"
+
+
+async def test_a_line_parked_by_a_replay_is_counted_for_the_operator(
+    make_proxy: ProxyFactory, own_redis: RedisServerProcess, tmp_path: Path
+) -> None:
+    """A journal line the store will never take, or no version can read, waits in the dead
+    letters for an operator: only the log said so, so nothing an alert could watch."""
+    proxy, journal_dir = await journaling_proxy(make_proxy, own_redis, tmp_path)
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    (journal_dir / "journal-999999-deadbeef.jsonl").write_text('{"tenant": "team-a", "torn\n')
+    metrics = proxy.app[STATE].metrics
+    await wait_for(_gauge_reads(metrics.journal_parked, 1))
+    assert (journal_dir / DEAD_LETTERS).read_text() == '{"tenant": "team-a", "torn\n'
+    await asyncio.sleep(0.3)  # more replay rounds: parked once
+    assert _counted(metrics.journal_parked) == 1
+    assert _counted(metrics.journal_pending) == 0  # a dead process's lines are not this one's
