@@ -60,6 +60,9 @@ NOT_RUN_ERRORS = (AuthenticationError, BusyLoadingError)
 # What redis-py says of a command it never sent: a connection refused, or no connection free in
 # time (its blocking pool's wait, the cluster's; ``redis_cluster``).
 _NOT_SENT_MESSAGES = ("connecting to", "Connection refused", "No connection available")
+# Set (True) on the error of a command an earlier try of which may have gone out: the cluster
+# client retries a try that timed out or lost its connection (``redis_cluster``).
+SENT_BEFORE = "lbp_sent_before"
 
 
 def transient(err: ResponseError | RespError) -> bool:
@@ -73,5 +76,8 @@ def refused(err: ResponseError) -> bool:
 
 
 def never_sent(err: Exception) -> bool:
-    """A store failure that never carried its command (a timeout or a reset may have)."""
+    """A store failure that never carried its command (a timeout or a reset may have), nor did
+    any earlier try of it."""
+    if getattr(err, SENT_BEFORE, False):
+        return False
     return isinstance(err, MaxConnectionsError) or any(m in str(err) for m in _NOT_SENT_MESSAGES)

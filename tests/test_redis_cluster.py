@@ -1,0 +1,190 @@
+"""redis-py's Cluster client as the store runs it (``redis_cluster.QueuedCluster``): a command
+whose first try went out (its reply lost) and whose retry found no connection (the master gone:
+"connecting to ... refused"; the node's pool full: MaxConnectionsError) was sent, and its
+StoreError says it may have been applied; the billing views' pipelines wait for a connection
+rather than close the whole client."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio.cluster import ClusterNode
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from proxy.errors import StoreError
+from proxy.redis_store import RedisStore
+from proxy.store import Scope
+from tests.cluster import RedisClusterProcesses
+
+AMOUNTS = {"requests": 1, "input_tokens": 10, "output_tokens": 20, "total_tokens": 30}
+
+
+@pytest.fixture
+async def own_cluster(tmp_path: Path) -> Any:
+    cluster = await asyncio.to_thread(RedisClusterProcesses(tmp_path / "cluster", masters=3).start)
+    try:
+        yield cluster
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def lose_first_script_reply(monkeypatch: pytest.MonkeyPatch, after: Any) -> list[Any]:
+    """The first EVALSHA runs on its master (its reply is read), then the reply is taken for
+    lost (a socket timeout), after ``after(node)`` ran."""
+    parse = ClusterNode.parse_response
+    lost: list[Any] = []
+
+    async def reply_lost(self: ClusterNode, connection: Any, command: str, **kwargs: Any) -> Any:
+        reply = await parse(self, connection, command, **kwargs)
+        if command == "EVALSHA" and not lost:
+            lost.append(reply)
+            await after(self)
+            raise RedisTimeoutError("Timeout reading from socket")
+        return reply
+
+    monkeypatch.setattr(ClusterNode, "parse_response", reply_lost)
+    return lost
+
+
+async def reserve(store: RedisStore) -> Any:
+    return await store.reserve(
+        tenant="team-a",
+        reservation_id="r1",
+        run_id="run1",
+        scopes=[Scope(name="run", key="lbp:{team-a}:run:run1")],
+        amounts=AMOUNTS,
+        lease_ms=60_000,
+        record="{}",
+    )
+
+
+async def test_a_reserve_sent_whose_retry_found_its_master_gone_maybe_applied(
+    own_cluster: RedisClusterProcesses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taken for never sent, the reserve that ran was not released: its reservation stayed held
+    until a reaper billed it at its reserve, for a call that never went out."""
+    victim = await asyncio.to_thread(own_cluster.master_of, "team-a")
+    entry = next(n for n in own_cluster.nodes if n is not victim)
+    store = RedisStore.from_url(entry.url, cluster=True, socket_timeout_s=1)
+    try:
+        await store.load_scripts()
+
+        async def crash(node: ClusterNode) -> None:
+            await asyncio.to_thread(victim.kill)
+
+        lost = lose_first_script_reply(monkeypatch, crash)
+        with pytest.raises(StoreError) as failed:
+            await reserve(store)
+        assert lost and int(lost[0][0]) == 1  # the reserve ran: a reservation is held
+        # redis-py's retries ended on "Error 111 connecting to ... Connection refused."
+        assert "connecting to" in str(failed.value), failed.value
+        assert failed.value.maybe_applied, "a reserve that ran is taken for one never sent"
+    finally:
+        await store.close()
+
+
+async def test_a_reserve_sent_whose_retry_found_the_pool_full_maybe_applied(
+    own_cluster: RedisClusterProcesses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's connections beyond the permits are the billing views' pipelines': in use by
+    them when the retry comes, the retry fails MaxConnectionsError."""
+    victim = await asyncio.to_thread(own_cluster.master_of, "team-a")
+    store = RedisStore.from_url(victim.url, cluster=True, pool_size=1, socket_timeout_s=1)
+    held: list[Any] = []
+    taking: list[asyncio.Task[None]] = []
+    try:
+        await store.load_scripts()
+
+        async def take(node: ClusterNode) -> None:
+            # What pipelines in flight hold: every connection, the lost try's too once it is
+            # released (the retry refreshes the topology first).
+            for _ in range(1000):
+                while len(node._connections) < node.max_connections or node._free:
+                    held.append(node.acquire_connection())
+                await asyncio.sleep(0)
+
+        async def views_take_the_rest(node: ClusterNode) -> None:
+            taking.append(asyncio.create_task(take(node)))
+
+        lost = lose_first_script_reply(monkeypatch, views_take_the_rest)
+        with pytest.raises(StoreError) as failed:
+            await reserve(store)
+        assert lost and int(lost[0][0]) == 1
+        assert "MaxConnectionsError" in repr(failed.value.__cause__), repr(failed.value.__cause__)
+        assert failed.value.maybe_applied, f"a reserve that ran is taken for one never sent: {failed.value!r}"
+    finally:
+        for task in taking:
+            task.cancel()
+        await store.close()
+
+
+async def test_more_billing_view_pipelines_than_the_spare_connections_tear_nothing_down(
+    own_cluster: RedisClusterProcesses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The nodes' pools hold pool_size + 8: the permits bound the commands, nothing bounds the
+    views' pipelines. A pipeline that finds its node's pool full fails MaxConnectionsError, a
+    ConnectionError, which ClusterPipeline.execute retries after closing the whole client
+    (``cluster_client.aclose()``): every connection, those of the calls' scripts in flight too."""
+    store = RedisStore.from_url(own_cluster.url, cluster=True, pool_size=1, socket_timeout_s=2)
+    closed: list[bool] = []
+    aclose = type(store.client).aclose
+
+    async def counted(self: Any) -> None:
+        closed.append(True)
+        await aclose(self)
+
+    try:
+        await store.load_scripts()
+        monkeypatch.setattr(type(store.client), "aclose", counted)
+        keys = [f"lbp:{{team-a}}:run:v{i}" for i in range(3)]
+        await asyncio.gather(*(store.scope_meters(tenant="team-a", keys=keys) for _ in range(12)))
+        assert closed == [], "a burst of 12 views closed every connection of the client"
+    finally:
+        monkeypatch.undo()
+        await store.close()
+
+
+async def test_calls_reserving_beside_a_burst_of_views_fail_only_as_the_store(
+    own_cluster: RedisClusterProcesses,
+) -> None:
+    """Calls' reserves beside bursts of billing views: no view's pipeline closes the whole
+    client (every connection, the reserves' in flight too), no view fails."""
+    store = RedisStore.from_url(own_cluster.url, cluster=True, pool_size=4, socket_timeout_s=2)
+    try:
+        await store.load_scripts()
+        keys = [f"lbp:{{team-a}}:run:v{i}" for i in range(3)]
+        scope = Scope(name="run", key="lbp:{team-a}:run:burst")
+
+        async def one(i: int) -> Any:
+            return await store.reserve(
+                tenant="team-a",
+                reservation_id=f"b{i}",
+                run_id="burst",
+                scopes=[scope],
+                amounts=AMOUNTS,
+                lease_ms=60_000,
+                record="{}",
+            )
+
+        closes: list[bool] = []
+        aclose = store.client.aclose
+
+        async def counted() -> None:
+            closes.append(True)
+            await aclose()
+
+        store.client.aclose = counted  # type: ignore[method-assign]
+        for _ in range(5):
+            views = [store.scope_meters(tenant="team-a", keys=keys) for _ in range(40)]
+            results = await asyncio.gather(*views, *(one(i) for i in range(24)), return_exceptions=True)
+            if any(isinstance(r, BaseException) for r in results):
+                break
+        odd = [r for r in results if isinstance(r, BaseException) and not isinstance(r, StoreError)]
+        store_errors = [r for r in results if isinstance(r, StoreError)]
+        assert odd == [], odd
+        assert closes == [] and store_errors == [], "views' pipelines closed the whole client"
+    finally:
+        await store.close()
