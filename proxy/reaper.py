@@ -90,7 +90,13 @@ async def reap_tenant(
     settled: list[dict[str, str]] = []
 
     async def reap(lease: ExpiredLease) -> bool:
-        """Settle one lease at its reserve; False when the store refuses it for good."""
+        """Settle one lease at its reserve; False when it stays in the index: its record cannot
+        be read, or the store refuses its settle for good."""
+        if not lease.readable:
+            log.error(
+                "expired lease with a damaged record left for an operator", extra={"reservation_id": lease.id}
+            )
+            return False
         actual, entry, run_id, run_ttl_s = lease_entry(lease)
         try:
             entry_id = await store.settle(
@@ -114,14 +120,20 @@ async def reap_tenant(
             log.warning("lease expired, settled at reserve", extra={"entry": entry})
         return True
 
+    # The leases this round left in the index (oldest first): the next batch starts past them,
+    # or a batch's worth of them at its head hid every lease after them, round after round.
+    left = 0
     while True:
-        leases = await store.expired_leases(tenant=tenant, limit=BATCH, grace_ms=int(grace_s * 1000))
+        leases = await store.expired_leases(
+            tenant=tenant, limit=BATCH, grace_ms=int(grace_s * 1000), skip=left
+        )
         # Every settle of the batch runs to its end (and is counted) before a store error raises.
         outcomes = await asyncio.gather(*(reap(lease) for lease in leases), return_exceptions=True)
         failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failed is not None:
             raise failed
-        if len(leases) < BATCH or not any(outcomes):
+        left += outcomes.count(False)
+        if len(leases) < BATCH:
             return settled
 
 

@@ -334,9 +334,11 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
         args: list[Any] = [reservation_id, lease_ms, run_scope, *(s.ttl_s for s in scopes)]
         return int(await self._script("renew", keys, args)) == 1
 
-    async def expired_leases(self, *, tenant: str, limit: int, grace_ms: int = 0) -> list[ExpiredLease]:
+    async def expired_leases(
+        self, *, tenant: str, limit: int, grace_ms: int = 0, skip: int = 0
+    ) -> list[ExpiredLease]:
         prefix = key_prefix(tenant)
-        ids = await self._script("expired", [f"{prefix}leases"], [limit, grace_ms])
+        ids = await self._script("expired", [f"{prefix}leases"], [limit, grace_ms, skip])
         # Read at once: the reads share round trips (one each, a dead instance's leases held
         # their budgets' room longer).
         leases = f"{prefix}leases"
@@ -352,7 +354,13 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
                 values = [int(v) for v in str(amounts).split()]
                 scope_ttls_s = tuple(int(v) for v in str(ttls or "").split())
             except ValueError:
-                continue  # a damaged record: the reaper skips it rather than dying on it
+                # A damaged record: the reaper leaves it for an operator rather than dying on it.
+                out.append(
+                    ExpiredLease(
+                        id=str(res_id), tenant=tenant, scope_keys=(), amounts={}, record="", readable=False
+                    )
+                )
+                continue
             out.append(
                 ExpiredLease(
                     id=str(res_id),

@@ -116,6 +116,7 @@ class ExpiredLease:
     record: str
     scope_ttls_s: tuple[int, ...] = ()  # as reserved (records written before they were kept: none)
     clamped: bool = False  # the reserve lowered the call's output cap (its ledger entry says so)
+    readable: bool = True  # False: a damaged record, not to be settled (its amounts unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +213,12 @@ class Store(Protocol):
         self, *, tenant: str, reservation_id: str, lease_ms: int, scopes: Sequence[Scope] = ()
     ) -> bool: ...
 
-    async def expired_leases(self, *, tenant: str, limit: int, grace_ms: int = 0) -> list[ExpiredLease]: ...
+    async def expired_leases(
+        self, *, tenant: str, limit: int, grace_ms: int = 0, skip: int = 0
+    ) -> list[ExpiredLease]:
+        """Up to ``limit`` leases of ``tenant`` that ran out ``grace_ms`` ago or more, oldest
+        first, past the first ``skip`` of them."""
+        ...
 
     async def meters(self, key: str) -> dict[str, MeterState]: ...
 

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
-from proxy.reaper import reap_tenant, run_reaper
+from proxy.reaper import BATCH, reap_tenant, run_reaper
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE
@@ -265,6 +265,28 @@ class ScriptsInFlight(RedisStore):
             self.running[name] -= 1
 
 
+async def expired_reservations(
+    store: RedisStore, redis_client: aioredis.Redis, scope: Scope, ids: list[str]
+) -> None:
+    """Reserve ``ids`` in turn on ``scope`` (12 tokens each, a 1 ms lease: each runs out after
+    the one before) and wait until every lease ran out by the store's clock."""
+    for rid in ids:
+        held = await store.reserve(
+            tenant="team-a",
+            reservation_id=rid,
+            run_id=scope.key.rpartition(":")[2],
+            scopes=[scope],
+            amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+            lease_ms=1,
+            record=f'{{"run_id": "{scope.key.rpartition(":")[2]}"}}',
+        )
+        assert isinstance(held, Reservation)
+    while await redis_client.zcount(
+        "lbp:{team-a}:leases", "-inf", int(await store.synced_now() * 1000)
+    ) < len(ids):
+        await asyncio.sleep(0.01)
+
+
 async def test_a_round_reads_and_settles_a_batch_of_leases_together(
     redis_server: RedisServerProcess, redis_client: aioredis.Redis
 ) -> None:
@@ -276,21 +298,7 @@ async def test_a_round_reads_and_settles_a_batch_of_leases_together(
     scope = Scope(name="run", key="lbp:{team-a}:run:dead", ttl_s=600)
     ids = [f"dead-{i}" for i in range(30)]
     try:
-        for rid in ids:
-            held = await store.reserve(
-                tenant="team-a",
-                reservation_id=rid,
-                run_id="dead",
-                scopes=[scope],
-                amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-                lease_ms=1,
-                record='{"run_id": "dead"}',
-            )
-            assert isinstance(held, Reservation)
-        while await redis_client.zcount(
-            "lbp:{team-a}:leases", "-inf", int(await store.synced_now() * 1000)
-        ) < len(ids):
-            await asyncio.sleep(0.01)  # every lease ran out (1 ms each, by the store's clock)
+        await expired_reservations(store, redis_client, scope, ids)
         counted: list[str] = []
         reaped = await reap_tenant(
             store, "team-a", on_settled=lambda entry: counted.append(entry["reservation_id"])
@@ -299,5 +307,30 @@ async def test_a_round_reads_and_settles_a_batch_of_leases_together(
         assert store.most["lease"] > 1 and store.most["settle"] > 1  # one at a time: 1 and 1
         meter = (await store.meters(scope.key))["total_tokens"]
         assert (meter.used, meter.reserved) == (12 * len(ids), 0)
+    finally:
+        await store.close()
+
+
+async def test_a_batch_of_damaged_leases_at_the_head_hides_none_after_them(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """Leases a round leaves in the index (a record it cannot read, a settle the store refuses
+    for good) stay at its head, oldest first. A batch's worth of them there hid every lease that
+    ran out after them, round after round: their reserves held their budgets' room for good.
+    The next batch starts past them."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    scope = Scope(name="run", key="lbp:{team-a}:run:behind", ttl_s=600)
+    damaged = [f"damaged-{i:03d}" for i in range(BATCH)]
+    try:
+        await expired_reservations(store, redis_client, scope, [*damaged, "good"])
+        for rid in damaged:
+            await redis_client.hset(f"lbp:{{team-a}}:resv:{rid}", "amounts", "not numbers")
+        for _ in range(2):  # round after round
+            reaped = await reap_tenant(store, "team-a")
+            assert [e["reservation_id"] for e in reaped] in (["good"], [])
+        ledger = [e["reservation_id"] for _, e in await redis_client.xrange("lbp:{team-a}:ledger")]
+        assert ledger == ["good"]  # billed once, at its reserve
+        assert await redis_client.zcard("lbp:{team-a}:leases") == BATCH  # the damaged, for an operator
     finally:
         await store.close()
