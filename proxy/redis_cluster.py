@@ -24,9 +24,9 @@ from contextvars import ContextVar
 from typing import Any, cast
 
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.exceptions import MaxConnectionsError
+from redis.exceptions import MaxConnectionsError, ResponseError
 
-from proxy.redis_failures import SENT_BEFORE, never_sent
+from proxy.redis_failures import NOT_RUN_ERRORS, SENT_BEFORE, never_sent
 
 # The command being run by ``QueuedCluster.execute_command`` in this task: whether one of its
 # tries failed in a way that may have carried it (a list, shared with the tasks redis-py starts
@@ -116,6 +116,8 @@ class QueuedCluster(RedisCluster):
             return await super()._execute_command(target_node, *args, **kwargs)
         except Exception as err:
             sent = _tries_sent.get()
-            if sent is not None and not sent and not never_sent(err):
+            # An error reply (NOSCRIPT, LOADING, CLUSTERDOWN, ...) says this try did not run.
+            replied = isinstance(err, (ResponseError, *NOT_RUN_ERRORS))
+            if sent is not None and not sent and not replied and not never_sent(err):
                 sent.append(True)
             raise

@@ -75,9 +75,15 @@ def refused(err: ResponseError) -> bool:
     return isinstance(err, NoPermissionError) or not transient(err)
 
 
+def sent_before(err: BaseException) -> bool:
+    """An earlier try of the failed command may have gone out (``redis_cluster``): whatever
+    this error says of the last try, the command may have run."""
+    return bool(getattr(err, SENT_BEFORE, False))
+
+
 def never_sent(err: Exception) -> bool:
     """A store failure that never carried its command (a timeout or a reset may have), nor did
     any earlier try of it."""
-    if getattr(err, SENT_BEFORE, False):
+    if sent_before(err):
         return False
     return isinstance(err, MaxConnectionsError) or any(m in str(err) for m in _NOT_SENT_MESSAGES)

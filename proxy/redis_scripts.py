@@ -14,7 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from proxy.errors import StoreError, StoreRejected
-from proxy.redis_failures import NOT_RUN_ERRORS, STORE_FAILURES, never_sent, transient
+from proxy.redis_failures import NOT_RUN_ERRORS, STORE_FAILURES, never_sent, sent_before, transient
 from proxy.resp import ConnectionLost, PipelinedConnection, RespError
 
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
@@ -49,18 +49,24 @@ class ScriptRunner:
         # redis-py (a Cluster, or TLS: rediss://) does not say when a command is written: ``on_sent``
         # is not called.
         source, sha = self._scripts[name]
+        # A Cluster client's command whose earlier try may have gone out (``redis_cluster``):
+        # whatever its last try, or the EVAL sent after its NOSCRIPT, says, it may have run.
+        ran_before = False
         try:
             try:
                 return await self._client.evalsha(sha, len(keys), *keys, *args)
-            except NoScriptError:
+            except NoScriptError as err:
+                ran_before = sent_before(err)
                 return await self._client.eval(source, len(keys), *keys, *args)
-        except ResponseError as err:
-            if transient(err):
-                raise StoreError(f"{name}: {err}") from err
-            raise StoreRejected(f"{name}: {err}") from err
-        except NOT_RUN_ERRORS as err:
-            raise StoreError(f"{name}: {err}") from err
         except STORE_FAILURES as err:
+            if ran_before or sent_before(err):
+                raise StoreError(f"{name}: {err}", maybe_applied=True) from err
+            if isinstance(err, ResponseError):
+                if transient(err):
+                    raise StoreError(f"{name}: {err}") from err
+                raise StoreRejected(f"{name}: {err}") from err
+            if isinstance(err, NOT_RUN_ERRORS):
+                raise StoreError(f"{name}: {err}") from err
             raise StoreError(f"{name}: {err}", maybe_applied=not never_sent(err)) from err
 
     async def _piped_script(

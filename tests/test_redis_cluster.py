@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio.cluster import ClusterNode
+from redis.exceptions import BusyLoadingError, ClusterDownError, NoScriptError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.errors import StoreError
@@ -187,4 +188,97 @@ async def test_calls_reserving_beside_a_burst_of_views_fail_only_as_the_store(
         assert odd == [], odd
         assert closes == [] and store_errors == [], "views' pipelines closed the whole client"
     finally:
+        await store.close()
+
+
+def lose_first_script_reply_then_answer(monkeypatch: pytest.MonkeyPatch, answer: Any) -> list[Any]:
+    """The first EVALSHA runs (its reply read, then taken for lost); every later EVALSHA runs
+    too (reserve.lua: the same reservation id again, a retry that changes nothing) and its reply
+    is replaced by ``answer()``, an error reply."""
+    parse = ClusterNode.parse_response
+    lost: list[Any] = []
+
+    async def replied(self: ClusterNode, connection: Any, command: str, **kwargs: Any) -> Any:
+        reply = await parse(self, connection, command, **kwargs)
+        if command == "EVALSHA":
+            if not lost:
+                lost.append(reply)
+                raise RedisTimeoutError("Timeout reading from socket")
+            raise answer()
+        return reply
+
+    monkeypatch.setattr(ClusterNode, "parse_response", replied)
+    return lost
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda: BusyLoadingError("Redis is loading the dataset in memory"),  # the master restarted
+        lambda: ClusterDownError("The cluster is down"),  # a failover under way
+        lambda: ReadOnlyError("You can't write against a read only replica."),
+    ],
+    ids=["LOADING", "CLUSTERDOWN", "READONLY"],
+)
+async def test_a_reserve_sent_whose_retry_got_a_not_now_reply_maybe_applied(
+    own_cluster: RedisClusterProcesses, monkeypatch: pytest.MonkeyPatch, answer: Any
+) -> None:
+    """The retry got an error reply ("not now": likely in the failover that lost the first
+    reply). An earlier try went out all the same: the reserve may have run (the mark was read
+    only for the errors handed to ``never_sent``, not for replies)."""
+    store = RedisStore.from_url(own_cluster.url, cluster=True, socket_timeout_s=1)
+    try:
+        await store.load_scripts()
+        lost = lose_first_script_reply_then_answer(monkeypatch, answer)
+        with pytest.raises(StoreError) as failed:
+            await reserve(store)
+        assert lost and int(lost[0][0]) == 1  # the reserve ran: a reservation is held
+        assert failed.value.maybe_applied, f"a reserve that ran is taken for one not run: {failed.value!r}"
+    finally:
+        monkeypatch.undo()
+        await store.close()
+
+
+async def test_a_reserve_sent_whose_retry_found_no_script_then_no_permit_maybe_applied(
+    own_cluster: RedisClusterProcesses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first try ran (its reply lost) and the node then lost its scripts (a restart, a
+    failover to a node that never loaded them): the retry is refused NOSCRIPT (marked sent
+    before), and the store sends EVAL, a command of its own whose tries know nothing of the
+    first. That EVAL waiting in vain for a permit (the other calls' commands hold them all, as
+    in a failover) passed for a reserve never sent."""
+    store = RedisStore.from_url(own_cluster.url, cluster=True, pool_size=1, socket_timeout_s=1)
+    parse = ClusterNode.parse_response
+    lost: list[Any] = []
+    noscript: list[Any] = []
+    holders: list[Any] = []
+    try:
+        await store.load_scripts()
+        client: Any = store.client
+
+        async def replied(self: ClusterNode, connection: Any, command: str, **kwargs: Any) -> Any:
+            try:
+                reply = await parse(self, connection, command, **kwargs)
+            except NoScriptError as err:
+                noscript.append(err)
+                # Another call's command waits for the permit this one holds (pool_size 1), and
+                # takes it (FIFO) before the store's EVAL can.
+                holders.append(asyncio.ensure_future(client._permits.acquire()))
+                await asyncio.sleep(0)
+                raise
+            if command == "EVALSHA" and not lost:
+                lost.append(reply)
+                await connection.send_command("SCRIPT", "FLUSH")
+                await connection.read_response()
+                raise RedisTimeoutError("Timeout reading from socket")
+            return reply
+
+        monkeypatch.setattr(ClusterNode, "parse_response", replied)
+        with pytest.raises(StoreError) as failed:
+            await reserve(store)
+        assert lost and int(lost[0][0]) == 1  # the reserve ran: a reservation is held
+        assert noscript and getattr(noscript[0], "lbp_sent_before", False)
+        assert failed.value.maybe_applied, f"a reserve that ran is taken for one never sent: {failed.value!r}"
+    finally:
+        monkeypatch.undo()
         await store.close()
