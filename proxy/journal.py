@@ -175,13 +175,7 @@ class Journal:
             self._file.seek(0)
             text = self._file.read()
             lines = text.decode("utf-8", "replace").splitlines()
-            cut: RoundCut | None = None
-            try:
-                done, left = await apply_lines(
-                    store, lines, self.directory / DEAD_LETTERS, on_applied, on_parked
-                )
-            except RoundCut as stop:  # a shutdown: what went still goes, then the cancel
-                cut, done, left = stop, stop.gone, stop.left
+            done, left, cut = await self._apply(store, lines, on_applied, on_parked)
             applied += done
             if done:
                 # The lines applied go (applied again, a settle's own try gets its entry, and
@@ -194,6 +188,17 @@ class Journal:
                 raise cut
         applied += await self._adopt(store, on_applied, on_parked)
         return applied
+
+    async def _apply(
+        self, store: Store, lines: list[str], on_applied: OnApplied, on_parked: OnParked
+    ) -> tuple[int, list[str], RoundCut | None]:
+        """``apply_lines``: how many lines went, those left, and the cancel that cut the round
+        (a shutdown), for the caller to raise once it has rewritten its file: what went goes."""
+        try:
+            done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied, on_parked)
+        except RoundCut as cut:
+            return cut.gone, cut.left, cut
+        return done, left, None
 
     def _replace_file(self, rest: bytes) -> None:
         """Our file holding ``rest`` alone, replaced whole (``_locked_beside``). Truncated in
@@ -237,13 +242,7 @@ class Journal:
                 if not _still_at(handle, path):
                     continue  # replayed meanwhile by another process, and removed or rewritten
                 lines = handle.read().splitlines()
-                cut: RoundCut | None = None
-                try:
-                    done, left = await apply_lines(
-                        store, lines, self.directory / DEAD_LETTERS, on_applied, on_parked
-                    )
-                except RoundCut as stop:  # a shutdown: what went still goes, then the cancel
-                    cut, done, left = stop, stop.gone, stop.left
+                done, left, cut = await self._apply(store, lines, on_applied, on_parked)
                 applied += done
                 if not left:
                     path.unlink()

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import Journal
@@ -82,28 +83,17 @@ async def _cut_round_then_last_replay(url: str, tmp_path: Path, *, swallows: boo
     return counted
 
 
-async def test_a_round_whose_cancel_the_store_client_swallowed_counts_no_entry_twice(
-    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+@pytest.mark.parametrize("swallows", [False, True], ids=["cancelled", "cancel-swallowed"])
+async def test_a_round_cut_by_a_cancel_counts_no_entry_twice(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path, swallows: bool
 ) -> None:
-    """A cancel the store client swallowed mid-settle (redis-py may: ``app._stopped``) still ends
-    the round once its window is done. The lines the store took go from the file before the
-    cancel goes on: left, the shutdown's last replay applied and counted them again."""
+    """Shutdown cancels a round mid-window, then replays once more. The lines the store took
+    before the cancel go from the file before the cancel goes on; the lines it did not reach
+    stay. Left in the file, the last replay applied and counted them again (before windows,
+    those before the line in flight). A cancel the store client swallows mid-settle (redis-py
+    may: ``app._stopped``) still ends the round once its window is done, the same way."""
     await held_reservations(redis_client, *IDS)
-    counted = await _cut_round_then_last_replay(redis_server.url, tmp_path, swallows=True)
-    twice = {rid: n for rid, n in collections.Counter(counted).items() if n > 1}
-    assert not twice, twice
-    assert sorted(counted) == IDS
-    assert await redis_client.xlen(LEDGER) == len(IDS)
-
-
-async def test_a_round_cancelled_mid_window_counts_no_entry_twice(
-    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
-) -> None:
-    """Shutdown cancels a round mid-window: the lines the store took before the cancel go from
-    the file (before, those before the line in flight were applied and counted again by the
-    shutdown's last replay), the lines it did not reach stay."""
-    await held_reservations(redis_client, *IDS)
-    counted = await _cut_round_then_last_replay(redis_server.url, tmp_path, swallows=False)
+    counted = await _cut_round_then_last_replay(redis_server.url, tmp_path, swallows=swallows)
     twice = {rid: n for rid, n in collections.Counter(counted).items() if n > 1}
     assert not twice, twice
     assert sorted(counted) == IDS
