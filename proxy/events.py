@@ -1,8 +1,8 @@
 """Observe a stream's SSE events and decide, event by event, what the client gets.
 
 Every event is passed on byte for byte, except usage the client did not ask for (its
-``"usage":null`` cut off, the usage-only chunk dropped) and ``[DONE]`` (written by the relay
-after the billing comment).
+``"usage":null`` cut off, the usage-only chunk dropped), ``[DONE]`` (written by the relay
+after the billing comment) and whatever follows the answer's end.
 
 Most events of an OpenAI stream are content deltas that differ only in their text. The first
 such event is parsed in full; its bytes around the text become a template, and later runs of
@@ -57,9 +57,6 @@ class EventFilter:
         self._content_field = b'"content"' if dialect.endpoint == "chat.completions" else b'"text"'
         self._content_key = self._content_field + b':"'
         self._strip = not client_wants_usage
-        # [DONE] ends the stream (written again by the relay after the billing comment): what an
-        # upstream sends after it would reach the client before it, and an SDK would read it.
-        self._ends_with_done = bool(dialect.done_marker)
         # Events passed on in runs (``runs=False``: never; one event at a time, as a reference).
         self.run_events = 0
         # The template: an event is prefix + quote-free text + suffix.
@@ -91,8 +88,8 @@ class EventFilter:
         """One read of the upstream body: the client's bytes for the events it completes (none
         held over when it ends in a blank line: no copies), or None when an event grows past
         ``limit`` bytes."""
-        if self.obs.done and self._ends_with_done:
-            return b""  # past [DONE]: nothing more goes out (the relay writes [DONE] last)
+        if self.obs.done:
+            return b""  # past the answer's end: nothing more goes out (see ``feed``)
         if self._after_cr:
             self._after_cr = False
             if piece.startswith(b"\n"):
@@ -197,8 +194,13 @@ class EventFilter:
         # many odd events (each a run's end) is not split again at each of them.
         tries = _RUN_TRIES
         while pos < size:
-            if self.obs.done and self._ends_with_done:
-                break  # what follows [DONE] in the same read: dropped too
+            if self.obs.done:
+                # The answer's end ([DONE], which the relay writes again after the billing
+                # comment; response.completed / incomplete / failed, message_stop, passed on):
+                # what follows it in the same read is dropped, as the relay drops the reads after
+                # it. Passed on, the client's SDK would read it (an error event: a whole answer
+                # raised), and observed it would bill the call otherwise (upstream_error).
+                break
             if events[pos] == LF:
                 # Blank lines too many ("\n\n\n"): passed on as they came, not as the start
                 # of the next event, which a read may end before (then they were an event).
