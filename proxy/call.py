@@ -21,6 +21,7 @@ from proxy.payload import (
     FAST_TIER,
     ChatBody,
     CompletionBody,
+    EmbeddingBody,
     Endpoint,
     MessagesBody,
     RequestView,
@@ -234,7 +235,9 @@ def plan_call(
         )
     if est.enforce_cap is not None and est.output_cap_field:
         set_output_cap(body, est.output_cap_field, est.enforce_cap)
-    stream = bool(getattr(view, "stream", False))
+    # The validated field: embeddings have none, and a "stream" there is passed through unread
+    # (an extra of any type, "no" included, which ``getattr`` would return all the same).
+    stream = not isinstance(view, EmbeddingBody) and view.stream is True
     client_wants_usage = False
     if stream and dialect.injects_usage:
         options = body.get("stream_options")

@@ -115,6 +115,18 @@ def _schema(response_format: Any) -> Any:
     return None
 
 
+def _anthropic_schema(view: MessagesBody) -> Any:
+    """An Anthropic structured output's schema (``output_config.format``, or the beta's top-level
+    ``output_format``), sent to the model as prompt as OpenAI's ``response_format`` is; None for
+    none. Read where ``call.plan_call`` reads it for JSON mode."""
+    extra = view.model_extra or {}
+    config = extra.get("output_config")
+    form = config.get("format") if isinstance(config, dict) else None
+    if form is None:
+        form = extra.get("output_format")
+    return _schema(form)
+
+
 def media_of(view: RequestView) -> int:
     """Image, audio and file parts of the prompt."""
     if isinstance(view, ChatBody):
@@ -131,8 +143,14 @@ def tools_overhead(view: RequestView, tools_input_tokens: int) -> int:
     """Input a provider adds to a call with tools beyond their JSON, which the text count holds:
     the model's tool-use system prompt (``tools_input_tokens``) and, for Anthropic's own tools,
     the definitions it writes for them (its published figures; a tool's JSON here is one line)."""
-    # Chat's legacy ``functions`` are tools to the provider: the same tool-use prompt.
-    tools = getattr(view, "tools", None) or getattr(view, "functions", None)
+    # Chat's legacy ``functions`` are tools to the provider: the same tool-use prompt. Read from
+    # the validated fields only: elsewhere a field of that name is passed through unread (an
+    # extra of any type, which ``getattr`` would return all the same).
+    tools: list[dict[str, Any]] | None = None
+    if isinstance(view, ChatBody):
+        tools = view.tools or view.functions
+    elif isinstance(view, ResponsesBody | MessagesBody):
+        tools = view.tools
     if not tools and not _mcp_servers(view):
         return 0
     tokens = tools_input_tokens + ENUM_ITEM_TOKENS * _enum_items(tools)
@@ -204,7 +222,7 @@ def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, in
         )
         return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
     if isinstance(view, MessagesBody):
-        parts = _with_json(items_parts(view.messages, view.system), view.tools)
+        parts = _with_json(items_parts(view.messages, view.system), view.tools, _anthropic_schema(view))
         return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
     source = (view.prompt if isinstance(view, CompletionBody) else view.input) or ""
     # Insert mode: each prompt of a list is sent with the suffix.

@@ -476,6 +476,18 @@ async def test_embeddings_with_chat_only_fields_is_refused_or_billed(post: Any, 
     assert_contract(await post(EMBEDDINGS, dumps(body)))
 
 
+@pytest.mark.parametrize("stream", [True, "yes", "false", [1]], ids=repr)
+async def test_a_stream_field_on_embeddings_does_not_make_the_call_a_stream(post: Any, stream: Any) -> None:
+    """Embeddings have no ``stream``: one sent is passed through unread. It was read all the same
+    (pydantic hands an unvalidated extra to ``getattr``, and ``bool("false")`` is true): the call
+    was run as a stream (its time bounded only by the upstream's silences, its lease renewed)
+    and its ledger entry said ``stream: 1`` for a JSON answer."""
+    body = {"model": "text-embedding-3-small", "input": "hi", "stream": stream}
+    reply = await post(EMBEDDINGS, dumps(body))
+    assert_contract(reply)
+    assert reply.new_entries[0]["stream"] == "0", reply.new_entries  # was "1"
+
+
 @pytest.mark.parametrize(
     "messages",
     [

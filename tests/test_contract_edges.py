@@ -1316,3 +1316,48 @@ async def test_a_model_cap_that_would_leave_no_room_above_the_thinking_budget_is
     )
     assert reply.status == 200, reply.describe()
     assert json.loads(script.received[-1])["max_tokens"] == 4096
+
+
+@pytest.mark.parametrize("where", ["output_config.format", "output_format"])
+async def test_an_anthropic_structured_output_schema_counts_against_a_run_ceiling(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, where: str
+) -> None:
+    """Anthropic's structured outputs (``output_config.format``, the beta's ``output_format``) send
+    the schema to the model as prompt, as OpenAI's ``response_format`` does (a schema changed is
+    a prompt cache missed). It was not reserved: reserved at 13 input tokens, billed 2,010, a run
+    ceiling of 1,000 passed by one call."""
+    proxy = await _claude_proxy(make_proxy, script, tiers={"standard": {"run": {"total_tokens": CEILING}}})
+    script.plan = Plan(chunks=[_claude_answer(PROMPT_TOKENS + 8)])
+    form = {"type": "json_schema", "schema": {"type": "object", "description": DOC}}
+    body: dict[str, Any] = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    if where == "output_format":
+        body["output_format"] = form
+    else:
+        body["output_config"] = {"effort": "low", "format": form}
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body), headers=HDR)
+    assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()  # was 200, billed 2,011
+    assert int(await redis_client.hget(RUN, "used:total_tokens") or 0) <= CEILING
+
+
+@pytest.mark.parametrize("functions", [["lookup"], "lookup", {"name": "lookup"}, [1]])
+async def test_a_functions_field_on_a_messages_call_is_passed_through_not_a_500(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, functions: Any
+) -> None:
+    """``functions`` is chat's legacy tools; on a Messages call it is a field the proxy does not
+    read, passed through as any other. The tool-use estimate read it all the same (pydantic hands
+    an unvalidated extra to ``getattr``) and took each item for a tool object: a 500."""
+    proxy = await _claude_proxy(make_proxy, script)
+    script.plan = Plan(chunks=[_claude_answer(10)])
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        "functions": functions,
+    }
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body))
+    assert reply.status != 500, reply.describe()  # was 500, "Internal proxy error"
+    assert (reply.status, reply.upstream_calls, reply.ledger_growth) == (200, 1, 1), reply.describe()
