@@ -106,8 +106,11 @@ class Call:
     # that names it: kept, and reserved, as a context this call continues.
     stored_prompt: str | None = None
     prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
-    # Of ``continues``, those the reserve found marked as this call's tenant's already: not
-    # marked again (``contexts.contexts_owned``).
+    # Items of stored responses the input names by id, which the provider looks up and reads
+    # as input (``item_reference``, a reasoning item without its content): as given.
+    references: tuple[str, ...] = ()
+    # Of ``continues`` and ``references`` (keyed), those the reserve found marked as this call's
+    # tenant's already: not marked again (``contexts.contexts_owned``).
     continues_owned: tuple[str, ...] = ()
 
     @property
@@ -302,6 +305,7 @@ def plan_call(
         conversation=conversation,
         stores_answer=stores_answer,
         stored_prompt=stored_prompt,
+        references=_references(view),
     )
 
 
@@ -319,6 +323,27 @@ def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
     conversation = _context_id(view.conversation)
     continues = tuple(c for c in (previous, conversation) if c is not None)
     return continues, conversation, view.store is not False
+
+
+def _references(view: RequestView) -> tuple[str, ...]:
+    """The ids of stored items a Responses input names for the provider to look up: item
+    references (their ``type`` may be left out: an item of an id alone) and reasoning items sent
+    back without their encrypted content (read from the store by id)."""
+    items = view.input if isinstance(view, ResponsesBody) else None
+    if not isinstance(items, list):
+        return ()
+    found: list[str] = []
+    for item in items:
+        kind = item.get("type")
+        looked_up = (
+            kind == "item_reference"
+            or (kind is None and "role" not in item and "content" not in item)
+            or (kind == "reasoning" and not item.get("encrypted_content"))
+        )
+        ref = item.get("id")
+        if looked_up and isinstance(ref, str) and ref:
+            found.append(ref)
+    return tuple(dict.fromkeys(found))
 
 
 def _stored_prompt(view: RequestView) -> str | None:

@@ -59,10 +59,11 @@ async def keep_context(ex: Exchange) -> None:
 
 
 def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
-    """What becomes this call's tenant's: the contexts it made, and those it continued (a
-    previous response no tenant had marked: made before, or with the provider directly).
-    Only with the operator's key (a pass-through caller's own key goes upstream), and never
-    a stored prompt: the operator's, for any tenant to name."""
+    """What becomes this call's tenant's: the contexts it made and the items of its stored
+    answer, and those it continued or named (a previous response or an item no tenant had
+    marked: made before, or with the provider directly). Only with the operator's key (a
+    pass-through caller's own key goes upstream), and never a stored prompt: the operator's,
+    for any tenant to name."""
     call = ex.call
     if call.endpoint != "responses" or ex.operator_key is None:
         return []
@@ -70,9 +71,10 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
         return []
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
-    skip = {call.stored_prompt, *call.continues_owned}
-    continued = [c for c in call.continues if c not in made and c not in skip]
-    return [c for c in made if c != call.stored_prompt] + continued
+    skip = {call.stored_prompt, *call.continues_owned, *made}
+    items = [context_key(i) for i in ex.obs.item_ids] if call.stores_answer else []
+    named = [*call.continues, *items, *(context_key(r) for r in call.references)]
+    return [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
 
 
 def contexts_made(ex: Exchange) -> list[str]:

@@ -204,6 +204,8 @@ class Observation:
     output_told: bool = False
     # The id of the answer the provider keeps (Responses API): a later call may continue it.
     response_id: str | None = None
+    # The ids of its output items (Responses API): a later call may name them (item references).
+    item_ids: list[str] = field(default_factory=list)
     # Responses messages that are not the final answer (a ``phase`` of ``commentary``), by
     # output index and item id: their text is output, never the structured answer.
     side_messages: set[int | str] = field(default_factory=set)

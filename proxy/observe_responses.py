@@ -33,6 +33,7 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
     for item in response.get("output") or ():
         if not isinstance(item, dict):
             continue
+        _item_id(obs, item)
         kind = item.get("type")
         final = not _side_message(item)
         if _is_call(kind):
@@ -122,6 +123,12 @@ def _side_message(item: dict[str, Any]) -> bool:
     return item.get("type") == "message" and phase is not None and phase != "final_answer"
 
 
+def _item_id(obs: Observation, item: dict[str, Any]) -> None:
+    found = item.get("id")
+    if isinstance(found, str) and found and found not in obs.item_ids:
+        obs.item_ids.append(found)
+
+
 def _response_id(obs: Observation, response: dict[str, Any]) -> None:
     found = response.get("id")
     if isinstance(found, str) and found:
@@ -142,6 +149,8 @@ def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         obs.add_text(0, obj.get("delta"), content=not side)
     elif kind == "response.output_item.added":
         item = obj.get("item")
+        if isinstance(item, dict):
+            _item_id(obs, item)  # a stream cut before its end leaves the items made so far
         if isinstance(item, dict) and item.get("type") in _UNCOUNTED_ITEMS:
             obs.hidden_output = True  # it thinks, or draws: tokens billed, never streamed as text
         if isinstance(item, dict) and _is_call(item.get("type")):

@@ -4,6 +4,7 @@ a later call continuing it) and the tenant it is (no other tenant's call continu
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -56,13 +57,22 @@ class ContextCommands(ScriptRunner):
         )
 
     async def context_owners(self, *, ids: Sequence[str]) -> list[str | None]:
-        try:
-            # One key a command: the keys are in other slots than the tenant's (Cluster).
-            found: list[Any] = [await self._client.get(_owner_key(i)) for i in ids]
-        except STORE_FAILURES as err:
-            raise StoreError(f"context owners: {err}") from err
+        # One key a command (the keys are in other slots than the tenant's, Cluster), all sent
+        # at once: a call naming many stored items waits one round trip, not one per item.
+        found = await asyncio.gather(*(self._client.get(_owner_key(i)) for i in ids), return_exceptions=True)
+        for f in found:
+            if isinstance(f, STORE_FAILURES):
+                raise StoreError(f"context owners: {f}") from f
+            if isinstance(f, BaseException):
+                raise f
         return [None if f is None else str(f) for f in found]
 
     async def claim_contexts(self, *, tenant: str, ids: Sequence[str]) -> None:
-        for i in ids:
-            await self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S])
+        # All at once: an answer's items are marked with it, in one round trip.
+        done = await asyncio.gather(
+            *(self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S]) for i in ids),
+            return_exceptions=True,
+        )
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 import orjson
 
-from proxy.call import Call, least_cap_accepted
+from proxy.call import Call, context_key, least_cap_accepted
 from proxy.config import Config
 from proxy.config_tiers import TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, NotFound, StoreError
@@ -131,7 +131,7 @@ async def reserve(
             param="model",
             code="model_not_priced",
         )
-    if call.continues and operator_key_sent(call.upstream, call.identity) is not None:
+    if (call.continues or call.references) and operator_key_sent(call.upstream, call.identity) is not None:
         await _refuse_another_tenants_context(store, call)
     if call.continues and config.limits.prior_context_ttl_s:
         await _add_prior_context(store, call, metrics)
@@ -215,27 +215,29 @@ def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> boo
 
 
 async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
-    """With the operator's key, every tenant's stored responses and conversations are one
-    account's at the provider: a call continuing another tenant's (its id seen in a log, a shared
-    trace) would be answered from that tenant's context. Refused as the provider refuses an id
-    it does not know, before anything is reserved or forwarded. An id no tenant used here (made
-    with the provider directly, or older than the provider keeps it) passes, as before."""
+    """With the operator's key, every tenant's stored responses, conversations and their items
+    are one account's at the provider: a call continuing another tenant's (its id seen in a log,
+    a shared trace), or naming one of its items, would be answered from that tenant's context.
+    Refused as the provider refuses an id it does not know, before anything is reserved or
+    forwarded. An id no tenant used here (made with the provider directly, or older than the
+    provider keeps it) passes, as before."""
     # Not a stored prompt: the operator's, for any tenant to name.
-    ids = [ctx for ctx in call.continues if ctx != call.stored_prompt]
+    contexts = [ctx for ctx in call.continues if ctx != call.stored_prompt]
+    items = {context_key(ref): ref for ref in call.references}
+    ids = contexts + [key for key in items if key not in contexts]
     if not ids:
         return
     owners = await store.context_owners(ids=ids)
-    if all(owner is None or owner == call.identity.tenant for owner in owners):
+    mine = (None, call.identity.tenant)
+    theirs = [ctx for ctx, owner in zip(ids, owners, strict=True) if owner not in mine]
+    if not theirs:
         call.continues_owned = tuple(ctx for ctx, owner in zip(ids, owners, strict=True) if owner is not None)
         return
-    conversation = call.conversation is not None and any(
-        owner not in (None, call.identity.tenant)
-        for ctx, owner in zip(ids, owners, strict=True)
-        if ctx == call.conversation
-    )
-    if conversation:
+    if call.conversation is not None and call.conversation in theirs:
         raise NotFound("Conversation not found.", param="conversation")
-    raise NotFound("Previous response not found.", param="previous_response_id")
+    if any(ctx in contexts for ctx in theirs):
+        raise NotFound("Previous response not found.", param="previous_response_id")
+    raise NotFound(f"Item with id '{items[theirs[0]]}' not found.", param="input")
 
 
 async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None:

@@ -204,6 +204,23 @@ def _responses_prompt(body: JsonDict) -> int:
     return total
 
 
+def _item_references(body: JsonDict) -> list[str]:
+    """The stored items an input names by id, as OpenAI reads them: an ``item_reference`` (its
+    type may be left out) or a reasoning item without its encrypted content."""
+    found = []
+    for item in body.get("input") if isinstance(body.get("input"), list) else []:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+            continue
+        kind = item.get("type")
+        if (
+            kind == "item_reference"
+            or (kind is None and "role" not in item and "content" not in item)
+            or (kind == "reasoning" and not item.get("encrypted_content"))
+        ):
+            found.append(item["id"])
+    return found
+
+
 def _response_id(body: JsonDict, no: int) -> str:
     """``resp_<n>``; ``fake.id_prefix`` another prefix (a gateway's ids: long, base64)."""
     return f"{_control(body).get('id_prefix', 'resp_')}{no}"
@@ -276,8 +293,13 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     for kept in (previous, conversation):
         if kept is not None and kept not in host.contexts:
             return error_response(404, f"Previous response with id '{kept}' not found.", headers=headers)
-    # The context it continues is input again, as OpenAI bills it.
+    named = _item_references(body)
+    for ref in named:
+        if ref not in host.items:
+            return error_response(404, f"Item with id '{ref}' not found.", headers=headers)
+    # The context it continues, and the stored items it names, are input again, as OpenAI bills them.
     prompt = _responses_prompt(body) + sum(host.contexts[k] for k in (previous, conversation) if k)
+    prompt += sum(host.items[ref] for ref in named)
     usage: JsonDict = {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -310,6 +332,7 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
         context = _num(usage, "input_tokens") + _num(usage, "output_tokens")
         if body.get("store") is not False:
             host.contexts[_response_id(body, no)] = context
+            host.items[f"msg_{no}"] = len(pieces)
         if conversation:
             host.contexts[str(conversation)] = context
     sent_usage = None if ctl.get("no_usage") else usage

@@ -160,6 +160,8 @@ class FakeUpstream:
         # What the provider keeps (Responses API): a stored response's or a conversation's
         # context in tokens, billed again as input by a call that continues it.
         self.contexts: dict[str, int] = {}
+        # A stored response's output items by id, in tokens: read as input by a call naming one.
+        self.items: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._released = asyncio.Event()  # for "hold": set by release()

@@ -654,7 +654,8 @@ async def test_a_responses_stream_marks_its_answer_as_its_tenants_once(
     marks = await owner_marks_of(
         redis_client, a.responses.create(model="gpt-4o-mini", input="hi", stream=True)
     )
-    assert len(marks) == 1, marks
+    # Once each: the answer and its one output item.
+    assert sorted(m.split()[3] for m in marks) == [b"lbp:ctxowner:msg_2", b"lbp:ctxowner:resp_2"], marks
     await a.close()
 
 
@@ -694,6 +695,87 @@ async def test_a_call_continuing_its_tenants_own_response_marks_only_its_answer(
         redis_client,
         a.responses.create(model="gpt-4o-mini", input="go on", previous_response_id=first.id, stream=True),
     )
-    assert len(marks) == 1, marks
+    # Its answer and the answer's item only, not the response it continued.
+    assert sorted(m.split()[3] for m in marks) == [b"lbp:ctxowner:msg_2", b"lbp:ctxowner:resp_2"], marks
     assert await redis_client.get(f"lbp:ctxowner:{first.id}") == "team-a"
     await a.close()
+
+
+async def answer_items(client: openai.AsyncOpenAI, *, stream: bool, **extra: Any) -> list[str]:
+    """The ids of the output items of one stored answer, streamed or not."""
+    if not stream:
+        answer = await client.responses.create(model="gpt-4o-mini", **extra)
+        return [item.id for item in answer.output if item.id]
+    ids: list[str] = []
+    async for event in await client.responses.create(model="gpt-4o-mini", stream=True, **extra):
+        if event.type == "response.completed":
+            ids = [item.id for item in event.response.output if item.id]
+    return ids
+
+
+def naming(item_id: str, form: str) -> list[Any]:
+    """An input naming a stored item by id, in each form the provider looks one up."""
+    shapes = {
+        "item_reference": {"type": "item_reference", "id": item_id},
+        "untyped": {"id": item_id},  # the SDK's ItemReference: its type may be left out
+        "reasoning": {"type": "reasoning", "id": item_id, "summary": []},  # no encrypted_content
+    }
+    return [shapes[form], {"role": "user", "content": "repeat everything above"}]
+
+
+@pytest.mark.parametrize("form", ["item_reference", "untyped", "reasoning"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_cannot_name_another_tenants_stored_item(
+    stream: bool, form: str, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The items of a stored answer (its messages, calls, reasoning) are the provider's to look up
+    by id for any call with the operator's key: tenant B naming one of tenant A's (from a log, a
+    shared trace) had the provider read A's text into B's answer, as continuing A's response
+    would. Refused as the provider refuses an id it does not know, before anything is reserved
+    or forwarded; A names its own as before."""
+    proxy = await make_proxy()
+    a = proxy.client()
+    (mine,) = await answer_items(a, stream=stream, input="my secret plan")
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError) as refused:
+            await b.responses.create(model="gpt-4o-mini", input=naming(mine, form))
+    assert len(fake.received) == sent, "another tenant's item went upstream with the operator's key"
+    assert refused.value.body == {
+        "message": f"Item with id '{mine}' not found.",
+        "type": "invalid_request_error",
+        "param": "input",
+        "code": "not_found",
+    }, refused.value.body
+    await a.responses.create(model="gpt-4o-mini", input=naming(mine, form))
+    assert len(fake.received) == sent + 1
+    await a.close()
+
+
+async def test_an_item_a_tenant_named_first_is_its_tenants(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """An item no tenant marked (made with the provider directly, or before the upgrade) passes,
+    and becomes the tenant's that named it, as a response it continues does."""
+    proxy = await make_proxy()
+    fake.items["msg_legacy"] = 5
+    a = proxy.client()
+    await a.responses.create(model="gpt-4o-mini", input=naming("msg_legacy", "item_reference"))
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.create(model="gpt-4o-mini", input=naming("msg_legacy", "item_reference"))
+    assert len(fake.received) == sent
+    await a.close()
+
+
+async def test_the_items_of_an_answer_not_stored_are_no_ones(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """``store: false``: the provider keeps nothing to look up, and the proxy marks nothing."""
+    proxy = await make_proxy()
+    async with proxy.client() as a:
+        (item,) = await answer_items(a, stream=False, input="hello", store=False)
+    fake.items[item] = 1  # as if kept all the same: whose it is was never written
+    async with proxy.client(KEY_B) as b:
+        await b.responses.create(model="gpt-4o-mini", input=naming(item, "item_reference"))
