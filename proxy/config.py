@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import math
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
@@ -95,9 +96,23 @@ class RedisConfig(Frozen):
         if unknown:
             raise ValueError(f"invalid Redis URL: unknown option {', '.join(unknown)[:80]}")
         try:
-            parse_url(value)  # type: ignore[no-untyped-call]
+            options = parse_url(value)  # type: ignore[no-untyped-call]
         except ValueError as err:
             raise ValueError(f"invalid Redis URL: {err}") from None
+        # Values that parse as numbers but that no connection can use: redis-py takes the URL's
+        # options over the proxy's own (socket_timeout_s), and every command it sent then failed
+        # (a timeout of 0 or less or NaN times out at once, a negative database, a protocol other
+        # than RESP2/3, a read size of 0) after check-config said ok.
+        for name in ("socket_timeout", "socket_connect_timeout"):
+            timeout = options.get(name)
+            if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+                raise ValueError(f"invalid Redis URL: {name} must be a number of seconds above 0")
+        if options.get("db", 0) < 0:
+            raise ValueError("invalid Redis URL: db must be 0 or more")
+        if options.get("protocol", 2) not in (2, 3):
+            raise ValueError("invalid Redis URL: protocol must be 2 or 3")
+        if options.get("socket_read_size", 1) < 1:
+            raise ValueError("invalid Redis URL: socket_read_size must be 1 or more")
         db = parts.path.lstrip("/") if parts.scheme != "unix" else ""
         if db and not db.isdigit():
             raise ValueError(f"invalid Redis URL: the database {db[:40]!r} is not a number")
@@ -212,6 +227,14 @@ class LimitsConfig(Frozen):
     # settle pushes it back): a call without X-Run-Id is a run of its own, and its keys must not
     # stay for ever. 0: runs are kept for ever. The tenant ledger keeps every entry regardless.
     run_ttl_s: int = Field(default=7 * 24 * 3600, ge=0, le=10 * 366 * 24 * 3600)
+
+    @field_validator("default_max_output_tokens", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        # YAML's yes/on/true would be 1: every call without a cap of its own capped at 1 token.
+        if isinstance(value, bool):
+            raise ValueError("a token count, not true or false")
+        return value
 
     @field_validator("run_ttl_s")
     @classmethod

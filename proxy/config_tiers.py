@@ -84,6 +84,13 @@ class TierConfig(Frozen):
     on_budget_short: Literal["refuse", "clamp"] = "refuse"
     min_output_tokens: int = Field(default=1, ge=1)
 
+    @field_validator("min_output_tokens", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("a token count, not true or false")
+        return value
+
     @model_validator(mode="after")
     def _one_window_per_period(self) -> TierConfig:
         for name in ("windows", "tenant"):

@@ -561,3 +561,42 @@ def test_a_negative_chat_template_overhead_is_refused(field: str) -> None:
     """A negative figure would lower the reserve below the input counted, under the worst case."""
     error = error_of({**UP, "models": {"*": {"upstream": "openai", field: -5}}})
     assert f"models.*.{field}" in error and "greater than or equal to 0" in error, error
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "socket_timeout=-1",
+        "socket_timeout=0",
+        "socket_timeout=nan",
+        "socket_connect_timeout=0",
+        "db=-1",
+        "protocol=7",
+        "socket_read_size=0",
+    ],
+)
+def test_a_redis_url_option_no_connection_can_use_is_a_config_error(query: str) -> None:
+    """README: 'an unknown option, a bad value or a database that is not a number is a config
+    error (exit 2)'. These parse as numbers, so check-config said ok; redis-py takes the URL's
+    options over the proxy's own, and then every command it sends failed: the billing views a
+    503, the reaper 'could not reach the store' for ever (a dead instance's leases never billed),
+    ``ledger`` and ``report`` a store error (exit 3)."""
+    name = query.partition("=")[0]
+    for url in (f"redis://127.0.0.1:6379/0?{query}", f"unix:///run/redis.sock?{query}"):
+        assert name in error_of({**UP, "redis": {"url": url}})
+    assert name in error_of({**UP, "redis": {"url_env": "REDIS_URL"}}, {"REDIS_URL": f"redis://h/0?{query}"})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {**UP, "limits": {"default_max_output_tokens": True}},
+        {**UP, "tiers": {"standard": {"on_budget_short": "clamp", "min_output_tokens": True}}},
+    ],
+    ids=["limits.default_max_output_tokens", "tiers.min_output_tokens"],
+)
+def test_an_output_token_count_is_not_true_or_false(raw: dict[str, Any]) -> None:
+    """As a model's token counts and the ceilings (README: true/false are not counts): YAML's
+    yes/on/true read as 1, and ``default_max_output_tokens: yes`` capped every call that sets no
+    cap of its own at one output token upstream, check-config saying ok."""
+    assert "not true or false" in error_of(raw)
