@@ -118,18 +118,36 @@ async def claim(ex: Exchange, ids: list[str]) -> None:
 
 
 async def remember(ex: Exchange, ids: list[str], usage: BilledUsage) -> None:
-    """The context a later call continues is what this one read and wrote."""
-    try:
-        await ex.services.store.remember_context(
-            tenant=ex.call.identity.tenant,
+    """The context a later call continues is what this one read and wrote; an item of its
+    answer a later call names is at most what it wrote."""
+    store, limits, call = ex.services.store, ex.services.config.limits, ex.call
+    bound = usage.source == "reserve"
+    writes = [
+        store.remember_context(
+            tenant=call.identity.tenant,
             ids=ids,
             tokens=usage.input_tokens + usage.output_tokens,
-            ttl_s=ex.services.config.limits.prior_context_ttl_s,
-            bound=usage.source == "reserve",
-            base_tokens=ex.call.prior_context_tokens,
+            ttl_s=limits.prior_context_ttl_s,
+            bound=bound,
+            base_tokens=call.prior_context_tokens,
         )
-    except StoreError as err:
-        # Only a later call's reserve is the poorer for it (its request alone).
-        ex.services.metrics.store_errors.labels("remember_context").inc()
-        extra = {"request_id": ex.call.request_id, "error": repr(err)}
-        log.warning("could not keep a context's size", extra=extra)
+    ]
+    items = [context_key(i) for i in ex.obs.item_ids] if call.stores_answer else []
+    if items:
+        writes.append(
+            store.remember_context(
+                tenant=call.identity.tenant,
+                ids=items,
+                tokens=usage.output_tokens,
+                ttl_s=limits.prior_context_ttl_s,
+                bound=bound,
+            )
+        )
+    for result in await asyncio.gather(*writes, return_exceptions=True):
+        if isinstance(result, StoreError):
+            # Only a later call's reserve is the poorer for it (its request alone).
+            ex.services.metrics.store_errors.labels("remember_context").inc()
+            extra = {"request_id": call.request_id, "error": repr(result)}
+            log.warning("could not keep a context's size", extra=extra)
+        elif isinstance(result, BaseException):
+            raise result

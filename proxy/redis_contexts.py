@@ -30,15 +30,21 @@ class ContextCommands(ScriptRunner):
     to ``Store.claim_contexts``)."""
 
     async def prior_context_tokens(self, *, tenant: str, ids: Sequence[str]) -> int | None:
+        sizes = [size for size in await self._sizes("prior context", tenant, ids) if size is not None]
+        return max(sizes) if sizes else None
+
+    async def item_tokens(self, *, tenant: str, ids: Sequence[str]) -> int:
+        return sum(size for size in await self._sizes("item sizes", tenant, ids) if size is not None)
+
+    async def _sizes(self, what: str, tenant: str, ids: Sequence[str]) -> list[int | None]:
         prefix = key_prefix(tenant)
         try:
             # One slot (the tenant's hash tag): one command, on Cluster too.
             found: Any = await self._client.mget([f"{prefix}ctx:{i}" for i in ids])
         except STORE_FAILURES as err:
-            raise StoreError(f"prior context: {err}") from err
+            raise StoreError(f"{what}: {err}") from err
         # A bound ('~' and the size it continued: a cut call's reserve) reserves its size.
-        sizes = [int(m[1]) for f in found if f is not None and (m := CONTEXT_SIZE.fullmatch(str(f)))]
-        return max(sizes) if sizes else None
+        return [int(m[1]) if f is not None and (m := CONTEXT_SIZE.fullmatch(str(f))) else None for f in found]
 
     async def remember_context(
         self,

@@ -133,7 +133,7 @@ async def reserve(
         )
     if (call.continues or call.references) and operator_key_sent(call.upstream, call.identity) is not None:
         await _refuse_another_tenants_context(store, call)
-    if call.continues and config.limits.prior_context_ttl_s:
+    if (call.continues or call.references) and config.limits.prior_context_ttl_s:
         await _add_prior_context(store, call, metrics)
     record = orjson.dumps(
         {
@@ -246,18 +246,24 @@ async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None
     that context as input again, so a call sending "hi" may cost 100,000 input tokens; reserved
     at "hi", calls at once could pass a ceiling by that much. A context the proxy did not bill
     (made elsewhere, or kept past ``limits.prior_context_ttl_s``) is reserved at the request
-    alone, as before, and billed on the provider's figures."""
-    tokens = await store.prior_context_tokens(tenant=call.identity.tenant, ids=call.continues)
-    metrics.prior_contexts.labels("unknown" if tokens is None else "found").inc()
-    if tokens:
-        call.prior_context_tokens = tokens
+    alone, as before, and billed on the provider's figures. The stored items the input names
+    are input too: each reserved at the output of the answer that made it."""
+    tenant = call.identity.tenant
+    added = 0
+    if call.continues:
+        tokens = await store.prior_context_tokens(tenant=tenant, ids=call.continues)
+        metrics.prior_contexts.labels("unknown" if tokens is None else "found").inc()
+        call.prior_context_tokens = added = tokens or 0
+    if call.references:
+        added += await store.item_tokens(tenant=tenant, ids=[context_key(r) for r in call.references])
+    if added:
         est = call.estimate
         # As overhead: a count of the request's text (``counted``, a settle without provider
         # usage) keeps it.
         call.estimate = replace(
             est,
-            input_tokens=est.input_tokens + tokens,
-            prompt_overhead_tokens=est.prompt_overhead_tokens + tokens,
+            input_tokens=est.input_tokens + added,
+            prompt_overhead_tokens=est.prompt_overhead_tokens + added,
         )
 
 

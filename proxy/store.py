@@ -242,6 +242,11 @@ class Store(Protocol):
         when none is known."""
         ...
 
+    async def item_tokens(self, *, tenant: str, ids: Sequence[str]) -> int:
+        """The sum of the sizes remembered for ``ids``, stored items a call names (each kept at
+        its answer's output, see ``remember_context``); 0 when none is known."""
+        ...
+
     async def remember_context(
         self,
         *,

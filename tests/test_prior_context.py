@@ -779,3 +779,45 @@ async def test_the_items_of_an_answer_not_stored_are_no_ones(
     fake.items[item] = 1  # as if kept all the same: whose it is was never written
     async with proxy.client(KEY_B) as b:
         await b.responses.create(model="gpt-4o-mini", input=naming(item, "item_reference"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_naming_a_stored_item_reserves_what_its_answer_wrote(
+    stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The provider reads a named item into the input and bills it: reserved at "hi", a call
+    naming an item of 600 tokens fitted a run ceiling of 500 input tokens and was billed past it.
+    Each item is kept at its answer's output (a bound of what it holds) and reserved so."""
+    proxy = await make_proxy(tiers={"standard": {"run": {"input_tokens": 500}}})
+    (item,) = await answer_items(
+        client(proxy),
+        stream=stream,
+        input="hello",
+        max_output_tokens=800,
+        extra_body={"fake": {"reply_tokens": 600}},
+    )
+    assert int(await redis_client.get(ctx(item)) or 0) == 600
+    used = await used_input(redis_client)
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client(proxy).responses.create(
+            model="gpt-4o-mini", input=naming(item, "item_reference"), max_output_tokens=16
+        )
+    assert "input_tokens" in str(refused.value)
+    assert len(fake.bill) == 1 and await used_input(redis_client) == used
+
+
+async def test_what_fits_is_reserved_with_the_items_it_names(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy()
+    a = proxy.client()
+    (one,) = await answer_items(a, stream=False, input="hello", extra_body={"fake": {"reply_tokens": 40}})
+    (two,) = await answer_items(a, stream=True, input="hello", extra_body={"fake": {"reply_tokens": 60}})
+    reply = await a.responses.with_raw_response.create(
+        model="gpt-4o-mini", input=[{"id": one}, {"type": "item_reference", "id": two}], max_output_tokens=16
+    )
+    entries = [dict(fields) for _, fields in await redis_client.xrange(LEDGER)]
+    third = next(e for e in entries if e["request_id"] == reply.headers["x-request-id"])
+    assert int(third["reserved_input_tokens"]) >= 100
+    assert fake.bill[2].prompt_tokens == 100 == int(reply.headers["x-billing-input-tokens"])
+    await a.close()
