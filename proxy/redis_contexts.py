@@ -9,6 +9,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
+
 from proxy.errors import StoreError
 from proxy.redis_failures import STORE_FAILURES
 from proxy.redis_scripts import ScriptRunner
@@ -18,6 +20,10 @@ from proxy.store import key_prefix
 CONTEXT_SIZE = re.compile(r"([0-9]+)(?:~[0-9]*)?")
 # Whose a context the provider keeps is (owner.lua): kept as long as the provider keeps it.
 CONTEXT_OWNER_TTL_S = 30 * 24 * 3600
+# The owners read by one command (``context_owners``).
+OWNERS_A_COMMAND = 1000
+# The marks sent at once (``claim_contexts``).
+CLAIMS_AT_ONCE = 32
 
 
 def _owner_key(context_id: str) -> str:
@@ -63,22 +69,34 @@ class ContextCommands(ScriptRunner):
         )
 
     async def context_owners(self, *, ids: Sequence[str]) -> list[str | None]:
-        # One key a command (the keys are in other slots than the tenant's, Cluster), all sent
-        # at once: a call naming many stored items waits one round trip, not one per item.
-        found = await asyncio.gather(*(self._client.get(_owner_key(i)) for i in ids), return_exceptions=True)
-        for f in found:
-            if isinstance(f, STORE_FAILURES):
-                raise StoreError(f"context owners: {f}") from f
-            if isinstance(f, BaseException):
-                raise f
+        # A few at once, one command each few (a Cluster's: one MGET a slot, in a pipeline):
+        # a call naming many stored items waits a few round trips, not one per item, and takes
+        # one connection, not one per item (a body naming thousands drained the pool, and had
+        # this check, and every other call's read waiting on the pool meanwhile, fail).
+        keys = [_owner_key(i) for i in ids]
+        found: list[Any] = []
+        try:
+            for start in range(0, len(keys), OWNERS_A_COMMAND):
+                batch = keys[start : start + OWNERS_A_COMMAND]
+                if isinstance(self._client, RedisCluster):
+                    found += await self._client.mget_nonatomic(batch)
+                else:
+                    found += await self._client.mget(batch)
+        except STORE_FAILURES as err:
+            raise StoreError(f"context owners: {err}") from err
         return [None if f is None else str(f) for f in found]
 
     async def claim_contexts(self, *, tenant: str, ids: Sequence[str]) -> None:
-        # All at once: an answer's items are marked with it, in one round trip.
-        done = await asyncio.gather(
-            *(self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S]) for i in ids),
-            return_exceptions=True,
-        )
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
+        # An answer's few items are marked with it, in one round trip; the thousands a call may
+        # name a batch at a time (on a Cluster each script takes a permit of the pool).
+        for start in range(0, len(ids), CLAIMS_AT_ONCE):
+            done = await asyncio.gather(
+                *(
+                    self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S])
+                    for i in ids[start : start + CLAIMS_AT_ONCE]
+                ),
+                return_exceptions=True,
+            )
+            for result in done:
+                if isinstance(result, BaseException):
+                    raise result

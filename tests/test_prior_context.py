@@ -820,4 +820,35 @@ async def test_what_fits_is_reserved_with_the_items_it_names(
     third = next(e for e in entries if e["request_id"] == reply.headers["x-request-id"])
     assert int(third["reserved_input_tokens"]) >= 100
     assert fake.bill[2].prompt_tokens == 100 == int(reply.headers["x-billing-input-tokens"])
+
+
+async def test_a_call_naming_many_items_does_not_drain_the_stores_connections(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_server: RedisServerProcess
+) -> None:
+    """The owners of the ids a call names are read in a bounded number of commands: one GET
+    each, all at once, took a connection of the pool each, and a body naming some thousands of
+    items (well under the body limit) had its check, and another tenant's read waiting for the
+    pool meanwhile, fail as the store failing (503)."""
+    proxy = await make_proxy(redis={"url": redis_server.url, "pool_size": 2, "socket_timeout_s": 1.0})
+    a = proxy.client()
+    first = await a.responses.create(model="gpt-4o-mini", input="hello")
+    body = {"model": "gpt-4o-mini", "input": [{"id": f"msg_x{i}"} for i in range(20_000)]}
+
+    async def naming_many() -> tuple[int, str]:
+        headers = {"Authorization": f"Bearer {KEY_B}"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(proxy.url + "/v1/responses", json=body, headers=headers) as resp,
+        ):
+            return resp.status, await resp.text()
+
+    named, continued = await asyncio.gather(
+        naming_many(),
+        a.responses.create(model="gpt-4o-mini", input="go on", previous_response_id=first.id),
+        return_exceptions=True,
+    )
+    # No tenant marked them: they pass, for the provider to refuse (it knows none of them).
+    assert not isinstance(named, BaseException), repr(named)
+    assert named[0] == 404 and "Item with id 'msg_x0' not found." in named[1], named
+    assert not isinstance(continued, BaseException), repr(continued)
     await a.close()

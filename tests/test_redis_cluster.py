@@ -282,3 +282,25 @@ async def test_a_reserve_sent_whose_retry_found_no_script_then_no_permit_maybe_a
     finally:
         monkeypatch.undo()
         await store.close()
+
+
+async def test_the_owners_of_many_contexts_are_read_across_slots_in_order(
+    own_cluster: RedisClusterProcesses,
+) -> None:
+    """``context_owners`` reads keys of every slot (an owner's key has no tenant's hash tag), as
+    many as a call names, in the order asked, with one connection a node's pool."""
+    store = RedisStore.from_url(own_cluster.url, cluster=True, pool_size=1, socket_timeout_s=2)
+    try:
+        await store.claim_contexts(tenant="team-a", ids=["resp_a", "msg_a"])
+        await store.claim_contexts(tenant="team-b", ids=["msg_b"])
+        ids = [f"msg_x{i}" for i in range(3000)]
+        ids[10], ids[1500], ids[2999] = "msg_a", "msg_b", "resp_a"
+        owners = await store.context_owners(ids=ids)
+        assert len(owners) == len(ids)
+        assert {i: o for i, o in zip(ids, owners, strict=True) if o is not None} == {
+            "msg_a": "team-a",
+            "msg_b": "team-b",
+            "resp_a": "team-a",
+        }
+    finally:
+        await store.close()
