@@ -20,7 +20,7 @@ from proxy.store import key_prefix
 CONTEXT_SIZE = re.compile(r"([0-9]+)(?:~[0-9]*)?")
 # Whose a context the provider keeps is (owner.lua): kept as long as the provider keeps it.
 CONTEXT_OWNER_TTL_S = 30 * 24 * 3600
-# The owners read by one command (``context_owners``).
+# The owners (or sizes) read by one command (``context_owners``, ``item_tokens``).
 OWNERS_A_COMMAND = 1000
 # The marks sent at once (``claim_contexts``).
 CLAIMS_AT_ONCE = 32
@@ -44,9 +44,13 @@ class ContextCommands(ScriptRunner):
 
     async def _sizes(self, what: str, tenant: str, ids: Sequence[str]) -> list[int | None]:
         prefix = key_prefix(tenant)
+        keys = [f"{prefix}ctx:{i}" for i in ids]
+        found: list[Any] = []
         try:
-            # One slot (the tenant's hash tag): one command, on Cluster too.
-            found: Any = await self._client.mget([f"{prefix}ctx:{i}" for i in ids])
+            # One slot (the tenant's hash tag): one command, on Cluster too; the thousands of
+            # items a call may name a thousand a command, so none holds Redis for long.
+            for start in range(0, len(keys), OWNERS_A_COMMAND):
+                found += await self._client.mget(keys[start : start + OWNERS_A_COMMAND])
         except STORE_FAILURES as err:
             raise StoreError(f"{what}: {err}") from err
         # A bound ('~' and the size it continued: a cut call's reserve) reserves its size.
