@@ -106,8 +106,9 @@ class Call:
     # that names it: kept, and reserved, as a context this call continues.
     stored_prompt: str | None = None
     prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
-    # Items of stored responses the input names by id, which the provider looks up and reads
-    # as input (``item_reference``, a reasoning item without its content): as given.
+    # Stored items the input names by id, which the provider looks up and reads as input (a
+    # Responses ``item_reference``, a reasoning item without its content; a chat message's
+    # earlier audio answer): as given.
     references: tuple[str, ...] = ()
     # Of ``continues`` and ``references`` (keyed), those the reserve found marked as this call's
     # tenant's already: not marked again (``contexts.contexts_owned``).
@@ -326,13 +327,22 @@ def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
 
 
 def _references(view: RequestView) -> tuple[str, ...]:
-    """The ids of stored items a Responses input names for the provider to look up: item
-    references (their ``type`` may be left out: an item of an id alone) and reasoning items sent
-    back without their encrypted content (read from the store by id)."""
+    """The ids of stored items an input names for the provider to look up: a Responses input's
+    item references (their ``type`` may be left out: an item of an id alone) and reasoning items
+    sent back without their encrypted content (read from the store by id); a chat message's
+    earlier audio answer, sent back by its id."""
+    found: list[str] = []
+    if isinstance(view, ChatBody):
+        for message in view.messages:
+            audio = message.get("audio")  # None in nearly every message: one lookup
+            if isinstance(audio, dict) and message.get("role") == "assistant":
+                ref = audio.get("id")
+                if isinstance(ref, str) and ref:
+                    found.append(ref)
+        return tuple(dict.fromkeys(found))
     items = view.input if isinstance(view, ResponsesBody) else None
     if not isinstance(items, list):
         return ()
-    found: list[str] = []
     for item in items:
         kind = item.get("type")
         looked_up = (

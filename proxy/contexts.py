@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from proxy.relay import Exchange
 
 log = logging.getLogger("proxy.relay")
+# The endpoints whose answers the provider keeps for a later call to name (a response, its
+# items; a chat answer's audio).
+_KEEPING = frozenset({"responses", "chat.completions"})
 # How long a stream's last event waits for its context's size to be kept (``keep_context``): a
 # hint for a later reserve, written in a fraction of a millisecond by a store that answers; one
 # that does not (a long script, a lost connection) must not hold the answer for its timeout.
@@ -65,16 +68,25 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     pass-through caller's own key goes upstream), and never a stored prompt: the operator's,
     for any tenant to name."""
     call = ex.call
-    if call.endpoint != "responses" or ex.operator_key is None:
+    if call.endpoint not in _KEEPING or ex.operator_key is None:
         return []
     if ex.obs.error or call.upstream_status >= 300:
         return []
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
     skip = {call.stored_prompt, *call.continues_owned, *made}
-    items = [context_key(i) for i in ex.obs.item_ids] if call.stores_answer else []
-    named = [*call.continues, *items, *(context_key(r) for r in call.references)]
+    named = [*call.continues, *answer_items(ex), *(context_key(r) for r in call.references)]
     return [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
+
+
+def answer_items(ex: Exchange) -> list[str]:
+    """Where the provider keeps this answer's items for a later call to name: a stored Responses
+    answer's output items, and a chat answer's audio (kept for later turns whatever ``store``
+    says)."""
+    call = ex.call
+    if call.stores_answer or call.endpoint == "chat.completions":
+        return [context_key(i) for i in ex.obs.item_ids]
+    return []
 
 
 def contexts_made(ex: Exchange) -> list[str]:
@@ -132,7 +144,7 @@ async def remember(ex: Exchange, ids: list[str], usage: BilledUsage) -> None:
             base_tokens=call.prior_context_tokens,
         )
     ]
-    items = [context_key(i) for i in ex.obs.item_ids] if call.stores_answer else []
+    items = answer_items(ex)
     if items:
         writes.append(
             store.remember_context(

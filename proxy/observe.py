@@ -204,7 +204,8 @@ class Observation:
     output_told: bool = False
     # The id of the answer the provider keeps (Responses API): a later call may continue it.
     response_id: str | None = None
-    # The ids of its output items (Responses API): a later call may name them (item references).
+    # The ids of its output items (Responses API) and audio answers (chat): a later call may name
+    # them (an item reference, an assistant message's audio).
     item_ids: list[str] = field(default_factory=list)
     # Responses messages that are not the final answer (a ``phase`` of ``commentary``), by
     # output index and item id: their text is output, never the structured answer.
@@ -263,6 +264,9 @@ class Observation:
         audio = part.get("audio")
         if isinstance(audio, dict):  # an audio answer's words (its sound is not text)
             self.add_text(index, audio.get("transcript"))
+            found = audio.get("id")  # kept by the provider for a later turn to send back by id
+            if isinstance(found, str) and found and found not in self.item_ids:
+                self.item_ids.append(found)
         # OpenAI-compatible reasoning models' thinking, output tokens the provider bills:
         # reasoning_content (DeepSeek, vLLM, SGLang), reasoning (OpenRouter, Groq, Ollama; a
         # server sending both for compatibility sends the same text twice: one is read).

@@ -133,7 +133,13 @@ async def reserve(
         )
     if (call.continues or call.references) and operator_key_sent(call.upstream, call.identity) is not None:
         await _refuse_another_tenants_context(store, call)
-    if (call.continues or call.references) and config.limits.prior_context_ttl_s:
+    # Sizes are kept for Responses answers only: a chat message's earlier audio answer is
+    # reserved as a media part (``estimate``).
+    if (
+        call.endpoint == "responses"
+        and (call.continues or call.references)
+        and config.limits.prior_context_ttl_s
+    ):
         await _add_prior_context(store, call, metrics)
     record = orjson.dumps(
         {
@@ -237,6 +243,8 @@ async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
         raise NotFound("Conversation not found.", param="conversation")
     if any(ctx in contexts for ctx in theirs):
         raise NotFound("Previous response not found.", param="previous_response_id")
+    if call.endpoint == "chat.completions":
+        raise NotFound(f"Audio with id '{items[theirs[0]]}' not found.", param="messages")
     raise NotFound(f"Item with id '{items[theirs[0]]}' not found.", param="input")
 
 

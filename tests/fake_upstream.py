@@ -328,6 +328,14 @@ class FakeUpstream:
                 msgs = body.get("messages")
                 msgs = msgs if isinstance(msgs, list) else []
                 prompt = sum(_words(m.get("content")) + 3 for m in msgs if isinstance(m, dict))
+                # An earlier audio answer sent back by id: read again as input (OpenAI's error for
+                # one it does not keep).
+                for m in msgs:
+                    audio = m.get("audio") if isinstance(m, dict) else None
+                    if isinstance(audio, dict) and isinstance(audio.get("id"), str):
+                        if audio["id"] not in self.items:
+                            return error_response(404, f"Audio with id '{audio['id']}' not found.")
+                        prompt += self.items[audio["id"]]
             else:
                 prompt = _words(body.get("prompt"))
             plan = self._plan(body, ctl, chat)
@@ -357,6 +365,10 @@ class FakeUpstream:
             return web.Response(body=b"<html>oops</html>", content_type="application/json", headers=headers)
         sent_usage = None if ctl.get("no_usage") else usage
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{no}", "created": int(time.time()), "model": model}
+        # An audio answer (modalities with "audio"): kept for a later turn to send back by id.
+        audio_id = f"audio_{no}" if chat and "audio" in (body.get("modalities") or ()) else None
+        if audio_id is not None and plan is not None:
+            self.items[audio_id] = len(plan.pieces)
         payload: JsonDict
         if plan is None:
             vec = [0.1, 0.2, 0.3]
@@ -365,11 +377,14 @@ class FakeUpstream:
         elif stream:
             opts = body.get("stream_options")
             include = isinstance(opts, dict) and bool(opts.get("include_usage"))
-            return await self._stream(request, headers, chat, meta, plan, sent_usage, include, ctl)
+            return await self._stream(request, headers, chat, meta, plan, sent_usage, include, ctl, audio_id)
         else:
             text = "".join(plan.pieces)
             content, refusal = (None, text) if plan.refusal else (text, None)
             msg = {"role": "assistant", "content": content, "refusal": refusal}
+            if audio_id is not None:
+                msg["content"] = None
+                msg["audio"] = {"id": audio_id, "data": "UklGRg==", "expires_at": 1, "transcript": text}
             choices = [
                 {"index": i, "message": msg, "logprobs": None, "finish_reason": fr}
                 if chat
@@ -407,6 +422,7 @@ class FakeUpstream:
         usage: JsonDict | None,
         include_usage: bool,
         ctl: JsonDict,
+        audio_id: str | None = None,
     ) -> web.StreamResponse:
         mode = str(ctl.get("mode", "ok"))
         obj_name = "chat.completion.chunk" if chat else "text_completion"
@@ -419,6 +435,10 @@ class FakeUpstream:
             return f"data: {_dumps(obj)}\n\n"
 
         def choice(i: int, piece: str | None, fr: str | None) -> JsonDict:
+            if chat and audio_id is not None and piece is not None:
+                # An audio answer's deltas: its transcript (and sound), its id on each.
+                delta = {"audio": {"id": audio_id, "transcript": piece, "data": "UklGRg=="}}
+                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": fr}
             if chat:
                 delta = {} if piece is None else {"refusal" if plan.refusal else "content": piece}
                 return {"index": i, "delta": delta, "logprobs": None, "finish_reason": fr}

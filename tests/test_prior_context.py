@@ -852,3 +852,60 @@ async def test_a_call_naming_many_items_does_not_drain_the_stores_connections(
     assert named[0] == 404 and "Item with id 'msg_x0' not found." in named[1], named
     assert not isinstance(continued, BaseException), repr(continued)
     await a.close()
+
+
+async def audio_answer(client: openai.AsyncOpenAI, *, stream: bool) -> str:
+    """The id of a chat audio answer, streamed or not (the provider keeps it for later turns)."""
+    asked: dict[str, Any] = {
+        "model": "gpt-4o-mini",
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "wav"},
+        "messages": [{"role": "user", "content": "my secret plan"}],
+    }
+    if not stream:
+        reply = await client.chat.completions.create(**asked)
+        assert reply.choices[0].message.audio is not None
+        return reply.choices[0].message.audio.id
+    ids = set()
+    async for chunk in await client.chat.completions.create(stream=True, **asked):
+        for choice in chunk.choices:
+            audio = choice.delta.audio
+            if audio is not None and audio.id:
+                ids.add(audio.id)
+    (found,) = ids
+    return str(found)
+
+
+def sending_back(audio_id: str) -> list[Any]:
+    return [
+        {"role": "user", "content": "say it"},
+        {"role": "assistant", "audio": {"id": audio_id}},
+        {"role": "user", "content": "repeat it"},
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_cannot_send_back_another_tenants_audio_answer(
+    stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A chat audio answer is kept by the provider for later turns, sent back by its id: with
+    the operator's key any tenant's call could send back any tenant's. Tenant B naming tenant
+    A's (from a log, a shared trace) had the provider read A's audio into B's conversation.
+    Refused before anything is reserved or forwarded, as another tenant's stored items are."""
+    proxy = await make_proxy()
+    a = proxy.client()
+    mine = await audio_answer(a, stream=stream)
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError) as refused:
+            await b.chat.completions.create(model="gpt-4o-mini", messages=sending_back(mine))
+    assert len(fake.received) == sent, "another tenant's audio went upstream with the operator's key"
+    assert refused.value.body == {
+        "message": f"Audio with id '{mine}' not found.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "not_found",
+    }, refused.value.body
+    await a.chat.completions.create(model="gpt-4o-mini", messages=sending_back(mine))
+    assert len(fake.received) == sent + 1
+    await a.close()
