@@ -105,7 +105,7 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
         request_id="req-1",
         started_at=0.0,
         refining=None,
-        endpoint="chat.completions",
+        endpoint="embeddings",  # no context the provider keeps
     )
     ex.obs = SimpleNamespace(first_token_at=None, service_tier=None, finish_reasons={})  # type: ignore[assignment]
     limits = SimpleNamespace(settled_marker_ttl_s=60)
