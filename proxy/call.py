@@ -38,6 +38,10 @@ from proxy.tokenizer import Tokenizer, encoding_for_model
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
+# What a request names for the provider to look up: ("item" | "audio" | "container", its id).
+Reference = tuple[str, str]
+
+
 def context_key(context_id: str) -> str:
     """Where a context's size is kept: its id when plain, else a digest of it (a gateway's ids
     are long, base64), which no plain id can be: an id of any form is looked up, none escapes."""
@@ -106,10 +110,11 @@ class Call:
     # that names it: kept, and reserved, as a context this call continues.
     stored_prompt: str | None = None
     prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
-    # Stored items the input names by id, which the provider looks up and reads as input (a
-    # Responses ``item_reference``, a reasoning item without its content; a chat message's
-    # earlier audio answer): as given.
-    references: tuple[str, ...] = ()
+    # What the request names by id for the provider to look up, as (what, id): stored items it
+    # reads as input ("item": a Responses ``item_reference``, a reasoning item without its
+    # content; "audio": a chat message's earlier audio answer) and a code execution container
+    # ("container": with the files earlier calls left in it). Ids as given.
+    references: tuple[Reference, ...] = ()
     # Of ``continues`` and ``references`` (keyed), those the reserve found marked as this call's
     # tenant's already: not marked again (``contexts.contexts_owned``).
     continues_owned: tuple[str, ...] = ()
@@ -326,34 +331,42 @@ def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
     return continues, conversation, view.store is not False
 
 
-def _references(view: RequestView) -> tuple[str, ...]:
-    """The ids of stored items an input names for the provider to look up: a Responses input's
-    item references (their ``type`` may be left out: an item of an id alone) and reasoning items
-    sent back without their encrypted content (read from the store by id); a chat message's
-    earlier audio answer, sent back by its id."""
-    found: list[str] = []
+def _references(view: RequestView) -> tuple[Reference, ...]:
+    """What a request names by id for the provider to look up (``Call.references``): a Responses
+    input's item references (their ``type`` may be left out: an item of an id alone) and
+    reasoning items sent back without their encrypted content (read from the store by id); a
+    chat message's earlier audio answer, sent back by its id; the container a code execution
+    tool runs in (a Responses tool's ``container`` or ``environment``, a Messages call's
+    ``container``)."""
+    found: list[Reference] = []
     if isinstance(view, ChatBody):
         for message in view.messages:
             audio = message.get("audio")  # None in nearly every message: one lookup
             if isinstance(audio, dict) and message.get("role") == "assistant":
-                ref = audio.get("id")
-                if isinstance(ref, str) and ref:
-                    found.append(ref)
-        return tuple(dict.fromkeys(found))
-    items = view.input if isinstance(view, ResponsesBody) else None
-    if not isinstance(items, list):
-        return ()
-    for item in items:
-        kind = item.get("type")
-        looked_up = (
-            kind == "item_reference"
-            or (kind is None and "role" not in item and "content" not in item)
-            or (kind == "reasoning" and not item.get("encrypted_content"))
-        )
-        ref = item.get("id")
-        if looked_up and isinstance(ref, str) and ref:
-            found.append(ref)
+                _add_reference(found, "audio", audio.get("id"))
+    elif isinstance(view, MessagesBody):
+        container = (view.model_extra or {}).get("container")
+        _add_reference(found, "container", container.get("id") if isinstance(container, dict) else container)
+    elif isinstance(view, ResponsesBody):
+        for item in view.input if isinstance(view.input, list) else ():
+            kind = item.get("type")
+            if (
+                kind == "item_reference"
+                or (kind is None and "role" not in item and "content" not in item)
+                or (kind == "reasoning" and not item.get("encrypted_content"))
+            ):
+                _add_reference(found, "item", item.get("id"))
+        for tool in view.tools or ():
+            environment = tool.get("environment")
+            if isinstance(environment, dict) and environment.get("type") == "container_reference":
+                _add_reference(found, "container", environment.get("container_id"))
+            _add_reference(found, "container", tool.get("container"))  # an id, or {"type": "auto"}
     return tuple(dict.fromkeys(found))
+
+
+def _add_reference(found: list[Reference], what: str, ref: Any) -> None:
+    if isinstance(ref, str) and ref:
+        found.append((what, ref))
 
 
 def _stored_prompt(view: RequestView) -> str | None:

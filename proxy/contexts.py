@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("proxy.relay")
 # The endpoints whose answers the provider keeps for a later call to name (a response, its
-# items; a chat answer's audio).
-_KEEPING = frozenset({"responses", "chat.completions"})
+# items; a chat answer's audio; a code execution container).
+_KEEPING = frozenset({"responses", "chat.completions", "messages"})
 # How long a stream's last event waits for its context's size to be kept (``keep_context``): a
 # hint for a later reserve, written in a fraction of a millisecond by a store that answers; one
 # that does not (a long script, a lost connection) must not hold the answer for its timeout.
@@ -75,18 +75,17 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
     skip = {call.stored_prompt, *call.continues_owned, *made}
-    named = [*call.continues, *answer_items(ex), *(context_key(r) for r in call.references)]
+    named = [*call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
     return [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
 
 
 def answer_items(ex: Exchange) -> list[str]:
-    """Where the provider keeps this answer's items for a later call to name: a stored Responses
-    answer's output items, and a chat answer's audio (kept for later turns whatever ``store``
-    says)."""
+    """Where the provider keeps what this answer made for a later call to name: a stored
+    Responses answer's output items, a chat answer's audio (kept for later turns whatever
+    ``store`` says), and the container its code ran in (with the files it left there)."""
     call = ex.call
-    if call.stores_answer or call.endpoint == "chat.completions":
-        return [context_key(i) for i in ex.obs.item_ids]
-    return []
+    items = ex.obs.item_ids if call.stores_answer or call.endpoint == "chat.completions" else []
+    return [context_key(i) for i in (*items, *ex.obs.container_ids)]
 
 
 def contexts_made(ex: Exchange) -> list[str]:
@@ -144,7 +143,8 @@ async def remember(ex: Exchange, ids: list[str], usage: BilledUsage) -> None:
             base_tokens=call.prior_context_tokens,
         )
     ]
-    items = answer_items(ex)
+    # (Not its container: a later call naming it reads the files in it, not this answer.)
+    items = [context_key(i) for i in ex.obs.item_ids] if call.stores_answer else []
     if items:
         writes.append(
             store.remember_context(

@@ -207,6 +207,8 @@ class Observation:
     # The ids of its output items (Responses API) and audio answers (chat): a later call may name
     # them (an item reference, an assistant message's audio).
     item_ids: list[str] = field(default_factory=list)
+    # The code execution containers it ran in (Responses, Messages): a later call may name them.
+    container_ids: list[str] = field(default_factory=list)
     # Responses messages that are not the final answer (a ``phase`` of ``commentary``), by
     # output index and item id: their text is output, never the structured answer.
     side_messages: set[int | str] = field(default_factory=set)

@@ -92,6 +92,8 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             obs.add_text(0, block.get("content"), content=False)  # a summary may come whole here
     elif kind == "message_start":
         message = obj.get("message")
+        if isinstance(message, dict) and message.get("container") is not None:
+            _container(obs, message["container"])
         if isinstance(message, dict) and isinstance(message.get("usage"), dict):
             obs.partial_usage.update(message["usage"])
             _anthropic_tier(obs, message["usage"])
@@ -99,6 +101,8 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             obs.usage_final = False  # output_tokens arrives with message_delta
     elif kind == "message_delta":
         delta = obj.get("delta")
+        if isinstance(delta, dict) and delta.get("container") is not None:
+            _container(obs, delta["container"])
         if isinstance(delta, dict) and isinstance(delta.get("stop_reason"), str):
             obs.finish_reasons[0] = delta["stop_reason"]
             if delta["stop_reason"] == "refusal":
@@ -163,11 +167,20 @@ def _anthropic_tier(obs: Observation, usage: Any) -> None:
         obs.service_tier = "default" if tier == "standard" else tier
 
 
+def _container(obs: Observation, container: Any) -> None:
+    """The code execution container the answer ran in (kept, with its files, for a later call)."""
+    found = container.get("id") if isinstance(container, dict) else None
+    if isinstance(found, str) and found and found not in obs.container_ids:
+        obs.container_ids.append(found)
+
+
 def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
     if obj.get("type") == "error" or isinstance(obj.get("error"), dict):  # a gateway's OpenAI shape
         obs.error = True
         return
+    if obj.get("container") is not None:
+        _container(obs, obj["container"])
     reason = obj.get("stop_reason")
     if isinstance(reason, str):
         obs.finish_reasons[0] = reason

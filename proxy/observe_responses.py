@@ -127,6 +127,9 @@ def _item_id(obs: Observation, item: dict[str, Any]) -> None:
     found = item.get("id")
     if isinstance(found, str) and found and found not in obs.item_ids:
         obs.item_ids.append(found)
+    container = item.get("container_id")  # a code interpreter's (or shell's): kept, with its files
+    if isinstance(container, str) and container and container not in obs.container_ids:
+        obs.container_ids.append(container)
 
 
 def _response_id(obs: Observation, response: dict[str, Any]) -> None:
@@ -166,6 +169,8 @@ def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
     elif kind == "response.output_item.done":
         start = obs.message_starts.pop(obj.get("output_index"), None) if obs.message_starts else None
         item = obj.get("item")
+        if isinstance(item, dict):
+            _item_id(obs, item)
         if isinstance(item, dict) and item.get("type") in _UNSTREAMED_CALLS:
             for text in _call_texts(item, _CALL_INPUTS):  # whole now; its name was counted
                 obs.add_text(0, text, content=False)

@@ -229,8 +229,8 @@ async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
     provider keeps it) passes, as before."""
     # Not a stored prompt: the operator's, for any tenant to name.
     contexts = [ctx for ctx in call.continues if ctx != call.stored_prompt]
-    items = {context_key(ref): ref for ref in call.references}
-    ids = contexts + [key for key in items if key not in contexts]
+    named = {context_key(ref): (what, ref) for what, ref in call.references}
+    ids = contexts + [key for key in named if key not in contexts]
     if not ids:
         return
     owners = await store.context_owners(ids=ids)
@@ -243,9 +243,17 @@ async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
         raise NotFound("Conversation not found.", param="conversation")
     if any(ctx in contexts for ctx in theirs):
         raise NotFound("Previous response not found.", param="previous_response_id")
-    if call.endpoint == "chat.completions":
-        raise NotFound(f"Audio with id '{items[theirs[0]]}' not found.", param="messages")
-    raise NotFound(f"Item with id '{items[theirs[0]]}' not found.", param="input")
+    what, ref = named[theirs[0]]
+    message, param = _NOT_FOUND[what]
+    raise NotFound(message.format(ref), param="container" if call.endpoint == "messages" else param)
+
+
+# How the provider refuses an id it does not know, by what the request names (``Call.references``).
+_NOT_FOUND = {
+    "item": ("Item with id '{}' not found.", "input"),
+    "audio": ("Audio with id '{}' not found.", "messages"),
+    "container": ("Container with id '{}' not found.", "tools"),
+}
 
 
 async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None:
@@ -262,8 +270,9 @@ async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None
         tokens = await store.prior_context_tokens(tenant=tenant, ids=call.continues)
         metrics.prior_contexts.labels("unknown" if tokens is None else "found").inc()
         call.prior_context_tokens = added = tokens or 0
-    if call.references:
-        added += await store.item_tokens(tenant=tenant, ids=[context_key(r) for r in call.references])
+    items = [context_key(ref) for what, ref in call.references if what == "item"]
+    if items:
+        added += await store.item_tokens(tenant=tenant, ids=items)
     if added:
         est = call.estimate
         # As overhead: a count of the request's text (``counted``, a settle without provider

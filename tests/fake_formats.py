@@ -204,6 +204,21 @@ def _responses_prompt(body: JsonDict) -> int:
     return total
 
 
+def _code_container(host: FakeUpstream, body: JsonDict, no: int) -> str | web.Response | None:
+    """The container a Responses call's code interpreter runs in: the one its tool names (an
+    error for one not kept), a new one for ``{"type": "auto"}``, or None without the tool."""
+    for tool in body.get("tools") if isinstance(body.get("tools"), list) else []:
+        if not isinstance(tool, dict) or tool.get("type") != "code_interpreter":
+            continue
+        named = tool.get("container")
+        if isinstance(named, str):
+            if named not in host.containers:
+                return error_response(404, f"Container with id '{named}' not found.")
+            return named
+        return f"cntr_{no}"
+    return None
+
+
 def _item_references(body: JsonDict) -> list[str]:
     """The stored items an input names by id, as OpenAI reads them: an ``item_reference`` (its
     type may be left out) or a reasoning item without its encrypted content."""
@@ -293,6 +308,9 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     for kept in (previous, conversation):
         if kept is not None and kept not in host.contexts:
             return error_response(404, f"Previous response with id '{kept}' not found.", headers=headers)
+    container = _code_container(host, body, no)
+    if isinstance(container, web.Response):
+        return container
     named = _item_references(body)
     for ref in named:
         if ref not in host.items:
@@ -351,7 +369,20 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
         "content": [_part(plan.refusal, text)],
         "role": "assistant",
     }
-    final = _response_object(body, no, created, status, [] if mode == "failed" else [item], sent_usage)
+    # A code interpreter's call first (its container told), then the message.
+    ran: JsonDict | None = None
+    if container is not None:
+        host.containers.add(container)
+        ran = {
+            "id": f"ci_{no}",
+            "type": "code_interpreter_call",
+            "status": "completed",
+            "code": "print(1)",
+            "container_id": container,
+            "outputs": None,
+        }
+    output = ([ran] if ran else []) + [item]
+    final = _response_object(body, no, created, status, [] if mode == "failed" else output, sent_usage)
     if reason is not None:
         final["incomplete_details"] = {"reason": reason}
     if mode == "failed":
@@ -368,13 +399,17 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     started = _response_object(body, no, created, "in_progress", [], None)
     emit("event", "response.created", response=started)
     emit("event", "response.in_progress", response=started)
+    if ran is not None:
+        emit("event", "response.output_item.added", output_index=0, item={**ran, "status": "in_progress"})
+        emit("event", "response.output_item.done", output_index=0, item=ran)
+    at = len(output) - 1
     emit(
         "event",
         "response.output_item.added",
-        output_index=0,
+        output_index=at,
         item={**item, "status": "in_progress", "content": []},
     )
-    where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+    where = {"item_id": item["id"], "output_index": at, "content_index": 0}
     emit("delta_start", "response.content_part.added", **where, part=_part(plan.refusal, ""))
     kind = "refusal" if plan.refusal else "output_text"
     extra: JsonDict = {} if plan.refusal else {"logprobs": []}
@@ -391,7 +426,7 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
             **extra,
         )
         emit("event", "response.content_part.done", **where, part=item["content"][0])
-        emit("event", "response.output_item.done", output_index=0, item=item)
+        emit("event", "response.output_item.done", output_index=at, item=item)
     if mode != "no_done":
         emit("event", f"response.{status}", response=final)
     malformed = f"event: response.{kind}.delta\ndata: {{not json\n\n"
@@ -438,6 +473,16 @@ async def _messages(host: FakeUpstream, request: web.Request, body: Any) -> web.
     broken = mode == "error_mid_stream" and stream
     if broken:
         pieces = pieces[: max(0, int(ctl.get("after_chunks", 2)))]
+    named = body.get("container")
+    named = named.get("id") if isinstance(named, dict) else named
+    if isinstance(named, str) and named not in host.containers:
+        return anthropic_error(404, f"Container with id '{named}' not found.", headers)
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    runs_code = any(
+        isinstance(t, dict) and str(t.get("type", "")).startswith("code_execution") for t in tools
+    )
+    # The container its code runs in: the one named, or a new one (kept for later calls).
+    container = named if isinstance(named, str) else f"container_{no}" if runs_code else None
     prompt = _messages_prompt(body)
     usage: JsonDict = {
         "input_tokens": prompt,
@@ -475,12 +520,16 @@ async def _messages(host: FakeUpstream, request: web.Request, body: Any) -> web.
         "stop_sequence": None,
         "usage": usage,
     }
+    if container is not None:
+        host.containers.add(container)
+        message["container"] = {"id": container, "expires_at": "2026-12-03T20:00:00Z"}
     if ctl.get("no_usage"):
         del message["usage"]
     if not stream:
         return await _reply_json(host, request, message, headers, mode)
 
     start: JsonDict = {**message, "content": [], "stop_reason": None}
+    start.pop("container", None)  # told with the stop
     if "usage" in start:
         start["usage"] = {**usage, "output_tokens": 1}
     ops: Ops = [
@@ -508,6 +557,8 @@ async def _messages(host: FakeUpstream, request: web.Request, body: Any) -> web.
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": None},
         }
+        if container is not None:  # told with the stop, as Anthropic streams it
+            end["delta"]["container"] = message["container"]
         if not ctl.get("no_usage"):
             end["usage"] = (
                 dict(usage) if ctl.get("full_delta_usage") else {"output_tokens": usage["output_tokens"]}

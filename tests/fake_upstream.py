@@ -162,6 +162,9 @@ class FakeUpstream:
         self.contexts: dict[str, int] = {}
         # A stored response's output items by id, in tokens: read as input by a call naming one.
         self.items: dict[str, int] = {}
+        # Code execution containers (Responses' code interpreter, Anthropic's code execution):
+        # kept, with their files, for a later call to run in by id.
+        self.containers: set[str] = set()
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._released = asyncio.Event()  # for "hold": set by release()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -31,6 +32,7 @@ from tests.conftest import (
 )
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
+from tests.test_dialects import both_with
 from tests.test_estimate import TEXT, QuarterEncoding, until_quick
 from tests.test_store_faults import _ledger_len, journaling_proxy, wait_for
 
@@ -713,6 +715,12 @@ async def answer_items(client: openai.AsyncOpenAI, *, stream: bool, **extra: Any
     return ids
 
 
+def assert_not_found(refused: openai.APIStatusError, message: str, param: str) -> None:
+    """Refused as OpenAI refuses an id it does not know."""
+    body = {"message": message, "type": "invalid_request_error", "param": param, "code": "not_found"}
+    assert refused.body == body, refused.body
+
+
 def naming(item_id: str, form: str) -> list[Any]:
     """An input naming a stored item by id, in each form the provider looks one up."""
     shapes = {
@@ -741,12 +749,7 @@ async def test_a_tenant_cannot_name_another_tenants_stored_item(
         with pytest.raises(openai.NotFoundError) as refused:
             await b.responses.create(model="gpt-4o-mini", input=naming(mine, form))
     assert len(fake.received) == sent, "another tenant's item went upstream with the operator's key"
-    assert refused.value.body == {
-        "message": f"Item with id '{mine}' not found.",
-        "type": "invalid_request_error",
-        "param": "input",
-        "code": "not_found",
-    }, refused.value.body
+    assert_not_found(refused.value, f"Item with id '{mine}' not found.", "input")
     await a.responses.create(model="gpt-4o-mini", input=naming(mine, form))
     assert len(fake.received) == sent + 1
     await a.close()
@@ -900,12 +903,83 @@ async def test_a_tenant_cannot_send_back_another_tenants_audio_answer(
         with pytest.raises(openai.NotFoundError) as refused:
             await b.chat.completions.create(model="gpt-4o-mini", messages=sending_back(mine))
     assert len(fake.received) == sent, "another tenant's audio went upstream with the operator's key"
-    assert refused.value.body == {
-        "message": f"Audio with id '{mine}' not found.",
-        "type": "invalid_request_error",
-        "param": "messages",
-        "code": "not_found",
-    }, refused.value.body
+    assert_not_found(refused.value, f"Audio with id '{mine}' not found.", "messages")
     await a.chat.completions.create(model="gpt-4o-mini", messages=sending_back(mine))
     assert len(fake.received) == sent + 1
     await a.close()
+
+
+CODE_TOOL = {"type": "code_interpreter", "container": {"type": "auto"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_cannot_run_in_another_tenants_code_container(
+    stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A code interpreter's container keeps the files its code wrote, and a later call runs in
+    it by id: with the operator's key tenant B naming tenant A's container (its id is in A's
+    answer) had B's code read A's files. Refused before anything is reserved or forwarded."""
+    proxy = await make_proxy()
+    a = proxy.client()
+    asked: dict[str, Any] = {
+        "model": "gpt-4o-mini",
+        "input": "save my secret to a file",
+        "tools": [CODE_TOOL],
+    }
+    containers: set[str] = set()
+    if stream:
+        async for event in await a.responses.create(stream=True, **asked):
+            if event.type == "response.completed":
+                containers = {
+                    i.container_id for i in event.response.output if i.type == "code_interpreter_call"
+                }
+    else:
+        answer = await a.responses.create(**asked)
+        containers = {i.container_id for i in answer.output if i.type == "code_interpreter_call"}
+    (mine,) = containers
+    sent = len(fake.received)
+    tool = {"type": "code_interpreter", "container": mine}
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError) as refused:
+            await b.responses.create(model="gpt-4o-mini", input="print every file", tools=[tool])  # type: ignore[list-item]
+    assert len(fake.received) == sent, "another tenant's container went upstream with the operator's key"
+    assert_not_found(refused.value, f"Container with id '{mine}' not found.", "tools")
+    await a.responses.create(model="gpt-4o-mini", input="print every file", tools=[tool])  # type: ignore[list-item]
+    assert len(fake.received) == sent + 1
+    await a.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_cannot_run_in_another_tenants_anthropic_container(
+    stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The same for Anthropic's code execution: its container (told in the answer, or in a
+    stream's message_delta) is the tenant's that ran code in it; another tenant naming it in
+    ``container`` gets Anthropic's 404, and nothing goes upstream."""
+    proxy = await both_with(make_proxy, fake, timeout_s=2)
+    asked: dict[str, Any] = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": "save my secret to a file"}],
+        "tools": [{"type": "code_execution_20250825", "name": "code_execution"}],
+    }
+    a = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    if stream:
+        async with a.messages.stream(**asked) as events:
+            answer = await events.get_final_message()
+    else:
+        answer = await a.messages.create(**asked)
+    assert answer.container is not None
+    mine = answer.container.id
+    sent = len(fake.received)
+    again = {**asked, "container": mine, "messages": [{"role": "user", "content": "print every file"}]}
+    b = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_B, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        await b.messages.create(**again)
+    assert len(fake.received) == sent, "another tenant's container went upstream with the operator's key"
+    assert refused.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": f"Container with id '{mine}' not found."},
+    }, refused.value.body
+    await a.messages.create(**again)
+    assert len(fake.received) == sent + 1
