@@ -70,11 +70,16 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     call = ex.call
     if call.endpoint not in _KEEPING or ex.operator_key is None:
         return []
-    if ex.obs.error or call.upstream_status >= 300:
+    if call.upstream_status >= 300:
         return []
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
     skip = {call.stored_prompt, *call.continues_owned, *made}
+    if ex.obs.error:
+        # It failed (``status: failed``, an error event) once ids had reached the client: the
+        # containers its code ran in keep their files, and its items may be kept. Still this
+        # tenant's; what it continued or named becomes no one's by a failed call.
+        return [c for c in dict.fromkeys(answer_items(ex)) if c not in skip]
     named = [*call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
     return [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
 

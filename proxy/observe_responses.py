@@ -127,7 +127,11 @@ def _item_id(obs: Observation, item: dict[str, Any]) -> None:
     found = item.get("id")
     if isinstance(found, str) and found and found not in obs.item_ids:
         obs.item_ids.append(found)
-    container = item.get("container_id")  # a code interpreter's (or shell's): kept, with its files
+    container = item.get("container_id")  # a code interpreter's: kept, with its files
+    environment = item.get("environment")
+    if container is None and isinstance(environment, dict):
+        # A hosted shell's call tells its container (one it made, too) as a container_reference.
+        container = environment.get("container_id")
     if isinstance(container, str) and container and container not in obs.container_ids:
         obs.container_ids.append(container)
 

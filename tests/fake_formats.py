@@ -204,18 +204,26 @@ def _responses_prompt(body: JsonDict) -> int:
     return total
 
 
-def _code_container(host: FakeUpstream, body: JsonDict, no: int) -> str | web.Response | None:
-    """The container a Responses call's code interpreter runs in: the one its tool names (an
-    error for one not kept), a new one for ``{"type": "auto"}``, or None without the tool."""
+def _code_container(host: FakeUpstream, body: JsonDict, no: int) -> tuple[str, str] | web.Response | None:
+    """The container a Responses call's code runs in, and the tool's type: the one its tool names
+    (a code interpreter's ``container`` id, a shell tool's ``container_reference``; an error for
+    one not kept), a new one for ``{"type": "auto"}`` (``container_auto``), or None without
+    either tool."""
     for tool in body.get("tools") if isinstance(body.get("tools"), list) else []:
-        if not isinstance(tool, dict) or tool.get("type") != "code_interpreter":
+        if not isinstance(tool, dict) or tool.get("type") not in ("code_interpreter", "shell"):
             continue
-        named = tool.get("container")
+        if tool["type"] == "shell":
+            env = tool.get("environment")
+            if not isinstance(env, dict) or env.get("type") not in ("container_auto", "container_reference"):
+                continue  # a local shell: the client runs it
+            named = env.get("container_id") if env.get("type") == "container_reference" else None
+        else:
+            named = tool.get("container")
         if isinstance(named, str):
             if named not in host.containers:
                 return error_response(404, f"Container with id '{named}' not found.")
-            return named
-        return f"cntr_{no}"
+            return named, tool["type"]
+        return f"cntr_{no}", tool["type"]
     return None
 
 
@@ -308,9 +316,10 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     for kept in (previous, conversation):
         if kept is not None and kept not in host.contexts:
             return error_response(404, f"Previous response with id '{kept}' not found.", headers=headers)
-    container = _code_container(host, body, no)
-    if isinstance(container, web.Response):
-        return container
+    ran_in = _code_container(host, body, no)
+    if isinstance(ran_in, web.Response):
+        return ran_in
+    container, tool_type = ran_in if ran_in is not None else (None, None)
     named = _item_references(body)
     for ref in named:
         if ref not in host.items:
@@ -381,6 +390,15 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
             "container_id": container,
             "outputs": None,
         }
+        if tool_type == "shell":  # OpenAI's shell_call: its container in its environment
+            ran = {
+                "id": f"sh_{no}",
+                "type": "shell_call",
+                "call_id": f"call_sh_{no}",
+                "status": "completed",
+                "action": {"commands": ["ls"], "max_output_length": None, "timeout_ms": None},
+                "environment": {"type": "container_reference", "container_id": container},
+            }
     output = ([ran] if ran else []) + [item]
     final = _response_object(body, no, created, status, [] if mode == "failed" else output, sent_usage)
     if reason is not None:

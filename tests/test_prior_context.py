@@ -912,6 +912,22 @@ async def test_a_tenant_cannot_send_back_another_tenants_audio_answer(
 CODE_TOOL = {"type": "code_interpreter", "container": {"type": "auto"}}
 
 
+async def only_its_tenant_runs_in(
+    proxy: Proxy, fake: FakeUpstream, container: str, tool: dict[str, Any]
+) -> None:
+    """Tenant B naming the container in ``tool`` is refused, nothing going upstream; its owner
+    (tenant A) runs in it as before."""
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError) as refused:
+            await b.responses.create(model="gpt-4o-mini", input="print every file", tools=[tool])  # type: ignore[list-item]
+    assert len(fake.received) == sent, "another tenant's container went upstream with the operator's key"
+    assert_not_found(refused.value, f"Container with id '{container}' not found.", "tools")
+    async with proxy.client() as a:
+        await a.responses.create(model="gpt-4o-mini", input="print every file", tools=[tool])  # type: ignore[list-item]
+    assert len(fake.received) == sent + 1
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_tenant_cannot_run_in_another_tenants_code_container(
     stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream
@@ -937,15 +953,7 @@ async def test_a_tenant_cannot_run_in_another_tenants_code_container(
         answer = await a.responses.create(**asked)
         containers = {i.container_id for i in answer.output if i.type == "code_interpreter_call"}
     (mine,) = containers
-    sent = len(fake.received)
-    tool = {"type": "code_interpreter", "container": mine}
-    async with proxy.client(KEY_B) as b:
-        with pytest.raises(openai.NotFoundError) as refused:
-            await b.responses.create(model="gpt-4o-mini", input="print every file", tools=[tool])  # type: ignore[list-item]
-    assert len(fake.received) == sent, "another tenant's container went upstream with the operator's key"
-    assert_not_found(refused.value, f"Container with id '{mine}' not found.", "tools")
-    await a.responses.create(model="gpt-4o-mini", input="print every file", tools=[tool])  # type: ignore[list-item]
-    assert len(fake.received) == sent + 1
+    await only_its_tenant_runs_in(proxy, fake, mine, {"type": "code_interpreter", "container": mine})
     await a.close()
 
 
@@ -983,3 +991,59 @@ async def test_a_tenant_cannot_run_in_another_tenants_anthropic_container(
     }, refused.value.body
     await a.messages.create(**again)
     assert len(fake.received) == sent + 1
+
+
+async def containers_of(client: openai.AsyncOpenAI, **asked: Any) -> set[str]:
+    """The containers a Responses stream's items told, as they came (the SDK's events)."""
+    found: set[str] = set()
+    async for event in await client.responses.create(model="gpt-4o-mini", stream=True, **asked):
+        if event.type in ("response.output_item.added", "response.output_item.done"):
+            item = event.item.model_dump()
+            env = item.get("environment") or {}
+            for ref in (item.get("container_id"), env.get("container_id")):
+                if ref:
+                    found.add(ref)
+    return found
+
+
+async def test_a_container_a_failed_response_ran_code_in_stays_its_tenants(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The code ran (its container, with the files it wrote, told in a code_interpreter_call
+    item) and then the response failed: the container is kept all the same, and its id reached
+    the client. Not marked, tenant B naming it ran in A's files (and claimed it: A's own later
+    call in it was then refused)."""
+    proxy = await make_proxy()
+    a = proxy.client()
+    (mine,) = await containers_of(
+        a, input="save my secret to a file", tools=[CODE_TOOL], extra_body={"fake": {"mode": "failed"}}
+    )
+    assert mine in fake.containers
+    await proxy.recorded()
+    await only_its_tenant_runs_in(proxy, fake, mine, {"type": "code_interpreter", "container": mine})
+    await a.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_cannot_run_in_another_tenants_shell_container(
+    stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A hosted shell tool (``environment: container_auto``) runs in a container OpenAI makes,
+    told in the shell_call item's ``environment`` (a ``container_reference``), not in a
+    ``container_id`` of the item: never marked, tenant B naming it in its shell tool's
+    ``container_reference`` ran in A's files, though the request side of it is checked."""
+    proxy = await make_proxy()
+    a = proxy.client()
+    asked: dict[str, Any] = {
+        "input": "save my secret to a file",
+        "tools": [{"type": "shell", "environment": {"type": "container_auto"}}],
+    }
+    if stream:
+        (mine,) = await containers_of(a, **asked)
+    else:
+        answer = await a.responses.create(model="gpt-4o-mini", **asked)
+        (mine,) = {i.environment.container_id for i in answer.output if i.type == "shell_call"}
+    await proxy.recorded()
+    tool = {"type": "shell", "environment": {"type": "container_reference", "container_id": mine}}
+    await only_its_tenant_runs_in(proxy, fake, mine, tool)
+    await a.close()
