@@ -38,7 +38,7 @@ from proxy.tokenizer import Tokenizer, encoding_for_model
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
-# What a request names for the provider to look up: ("item" | "audio" | "container", its id).
+# What a request names for the provider to look up: (what, its id), ``Call.references``.
 Reference = tuple[str, str]
 
 
@@ -113,7 +113,8 @@ class Call:
     # What the request names by id for the provider to look up, as (what, id): stored items it
     # reads as input ("item": a Responses ``item_reference``, a reasoning item without its
     # content; "audio": a chat message's earlier audio answer) and a code execution container
-    # ("container": with the files earlier calls left in it). Ids as given.
+    # ("container": with the files earlier calls left in it; "input_container": one a call item
+    # sent back names). Ids as given.
     references: tuple[Reference, ...] = ()
     # Of ``continues`` and ``references`` (keyed), those the reserve found marked as this call's
     # tenant's already: not marked again (``contexts.contexts_owned``).
@@ -356,6 +357,11 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
                 or (kind == "reasoning" and not item.get("encrypted_content"))
             ):
                 _add_reference(found, "item", item.get("id"))
+            # A code interpreter's or hosted shell's call sent back: the container it names may be
+            # taken up again by the tool (the provider does not say it is not).
+            environment = item.get("environment")
+            container = environment.get("container_id") if isinstance(environment, dict) else None
+            _add_reference(found, "input_container", item.get("container_id") or container)
         for tool in view.tools or ():
             environment = tool.get("environment")
             if isinstance(environment, dict) and environment.get("type") == "container_reference":

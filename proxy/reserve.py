@@ -253,6 +253,7 @@ _NOT_FOUND = {
     "item": ("Item with id '{}' not found.", "input"),
     "audio": ("Audio with id '{}' not found.", "messages"),
     "container": ("Container with id '{}' not found.", "tools"),
+    "input_container": ("Container with id '{}' not found.", "input"),
 }
 
 
