@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 from proxy.errors import ConfigError
 
@@ -99,7 +100,9 @@ class RedisServerProcess:
     def url(self) -> str:
         if self.port is not None:
             return f"redis://127.0.0.1:{self.port}/0"
-        return f"unix://{self.socket_path}?db=0"
+        # Quoted: both clients (redis-py, ``resp``) decode a path's escapes, and a '?' or '#' in
+        # it would end the path.
+        return f"unix://{quote(str(self.socket_path))}?db=0"
 
     def _args(self) -> list[str]:
         args = [

@@ -123,7 +123,8 @@ class PipelinedConnection:
 
     def __init__(self, url: str, *, timeout_s: float) -> None:
         parsed = urlparse(url)
-        self._unix = parsed.path if parsed.scheme == "unix" else None
+        # Percent-encoded, as redis-py reads it (the embedded server's URL quotes its path).
+        self._unix = unquote(parsed.path) if parsed.scheme == "unix" else None
         self._host = parsed.hostname or "127.0.0.1"
         self._port = parsed.port or 6379
         query = parse_qs(parsed.query)

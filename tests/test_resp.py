@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -199,3 +200,21 @@ async def test_on_sent_waits_for_a_script_the_connection_has_not_run(
         assert told == [2, 3]  # flushed on a live connection: told once, then not until it ran
     finally:
         await pipe.close()
+
+
+async def test_a_socket_path_with_escapes_is_read_as_redis_py_reads_it(tmp_path: Path) -> None:
+    """The embedded server's URL held its socket path as it is; redis-py (the billing views, the
+    reaper's reads) decodes a path's percent-escapes, and this client did not: a data directory
+    named with a '%41' (or a '?') had the two clients look for two different sockets."""
+    server = RedisServerProcess(tmp_path / "odd %41 ?dir", appendonly=False)
+    assert "%41 ?" in str(server.socket_path)
+    await asyncio.to_thread(server.start)
+    pipe = PipelinedConnection(server.url, timeout_s=2.0)
+    client = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        await pipe.call("SET", "k", "v")
+        assert await client.get("k") == "v"
+    finally:
+        await pipe.close()
+        await client.aclose()
+        await asyncio.to_thread(server.stop)
