@@ -234,6 +234,12 @@ class PipelinedConnection:
         except RespError as err:
             if sha is not None and str(err).startswith("NOSCRIPT"):  # SCRIPT FLUSH on this server
                 protocol.scripts_run.discard(sha)
+            elif str(err).startswith("READONLY") and not protocol.closed:
+                # A replica now (a failover that did not close connections: behind a DNS name,
+                # say): this connection would be refused every write until it dropped. The next
+                # call connects again, to whatever the address names now; what was in flight on
+                # this one fails as maybe applied (on a replica, none of it was).
+                protocol._fail(ConnectionLost("Redis answered READONLY: reconnecting", sent=True))
             raise
         if sha is not None:
             protocol.scripts_run.add(sha)

@@ -218,3 +218,25 @@ async def test_a_socket_path_with_escapes_is_read_as_redis_py_reads_it(tmp_path:
         await pipe.close()
         await client.aclose()
         await asyncio.to_thread(server.stop)
+
+
+async def test_a_readonly_reply_has_the_next_call_connect_again(tmp_path: Path) -> None:
+    """A failover that does not close connections (behind a DNS name) leaves the connection on a
+    replica: every write refused READONLY until it dropped, which nothing made it do. After a
+    READONLY reply the next call connects again, to whatever the address names by then."""
+    server = RedisServerProcess(tmp_path / "r", appendonly=False)
+    await asyncio.to_thread(server.start)
+    pipe = PipelinedConnection(server.url, timeout_s=2.0)
+    admin = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        first = await pipe.call("CLIENT", "ID")
+        await admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a master never there
+        with pytest.raises(RespError, match="READONLY"):
+            await pipe.call("SET", "k", "v")
+        await admin.execute_command("REPLICAOF", "NO", "ONE")  # the address names a master again
+        assert await pipe.call("SET", "k", "v") == "OK"
+        assert await pipe.call("CLIENT", "ID") != first  # was: the same connection, kept
+    finally:
+        await pipe.close()
+        await admin.aclose()
+        await asyncio.to_thread(server.stop)
