@@ -27,7 +27,7 @@ from pydantic import (
 )
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 
-from proxy.config_base import OTHER_MODEL, Frozen, Period
+from proxy.config_base import OTHER_MODEL, Frozen, Period, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_tiers import TierConfig
@@ -232,9 +232,7 @@ class LimitsConfig(Frozen):
     @classmethod
     def _not_a_bool(cls, value: Any) -> Any:
         # YAML's yes/on/true would be 1: every call without a cap of its own capped at 1 token.
-        if isinstance(value, bool):
-            raise ValueError("a token count, not true or false")
-        return value
+        return not_a_bool(value)
 
     @field_validator("run_ttl_s")
     @classmethod

@@ -26,6 +26,14 @@ PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
 OTHER_MODEL = "other"
 
 
+def not_a_bool(value: Any, what: str = "a token count") -> Any:
+    """A count given as YAML's true/false/yes/no/on/off (read as 1 or 0): refused, for a
+    ``mode="before"`` field validator."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}, not true or false")
+    return value
+
+
 class Frozen(BaseModel):
     # No YAML .inf or .nan for a number: a timeout or a margin of .inf passed its bounds, and a
     # lease of infinite milliseconds then failed every call.

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from proxy.config_base import MAX_UNITS, MICROS_PER_UNIT, Frozen
+from proxy.config_base import MAX_UNITS, MICROS_PER_UNIT, Frozen, not_a_bool
 
 
 class PricePerMillion(Frozen):
@@ -114,9 +114,7 @@ class ModelConfig(Frozen):
     @classmethod
     def _not_a_bool(cls, value: Any) -> Any:
         # YAML's no/off/false would be 0 tokens (the 600 of Anthropic's tool prompt unreserved).
-        if isinstance(value, bool):
-            raise ValueError("a token count, not true or false")
-        return value
+        return not_a_bool(value)
 
     @model_validator(mode="after")
     def _tiers_beside_a_price(self) -> ModelConfig:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from proxy.config_base import MAX_COUNT, MAX_UNITS, MICROS_PER_UNIT, Frozen, Period
+from proxy.config_base import MAX_COUNT, MAX_UNITS, MICROS_PER_UNIT, Frozen, Period, not_a_bool
 
 
 class PolicyOverride(Frozen):
@@ -35,9 +35,7 @@ class Ceilings(Frozen):
     @classmethod
     def _not_a_bool(cls, value: Any) -> Any:
         # YAML's true/false/yes/no/on/off would be a ceiling of 1 or 0 (0 refuses every call).
-        if isinstance(value, bool):
-            raise ValueError("a ceiling is a count, not true or false")
-        return value
+        return not_a_bool(value, "a ceiling is a count")
 
     @field_validator("cost")
     @classmethod
@@ -87,9 +85,7 @@ class TierConfig(Frozen):
     @field_validator("min_output_tokens", mode="before")
     @classmethod
     def _not_a_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("a token count, not true or false")
-        return value
+        return not_a_bool(value)  # yes would be 1: a clamp that may leave one output token
 
     @model_validator(mode="after")
     def _one_window_per_period(self) -> TierConfig:

@@ -72,6 +72,9 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
         return []
     if call.upstream_status >= 300:
         return []
+    obs = ex.obs
+    if not (made or call.continues or call.references or obs.item_ids or obs.container_ids):
+        return []  # nearly every chat and Messages call: nothing to mark, nothing built
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
     skip = {call.stored_prompt, *call.continues_owned, *made}

@@ -39,6 +39,12 @@ class ProviderUsage:
 MAX_SANE_TOKENS = 10**12
 
 
+def add_id(ids: list[str], found: Any) -> None:
+    """``found`` to ``ids`` (an answer's item or container ids) when it is one, and new."""
+    if isinstance(found, str) and found and found not in ids:
+        ids.append(found)
+
+
 def token_count(value: Any) -> int | None:
     # bool is an int in Python; a provider sending true is not a count.
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SANE_TOKENS:
@@ -266,9 +272,7 @@ class Observation:
         audio = part.get("audio")
         if isinstance(audio, dict):  # an audio answer's words (its sound is not text)
             self.add_text(index, audio.get("transcript"))
-            found = audio.get("id")  # kept by the provider for a later turn to send back by id
-            if isinstance(found, str) and found and found not in self.item_ids:
-                self.item_ids.append(found)
+            add_id(self.item_ids, audio.get("id"))  # kept for a later turn to send back by id
         # OpenAI-compatible reasoning models' thinking, output tokens the provider bills:
         # reasoning_content (DeepSeek, vLLM, SGLang), reasoning (OpenRouter, Groq, Ollama; a
         # server sending both for compatibility sends the same text twice: one is read).

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from proxy.observe import Observation, ProviderUsage, token_count
+from proxy.observe import Observation, ProviderUsage, add_id, token_count
 from proxy.payload import FAST_TIER
 
 
@@ -169,9 +169,7 @@ def _anthropic_tier(obs: Observation, usage: Any) -> None:
 
 def _container(obs: Observation, container: Any) -> None:
     """The code execution container the answer ran in (kept, with its files, for a later call)."""
-    found = container.get("id") if isinstance(container, dict) else None
-    if isinstance(found, str) and found and found not in obs.container_ids:
-        obs.container_ids.append(found)
+    add_id(obs.container_ids, container.get("id") if isinstance(container, dict) else None)
 
 
 def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from proxy.observe import Observation, ProviderUsage, parse_usage, token_count
+from proxy.observe import Observation, ProviderUsage, add_id, parse_usage, token_count
 
 
 def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool) -> None:
@@ -124,16 +124,13 @@ def _side_message(item: dict[str, Any]) -> bool:
 
 
 def _item_id(obs: Observation, item: dict[str, Any]) -> None:
-    found = item.get("id")
-    if isinstance(found, str) and found and found not in obs.item_ids:
-        obs.item_ids.append(found)
+    add_id(obs.item_ids, item.get("id"))
     container = item.get("container_id")  # a code interpreter's: kept, with its files
     environment = item.get("environment")
     if container is None and isinstance(environment, dict):
         # A hosted shell's call tells its container (one it made, too) as a container_reference.
         container = environment.get("container_id")
-    if isinstance(container, str) and container and container not in obs.container_ids:
-        obs.container_ids.append(container)
+    add_id(obs.container_ids, container)
 
 
 def _response_id(obs: Observation, response: dict[str, Any]) -> None:
