@@ -7,7 +7,8 @@ every other field passes through to the upstream unchanged.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -179,12 +180,40 @@ BODY_MODELS: dict[Endpoint, type[_Body]] = {
 }
 
 
-def _describe(err: ValidationError) -> tuple[str, str | None]:
+def _describe(err: ValidationError, model: type[_Body]) -> tuple[str, str | None]:
     first = err.errors()[0]
+    field = first["loc"][0] if first["loc"] else None
+    shapes = _shapes(model, field) if isinstance(field, str) and first["type"] != "missing" else []
+    if isinstance(field, str) and len(shapes) > 1:
+        # A field of several shapes (a prompt: text or token ids): pydantic tells each branch's
+        # error under the branch's name ("prompt.str"), the first of them a client that sent a
+        # list is no help with. The field, and every shape it takes, as OpenAI names them.
+        return (
+            f"Invalid request body: {field}: Input should be {', '.join(shapes[:-1])} or {shapes[-1]}",
+            field,
+        )
     param = ".".join(str(p) for p in first["loc"]) or None
     # Not pydantic's "or instance of StreamOptions": the client sent JSON, not our classes.
     message = "Input should be an object" if first["type"] == "model_type" else first["msg"]
     return f"Invalid request body: {param or 'body'}: {message}", param
+
+
+def _shapes(model: type[_Body], field: str) -> list[str]:
+    """The shapes a field of ``model`` takes (null aside), as an error names them: none for a
+    field of one shape or not the model's."""
+    info = model.model_fields.get(field)
+    if info is None or get_origin(info.annotation) not in (Union, types.UnionType):
+        return []
+    return [_shape(member) for member in get_args(info.annotation) if member is not type(None)]
+
+
+def _shape(kind: Any, plural: bool = False) -> str:
+    if get_origin(kind) is list:
+        (item,) = get_args(kind) or (Any,)
+        return ("arrays of " if plural else "an array of ") + _shape(item, plural=True)
+    names = {str: ("a string", "strings"), int: ("an integer", "integers"), dict: ("an object", "objects")}
+    singular, many = names.get(get_origin(kind) or kind, ("a value", "values"))
+    return many if plural else singular
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestView]:
@@ -206,7 +235,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
     try:
         view: Any = BODY_MODELS[endpoint].model_validate(data)
     except ValidationError as err:
-        message, param = _describe(err)
+        message, param = _describe(err, BODY_MODELS[endpoint])
         raise BadRequest(message, param=param) from None
     if _LONG_DIGITS in raw.translate(_ONLY_DIGITS):
         # Digits in strings (ids, base64) are no integer; a field the proxy reads was refused

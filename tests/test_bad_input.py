@@ -1563,3 +1563,40 @@ async def test_an_unknown_expectation_off_the_routes_is_refused_in_openais_forma
     assert b"application/json" in head.lower() and b"x-request-id" in head.lower(), out
     assert json.loads(payload)["error"]["code"] == "expectation_failed"
     assert fake.calls == 0
+
+
+# -- a field of several shapes: its error names the field and every shape
+
+PROMPT_KINDS = "a string, an array of strings, an array of integers or an array of arrays of integers"
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        (COMPLETIONS, "prompt", {"text": "hi"}),
+        (COMPLETIONS, "prompt", 5),
+        (COMPLETIONS, "prompt", [1, "a"]),
+        (COMPLETIONS, "prompt", [[1, 2], [3, None]]),
+        (COMPLETIONS, "prompt", [1.5]),
+        (EMBEDDINGS, "input", True),
+        (EMBEDDINGS, "input", ["ok", None]),
+        (EMBEDDINGS, "input", [1, [2]]),
+    ],
+    ids=repr,
+)
+async def test_a_prompt_or_input_of_no_accepted_shape_names_its_field_and_the_shapes_it_takes(
+    post: Any, path: str, field: str, value: Any
+) -> None:
+    """A union field's error named a parameter no request has ("prompt.str", "input.str": the
+    first of pydantic's union branches) and told a client that sent a list of token ids with one
+    null in it that the field "should be a valid string"."""
+    model = "gpt-4o-mini" if path == COMPLETIONS else "text-embedding-3-small"
+    error = assert_refused(await post(path, dumps({"model": model, field: value})), 400)
+    assert error["param"] == field, error  # was "prompt.str" / "input.str"
+    assert PROMPT_KINDS in error["message"], error  # was "Input should be a valid string"
+
+
+async def test_a_missing_prompt_is_still_told_as_required(post: Any) -> None:
+    error = assert_refused(await post(COMPLETIONS, dumps({"model": "gpt-4o-mini"})), 400)
+    assert error["param"] == "prompt", error
+    assert "Field required" in error["message"], error
