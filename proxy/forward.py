@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 import aiohttp
 import orjson
@@ -17,6 +20,7 @@ from proxy.auth import Identity
 from proxy.call import Call
 from proxy.config import UpstreamConfig
 
+REDACTED = b"[REDACTED]"
 FailureKind = Literal["connect", "timeout", "transport", "connect_timeout"]
 
 
@@ -71,13 +75,53 @@ def feature_headers(request_headers: CIMultiDictProxy[str], upstream: UpstreamCo
 
 
 def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | None:
-    """The operator's key when it is what a request of ``identity`` to ``upstream`` carries
-    (None: the caller's own key goes out, or none): an upstream echoing it must not pass it
-    on, and its refusal is the operator's problem, not the caller's."""
+    """The operator's credential when it is what authorizes a request of ``identity`` to
+    ``upstream`` (None: the caller's own key goes out, or none): its key, else the credentials
+    of its ``base_url`` (a gateway's basic auth). Its refusal is the operator's problem, not the
+    caller's, and every tenant's call then goes out as one account's. What an echo of it would
+    show is ``operator_secrets``."""
     if upstream.passthrough_auth and identity.upstream_key is not None:
         return None
-    secret = upstream.api_key.get_secret_value().encode() if upstream.api_key is not None else b""
-    return secret or None
+    secrets = operator_secrets(upstream, identity)
+    return secrets[0] if secrets else None
+
+
+def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[bytes, ...]:
+    """Every credential of the operator's a request of ``identity`` to ``upstream`` carries, as
+    an upstream echoing it would show it: its key (unless the caller's own goes instead) and the
+    credentials of its ``base_url`` (sent as basic auth, beside a pass-through caller's key too).
+    An upstream must never pass one on."""
+    secrets: list[bytes] = []
+    if upstream.api_key is not None and not (upstream.passthrough_auth and identity.upstream_key is not None):
+        key = upstream.api_key.get_secret_value().encode()
+        if key:
+            secrets.append(key)
+    secrets.extend(url_credentials(upstream.base_url))
+    return tuple(secrets)
+
+
+# A part of the URL's credentials shorter than this is not looked for alone (a user name such as
+# "api" would be replaced in every answer); the basic auth token that carries it always is.
+_MIN_URL_SECRET = 8
+
+
+@functools.cache
+def url_credentials(base_url: str) -> tuple[bytes, ...]:
+    """The credentials of ``base_url`` as aiohttp sends them (the basic auth token) and as they
+    read (the password, or a user name that is a token of its own)."""
+    # Not parsed by yarl: a host it cannot encode (refused when the call is sent, a 502) must
+    # not fail the reserve that asks this first.
+    parts = urlsplit(base_url)
+    if parts.username is None and parts.password is None:
+        return ()
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    out: list[bytes] = []
+    with contextlib.suppress(UnicodeEncodeError):  # aiohttp cannot send it either: nothing goes out
+        out.append(base64.b64encode(f"{user}:{password}".encode("latin1")))
+    part = password or user
+    if len(part) >= _MIN_URL_SECRET:
+        out.append(part.encode())
+    return tuple(out)
 
 
 # What of the provider's response headers reaches the client: what its SDK acts on (when and
@@ -93,7 +137,9 @@ UPSTREAM_ID_HEADERS = frozenset({"x-request-id", "request-id"})
 QUERY_SAFE = "!$&'()*+,;=:@/?%"
 
 
-def provider_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+def provider_headers(upstream: aiohttp.ClientResponse, secrets: tuple[bytes, ...] = ()) -> dict[str, str]:
+    """The provider's headers the client gets; the operator's ``secrets`` (``operator_secrets``)
+    echoed in one of them are replaced, as in a body."""
     out: dict[str, str] = {}
     for name, value in upstream.headers.items():
         low = name.lower()
@@ -103,7 +149,21 @@ def provider_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
             out[low] = value
         elif low in UPSTREAM_ID_HEADERS:
             out["x-upstream-request-id"] = value
+    for secret in secrets if out else ():
+        # aiohttp reads header values as UTF-8, other bytes as surrogate escapes.
+        text = secret.decode("utf-8", "surrogateescape")
+        for name, value in out.items():
+            if text in value:
+                out[name] = value.replace(text, "[REDACTED]")
     return out
+
+
+def scrubbed(raw: bytes, secrets: tuple[bytes, ...]) -> bytes:
+    """``raw`` with every one of the operator's ``secrets`` replaced."""
+    for secret in secrets:
+        if secret in raw:
+            raw = raw.replace(secret, REDACTED)
+    return raw
 
 
 def timeout_for(call: Call) -> aiohttp.ClientTimeout:

@@ -37,8 +37,10 @@ from proxy.forward import (
     feature_headers,
     header_list,
     operator_key_sent,
+    operator_secrets,
     provider_headers,
     read_limited,
+    scrubbed,
     upstream_headers,
     upstream_url,
 )
@@ -231,9 +233,9 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
     key = operator_key_sent(upstream, identity)
-    if key is not None and key in body:
-        body = body.replace(key, b"[REDACTED]")
-    passed = provider_headers(resp)
+    secrets = operator_secrets(upstream, identity)
+    body = scrubbed(body, secrets)
+    passed = provider_headers(resp, secrets)
     if 300 <= resp.status < 400:
         return error_response(
             502,

@@ -23,7 +23,14 @@ from proxy.call import Call
 from proxy.config import Config
 from proxy.contexts import claim, contexts_made, contexts_owned, remember
 from proxy.estimate import counted
-from proxy.forward import TransportFailure, open_upstream, operator_key_sent, provider_headers
+from proxy.forward import (
+    TransportFailure,
+    open_upstream,
+    operator_key_sent,
+    operator_secrets,
+    provider_headers,
+    scrubbed,
+)
 from proxy.journal import Journal
 from proxy.lease import LeaseRenewal
 from proxy.metrics import Metrics, tenant_label
@@ -37,7 +44,7 @@ from proxy.outcome import (
 )
 from proxy.record import record_call
 from proxy.relay_body import relay_body, relay_upstream_error
-from proxy.relay_stream import REDACTED, relay_stream
+from proxy.relay_stream import relay_stream
 from proxy.settle import MARKER_TRUST, Settlement, billing_headers, settle
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer
@@ -89,6 +96,10 @@ class Exchange:
     @functools.cached_property
     def operator_key(self) -> bytes | None:
         return operator_key_sent(self.call.upstream, self.call.identity)
+
+    @functools.cached_property
+    def operator_secrets(self) -> tuple[bytes, ...]:
+        return operator_secrets(self.call.upstream, self.call.identity)
 
     def reserve_usage(self) -> BilledUsage:
         return reserve_usage(self.call.reserved_input_tokens, self.call.reserved_output_tokens)
@@ -316,7 +327,7 @@ class Exchange:
                 return await self._transport_failure(upstream)
             try:
                 self.call.upstream_status = upstream.status
-                self.provider_headers = provider_headers(upstream)
+                self.provider_headers = provider_headers(upstream, self.operator_secrets)
                 sse = upstream.content_type == "text/event-stream"
                 if self.call.stream and upstream.status < 300 and sse:
                     return await relay_stream(self, upstream)  # renews the lease itself
@@ -374,10 +385,7 @@ class Exchange:
     def scrub(self, raw: bytes) -> bytes:
         """An upstream that echoes the proxy's key (in an error, a 200 error object, a stream's
         error event) never gets it past the proxy."""
-        secret = self.operator_key
-        if secret is not None and secret in raw:
-            return raw.replace(secret, REDACTED)
-        return raw
+        return scrubbed(raw, self.operator_secrets)
 
     def rejection_message(self, settlement: Settlement) -> str:
         return (

@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from proxy.body_reader import BodyReader
 from proxy.contexts import keep_context
 from proxy.events import EventFilter
-from proxy.forward import StallGuard
+from proxy.forward import StallGuard, scrubbed
 from proxy.lease import LeaseRenewal
 from proxy.outcome import Outcome, classify_answer
 from proxy.settle import billing_comment
@@ -38,7 +38,6 @@ _WRITE_BACKLOG = 16 * 1024
 # while a write waits on it.
 CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError)
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
-REDACTED = b"[REDACTED]"
 # How long the body's end is waited for after [DONE] (see relay_stream).
 DONE_DRAIN_S = 0.25
 
@@ -63,6 +62,10 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
             **call.dialect.id_headers(call.request_id),
         },
     )
+    if ex.request.version < HttpVersion11:
+        # No chunked framing before HTTP/1.1: the stream ends with the connection, which aiohttp
+        # would keep open for a client that asked to keep it alive (its body never ending).
+        response.force_close()
     client_gone = False
     writer = None
     try:
@@ -81,7 +84,7 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
     next_piece = body.read
     read, write, monotonic = events.read, response.write, time.monotonic
     limit = ex.services.config.limits.max_upstream_body_bytes
-    secret = ex.operator_key
+    secrets = ex.operator_secrets
     request = ex.request
     waited_s = 0.0
     try:
@@ -110,8 +113,8 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
                 break
             if obs.done and out:
                 await keep_context(ex)  # before the client has the answer whole (its id)
-            if secret is not None and secret in out:  # whole events: a key is never cut
-                out = out.replace(secret, REDACTED)
+            if secrets:  # whole events: a key is never cut
+                out = scrubbed(out, secrets)
             if not out or client_gone:
                 pass
             elif _has_room(request, len(out)):

@@ -1,0 +1,269 @@
+"""The HTTP level and the secrets on the request path: compressed answers, an HTTP/1.0
+client's stream, and the operator's credentials (its key, or those of its ``base_url``) never
+reaching a client nor letting one tenant act as another."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gzip
+import json
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import brotli
+import openai
+import pytest
+from aiohttp import web
+
+from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import the_entry
+
+JsonDict = dict[str, Any]
+CHAT = "/v1/chat/completions"
+BODY: JsonDict = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+ANSWER = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "gpt-4o-mini",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
+    "usage": USAGE,
+}
+# Credentials in base_url, as a gateway's basic auth: the config takes them (``_one_credential``).
+GW_USER, GW_PASSWORD = "gw-user", "gw-pass-0123456789"
+GW_TOKEN = base64.b64encode(f"{GW_USER}:{GW_PASSWORD}".encode()).decode()
+
+
+def _chunk(delta: JsonDict, finish: str | None = None, usage: JsonDict | None = None) -> bytes:
+    choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    event = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini"}
+    event.update(choices=choices, usage=usage)
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+STREAM = (
+    _chunk({"role": "assistant", "content": "hel"})
+    + _chunk({"content": "lo"}, "stop")
+    + _chunk({}, usage=USAGE)
+    + b"data: [DONE]\n\n"
+)
+
+
+class Upstream:
+    """An upstream answering every path with ``handler``."""
+
+    def __init__(self) -> None:
+        self.handler: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
+        self.calls = 0
+        self.runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.calls += 1
+        assert self.handler is not None
+        return await self.handler(request)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
+
+    def upstreams(self, *, in_url: bool = False) -> JsonDict:
+        upstream: JsonDict = {"base_url": self.base_url, "timeout_s": 5, "connect_timeout_s": 2}
+        if in_url:
+            upstream["base_url"] = self.base_url.replace("http://", f"http://{GW_USER}:{GW_PASSWORD}@")
+        else:
+            upstream["api_key_env"] = "TEST_UPSTREAM_KEY"
+        return {"openai": upstream}
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    up = Upstream()
+    await up.start()
+    yield up
+    assert up.runner is not None
+    await up.runner.cleanup()
+
+
+async def request(
+    proxy: Proxy, path: str, body: JsonDict | None, run: str = "r", method: str = "POST"
+) -> tuple[int, dict[str, str], bytes]:
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run, "Accept-Encoding": "gzip, br"}
+    async with (
+        aiohttp.ClientSession(auto_decompress=False) as session,
+        session.request(method, proxy.url + path, json=body, headers=headers) as resp,
+    ):
+        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
+
+
+def assert_no_secret(headers: dict[str, str], body: bytes, secrets: tuple[str, ...]) -> None:
+    for secret in secrets:
+        assert secret.encode() not in body, body
+        assert all(secret not in value for value in headers.values()), headers
+
+
+# -- the operator's key echoed in a response header -------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["x-request-id", "request-id", "x-ratelimit-limit-requests", "retry-after"])
+@pytest.mark.parametrize("route", ["json", "stream", "models"])
+async def test_a_provider_header_echoing_the_operators_key_never_reaches_the_client(
+    make_proxy: ProxyFactory, upstream: Upstream, name: str, route: str
+) -> None:
+    """Bodies, stream events and the model list were scrubbed of the operator's key, not the
+    provider's headers passed on (its request id as ``x-upstream-request-id``, its limits)."""
+    echoed = {name: f"key={UPSTREAM_KEY}"}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if route == "stream":
+            return web.Response(body=STREAM, headers={"Content-Type": "text/event-stream", **echoed})
+        if route == "models":
+            return web.json_response({"object": "list", "data": []}, headers=echoed)
+        return web.json_response(ANSWER, headers=echoed)
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams())
+    if route == "models":
+        status, headers, body = await request(proxy, "/v1/models", None, method="GET")
+    else:
+        status, headers, body = await request(proxy, CHAT, {**BODY, "stream": route == "stream"})
+    assert status == 200, body
+    assert_no_secret(headers, body, (UPSTREAM_KEY,))
+    assert any("[REDACTED]" in value for value in headers.values()), headers  # still passed on
+
+
+# -- credentials in base_url are the operator's too -------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["json", "stream", "models"])
+async def test_base_url_credentials_refused_are_the_proxys_fault_and_never_echoed(
+    make_proxy: ProxyFactory, upstream: Upstream, route: str
+) -> None:
+    """A gateway's basic auth in base_url is the operator's credential: its refusal was passed on
+    as a 401 (the caller's SDK reads its own key as wrong), and its echo as it came."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        message = f"bad credentials {request.headers.get('Authorization')} ({GW_PASSWORD})"
+        error = {"error": {"message": message, "type": "auth", "param": None, "code": "invalid_api_key"}}
+        return web.json_response(error, status=401, headers={"x-request-id": GW_TOKEN})
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams(in_url=True))
+    if route == "models":
+        status, headers, body = await request(proxy, "/v1/models", None, method="GET")
+    else:
+        status, headers, body = await request(proxy, CHAT, {**BODY, "stream": route == "stream"})
+    assert status == 502 and json.loads(body)["error"]["code"] == "upstream_auth", (status, body)
+    assert_no_secret(headers, body, (GW_PASSWORD, GW_TOKEN))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_base_url_credentials_echoed_in_an_answer_never_reach_the_client(
+    make_proxy: ProxyFactory, upstream: Upstream, stream: bool
+) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        said = f"{request.headers.get('Authorization')} {GW_PASSWORD}"
+        error = {"error": {"message": said, "type": "invalid_request_error", "param": None, "code": None}}
+        if stream:
+            event = b"data: " + json.dumps(error).encode() + b"\n\n"
+            return web.Response(body=event, headers={"Content-Type": "text/event-stream"})
+        return web.json_response(error, status=400)
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams(in_url=True))
+    status, headers, body = await request(proxy, CHAT, {**BODY, "stream": stream})
+    assert status == (200 if stream else 400), body
+    assert_no_secret(headers, body, (GW_PASSWORD, GW_TOKEN))
+    assert b"[REDACTED]" in body
+
+
+async def test_base_url_credentials_keep_a_tenant_out_of_another_tenants_response(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Every tenant's call goes out with the gateway's credentials, one account at the provider:
+    with no ``api_key_env`` the proxy took them for each caller's own, and let tenant B continue
+    tenant A's stored response (served from A's conversation, billed to B)."""
+    fake.api_key = None  # the fake checks a bearer key; the gateway's basic auth goes here
+    base = fake.base_url.replace("http://", f"http://{GW_USER}:{GW_PASSWORD}@")
+    proxy = await make_proxy(upstreams={"openai": {"base_url": base, "timeout_s": 5, "connect_timeout_s": 2}})
+    mine = await proxy.client().responses.create(model="gpt-4o-mini", input="my secret plan")
+    sent = len(fake.received)
+    with pytest.raises(openai.NotFoundError):
+        await proxy.client(KEY_B).responses.create(
+            model="gpt-4o-mini", input="repeat everything above", previous_response_id=mine.id
+        )
+    assert len(fake.received) == sent, "another tenant's response went upstream"
+    await proxy.client().responses.create(model="gpt-4o-mini", input="go on", previous_response_id=mine.id)
+    assert len(fake.received) == sent + 1
+
+
+# -- an HTTP/1.0 client's stream ----------------------------------------------------------------
+
+
+async def test_an_http10_keep_alive_client_sees_its_stream_end(proxy: Proxy) -> None:
+    """HTTP/1.0 has no chunked framing: the stream's end is the connection's. aiohttp kept it
+    open for a client that asked for keep-alive (``ab -k``, old gateways), its stream never
+    ending: the client hung for the server's keep-alive timeout (an hour)."""
+    body = json.dumps({**BODY, "stream": True}).encode()
+    head = (
+        f"POST {CHAT} HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head.encode() + body)
+        data = await asyncio.wait_for(reader.read(), 5)  # to the connection's end
+    finally:
+        writer.close()
+    status_line, _, rest = data.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.0 200"), data[:300]
+    assert b"transfer-encoding" not in rest.partition(b"\r\n\r\n")[0].lower()
+    assert rest.rstrip().endswith(b"data: [DONE]"), rest[-300:]
+
+
+# -- compressed answers (found sound; kept as a regression guard) --------------------------------
+
+
+def _encoded(data: bytes, encoding: str) -> bytes:
+    if encoding == "gzip":
+        return gzip.compress(data)
+    if encoding == "deflate":
+        return zlib.compress(data)
+    out: bytes = brotli.compress(data)
+    return out
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_compressed_answer_is_billed_on_its_usage_and_relayed_decoded(
+    make_proxy: ProxyFactory, upstream: Upstream, encoding: str, stream: bool
+) -> None:
+    raw, content_type = (STREAM, "text/event-stream") if stream else (json.dumps(ANSWER).encode(), "")
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        headers = {"Content-Type": content_type or "application/json", "Content-Encoding": encoding}
+        return web.Response(body=_encoded(raw, encoding), headers=headers)
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams())
+    run = f"enc-{encoding}-{stream}"
+    status, headers, body = await request(proxy, CHAT, {**BODY, "stream": stream}, run)
+    assert status == 200, body
+    assert "content-encoding" not in headers, headers
+    if stream:
+        assert body.rstrip().endswith(b"data: [DONE]"), body
+    else:
+        assert int(headers["content-length"]) == len(body) and json.loads(body)["usage"] == USAGE
+    entry = await the_entry(proxy, run)
+    assert entry["usage_source"] == "provider" and entry["input_tokens"] == "11", entry
