@@ -73,16 +73,21 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     if call.upstream_status >= 300:
         return []
     obs = ex.obs
-    if not (made or call.continues or call.references or obs.item_ids or obs.container_ids):
+    if not (
+        made or call.continues or call.references or obs.item_ids or obs.container_ids or obs.response_id
+    ):
         return []  # nearly every chat and Messages call: nothing to mark, nothing built
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
     skip = {call.stored_prompt, *call.continues_owned, *made}
-    if ex.obs.error:
+    if ex.obs.error and not ex.obs.pending:
         # It failed (``status: failed``, an error event) once ids had reached the client: the
-        # containers its code ran in keep their files, and its items may be kept. Still this
-        # tenant's; what it continued or named becomes no one's by a failed call.
-        return [c for c in dict.fromkeys(answer_items(ex)) if c not in skip]
+        # provider keeps that response under its id, the containers its code ran in keep their
+        # files, and its items may be kept. Still this tenant's; what it continued or named
+        # becomes no one's by a failed call.
+        answer = obs.response_id if call.stores_answer else None
+        own = [context_key(answer)] if answer else []
+        return [c for c in dict.fromkeys([*own, *answer_items(ex)]) if c not in skip]
     named = [*call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
     return [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
 
@@ -101,10 +106,12 @@ def contexts_made(ex: Exchange) -> list[str]:
     call = ex.call
     if call.endpoint != "responses":
         return []
-    if ex.obs.error or call.upstream_status >= 300:
+    if (ex.obs.error and not ex.obs.pending) or call.upstream_status >= 300:
         # It failed (``status: failed``, an error event), or the upstream answered an error:
         # its conversation is as it was, whatever the failed call billed (its usage may be
-        # 0), and a failed answer is not continued.
+        # 0), and a failed answer is not continued. Not one queued: the provider writes it
+        # later and adds it to its conversation, kept at what the call billed (its reserve, a
+        # bound) as a cut call's is.
         return []
     kept = [call.conversation] if call.conversation else []
     if call.stored_prompt and call.continues == (call.stored_prompt,):

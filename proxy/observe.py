@@ -200,6 +200,9 @@ class Observation:
     chunks: int = 0
     malformed: bool = False
     error: bool = False
+    # A Responses answer still queued or in progress (with ``error``: not the answer, billed at
+    # its reserve): the provider writes it later, outside the call, and keeps it.
+    pending: bool = False
     done: bool = False
     # The processing tier the provider says it served (OpenAI's service_tier; priced apart).
     service_tier: str | None = None

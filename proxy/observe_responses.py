@@ -75,9 +75,11 @@ _CALL_STRUCTURES = ("action", "actions", "queries", "operation")
 _UNSTREAMED_CALLS = frozenset(
     {"mcp_approval_request", "local_shell_call", "computer_call", "web_search_call", "file_search_call"}
 )
-# Items whose output tokens no text shows: reasoning (hidden, or summarized) and a generated
-# image (its image tokens, and each partial image's, billed; its base64 is not their count).
-_UNCOUNTED_ITEMS = frozenset({"reasoning", "image_generation_call"})
+# Items whose output tokens no text shows: reasoning (hidden, or summarized), a generated
+# image (its image tokens, and each partial image's, billed; its base64 is not their count) and
+# a server-side compaction's summary (``context_management``: written by a pass of the model,
+# sent only encrypted).
+_UNCOUNTED_ITEMS = frozenset({"reasoning", "image_generation_call", "compaction"})
 
 
 def _call_texts(item: dict[str, Any], fields: tuple[str, ...] = _CALL_TEXTS) -> list[Any]:
@@ -218,3 +220,4 @@ def responses_body(obs: Observation, obj: dict[str, Any]) -> None:
         # Queued (background mode: refused up front, but an upstream may queue on its own): the
         # answer is written, and billed, later, outside this call. Nothing to count: its reserve.
         obs.error = True
+        obs.pending = True

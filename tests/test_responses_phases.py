@@ -50,7 +50,7 @@ def _message(item_id: str, phase: str, text: str) -> dict[str, Any]:
     }
 
 
-def _response(status: str, output: list[Any], usage: Any) -> dict[str, Any]:
+def response_object(status: str, output: list[Any], usage: Any) -> dict[str, Any]:
     return {
         "id": "resp_1",
         "object": "response",
@@ -83,8 +83,8 @@ def _stream(output: list[dict[str, Any]], *, phase_when_added: bool = True) -> l
     """The events OpenAI sends for ``output``; ``phase_when_added=False``: each message's phase
     told only once it is done (``response.output_item.done``), not when it is added."""
     events: list[dict[str, Any]] = [
-        {"type": "response.created", "response": _response("in_progress", [], None)},
-        {"type": "response.in_progress", "response": _response("in_progress", [], None)},
+        {"type": "response.created", "response": response_object("in_progress", [], None)},
+        {"type": "response.in_progress", "response": response_object("in_progress", [], None)},
     ]
     for index, item in enumerate(output):
         text = item["content"][0]["text"]
@@ -101,7 +101,7 @@ def _stream(output: list[dict[str, Any]], *, phase_when_added: bool = True) -> l
             {"type": "response.content_part.done", **where, "part": {**part, "text": text}},
             {"type": "response.output_item.done", "output_index": index, "item": item},
         ]
-    events.append({"type": "response.completed", "response": _response("completed", output, USAGE)})
+    events.append({"type": "response.completed", "response": response_object("completed", output, USAGE)})
     return [_sse({**e, "sequence_number": n}) for n, e in enumerate(events)]
 
 
@@ -127,7 +127,7 @@ async def test_a_structured_answer_after_commentary_is_not_rejected(
     if streamed:
         script.plan = Plan(content_type="text/event-stream", chunks=_stream(OUTPUT))
     else:
-        body = json.dumps(_response("completed", OUTPUT, USAGE)).encode()
+        body = json.dumps(response_object("completed", OUTPUT, USAGE)).encode()
         script.plan = Plan(chunks=[body])
     call = _stream_parse if streamed else _parse
     # What the SDK makes of it from the provider directly: the final answer, parsed.
@@ -153,7 +153,7 @@ async def test_a_final_answer_that_is_not_json_is_still_rejected(
     if streamed:
         script.plan = Plan(content_type="text/event-stream", chunks=_stream(output))
     else:
-        script.plan = Plan(chunks=[json.dumps(_response("completed", output, USAGE)).encode()])
+        script.plan = Plan(chunks=[json.dumps(response_object("completed", output, USAGE)).encode()])
     proxy = await make_proxy(
         upstreams=scripted_upstreams(script.base_url), policy={"on_invalid_json": "reject"}
     )
@@ -189,7 +189,7 @@ async def test_a_tool_call_after_commentary_is_not_rejected(
         "arguments": '{"city":"Paris"}',
     }
     output = [_message("msg_1", "commentary", COMMENTARY), call]
-    script.plan = Plan(chunks=[json.dumps(_response("completed", output, USAGE)).encode()])
+    script.plan = Plan(chunks=[json.dumps(response_object("completed", output, USAGE)).encode()])
     proxy = await make_proxy(
         upstreams=scripted_upstreams(script.base_url), policy={"on_invalid_json": "reject"}
     )
