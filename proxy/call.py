@@ -18,7 +18,7 @@ from proxy.errors import BadRequest, NotFound
 from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS, Estimate, estimate
 from proxy.ids import IdSource
 from proxy.payload import (
-    FAST_TIER,
+    FAST_TIERS,
     ChatBody,
     CompletionBody,
     EmbeddingBody,
@@ -276,7 +276,7 @@ def plan_call(
         # Served by the tier the client's project defaults to (priority, say), which the proxy
         # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
         # Not fast mode's: it serves only the calls that ask for it.
-        reserve_rates = dearest(rates for name, rates in tiers.items() if name != FAST_TIER)
+        reserve_rates = dearest(rates for name, rates in tiers.items() if name not in FAST_TIERS)
     continues, conversation, stores_answer = _chaining(view)
     stored_prompt = _stored_prompt(view)
     if stored_prompt is not None:

@@ -77,7 +77,11 @@ class Dialect:
         status: int | None = None,
     ) -> bytes:
         if self.anthropic_errors:
-            kind = _ANTHROPIC_BY_STATUS.get(status or 0) or _ANTHROPIC_TYPES.get(error_type, error_type)
+            kind = (
+                _ANTHROPIC_BY_STATUS.get(status or 0)
+                or _ANTHROPIC_BY_CODE.get(code or "")
+                or _ANTHROPIC_TYPES.get(error_type, error_type)
+            )
             return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
         return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
 
@@ -119,8 +123,11 @@ _ANTHROPIC_BY_STATUS = {
     500: "api_error",
     502: "api_error",
     503: "overloaded_error",
-    504: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
 }
+# A stream's error event has no status of its own: what failed names the type.
+_ANTHROPIC_BY_CODE = {"upstream_timeout": "timeout_error"}
 _ANTHROPIC_TYPES = {
     "invalid_request_error": "invalid_request_error",
     "insufficient_quota": "rate_limit_error",

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from proxy.observe import Observation, ProviderUsage, add_id, token_count
-from proxy.payload import FAST_TIER
+from proxy.payload import FAST_TIER, US_GEO, messages_tier
 
 
 def anthropic_usage(raw: Any) -> ProviderUsage | None:
@@ -157,12 +157,15 @@ def _cumulative(held: Any, given: Any) -> Any:
 
 def _anthropic_tier(obs: Observation, usage: Any) -> None:
     """The tier Anthropic says served the call (its "standard" is the default's prices); fast
-    mode (``usage.speed``) is priced as a tier of its own, ``fast``."""
+    mode (``usage.speed``) and US-only inference (``usage.inference_geo``, which a workspace may
+    default to) are priced as tiers of their own (``payload.messages_tier``)."""
     if not isinstance(usage, dict):
         return
     tier = usage.get("service_tier")
-    if usage.get("speed") == "fast":
-        obs.service_tier = FAST_TIER
+    fast, us = usage.get("speed") == FAST_TIER, usage.get("inference_geo") == US_GEO
+    priced_apart = messages_tier(fast=fast, us=us)
+    if priced_apart is not None:
+        obs.service_tier = priced_apart
     elif isinstance(tier, str) and tier:
         obs.service_tier = "default" if tier == "standard" else tier
 

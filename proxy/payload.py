@@ -147,6 +147,22 @@ class ResponsesBody(_Body):
 # Anthropic's fast mode (``speed: "fast"``, at several times the price): priced as a tier of
 # this name, and only ever the tier of a call that asks for it.
 FAST_TIER = "fast"
+# Anthropic's US-only inference (``inference_geo: "us"``, 1.1 times every price on the models
+# that take it): priced as a tier of this name, and as ``fast-us`` beside fast mode. A workspace
+# may make it the default of a call that names no geography (its answer's ``usage`` says).
+US_GEO = "us"
+US_TIER = "us"
+FAST_US_TIER = "fast-us"
+# The tiers that serve only the calls that ask for them: never a reserve's guess.
+FAST_TIERS = frozenset({FAST_TIER, FAST_US_TIER})
+
+
+def messages_tier(*, fast: bool, us: bool) -> str | None:
+    """The tier a Messages call is priced as: fast mode, US-only inference, both, or the default
+    (None)."""
+    if fast:
+        return FAST_US_TIER if us else FAST_TIER
+    return US_TIER if us else None
 
 
 class Thinking(BaseModel):
@@ -164,6 +180,7 @@ class MessagesBody(_Body):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     thinking: Thinking | None = None
     speed: str | None = None
+    inference_geo: str | None = None
     system: str | list[dict[str, Any]] | None = None
     stream: bool | None = None
     tools: list[dict[str, Any]] | None = None

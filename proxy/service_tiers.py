@@ -7,18 +7,27 @@ from collections.abc import Iterable, Mapping
 
 from proxy.config_models import ModelConfig
 from proxy.errors import BadRequest
-from proxy.payload import FAST_TIER, ChatBody, MessagesBody, RequestView, ResponsesBody
+from proxy.payload import (
+    FAST_TIER,
+    US_GEO,
+    ChatBody,
+    MessagesBody,
+    RequestView,
+    ResponsesBody,
+    messages_tier,
+)
 
 # Tiers that are the default's price: OpenAI's "auto" is the project's default tier.
 DEFAULT_SERVICE_TIERS = frozenset({"auto", "default"})
 
 
 def asked_tier(view: RequestView) -> str | None:
-    """The processing tier a request asks for: OpenAI's service_tier, Anthropic's fast mode."""
+    """The processing tier a request asks for: OpenAI's service_tier, Anthropic's fast mode and
+    US-only inference."""
     if isinstance(view, ChatBody | ResponsesBody):
         return view.service_tier
-    if isinstance(view, MessagesBody) and view.speed == FAST_TIER:
-        return FAST_TIER
+    if isinstance(view, MessagesBody):
+        return messages_tier(fast=view.speed == FAST_TIER, us=view.inference_geo == US_GEO)
     return None
 
 
@@ -34,7 +43,9 @@ def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[s
         return asked, None
     tier_price = model.service_tiers.get(asked)
     if tier_price is None:
-        field = "speed" if asked == FAST_TIER and isinstance(view, MessagesBody) else "service_tier"
+        field = "service_tier"
+        if isinstance(view, MessagesBody):
+            field = "speed" if asked == FAST_TIER else "inference_geo"
         raise BadRequest(
             f"The service tier '{asked[:64]}' has no price for the model '{view.model}' in this proxy's "
             f"config: leave {field} unset, or ask the operator to price that tier.",
