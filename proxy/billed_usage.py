@@ -19,8 +19,9 @@ def billed_usage(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete
     final = obs.usage_final or call.endpoint == "embeddings"
     # Output no count of the answer sees: audio and image tokens (its text is only a
     # transcript, or words beside the image), reasoning tokens (never streamed, or streamed
-    # as a summary), and the answers best_of wrote (and the provider bills) but did not return.
-    unseen = call.media_output or call.hidden_reasoning or obs.hidden_output
+    # as a summary), a Predicted Output's rejected tokens (written, thrown away, billed), and
+    # the answers best_of wrote (and the provider bills) but did not return.
+    unseen = call.media_output or call.hidden_reasoning or call.predicted_output or obs.hidden_output
     if (unseen or call.generations > call.choices) and (found is None or not final):
         # The output is the reserve's; the input the provider told (message_start) stands.
         if found is None or not found.input_tokens:

@@ -75,6 +75,9 @@ class Call:
     media_output: bool = False
     # It reasons in tokens billed and not shown (``ModelConfig.hidden_reasoning``, ``_reasons``).
     hidden_reasoning: bool = False
+    # A chat call with a Predicted Output (``prediction``): the prediction's tokens the answer
+    # did not take (rejected_prediction_tokens) are billed as output and never shown.
+    predicted_output: bool = False
     # A legacy completion with echo: each answer starts with its prompt (counted as input).
     echo: bool = False
     generations: int = 1  # answers the provider writes and bills (best_of when larger, per prompt)
@@ -306,6 +309,7 @@ def plan_call(
         choices=answers(view),
         generations=generations(view),
         media_output=isinstance(view, ChatBody) and _asks_media(body.get("modalities")),
+        predicted_output=isinstance(view, ChatBody) and _predicts(body.get("prediction")),
         hidden_reasoning=model_config.hidden_reasoning or _reasons(endpoint, body),
         echo=isinstance(view, CompletionBody) and body.get("echo") is True,
         continues=continues,
@@ -393,6 +397,13 @@ def _asks_media(modalities: Any) -> bool:
     """Audio (OpenAI's audio models) or images (OpenRouter's image models): output tokens
     billed that no text shows (a transcript, if any, is a fraction of them)."""
     return isinstance(modalities, list) and ("audio" in modalities or "image" in modalities)
+
+
+def _predicts(prediction: Any) -> bool:
+    """A Predicted Output with content (a string or text parts): what of it the answer does not
+    take is billed as output (``rejected_prediction_tokens``) and never streamed."""
+    content = prediction.get("content") if isinstance(prediction, dict) else None
+    return bool(content) and isinstance(content, str | list)
 
 
 def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:

@@ -282,9 +282,9 @@ async def test_usage_chunk_variants(proxy: Proxy, fake: FakeUpstream, ctl: JsonD
     assert_provider_usage(entry, fake.bill[0])  # the same usage twice is not billed twice
 
 
-async def leave_mid_stream(proxy: Proxy, run: str, ctl: JsonDict) -> None:
+async def leave_mid_stream(proxy: Proxy, run: str, ctl: JsonDict, **fields: Any) -> None:
     """Read the first couple of data events, then drop the connection."""
-    body = {"model": MODEL, "messages": MSGS, "stream": True, "fake": ctl}
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "fake": ctl, **fields}
     async with aiohttp.ClientSession() as session:
         resp = await session.post(
             proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers(run)}
