@@ -3,18 +3,23 @@ its key's and tenant's windows."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
 from proxy.auth import Identity, authenticate
+from proxy.dialects import dialect_of_path
 from proxy.errors import NotFound, StoreError
-from proxy.ids import SANE_ID
+from proxy.ids import REQUEST_ID, SANE_ID
 from proxy.scopes import run_key, scopes_for
 from proxy.state import STATE, State
 from proxy.store import ALL_METERS, MeterState, Store
+
+log = logging.getLogger("proxy.billing_views")
 
 
 def _caller(request: web.Request) -> tuple[State, Identity, Store]:
@@ -104,10 +109,48 @@ async def key_self(request: web.Request) -> web.Response:
     )
 
 
-async def run_ledger(request: web.Request) -> web.Response:
+async def _page_bodies(pages: AsyncIterator[list[dict[str, str]]]) -> AsyncIterator[str]:
+    """Each page of entries as the JSON of its items, comma-separated (pages with none left out);
+    a page is dropped before the next is read."""
+    async for page in pages:
+        body = ", ".join(map(json.dumps, page))
+        del page
+        if body:
+            yield body
+
+
+async def run_ledger(request: web.Request) -> web.StreamResponse:
+    """The run's entries, written a page at a time as they are read (``LEDGER_PAGE``): a run of
+    millions of entries is never held whole in the proxy's memory. The body is the JSON
+    ``web.json_response`` would write; a store failure after its first bytes cuts the connection
+    (the client sees the body end early, never a list that looks whole)."""
     _state, identity, store = _caller(request)
     run_id = _run_id(request)
-    entries = await store.run_ledger(tenant=identity.tenant, run_id=run_id)
-    if not entries:
+    bodies = _page_bodies(store.run_ledger_pages(tenant=identity.tenant, run_id=run_id))
+    first = await anext(bodies, None)
+    if first is None:
         raise NotFound(f"No run '{run_id}' for this tenant.")
-    return web.json_response({"object": "list", "run_id": run_id, "data": entries})
+    headers = {
+        "Content-Type": "application/json; charset=utf-8",
+        **dialect_of_path(request.path).id_headers(request[REQUEST_ID]),
+    }
+    if request.method == "HEAD":
+        # A streamed body is written whatever the method: a HEAD gets the headers alone.
+        return web.Response(headers=headers)
+    response = web.StreamResponse(headers=headers)
+    await response.prepare(request)
+    head = f'{{"object": "list", "run_id": {json.dumps(run_id)}, "data": ['
+    await response.write((head + first).encode())
+    del first
+    try:
+        async for body in bodies:
+            await response.write(b", " + body.encode())
+            del body
+    except StoreError as err:
+        log.warning("run ledger view cut: store error", extra={"error": str(err)[:200]})
+        if request.transport is not None:
+            request.transport.abort()
+        return response
+    await response.write(b"]}")
+    await response.write_eof()
+    return response

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -267,6 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreError as err:
         print(f"llm-billing-proxy: store error: {err}", file=sys.stderr)
         return 3
+    except BrokenPipeError:
+        # The reader left (``ledger ... | head``): nothing more to write, and nothing to report.
+        # What is still buffered goes nowhere: the interpreter's flush at exit would raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE  # as a shell reports a writer that SIGPIPE ended
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import ExpiredLease, Store
@@ -73,21 +76,68 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
     return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
 
 
+@dataclass(frozen=True, slots=True)
+class UnsureSettle:
+    """A reaper's settle the store may have run though its reply never came (a timeout, a
+    connection lost): the lease has left the index with it, so only this try, sent again with
+    its token, can learn the entry it wrote (settle.lua) and have it counted."""
+
+    token: str
+    settle: dict[str, Any]  # ``Store.settle``'s arguments
+    entry: dict[str, str]
+
+
+# Per reaper (``run_reaper``): reservation id -> its unsure settle, retried first each round.
+Unsure = dict[str, UnsureSettle]
+
+
 async def reap_tenant(
     store: Store,
     tenant: str,
     *,
     grace_s: float = 0.0,
     on_settled: Callable[[Mapping[str, str]], None] = lambda entry: None,
+    unsure: Unsure | None = None,
 ) -> list[dict[str, str]]:
     """Settle every lease of one tenant that ran out ``grace_s`` ago or more; returns the ledger
     entries this call wrote, each given to ``on_settled`` as soon as it is written: a store error
     later in the round raises, and the entries written before it would go uncounted. A lease
     that cannot be settled is logged and skipped: it never blocks the others.
 
+    ``unsure``: the settles of earlier rounds whose reply was lost (kept across rounds by the
+    caller): tried again first, each with its token, so the entry one of them wrote is counted
+    once, as a lease settled now is.
+
     A batch's leases are settled at once: their settles share round trips (one at a time, the
     leases a dead instance left held their budgets' room a round trip each longer)."""
     settled: list[dict[str, str]] = []
+    unsure = {} if unsure is None else unsure
+
+    async def settle(reservation_id: str, attempt: UnsureSettle) -> str | None:
+        try:
+            entry_id = await store.settle(**attempt.settle, reaper_try=attempt.token)
+        except StoreRejected:
+            unsure.pop(reservation_id, None)
+            raise
+        except StoreError:
+            unsure[reservation_id] = attempt  # it may have run: its entry is asked for again
+            raise
+        unsure.pop(reservation_id, None)
+        if entry_id is not None:
+            settled.append(attempt.entry)
+            on_settled(attempt.entry)
+            log.warning("lease expired, settled at reserve", extra={"entry": attempt.entry})
+        return entry_id
+
+    for reservation_id, attempt in list(unsure.items()):
+        if attempt.settle["tenant"] == tenant:
+            try:
+                await settle(reservation_id, attempt)
+            except StoreRejected as err:
+                log.error(
+                    "expired lease could not be settled",
+                    extra={"reservation_id": reservation_id, "error": str(err)},
+                )
 
     async def reap(lease: ExpiredLease) -> bool:
         """Settle one lease at its reserve; False when it stays in the index: its record cannot
@@ -98,26 +148,23 @@ async def reap_tenant(
             )
             return False
         actual, entry, run_id, run_ttl_s = lease_entry(lease)
+        arguments: dict[str, Any] = {
+            "tenant": tenant,
+            "reservation_id": lease.id,
+            "run_id": run_id,
+            "scope_keys": lease.scope_keys,
+            "actual": actual,
+            "entry": entry,
+            "scope_ttls_s": lease.scope_ttls_s,  # a scope key written anew still expires
+            "runlog_ttl_s": run_ttl_s,
+        }
         try:
-            entry_id = await store.settle(
-                tenant=tenant,
-                reservation_id=lease.id,
-                run_id=run_id,
-                scope_keys=lease.scope_keys,
-                actual=actual,
-                entry=entry,
-                scope_ttls_s=lease.scope_ttls_s,  # a scope key written anew still expires
-                runlog_ttl_s=run_ttl_s,
-            )
+            await settle(lease.id, UnsureSettle(f"r{os.urandom(12).hex()}", arguments, entry))
         except StoreRejected as err:
             log.error(
                 "expired lease could not be settled", extra={"reservation_id": lease.id, "error": str(err)}
             )
             return False
-        if entry_id is not None:
-            settled.append(entry)
-            on_settled(entry)
-            log.warning("lease expired, settled at reserve", extra={"entry": entry})
         return True
 
     # The leases this round left in the index (oldest first): the next batch starts past them,
@@ -159,6 +206,7 @@ async def run_reaper(
     gets each ledger entry this process wrote."""
     loop = asyncio.get_running_loop()
     answering_since: float | None = None
+    unsure: Unsure = {}  # settles whose reply was lost, retried first each round
     while True:
         try:
             tenants = await store.tenants()
@@ -169,7 +217,7 @@ async def run_reaper(
                 tenants.add(tenant)
             if loop.time() - answering_since >= grace_s:
                 for tenant in sorted(tenants):
-                    await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled)
+                    await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure)
         except StoreError as err:
             answering_since = None
             log.error("reaper could not reach the store", extra={"error": str(err)})

@@ -286,6 +286,7 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
         runlog_ttl_s: int = 0,
         own: bool = False,
         on_sent: Callable[[], None] | None = None,
+        reaper_try: str | None = None,
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -306,8 +307,8 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
             _run_scope(prefix, run_id, scope_keys),
             # The call's own settle (not a reaper's): sent again (the cluster client retries a
             # timeout; a journal replays a settle whose reply was lost), it gets the first one's
-            # entry (settle.lua).
-            1 if own else 0,
+            # entry (settle.lua). A reaper's try with a token gets its entry the same way.
+            1 if own else (reaper_try or 0),
             *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args, on_sent=on_sent)

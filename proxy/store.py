@@ -202,11 +202,14 @@ class Store(Protocol):
         runlog_ttl_s: int = 0,
         own: bool = False,
         on_sent: Callable[[], None] | None = None,
+        reaper_try: str | None = None,
     ) -> str | None:
         """The ledger entry's id, None when settled before. ``on_sent``: called once the settle
         is on its way, ahead of any later command on the connection the reserve and settle
         scripts share (a store that cannot tell never calls it: a Cluster, TLS, a connection
-        that has not run the script yet)."""
+        that has not run the script yet). ``reaper_try``: a reaper's token for this try (``r``
+        and hex digits); the same try sent again after its reply was lost gets its entry, as the
+        call's own settle does (``own``), where any other settle finds it settled before."""
         ...
 
     async def renew(

@@ -547,3 +547,36 @@ def test_a_worker_stopped_on_its_own_makes_serve_fail_for_what_restarts_it(
             proc.kill()
             proc.wait()
     assert code != 0
+
+
+@pytest.mark.parametrize("args", [["ledger"], ["ledger", "--format", "csv"]])
+async def test_an_export_piped_into_head_ends_quietly(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, args: list[str]
+) -> None:
+    """``llm-billing-proxy ledger ... | head`` (an operator's first look at a ledger): the reader
+    leaving early made the export die with a BrokenPipeError traceback (twice, the second from
+    the interpreter's own flush at exit) and exit 1, as if the export had failed."""
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(3000):
+        pipe.xadd("lbp:{team-p}:ledger", {**LEDGER_ENTRY, "run_id": f"run-{i}"})
+    await pipe.execute()
+    argv = [*args[:1], "--redis-url", redis_server.url, "--tenant", "team-p", *args[1:]]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy",
+        *argv,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = await proc.stdout.readline()  # head -1
+    assert first
+    proc.stdout.feed_eof()
+    transport = proc._transport  # type: ignore[attr-defined]
+    transport.get_pipe_transport(1).close()  # the reader is gone
+    stderr = await proc.stderr.read()
+    code = await proc.wait()
+    assert b"Traceback" not in stderr, stderr.decode()[-500:]
+    assert code == 141, (code, stderr.decode()[-300:])  # as a shell reports a writer SIGPIPE ended

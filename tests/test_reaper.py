@@ -334,3 +334,100 @@ async def test_a_batch_of_damaged_leases_at_the_head_hides_none_after_them(
         assert await redis_client.zcard("lbp:{team-a}:leases") == BATCH  # the damaged, for an operator
     finally:
         await store.close()
+
+
+class BusyBeforeItsFirstSettle(RedisStore):
+    """The real store, Redis made busy (a script on another connection) just as its first settle
+    goes out: that settle runs once the script ends, after the client's timeout, and its reply
+    is lost. What a slow node, a failover or a long script of another client does to a reply."""
+
+    port = 0
+    busy: asyncio.Future[Any] | None = None
+
+    async def settle(self, **kwargs: Any) -> str | None:  # type: ignore[override]
+        if self.busy is None:
+            blocker = aioredis.Redis(port=self.port)
+            self.busy = asyncio.ensure_future(blocker.eval(busy_script(1.5), 0))
+            await until_redis_busy(self.port)
+        return await super().settle(**kwargs)
+
+
+async def test_a_lease_whose_reaped_settle_reply_was_lost_is_counted_once(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """The reaper's settle ran, its reply did not come (a timeout): the ledger has the
+    ``lease_expired`` entry, and the lease left the index with it, so no later round found it:
+    its tokens and cost never reached the spend counters. The call's own settle, in the same
+    case, gets its entry when its journal sends it again (settle.lua's ``own``): the README's
+    spend query (``increase(llm_proxy_cost_total)``) under-reported what the ledger charged."""
+    assert redis_server.port is not None
+    store = BusyBeforeItsFirstSettle.from_url(redis_server.url, socket_timeout_s=0.5)
+    store.port = redis_server.port
+    await store.load_scripts()
+    reserved = await store.reserve(
+        tenant="team-a",
+        reservation_id="dead-instance",
+        run_id="r-dead",
+        scopes=[Scope(name="run", key="lbp:{team-a}:run:r-dead")],
+        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12, "concurrent": 1},
+        lease_ms=1,
+        record='{"run_id": "r-dead", "model": "gpt-4o-mini"}',
+    )
+    assert isinstance(reserved, Reservation)
+    counted: list[Mapping[str, str]] = []
+    reaper = asyncio.create_task(run_reaper(store, 0.05, counted.append, known=lambda: ["team-a"]))
+    try:
+        for _ in range(1000):  # until a later round, the store answering again, counts it
+            if counted:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # a few more rounds: none counts it again
+    finally:
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        await store.close()
+    entries = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert [e["outcome"] for e in entries] == ["lease_expired"]
+    assert [e["reservation_id"] for e in counted] == ["dead-instance"]
+
+
+async def test_a_reapers_try_sent_again_gets_its_entry_and_no_other_settle_does(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    try:
+        reserved = await store.reserve(
+            tenant="team-a",
+            reservation_id="tried",
+            run_id="r",
+            scopes=[Scope(name="run", key="lbp:{team-a}:run:r")],
+            amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+            lease_ms=1,
+            record='{"run_id": "r"}',
+        )
+        assert isinstance(reserved, Reservation)
+
+        async def settle(**how: Any) -> str | None:
+            return await store.settle(
+                tenant="team-a",
+                reservation_id="tried",
+                run_id="r",
+                scope_keys=["lbp:{team-a}:run:r"],
+                actual={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+                entry={"outcome": "lease_expired"},
+                **how,
+            )
+
+        first = await settle(reaper_try="r0123")
+        assert first is not None
+        assert await settle(reaper_try="r0123") == first  # the same try again: its entry
+        assert await settle(reaper_try="r4567") is None  # another reaper's
+        assert await settle() is None  # a reaper without a token
+        assert await settle(own=True) is None  # the call's own, after a reaper's
+        assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
+        used = (await store.meters("lbp:{team-a}:run:r"))["total_tokens"]
+        assert (used.used, used.reserved) == (12, 0)
+    finally:
+        await store.close()

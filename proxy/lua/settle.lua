@@ -19,7 +19,8 @@ ARGV[14]     which of KEYS[5..] is the run's scope key (1-based; 0 = none): the 
              lives exactly as long as the run's meters
 ARGV[15]     1: the call's own settle, from the process that served it, live or replayed from its
              journal (sent again after a reply that came late or was lost: see below); 0: the
-             reaper's
+             reaper's; any other value: the reaper's, that try's token (r and hex digits), which
+             the same try sent again (its reply came late or was lost) finds in the marker
 ARGV[16..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
              sets it, set again here: a key this settle writes anew (the reservation was lost, or
              the key expired mid-call) still expires (absent: left as it is)
@@ -30,7 +31,8 @@ marker changes nothing (returns {0}), save that the call's own settle (ARGV[15] 
 marker its own earlier try left (the reply to that try came late, and a client library sent it
 again, or was lost, and its journal replays it) gets that try's answer, {1, its entry id}: taken
 for a reaper's, the call would be told it was billed at its reserve, and its spend would never be
-counted. There is one own settle per call. The live settle
+counted. There is one own settle per call. A reaper's settle sent with a token gets its entry
+again the same way, and only that try (another reaper's, or a later one, gets {0}). The live settle
 of a call (ARGV[11] = 1) that finds neither record nor marker bills it all the same: its
 reservation was lost (e.g. with writes a failed-over Redis master had not replicated), so the
 used meters and the ledger entry go in, with the field reservation = lost, and nothing is
@@ -41,10 +43,13 @@ landed in (its 'born' stamp, in the record), and never below zero; a scope whose
 held nothing of this call (reserve.lua) and is only counted.
 ]]
 -- One read of the record: whether it is the settled marker, and what it reserved where.
-local rec = redis.call('HMGET', KEYS[1], 'settled', 'amounts', 'born', 'own')
+local rec = redis.call('HMGET', KEYS[1], 'settled', 'amounts', 'born', 'own', 'try', 'reaped')
 if rec[1] then
   if ARGV[15] == '1' and rec[4] then
     return {1, rec[4]}  -- this call's own settle again: its entry
+  end
+  if rec[5] and rec[5] == ARGV[15] then
+    return {1, rec[6]}  -- a reaper's try again (its reply was lost): the entry it wrote
   end
   return {0}
 end
@@ -196,6 +201,8 @@ end
 redis.call('DEL', KEYS[1])
 if ARGV[15] == '1' then
   redis.call('HSET', KEYS[1], 'settled', '1', 'own', id)  -- the entry the call's own settle wrote
+elseif ARGV[15] ~= '0' then
+  redis.call('HSET', KEYS[1], 'settled', '1', 'try', ARGV[15], 'reaped', id)  -- a reaper's try
 else
   redis.call('HSET', KEYS[1], 'settled', '1')
 end

@@ -1,0 +1,143 @@
+"""The billing views (GET /v1/billing/...): a run's ledger written a page at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tracemalloc
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.redis_server import RedisServerProcess
+from tests.conftest import KEY_A, Proxy, ProxyFactory
+from tests.test_cli import LEDGER_ENTRY
+
+
+async def _long_run(client: aioredis.Redis, run: str, entries: int) -> None:
+    """``entries`` ledger entries of team-a's run ``run``, as settle.lua writes them."""
+    for start in range(0, entries, 1000):
+        pipe = client.pipeline(transaction=False)
+        for i in range(start, min(start + 1000, entries)):
+            pipe.xadd("lbp:{team-a}:ledger", {**LEDGER_ENTRY, "run_id": run, "request_id": f"req_{i:032d}"})
+        ids = await pipe.execute()
+        await client.rpush(f"lbp:{{team-a}}:runlog:{run}", *ids)
+
+
+def _ledger_view(session: aiohttp.ClientSession, url: str, run: str) -> Any:
+    return session.get(f"{url}/v1/billing/runs/{run}/ledger", headers={"Authorization": f"Bearer {KEY_A}"})
+
+
+async def _raw(proxy: Proxy, request: str) -> bytes:
+    """What the proxy answers ``request``, sent as it is, read until it closes the connection."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request.encode())
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return data
+
+
+async def _peak_of_view(url: str, run: str) -> tuple[int, int]:
+    """The peak of memory allocated while the run's ledger view is answered (the proxy runs in
+    this process), its body read and dropped chunk by chunk; and the entries the body held."""
+    tracemalloc.start()
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            _ledger_view(session, url, run) as resp,
+        ):
+            assert resp.status == 200
+            count, tail = 0, b""
+            async for chunk in resp.content.iter_chunked(64 * 1024):
+                seen = tail + chunk
+                count += seen.count(b'"request_id"')
+                tail = seen[-(len(b'"request_id"') - 1) :]
+        return tracemalloc.get_traced_memory()[1], count
+    finally:
+        tracemalloc.stop()
+
+
+async def test_a_long_runs_ledger_view_holds_one_page_not_every_entry(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """The README's exports are read and written 1,000 entries at a time, never every entry in
+    memory at once; the run's ledger view built every entry of the run, then their whole JSON, in
+    the proxy's memory: about 4 KB an entry, so a run of millions of entries (calls the provider
+    refused cost nothing) took gigabytes of the process every tenant's calls go through, on each
+    read of it."""
+    proxy = await make_proxy()
+    await _long_run(redis_client, "short", 1000)
+    await _long_run(redis_client, "long", 8000)
+    small, small_count = await _peak_of_view(proxy.url, "short")
+    large, large_count = await _peak_of_view(proxy.url, "long")
+    assert (small_count, large_count) == (1000, 8000)
+    assert large < 2 * small, (small, large)
+
+
+async def test_a_long_runs_ledger_view_is_the_json_it_was_with_every_entry_in_order(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy()
+    await _long_run(redis_client, "paged", 2345)
+    async with (
+        aiohttp.ClientSession() as session,
+        _ledger_view(session, proxy.url, "paged") as resp,
+    ):
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("application/json")
+        assert resp.headers["x-request-id"]
+        body = await resp.json()
+    assert body["object"] == "list" and body["run_id"] == "paged"
+    assert [e["request_id"] for e in body["data"]] == [f"req_{i:032d}" for i in range(2345)]
+    ids = [i for i, _ in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert [e["id"] for e in body["data"]] == ids
+
+
+async def test_a_store_lost_while_a_long_run_is_written_cuts_the_body(
+    make_proxy: ProxyFactory, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """Written page by page, the view has sent its status before the store fails: the client
+    must see the body end early (an error), never a list that parses as the whole run."""
+    proxy = await make_proxy(redis={"url": own_redis.url})
+    await _long_run(own_client, "cut", 20000)
+    got = b""
+    async with (
+        aiohttp.ClientSession() as session,
+        _ledger_view(session, proxy.url, "cut") as resp,
+    ):
+        assert resp.status == 200
+        got += await resp.content.read(1024)
+        await asyncio.to_thread(own_redis.stop)
+        with pytest.raises(aiohttp.ClientPayloadError):
+            while chunk := await resp.content.read(64 * 1024):
+                got += chunk
+    with pytest.raises(ValueError):
+        json.loads(got)
+
+
+async def test_the_ledger_view_answers_an_http_1_0_client(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy()
+    await _long_run(redis_client, "old-client", 3)
+    ask = f"GET /v1/billing/runs/old-client/ledger HTTP/1.0\r\nAuthorization: Bearer {KEY_A}\r\n\r\n"
+    data = await _raw(proxy, ask)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200"), head
+    assert len(json.loads(body)["data"]) == 3
+
+
+async def test_a_head_of_the_ledger_view_sends_no_body(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """The next answer on the connection must start where the HEAD's headers end."""
+    proxy = await make_proxy()
+    await _long_run(redis_client, "headed", 2)
+    ask = f"/v1/billing/runs/headed/ledger HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+    data = await _raw(proxy, f"HEAD {ask}\r\nGET {ask}Connection: close\r\n\r\n")
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
