@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config
 from proxy.error_answers import answer_parser_errors_in_openai_format, error_middleware
 from proxy.errors import StoreError
+from proxy.forward import UpstreamConnector
 from proxy.handlers import add_routes, metrics_handler
 from proxy.journal import Journal
 from proxy.logs import flush_logs
@@ -211,7 +212,7 @@ def build_app(
             log.error("settlements still under way at exit", extra={"count": len(state.settling)})
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        connector = UpstreamConnector(limit=0, ttl_dns_cache=300)
         # No cookie jar: a provider's (or its gateway's) cookies set on one caller's call would go
         # upstream with every later caller's, their own keys beside them.
         state.session = aiohttp.ClientSession(

@@ -88,6 +88,9 @@ class Call:
     # the lease cannot have run out since, no reaper can have settled the call.
     lease_confirmed_at: float = 0.0
     upstream_status: int = 0
+    # Its connection to the upstream is being made: nothing of the call has gone out yet
+    # (``forward.UpstreamConnector``).
+    connecting: bool = False
     first_token_at: float | None = None
     clamped: bool = False
     # A quick reserve being lowered to the exact count (``refine.refine``); the settle cancels

@@ -7,12 +7,16 @@ import base64
 import contextlib
 import functools
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import quote, unquote, urlsplit
 
 import aiohttp
 import orjson
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
 from multidict import CIMultiDictProxy
 from yarl import URL
 
@@ -184,9 +188,33 @@ def upstream_url(upstream: UpstreamConfig, path: str, query: str) -> str | URL:
     return URL(f"{URL(url)}?{quote(query, safe=QUERY_SAFE)}", encoded=True)
 
 
+# The call whose request the running task is sending (``open_upstream``): its connector tells
+# it when its connection is made (``UpstreamConnector``).
+_SENDING: ContextVar[Call | None] = ContextVar("sending", default=None)
+
+
+class UpstreamConnector(aiohttp.TCPConnector):
+    """The upstream session's connector: a call stays ``connecting`` from the start of its
+    connection (a name to resolve, a TCP or TLS handshake, the pool) until it is made, the last
+    step before its request is written. A call cut (shutdown) while still connecting never went
+    out: nothing is billed (``relay.Exchange.run``)."""
+
+    async def connect(
+        self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
+    ) -> Connection:
+        call = _SENDING.get()
+        if call is None:
+            return await super().connect(req, traces, timeout)
+        call.connecting = True
+        connection = await super().connect(req, traces, timeout)
+        call.connecting = False  # not on a failure: a cancel then reaches the call's handler with it set
+        return connection
+
+
 async def open_upstream(
     session: aiohttp.ClientSession, call: Call, query: str = ""
 ) -> aiohttp.ClientResponse | TransportFailure:
+    _SENDING.set(call)  # the handler's task's own context: no other call's
     # Always the parsed body: raw bytes with duplicate keys could mean one thing to our parser
     # (what was validated and reserved) and another to the upstream's.
     data = orjson.dumps(call.body)

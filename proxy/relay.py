@@ -346,16 +346,22 @@ class Exchange:
             finally:
                 upstream.close()
         except asyncio.CancelledError:
-            # The server is shutting down past its grace period: the call went out, so it is
+            # The server is shutting down past its grace period: a call that went out is
             # charged at its reserve unless the provider already told us its usage.
             if self._settling is None:
-                await self.settle(Outcome("shutdown"), self.usage(complete=False))
+                await self.settle(Outcome("shutdown"), self._cut_usage())
             raise
         finally:
             inflight.dec()
             if self._settling is None:
                 # An unexpected error after the call went out: charged, never dropped.
-                await self.settle(Outcome("upstream_error"), self.usage(complete=False))
+                await self.settle(Outcome("upstream_error"), self._cut_usage())
+
+    def _cut_usage(self) -> BilledUsage:
+        """What bills a call cut short: nothing while its connection to the upstream was still
+        being made (nothing of it went out, as for a connection refused), else what was seen or
+        its reserve."""
+        return NOTHING_BILLED if self.call.connecting else self.usage(complete=False)
 
     async def _transport_failure(self, failure: TransportFailure) -> web.Response:
         timed_out = failure.kind in ("timeout", "connect_timeout")

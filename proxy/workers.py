@@ -96,7 +96,7 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
             port=config.listen.port,
             print=None,
             access_log=None,
-            shutdown_timeout=config.shutdown_grace_s,
+            shutdown_timeout=aiohttp_shutdown_timeout(config.shutdown_grace_s),
             reuse_port=workers > 1,
             handle_signals=False,  # ours: see _stop_once_on_signals
             loop=loop,
@@ -109,6 +109,16 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
         return EXIT_CANNOT_SERVE
     log.info("stopped", extra={"worker": worker})
     return 0
+
+
+def aiohttp_shutdown_timeout(grace_s: float) -> float:
+    """aiohttp's ``shutdown_timeout`` for a grace period of ``grace_s``. aiohttp waits it twice
+    for a handler still running: for the handler to end, then again once it has failed the
+    request's body, and only then cancels it. Passed the grace itself, in-flight calls ran for
+    twice the grace before they were ended and settled (``shutdown``), past a supervisor's stop
+    timeout sized on it. A body still coming when the first half ends can no longer arrive
+    (aiohttp reads nothing more once shutdown starts): nothing of it was reserved."""
+    return grace_s / 2
 
 
 def new_event_loop(choice: EventLoopChoice) -> tuple[asyncio.AbstractEventLoop, str]:
