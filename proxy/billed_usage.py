@@ -13,7 +13,20 @@ from proxy.tokenizer import Tokenizer
 
 
 def billed_usage(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:
-    """Provider figures first; else count a complete answer; else the reserve."""
+    """Provider figures first; else count a complete answer; else the reserve. With the calls
+    of hosted tools the answer counts, if any (billed where priced: ``settle``)."""
+    usage = _billed_tokens(call, obs, tokenizer, complete=complete)
+    return with_tool_calls(usage, obs)
+
+
+def with_tool_calls(usage: BilledUsage, obs: Observation) -> BilledUsage:
+    """``usage`` with the hosted tool calls ``obs`` counted (nearly every call: none)."""
+    if not obs.tool_calls:
+        return usage
+    return replace(usage, tool_calls=tuple(obs.tool_calls.items()))
+
+
+def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:
     found = provider_usage(obs)
     # An embeddings usage has no output count, and no output to count: it is final as it is.
     final = obs.usage_final or call.endpoint == "embeddings"

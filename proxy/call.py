@@ -30,9 +30,11 @@ from proxy.payload import (
     generations,
     set_output_cap,
 )
+from proxy.pricing import tool_fees_exact
 from proxy.service_tiers import asked_tier, dearest, rates_for, tier_rates
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
+from proxy.tool_fees import reserved_tool_calls
 
 # A provider's id for a context it keeps (resp_..., conv_...) as OpenAI writes it: its own key.
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -103,6 +105,9 @@ class Call:
     tier_rates: Mapping[str, dict[str, int]] = field(default_factory=dict)
     reserve_rates: dict[str, int] | None = None
     served_tier: str | None = None
+    # The model's prices of hosted tools per 1,000 calls, in micro-units (``ModelConfig.tool_rates``;
+    # empty: none priced, nearly every model). The calls reserved are the estimate's.
+    tool_rates: Mapping[str, int] = field(default_factory=dict)
     # The client's feature switches for the provider (``forward.feature_headers``).
     feature_headers: Mapping[str, str] = field(default_factory=dict)
     # Contexts the provider keeps that this call's input continues (a Responses call's previous
@@ -283,6 +288,11 @@ def plan_call(
         # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
         # Not fast mode's: it serves only the calls that ask for it.
         reserve_rates = dearest(rates for name, rates in tiers.items() if name not in FAST_TIERS)
+    tool_rates = model_config.tool_rates if rates is not None else {}
+    if tool_rates:
+        tool_calls = reserved_tool_calls(view, tool_rates, config.limits.default_max_tool_calls)
+        if tool_calls:
+            est = replace(est, tool_calls=tool_calls, tool_fees_exact=tool_fees_exact(tool_calls, tool_rates))
     continues, conversation, stores_answer = _chaining(view)
     stored_prompt = _stored_prompt(view)
     if stored_prompt is not None:
@@ -307,6 +317,7 @@ def plan_call(
         service_tier=service_tier,
         tier_rates=tiers,
         reserve_rates=reserve_rates,
+        tool_rates=tool_rates,
         estimate=est,
         body=body,
         choices=answers(view),

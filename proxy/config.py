@@ -211,6 +211,9 @@ class LimitsConfig(Frozen):
     max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     # Reserved for output when neither the request nor the model config caps it.
     default_max_output_tokens: int = Field(default=4096, ge=1)
+    # Calls reserved for each priced hosted tool a request enables without a bound of its own
+    # (Anthropic's max_uses, the Responses API's max_tool_calls): see ``tool_fees``.
+    default_max_tool_calls: int = Field(default=10, ge=0, le=1_000_000)
     # A settled reservation leaves a marker this long: a second settle is recognised and changes
     # nothing, and within most of it a settle still bills a call whose reservation was lost.
     settled_marker_ttl_s: int = Field(default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60)
@@ -233,6 +236,12 @@ class LimitsConfig(Frozen):
     def _not_a_bool(cls, value: Any) -> Any:
         # YAML's yes/on/true would be 1: every call without a cap of its own capped at 1 token.
         return not_a_bool(value)
+
+    @field_validator("default_max_tool_calls", mode="before")
+    @classmethod
+    def _calls_not_a_bool(cls, value: Any) -> Any:
+        # YAML's no/off/false would be 0: searches never reserved, a cost ceiling passed by them.
+        return not_a_bool(value, "a count of calls")
 
     @field_validator("run_ttl_s")
     @classmethod

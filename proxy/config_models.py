@@ -4,9 +4,10 @@ reserved, and its prices per million tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from decimal import Decimal
 from functools import cached_property
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -61,6 +62,21 @@ class PricePerMillion(Frozen):
         return self
 
 
+# The bounds of a price per 1,000 calls of a hosted tool, as a price per million tokens's.
+ToolPrice = Annotated[Decimal, Field(ge=0, le=MAX_UNITS)]
+
+
+def micros_per_thousand_calls(prices: Mapping[str, Decimal]) -> dict[str, int]:
+    """Micro-units per 1,000 calls by tool name; ValueError past 6 decimal places."""
+    out: dict[str, int] = {}
+    for tool, price in prices.items():
+        scaled = price * MICROS_PER_UNIT
+        if scaled != scaled.to_integral_value():
+            raise ValueError(f"{tool}: prices are limited to 6 decimal places per 1,000 calls")
+        out[tool] = int(scaled)
+    return out
+
+
 class ModelConfig(Frozen):
     upstream: str
     encoding: str | None = None
@@ -86,6 +102,15 @@ class ModelConfig(Frozen):
     # Prices of the processing tiers a client may ask for (OpenAI's service_tier: priority,
     # flex), beside the default's; a priced model refuses a tier not priced here.
     service_tiers: dict[str, PricePerMillion] = {}  # noqa: RUF012 (a pydantic field: copied per instance)
+    # Prices per 1,000 calls of a provider's hosted tools, beside the tokens (Anthropic's
+    # web_search, web_fetch; OpenAI's Responses web_search, file_search): by tool name, any name
+    # the answers count (``tool_fees``). A tool not named here costs nothing.
+    price_per_thousand_calls: dict[str, ToolPrice] = {}  # noqa: RUF012 (a pydantic field)
+
+    @cached_property
+    def tool_rates(self) -> dict[str, int]:
+        """Micro-units per 1,000 calls by tool, computed once per config (empty: none priced)."""
+        return micros_per_thousand_calls(self.price_per_thousand_calls)
 
     @field_validator("encoding")
     @classmethod
@@ -116,11 +141,31 @@ class ModelConfig(Frozen):
         # YAML's no/off/false would be 0 tokens (the 600 of Anthropic's tool prompt unreserved).
         return not_a_bool(value)
 
+    @field_validator("price_per_thousand_calls", mode="before")
+    @classmethod
+    def _prices_not_bools(cls, value: Any) -> Any:
+        # YAML's yes/no would be a price of 1 or 0 per 1,000 calls.
+        if isinstance(value, dict):
+            for tool, price in value.items():
+                if not isinstance(tool, str) or not tool:
+                    raise ValueError("a tool's name is a non-empty string (web_search, file_search, ...)")
+                not_a_bool(price, f"{tool}: a price")
+        return value
+
+    @field_validator("price_per_thousand_calls")
+    @classmethod
+    def _tool_prices_six_places(cls, value: dict[str, Decimal]) -> dict[str, Decimal]:
+        micros_per_thousand_calls(value)
+        return value
+
     @model_validator(mode="after")
     def _tiers_beside_a_price(self) -> ModelConfig:
         if self.service_tiers and self.price_per_million is None:
             # An unpriced model's calls cost 0: a tier's prices would be ignored.
             raise ValueError("service_tiers: price_per_million (the default tier's prices) is needed too")
+        if self.price_per_thousand_calls and self.price_per_million is None:
+            # An unpriced model's calls cost 0: its tools' prices would be ignored.
+            raise ValueError("price_per_thousand_calls: price_per_million is needed too")
         for name in self.service_tiers:
             if name in ("auto", "default"):
                 raise ValueError(f"service_tiers.{name}: the default tier's prices are price_per_million")

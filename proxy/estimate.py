@@ -83,6 +83,10 @@ class Estimate:
     # Reserved for the special tokens of ``separate_texts`` (SPECIAL_TOKENS_PER_INPUT each), kept
     # when the texts are counted, never billed by a count of the proxy's own (OpenAI adds none).
     special_tokens: int = 0
+    # Calls of the priced hosted tools the request enables, at most (``tool_fees``), by tool, and
+    # their cost at the model's prices in millionths of a micro-unit: reserved beside the tokens.
+    tool_calls: tuple[tuple[str, int], ...] = ()
+    tool_fees_exact: int = 0
 
     @property
     def input_exact(self) -> bool:

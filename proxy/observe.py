@@ -224,6 +224,9 @@ class Observation:
     # Streamed messages whose phase is not known yet, by output index: where their text starts
     # in choice 0's content.
     message_starts: dict[Any, int] = field(default_factory=dict)
+    # Calls of the provider's hosted tools, by tool (``tool_fees``): Anthropic's
+    # ``usage.server_tool_use``, a Responses answer's ``*_call`` items.
+    tool_calls: dict[str, int] = field(default_factory=dict)
 
     def take_usage(self, usage: ProviderUsage) -> None:
         self.usage = usage

@@ -97,6 +97,7 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(message, dict) and isinstance(message.get("usage"), dict):
             obs.partial_usage.update(message["usage"])
             _anthropic_tier(obs, message["usage"])
+            _server_tool_use(obs, message["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
             obs.usage_final = False  # output_tokens arrives with message_delta
     elif kind == "message_delta":
@@ -110,6 +111,7 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(obj.get("usage"), dict):
             _take_delta_usage(obs.partial_usage, obj["usage"])
             _anthropic_tier(obs, obj["usage"])
+            _server_tool_use(obs, obj["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
             # Final only with an output count of its own (message_start's is a placeholder), and
             # once the answer has stopped: a message_delta before the one with the stop reason
@@ -153,6 +155,23 @@ def _take_delta_usage(held: dict[str, Any], usage: dict[str, Any]) -> None:
 
 def _cumulative(held: Any, given: Any) -> Any:
     return held if token_count(given) == 0 and token_count(held) else given
+
+
+_REQUESTS = "_requests"
+
+
+def _server_tool_use(obs: Observation, usage: Any) -> None:
+    """The calls of Anthropic's server tools (``usage.server_tool_use``: ``web_search_requests``,
+    ``web_fetch_requests``), by tool (``web_search``). A stream's counts are cumulative
+    (message_delta's repeat or grow message_start's): the largest told stands."""
+    told = usage.get("server_tool_use") if isinstance(usage, dict) else None
+    if not isinstance(told, dict):
+        return
+    for key, value in told.items():
+        count = token_count(value)
+        if count and isinstance(key, str) and key.endswith(_REQUESTS) and len(key) > len(_REQUESTS):
+            tool = key[: -len(_REQUESTS)]
+            obs.tool_calls[tool] = max(count, obs.tool_calls.get(tool, 0))
 
 
 def _anthropic_tier(obs: Observation, usage: Any) -> None:
@@ -200,5 +219,6 @@ def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
             elif block.get("type") == "compaction":  # the summary compaction wrote: billed output
                 obs.add_text(0, block.get("content"), content=False)
     _anthropic_tier(obs, obj.get("usage"))
+    _server_tool_use(obs, obj.get("usage"))
     obs.usage = anthropic_usage(obj.get("usage"))
     obs.usage_final = obs.usage is None or obs.usage.output_known

@@ -30,6 +30,7 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
     usage = parse_usage(response.get("usage"))
     if usage is not None:
         obs.take_usage(_with_image_tokens(usage, response.get("tool_usage")))
+    tool_calls: dict[str, int] = {}
     for item in response.get("output") or ():
         if not isinstance(item, dict):
             continue
@@ -38,6 +39,10 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
         final = not _side_message(item)
         if _is_call(kind):
             obs.calls.add(0)  # function_call, custom_tool_call, computer_call, ...: not text
+            if isinstance(kind, str) and kind.endswith(_CALL) and len(kind) > len(_CALL):
+                # A hosted tool's call (web_search_call: web_search), priced per call.
+                tool = kind[: -len(_CALL)]
+                tool_calls[tool] = tool_calls.get(tool, 0) + 1
             if texts:
                 for text in _call_texts(item):
                     obs.add_text(0, text, content=False)
@@ -60,6 +65,11 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                     obs.add_text(0, part.get("refusal"), content=False)
             elif part.get("type") == "output_text" and texts:
                 obs.add_text(0, part.get("text"), content=final)
+    # The final response object holds every item: counted once (a stream's events are not).
+    obs.tool_calls = tool_calls
+
+
+_CALL = "_call"
 
 
 # What the model writes for a call, output it bills: the tool's name, its arguments or input, the

@@ -63,6 +63,9 @@ class BilledUsage:
     # Source "reserve" with the provider's input (a stream cut after Anthropic's message_start):
     # only the output is the reserve's, and only it is priced at its dearest rate.
     input_known: bool = False
+    # Calls of the provider's hosted tools the answer counts (``Observation.tool_calls``), by
+    # tool; priced per call where the operator priced the tool (``settle``).
+    tool_calls: tuple[tuple[str, int], ...] = ()
 
     @property
     def total_tokens(self) -> int:

@@ -6,12 +6,15 @@ a micro-unit, as integers) and rounded up once to a whole micro-unit. No floats 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from proxy.config_base import MAX_COUNT
 from proxy.estimate import Estimate
 
 TOKENS_PER_MILLION = 1_000_000
+# A call of a hosted tool priced at P micro-units per 1,000 calls costs P * 1,000 millionths of a
+# micro-unit, the unit a call's exact cost is summed in before its one round-up.
+EXACT_PER_CALL_PER_THOUSAND = TOKENS_PER_MILLION // 1000
 # The largest figure the store takes (settle.lua: 15 digits, exact as a Lua number). A reserve past
 # it could never be settled, nor released. Config bounds ceilings and prices by it too.
 MAX_AMOUNT = MAX_COUNT
@@ -28,10 +31,12 @@ def cost_micros(
     cache_creation_1h_input_tokens: int = 0,
     audio_input_tokens: int = 0,
     audio_output_tokens: int = 0,
+    tool_fees_exact: int = 0,
 ) -> int:
     """``rates`` are micro-units per million tokens (``PricePerMillion.micros_per_million``).
     Each part is taken out of what is left of its whole (never below zero): a provider's parts
-    that overlap or pass the whole are never billed twice."""
+    that overlap or pass the whole are never billed twice. ``tool_fees_exact``: the hosted tool
+    calls' cost in millionths of a micro-unit (``tool_fees_exact``), in the same round-up."""
     if rates is None:
         return 0
     cached = min(cached_input_tokens, input_tokens)
@@ -49,8 +54,17 @@ def cost_micros(
         + (output_tokens - reasoning - audio_out) * rates["output"]
         + reasoning * rates["reasoning"]
         + audio_out * rates["audio_output"]
+        + tool_fees_exact
     )
     return -(-exact // TOKENS_PER_MILLION)
+
+
+def tool_fees_exact(calls: Iterable[tuple[str, int]], micros_per_thousand: Mapping[str, int]) -> int:
+    """The cost of hosted tool calls (by tool, as counted) in millionths of a micro-unit, at
+    ``micros_per_thousand`` (``ModelConfig.tool_rates``); a tool not priced there costs nothing."""
+    return sum(
+        count * micros_per_thousand.get(tool, 0) * EXACT_PER_CALL_PER_THOUSAND for tool, count in calls
+    )
 
 
 INPUT_RATES = ("input", "cached_input", "cache_creation_input", "cache_creation_input_1h", "audio_input")
@@ -74,7 +88,10 @@ def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, in
         "output_tokens": est.output_tokens,
         "total_tokens": est.input_tokens + est.output_tokens,
         "cost_micros": cost_micros(
-            worst_rates(rates), input_tokens=est.input_tokens, output_tokens=est.output_tokens
+            worst_rates(rates),
+            input_tokens=est.input_tokens,
+            output_tokens=est.output_tokens,
+            tool_fees_exact=est.tool_fees_exact,
         ),
         "concurrent": 1,
     }

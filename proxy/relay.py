@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 from aiohttp import web
 
-from proxy.billed_usage import billed_usage
+from proxy.billed_usage import billed_usage, with_tool_calls
 from proxy.call import Call
 from proxy.config import Config
 from proxy.contexts import claim, contexts_made, contexts_owned, remember
@@ -102,7 +102,8 @@ class Exchange:
         return operator_secrets(self.call.upstream, self.call.identity)
 
     def reserve_usage(self) -> BilledUsage:
-        return reserve_usage(self.call.reserved_input_tokens, self.call.reserved_output_tokens)
+        usage = reserve_usage(self.call.reserved_input_tokens, self.call.reserved_output_tokens)
+        return with_tool_calls(usage, self.obs)  # the reserved calls, or more if it counted more
 
     def usage(self, *, complete: bool) -> BilledUsage:
         """What bills the call as it stands (``billed_usage``)."""

@@ -76,7 +76,8 @@ def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
             ),
         ),
         choices=call.generations,  # the cap holds for every answer written, returned or not
-        input_cost_exact=call.estimate.input_tokens * rates["input"],
+        # The fixed part of the cost: the input, and the hosted tools' calls reserved.
+        input_cost_exact=call.estimate.input_tokens * rates["input"] + call.estimate.tool_fees_exact,
         output_rate=rates["output"],
     )
 

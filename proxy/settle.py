@@ -17,8 +17,9 @@ from proxy.errors import StoreError
 from proxy.journal import Journal
 from proxy.journal_lines import PendingSettlement
 from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
-from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, worst_rates
+from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, tool_fees_exact, worst_rates
 from proxy.store import ACTUAL_METERS, Store
+from proxy.tool_fees import ToolCalls, billed_tool_calls, tool_calls_field
 
 log = logging.getLogger("proxy.settle")
 
@@ -65,7 +66,12 @@ def held_tokens(call: Call) -> tuple[int, int]:
 
 
 def entry_fields(
-    call: Call, outcome: Outcome, usage: BilledUsage, cost: int, finish_reasons: str
+    call: Call,
+    outcome: Outcome,
+    usage: BilledUsage,
+    cost: int,
+    finish_reasons: str,
+    tool_calls: ToolCalls = (),
 ) -> dict[str, str]:
     now = time.monotonic()
     ttft_ms = "" if call.first_token_at is None else str(int((call.first_token_at - call.started_at) * 1000))
@@ -109,6 +115,8 @@ def entry_fields(
     for kind, count in usage.by_kind():
         if count and f"{kind}_tokens" not in entry:
             entry[f"{kind}_tokens"] = str(count)
+    if tool_calls:  # the priced hosted tools' calls billed, in its cost: "web_search=3"
+        entry["tool_calls"] = tool_calls_field(tool_calls)
     return entry
 
 
@@ -132,9 +140,10 @@ async def settle(
     (its ``entry_id`` is not known yet)."""
     reservation = call.reservation
     assert reservation is not None, "settle without reserve"
-    cost = _cost(call, usage)
+    tool_calls = _tool_calls(call, usage)
+    cost = _cost(call, usage, tool_calls)
     reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
-    entry = entry_fields(call, outcome, usage, cost, reasons)
+    entry = entry_fields(call, outcome, usage, cost, reasons, tool_calls)
     actual = _actual(usage, cost)
     pending = PendingSettlement(
         tenant=reservation.tenant,
@@ -207,7 +216,18 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}}
 
 
-def _cost(call: Call, usage: BilledUsage) -> int:
+def _tool_calls(call: Call, usage: BilledUsage) -> ToolCalls:
+    """The priced hosted tools' calls billed: as the answer counts them; billed at its reserve
+    (no usage came), the calls reserved, or the answer's count where that is more. None for a
+    call that went nowhere (source ``none``)."""
+    if not call.tool_rates or usage.source == "none":
+        return ()
+    return billed_tool_calls(
+        call.tool_rates, usage.tool_calls, call.estimate.tool_calls, at_reserve=usage.source == "reserve"
+    )
+
+
+def _cost(call: Call, usage: BilledUsage, tool_calls: ToolCalls = ()) -> int:
     cost = cost_micros(
         _rates(call, usage),
         input_tokens=usage.input_tokens,
@@ -218,6 +238,7 @@ def _cost(call: Call, usage: BilledUsage) -> int:
         cache_creation_1h_input_tokens=usage.cache_creation_1h_input_tokens,
         audio_input_tokens=usage.audio_input_tokens,
         audio_output_tokens=usage.audio_output_tokens,
+        tool_fees_exact=tool_fees_exact(tool_calls, call.tool_rates) if tool_calls else 0,
     )
     if cost > MAX_AMOUNT:
         # Counts up to 10**12 are taken from a provider; at a high unit price their cost can

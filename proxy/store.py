@@ -83,7 +83,9 @@ class Clamp:
 
     min_output_tokens: int  # per choice
     choices: int
-    input_cost_exact: int  # input tokens * micro-units per million input tokens
+    # input tokens * micro-units per million input tokens, and the hosted tool calls reserved
+    # (``Estimate.tool_fees_exact``): the cost a clamp leaves as it is
+    input_cost_exact: int
     output_rate: int  # micro-units per million output tokens
 
 

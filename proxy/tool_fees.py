@@ -1,0 +1,98 @@
+"""Hosted tools priced per call (``models.PATTERN.price_per_thousand_calls``), beside the tokens:
+the calls a request may make at most (reserved), and the calls a settle bills.
+
+Counted by tool name: Anthropic's ``usage.server_tool_use`` counts each ``<tool>_requests``
+(``web_search_requests``: ``web_search``), a Responses answer each output item of type
+``<tool>_call`` (``web_search_call``: ``web_search``; ``observe_responses``). Chat completions
+have no hosted tools of their own: nothing is counted there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from proxy.payload import MessagesBody, RequestView, ResponsesBody
+
+# The Responses API's hosted tool types, by the name their calls are counted under.
+RESPONSES_TOOLS = {
+    "web_search": "web_search",
+    "web_search_preview": "web_search",
+    "file_search": "file_search",
+}
+
+# A dated version of a Responses tool type (``web_search_preview_2025_03_11``).
+_DATED = re.compile(r"(.+?)_\d{4}_\d{2}_\d{2}")
+
+ToolCalls = tuple[tuple[str, int], ...]
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_calls: int) -> ToolCalls:
+    """The calls of the priced tools (``prices``: ``ModelConfig.tool_rates``) the request enables,
+    at most: an Anthropic server tool's ``max_uses`` (its ``type`` the tool's name and a version:
+    ``web_search_20250305``), else ``default_calls`` for each; a Responses call's
+    ``max_tool_calls``, which bounds every hosted tool call together, all at the dearest priced
+    tool it enables, else ``default_calls`` for each. Empty when it enables none (nearly every
+    call: ``prices`` is empty, or the request has no tools)."""
+    tools = view.tools if isinstance(view, MessagesBody | ResponsesBody) else None
+    if not prices or not tools:
+        return ()
+    found: dict[str, int] = {}
+    if isinstance(view, MessagesBody):
+        for tool in tools:
+            name = _anthropic_tool(tool.get("type"), prices)
+            if name is not None:
+                uses = _count(tool.get("max_uses"))
+                found[name] = found.get(name, 0) + (uses if uses else default_calls)
+        return tuple(found.items())
+    enabled = [_responses_tool(tool.get("type")) for tool in tools]
+    priced = [name for name in dict.fromkeys(enabled) if name is not None and name in prices]
+    if not priced:
+        return ()
+    bound = _count((view.model_extra or {}).get("max_tool_calls"))
+    if bound is None:
+        return tuple((name, default_calls) for name in priced)
+    # Every call may go to the dearest: reserved once, as that many calls of it.
+    dearest = max(priced, key=lambda name: prices[name])
+    return ((dearest, bound),)
+
+
+def _responses_tool(kind: Any) -> str | None:
+    if not isinstance(kind, str):
+        return None
+    dated = _DATED.fullmatch(kind)
+    return RESPONSES_TOOLS.get(dated.group(1) if dated else kind)
+
+
+def _anthropic_tool(kind: Any, prices: Mapping[str, int]) -> str | None:
+    """The priced tool an Anthropic tool ``type`` names (``web_search_20250305``), if any."""
+    if not isinstance(kind, str):
+        return None
+    name, _, version = kind.rpartition("_")
+    return name if name in prices and version.isdigit() else None
+
+
+def billed_tool_calls(
+    prices: Mapping[str, int], observed: ToolCalls, reserved: ToolCalls, *, at_reserve: bool
+) -> ToolCalls:
+    """The priced tools' calls a settle bills: those the answer counts; a call billed at its
+    reserve (no usage came), its reserved calls, or more when the answer counted more."""
+    if not prices:
+        return ()
+    counted = dict(observed)
+    held = dict(reserved) if at_reserve else {}
+    # In the order the operator priced them: one entry's field reads as the next one's.
+    billed = ((name, max(counted.get(name, 0), held.get(name, 0))) for name in prices)
+    return tuple((name, count) for name, count in billed if count)
+
+
+def tool_calls_field(calls: ToolCalls) -> str:
+    """The ledger's ``tool_calls``: ``web_search=3,file_search=1``."""
+    return ",".join(f"{name}={count}" for name, count in calls)

@@ -1,0 +1,406 @@
+"""Hosted tools priced per call (``models.PATTERN.price_per_thousand_calls``): reserved at the
+most a request may make, billed as the provider counts them, in the call's one round-up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.config import Config
+from proxy.config_load import parse_config
+from proxy.errors import ConfigError
+from tests.conftest import UPSTREAM_KEY, base_config
+from tests.conftest import ProxyFactory as Factory
+from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_pricing_kinds import _claude_message, _entry, _post, _sse
+
+# Claude's list prices per million (input 3, output 15) and web search's $10 per 1,000 searches:
+# a search costs 10,000 micro-units.
+PRICE = {"input": "3", "output": "15"}
+SEARCH_MICROS = 10_000
+TOOLS = {"web_search": "10", "web_fetch": "0"}
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+MESSAGES = [{"role": "user", "content": "what is new?"}]
+
+
+def _model(upstream: str, tool_prices: dict[str, str] | None, price: Any) -> dict[str, Any]:
+    model: dict[str, Any] = {"upstream": upstream, "price_per_million": price or PRICE}
+    if tool_prices is not None:
+        model["price_per_thousand_calls"] = tool_prices
+    return model
+
+
+async def _proxy(
+    make_proxy: Factory,
+    script: ScriptedUpstream,
+    tool_prices: dict[str, str] | None = TOOLS,
+    price: Any = None,
+    **overrides: Any,
+) -> Any:
+    upstreams = {
+        "anthropic": {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"},
+        "openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"},
+    }
+    models = {
+        "claude-x": _model("anthropic", tool_prices, price),
+        "gpt-x": _model("openai", tool_prices, price),
+    }
+    return await make_proxy(upstreams=upstreams, models=models, **overrides)
+
+
+def _claude(**extra: Any) -> dict[str, Any]:
+    return {"model": "claude-x", "max_tokens": 100, "messages": MESSAGES, **extra}
+
+
+def _claude_stream(usage: dict[str, Any], delta_usage: dict[str, Any] | None, *, end: bool = True) -> Plan:
+    start = {**_claude_message(usage), "content": [], "stop_reason": None}
+    start["usage"] = {**usage, "output_tokens": 1}
+    chunks = [
+        _sse("message_start", {"type": "message_start", "message": start}),
+        _sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        ),
+        _sse(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+        ),
+    ]
+    if end:
+        delta: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+        if delta_usage is not None:
+            delta["usage"] = delta_usage
+        chunks += [
+            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _sse("message_delta", delta),
+            _sse("message_stop", {"type": "message_stop"}),
+        ]
+    return Plan(content_type="text/event-stream", chunks=chunks)
+
+
+def _needs(body: bytes) -> int:
+    """What a refused reserve needed, as its error says."""
+    message = json.loads(body)["error"]["message"]
+    found = re.search(r"this request needs (\d+)", message)
+    assert found is not None, message
+    return int(found.group(1))
+
+
+async def _needed(
+    make_proxy: Factory, script: ScriptedUpstream, path: str, body: dict[str, Any], **kw: Any
+) -> int:
+    """The cost the reserve of ``body`` needs: refused by a run ceiling of one micro-unit."""
+    proxy = await _proxy(make_proxy, script, tiers={"standard": {"run": {"cost_usd": "0.000001"}}}, **kw)
+    status, answer = await _post(proxy.url, path, body, "needs")
+    assert status == 429, answer
+    return _needs(answer)
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def _config(model: dict[str, Any], limits: dict[str, Any] | None = None) -> Config:
+    raw = base_config(
+        "http://127.0.0.1:9/v1", "redis://127.0.0.1:9", models={"m": {"upstream": "openai", **model}}
+    )
+    if limits is not None:
+        raw["limits"] = {**raw["limits"], **limits}
+    return parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+
+
+def test_tool_prices_are_read_in_micro_units_per_thousand_calls() -> None:
+    config = _config(
+        {"price_per_million": PRICE, "price_per_thousand_calls": {"web_search": "10", "x": 0.001}}
+    )
+    assert config.models["m"].tool_rates == {"web_search": 10_000_000, "x": 1_000}
+    assert config.limits.default_max_tool_calls == 10
+    assert _config({"price_per_million": PRICE}).models["m"].tool_rates == {}
+    assert _config({}, {"default_max_tool_calls": 0}).limits.default_max_tool_calls == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "limits", "message"),
+    [
+        (
+            {"price_per_million": PRICE, "price_per_thousand_calls": {"web_search": True}},
+            None,
+            "not true or false",
+        ),
+        (
+            {"price_per_million": PRICE, "price_per_thousand_calls": {"web_search": "0.0000001"}},
+            None,
+            "6 decimal",
+        ),
+        ({"price_per_million": PRICE, "price_per_thousand_calls": {"web_search": -1}}, None, "greater than"),
+        ({"price_per_million": PRICE, "price_per_thousand_calls": {"web_search": "1e10"}}, None, "less than"),
+        ({"price_per_million": PRICE, "price_per_thousand_calls": {"": 1}}, None, "non-empty"),
+        ({"price_per_thousand_calls": {"web_search": 10}}, None, "price_per_million is needed"),
+        ({}, {"default_max_tool_calls": True}, "not true or false"),
+        ({}, {"default_max_tool_calls": -1}, "greater than"),
+    ],
+    ids=[
+        "bool",
+        "seven-places",
+        "negative",
+        "too-large",
+        "no-name",
+        "no-token-price",
+        "limit-bool",
+        "limit-neg",
+    ],
+)
+def test_bad_tool_prices_are_config_errors(model: dict[str, Any], limits: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _config(model, limits)
+
+
+# -- Anthropic ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_anthropic_web_searches_are_billed_at_their_price(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    proxy = await _proxy(make_proxy, script)
+    usage = {"input_tokens": 1000, "output_tokens": 100, "server_tool_use": {"web_search_requests": 3}}
+    if stream:
+        # message_start tells no searches yet; message_delta's usage is cumulative.
+        start = {"input_tokens": 1000, "server_tool_use": {"web_search_requests": 0}}
+        script.plan = _claude_stream(start, usage)
+    else:
+        script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, _ = await _post(proxy.url, "/v1/messages", _claude(stream=stream, tools=[WEB_SEARCH]), "s")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] == "provider"
+    assert int(entry["cost_micros"]) == 1000 * 3 + 100 * 15 + 3 * SEARCH_MICROS
+    assert entry["tool_calls"] == "web_search=3"
+
+
+async def test_tool_fees_share_the_calls_one_round_up(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # 5 input tokens at 0.3 per million: 1.5 micro-units; a search at 0.0015 per 1,000: 1.5 more.
+    # Rounded once: 3 (rounded apart, 2 + 2 = 4).
+    proxy = await _proxy(
+        make_proxy, script, tool_prices={"web_search": "0.0015"}, price={"input": "0.3", "output": "0"}
+    )
+    usage = {"input_tokens": 5, "output_tokens": 0, "server_tool_use": {"web_search_requests": 1}}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, _ = await _post(proxy.url, "/v1/messages", _claude(tools=[WEB_SEARCH]), "round")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert (entry["cost_micros"], entry["tool_calls"]) == ("3", "web_search=1")
+
+
+async def test_an_unpriced_tool_costs_nothing(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await _proxy(make_proxy, script, tool_prices={"web_search": "10"})
+    tools = {"web_search_requests": 1, "web_fetch_requests": 4, "code_execution_requests": 2}
+    usage = {"input_tokens": 1000, "output_tokens": 100, "server_tool_use": tools}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    fetch = {"type": "web_fetch_20250910", "name": "web_fetch"}
+    status, _ = await _post(proxy.url, "/v1/messages", _claude(tools=[WEB_SEARCH, fetch]), "free")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == 1000 * 3 + 100 * 15 + SEARCH_MICROS
+    assert entry["tool_calls"] == "web_search=1"
+
+
+async def test_a_tool_priced_at_zero_is_named_in_the_ledger(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await _proxy(make_proxy, script)  # web_fetch priced at 0
+    usage = {"input_tokens": 10, "output_tokens": 1}
+    delta = {"output_tokens": 1, "server_tool_use": {"web_fetch_requests": 2, "web_search_requests": 1}}
+    script.plan = _claude_stream(usage, delta)
+    status, _ = await _post(proxy.url, "/v1/messages", _claude(stream=True), "zero")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == 10 * 3 + 1 * 15 + SEARCH_MICROS  # the config's order
+    assert entry["tool_calls"] == "web_search=1,web_fetch=2"
+
+
+async def test_the_reserve_holds_max_uses_searches(make_proxy: Factory, script: ScriptedUpstream) -> None:
+    unbounded = {k: v for k, v in WEB_SEARCH.items() if k != "max_uses"}
+    for tool, searches in ((WEB_SEARCH, 5), (unbounded, 10)):  # max_uses, else the default limit
+        body = _claude(tools=[tool])
+        # The same model, its searches unpriced: the tokens alone (the tool's definition is prompt).
+        tokens = await _needed(make_proxy, script, "/v1/messages", body, tool_prices={"other": "1"})
+        priced = await _needed(make_proxy, script, "/v1/messages", body)
+        assert priced == tokens + searches * SEARCH_MICROS
+    three = await _needed(
+        make_proxy, script, "/v1/messages", _claude(tools=[unbounded]), limits={"default_max_tool_calls": 3}
+    )
+    assert three == tokens + 3 * SEARCH_MICROS
+
+
+async def test_a_ceiling_that_fits_the_tokens_but_not_the_searches_refuses_before_forwarding(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    body = _claude(tools=[WEB_SEARCH])
+    needed = await _needed(make_proxy, script, "/v1/messages", body)
+    tokens = needed - 5 * SEARCH_MICROS
+    assert tokens > 0
+    script.received.clear()
+    ceiling = f"{(needed - 1) / 1_000_000:.6f}"
+    proxy = await _proxy(make_proxy, script, tiers={"standard": {"run": {"cost_usd": ceiling}}})
+    status, answer = await _post(proxy.url, "/v1/messages", body, "tight")
+    assert status == 429, answer
+    assert script.received == []
+    assert await redis_client.xrange("lbp:{team-a}:ledger") == []
+    # One micro-unit more, and it goes.
+    usage = {"input_tokens": 10, "output_tokens": 1, "server_tool_use": {"web_search_requests": 5}}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    ceiling = f"{needed / 1_000_000:.6f}"
+    proxy = await _proxy(make_proxy, script, tiers={"standard": {"run": {"cost_usd": ceiling}}})
+    status, answer = await _post(proxy.url, "/v1/messages", body, "fits")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == 10 * 3 + 15 + 5 * SEARCH_MICROS
+
+
+async def test_a_call_without_usage_is_billed_its_reserved_searches(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await _proxy(make_proxy, script)
+    # Cut after the first text: the input is told, the output and the searches never are.
+    script.plan = _claude_stream({"input_tokens": 20}, None, end=False)
+    status, _ = await _post(proxy.url, "/v1/messages", _claude(stream=True, tools=[WEB_SEARCH]), "cut")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] == "reserve"
+    assert entry["tool_calls"] == "web_search=5"
+    tokens = int(entry["input_tokens"]) * 3 + int(entry["output_tokens"]) * 15
+    assert int(entry["cost_micros"]) == tokens + 5 * SEARCH_MICROS
+
+
+async def test_searches_past_the_reserve_are_billed(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await _proxy(make_proxy, script)
+    usage = {"input_tokens": 10, "output_tokens": 1, "server_tool_use": {"web_search_requests": 7}}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, _ = await _post(proxy.url, "/v1/messages", _claude(tools=[WEB_SEARCH]), "past")  # max_uses 5
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert (int(entry["cost_micros"]), entry["tool_calls"]) == (30 + 15 + 7 * SEARCH_MICROS, "web_search=7")
+
+
+async def test_a_call_without_tools_is_reserved_and_billed_as_before(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    priced = await _needed(make_proxy, script, "/v1/messages", _claude())
+    unpriced = await _needed(make_proxy, script, "/v1/messages", _claude(), tool_prices=None)
+    assert priced == unpriced
+    for run, tool_prices in (("with", TOOLS), ("without", None)):
+        proxy = await _proxy(make_proxy, script, tool_prices=tool_prices)
+        script.plan = Plan(
+            chunks=[json.dumps(_claude_message({"input_tokens": 9, "output_tokens": 2})).encode()]
+        )
+        status, _ = await _post(proxy.url, "/v1/messages", _claude(), run)
+        assert status == 200
+    ledger: Any = await redis_client.xrange("lbp:{team-a}:ledger")
+    first, second = (dict(fields) for _, fields in ledger)
+    assert first["cost_micros"] == second["cost_micros"] == str(9 * 3 + 2 * 15)
+    assert "tool_calls" not in first and "tool_calls" not in second
+
+
+# -- Responses ----------------------------------------------------------------------------------
+
+
+def _response(output: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": status,
+        "model": "gpt-x",
+        "output": output,
+        "usage": {"input_tokens": 100, "output_tokens": 20, "total_tokens": 120},
+    }
+
+
+SEARCH_ITEM: dict[str, Any] = {
+    "type": "web_search_call",
+    "id": "ws_1",
+    "status": "completed",
+    "action": {"type": "search"},
+}
+FILE_ITEM: dict[str, Any] = {
+    "type": "file_search_call",
+    "id": "fs_1",
+    "status": "completed",
+    "queries": ["q"],
+}
+ANSWER: dict[str, Any] = {
+    "type": "message",
+    "id": "msg_1",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "output_text", "text": "news", "annotations": []}],
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_hosted_tool_calls_are_billed_once_each(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    proxy = await _proxy(make_proxy, script, tool_prices={"web_search": "10", "file_search": "2.5"})
+    output = [SEARCH_ITEM, {**SEARCH_ITEM, "id": "ws_2"}, FILE_ITEM, ANSWER]
+    final = _response(output)
+    if stream:
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": {**final, "status": "in_progress", "output": []}})
+        ]
+        for index, item in enumerate(output):
+            events.append(("response.output_item.added", {"output_index": index, "item": item}))
+            events.append(("response.output_item.done", {"output_index": index, "item": item}))
+        events.append(("response.completed", {"response": final}))
+        chunks = [_sse(kind, {"type": kind, **obj}) for kind, obj in events]
+        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    else:
+        script.plan = Plan(chunks=[json.dumps(final).encode()])
+    body = {"model": "gpt-x", "input": "news?", "tools": [{"type": "web_search"}, {"type": "file_search"}]}
+    status, _ = await _post(proxy.url, "/v1/responses", {**body, "stream": stream}, "r")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["tool_calls"] == "web_search=2,file_search=1"
+    assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + 2 * SEARCH_MICROS + 2_500
+
+
+async def test_responses_reserve_max_tool_calls_once_at_the_dearest_tool(
+    make_proxy: Factory, script: ScriptedUpstream
+) -> None:
+    prices = {"web_search": "10", "file_search": "2.5"}
+    tools = [{"type": "web_search_preview"}, {"type": "file_search", "vector_store_ids": ["vs"]}]
+    body = {"model": "gpt-x", "input": "news?", "tools": tools, "max_output_tokens": 100}
+    tokens = await _needed(make_proxy, script, "/v1/responses", body, tool_prices={"other": "1"})
+    bounded = await _needed(
+        make_proxy, script, "/v1/responses", {**body, "max_tool_calls": 4}, tool_prices=prices
+    )
+    assert bounded == tokens + 4 * SEARCH_MICROS
+    each = await _needed(make_proxy, script, "/v1/responses", body, tool_prices=prices)
+    assert each == tokens + 10 * SEARCH_MICROS + 10 * 2_500
+
+
+async def test_a_clamp_tier_leaves_room_for_the_searches(
+    make_proxy: Factory, script: ScriptedUpstream
+) -> None:
+    body = _claude(tools=[WEB_SEARCH])  # max_tokens 100, 5 searches
+    needed = await _needed(make_proxy, script, "/v1/messages", body)
+    # Room for the input, the 5 searches and 60 output tokens: the cap forwarded is 60.
+    ceiling = f"{(needed - 40 * 15) / 1_000_000:.6f}"
+    tier = {"standard": {"run": {"cost_usd": ceiling}, "on_budget_short": "clamp"}}
+    proxy = await _proxy(make_proxy, script, tiers=tier)
+    usage = {"input_tokens": 10, "output_tokens": 1, "server_tool_use": {"web_search_requests": 5}}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, answer = await _post(proxy.url, "/v1/messages", body, "clamp")
+    assert status == 200, answer
+    assert json.loads(script.received[-1])["max_tokens"] == 60
