@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -109,7 +109,7 @@ async def key_self(request: web.Request) -> web.Response:
     )
 
 
-async def _page_bodies(pages: AsyncIterator[list[dict[str, str]]]) -> AsyncIterator[str]:
+async def _page_bodies(pages: AsyncIterator[list[dict[str, str]]]) -> AsyncGenerator[str]:
     """Each page of entries as the JSON of its items, comma-separated (pages with none left out);
     a page is dropped before the next is read."""
     async for page in pages:
@@ -138,19 +138,24 @@ async def run_ledger(request: web.Request) -> web.StreamResponse:
         # A streamed body is written whatever the method: a HEAD gets the headers alone.
         return web.Response(headers=headers)
     response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    head = f'{{"object": "list", "run_id": {json.dumps(run_id)}, "data": ['
-    await response.write((head + first).encode())
-    del first
     try:
+        await response.prepare(request)
+        head = f'{{"object": "list", "run_id": {json.dumps(run_id)}, "data": ['
+        await response.write((head + first).encode())
+        del first
         async for body in bodies:
             await response.write(b", " + body.encode())
             del body
+        await response.write(b"]}")
+        await response.write_eof()
     except StoreError as err:
         log.warning("run ledger view cut: store error", extra={"error": str(err)[:200]})
         if request.transport is not None:
             request.transport.abort()
-        return response
-    await response.write(b"]}")
-    await response.write_eof()
+    except ConnectionError:
+        # The reader left (``curl ... | head``, its timeout): nothing more to write, no error of
+        # the proxy's (aiohttp's write of a whole body ends as quietly).
+        log.debug("run ledger view cut: the client left")
+    finally:
+        await bodies.aclose()  # no page read for nobody
     return response

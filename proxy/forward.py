@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import json
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -86,8 +87,9 @@ def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | N
     show is ``operator_secrets``."""
     if upstream.passthrough_auth and identity.upstream_key is not None:
         return None
-    secrets = operator_secrets(upstream, identity)
-    return secrets[0] if secrets else None
+    if upstream.api_key is not None and (key := upstream.api_key.get_secret_value().encode()):
+        return key
+    return basic_token(upstream.base_url)
 
 
 def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[bytes, ...]:
@@ -104,9 +106,23 @@ def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[byte
     return tuple(secrets)
 
 
-# A part of the URL's credentials shorter than this is not looked for alone (a user name such as
-# "api" would be replaced in every answer); the basic auth token that carries it always is.
+# A form of the URL's credentials shorter than this is not looked for (a user name such as "api"
+# would be replaced in every answer, a short basic auth token in an image's base64).
 _MIN_URL_SECRET = 8
+
+
+@functools.cache
+def basic_token(base_url: str) -> bytes | None:
+    """The basic auth token aiohttp sends for the credentials of ``base_url`` (None: none, or
+    none it can send)."""
+    parts = urlsplit(base_url)
+    if parts.username is None and parts.password is None:
+        return None
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    try:
+        return base64.b64encode(f"{user}:{password}".encode("latin1"))
+    except UnicodeEncodeError:
+        return None  # aiohttp cannot send it either: nothing goes out
 
 
 @functools.cache
@@ -120,12 +136,25 @@ def url_credentials(base_url: str) -> tuple[bytes, ...]:
         return ()
     user, password = unquote(parts.username or ""), unquote(parts.password or "")
     out: list[bytes] = []
-    with contextlib.suppress(UnicodeEncodeError):  # aiohttp cannot send it either: nothing goes out
-        out.append(base64.b64encode(f"{user}:{password}".encode("latin1")))
+    token = basic_token(base_url)
+    if token is not None and len(token) >= _MIN_URL_SECRET:
+        out.extend(_as_echoed(token.decode()))
     part = password or user
     if len(part) >= _MIN_URL_SECRET:
-        out.append(part.encode())
+        out.extend(_as_echoed(part))
+        with contextlib.suppress(UnicodeEncodeError):  # its bytes as the basic auth token carries them
+            if (sent := part.encode("latin1")) not in out:
+                out.append(sent)
     return tuple(out)
+
+
+def _as_echoed(text: str) -> list[bytes]:
+    """``text`` as it reads, and as an echo of it in JSON (an error's message, an event) reads:
+    a quote, a backslash or a control character escaped, and any non-ASCII character too by the
+    encoders that escape it (Python's json by default); a '/' escaped by those that escape it."""
+    forms = [text, json.dumps(text)[1:-1], json.dumps(text, ensure_ascii=False)[1:-1]]
+    forms += [form.replace("/", "\\/") for form in forms if "/" in form]
+    return [form.encode() for form in dict.fromkeys(forms)]
 
 
 # What of the provider's response headers reaches the client: what its SDK acts on (when and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import tracemalloc
 from typing import Any
 
@@ -141,3 +142,26 @@ async def test_a_head_of_the_ledger_view_sends_no_body(
     head, _, rest = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
     assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
+
+
+async def test_a_client_leaving_a_long_run_ledger_midway_is_no_unhandled_error(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader that stops early (``curl ... | head``, a client's timeout) is what the CLI's own
+    ``ledger | head`` now ends quietly for; the paged view's next write failed inside its
+    handler, and the error middleware logged it as an unhandled error, with its traceback, on
+    every such read (the whole body, written by aiohttp after the handler, never was)."""
+    proxy = await make_proxy()
+    await _long_run(redis_client, "left", 6000)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    ask = f"GET /v1/billing/runs/left/ledger HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n"
+    writer.write(ask.encode())
+    assert (await reader.read(1024)).startswith(b"HTTP/1.1 200")
+    writer.transport.abort()  # the reader leaves
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if any(r.getMessage() == "unhandled error" for r in caplog.records):
+            break
+    await asyncio.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records

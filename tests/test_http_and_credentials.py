@@ -18,6 +18,9 @@ import openai
 import pytest
 from aiohttp import web
 
+from proxy.auth import Identity
+from proxy.config import UpstreamConfig
+from proxy.forward import operator_key_sent, operator_secrets, url_credentials
 from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import the_entry
@@ -267,3 +270,70 @@ async def test_a_compressed_answer_is_billed_on_its_usage_and_relayed_decoded(
         assert int(headers["content-length"]) == len(body) and json.loads(body)["usage"] == USAGE
     entry = await the_entry(proxy, run)
     assert entry["usage_source"] == "provider" and entry["input_tokens"] == "11", entry
+
+
+@pytest.mark.parametrize(
+    ("password", "escaped"),
+    [("pässwörd-0123456789", "p%C3%A4ssw%C3%B6rd-0123456789"), ('pa"ss\\word-0123', "pa%22ss%5Cword-0123")],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_base_url_password_echoed_in_json_never_reaches_the_client(
+    make_proxy: ProxyFactory, upstream: Upstream, password: str, escaped: str, stream: bool
+) -> None:
+    """A gateway that echoes the password in a JSON error writes it JSON-escaped (a quote, a
+    backslash, or any non-ASCII character as Python's json and most encoders write it): the
+    scrub looked for its raw bytes only, and the client's SDK read the password back whole."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        said = f"wrong password {password} for this gateway"
+        error = {"error": {"message": said, "type": "invalid_request_error", "param": None, "code": None}}
+        if stream:
+            event = b"data: " + json.dumps(error).encode() + b"\n\n"
+            return web.Response(body=event, headers={"Content-Type": "text/event-stream"})
+        return web.json_response(error, status=400)
+
+    upstream.handler = handler
+    base = upstream.base_url.replace("http://", f"http://gw-user:{escaped}@")
+    proxy = await make_proxy(upstreams={"openai": {"base_url": base, "timeout_s": 5, "connect_timeout_s": 2}})
+    status, _headers, body = await request(proxy, CHAT, {**BODY, "stream": stream})
+    assert status == (200 if stream else 400), body
+    text = body.decode()
+    if stream:
+        text = text.partition("data: ")[2].partition("\n")[0]
+    message = json.loads(text)["error"]["message"]
+    assert password not in message, message
+    assert "[REDACTED]" in message, message
+
+
+async def test_a_base_url_password_echoed_as_the_bytes_it_went_as_never_reaches_the_client(
+    make_proxy: ProxyFactory, upstream: Upstream
+) -> None:
+    """aiohttp sends the basic auth token in Latin-1 (``BasicAuth``): a gateway that echoes the
+    password it decoded, byte for byte, echoes Latin-1 bytes, not the UTF-8 the scrub sought."""
+    password = "pässwörd-0123456789"
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        sent = base64.b64decode(request.headers["Authorization"].removeprefix("Basic "))
+        echoed = sent.partition(b":")[2]
+        assert echoed == password.encode("latin1")
+        body = b'{"error": {"message": "wrong password ' + echoed + b'", "type": "auth", "code": null}}'
+        return web.Response(body=body, status=400, content_type="application/json")
+
+    upstream.handler = handler
+    base = upstream.base_url.replace("http://", "http://gw-user:p%C3%A4ssw%C3%B6rd-0123456789@")
+    proxy = await make_proxy(upstreams={"openai": {"base_url": base, "timeout_s": 5, "connect_timeout_s": 2}})
+    status, _headers, body = await request(proxy, CHAT, BODY)
+    assert status == 400, body
+    assert password.encode("latin1") not in body, body
+    assert b"[REDACTED]" in body, body
+
+
+def test_short_base_url_credentials_are_the_operators_and_leave_answers_alone() -> None:
+    """Credentials of a few characters (``x:y``) still make every call the operator's (its
+    tenants' stored responses kept apart), but no form of them shorter than 8 characters is
+    sought in answers: their basic auth token (``eDp5``) would be cut out of an image's base64."""
+    upstream = UpstreamConfig(base_url="https://x:y@gw.example/v1")
+    caller = Identity(tenant="team-a", tier="standard", key_name="a")
+    assert operator_key_sent(upstream, caller) == base64.b64encode(b"x:y")
+    assert operator_secrets(upstream, caller) == ()
+    assert url_credentials("https://gw-user:s3cret-gateway@gw.example/v1")  # long ones are sought
