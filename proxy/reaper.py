@@ -195,7 +195,8 @@ async def run_reaper(
     """Loop until cancelled; a store outage only delays reaping.
 
     ``grace_s``: a lease is reaped only that long after it ran out, and only once the store has
-    answered this reaper that long without a break. A process that lost its store mid-call
+    answered this reaper that long without a break (on a Cluster, the master of the lease's
+    tenant: each tenant's grace and round are its own). A process that lost its store mid-call
     journals the call's real figures and applies them once the store answers again
     (``journal_replay_s``): reaped first, the call would be billed at its reserve instead; and
     after a long outage every lease that ran out during it is past its own grace.
@@ -205,24 +206,42 @@ async def run_reaper(
     of a dead instance included: it is registered again and reaped all the same. ``on_settled``
     gets each ledger entry this process wrote."""
     loop = asyncio.get_running_loop()
-    answering_since: float | None = None
+    # Since when each tenant's keys have answered without a break. Per tenant, not per store: on
+    # a Redis Cluster each tenant's keys live on one master, which may be down while the others
+    # (the tenant registry's among them) answer. A tenant whose master failed must not stop the
+    # round (every tenant after it went unreaped, for as long as it was down), and its grace is
+    # its own master's: the registry answering says nothing of whether its journals could land.
+    answering: dict[str, float] = {}
     unsure: Unsure = {}  # settles whose reply was lost, retried first each round
     while True:
         try:
             tenants = await store.tenants()
-            if answering_since is None:
-                answering_since = loop.time()
             for tenant in set(known()) - tenants:
                 await store.register_tenant(tenant)
                 tenants.add(tenant)
-            if loop.time() - answering_since >= grace_s:
-                for tenant in sorted(tenants):
-                    await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure)
         except StoreError as err:
-            answering_since = None
+            answering.clear()
             log.error("reaper could not reach the store", extra={"error": str(err)})
+            tenants = set()
         except Exception:
             log.exception("reaper round failed")
+            tenants = set()
+        for tenant in sorted(tenants):
+            since = answering.get(tenant)
+            try:
+                if grace_s > 0 and (since is None or loop.time() - since < grace_s):
+                    # Its keys' node is asked all the same during its grace (a read that changes
+                    # nothing): one down meanwhile starts the grace again, from its first answer.
+                    await store.expired_leases(tenant=tenant, limit=0)
+                if since is None:
+                    answering[tenant] = since = loop.time()
+                if loop.time() - since >= grace_s:
+                    await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure)
+            except StoreError as err:
+                answering.pop(tenant, None)
+                log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
+            except Exception:
+                log.exception("reaper round failed", extra={"tenant": tenant})
         current = asyncio.current_task()
         if current is not None and current.cancelling():
             return  # cancelled inside a store client that swallowed it (redis-py may, mid-command)

@@ -198,7 +198,11 @@ elseif left > 0 then
 else
   extend(KEYS[4], runlog_ttl, first)
 end
-redis.call('DEL', KEYS[1])
+-- The marker takes the record's place in the same key: written over it first, then the record's
+-- fields removed (reserve.lua's, shrink.lua's). Never DEL then HSET: between them the key is
+-- absent, and while the tenant's slot migrates (a Cluster resharding) its node refuses a
+-- script's command on a key it does not hold; the HSET failed after the ledger entry and the
+-- meters were written, leaving neither record nor marker, and the retry billed the call again.
 if ARGV[15] == '1' then
   redis.call('HSET', KEYS[1], 'settled', '1', 'own', id)  -- the entry the call's own settle wrote
 elseif ARGV[15] ~= '0' then
@@ -206,6 +210,7 @@ elseif ARGV[15] ~= '0' then
 else
   redis.call('HSET', KEYS[1], 'settled', '1')
 end
+redis.call('HDEL', KEYS[1], 'scopes', 'amounts', 'record', 'reserved_at_ms', 'clamped', 'ttls', 'born')
 redis.call('EXPIRE', KEYS[1], marker_ttl)
 redis.call('ZREM', KEYS[2], ARGV[1])
 return {1, id}
