@@ -20,10 +20,16 @@ def billed_usage(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete
 
 
 def with_tool_calls(usage: BilledUsage, obs: Observation) -> BilledUsage:
-    """``usage`` with the hosted tool calls ``obs`` counted (nearly every call: none)."""
-    if not obs.tool_calls:
+    """``usage`` with the hosted tool calls ``obs`` counted (nearly every call: none): the
+    provider's final count; without one (a stream cut, an answer without usage), the calls the
+    answer showed where they are more than it told."""
+    calls = obs.tool_calls
+    if obs.tool_uses and not (obs.usage_final and obs.usage is not None):
+        seen = obs.tool_uses
+        calls = {**seen, **{tool: max(count, seen.get(tool, 0)) for tool, count in calls.items()}}
+    if not calls:
         return usage
-    return replace(usage, tool_calls=tuple(obs.tool_calls.items()))
+    return replace(usage, tool_calls=tuple(calls.items()))
 
 
 def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:

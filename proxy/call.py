@@ -18,7 +18,10 @@ from proxy.errors import BadRequest, NotFound
 from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS, Estimate, estimate
 from proxy.ids import IdSource
 from proxy.payload import (
+    FAST_TIER,
     FAST_TIERS,
+    FAST_US_TIER,
+    US_TIER,
     ChatBody,
     CompletionBody,
     EmbeddingBody,
@@ -34,7 +37,10 @@ from proxy.pricing import tool_fees_exact
 from proxy.service_tiers import asked_tier, dearest, rates_for, tier_rates
 from proxy.store import Reservation
 from proxy.tokenizer import Tokenizer, encoding_for_model
-from proxy.tool_fees import reserved_tool_calls
+from proxy.tool_fees import counted_as, reserved_tool_calls
+
+# The tiers a Messages call naming a geography other than the US is never served at.
+_OUTSIDE_THE_US = FAST_TIERS | {US_TIER}
 
 # A provider's id for a context it keeps (resp_..., conv_...) as OpenAI writes it: its own key.
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -287,12 +293,32 @@ def plan_call(
         # Served by the tier the client's project defaults to (priority, say), which the proxy
         # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
         # Not fast mode's: it serves only the calls that ask for it.
-        reserve_rates = dearest(rates for name, rates in tiers.items() if name not in FAST_TIERS)
+        # Nor US-only inference's, for a Messages call naming another geography (``global``).
+        unasked = FAST_TIERS
+        if isinstance(view, MessagesBody) and view.inference_geo is not None:
+            unasked = _OUTSIDE_THE_US
+        reserve_rates = dearest(rates for name, rates in tiers.items() if name not in unasked)
+    elif (
+        rates is not None
+        and service_tier == FAST_TIER
+        and isinstance(view, MessagesBody)
+        and view.inference_geo is None
+        and FAST_US_TIER in tiers
+    ):
+        # Fast mode naming no geography: a workspace's default_inference_geo may run it in the
+        # US, billed at fast-us (``observe_anthropic._anthropic_tier``). Reserved at the dearer.
+        reserve_rates = dearest((rates, tiers[FAST_US_TIER]))
     tool_rates = model_config.tool_rates if rates is not None else {}
     if tool_rates:
         tool_calls = reserved_tool_calls(view, tool_rates, config.limits.default_max_tool_calls)
-        if tool_calls:
-            est = replace(est, tool_calls=tool_calls, tool_fees_exact=tool_fees_exact(tool_calls, tool_rates))
+        aliases = counted_as(view, tool_rates)
+        if tool_calls or aliases:
+            est = replace(
+                est,
+                tool_calls=tool_calls,
+                tool_fees_exact=tool_fees_exact(tool_calls, tool_rates),
+                tool_aliases=aliases,
+            )
     continues, conversation, stores_answer = _chaining(view)
     stored_prompt = _stored_prompt(view)
     if stored_prompt is not None:

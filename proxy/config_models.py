@@ -4,6 +4,7 @@ reserved, and its prices per million tokens.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from decimal import Decimal
 from functools import cached_property
@@ -75,6 +76,21 @@ def micros_per_thousand_calls(prices: Mapping[str, Decimal]) -> dict[str, int]:
             raise ValueError(f"{tool}: prices are limited to 6 decimal places per 1,000 calls")
         out[tool] = int(scaled)
     return out
+
+
+# What an answer counts a tool's calls under is its bare name: not the field of its count
+# (web_search_requests), its item's type (web_search_call) or a dated version of its type
+# (web_search_20250305): priced under those, its calls would never be billed, and no error said so.
+_NOT_A_TOOL_NAME = re.compile(r".+(_requests|_call|_\d{8}|_\d{4}_\d{2}_\d{2})")
+
+
+def _counted_name(tool: str) -> None:
+    found = _NOT_A_TOOL_NAME.fullmatch(tool)
+    if found is not None:
+        raise ValueError(
+            f"{tool}: no answer counts calls under this name: price the tool by its bare name, "
+            f"'{tool[: found.start(1)]}' (web_search, web_fetch, file_search)"
+        )
 
 
 class ModelConfig(Frozen):
@@ -149,6 +165,7 @@ class ModelConfig(Frozen):
             for tool, price in value.items():
                 if not isinstance(tool, str) or not tool:
                     raise ValueError("a tool's name is a non-empty string (web_search, file_search, ...)")
+                _counted_name(tool)
                 not_a_bool(price, f"{tool}: a price")
         return value
 

@@ -87,6 +87,9 @@ class Estimate:
     # their cost at the model's prices in millionths of a micro-unit: reserved beside the tokens.
     tool_calls: tuple[tuple[str, int], ...] = ()
     tool_fees_exact: int = 0
+    # The names the answer's counted calls are billed under, where not their own
+    # (``tool_fees.counted_as``: web_search_call items of a web_search_preview request).
+    tool_aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def input_exact(self) -> bool:

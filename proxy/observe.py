@@ -227,6 +227,16 @@ class Observation:
     # Calls of the provider's hosted tools, by tool (``tool_fees``): Anthropic's
     # ``usage.server_tool_use``, a Responses answer's ``*_call`` items.
     tool_calls: dict[str, int] = field(default_factory=dict)
+    # Calls of hosted tools the answer showed as it went (Anthropic's server_tool_use blocks, a
+    # Responses ``*_call`` item as it starts), by tool: billed where no final usage told them (a
+    # stream cut under cancel, an answer without usage). None until one is seen.
+    tool_uses: dict[str, int] | None = None
+
+    def saw_tool_use(self, tool: Any) -> None:
+        if isinstance(tool, str) and tool:
+            if self.tool_uses is None:
+                self.tool_uses = {}
+            self.tool_uses[tool] = self.tool_uses.get(tool, 0) + 1
 
     def take_usage(self, usage: ProviderUsage) -> None:
         self.usage = usage

@@ -88,6 +88,8 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(block, dict) and block.get("type") in _ANTHROPIC_CALLS:
             obs.calls.add(0)  # an answer that is a call: not text held to JSON
             obs.add_text(0, block.get("name"), content=False)  # written, not streamed as a delta
+            if block.get("type") == "server_tool_use":  # a search run: billed if no usage tells it
+                obs.saw_tool_use(block.get("name"))
         elif isinstance(block, dict) and block.get("type") == "compaction":
             obs.add_text(0, block.get("content"), content=False)  # a summary may come whole here
     elif kind == "message_start":
@@ -214,6 +216,8 @@ def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.calls.add(0)
                 obs.add_text(0, block.get("name"), content=False)
                 obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
+                if block.get("type") == "server_tool_use":
+                    obs.saw_tool_use(block.get("name"))
             elif block.get("type") == "thinking":
                 obs.add_text(0, block.get("thinking"), content=False)
             elif block.get("type") == "compaction":  # the summary compaction wrote: billed output

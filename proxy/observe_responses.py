@@ -171,6 +171,11 @@ def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
             obs.hidden_output = True  # it thinks, or draws: tokens billed, never streamed as text
         if isinstance(item, dict) and _is_call(item.get("type")):
             obs.add_text(0, item.get("name"), content=False)  # never streamed as a delta
+            kind = item["type"]
+            if kind.endswith(_CALL) and len(kind) > len(_CALL):
+                # A hosted tool's call begun (web_search_call): billed if the stream is cut before
+                # the final response counts it.
+                obs.saw_tool_use(kind[: -len(_CALL)])
         if isinstance(item, dict) and _side_message(item):
             for key in (obj.get("output_index"), item.get("id")):
                 if isinstance(key, int | str) and not isinstance(key, bool):

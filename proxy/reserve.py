@@ -297,10 +297,13 @@ async def _reserve(
     amounts = reserve_amounts(call.estimate, call.rates_reserved)
     if max(amounts.values()) > MAX_AMOUNT:
         # Thousands of prompts x best_of x max_tokens, say: refused before anything is written.
+        lower = "max_tokens, n, best_of or the number of prompts"
+        if call.estimate.tool_calls:  # or the hosted tool calls it allows (``tool_fees``)
+            lower = "max_tokens, or the hosted tool calls it allows (max_uses, max_tool_calls)"
         raise BadRequest(
             f"This request's worst case ({amounts['output_tokens']} output tokens, "
             f"{amounts['cost_micros']} micro-units) is more than the proxy can account for: "
-            "lower max_tokens, n, best_of or the number of prompts."
+            f"lower {lower}."
         )
     return await store.reserve(
         tenant=call.identity.tenant,

@@ -223,7 +223,11 @@ def _tool_calls(call: Call, usage: BilledUsage) -> ToolCalls:
     if not call.tool_rates or usage.source == "none":
         return ()
     return billed_tool_calls(
-        call.tool_rates, usage.tool_calls, call.estimate.tool_calls, at_reserve=usage.source == "reserve"
+        call.tool_rates,
+        usage.tool_calls,
+        call.estimate.tool_calls,
+        at_reserve=usage.source == "reserve",
+        aliases=call.estimate.tool_aliases,
     )
 
 

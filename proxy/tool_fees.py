@@ -21,6 +21,9 @@ RESPONSES_TOOLS = {
     "web_search_preview": "web_search",
     "file_search": "file_search",
 }
+# Priced under this name, web_search_preview's calls (web_search_call items too) are billed at
+# its own price (OpenAI: $25 per 1,000 on a model that does not reason, web_search's $10).
+WEB_SEARCH_PREVIEW = "web_search_preview"
 
 # A dated version of a Responses tool type (``web_search_preview_2025_03_11``).
 _DATED = re.compile(r"(.+?)_\d{4}_\d{2}_\d{2}")
@@ -52,7 +55,7 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
                 uses = _count(tool.get("max_uses"))
                 found[name] = found.get(name, 0) + (uses if uses else default_calls)
         return tuple(found.items())
-    enabled = [_responses_tool(tool.get("type")) for tool in tools]
+    enabled = [_responses_tool(tool.get("type"), prices) for tool in tools]
     priced = [name for name in dict.fromkeys(enabled) if name is not None and name in prices]
     if not priced:
         return ()
@@ -64,11 +67,29 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
     return ((dearest, bound),)
 
 
-def _responses_tool(kind: Any) -> str | None:
+def _responses_tool(kind: Any, prices: Mapping[str, int]) -> str | None:
     if not isinstance(kind, str):
         return None
     dated = _DATED.fullmatch(kind)
-    return RESPONSES_TOOLS.get(dated.group(1) if dated else kind)
+    name = dated.group(1) if dated else kind
+    if name == WEB_SEARCH_PREVIEW and name in prices:
+        return name
+    return RESPONSES_TOOLS.get(name)
+
+
+def counted_as(view: RequestView, prices: Mapping[str, int]) -> tuple[tuple[str, str], ...]:
+    """The names a request's counted calls are billed under, where not their own: a Responses
+    request enabling web_search_preview priced apart bills its web_search_call items at the
+    preview's price (at the dearer, beside web_search: an item does not say which made it)."""
+    tools = view.tools if isinstance(view, ResponsesBody) else None
+    if WEB_SEARCH_PREVIEW not in prices or not tools:
+        return ()
+    enabled = {_responses_tool(tool.get("type"), prices) for tool in tools}
+    if WEB_SEARCH_PREVIEW not in enabled:
+        return ()
+    if "web_search" in enabled and prices.get("web_search", 0) > prices[WEB_SEARCH_PREVIEW]:
+        return ()
+    return (("web_search", WEB_SEARCH_PREVIEW),)
 
 
 def _anthropic_tool(kind: Any, prices: Mapping[str, int]) -> str | None:
@@ -80,13 +101,23 @@ def _anthropic_tool(kind: Any, prices: Mapping[str, int]) -> str | None:
 
 
 def billed_tool_calls(
-    prices: Mapping[str, int], observed: ToolCalls, reserved: ToolCalls, *, at_reserve: bool
+    prices: Mapping[str, int],
+    observed: ToolCalls,
+    reserved: ToolCalls,
+    *,
+    at_reserve: bool,
+    aliases: tuple[tuple[str, str], ...] = (),
 ) -> ToolCalls:
-    """The priced tools' calls a settle bills: those the answer counts; a call billed at its
-    reserve (no usage came), its reserved calls, or more when the answer counted more."""
+    """The priced tools' calls a settle bills: those the answer counts (under the names
+    ``aliases`` give them: ``counted_as``); a call billed at its reserve (no usage came), its
+    reserved calls, or more when the answer counted more."""
     if not prices:
         return ()
-    counted = dict(observed)
+    counted: dict[str, int] = {}
+    renamed = dict(aliases)
+    for name, count in observed:
+        name = renamed.get(name, name)
+        counted[name] = counted.get(name, 0) + count
     held = dict(reserved) if at_reserve else {}
     # In the order the operator priced them: one entry's field reads as the next one's.
     billed = ((name, max(counted.get(name, 0), held.get(name, 0))) for name in prices)

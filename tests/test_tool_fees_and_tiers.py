@@ -1,0 +1,284 @@
+"""Hosted tools priced per call and Anthropic's price tiers, past the simple cases: searches seen
+before a cut or without usage, web_search_preview priced apart, tool names no answer counts,
+fast mode with no geography named, a geography other than the US."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.errors import ConfigError
+from tests.conftest import ProxyFactory
+from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_contract_edges import only_entry, read_until_then_leave
+from tests.test_pricing_kinds import _claude_message, _entry, _post
+from tests.test_stream_dialects import ev
+from tests.test_tool_fees import (
+    ANSWER,
+    SEARCH_ITEM,
+    SEARCH_MICROS,
+    WEB_SEARCH,
+    _claude,
+    _config,
+    _needed,
+    _needs,
+    _proxy,
+    _response,
+)
+
+# -- hosted tools: a search the answer showed is billed when no usage told it -----------------
+
+SEARCH_USE = {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}
+SEARCH_RESULT = {
+    "type": "web_search_tool_result",
+    "tool_use_id": "srvtoolu_1",
+    "content": [{"type": "web_search_result", "url": "https://example.com", "title": "x"}],
+}
+
+
+def _claude_searching_stream() -> Plan:
+    """A search, its result, then text that streams slowly (the client leaves in it)."""
+    start = {**_claude_message({}), "content": [], "stop_reason": None}
+    start["usage"] = {"input_tokens": 20, "output_tokens": 1, "server_tool_use": {"web_search_requests": 0}}
+    query = {"type": "input_json_delta", "partial_json": '{"query": "news"}'}
+    first = b"".join(
+        [
+            ev("message_start", {"message": start}),
+            ev("content_block_start", {"index": 0, "content_block": SEARCH_USE}),
+            ev("content_block_delta", {"index": 0, "delta": query}),
+            ev("content_block_stop", {"index": 0}),
+            ev("content_block_start", {"index": 1, "content_block": SEARCH_RESULT}),
+            ev("content_block_stop", {"index": 1}),
+            ev("content_block_start", {"index": 2, "content_block": {"type": "text", "text": ""}}),
+            ev("content_block_delta", {"index": 2, "delta": {"type": "text_delta", "text": "Found it"}}),
+        ]
+    )
+    more = ev("content_block_delta", {"index": 2, "delta": {"type": "text_delta", "text": " and more"}})
+    return Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
+
+
+async def test_a_search_streamed_before_a_cancel_is_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Cut under ``cancel`` after a web search ran: Anthropic bills the search (its usage would
+    have said web_search_requests: 1). The proxy counted the text and billed no search."""
+    proxy = await _proxy(make_proxy, script, policy={"on_client_disconnect": "cancel"})
+    script.plan = _claude_searching_stream()
+    await read_until_then_leave(proxy, "/v1/messages", _claude(stream=True, tools=[WEB_SEARCH]), b"Found it")
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected", entry
+    assert entry.get("tool_calls") == "web_search=1", entry  # was: absent
+    tokens = int(entry["input_tokens"]) * 3 + int(entry["output_tokens"]) * 15
+    assert int(entry["cost_micros"]) >= tokens + SEARCH_MICROS, entry
+
+
+async def test_a_search_in_an_answer_without_usage_is_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A whole Messages body without usage (a gateway's) is counted: its searches were not."""
+    proxy = await _proxy(make_proxy, script)
+    answer = _claude_message({})
+    del answer["usage"]
+    answer["content"] = [SEARCH_USE, SEARCH_RESULT, {"type": "text", "text": "Found it."}]
+    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    status, body = await _post(proxy.url, "/v1/messages", _claude(tools=[WEB_SEARCH]), "nousage")
+    assert status == 200, body
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] != "provider", entry
+    assert entry.get("tool_calls") == "web_search=1", entry  # was: absent, the search free
+
+
+async def test_a_search_the_final_usage_does_not_bill_is_not_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The provider's final count stands over the blocks seen (a search that failed is free)."""
+    proxy = await _proxy(make_proxy, script)
+    usage = {"input_tokens": 10, "output_tokens": 5, "server_tool_use": {"web_search_requests": 0}}
+    answer = _claude_message(usage)
+    error = {"type": "web_search_tool_result_error", "error_code": "unavailable"}
+    failed = {**SEARCH_RESULT, "content": error}
+    answer["content"] = [SEARCH_USE, failed, {"type": "text", "text": "Sorry."}]
+    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    status, body = await _post(proxy.url, "/v1/messages", _claude(tools=[WEB_SEARCH]), "failed")
+    assert status == 200, body
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] == "provider"
+    assert "tool_calls" not in entry, entry
+    assert int(entry["cost_micros"]) == 10 * 3 + 5 * 15
+
+
+async def test_a_responses_search_streamed_before_a_cancel_is_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A Responses stream cut under ``cancel`` after its web_search_call item: OpenAI bills the
+    call; the proxy counted only the final response's items, which never came."""
+    proxy = await _proxy(
+        make_proxy, script, tool_prices={"web_search": "10"}, policy={"on_client_disconnect": "cancel"}
+    )
+    searching = {**SEARCH_ITEM, "status": "in_progress"}
+    created = {"id": "resp_1", "object": "response", "status": "in_progress", "model": "gpt-x", "output": []}
+    message = {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []}
+    first = b"".join(
+        [
+            ev("response.created", {"response": created}),
+            ev("response.output_item.added", {"output_index": 0, "item": searching}),
+            ev("response.output_item.done", {"output_index": 0, "item": SEARCH_ITEM}),
+            ev("response.output_item.added", {"output_index": 1, "item": message}),
+            ev("response.output_text.delta", {"output_index": 1, "item_id": "msg_1", "delta": "Found it"}),
+        ]
+    )
+    more = ev("response.output_text.delta", {"output_index": 1, "item_id": "msg_1", "delta": " and more"})
+    script.plan = Plan(content_type="text/event-stream", chunks=[first, more, more], delay_s=0.5)
+    body = {"model": "gpt-x", "input": "news?", "stream": True, "tools": [{"type": "web_search"}]}
+    await read_until_then_leave(proxy, "/v1/responses", body, b"Found it")
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected", entry
+    assert entry.get("tool_calls") == "web_search=1", entry  # was: absent
+
+
+# -- US-only inference: a fast call naming no geography may run in the US ----------------------
+
+STANDARD = {"input": "3", "output": "15"}
+FAST = {"input": "30", "output": "150"}
+FAST_US = {"input": "33", "output": "165"}
+TIERS = {"fast": FAST, "fast-us": FAST_US}
+TIERS_US = {"fast": FAST, "us": {"input": "3.3", "output": "16.5"}}
+
+
+async def _tiered(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, service_tiers: Any = None, **overrides: Any
+) -> Any:
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    model = {"upstream": "anthropic", "price_per_million": STANDARD, "service_tiers": service_tiers or TIERS}
+    return await make_proxy(upstreams={"anthropic": upstream}, models={"claude-x": model}, **overrides)
+
+
+async def _reserve_needs(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, body: dict[str, Any], tiers: Any = None
+) -> int:
+    ceiling = {"standard": {"run": {"cost_usd": "0.000001"}}}
+    proxy = await _tiered(make_proxy, script, tiers, tiers=ceiling)
+    status, answer = await _post(proxy.url, "/v1/messages", body, "needs")
+    assert status == 429, answer
+    return _needs(answer)
+
+
+async def test_a_fast_call_naming_no_geography_is_reserved_at_fast_us(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A workspace's default_inference_geo makes a call naming no geography run in the US (its
+    answer says inference_geo "us", billed at ``fast-us``): a call naming no service tier is
+    reserved at the dearest tier for that reason, but a fast one was reserved at ``fast`` and
+    billed past it (a cost ceiling passed by the race the reserve is there to stop)."""
+    body = _claude(speed="fast")
+    unnamed = await _reserve_needs(make_proxy, script, body)
+    in_us = await _reserve_needs(make_proxy, script, {**body, "inference_geo": "us"})
+    assert unnamed >= in_us  # was: reserved at fast's prices, below what fast-us bills
+    # Such a call, as the answer says it ran, is billed at fast-us.
+    proxy = await _tiered(make_proxy, script)
+    usage = {"input_tokens": 10, "output_tokens": 2, "speed": "fast", "inference_geo": "us"}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, answer = await _post(proxy.url, "/v1/messages", body, "bill")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert (entry["service_tier"], entry["cost_micros"]) == ("fast-us", str(10 * 33 + 2 * 165))
+
+
+# -- hosted tools: web_search_preview is priced apart from web_search ---------------------------
+
+PREVIEW_MICROS = 25_000  # $25 per 1,000 calls: web_search_preview on gpt-4o, gpt-4.1
+
+
+async def test_web_search_preview_calls_are_billed_at_its_own_price(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """OpenAI prices a call of web_search_preview (on a model that does not reason) at $25 per
+    1,000, web_search at $10; both answer with web_search_call items. Priced apart in the config,
+    the preview's calls were reserved and billed at web_search's price (the preview's unread)."""
+    prices = {"web_search": "10", "web_search_preview": "25"}
+    body = {"model": "gpt-x", "input": "news?", "max_output_tokens": 100}
+    preview = {**body, "tools": [{"type": "web_search_preview_2025_03_11"}]}
+    tokens = await _needed(make_proxy, script, "/v1/responses", preview, tool_prices={"other": "1"})
+    reserved = await _needed(make_proxy, script, "/v1/responses", preview, tool_prices=prices)
+    assert reserved == tokens + 10 * PREVIEW_MICROS  # was: 10 * 10,000
+    proxy = await _proxy(make_proxy, script, tool_prices=prices)
+    script.plan = Plan(chunks=[json.dumps(_response([SEARCH_ITEM, ANSWER])).encode()])
+    status, answer = await _post(proxy.url, "/v1/responses", preview, "preview")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry.get("tool_calls") == "web_search_preview=1", entry  # was: web_search=1
+    assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + PREVIEW_MICROS
+
+
+async def test_web_search_is_billed_as_before_beside_a_priced_preview(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    prices = {"web_search": "10", "web_search_preview": "25"}
+    proxy = await _proxy(make_proxy, script, tool_prices=prices)
+    script.plan = Plan(chunks=[json.dumps(_response([SEARCH_ITEM, ANSWER])).encode()])
+    body = {"model": "gpt-x", "input": "news?", "tools": [{"type": "web_search"}]}
+    status, answer = await _post(proxy.url, "/v1/responses", body, "ga")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry.get("tool_calls") == "web_search=1", entry
+    assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + SEARCH_MICROS
+
+
+async def test_a_preview_priced_only_as_web_search_is_billed_as_before(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await _proxy(make_proxy, script, tool_prices={"web_search": "10"})
+    script.plan = Plan(chunks=[json.dumps(_response([SEARCH_ITEM, ANSWER])).encode()])
+    body = {"model": "gpt-x", "input": "news?", "tools": [{"type": "web_search_preview"}]}
+    status, answer = await _post(proxy.url, "/v1/responses", body, "old")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry.get("tool_calls") == "web_search=1", entry
+
+
+# -- hosted tools: a price under a name no answer counts is a config error ----------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["web_search_requests", "web_search_call", "web_search_20250305", "web_search_preview_2025_03_11"]
+)
+def test_a_tool_priced_under_a_name_no_answer_counts_is_a_config_error(name: str) -> None:
+    """Anthropic's count field (web_search_requests), the Responses item type (web_search_call),
+    a dated tool type: accepted, and its calls never billed, the operator never told."""
+    with pytest.raises(ConfigError, match="bare name"):
+        _config({"price_per_million": STANDARD, "price_per_thousand_calls": {name: "10"}})
+
+
+def test_bare_tool_names_are_taken() -> None:
+    prices = {"web_search": "10", "web_search_preview": "25", "file_search": "2.5", "web_fetch": "0"}
+    config = _config({"price_per_million": STANDARD, "price_per_thousand_calls": prices})
+    assert set(config.models["m"].tool_rates) == set(prices)
+
+
+async def test_a_call_naming_a_geography_other_than_the_us_is_not_reserved_at_us_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """``inference_geo: "global"`` is never served (nor billed) as US-only inference: reserved
+    at the US prices, it was refused where its own prices fit."""
+    body = _claude()
+    standard = await _reserve_needs(make_proxy, script, body, {"fast": FAST})
+    named = await _reserve_needs(make_proxy, script, {**body, "inference_geo": "global"}, TIERS_US)
+    unnamed = await _reserve_needs(make_proxy, script, body, TIERS_US)
+    assert named == standard  # was: the US prices' reserve
+    assert unnamed > standard  # naming none, the workspace's default may be the US: as before
+
+
+async def test_a_worst_case_past_the_store_by_its_searches_names_them(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """A max_uses the proxy cannot account for: the 400 told the client to lower max_tokens,
+    n, best_of or its prompts, none of which it could lower to pass."""
+    proxy = await _proxy(make_proxy, script)
+    tool = {**WEB_SEARCH, "max_uses": 10**15}
+    status, answer = await _post(proxy.url, "/v1/messages", _claude(tools=[tool]), "huge")
+    assert status == 400, answer
+    assert b"max_uses" in answer, answer
+    assert script.received == []
