@@ -170,17 +170,21 @@ async def test_base_url_credentials_refused_are_the_proxys_fault_and_never_echoe
     assert_no_secret(headers, body, (GW_PASSWORD, GW_TOKEN))
 
 
+def echo_error(said: str, stream: bool) -> web.StreamResponse:
+    """A gateway's error echoing ``said``: a 400 JSON body, or an error event on a 200 stream."""
+    error = {"error": {"message": said, "type": "invalid_request_error", "param": None, "code": None}}
+    if stream:
+        event = b"data: " + json.dumps(error).encode() + b"\n\n"
+        return web.Response(body=event, headers={"Content-Type": "text/event-stream"})
+    return web.json_response(error, status=400)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_base_url_credentials_echoed_in_an_answer_never_reach_the_client(
     make_proxy: ProxyFactory, upstream: Upstream, stream: bool
 ) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
-        said = f"{request.headers.get('Authorization')} {GW_PASSWORD}"
-        error = {"error": {"message": said, "type": "invalid_request_error", "param": None, "code": None}}
-        if stream:
-            event = b"data: " + json.dumps(error).encode() + b"\n\n"
-            return web.Response(body=event, headers={"Content-Type": "text/event-stream"})
-        return web.json_response(error, status=400)
+        return echo_error(f"{request.headers.get('Authorization')} {GW_PASSWORD}", stream)
 
     upstream.handler = handler
     proxy = await make_proxy(upstreams=upstream.upstreams(in_url=True))
@@ -285,12 +289,7 @@ async def test_a_base_url_password_echoed_in_json_never_reaches_the_client(
     scrub looked for its raw bytes only, and the client's SDK read the password back whole."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        said = f"wrong password {password} for this gateway"
-        error = {"error": {"message": said, "type": "invalid_request_error", "param": None, "code": None}}
-        if stream:
-            event = b"data: " + json.dumps(error).encode() + b"\n\n"
-            return web.Response(body=event, headers={"Content-Type": "text/event-stream"})
-        return web.json_response(error, status=400)
+        return echo_error(f"wrong password {password} for this gateway", stream)
 
     upstream.handler = handler
     base = upstream.base_url.replace("http://", f"http://gw-user:{escaped}@")
