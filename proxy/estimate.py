@@ -125,7 +125,7 @@ def _schema(response_format: Any) -> Any:
 def _anthropic_schema(view: MessagesBody) -> Any:
     """An Anthropic structured output's schema (``output_config.format``, or the beta's top-level
     ``output_format``), sent to the model as prompt as OpenAI's ``response_format`` is; None for
-    none. Read where ``call.plan_call`` reads it for JSON mode."""
+    none. Read where ``plan.plan_call`` reads it for JSON mode."""
     extra = view.model_extra or {}
     config = extra.get("output_config")
     form = config.get("format") if isinstance(config, dict) else None

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing_views import key_self, run_ledger, run_meters
-from proxy.call import Call, plan_call
+from proxy.call import Call
 from proxy.config import Config
 from proxy.dialects import DIALECTS, Dialect, dialect_of_path
 from proxy.errors import (
@@ -47,6 +47,7 @@ from proxy.forward import (
 from proxy.ids import REQUEST_ID, request_id_for, run_id_for
 from proxy.metrics import Metrics
 from proxy.payload import Endpoint, parse_body
+from proxy.plan import plan_call
 from proxy.record import record_refusal
 from proxy.relay import Exchange
 from proxy.reserve import Reloaded, reserve

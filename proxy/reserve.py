@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 import orjson
 
-from proxy.call import Call, context_key, least_cap_accepted
+from proxy.call import Call, context_key
 from proxy.config import Config
 from proxy.config_tiers import TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, NotFound, StoreError
@@ -22,6 +22,7 @@ from proxy.forward import operator_key_sent
 from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.payload import set_output_cap
+from proxy.plan import least_cap_accepted
 from proxy.pricing import MAX_AMOUNT, reserve_amounts, worst_rates
 from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for

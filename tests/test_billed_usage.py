@@ -11,11 +11,12 @@ import pytest
 
 from proxy.auth import Identity
 from proxy.billed_usage import billed_usage
-from proxy.call import Call, plan_call
+from proxy.call import Call
 from proxy.config_load import parse_config
 from proxy.ids import IdSource
 from proxy.observe import Observation, ProviderUsage
 from proxy.payload import Endpoint, parse_body
+from proxy.plan import plan_call
 from proxy.tokenizer import Tokenizer
 from tests.conftest import base_config
 

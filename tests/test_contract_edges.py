@@ -1274,9 +1274,9 @@ async def test_anthropic_mcp_servers_without_tools_reserve_the_tool_use_input(
 
 
 def test_the_tool_use_input_of_a_model_is_the_operator_s_to_set() -> None:
-    from proxy.call import tools_input_tokens
     from proxy.config import UpstreamConfig
     from proxy.config_models import ModelConfig
+    from proxy.plan import tools_input_tokens
 
     anthropic = UpstreamConfig(base_url="http://a", kind="anthropic")
     openai_upstream = UpstreamConfig(base_url="http://o")

@@ -1,0 +1,359 @@
+"""The plan of a call: the model routed, the worst case estimated, the fields the proxy sets,
+and what the request continues or names for the provider to look up, read once before reserving."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from typing import Any
+
+from proxy.auth import Identity
+from proxy.call import Call, Reference, context_key
+from proxy.config import Config, UpstreamConfig
+from proxy.config_models import ModelConfig
+from proxy.dialects import DIALECTS
+from proxy.errors import BadRequest, NotFound
+from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS, estimate
+from proxy.ids import IdSource
+from proxy.payload import (
+    FAST_TIER,
+    FAST_TIERS,
+    FAST_US_TIER,
+    US_TIER,
+    ChatBody,
+    CompletionBody,
+    EmbeddingBody,
+    Endpoint,
+    MessagesBody,
+    RequestView,
+    ResponsesBody,
+    answers,
+    generations,
+    set_output_cap,
+)
+from proxy.pricing import tool_fees_exact
+from proxy.service_tiers import asked_tier, dearest, rates_for, tier_rates
+from proxy.tokenizer import Tokenizer, encoding_for_model
+from proxy.tool_fees import counted_as, reserved_tool_calls
+
+# The tiers a Messages call naming a geography other than the US is never served at.
+_OUTSIDE_THE_US = FAST_TIERS | {US_TIER}
+
+
+def tools_input_tokens(model: ModelConfig, upstream: UpstreamConfig) -> int:
+    if model.tools_input_tokens is not None:
+        return model.tools_input_tokens
+    return ANTHROPIC_TOOLS_INPUT_TOKENS if upstream.kind == "anthropic" else 0
+
+
+# The Responses API refuses a max_output_tokens below 16 (integer_below_min_value).
+RESPONSES_LEAST_CAP = 16
+
+
+def least_cap_accepted(endpoint: Endpoint, body: dict[str, Any], *, anthropic_beta: str = "") -> int:
+    """The smallest output cap the provider takes for this request: a cap below it (a budget's
+    clamp, a model's own cap) would have the call refused upstream instead of here."""
+    if endpoint == "responses":
+        return RESPONSES_LEAST_CAP
+    thinking = body.get("thinking") if endpoint == "messages" else None
+    # With interleaved thinking the budget covers every thinking block of the turn and may pass
+    # max_tokens (Anthropic's extended thinking docs).
+    if (
+        isinstance(thinking, dict)
+        and thinking.get("type") == "enabled"
+        and "interleaved-thinking-" not in anthropic_beta
+    ):
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            return budget + 1  # Anthropic: max_tokens must be above the thinking budget
+    return 1
+
+
+def plan_call(
+    *,
+    request_id: str,
+    identity: Identity,
+    run_id: str,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    view: RequestView,
+    config: Config,
+    tokenizer: Tokenizer,
+    ids: IdSource,
+    anthropic_beta: str = "",
+) -> Call:
+    """Route the model and estimate the worst case; set the fields the proxy must set."""
+    routed = config.route(view.model)
+    if routed is None:
+        raise NotFound(
+            f"The model '{view.model}' is not served by this proxy.", param="model", code="model_not_found"
+        )
+    pattern, model_config = routed
+    upstream = config.upstreams[model_config.upstream]
+    dialect = DIALECTS[endpoint]
+    if upstream.kind != dialect.upstream_kind:
+        raise BadRequest(
+            f"The model '{view.model}' is served by an upstream of kind '{upstream.kind}', which does not "
+            f"speak this endpoint ({endpoint}).",
+            param="model",
+            code="wrong_endpoint_for_model",
+        )
+    encoding = encoding_for_model(view.model, model_config.encoding)
+    est = estimate(
+        endpoint,
+        view,
+        encoding=encoding,
+        tokenizer=tokenizer,
+        model_max_output_tokens=model_config.max_output_tokens,
+        default_max_output_tokens=config.limits.default_max_output_tokens,
+        media_part_input_tokens=model_config.media_part_input_tokens,
+        tools_input_tokens=tools_input_tokens(model_config, upstream),
+        cache_scope=identity.tenant,
+        template_call_tokens=model_config.prompt_overhead_tokens,
+        template_message_tokens=model_config.message_overhead_tokens,
+    )
+    if isinstance(view, ChatBody) and upstream.chat_output_cap_field == "max_tokens":
+        # An upstream that reads only max_tokens: the cap goes there, always (it may have none
+        # of its own), and the field it ignores or refuses does not go at all (not even null).
+        body.pop("max_completion_tokens", None)
+        # Both of the client's caps bound what it wants: the lower one goes, and is reserved.
+        caps = [c for c in (view.max_completion_tokens, view.max_tokens) if c is not None]
+        cap = min([est.output_cap, *caps])
+        est = replace(
+            est,
+            output_cap_field="max_tokens",
+            enforce_cap=cap,
+            output_cap=cap,
+            output_tokens=cap * generations(view),
+        )
+    least = least_cap_accepted(endpoint, body, anthropic_beta=anthropic_beta)
+    if est.enforce_cap is not None and est.enforce_cap < least:
+        # The model's cap in the config would make the request one the provider refuses.
+        thinking = endpoint == "messages"
+        raise BadRequest(
+            f"This proxy caps the model '{view.model}' at {est.enforce_cap} output tokens, below the "
+            f"{least} this request needs"
+            + (": keep thinking.budget_tokens below that cap." if thinking else "."),
+            param="thinking.budget_tokens" if thinking else None,
+            code="output_cap_too_low",
+        )
+    if est.enforce_cap is not None and est.output_cap_field:
+        set_output_cap(body, est.output_cap_field, est.enforce_cap)
+    # The validated field: embeddings have none, and a "stream" there is passed through unread
+    # (an extra of any type, "no" included, which ``getattr`` would return all the same).
+    stream = not isinstance(view, EmbeddingBody) and view.stream is True
+    client_wants_usage = False
+    if stream and dialect.injects_usage:
+        options = body.get("stream_options")
+        client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        # Real figures first: always ask the provider for the usage chunk.
+        body["stream_options"] = {**(options or {}), "include_usage": True}
+    json_mode = False
+    if isinstance(view, ChatBody) and view.response_format is not None:
+        json_mode = view.response_format.get("type") in ("json_object", "json_schema")
+    elif isinstance(view, ResponsesBody):
+        text = body.get("text")
+        form = text.get("format") if isinstance(text, dict) else None
+        json_mode = isinstance(form, dict) and form.get("type") in ("json_object", "json_schema")
+    elif isinstance(view, MessagesBody):
+        # Anthropic structured outputs: output_config.format (the SDK's messages.parse), or the
+        # beta's top-level output_format.
+        config_ = body.get("output_config")
+        form = config_.get("format") if isinstance(config_, dict) else None
+        if form is None:  # an output_config of other settings (the effort) beside the beta's
+            form = body.get("output_format")
+        json_mode = isinstance(form, dict) and form.get("type") == "json_schema"
+    service_tier, rates = rates_for(view, model_config)
+    tiers = tier_rates(model_config)
+    reserve_rates = rates
+    if rates is not None and len(tiers) > 1 and asked_tier(view) in (None, "auto"):
+        # Served by the tier the client's project defaults to (priority, say), which the proxy
+        # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
+        # Not fast mode's: it serves only the calls that ask for it.
+        # Nor US-only inference's, for a Messages call naming another geography (``global``).
+        unasked = FAST_TIERS
+        if isinstance(view, MessagesBody) and view.inference_geo is not None:
+            unasked = _OUTSIDE_THE_US
+        reserve_rates = dearest(rates for name, rates in tiers.items() if name not in unasked)
+    elif (
+        rates is not None
+        and service_tier == FAST_TIER
+        and isinstance(view, MessagesBody)
+        and view.inference_geo is None
+        and FAST_US_TIER in tiers
+    ):
+        # Fast mode naming no geography: a workspace's default_inference_geo may run it in the
+        # US, billed at fast-us (``observe_anthropic._anthropic_tier``). Reserved at the dearer.
+        reserve_rates = dearest((rates, tiers[FAST_US_TIER]))
+    tool_rates = model_config.tool_rates if rates is not None else {}
+    if tool_rates:
+        tool_calls = reserved_tool_calls(view, tool_rates, config.limits.default_max_tool_calls)
+        aliases = counted_as(view, tool_rates)
+        if tool_calls or aliases:
+            est = replace(
+                est,
+                tool_calls=tool_calls,
+                tool_fees_exact=tool_fees_exact(tool_calls, tool_rates),
+                tool_aliases=aliases,
+            )
+    continues, conversation, stores_answer = _chaining(view)
+    stored_prompt = _stored_prompt(view)
+    if stored_prompt is not None:
+        continues = (*continues, stored_prompt)
+    return Call(
+        request_id=request_id,
+        reservation_id=ids.new(),
+        identity=identity,
+        run_id=run_id,
+        endpoint=endpoint,
+        dialect=dialect,
+        model=view.model,
+        model_pattern=pattern,
+        upstream_name=model_config.upstream,
+        upstream=upstream,
+        encoding=encoding,
+        stream=stream,
+        client_wants_usage=client_wants_usage,
+        json_mode=json_mode,
+        policy=config.policy_for(identity.tier),
+        rates=rates,
+        service_tier=service_tier,
+        tier_rates=tiers,
+        reserve_rates=reserve_rates,
+        tool_rates=tool_rates,
+        estimate=est,
+        body=body,
+        choices=answers(view),
+        generations=generations(view),
+        media_output=isinstance(view, ChatBody) and _asks_media(body.get("modalities")),
+        predicted_output=isinstance(view, ChatBody) and _predicts(body.get("prediction")),
+        hidden_reasoning=model_config.hidden_reasoning or _reasons(endpoint, body),
+        echo=isinstance(view, CompletionBody) and body.get("echo") is True,
+        continues=continues,
+        conversation=conversation,
+        stores_answer=stores_answer,
+        stored_prompt=stored_prompt,
+        references=_references(view),
+    )
+
+
+def _context_id(value: Any) -> str | None:
+    if isinstance(value, dict):  # a conversation may be given as {"id": ...}
+        value = value.get("id")
+    return context_key(value) if isinstance(value, str) and value else None
+
+
+def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
+    """What a Responses call continues, its conversation, whether its answer is stored."""
+    if not isinstance(view, ResponsesBody):
+        return (), None, False
+    previous = _context_id(view.previous_response_id)
+    conversation = _context_id(view.conversation)
+    continues = tuple(c for c in (previous, conversation) if c is not None)
+    return continues, conversation, view.store is not False
+
+
+def _references(view: RequestView) -> tuple[Reference, ...]:
+    """What a request names by id for the provider to look up (``Call.references``): a Responses
+    input's item references (their ``type`` may be left out: an item of an id alone) and
+    reasoning items sent back without their encrypted content (read from the store by id); a
+    chat message's earlier audio answer, sent back by its id; the container a code execution
+    tool runs in (a Responses tool's ``container`` or ``environment``, a Messages call's
+    ``container``)."""
+    found: list[Reference] = []
+    if isinstance(view, ChatBody):
+        for message in view.messages:
+            audio = message.get("audio")  # None in nearly every message: one lookup
+            if isinstance(audio, dict) and message.get("role") == "assistant":
+                _add_reference(found, "audio", audio.get("id"))
+    elif isinstance(view, MessagesBody):
+        container = (view.model_extra or {}).get("container")
+        _add_reference(found, "container", container.get("id") if isinstance(container, dict) else container)
+    elif isinstance(view, ResponsesBody):
+        for item in view.input if isinstance(view.input, list) else ():
+            kind = item.get("type")
+            if (
+                kind == "item_reference"
+                or (kind is None and "role" not in item and "content" not in item)
+                or (kind == "reasoning" and not item.get("encrypted_content"))
+            ):
+                _add_reference(found, "item", item.get("id"))
+            # A code interpreter's or hosted shell's call sent back: the container it names may be
+            # taken up again by the tool (the provider does not say it is not).
+            environment = item.get("environment")
+            container = environment.get("container_id") if isinstance(environment, dict) else None
+            _add_reference(found, "input_container", item.get("container_id") or container)
+        for tool in view.tools or ():
+            environment = tool.get("environment")
+            if isinstance(environment, dict) and environment.get("type") == "container_reference":
+                _add_reference(found, "container", environment.get("container_id"))
+            _add_reference(found, "container", tool.get("container"))  # an id, or {"type": "auto"}
+    return tuple(dict.fromkeys(found))
+
+
+def _add_reference(found: list[Reference], what: str, ref: Any) -> None:
+    if isinstance(ref, str) and ref:
+        found.append((what, ref))
+
+
+def _stored_prompt(view: RequestView) -> str | None:
+    """Where the size of a Responses call's stored prompt is kept: its id and version (none
+    named: the current one, under a key of its own), apart from any response id."""
+    prompt = view.prompt if isinstance(view, ResponsesBody) else None
+    found = prompt.get("id") if isinstance(prompt, dict) else None
+    if not isinstance(found, str) or not found:
+        return None
+    version = prompt.get("version") if isinstance(prompt, dict) else None
+    versioned = isinstance(version, str | int) and not isinstance(version, bool)
+    named = f"{found}@{version}" if versioned else found
+    # Always a digest: a prompt id is never taken for a response's or a conversation's.
+    return "#" + hashlib.sha256(("prompt:" + named).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _asks_media(modalities: Any) -> bool:
+    """Audio (OpenAI's audio models) or images (OpenRouter's image models): output tokens
+    billed that no text shows (a transcript, if any, is a fraction of them)."""
+    return isinstance(modalities, list) and ("audio" in modalities or "image" in modalities)
+
+
+def _predicts(prediction: Any) -> bool:
+    """A Predicted Output with content (a string or text parts): what of it the answer does not
+    take is billed as output (``rejected_prediction_tokens``) and never streamed."""
+    content = prediction.get("content") if isinstance(prediction, dict) else None
+    return bool(content) and isinstance(content, str | list)
+
+
+def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """Whether the request asks the model to reason: OpenAI's reasoning tokens are never
+    streamed, and Claude 4's thinking is streamed as a summary while it bills the whole (every
+    type but disabled thinks: enabled, adaptive, between_tools)."""
+    if endpoint == "messages":
+        thinking = body.get("thinking")
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        return isinstance(kind, str) and kind != "disabled"
+    if _gemini_thinks(body):
+        return True
+    effort = body.get("reasoning_effort")
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and endpoint == "responses":
+        effort = reasoning.get("effort")
+    elif isinstance(reasoning, dict) and reasoning.get("enabled") is not False:
+        # OpenRouter's unified parameter on chat: an effort, a token budget, or on (its exclude
+        # hides the reasoning from the answer, which is billed all the same).
+        budget = reasoning.get("max_tokens")
+        if reasoning.get("enabled") is True or (isinstance(budget, int) and budget > 0):
+            return True
+        effort = reasoning.get("effort", effort)
+    return isinstance(effort, str) and effort != "none"
+
+
+def _gemini_thinks(body: dict[str, Any]) -> bool:
+    """Gemini's OpenAI-compatible thinking switch (the SDK's ``extra_body={"extra_body": {"google":
+    {"thinking_config": ...}}}``): its thoughts are billed and never streamed (``include_thoughts``:
+    a summary of them). A budget of 0 turns thinking off."""
+    extra = body.get("extra_body")
+    google = extra.get("google") if isinstance(extra, dict) else None
+    config = google.get("thinking_config") if isinstance(google, dict) else None
+    if not isinstance(config, dict):
+        return False
+    return config.get("thinking_budget") != 0
