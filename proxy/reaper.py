@@ -72,6 +72,8 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
     }
     if isinstance(record.get("service_tier"), str):
         entry["service_tier"] = record["service_tier"]
+    if isinstance(record.get("tool_calls"), str) and record["tool_calls"]:
+        entry["tool_calls"] = record["tool_calls"]  # the hosted tools' calls its cost holds
     run_ttl_s = record.get("run_ttl_s", 0)
     return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
 

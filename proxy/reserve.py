@@ -28,6 +28,7 @@ from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
 from proxy.settle import release_unforwarded, release_unforwarded_off_loop
 from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative
+from proxy.tool_fees import billed_tool_calls, tool_calls_field
 
 
 class Reloaded(Exception):
@@ -143,20 +144,23 @@ async def reserve(
         and config.limits.prior_context_ttl_s
     ):
         await _add_prior_context(store, call, metrics)
-    record = orjson.dumps(
-        {
-            "request_id": call.request_id,
-            "run_id": call.run_id,
-            "key": call.identity.key_name,
-            "endpoint": call.endpoint,
-            "model": call.model,
-            "upstream": call.upstream_name,
-            "stream": call.stream,
-            "time_ms": call.started_wall_ms,
-            "service_tier": call.service_tier,
-            "run_ttl_s": run_ttl_s,  # for a reaper's settle: how long the run's ledger index stays
-        },
-    ).decode()
+    kept: dict[str, object] = {
+        "request_id": call.request_id,
+        "run_id": call.run_id,
+        "key": call.identity.key_name,
+        "endpoint": call.endpoint,
+        "model": call.model,
+        "upstream": call.upstream_name,
+        "stream": call.stream,
+        "time_ms": call.started_wall_ms,
+        "service_tier": call.service_tier,
+        "run_ttl_s": run_ttl_s,  # for a reaper's settle: how long the run's ledger index stays
+    }
+    if call.estimate.tool_calls:  # the reserve's cost holds their fees: a reaper's entry names them
+        kept["tool_calls"] = tool_calls_field(
+            billed_tool_calls(call.tool_rates, (), call.estimate.tool_calls, at_reserve=True)
+        )
+    record = orjson.dumps(kept).decode()
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
     in_flight = False  # a reserve sent, its answer not read yet
     try:

@@ -4,6 +4,7 @@ most a request may make, billed as the provider counts them, in the call's one r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -404,3 +405,31 @@ async def test_a_clamp_tier_leaves_room_for_the_searches(
     status, answer = await _post(proxy.url, "/v1/messages", body, "clamp")
     assert status == 200, answer
     assert json.loads(script.received[-1])["max_tokens"] == 60
+
+
+async def test_a_lease_the_reaper_settles_names_the_searches_its_cost_holds(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A call whose instance stopped renewing its lease is settled by a reaper at its reserve,
+    searches included: the entry names them, as the call's own settle at its reserve does."""
+    proxy = await _proxy(make_proxy, script, limits={"reaper_interval_s": 0.1})
+    usage = {"input_tokens": 10, "output_tokens": 1}
+    answer = json.dumps(_claude_message(usage)).encode()
+    # The answer held back in the middle, long enough for the lease to be seen and reaped.
+    script.plan = Plan(chunks=[answer[:10], answer[10:]], delay_s=1.0)
+    posted = asyncio.ensure_future(_post(proxy.url, "/v1/messages", _claude(tools=[WEB_SEARCH]), "reaped"))
+    leases = "lbp:{team-a}:leases"
+    while not await redis_client.zcard(leases):
+        await asyncio.sleep(0.01)
+    (reservation,) = await redis_client.zrange(leases, 0, -1)
+    await redis_client.zadd(leases, {reservation: 0})  # its lease ran out
+    while not await redis_client.xlen("lbp:{team-a}:ledger"):
+        await asyncio.sleep(0.01)
+    entry = await _entry(redis_client)
+    assert entry["outcome"] == "lease_expired"
+    assert entry["tool_calls"] == "web_search=5"
+    tokens = int(entry["input_tokens"]) * 3 + int(entry["output_tokens"]) * 15
+    assert int(entry["cost_micros"]) == tokens + 5 * SEARCH_MICROS
+    status, _ = await posted
+    assert status == 200
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 1  # billed once, by the reaper
