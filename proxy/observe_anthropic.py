@@ -112,7 +112,7 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.refused = True
         if isinstance(obj.get("usage"), dict):
             _take_delta_usage(obs.partial_usage, obj["usage"])
-            _anthropic_tier(obs, obj["usage"])
+            _anthropic_tier(obs, obs.partial_usage)  # a part may leave out what an earlier one told
             _server_tool_use(obs, obj["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
             # Final only with an output count of its own (message_start's is a placeholder), and

@@ -31,7 +31,7 @@ async def geo_proxy(
     return await make_proxy(upstreams={"claude": upstream}, models={"claude-*": model}, **kw)
 
 
-def us_answer(stream: bool) -> Plan:
+def us_answer(stream: bool, delta_usage: dict[str, Any] | None = None) -> Plan:
     usage = {"input_tokens": 1000, "output_tokens": 100, "service_tier": "standard", "inference_geo": "us"}
     if not stream:
         return Plan(chunks=[dumps(message([{"type": "text", "text": "Hi."}], usage=usage))])
@@ -43,7 +43,7 @@ def us_answer(stream: bool) -> Plan:
         ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hi."}}),
         ev("content_block_stop", {"index": 0}),
         ev("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                             "usage": {"output_tokens": 100}}),
+                             "usage": delta_usage or {"output_tokens": 100}}),
         ev("message_stop", {}),
     ]  # fmt: skip
     return Plan(content_type="text/event-stream", chunks=chunks)
@@ -105,6 +105,22 @@ async def test_a_workspace_that_defaults_to_us_only_inference_is_billed_at_its_p
     await ask(c, stream)
     (entry,) = await entries(redis_client)
     assert (entry.get("service_tier"), entry["cost_micros"]) == ("us", "8250")  # was: (None, 7500)
+    await c.close()
+
+
+async def test_a_message_delta_naming_the_tier_alone_keeps_the_geography_message_start_told(
+    make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
+) -> None:
+    """A stream's usage is told in parts: message_start's, then message_delta's over it. A
+    message_delta that repeats ``service_tier`` and not ``inference_geo`` (a gateway's, which
+    writes the fields it knows) leaves the call served in the US: the tier is read off the whole
+    usage told, not off the last part alone."""
+    proxy = await geo_proxy(make_proxy, queue, {"us": US_ONLY})
+    queue.plans = [us_answer(True, {"output_tokens": 100, "service_tier": "standard"})]
+    c = client(proxy)
+    await ask(c, True, inference_geo="us")
+    (entry,) = await entries(redis_client)
+    assert (entry.get("service_tier"), entry["cost_micros"]) == ("us", "8250")  # was: (None, "7500")
     await c.close()
 
 
