@@ -443,10 +443,16 @@ async def test_a_settle_refused_while_redis_is_out_of_memory_is_replayed_once_me
 
 
 async def test_a_replica_refusing_writes_is_a_passing_error_on_both_clients(
-    redis_server: RedisServerProcess, own_redis: RedisServerProcess, own_client: aioredis.Redis
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
 ) -> None:
     # A client still on a master that failed over gets -READONLY: the pipelined client sees
     # the reply as sent, redis-py (rediss://, Cluster) as its ReadOnlyError without the code.
+    # (The master's sync at once, not after its default 5 s wait for more replicas.)
+    (delay_s,) = (await redis_client.config_get("repl-diskless-sync-delay")).values()
+    await redis_client.config_set("repl-diskless-sync-delay", 0)
     await own_client.execute_command("REPLICAOF", "127.0.0.1", str(redis_server.port))
     piped = RedisStore.from_url(own_redis.url)
     plain = RedisStore(aioredis.Redis.from_url(own_redis.url, decode_responses=True))
@@ -469,6 +475,15 @@ async def test_a_replica_refusing_writes_is_a_passing_error_on_both_clients(
         await piped.close()
         await plain.close()
         await own_client.execute_command("REPLICAOF", "NO", "ONE")
+        await redis_client.config_set("repl-diskless-sync-delay", delay_s)
+        # A replica rewrites its AOF after a sync, and refuses a SIGTERM until it has: the
+        # fixture's stop would wait for it 10 s, then kill it.
+        await wait_for(lambda: _aof_written(own_client))
+
+
+async def _aof_written(client: aioredis.Redis) -> bool:
+    info = await client.info("persistence")
+    return not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled")
 
 
 async def _link_up(client: aioredis.Redis) -> bool:
