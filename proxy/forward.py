@@ -99,11 +99,16 @@ def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[byte
     An upstream must never pass one on."""
     secrets: list[bytes] = []
     if upstream.api_key is not None and not (upstream.passthrough_auth and identity.upstream_key is not None):
-        key = upstream.api_key.get_secret_value().encode()
-        if key:
-            secrets.append(key)
+        secrets.extend(key_forms(upstream.api_key.get_secret_value()))
     secrets.extend(url_credentials(upstream.base_url))
     return tuple(secrets)
+
+
+@functools.cache
+def key_forms(key: str) -> tuple[bytes, ...]:
+    """The operator's ``key`` as it reads and as an echo of it in JSON reads (a '/' of a key
+    escaped, as some encoders write it)."""
+    return tuple(_as_echoed(key)) if key else ()
 
 
 # A form of the URL's credentials shorter than this is not looked for (a user name such as "api"
@@ -272,6 +277,10 @@ async def open_upstream(
     except aiohttp.ConnectionTimeoutError:
         return TransportFailure("connect_timeout", "cannot connect to upstream: connect timed out")
     except TimeoutError:
+        if call.connecting:
+            # A total timeout below connect_timeout_s ran out before the connection was made
+            # (aiohttp raises it bare): the request never left.
+            return TransportFailure("connect_timeout", "cannot connect to upstream: timed out connecting")
         return TransportFailure("timeout", "upstream did not answer in time")
     except aiohttp.ClientError as err:
         return TransportFailure("transport", f"upstream connection failed: {type(err).__name__}")

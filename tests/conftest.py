@@ -174,11 +174,14 @@ async def make_proxy(
     runners: list[web.AppRunner] = []
 
     async def factory(
-        tokenizer: Tokenizer | None = None, passthrough: bool = False, **overrides: Any
+        tokenizer: Tokenizer | None = None,
+        passthrough: bool = False,
+        upstream_key: str = UPSTREAM_KEY,
+        **overrides: Any,
     ) -> Proxy:
         overrides.setdefault("journal_dir", str(tmp_path / "journal"))
         raw = base_config(fake.base_url, redis_server.url, **overrides)
-        config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+        config = parse_config(raw, {"TEST_UPSTREAM_KEY": upstream_key})
         app = build_app(config, passthrough=passthrough, tokenizer=tokenizer or Tokenizer({}))
         runner = web.AppRunner(app, **server_options(config))
         await runner.setup()

@@ -100,9 +100,10 @@ async def test_a_request_aiohttp_refuses_to_send_is_not_billed(
 
 @pytest.mark.parametrize(
     ("stream", "timeout_s", "connect_timeout_s"),
-    # A stream's bound on its headers fired in the connect when timeout_s was below it.
-    [(False, 3, 0.3), (True, 0.5, 1.5)],
-    ids=["json", "stream-timeout-below-connect"],
+    # A bound of the whole call below the connect's fired in the connect: a stream's bound on
+    # its headers, a whole answer's total timeout (a bare TimeoutError, taken for a call out).
+    [(False, 3, 0.3), (True, 0.5, 1.5), (False, 0.5, 1.5)],
+    ids=["json", "stream-timeout-below-connect", "json-timeout-below-connect"],
 )
 async def test_a_connect_timeout_is_billed_nothing_for_nothing_went_out(
     make_proxy: Any, redis_client: aioredis.Redis, stream: bool, timeout_s: float, connect_timeout_s: float

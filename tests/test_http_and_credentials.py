@@ -194,6 +194,32 @@ async def test_base_url_credentials_echoed_in_an_answer_never_reach_the_client(
     assert b"[REDACTED]" in body
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_operator_key_with_a_slash_echoed_by_an_encoder_escaping_it_never_reaches_the_client(
+    make_proxy: ProxyFactory, upstream: Upstream, stream: bool
+) -> None:
+    """A key holding '/' (base64 keys do), echoed by an encoder that escapes '/' as '\\/' (PHP's,
+    Go's HTML-safe ones): the scrub sought the key's raw bytes only, as it did not for the
+    credentials of ``base_url``, and the client read the key back."""
+    key = "sk-proj/0123+abcd/wxyz=="
+    escaped = key.replace("/", "\\/")
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        assert request.headers["Authorization"] == f"Bearer {key}"
+        event = b'{"error": {"message": "bad key ' + escaped.encode() + b'", "type": "auth", "code": null}}'
+        if stream:
+            sse = {"Content-Type": "text/event-stream"}
+            return web.Response(body=b"data: " + event + b"\n\n", headers=sse)
+        return web.Response(body=event, status=400, content_type="application/json")
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams(), upstream_key=key)
+    status, _headers, body = await request(proxy, CHAT, {**BODY, "stream": stream})
+    assert status == (200 if stream else 400), body
+    assert escaped.encode() not in body and key.encode() not in body, body
+    assert b"[REDACTED]" in body, body
+
+
 async def test_base_url_credentials_keep_a_tenant_out_of_another_tenants_response(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
