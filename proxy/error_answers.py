@@ -91,7 +91,15 @@ async def error_middleware(
                 response.headers.setdefault(name, value)
         return response
     except ApiError as err:
-        return _error(request, err.status, err.message, err.error_type, code=err.code, headers=err.headers)
+        return _error(
+            request,
+            err.status,
+            err.message,
+            err.error_type,
+            param=err.param,
+            code=err.code,
+            headers=err.headers,
+        )
     except StoreError:
         down = StoreUnavailable()
         return _error(
@@ -123,12 +131,15 @@ def _error(
     message: str,
     error_type: str = "invalid_request_error",
     *,
+    param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     dialect = _dialect(request)
     ids = dialect.id_headers(request[REQUEST_ID])
-    return dialect.error_response(status, message, error_type, code=code, headers={**(headers or {}), **ids})
+    return dialect.error_response(
+        status, message, error_type, param=param, code=code, headers={**(headers or {}), **ids}
+    )
 
 
 def _dialect(request: web.Request) -> Dialect:

@@ -190,6 +190,12 @@ async def test_passthrough_refuses_two_different_organizations_or_projects(
             assert resp.status == 400, await resp.text()
             error = (await resp.json())["error"]
             assert error["param"] == name and error["message"].startswith(f"Two different {name}"), error
+        # The model list and the billing views too, whose refusals the error middleware answers:
+        # it dropped the field the error names.
+        for path in ("/v1/models", "/v1/billing/keys/self"):
+            async with session.get(proxy.url + path, headers=two) as resp:
+                assert resp.status == 400, await resp.text()
+                assert (await resp.json())["error"]["param"] == name, path
         assert fake.received == []
         alike = [*own, (name, "same"), (name, "same")]
         async with session.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=alike) as resp:
