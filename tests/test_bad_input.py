@@ -527,7 +527,7 @@ async def test_body_over_the_default_limit_is_a_413(post: Any, proxy: Proxy) -> 
     data = dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]})
     assert len(data) > limit
     error = assert_refused(await post(CHAT, data), 413)
-    assert error["type"] == "invalid_request_error"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "body_too_large")
 
 
 async def test_body_size_limit_boundary(
@@ -792,6 +792,9 @@ async def test_wrong_method_is_a_405_in_openai_format(
     reply = await post(path, None, method=method, with_auth=with_auth)
     error = assert_refused(reply, 405)
     assert error["type"] == "invalid_request_error"
+    # RFC 9110 asks a 405 for the methods the path takes.
+    allowed = {m.strip() for m in reply.headers["Allow"].split(",")}
+    assert allowed and method not in allowed, reply.describe()
 
 
 # -- property-based: request bodies -----------------------------------------------------------

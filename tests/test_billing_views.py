@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.redis_server import RedisServerProcess
+from proxy.redis_server import RedisServerProcess, free_port
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_cli import LEDGER_ENTRY
 
@@ -165,3 +165,27 @@ async def test_a_client_leaving_a_long_run_ledger_midway_is_no_unhandled_error(
             break
     await asyncio.sleep(0.2)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
+async def test_the_views_and_health_answers_carry_the_proxys_request_id(proxy: Proxy) -> None:
+    # README: x-request-id "on every answer": these answers set none of their own; the error
+    # middleware adds it to each one not yet sent (a stream's went out with its headers).
+    paths = ("/v1/billing/keys/self", "/v1/billing/runs/none-yet", "/healthz", "/readyz", "/v1/models")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY_A}"}) as session:
+        for path in paths:
+            async with session.get(proxy.url + path) as resp:
+                assert resp.headers.get("x-request-id", "").startswith("req_"), (path, resp.status)
+
+
+async def test_a_view_while_the_store_is_unreachable_is_a_503_in_openais_format(
+    make_proxy: ProxyFactory,
+) -> None:
+    # A read the store cannot serve is the store's outage (the SDK retries a 503), not a 500
+    # "internal proxy error" with a stack trace in the operator's log for each poll.
+    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5})
+    async with (
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY_A}"}) as session,
+        session.get(proxy.url + "/v1/billing/keys/self") as resp,
+    ):
+        assert resp.status == 503, await resp.text()
+        assert (await resp.json())["error"]["code"] == "store_unavailable"

@@ -102,7 +102,9 @@ async def test_a_request_aiohttp_refuses_to_send_is_not_billed(
     ("stream", "timeout_s", "connect_timeout_s"),
     # A bound of the whole call below the connect's fired in the connect: a stream's bound on
     # its headers, a whole answer's total timeout (a bare TimeoutError, taken for a call out).
-    [(False, 3, 0.3), (True, 0.5, 1.5), (False, 0.5, 1.5)],
+    # The first's total is past the client's patience (``send``'s 15 s): without its own connect
+    # bound, a whole answer's connect waited for the total instead.
+    [(False, 30, 0.3), (True, 0.5, 1.5), (False, 0.5, 1.5)],
     ids=["json", "stream-timeout-below-connect", "json-timeout-below-connect"],
 )
 async def test_a_connect_timeout_is_billed_nothing_for_nothing_went_out(
