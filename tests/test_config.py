@@ -600,3 +600,82 @@ def test_an_output_token_count_is_not_true_or_false(raw: dict[str, Any]) -> None
     yes/on/true read as 1, and ``default_max_output_tokens: yes`` capped every call that sets no
     cap of its own at one output token upstream, check-config saying ok."""
     assert "not true or false" in error_of(raw)
+
+
+START_ONLY_LIMITS = {
+    "settled_marker_ttl_s": 7200,
+    "token_count_cache_chars": 1234,
+    "reaper_interval_s": 3.0,
+    "journal_replay_s": 0.5,
+    "reap_grace_s": 2.0,
+}
+
+
+def test_a_reload_keeps_and_names_every_start_only_limit_and_then_sees_the_file_unchanged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reap grace taken from a reload, its journal replay interval kept from the start, can
+    fall below it: leases reaped at their reserve before the journal bills their real figures.
+    Once reloaded, the file is the one in force (else the watcher reloads it at every look)."""
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {"TEST_UPSTREAM_KEY": "x"}
+    started = load_config(path, env)
+    applied: list[Config] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        reloader = ConfigReloader(path, lambda: started, applied.append)
+        raw["limits"] = {**raw["limits"], **START_ONLY_LIMITS}
+        path.write_text(yaml.safe_dump(raw))
+        assert reloader.changed()
+        assert reloader.reload("test")
+        assert not reloader.changed()
+    (new,) = applied
+    assert {name: getattr(new.limits, name) for name in START_ONLY_LIMITS} == {
+        name: getattr(started.limits, name) for name in START_ONLY_LIMITS
+    }
+    (warning,) = [r for r in caplog.records if "only on restart" in r.getMessage()]
+    assert warning.settings == sorted(f"limits.{name}" for name in START_ONLY_LIMITS)  # type: ignore[attr-defined]
+
+
+def test_a_reload_puts_in_force_every_setting_read_at_each_call(tmp_path: Path) -> None:
+    """Keys (a tier changed, a tenant added), admin keys, prices, ceilings and the policy: each
+    is as the new file says, the keys' tenants and windows too, not the config's at start."""
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {"TEST_UPSTREAM_KEY": "x", "ADMIN_KEY": "sk-admin"}
+    started = load_config(path, env)
+    raw["keys"][0]["tier"] = "gold"
+    raw["keys"].append({"name": "c", "sha256": hashlib.sha256(b"sk-c").hexdigest(), "tenant": "team-c"})
+    raw["admin_keys"] = [{"name": "ops", "key_env": "ADMIN_KEY"}]
+    raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "1", "output": "2"}
+    raw["tiers"] = {
+        "standard": {"run": {"requests": 7}},
+        "gold": {"tenant": [{"period": "hour", "requests": 9}]},
+    }
+    raw["policy"] = {"on_truncate": "reject"}
+    raw["limits"] = {**raw["limits"], "default_max_output_tokens": 77}
+    path.write_text(yaml.safe_dump(raw))
+    applied: list[Config] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        assert ConfigReloader(path, lambda: started, applied.append).reload("test")
+    (new,) = applied
+    want = load_config(path, env)
+    start_only = {
+        "listen",
+        "redis",
+        "log",
+        "metrics",
+        "journal_dir",
+        "shutdown_grace_s",
+        "event_loop",
+        "currency",
+    }
+    for name in Config.model_fields.keys() - start_only - {"limits"}:
+        assert getattr(new, name) == getattr(want, name), name
+    assert new.limits.default_max_output_tokens == 77
+    assert new.tenants == {"team-a", "team-b", "team-c"}
+    assert new.tenant_periods("team-a") == want.tenant_periods("team-a") != started.tenant_periods("team-a")
