@@ -189,7 +189,7 @@ async def test_a_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
         down.process.send_signal(signal.SIGSTOP)  # the master stops answering
         try:
             reaper = asyncio.create_task(run_reaper(store, 0.05, count, known=lambda: [first, later]))
-            for _ in range(80):
+            for _ in range(400):
                 if counted:
                     break
                 await asyncio.sleep(0.05)
