@@ -1,6 +1,6 @@
 """A Redis Cluster loses the master holding a tenant's slot mid-traffic: calls during the
-failover are refused (503, no upstream call) or billed; nothing is unbilled and the settlement
-of a stream that outlived its master is applied once after the failover."""
+failover are refused (503, no upstream call) or served and billed; nothing is unbilled and the
+settlement of a stream that outlived its master is applied once after the failover."""
 
 from __future__ import annotations
 
@@ -66,8 +66,12 @@ async def test_failover_of_the_tenants_master(
             tail = await stream.read()
             assert tail.endswith(b"data: [DONE]\n\n")
         await asyncio.to_thread(cluster.wait_ok, 30)
+        # The failover happened: another node serves the tenant's slot now.
+        assert await asyncio.to_thread(cluster.master_of, "team-a") is not victim
+        # A call during it is refused or, when redis-py's retries (their backoff has jitter)
+        # outlast the failover, served late: either, never a third answer; served after.
         assert set(statuses) <= {200, 503}, statuses
-        assert 503 in statuses and statuses[-1] == 200  # refused during, served after
+        assert statuses[-1] == 200
 
         store = RedisStore.from_url(entry_node.url, cluster=True)
         try:
