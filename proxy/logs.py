@@ -91,6 +91,11 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         extras = {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+        trusted = extras.pop(TRUSTED_FIELDS, None)
+        if isinstance(trusted, dict):
+            # The per-call line's fields, flat as in the JSON format (still scanned: a terminal's
+            # format is not on the hot path).
+            extras = {**trusted, **extras}
         line = f"{record.levelname.lower():7} {record.name}: {record.getMessage()}"
         if extras:
             line += " " + json.dumps(_clean(extras), default=str, separators=(",", ":"))

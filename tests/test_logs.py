@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.logs import CALL_LOGGER, TRUSTED_FIELDS, BufferedStderrHandler, JsonFormatter
+from proxy.logs import CALL_LOGGER, TRUSTED_FIELDS, BufferedStderrHandler, JsonFormatter, TextFormatter
 from proxy.redis_server import RedisServerProcess
 from tests.conftest import KEY_A, ProxyFactory, base_config
 from tests.fake_upstream import FakeUpstream
@@ -34,6 +34,17 @@ def test_the_direct_line_is_what_the_formatter_writes() -> None:
     assert direct.pop("ts").endswith("Z") and formatted.pop("ts").endswith("Z")
     assert direct == formatted
     assert list(direct) == ["level", "logger", "msg", *FIELDS]
+
+
+def test_the_text_format_writes_the_call_line_flat() -> None:
+    """A terminal's format names the per-call fields at the top, as the JSON format does, not
+    nested under the name the formatter passes them by."""
+    record = logging.LogRecord(CALL_LOGGER, logging.INFO, __file__, 1, "call", None, None)
+    record.__dict__[TRUSTED_FIELDS] = {**FIELDS, "run_id": "sk-abcdefghijkl"}
+    line = TextFormatter().format(record)
+    head, _, fields = line.partition(" {")
+    assert head == f"info    {CALL_LOGGER}: call"
+    assert json.loads("{" + fields) == {**FIELDS, "run_id": "[REDACTED]"}
 
 
 async def test_a_process_writes_one_line_per_call(
