@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
@@ -19,6 +20,7 @@ import redis.asyncio as aioredis
 from proxy.errors import StoreError, StoreRejected
 from proxy.journal import Journal, store_tag
 from proxy.journal_lines import DEAD_LETTERS, PendingSettlement
+from proxy.logs import CALL_LOGGER, TRUSTED_FIELDS
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE
@@ -55,6 +57,10 @@ async def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("condition not reached in time")
+
+
+async def _call_lines(caplog: pytest.LogCaptureFixture, count: int) -> bool:
+    return sum(r.name == CALL_LOGGER for r in caplog.records) >= count
 
 
 async def journaling_proxy(
@@ -97,7 +103,9 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     own_redis: RedisServerProcess,
     own_client: aioredis.Redis,
     tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger=CALL_LOGGER)
     proxy, journal_dir = await journaling_proxy(make_proxy, own_redis, tmp_path)
     async with aiohttp.ClientSession() as session:
         pending = await leased_stream(session, proxy, fake, own_client, "outage", chunks=20)
@@ -108,6 +116,11 @@ async def test_redis_down_between_reserve_and_settle_is_journaled_and_applied_on
     (journal_file,) = journal_dir.glob("journal-*.jsonl")
     (line,) = journal_file.read_text().splitlines()
     assert json.loads(line)["entry"]["output_tokens"] == "20"
+    # The call's log line says it is not in the ledger yet (journaled), with its real figures.
+    await wait_for(lambda: _call_lines(caplog, 1))
+    (call_line,) = [r.__dict__[TRUSTED_FIELDS] for r in caplog.records if r.name == CALL_LOGGER]
+    assert call_line["settled"] is False
+    assert call_line["outcome"] == "ok" and call_line["output_tokens"] == 20
     # Replayed within most of the marker's life after the last confirmation of its lease, it
     # bills even if the store lost the reservation; later, only if the reservation is there.
     until = json.loads(line)["bill_if_lost_until_ms"]
