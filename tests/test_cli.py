@@ -12,7 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -386,6 +388,40 @@ async def test_a_ledger_export_reads_and_writes_page_by_page(
     assert await asyncio.to_thread(main, [*base, "--run", "long"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2500
     await client.aclose()
+
+
+async def test_a_csv_export_writes_the_entries_its_columns_were_read_from(
+    redis_server: RedisServerProcess, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls billed while a CSV export runs land between its two passes (the columns, then the
+    entries): the rows are those whose columns the header names, none of a column it lacks."""
+    import proxy.cli
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    pipe = client.pipeline(transaction=False)
+    for i in range(999):  # the write pass's first page (of 1,000) ends with a call billed after
+        pipe.xadd("lbp:{team-y}:ledger", {"request_id": f"r{i}", "input_tokens": "1"})
+    pipe.execute()
+    read = proxy.cli._ledger_pages
+    passes = 0
+
+    def pages_with_calls_billed_between(*args: Any) -> AsyncIterator[list[dict[str, str]]]:
+        nonlocal passes
+        passes += 1
+        if passes == 2:  # the write pass starts after two more calls were billed
+            for i in range(999, 1003):
+                client.xadd("lbp:{team-y}:ledger", {"request_id": f"r{i}", "audio_input_tokens": "9"})
+        return read(*args)
+
+    monkeypatch.setattr(proxy.cli, "_ledger_pages", pages_with_calls_billed_between)
+    base = ["ledger", "--redis-url", redis_server.url, "--tenant", "team-y", "--format", "csv"]
+    assert await asyncio.to_thread(main, base) == 0
+    assert passes == 2
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "id,request_id,input_tokens"
+    assert [row["request_id"] for row in csv.DictReader(io.StringIO(out))] == [f"r{i}" for i in range(999)]
+    assert client.xlen("lbp:{team-y}:ledger") == 1003
+    client.close()
 
 
 LEDGER_ENTRY = {
