@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 from pathlib import Path
@@ -405,6 +406,59 @@ def test_a_file_saved_after_the_config_in_force_was_read_is_seen_at_once(
     raw["tiers"] = {"standard": {"key": {"requests": 1}}}
     path.write_text(yaml.safe_dump(raw))
     assert ConfigReloader(path, lambda: running, lambda _: None).changed()
+
+
+async def test_the_watch_reloads_a_file_once_per_save_and_goes_on_after_a_failed_reload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is polled: a reload for each save, none while it stays as it is (each would log
+    and count a reload), and one that raised does not end the watching."""
+    path = tmp_path / "config.yaml"
+    raw = base_config("http://127.0.0.1:9", "redis://127.0.0.1:1")
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "k")
+    running = load_config(path)
+    applied: list[Config] = []
+
+    def apply(new: Config) -> None:
+        applied.append(new)
+        if len(applied) == 1:
+            raise RuntimeError("the first reload's apply fails")
+
+    reloader = ConfigReloader(path, lambda: running, apply)
+    looks = 0
+    changed = reloader.changed
+
+    def counted_look() -> bool:
+        nonlocal looks
+        looks += 1
+        return changed()
+
+    monkeypatch.setattr(reloader, "changed", counted_look)
+
+    async def looks_past(count: int) -> None:
+        for _ in range(2000):
+            if looks >= count:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"the watch looked {looks} times, not {count}")
+
+    task = asyncio.create_task(reloader.watch(0.001))
+    try:
+        await looks_past(20)
+        assert applied == []  # unchanged: never reloaded
+        raw["tiers"] = {"standard": {"key": {"requests": 1}}}
+        path.write_text(yaml.safe_dump(raw))
+        await looks_past(looks + 20)
+        assert len(applied) == 1  # one save, one reload (its apply raised)
+        raw["tiers"] = {"standard": {"key": {"requests": 22}}}
+        path.write_text(yaml.safe_dump(raw))
+        await looks_past(looks + 20)
+        assert len(applied) == 2 and not task.done()
+        assert applied[1].tiers["standard"].key is not None
+        assert applied[1].tiers["standard"].key.requests == 22
+    finally:
+        task.cancel()
 
 
 @pytest.mark.parametrize("name", ["ci\nbot", "ci bot", "a:day", "{x}", "", "k" * 129])
