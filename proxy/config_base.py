@@ -26,6 +26,14 @@ PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
 OTHER_MODEL = "other"
 
 
+def past_six_places(value: Decimal) -> bool:
+    """Whether a price or a cost ceiling has a 7th decimal place, however many digits it has.
+    Not by scaling it to micro-units: the decimal context (28 digits) rounds a longer figure
+    first, and 12.00000000000000000000000000001 passed as 12. Exact here: the fields' bounds
+    (``MAX_UNITS``) are checked first, so the quantized figure has at most 15 digits."""
+    return value != value.quantize(Decimal("0.000001"))
+
+
 def not_a_bool(value: Any, what: str = "a token count") -> Any:
     """A count given as YAML's true/false/yes/no/on/off (read as 1 or 0): refused, for a
     ``mode="before"`` field validator."""

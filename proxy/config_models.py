@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from proxy.config_base import MAX_UNITS, MICROS_PER_UNIT, Frozen, not_a_bool
+from proxy.config_base import MAX_UNITS, MICROS_PER_UNIT, Frozen, not_a_bool, past_six_places
 
 
 class PricePerMillion(Frozen):
@@ -38,7 +38,7 @@ class PricePerMillion(Frozen):
     def micros_per_million(self) -> dict[str, int]:
         def micros(price: Decimal) -> int:
             scaled = price * MICROS_PER_UNIT
-            if scaled != scaled.to_integral_value():
+            if past_six_places(price):
                 raise ValueError("prices are limited to 6 decimal places per million tokens")
             return int(scaled)
 
@@ -72,7 +72,7 @@ def micros_per_thousand_calls(prices: Mapping[str, Decimal]) -> dict[str, int]:
     out: dict[str, int] = {}
     for tool, price in prices.items():
         scaled = price * MICROS_PER_UNIT
-        if scaled != scaled.to_integral_value():
+        if past_six_places(price):
             raise ValueError(f"{tool}: prices are limited to 6 decimal places per 1,000 calls")
         out[tool] = int(scaled)
     return out

@@ -10,7 +10,15 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from proxy.config_base import MAX_COUNT, MAX_UNITS, MICROS_PER_UNIT, Frozen, Period, not_a_bool
+from proxy.config_base import (
+    MAX_COUNT,
+    MAX_UNITS,
+    MICROS_PER_UNIT,
+    Frozen,
+    Period,
+    not_a_bool,
+    past_six_places,
+)
 
 
 class PolicyOverride(Frozen):
@@ -41,7 +49,7 @@ class Ceilings(Frozen):
     @classmethod
     def _whole_micro_units(cls, value: Decimal | None) -> Decimal | None:
         # Silently rounded before: 1e-7 became a ceiling of 0, refusing every priced call.
-        if value is not None and value * MICROS_PER_UNIT != (value * MICROS_PER_UNIT).to_integral_value():
+        if value is not None and past_six_places(value):
             raise ValueError("cost ceilings are limited to 6 decimal places")
         return value
 

@@ -574,3 +574,33 @@ def test_an_empty_file_is_refused_for_the_upstreams_it_lacks() -> None:
     # An empty YAML document reads as nothing: the error names what is missing, not the document.
     with pytest.raises(ConfigError, match=r"^upstreams: Field required"):
         parse_config(None, {})
+
+
+# --- a 7th decimal place however many digits a figure has ---------------------------------------
+
+# 12 and a 29th decimal place: 31 significant digits, past the decimal context's 28. Scaled to
+# micro-units in that context, it was rounded first, then taken as whole micro-units (12).
+LONG_FIGURE = "12.00000000000000000000000000001"
+
+
+def test_a_price_with_a_29th_decimal_place_is_refused() -> None:
+    assert "6 decimal places" in error_of(priced(input=LONG_FIGURE, output=1))
+
+
+def test_a_tool_price_with_a_29th_decimal_place_is_refused() -> None:
+    raw = priced(input=1, output=1)
+    raw["models"]["*"]["price_per_thousand_calls"] = {"web_search": LONG_FIGURE}
+    assert "6 decimal places" in error_of(raw)
+
+
+def test_a_cost_ceiling_with_a_29th_decimal_place_is_refused() -> None:
+    assert "6 decimal places" in error_of(with_run_ceilings(cost_usd=LONG_FIGURE))
+
+
+def test_figures_of_six_places_with_trailing_zeros_or_an_exponent_are_still_taken() -> None:
+    config = taken(
+        {**priced(input="999999999.999999", output="1E+2"), **with_run_ceilings(cost_usd="12.500000000")}
+    )
+    rates = config.models["*"].price_per_million.rates  # type: ignore[union-attr]
+    assert (rates["input"], rates["output"]) == (10**15 - 1, 100_000_000)
+    assert config.tiers["standard"].run.meters == {"cost_micros": 12_500_000}
