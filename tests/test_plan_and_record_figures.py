@@ -376,6 +376,25 @@ def test_a_reaped_lease_and_a_refusal_are_counted_under_their_own_labels() -> No
     assert [names for names, _ in metrics.budget_refusals.items()] == [["team-a", "run", "output_tokens"]]
 
 
+def test_a_replayed_entry_of_a_call_not_clamped_counts_no_clamp() -> None:
+    """The settle and the reaper write ``clamped`` as "0" or "1": the string "0" is no clamp."""
+    config = config_of()
+    metrics = Metrics(CollectorRegistry())
+    entry = {
+        "tenant": "team-a",
+        "model": "gpt-4o-mini",
+        "endpoint": "chat.completions",
+        "outcome": "ok",
+        "usage_source": "provider",
+        "input_tokens": "3",
+        "clamped": "0",
+    }
+    record_reaped(metrics, config, entry)
+    assert counted(metrics.clamped, tenant="team-a") == 0
+    record_reaped(metrics, config, {**entry, "clamped": "1"})
+    assert counted(metrics.clamped, tenant="team-a") == 1
+
+
 @pytest.mark.parametrize(
     ("endpoint", "body", "field", "value"),
     [
