@@ -31,6 +31,7 @@ from proxy.resp import ConnectionLost, PipelinedConnection, RespError
 from tests.conftest import busy_script, until_redis_busy
 from tests.test_journal import HeldSyncs, _line
 from tests.test_journal_lines import GatedStore
+from tests.test_redis_failures import Send, reply_error
 from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
 
 # ---- which journals a process takes ----
@@ -452,8 +453,6 @@ async def test_the_database_named_in_the_query_is_the_one_written(
 
 # ---- how a failure is told apart ----
 
-Send = Callable[..., Awaitable[Any]]
-
 
 @pytest.fixture(params=["redis-py", "resp"])
 async def send_to_own(request: pytest.FixtureRequest, own_redis: RedisServerProcess) -> AsyncIterator[Send]:
@@ -468,17 +467,10 @@ async def send_to_own(request: pytest.FixtureRequest, own_redis: RedisServerProc
         await pipe.close()
 
 
-async def _reply_error(send: Send, *command: Any) -> ResponseError | RespError:
-    with pytest.raises((ResponseError, RespError)) as caught:
-        await send(*command)
-    assert isinstance(caught.value, ResponseError | RespError)
-    return caught.value
-
-
 async def test_too_few_replicas_is_not_now(send_to_own: Send, own_client: aioredis.Redis) -> None:
     # A settle refused for it is journaled and replayed once replicas are back, never parked.
     await own_client.config_set("min-replicas-to-write", 1)
-    err = await _reply_error(send_to_own, "EVAL", "return redis.call('SET', KEYS[1], 'x')", 1, "k")
+    err = await reply_error(send_to_own, "EVAL", "return redis.call('SET', KEYS[1], 'x')", 1, "k")
     assert transient(err)
 
 
@@ -506,7 +498,7 @@ async def test_a_command_sent_without_the_password_the_server_asks_is_not_now(
     pipe = PipelinedConnection(own_redis.url, timeout_s=5)
     try:
         await own_client.config_set("requirepass", "now-needed")
-        err = await _reply_error(pipe.call, "EVAL", "return 1", 0)
+        err = await reply_error(pipe.call, "EVAL", "return 1", 0)
     finally:
         await pipe.close()
     assert str(err).startswith("NOAUTH")
@@ -537,7 +529,7 @@ async def test_a_cluster_node_serving_no_slot_is_not_now(tmp_path: Path) -> None
     pipe = PipelinedConnection(server.url, timeout_s=5)
     try:
         for send in (client.execute_command, pipe.call):
-            err = await _reply_error(send, "EVAL", "return redis.call('GET', KEYS[1])", 1, "k")
+            err = await reply_error(send, "EVAL", "return redis.call('GET', KEYS[1])", 1, "k")
             assert transient(err), err
     finally:
         await pipe.close()

@@ -355,18 +355,20 @@ def test_a_call_whose_entry_this_process_did_not_write_is_logged_unsettled_and_n
     assert (line["settled"], line["stream"]) == (False, False)
 
 
+REAPED_ENTRY = {
+    "tenant": "team-a",
+    "model": "gpt-4o-mini",
+    "endpoint": "chat.completions",
+    "outcome": "lease_expired",
+    "usage_source": "reserve",
+    "input_tokens": "3",
+}
+
+
 def test_a_reaped_lease_and_a_refusal_are_counted_under_their_own_labels() -> None:
     config = config_of()
     metrics = Metrics(CollectorRegistry())
-    entry = {
-        "tenant": "team-a",
-        "model": "gpt-4o-mini",
-        "endpoint": "chat.completions",
-        "outcome": "lease_expired",
-        "usage_source": "reserve",
-        "input_tokens": "3",
-    }
-    record_reaped(metrics, config, entry)
+    record_reaped(metrics, config, REAPED_ENTRY)
     assert metrics.leases_expired.labels().value == 1
     assert counted(metrics.requests, outcome="lease_expired") == 1
     refused = BudgetExceeded(
@@ -380,15 +382,7 @@ def test_a_replayed_entry_of_a_call_not_clamped_counts_no_clamp() -> None:
     """The settle and the reaper write ``clamped`` as "0" or "1": the string "0" is no clamp."""
     config = config_of()
     metrics = Metrics(CollectorRegistry())
-    entry = {
-        "tenant": "team-a",
-        "model": "gpt-4o-mini",
-        "endpoint": "chat.completions",
-        "outcome": "ok",
-        "usage_source": "provider",
-        "input_tokens": "3",
-        "clamped": "0",
-    }
+    entry = {**REAPED_ENTRY, "clamped": "0"}
     record_reaped(metrics, config, entry)
     assert counted(metrics.clamped, tenant="team-a") == 0
     record_reaped(metrics, config, {**entry, "clamped": "1"})

@@ -76,6 +76,7 @@ async def reserve(
     *,
     run_id: str = "run1",
     record: str = "{}",
+    amounts: dict[str, int] | None = None,
     **kw: object,
 ) -> Reservation | Refusal | Tentative:
     return await store.reserve(
@@ -83,7 +84,7 @@ async def reserve(
         reservation_id=rid,
         run_id=run_id,
         scopes=scopes,
-        amounts=dict(AMOUNTS),
+        amounts=dict(amounts or AMOUNTS),
         lease_ms=lease_ms,
         record=record,
         **kw,

@@ -19,16 +19,9 @@ from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Clamp, Eviction, Refusal, Reservation, Scope
 from tests.conftest import busy_script, until_redis_busy
+from tests.test_redis_store import AMOUNTS, reserve
 
 TENANT = "team-a"
-AMOUNTS = {
-    "requests": 1,
-    "input_tokens": 10,
-    "output_tokens": 20,
-    "total_tokens": 30,
-    "cost_micros": 0,
-    "concurrent": 1,
-}
 
 
 @pytest.fixture
@@ -37,29 +30,6 @@ async def store(redis_server: RedisServerProcess, redis_client: aioredis.Redis) 
     store = RedisStore.from_url(redis_server.url)
     yield store
     await store.close()
-
-
-async def reserve(
-    store: RedisStore,
-    rid: str,
-    scopes: list[Scope],
-    *,
-    amounts: dict[str, int] | None = None,
-    run_id: str = "run1",
-    **kw: Any,
-) -> Reservation | Refusal:
-    res = await store.reserve(
-        tenant=TENANT,
-        reservation_id=rid,
-        run_id=run_id,
-        scopes=scopes,
-        amounts=dict(amounts or AMOUNTS),
-        lease_ms=60_000,
-        record="{}",
-        **kw,
-    )
-    assert isinstance(res, Reservation | Refusal)
-    return res
 
 
 async def settle(store: RedisStore, rid: str, scope_keys: list[str], **kw: Any) -> str | None:
