@@ -10,7 +10,7 @@ from collections.abc import Callable
 from aiohttp import http_exceptions, web, web_protocol
 
 from proxy.dialects import Dialect, dialect_of_path
-from proxy.errors import ApiError, StoreError, StoreUnavailable, error_response
+from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable, error_response
 from proxy.ids import REQUEST_ID, request_id_for
 from proxy.state import STATE
 
@@ -117,7 +117,8 @@ async def error_middleware(
             allowed = {"Allow": ", ".join(sorted(err.allowed_methods))}  # RFC 9110 asks for it
             return _error(request, 405, message, code="method_not_allowed", headers=allowed)
         if err.status == 413:
-            return _error(request, 413, "The request body is too large.", code="body_too_large")
+            too_large = BodyTooLarge()
+            return _error(request, too_large.status, too_large.message, code=too_large.code)
         return _error(request, err.status, err.reason)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})

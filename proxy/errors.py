@@ -9,6 +9,7 @@
         ├── Unauthorized       401 invalid_api_key
         ├── Forbidden          403 permission_denied
         ├── NotFound           404 not_found
+        ├── BodyTooLarge       413 body_too_large
         ├── BudgetExceeded     429 insufficient_quota / budget_exceeded
         └── StoreUnavailable   503 service_unavailable (the call was not forwarded)
 
@@ -81,6 +82,14 @@ class Forbidden(ApiError):
 class NotFound(ApiError):
     status = 404
     code = "not_found"
+
+
+class BodyTooLarge(ApiError):
+    status = 413
+    code = "body_too_large"
+
+    def __init__(self) -> None:
+        super().__init__("The request body is too large.")
 
 
 class BudgetExceeded(ApiError):

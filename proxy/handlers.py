@@ -25,6 +25,7 @@ from proxy.dialects import DIALECTS, Dialect, dialect_of_path
 from proxy.errors import (
     ApiError,
     BadRequest,
+    BodyTooLarge,
     BudgetExceeded,
     NotFound,
     StoreError,
@@ -345,12 +346,17 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
 
 
 async def expect_continue_once_known(request: web.Request) -> web.StreamResponse | None:
-    """``expect_continue`` for a billed call: a caller the proxy does not know, or a run id it
-    refuses, is refused before the body is sent (it may be megabytes), not after."""
+    """``expect_continue`` for a billed call: a caller the proxy does not know, a run id it
+    refuses, or a body announced past the limit, is refused before the body is sent (it may be
+    megabytes), not after."""
     state = request.app[STATE]
     try:
         authenticate(request, state.config, passthrough=state.passthrough)
         run_id_for(request, state.ids)  # its id, when the header names none, is made again later
+        # A compressed body is judged by its decoded size, which its length does not tell.
+        length = None if hdrs.CONTENT_ENCODING in request.headers else request.content_length
+        if length is not None and length > state.config.limits.max_body_bytes:
+            raise BodyTooLarge()
     except ApiError as err:
         refused = _refused(dialect_of_path(request.path), request_id_for(request, state.ids), err)
         # The body was never asked for: a client that leaves it unsent and reuses the connection
