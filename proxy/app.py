@@ -139,7 +139,6 @@ def build_app(
         try:
             await store.ping()
             await store.load_scripts()
-            state.ready = True
             with contextlib.suppress(StoreError):  # measured again by the loop below
                 await store.sync_clock()
             warning = await store.persistence_warning()

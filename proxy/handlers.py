@@ -317,11 +317,9 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         await state.store.ping()
     except StoreError as err:
-        state.ready = False
         # The reason names the store's address: for the log, not for anyone who can reach here.
         log.warning("not ready: store unreachable", extra={"error": str(err)[:200]})
         return web.json_response({"status": "unavailable", "store": "unreachable"}, status=503)
-    state.ready = True
     return web.json_response({"status": "ready"})
 
 

@@ -34,7 +34,6 @@ class State:
     # Large prompts are counted here, one at a time: off the event loop, and never more than one
     # core spent tokenizing (several at once on few cores only fight over them and the GIL).
     estimator: ThreadPoolExecutor | None = None
-    ready: bool = False
     # Tenants this process has registered for the reapers (one SADD per tenant per process).
     registered_tenants: set[str] = field(default_factory=set)
     # Settlements under way (``relay.Exchange.settle``): shutdown lets them finish.
