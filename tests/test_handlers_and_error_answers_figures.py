@@ -1,0 +1,430 @@
+"""The figures of the HTTP handlers, the error answers and authentication, as a client or an
+operator reads them: the status, error type, code and param of each refusal, the headers an SDK
+acts on (retry advice, request ids, ``Allow``), which upstream the model list asks and what of its
+answer is passed on, and which keys and headers name a caller."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from proxy.auth import PASSTHROUGH_ID_DIGITS
+from proxy.redis_server import free_port
+from proxy.state import STATE
+from proxy.store import TENANTS_KEY
+from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
+from tests.fake_upstream import FakeUpstream
+from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
+from tests.test_security import assert_openai_error, call, serve_everything_with
+
+JsonDict = dict[str, Any]
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+CHAT_BODY: JsonDict = {
+    "model": "gpt-4o-mini",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 5,
+}
+MODEL_LIST = {"object": "list", "data": [{"id": "m-1", "object": "model", "created": 1, "owned_by": "x"}]}
+ERROR_OBJECT = dumps(
+    {"error": {"message": "no", "type": "invalid_request_error", "param": None, "code": "x"}}
+)
+
+
+async def raw_exchange(proxy: Proxy, request: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """The proxy's answer to ``request`` sent as it is: its status line, headers (lower-cased
+    names) and body, read until the proxy closes the connection."""
+    whole = await _raw(proxy.url, request)
+    head, _, body = whole.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {
+        name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)
+    }
+    return status_line.encode(), headers, body
+
+
+# -- GET /v1/models: which upstream, and what of its answer --------------------------------------
+
+
+async def test_models_asks_the_upstream_of_the_catch_all_route_not_the_first_model(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The list is of what any model name reaches: the ``*`` route's upstream, whatever model
+    happens to come first in the config."""
+    listed = {"object": "list", "data": [{"id": "from-the-catch-all", "object": "model"}]}
+
+    async def other(request: web.Request) -> web.Response:
+        return web.json_response(listed)
+
+    runner = await serve_everything_with(other)
+    try:
+        other_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        upstreams = {
+            "openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY"},
+            "other": {"base_url": other_url, "api_key_env": "TEST_UPSTREAM_KEY"},
+        }
+        models = {"gpt-4o-mini": {"upstream": "openai"}, "*": {"upstream": "other"}}
+        proxy = await make_proxy(upstreams=upstreams, models=models)
+        reply = await call(proxy, "/v1/models", method="GET")
+        assert reply.status == 200, reply.describe()
+        assert reply.json() == listed
+        assert fake.received == []
+    finally:
+        await runner.cleanup()
+
+
+GATEWAY = (502, "upstream_error")
+MODELS_ANSWERS: dict[str, tuple[Plan, tuple[int, str | None]]] = {
+    # What the upstream answers; the status the client gets and the error code it reads.
+    "a-300-is-a-redirect-too": (Plan(status=300, chunks=[dumps(MODEL_LIST)]), (502, "upstream_redirect")),
+    "a-5xx-error-object-is-no-callers-error": (Plan(status=500, chunks=[ERROR_OBJECT]), GATEWAY),
+    "a-4xx-that-is-no-json": (Plan(status=404, content_type="text/html", chunks=[b"<h1>no</h1>"]), GATEWAY),
+    "a-4xx-whose-error-is-a-string": (Plan(status=404, chunks=[dumps({"error": "no"})]), GATEWAY),
+    "a-4xx-json-array": (Plan(status=404, chunks=[b"[]"]), GATEWAY),
+    "a-201-is-no-list": (Plan(status=201, chunks=[dumps(MODEL_LIST)]), GATEWAY),
+    "a-200-that-is-no-object": (Plan(status=200, content_type="text/html", chunks=[b"<html/>"]), GATEWAY),
+    "a-200-list-after-whitespace": (Plan(status=200, chunks=[b"\n  " + dumps(MODEL_LIST)]), (200, None)),
+    "a-4xx-error-object-is-passed-on": (Plan(status=404, chunks=[ERROR_OBJECT]), (404, "x")),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS_ANSWERS))
+async def test_models_answers_what_the_upstream_said_or_a_502_of_its_own(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, name: str
+) -> None:
+    """An SDK retries a 502 and shows a 4xx as its caller's error: only a 4xx error object of
+    the provider's is the caller's to read; anything else the upstream says is a bad gateway."""
+    plan, (status, code) = MODELS_ANSWERS[name]
+    script.plan = plan
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    reply = await call(proxy, "/v1/models", method="GET")
+    assert reply.status == status, reply.describe()
+    assert reply.headers["Content-Type"].startswith("application/json"), reply.describe()
+    if status == 200:
+        assert reply.json() == MODEL_LIST
+        return
+    error = reply.json()["error"]
+    assert error["code"] == code, reply.describe()
+    if status == 502:
+        assert error["type"] == "upstream_error", error
+
+
+@pytest.mark.parametrize(("status", "code"), [(302, "upstream_redirect"), (403, "upstream_auth")])
+async def test_models_tells_the_sdk_not_to_retry_what_only_the_operator_can_fix(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, status: int, code: str
+) -> None:
+    """A redirect (its base_url) or its own key refused (a 403 as a 401) will not pass on a retry:
+    ``x-should-retry: false`` keeps the OpenAI SDK from retrying the 502."""
+    extra = {"Location": "http://127.0.0.1:9/v1/models"} if status == 302 else {}
+    script.plan = Plan(status=status, chunks=[ERROR_OBJECT], extra_headers=extra)
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    reply = await call(proxy, "/v1/models", method="GET")
+    error = assert_openai_error(reply, 502)
+    assert (error["type"], error["code"]) == ("upstream_error", code), error
+    assert reply.headers.get("x-should-retry") == "false", reply.describe()
+    assert "x-request-id" in reply.headers, reply.describe()
+
+
+@pytest.mark.parametrize("kind", ["refused", "too-large"])
+async def test_models_from_an_upstream_that_fails_is_a_502_upstream_error(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, kind: str
+) -> None:
+    """Nothing listening, or a list past the proxy's bound (4 MiB): a bad gateway the SDK may
+    retry, never the upstream's bytes nor a 500."""
+    if kind == "refused":
+        proxy = await make_proxy(upstreams=scripted_upstreams(f"http://127.0.0.1:{free_port()}/v1"))
+    else:
+        script.plan = Plan(chunks=[b'{"object": "list", "data": [' + b" " * (4 * 1024 * 1024) + b"]}"])
+        proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    reply = await call(proxy, "/v1/models", method="GET")
+    error = assert_openai_error(reply, 502)
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_error"), error
+    assert error["message"] == "The upstream could not list models.", error
+
+
+async def test_models_passes_on_a_list_of_a_few_hundred_kilobytes_whole(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """A gateway in front of many providers lists thousands of models: its list is passed on
+    whole, however far past the few kilobytes of OpenAI's own."""
+    listed = {"object": "list", "data": [{"id": f"model-{i:05d}", "object": "model"} for i in range(8000)]}
+    script.plan = Plan(chunks=[dumps(listed)])
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    reply = await call(proxy, "/v1/models", method="GET")
+    assert reply.status == 200, reply.describe()
+    assert len(reply.body) > 256 * 1024 and reply.json() == listed
+
+
+# -- refusals before the upstream, in the API's own format --------------------------------------
+
+
+async def anthropic_proxy(make_proxy: ProxyFactory, base_url: str, **overrides: Any) -> Proxy:
+    upstream = {"base_url": base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    model = {"upstream": "claude", "price_per_million": {"input": "3", "output": "15"}}
+    return await make_proxy(upstreams={"claude": upstream}, models={"claude-*": model}, **overrides)
+
+
+async def test_a_store_down_on_messages_is_an_anthropic_overloaded_error_with_retry_advice(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The Anthropic SDK reads its own error format and ``request-id``: the billing store down
+    before the reserve was answered in OpenAI's, which it cannot read. The operator's counter of
+    store failures names the reserve."""
+    redis = {"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5}
+    proxy = await anthropic_proxy(make_proxy, fake.base_url, redis=redis)
+    body = {"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    reply = await call(proxy, MESSAGES, body=body, headers={"x-request-id": "req-store-down"})
+    assert reply.status == 503, reply.describe()
+    assert reply.json() == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": reply.json()["error"]["message"]},
+    }
+    assert (reply.headers.get("x-should-retry"), reply.headers.get("retry-after")) == ("true", "1")
+    assert (reply.headers.get("request-id"), reply.headers.get("x-request-id")) == ("req-store-down",) * 2
+    registry = proxy.app[STATE].metrics.registry
+    assert registry.get_sample_value("llm_proxy_store_errors_total", {"operation": "reserve"}) == 1
+    assert fake.received == []
+
+
+async def test_a_passthrough_callers_tenant_is_registered_with_the_store_by_its_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The reaper finds tenants through the store's set of them: a configured tenant is put there
+    by the reaper, a pass-through caller's only by its call. One missing had its leases (a dead
+    instance's among them) never reaped."""
+    upstreams = {"openai": {"base_url": fake.base_url, "passthrough_auth": True}}
+    proxy = await make_proxy(passthrough=True, upstreams=upstreams)
+    fake.api_key = None  # any key: the caller's own
+    reply = await call(proxy, CHAT, body=CHAT_BODY, key="sk-own-key")
+    assert reply.status == 200, reply.describe()
+    tenant = "pt-" + digest("sk-own-key")[:PASSTHROUGH_ID_DIGITS]
+    assert tenant in await redis_client.smembers(TENANTS_KEY)
+
+
+async def test_a_body_limit_lowered_while_the_body_came_still_takes_a_body_at_the_limit(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """The limit is inclusive, as aiohttp's own: a body of exactly the limit a reload set while it
+    came is taken (one byte more is refused: tests.test_request_bounds_and_refusals)."""
+    state = proxy.app[STATE]
+    body = dumps({**CHAT_BODY, "messages": [{"role": "user", "content": "x " * 2000}]})
+
+    async def uploaded() -> AsyncIterator[bytes]:
+        # The 100 Continue came: the call has begun under the config of its start.
+        limits = state.config.limits.model_copy(update={"max_body_bytes": len(body)})
+        state.config = state.config.model_copy(update={"limits": limits})
+        yield body
+
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url + CHAT,
+            data=uploaded(),
+            expect100=True,
+            headers={"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"},
+        ) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+    assert len(fake.received) == 1
+
+
+# -- /metrics on the main port -------------------------------------------------------------------
+
+ADMIN_1 = "sk-admin-first"
+ADMIN_2 = "sk-admin-second"
+
+
+async def test_metrics_takes_every_admin_key_not_only_the_last(make_proxy: ProxyFactory) -> None:
+    admins = [{"name": "ops-1", "sha256": digest(ADMIN_1)}, {"name": "ops-2", "sha256": digest(ADMIN_2)}]
+    proxy = await make_proxy(admin_keys=admins)
+    for key in (ADMIN_1, ADMIN_2):
+        reply = await call(proxy, "/metrics", method="GET", key=key)
+        assert reply.status == 200, reply.describe()
+        assert reply.headers["Content-Type"] == CONTENT_TYPE_LATEST, reply.describe()
+        assert b"llm_proxy_store_errors" in reply.body
+    refused = assert_openai_error(await call(proxy, "/metrics", method="GET", key=KEY_A), 401)
+    assert refused["code"] == "invalid_api_key", refused
+
+
+async def test_metrics_refuses_a_key_that_is_not_utf8_as_any_wrong_key(make_proxy: ProxyFactory) -> None:
+    """A header's bytes that are not UTF-8 reach the handler as surrogate escapes: a 401 as any
+    key it does not know, not a 500."""
+    proxy = await make_proxy(admin_keys=[{"name": "ops", "sha256": digest(ADMIN_1)}])
+    request = (
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer sk-\xff\r\n\r\n"
+    )
+    status, headers, body = await raw_exchange(proxy, request)
+    assert status.startswith(b"HTTP/1.1 401"), (status, body)
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert "x-request-id" in headers
+
+
+# -- authentication ------------------------------------------------------------------------------
+
+
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_tenant_of_its_own(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """In pass-through any key names a tenant: bytes that are not UTF-8 would name one by a key
+    the upstream never gets as sent. Refused as a wrong key, in either mode."""
+    for passthrough in (False, True):
+        proxy = await make_proxy(passthrough=passthrough)
+        status, _, body = await raw_exchange(
+            proxy,
+            f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode()
+            + b"Authorization: Bearer sk-\xff\xfe-own\r\n"
+            + f"Content-Type: application/json\r\nContent-Length: {len(dumps(CHAT_BODY))}\r\n\r\n".encode()
+            + dumps(CHAT_BODY),
+        )
+        assert status.startswith(b"HTTP/1.1 401"), (passthrough, status, body)
+        error = json.loads(body)["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key"), error
+    assert fake.received == []
+
+
+async def test_a_passthrough_caller_is_named_by_128_bits_of_its_keys_digest(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The tenant and key name a billing view shows for a caller's own key: ``pt-`` and the first
+    32 hex digits of its SHA-256, on the standard tier."""
+    upstreams = {"openai": {"base_url": fake.base_url, "passthrough_auth": True}}
+    proxy = await make_proxy(passthrough=True, upstreams=upstreams)
+    reply = await call(proxy, "/v1/billing/keys/self", method="GET", key="sk-own-key")
+    assert reply.status == 200, reply.describe()
+    name = "pt-" + digest("sk-own-key")[:PASSTHROUGH_ID_DIGITS]
+    assert PASSTHROUGH_ID_DIGITS == 32
+    view = reply.json()
+    assert (view["key"], view["tenant"], view["tier"]) == (name, name, "standard"), view
+
+
+# -- what the HTTP parser refuses, in OpenAI's format ----------------------------------------------
+
+PARSER_REFUSALS: dict[str, tuple[bytes, str]] = {
+    "a-method-of-no-token": (b"GE(T /v1/models HTTP/1.1\r\n", "the method is not valid"),
+    "an-unknown-http-version": (b"GET /v1/models HTTP/9.x\r\n", "the request line is not valid"),
+    "a-header-past-the-parsers-limit": (
+        b"GET /v1/models HTTP/1.1\r\nX-Long: " + b"x" * 70_000 + b"\r\n",
+        "a request line or header is too long",
+    ),
+    "a-space-in-a-header-name": (b"GET /v1/models HTTP/1.1\r\nX Trace: a\r\n", "it is malformed"),
+}
+
+
+@pytest.mark.parametrize("name", list(PARSER_REFUSALS))
+async def test_a_parser_refusal_names_its_reason_and_carries_a_request_id(proxy: Proxy, name: str) -> None:
+    """Each refusal says which part of the request was wrong (in words of the proxy's own, never
+    the bytes: they may hold a key), with the id a support request quotes."""
+    start, reason = PARSER_REFUSALS[name]
+    status, headers, body = await raw_exchange(
+        proxy, start + f"Host: x\r\nAuthorization: Bearer {KEY_A}\r\nConnection: close\r\n\r\n".encode()
+    )
+    assert status.split(b" ")[1] == b"400", (status, body)
+    assert headers["content-type"].startswith("application/json"), headers
+    assert json.loads(body) == {
+        "error": {
+            "message": f"The request is not valid HTTP: {reason}.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "bad_http_request",
+        }
+    }
+    request_id = headers.get("x-request-id", "")
+    assert request_id.startswith("req_") and len(request_id) == 36, headers
+
+
+# -- the error middleware: the header limit, unknown routes, methods, the store -------------------
+
+LIMIT = 1024
+
+
+def headers_of_size(total: int, *, pad_in_name: bool) -> bytes:
+    """A GET whose header names and values add up to ``total`` bytes (what the limit counts)."""
+    fixed = [("Host", "x"), ("Connection", "close")]
+    used = sum(len(n) + len(v) for n, v in fixed)
+    if pad_in_name:
+        name, value = "X-" + "n" * (total - used - 2 - 1), "v"
+    else:
+        name, value = "X-Pad", "v" * (total - used - 5)
+    lines = [*fixed, (name, value)]
+    assert sum(len(n) + len(v) for n, v in lines) == total
+    return b"GET /healthz HTTP/1.1\r\n" + "".join(f"{n}: {v}\r\n" for n, v in lines).encode() + b"\r\n"
+
+
+@pytest.mark.parametrize("pad_in_name", [False, True], ids=["long-value", "long-name"])
+async def test_the_header_limit_counts_names_and_values_and_takes_headers_at_the_limit(
+    make_proxy: ProxyFactory, pad_in_name: bool
+) -> None:
+    """The README's limit: all header names and values together, a request at it taken."""
+    proxy = await make_proxy(limits={"max_header_bytes": LIMIT})
+    status, _, body = await raw_exchange(proxy, headers_of_size(LIMIT, pad_in_name=pad_in_name))
+    assert status.startswith(b"HTTP/1.1 200"), (status, body)
+    status, headers, body = await raw_exchange(proxy, headers_of_size(LIMIT + 1, pad_in_name=pad_in_name))
+    assert status.startswith(b"HTTP/1.1 431"), (status, body)
+    assert json.loads(body)["error"] == {
+        "message": f"The request headers exceed {LIMIT} bytes.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "headers_too_large",
+    }
+    assert "x-request-id" in headers
+
+
+async def test_an_unknown_url_is_a_404_unknown_url_in_the_apis_format(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    error = assert_openai_error(await call(proxy, "/v1/assistants", body={"x": 1}), 404)
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "unknown_url", None)
+    assert error["message"].startswith("Unknown endpoint POST /v1/assistants"), error
+    # Under /v1/messages (the Anthropic SDK's batches, count_tokens): Anthropic's format.
+    reply = await call(proxy, "/v1/messages/batches", body={"x": 1})
+    assert reply.status == 404, reply.describe()
+    assert reply.json()["error"]["type"] == "not_found_error", reply.describe()
+    assert reply.headers["request-id"] == reply.headers["x-request-id"], reply.describe()
+    assert fake.received == []
+
+
+async def test_a_wrong_method_is_a_405_naming_the_allowed_ones(proxy: Proxy) -> None:
+    """RFC 9110 (15.5.6) asks a 405 for ``Allow``; a client reads the error's code."""
+    reply = await call(proxy, CHAT, method="PUT", body=CHAT_BODY)
+    error = assert_openai_error(reply, 405)
+    assert (error["type"], error["code"]) == ("invalid_request_error", "method_not_allowed"), error
+    assert error["message"] == f"Method PUT is not allowed on {CHAT}.", error
+    assert reply.headers["Allow"] == "POST", reply.describe()
+    reply = await call(proxy, "/v1/models", method="DELETE")
+    assert assert_openai_error(reply, 405)["code"] == "method_not_allowed"
+    assert set(reply.headers["Allow"].split(", ")) == {"GET", "HEAD"}, reply.describe()
+
+
+async def test_a_billing_view_with_the_store_down_is_a_503_with_retry_advice(
+    make_proxy: ProxyFactory,
+) -> None:
+    """A view the error middleware answers: the SDK's retry advice as on a billed call."""
+    redis = {"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5}
+    proxy = await make_proxy(redis=redis)
+    reply = await call(proxy, "/v1/billing/keys/self", method="GET")
+    error = assert_openai_error(reply, 503)
+    assert (error["type"], error["code"]) == ("service_unavailable", "store_unavailable"), error
+    assert (reply.headers.get("x-should-retry"), reply.headers.get("retry-after")) == ("true", "1")
+
+
+# -- health and readiness -------------------------------------------------------------------------
+
+
+async def test_health_and_readiness_bodies(make_proxy: ProxyFactory) -> None:
+    """What a load balancer's check reads: alive always, ready only with the store answering."""
+    proxy = await make_proxy()
+    for path, status, said in [("/healthz", 200, {"status": "ok"}), ("/readyz", 200, {"status": "ready"})]:
+        reply = await call(proxy, path, method="GET", key=None)
+        assert (reply.status, reply.json()) == (status, said), reply.describe()
+    redis = {"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5}
+    down = await make_proxy(redis=redis)
+    reply = await call(down, "/readyz", method="GET", key=None)
+    assert (reply.status, reply.json()) == (503, {"status": "unavailable", "store": "unreachable"})
+    assert (await call(down, "/healthz", method="GET", key=None)).status == 200
