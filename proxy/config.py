@@ -206,6 +206,10 @@ class PolicyConfig(Frozen):
 
 class LimitsConfig(Frozen):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # A request's body must arrive whole this long after the handler starts reading it, else
+    # 408: a client that stalls (or whose chunked framing broke, which aiohttp never fails the
+    # read for) would hold its connection and handler for ever. Nothing is reserved by then.
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
     # All request header names and values together; larger requests get 431.
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=60 * 1024)
     max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)

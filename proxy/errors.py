@@ -9,6 +9,7 @@
         ├── Unauthorized       401 invalid_api_key
         ├── Forbidden          403 permission_denied
         ├── NotFound           404 not_found
+        ├── BodyTimedOut       408 request_timeout (the connection closes with it)
         ├── BodyTooLarge       413 body_too_large
         ├── BudgetExceeded     429 insufficient_quota / budget_exceeded
         └── StoreUnavailable   503 service_unavailable (the call was not forwarded)
@@ -48,6 +49,7 @@ class ApiError(ProxyError):
     status = 400
     error_type = "invalid_request_error"
     code: str | None = None
+    closes_connection = False
 
     def __init__(
         self,
@@ -82,6 +84,16 @@ class Forbidden(ApiError):
 class NotFound(ApiError):
     status = 404
     code = "not_found"
+
+
+class BodyTimedOut(ApiError):
+    status = 408
+    code = "request_timeout"
+    # The rest of the body may still come: the connection's framing is lost with it.
+    closes_connection = True
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"The request body did not arrive whole within {timeout_s:g} s.")
 
 
 class BodyTooLarge(ApiError):

@@ -25,6 +25,7 @@ from proxy.dialects import DIALECTS, Dialect, dialect_of_path
 from proxy.errors import (
     ApiError,
     BadRequest,
+    BodyTimedOut,
     BodyTooLarge,
     BudgetExceeded,
     NotFound,
@@ -68,7 +69,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, state.ids)
-        raw = await read_body(request, config.limits.max_body_bytes)
+        raw = await read_body(request, config.limits.max_body_bytes, config.limits.body_timeout_s)
         while True:
             if state.config is not config:
                 # Reloaded while the call waited (its body, which a client decides how long takes;
@@ -163,12 +164,17 @@ async def count_now(call: Call, *, tokenizer: Tokenizer) -> Estimate:
     return await asyncio.to_thread(counted, call.estimate, tokenizer, call.encoding)
 
 
-async def read_body(request: web.Request, limit_bytes: int) -> bytes:
+async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) -> bytes:
     if request.client_max_size != limit_bytes:
         # The limit was reloaded after the app was built with the limit of its start.
         request = request.clone(client_max_size=limit_bytes)
     try:
-        return await request.read()
+        if request.content.is_eof():  # nearly every call: its body came with its headers
+            return await request.read()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimedOut(timeout_s) from None
     except (RequestPayloadError, BadHttpMessage) as err:
         # A body that does not decode (bad gzip, broken chunking) is the client's error.
         raise BadRequest(f"The request body could not be read: {str(err)[:200]}") from None
@@ -181,7 +187,7 @@ async def read_body(request: web.Request, limit_bytes: int) -> bytes:
 
 def _refused(dialect: Dialect, request_id: str, err: ApiError) -> web.Response:
     """An error before forwarding, in the format of the API the client speaks."""
-    return dialect.error_response(
+    response = dialect.error_response(
         err.status,
         err.message,
         err.error_type,
@@ -189,6 +195,9 @@ def _refused(dialect: Dialect, request_id: str, err: ApiError) -> web.Response:
         param=err.param,
         headers={**err.headers, **dialect.id_headers(request_id)},
     )
+    if err.closes_connection:
+        response.force_close()
+    return response
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

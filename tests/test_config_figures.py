@@ -70,6 +70,7 @@ def test_every_top_level_default_is_the_readmes() -> None:
 def test_every_limit_defaults_to_the_readmes_figure() -> None:
     limits = taken(UP).limits
     assert limits.max_body_bytes == 4 * 1024 * 1024
+    assert limits.body_timeout_s == 60
     assert limits.max_header_bytes == 16 * 1024
     assert limits.max_upstream_body_bytes == 64 * 1024 * 1024
     assert limits.default_max_output_tokens == 4096
@@ -394,6 +395,14 @@ def test_max_header_bytes_is_taken_from_1_kib_to_60_kib(value: int, ok: bool) ->
         assert taken(with_limits(max_header_bytes=value)).limits.max_header_bytes == value
     else:
         assert "limits.max_header_bytes" in error_of(with_limits(max_header_bytes=value))
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0.1, True), (3600, True), (0, False), (3601, False)])
+def test_body_timeout_is_above_0_and_at_most_an_hour(value: float, ok: bool) -> None:
+    if ok:
+        assert taken(with_limits(body_timeout_s=value)).limits.body_timeout_s == value
+    else:
+        assert "limits.body_timeout_s" in error_of(with_limits(body_timeout_s=value))
 
 
 @pytest.mark.parametrize(("value", "ok"), [(0, True), (3600, True), (1, False), (3599, False)])
