@@ -140,20 +140,27 @@ class RedisServerProcess:
             _private_dir(self.socket_path.parent)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        self.process = subprocess.Popen(
-            self._args(),
-            pass_fds=keep_fds,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        log = self.data_dir / "redis.log"
+        # The log holds earlier runs too: only what this start adds tells why it failed.
+        logged_bytes = log.stat().st_size if log.exists() else 0
+        # What it says before its log is open (a bad option, a log it cannot write) goes here.
+        with open(self.data_dir / "redis.stderr", "wb") as stderr:
+            self.process = subprocess.Popen(
+                self._args(),
+                pass_fds=keep_fds,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                log = self.data_dir / "redis.log"
-                detail = log.read_text(errors="replace")[-500:] if log.exists() else ""
-                raise ConfigError(f"redis-server exited at start (code {self.process.returncode}): {detail}")
+                detail = _tail(self.data_dir / "redis.stderr", 0) + _tail(log, logged_bytes)
+                raise ConfigError(
+                    f"redis-server exited at start (code {self.process.returncode}): "
+                    f"{detail.strip()[-500:] or 'it said nothing'}"
+                )
             if self.answers_ping():
                 return
             time.sleep(0.02)
@@ -367,3 +374,14 @@ class EmbeddedKeeper:
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(adopted, signal.SIGKILL)
+
+
+def _tail(path: Path, offset_bytes: int) -> str:
+    """What ``path`` holds past ``offset_bytes`` (nothing when it is gone)."""
+    try:
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_size >= offset_bytes:  # else rotated: all of it is new
+                file.seek(offset_bytes)
+            return file.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""

@@ -528,3 +528,17 @@ async def test_a_reserve_its_master_refused_with_an_error_reply_was_not_applied(
         admin.config_set(setting, before)
         admin.close()
         await store.close()
+
+
+def test_a_start_refused_before_the_log_opens_quotes_what_the_server_said(tmp_path: Path) -> None:
+    data = tmp_path / "redis"
+    earlier = RedisServerProcess(data, port=free_port())
+    earlier.start()
+    earlier.stop()
+    # A bad option is told on stderr only: this start never opens the log, whose end is the
+    # earlier run's, a server that was ready and then stopped: no reason for this failure.
+    server = RedisServerProcess(data, port=free_port(), extra_args=("--no-such-option", "1"))
+    with pytest.raises(ConfigError, match="exited at start") as failed:
+        server.start()
+    assert "no-such-option" in str(failed.value), failed.value
+    assert "bye bye" not in str(failed.value), failed.value
