@@ -24,6 +24,7 @@ from proxy.app import build_app, server_options
 from proxy.config import Config, EventLoopChoice
 from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_store import RedisStore
 from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from proxy.workers import new_event_loop
@@ -55,6 +56,15 @@ async def redis_client(redis_server: RedisServerProcess) -> AsyncIterator[aiored
     await client.flushall()
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+async def store(redis_server: RedisServerProcess, redis_client: aioredis.Redis) -> AsyncIterator[RedisStore]:
+    """A store of its own, on the shared server (flushed first by redis_client): its scripts are
+    read from proxy/lua when it is built."""
+    store = RedisStore.from_url(redis_server.url)
+    yield store
+    await store.close()
 
 
 @pytest.fixture

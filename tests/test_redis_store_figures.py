@@ -6,7 +6,7 @@ back of their replies, and the settings it is built with."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -22,14 +22,6 @@ from tests.conftest import busy_script, until_redis_busy
 from tests.test_redis_store import AMOUNTS, reserve
 
 TENANT = "team-a"
-
-
-@pytest.fixture
-async def store(redis_server: RedisServerProcess, redis_client: aioredis.Redis) -> AsyncIterator[RedisStore]:
-    # redis_client flushes the server first.
-    store = RedisStore.from_url(redis_server.url)
-    yield store
-    await store.close()
 
 
 async def settle(store: RedisStore, rid: str, scope_keys: list[str], **kw: Any) -> str | None:

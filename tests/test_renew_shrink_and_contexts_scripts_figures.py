@@ -7,14 +7,12 @@ handed, and how long a context stays its tenant's."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 
 import aiohttp
-import pytest
 import redis.asyncio as aioredis
 
 from proxy.redis_contexts import CONTEXT_OWNER_TTL_S
-from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import Reservation, Scope
 from tests.conftest import ProxyFactory, slow_stream, until_upstream_received, upstream_timing_out
@@ -24,15 +22,6 @@ from tests.test_redis_store_figures import held
 
 TENANT = "team-a"
 LEASES = "lbp:{team-a}:leases"
-
-
-@pytest.fixture
-async def store(redis_server: RedisServerProcess, redis_client: aioredis.Redis) -> AsyncIterator[RedisStore]:
-    # A store per test: its scripts are read from proxy/lua when it is built. redis_client
-    # flushes the server first.
-    store = RedisStore.from_url(redis_server.url)
-    yield store
-    await store.close()
 
 
 async def store_now_ms(redis_client: aioredis.Redis) -> int:
