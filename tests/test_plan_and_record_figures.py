@@ -40,6 +40,11 @@ CAPPED = {
     "chat_output_cap_field": "max_tokens",
 }
 STANDARD = {"input": "3", "output": "15"}
+PRIORITY = {"input": "5", "output": "20"}
+# A model priced at STANDARD by default and at PRIORITY on the priority tier.
+TIERED_MODELS = {
+    "tiered": {"upstream": "openai", "price_per_million": STANDARD, "service_tiers": {"priority": PRIORITY}}
+}
 THINKING_BUDGET = 2000
 INTERLEAVED = "interleaved-thinking-2025-05-14"
 
@@ -212,20 +217,12 @@ def test_json_mode_is_a_json_format_asked_in_the_endpoints_own_field(
 
 
 def test_a_call_naming_no_tier_or_auto_is_reserved_at_the_dearest_tier_it_may_be_served_at() -> None:
-    priority = {"input": "5", "output": "20"}
-    models = {
-        "tiered": {
-            "upstream": "openai",
-            "price_per_million": STANDARD,
-            "service_tiers": {"priority": priority},
-        }
-    }
     for tier in ({}, {"service_tier": "auto"}):
-        call = planned({"model": "tiered", "messages": MSGS, **tier}, **models)
+        call = planned({"model": "tiered", "messages": MSGS, **tier}, **TIERED_MODELS)
         assert call.rates == rates(STANDARD)
-        assert call.reserve_rates == rates(priority), tier
-    asked = planned({"model": "tiered", "messages": MSGS, "service_tier": "priority"}, **models)
-    assert asked.reserve_rates == asked.rates == rates(priority)
+        assert call.reserve_rates == rates(PRIORITY), tier
+    asked = planned({"model": "tiered", "messages": MSGS, "service_tier": "priority"}, **TIERED_MODELS)
+    assert asked.reserve_rates == asked.rates == rates(PRIORITY)
 
 
 def test_a_messages_call_in_another_geography_is_not_reserved_at_us_or_fast_prices() -> None:

@@ -26,7 +26,17 @@ from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import CHAT_PATH, ledger_entries
 from tests.test_estimate import QuarterEncoding
-from tests.test_plan_and_record_figures import MSGS, STANDARD, claude, claude_model, config_of, planned, rates
+from tests.test_plan_and_record_figures import (
+    MSGS,
+    PRIORITY,
+    STANDARD,
+    TIERED_MODELS,
+    claude,
+    claude_model,
+    config_of,
+    planned,
+    rates,
+)
 
 THINKING = {"thinking": {"type": "enabled", "budget_tokens": 2000}}
 
@@ -174,20 +184,12 @@ def test_web_search_preview_priced_apart_bills_web_search_calls_under_its_name()
 
 
 def test_a_call_is_reserved_at_its_reserve_prices_and_billed_at_the_tier_its_answer_names() -> None:
-    priority = {"input": "5", "output": "20"}
-    models = {
-        "tiered": {
-            "upstream": "openai",
-            "price_per_million": STANDARD,
-            "service_tiers": {"priority": priority},
-        }
-    }
-    call = planned({"model": "tiered", "messages": MSGS}, config=config_of(models=models))
-    assert call.rates_reserved == rates(priority)
-    assert call.tier_rates == {"default": rates(STANDARD), "priority": rates(priority)}
+    call = planned({"model": "tiered", "messages": MSGS}, config=config_of(models=TIERED_MODELS))
+    assert call.rates_reserved == rates(PRIORITY)
+    assert call.tier_rates == {"default": rates(STANDARD), "priority": rates(PRIORITY)}
     assert call.rates_served == rates(STANDARD)
     call.served_tier = "priority"
-    assert call.rates_served == rates(priority)
+    assert call.rates_served == rates(PRIORITY)
     # A tier the operator did not price: the prices of the one asked for.
     call.served_tier = "flex"
     assert call.rates_served == rates(STANDARD)
