@@ -87,7 +87,7 @@ async def test_the_answer_goes_out_before_the_call_is_recorded(
 
 
 async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_once(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Shutdown past its grace period cancels a handler waiting on its settle; when the settle
     then fails (neither settled nor journaled: the reaper bills it), the failure is logged once,
@@ -127,6 +127,9 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
     # asyncio's own flag for an exception nobody read, which it logs when the future is collected.
     assert not settlement._log_traceback  # type: ignore[attr-defined]
     assert isinstance(settlement.exception(), RuntimeError)
+    # Once, for the operator: the reservation now waits for a reaper.
+    failed = [r for r in caplog.records if r.getMessage() == "settle or its record failed"]
+    assert [(r.levelname, getattr(r, "request_id", None)) for r in failed] == [("ERROR", "req-1")]
 
 
 # Holds a Redis this long and says when it let go (the store's clock is the machine's).
