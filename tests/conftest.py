@@ -335,6 +335,16 @@ def unreachable_port(kind: str) -> Iterator[int]:
             sock.close()
 
 
+def unreachable_upstream(port: int) -> dict[str, Any]:
+    """The config of the ``openai`` upstream on an ``unreachable_port``."""
+    return {
+        "base_url": f"http://127.0.0.1:{port}/v1",
+        "api_key_env": "TEST_UPSTREAM_KEY",
+        "timeout_s": 3,
+        "connect_timeout_s": 0.3,
+    }
+
+
 class SkewedClockLoop(asyncio.SelectorEventLoop):
     """asyncio's loop with a clock 1000 s behind ``time.monotonic``: a loop's clock need not be
     that one (uvloop's is libuv's), so timers must not mix the two."""

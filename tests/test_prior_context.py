@@ -27,6 +27,7 @@ from tests.conftest import (
     ProxyFactory,
     digest,
     unreachable_port,
+    unreachable_upstream,
     until_redis_busy,
     until_upstream_received,
 )
@@ -499,13 +500,7 @@ async def test_nothing_went_out_keeps_no_conversation(
     make_proxy: ProxyFactory, redis_client: aioredis.Redis, kind: str, stream: bool
 ) -> None:
     with unreachable_port(kind) as port:
-        upstream = {
-            "base_url": f"http://127.0.0.1:{port}/v1",
-            "api_key_env": "TEST_UPSTREAM_KEY",
-            "timeout_s": 3,
-            "connect_timeout_s": 0.3,
-        }
-        proxy = await make_proxy(upstreams={"openai": upstream})
+        proxy = await make_proxy(upstreams={"openai": unreachable_upstream(port)})
         await redis_client.set("lbp:{team-a}:ctx:conv_1", 77, ex=100)
         with pytest.raises(openai.APIStatusError) as failed:
             await proxy.client(max_retries=0).responses.create(

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from proxy.redis_scripts import read_scripts
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
-from tests.conftest import UPSTREAM_KEY, Proxy, ProxyFactory, unreachable_port
+from tests.conftest import UPSTREAM_KEY, Proxy, ProxyFactory, unreachable_port, unreachable_upstream
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, MSGS, run_headers
 from tests.test_bad_input import Plan, ScriptedUpstream, send
@@ -108,13 +108,7 @@ async def test_upstreams_never_reached_are_told_as_the_proxys_upstream_errors_bi
         ("connect_timeout", 504, "upstream_timeout"),
     ):
         with unreachable_port(kind) as port:
-            upstream = {
-                "base_url": f"http://127.0.0.1:{port}/v1",
-                "api_key_env": "TEST_UPSTREAM_KEY",
-                "timeout_s": 3,
-                "connect_timeout_s": 0.3,
-            }
-            proxy = await make_proxy(upstreams={"openai": upstream})
+            proxy = await make_proxy(upstreams={"openai": unreachable_upstream(port)})
             reply = await send(proxy, lambda: [], redis_client, path, dumps(request))
         (entry,) = reply.new_entries
         error = reply.json()["error"]
