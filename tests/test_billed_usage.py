@@ -12,6 +12,7 @@ import pytest
 from proxy.auth import Identity
 from proxy.billed_usage import billed_usage
 from proxy.call import Call
+from proxy.config import Config
 from proxy.config_load import parse_config
 from proxy.ids import IdSource
 from proxy.observe import Observation, ProviderUsage
@@ -24,14 +25,19 @@ TOKENIZER = Tokenizer({})  # no encodings here: a count is 4 characters a token
 PROMPT = "a prompt of some forty characters, about"
 
 
-def planned(body: dict[str, Any], endpoint: Endpoint = "chat.completions", **models: Any) -> Call:
-    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:9")
-    raw["models"] = {**raw["models"], **models}
-    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-up"}, key_secrets=False)
+def plan_of(
+    config: Config,
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    *,
+    tier: str = "standard",
+    anthropic_beta: str = "",
+) -> Call:
+    """The call ``body`` makes under ``config``, planned as a handler plans it, without a server."""
     data, view = parse_body(orjson.dumps(body), endpoint)
     return plan_call(
         request_id="req-1",
-        identity=Identity(tenant="team-a", tier="standard", key_name="a-ci"),
+        identity=Identity(tenant="team-a", tier=tier, key_name="a-ci"),
         run_id="run-1",
         endpoint=endpoint,
         body=data,
@@ -39,7 +45,15 @@ def planned(body: dict[str, Any], endpoint: Endpoint = "chat.completions", **mod
         config=config,
         tokenizer=TOKENIZER,
         ids=IdSource(),
+        anthropic_beta=anthropic_beta,
     )
+
+
+def planned(body: dict[str, Any], endpoint: Endpoint = "chat.completions", **models: Any) -> Call:
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:9")
+    raw["models"] = {**raw["models"], **models}
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-up"}, key_secrets=False)
+    return plan_of(config, body, endpoint)
 
 
 def chat(**fields: Any) -> dict[str, Any]:

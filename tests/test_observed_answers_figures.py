@@ -9,22 +9,18 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.auth import Identity
 from proxy.billed_usage import billed_usage
 from proxy.call import Call
 from proxy.config import PolicyConfig
 from proxy.config_load import parse_config
-from proxy.ids import IdSource
 from proxy.observe import Observation, ProviderUsage
 from proxy.observe_anthropic import anthropic_body, anthropic_event, anthropic_usage
 from proxy.observe_responses import responses_body, responses_event
 from proxy.outcome import classify_answer
-from proxy.payload import Endpoint, parse_body
-from proxy.plan import plan_call
-from proxy.tokenizer import Tokenizer
+from proxy.payload import Endpoint
 from tests.conftest import base_config
+from tests.test_billed_usage import TOKENIZER, plan_of
 
-TOKENIZER = Tokenizer({})  # no encodings: a count is 4 characters a token
 MESSAGES = [{"role": "user", "content": "a prompt of some forty characters, about"}]
 
 
@@ -37,18 +33,7 @@ def planned(body: dict[str, Any], endpoint: Endpoint) -> Call:
     }
     raw["models"] = {**raw["models"], "claude-x": {"upstream": "anthropic"}}
     config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-up"}, key_secrets=False)
-    data, view = parse_body(orjson.dumps(body), endpoint)
-    return plan_call(
-        request_id="req-1",
-        identity=Identity(tenant="team-a", tier="standard", key_name="a-ci"),
-        run_id="run-1",
-        endpoint=endpoint,
-        body=data,
-        view=view,
-        config=config,
-        tokenizer=TOKENIZER,
-        ids=IdSource(),
-    )
+    return plan_of(config, body, endpoint)
 
 
 def claude(**fields: Any) -> Call:

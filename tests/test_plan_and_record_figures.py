@@ -9,29 +9,25 @@ import logging
 import time
 from typing import Any
 
-import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.auth import Identity
 from proxy.call import Call
 from proxy.config import Config
 from proxy.config_load import parse_config
 from proxy.errors import BadRequest, BudgetExceeded
 from proxy.estimate import ANTHROPIC_TOOLS_INPUT_TOKENS
-from proxy.ids import IdSource
 from proxy.logs import TRUSTED_FIELDS
 from proxy.metrics import Metrics
 from proxy.outcome import BilledUsage, Outcome
-from proxy.payload import Endpoint, parse_body
-from proxy.plan import least_cap_accepted, plan_call, tools_input_tokens
+from proxy.payload import Endpoint
+from proxy.plan import least_cap_accepted, tools_input_tokens
 from proxy.record import record_call, record_reaped, record_refusal
 from proxy.settle import Settlement
-from proxy.tokenizer import Tokenizer
 from tests.conftest import UPSTREAM_KEY, base_config
+from tests.test_billed_usage import plan_of
 from tests.test_operator_figures import counted
 
-TOKENIZER = Tokenizer({})
 MSGS: list[Any] = [{"role": "user", "content": "a prompt of some forty characters, about"}]
 ANTHROPIC = {"base_url": "http://127.0.0.1:9/v1", "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
 CAPPED = {
@@ -67,19 +63,7 @@ def planned(
     **models: Any,
 ) -> Call:
     config = config or config_of(models=models)
-    data, view = parse_body(orjson.dumps(body), endpoint)
-    return plan_call(
-        request_id="req-1",
-        identity=Identity(tenant="team-a", tier=tier, key_name="a-ci"),
-        run_id="run-1",
-        endpoint=endpoint,
-        body=data,
-        view=view,
-        config=config,
-        tokenizer=TOKENIZER,
-        ids=IdSource(),
-        anthropic_beta=anthropic_beta,
-    )
+    return plan_of(config, body, endpoint, tier=tier, anthropic_beta=anthropic_beta)
 
 
 def claude(**fields: Any) -> dict[str, Any]:
