@@ -34,6 +34,13 @@ def past_six_places(value: Decimal) -> bool:
     return value != value.quantize(Decimal("0.000001"))
 
 
+def whole_micros(value: Decimal, refusal: str) -> int:
+    """``value`` in micro-units; ValueError(``refusal``) past 6 decimal places."""
+    if past_six_places(value):
+        raise ValueError(refusal)
+    return int(value * MICROS_PER_UNIT)
+
+
 def not_a_bool(value: Any, what: str = "a token count") -> Any:
     """A count given as YAML's true/false/yes/no/on/off (read as 1 or 0): refused, for a
     ``mode="before"`` field validator."""

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from proxy.config_base import MAX_UNITS, MICROS_PER_UNIT, Frozen, not_a_bool, past_six_places
+from proxy.config_base import MAX_UNITS, Frozen, not_a_bool, whole_micros
 
 
 class PricePerMillion(Frozen):
@@ -37,10 +37,7 @@ class PricePerMillion(Frozen):
 
     def micros_per_million(self) -> dict[str, int]:
         def micros(price: Decimal) -> int:
-            scaled = price * MICROS_PER_UNIT
-            if past_six_places(price):
-                raise ValueError("prices are limited to 6 decimal places per million tokens")
-            return int(scaled)
+            return whole_micros(price, "prices are limited to 6 decimal places per million tokens")
 
         def given(price: Decimal | None, otherwise: Decimal) -> Decimal:
             return otherwise if price is None else price
@@ -69,13 +66,8 @@ ToolPrice = Annotated[Decimal, Field(ge=0, le=MAX_UNITS)]
 
 def micros_per_thousand_calls(prices: Mapping[str, Decimal]) -> dict[str, int]:
     """Micro-units per 1,000 calls by tool name; ValueError past 6 decimal places."""
-    out: dict[str, int] = {}
-    for tool, price in prices.items():
-        scaled = price * MICROS_PER_UNIT
-        if past_six_places(price):
-            raise ValueError(f"{tool}: prices are limited to 6 decimal places per 1,000 calls")
-        out[tool] = int(scaled)
-    return out
+    refusal = "{}: prices are limited to 6 decimal places per 1,000 calls"
+    return {tool: whole_micros(price, refusal.format(tool)) for tool, price in prices.items()}
 
 
 # What an answer counts a tool's calls under is its bare name: not the field of its count
