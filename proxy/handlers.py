@@ -107,7 +107,7 @@ def authenticate_again(request: web.Request, config: Config, raw: bytes, *, pass
     identity = authenticate(request, config, passthrough=passthrough)
     if len(raw) > config.limits.max_body_bytes:
         # Read under the limit of its start: one it lowered refuses it as aiohttp would.
-        raise web.HTTPRequestEntityTooLarge(max_size=config.limits.max_body_bytes, actual_size=len(raw))
+        raise BodyTooLarge()
     return identity
 
 
