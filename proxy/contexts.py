@@ -43,14 +43,16 @@ async def keep_context(ex: Exchange) -> None:
     made = contexts_made(ex)
     owned = contexts_owned(ex, made)
     kept = made if made and ex.services.config.limits.prior_context_ttl_s else []
-    usage = ex.usage(complete=True)
-    if kept and usage.source == "reserve" and not usage.input_known:
-        # Kept at what the settle bills, the exact count: a quick bound kept now would stay
-        # (a bound never lowers a bound), reserved and, without usage, billed by every call
-        # continuing it.
-        await ex.count_input()
+    writes: list[Awaitable[None]] = []
+    if kept:  # the usage only then: every stream's last event comes here
         usage = ex.usage(complete=True)
-    writes: list[Awaitable[None]] = [remember(ex, kept, usage)] if kept else []
+        if usage.source == "reserve" and not usage.input_known:
+            # Kept at what the settle bills, the exact count: a quick bound kept now would
+            # stay (a bound never lowers a bound), reserved and, without usage, billed by
+            # every call continuing it.
+            await ex.count_input()
+            usage = ex.usage(complete=True)
+        writes.append(remember(ex, kept, usage))
     if owned:
         writes.append(claim(ex, owned))  # its owner's before the id reaches the client
     if not writes:
