@@ -10,8 +10,9 @@ the tenant's month, which the other tier limits; ``budget``: the same with limit
 window, held on the run, the minute, the day and the tenant's month), and, as the floor, two
 calls of a two-``HINCRBY`` script per call (the relay+redis arm of ``bench/run.py``). Redis's
 CPU is read from ``/proc`` around each phase; commands per call from ``INFO commandstats``
-(commands a script runs count there too); AOF bytes from the file's growth. Nothing else should
-run on the machine: Redis CPU is per process, but a busy machine slows it.
+(commands a script runs count there too); AOF bytes from the file's growth (automatic AOF
+rewrites off while it runs). Nothing else should run on the machine: Redis CPU is per process,
+but a busy machine slows it.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ async def main_async(args: argparse.Namespace) -> None:
         pipe = PipelinedConnection(server.url, timeout_s=5.0)
         try:
             await store.load_scripts()
+            # An AOF rewrite in a phase would shrink the file under it (a negative growth): none
+            # while this runs, so the growth is what the phase appended.
+            await pipe.call("CONFIG", "SET", "auto-aof-rewrite-percentage", "0")
             rows = []
             floor_sha = await pipe.call("SCRIPT", "LOAD", FLOOR_SCRIPT)
 
