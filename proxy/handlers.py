@@ -175,9 +175,14 @@ async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) ->
             return await request.read()
     except TimeoutError:
         raise BodyTimedOut(timeout_s) from None
-    except (RequestPayloadError, BadHttpMessage) as err:
-        # A body that does not decode (bad gzip, broken chunking) is the client's error.
-        raise BadRequest(f"The request body could not be read: {str(err)[:200]}") from None
+    except (RequestPayloadError, BadHttpMessage):
+        # A body that does not decode (bad gzip, broken chunking) is the client's error, told in
+        # words of our own, as the parser's refusals are: aiohttp's text is its exception's repr
+        # ("400, message:\n  Can not decode content-encoding: gzip").
+        reason = "its framing is not valid"
+        if request.headers.get("Content-Encoding", "").strip().lower() not in ("", "identity"):
+            reason = "it does not decode as its Content-Encoding says"
+        raise BadRequest(f"The request body could not be read: {reason}.", code="bad_http_request") from None
     except ConnectionError:
         # The client left while its body was still coming (aiohttp fails the read with
         # ConnectionResetError): an ordinary disconnect, nothing reserved nor forwarded; no
