@@ -6,6 +6,9 @@ answer is passed on, and which keys and headers name a caller."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,11 +17,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import PASSTHROUGH_ID_DIGITS
-from proxy.redis_server import free_port
+from proxy.redis_server import RedisServerProcess, free_port
 from proxy.state import STATE
 from proxy.store import TENANTS_KEY
-from tests.conftest import KEY_A, Proxy, ProxyFactory, digest
+from tests.conftest import KEY_A, Proxy, ProxyFactory, base_config, digest
 from tests.fake_upstream import FakeUpstream
+from tests.procs import ProxyProcess
 from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
 from tests.test_security import assert_openai_error, call, serve_everything_with
 
@@ -399,3 +403,68 @@ async def test_health_and_readiness_bodies(make_proxy: ProxyFactory) -> None:
     reply = await call(down, "/readyz", method="GET", key=None)
     assert (reply.status, reply.json()) == (503, {"status": "unavailable", "store": "unreachable"})
     assert (await call(down, "/healthz", method="GET", key=None)).status == 200
+
+
+# -- aiohttp's pure-Python HTTP parser ------------------------------------------------------------
+
+# What each request is refused for, in the proxy's words, under aiohttp's pure-Python parser.
+PURE_PYTHON_REFUSALS: dict[str, tuple[bytes, str]] = {
+    **PARSER_REFUSALS,
+    # The C parser's is a bare BadHttpMessage ("it is malformed"); Python's names the header.
+    "a-space-in-a-header-name": (PARSER_REFUSALS["a-space-in-a-header-name"][0], "a header is not valid"),
+    "a-chunk-size-that-is-not-one": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        "The request is not valid HTTP: the body's framing is not valid.",
+    ),
+    "length-beside-chunked": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+        "The request is not valid HTTP: it is malformed.",
+    ),
+    "a-length-that-is-not-a-number": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+        "The request is not valid HTTP: a header is not valid.",
+    ),
+    "a-body-that-does-not-decode": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\nhello",
+        "The request body could not be read: it does not decode as its Content-Encoding says.",
+    ),
+}
+
+
+async def test_the_pure_python_http_parser_is_answered_in_the_same_words(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where aiohttp's C extensions are absent or turned off (``AIOHTTP_NO_EXTENSIONS``, PyPy, a
+    platform without its wheel) its parser is Python's, whose refusals are other exceptions with
+    other texts: each is still OpenAI's error in the proxy's own words, the request's bytes never
+    quoted, and nothing forwarded."""
+    monkeypatch.setenv("AIOHTTP_NO_EXTENSIONS", "1")
+    probe = "from aiohttp import http_parser as p; print(p.HttpRequestParser is p.HttpRequestParserPy)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout == "True\n"
+    proc = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path).start()
+    try:
+        for name, (start, said) in PURE_PYTHON_REFUSALS.items():
+            line, _, rest = start.partition(b"\r\n")
+            request = (
+                line
+                + f"\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\nConnection: close\r\n".encode()
+                + rest
+            )
+            if b"\r\n\r\n" not in request:
+                request += b"\r\n"
+            whole = await _raw(proc.url, request)
+            head, _, body = whole.partition(b"\r\n\r\n")
+            assert head.split(b" ")[1] == b"400", (name, whole)
+            assert b"content-type: application/json" in head.lower(), (name, whole)
+            error = json.loads(body)["error"]
+            expected = said if said.startswith("The ") else f"The request is not valid HTTP: {said}."
+            assert error == {
+                "message": expected,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "bad_http_request",
+            }, (name, error)
+            assert KEY_A.encode() not in whole, name
+    finally:
+        proc.stop()
+    assert not fake.received
