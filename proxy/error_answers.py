@@ -20,15 +20,39 @@ log = logging.getLogger("proxy.app")
 _PLAIN_HANDLE_ERROR = web_protocol.RequestHandler.handle_error
 # What the parser refused, in words of our own: its messages quote the raw bytes (a header
 # value: a key), on their first line too. Most specific first.
+_BROKEN_FRAMING = "the body's framing is not valid"
+_DOES_NOT_DECODE = "the body does not decode as its Content-Encoding says"
 _PARSER_REFUSALS: tuple[tuple[type[Exception], str], ...] = (
     (http_exceptions.LineTooLong, "a request line or header is too long"),
     (http_exceptions.InvalidHeader, "a header is not valid"),
     (http_exceptions.BadHttpMethod, "the method is not valid"),
     (http_exceptions.BadStatusLine, "the request line is not valid"),
-    (http_exceptions.TransferEncodingError, "the body's framing is not valid"),
+    (http_exceptions.TransferEncodingError, _BROKEN_FRAMING),
     (http_exceptions.ContentLengthError, "the body's length is not valid"),
-    (http_exceptions.ContentEncodingError, "the body's encoding is not valid"),
+    (http_exceptions.ContentEncodingError, _DOES_NOT_DECODE),
 )
+
+
+def parser_refusal(exc: BaseException | None) -> str:
+    """Why aiohttp's parser refused a request (``exc``), in words of our own."""
+    return next((words for kind, words in _PARSER_REFUSALS if isinstance(exc, kind)), "it is malformed")
+
+
+def body_refusal(err: Exception) -> str:
+    """Why a request body's read failed (``web.RequestPayloadError``, or the parser's own error),
+    in the parser refusals' words. aiohttp attaches the parser's error as the cause only when a
+    read was waiting for the bytes; without it, its text (the cause's) still names a body that
+    does not decode ("Can not decode content-encoding: gzip"); what else fails a body is its
+    framing (chunks, length)."""
+    cause = err.__cause__ if isinstance(err, web_protocol.RequestPayloadError) else err
+    if isinstance(cause, http_exceptions.BadHttpMessage):
+        reason = parser_refusal(cause)
+    elif "content-encoding" in str(err).lower():
+        reason = _DOES_NOT_DECODE
+    else:
+        reason = _BROKEN_FRAMING
+    log.info("request body refused", extra={"reason": reason, "error": type(cause or err).__name__})
+    return reason
 
 
 def _handle_error_in_openai_format(
@@ -46,7 +70,7 @@ def _handle_error_in_openai_format(
         return _PLAIN_HANDLE_ERROR(self, request, status, exc, message)  # not the parser's
     if request.writer.output_size > 0:  # as aiohttp's: a response started cannot be replaced
         raise ConnectionError("Response is sent already, cannot send another response with the error message")
-    reason = next((words for kind, words in _PARSER_REFUSALS if isinstance(exc, kind)), "it is malformed")
+    reason = parser_refusal(exc)
     log.info(
         "request refused by the HTTP parser",
         extra={"status": status, "reason": reason, "error": type(exc).__name__, "remote": request.remote},

@@ -22,6 +22,7 @@ from proxy.billing_views import key_self, run_ledger, run_meters
 from proxy.call import Call
 from proxy.config import Config
 from proxy.dialects import DIALECTS, Dialect, dialect_of_path
+from proxy.error_answers import body_refusal
 from proxy.errors import (
     ApiError,
     BadRequest,
@@ -175,14 +176,13 @@ async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) ->
             return await request.read()
     except TimeoutError:
         raise BodyTimedOut(timeout_s) from None
-    except (RequestPayloadError, BadHttpMessage):
-        # A body that does not decode (bad gzip, broken chunking) is the client's error, told in
-        # words of our own, as the parser's refusals are: aiohttp's text is its exception's repr
-        # ("400, message:\n  Can not decode content-encoding: gzip").
-        reason = "its framing is not valid"
-        if request.headers.get("Content-Encoding", "").strip().lower() not in ("", "identity"):
-            reason = "it does not decode as its Content-Encoding says"
-        raise BadRequest(f"The request body could not be read: {reason}.", code="bad_http_request") from None
+    except (RequestPayloadError, BadHttpMessage) as err:
+        # A body that does not decode (bad gzip, broken chunking) is the client's error, said as
+        # the parser's refusals are: aiohttp's own text is its exception's repr ("400, message:\n
+        # Can not decode content-encoding: gzip").
+        raise BadRequest(
+            f"The request is not valid HTTP: {body_refusal(err)}.", code="bad_http_request"
+        ) from None
     except ConnectionError:
         # The client left while its body was still coming (aiohttp fails the read with
         # ConnectionResetError): an ordinary disconnect, nothing reserved nor forwarded; no

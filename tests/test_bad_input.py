@@ -654,12 +654,12 @@ def _compressed(raw: bytes, encoding: str) -> bytes:
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
 async def test_body_that_fails_to_decompress_is_a_400(post: Any, encoding: str) -> None:
-    """Said in words of the proxy's own, with the parser refusals' code: aiohttp's own text is
-    its exception's repr ("400, message:\n  Can not decode content-encoding: gzip")."""
+    """Said as the parser's refusals are, in words of the proxy's own: aiohttp's own text is its
+    exception's repr ("400, message:\n  Can not decode content-encoding: gzip")."""
     reply = await post(CHAT, b"this is not compressed", headers={"Content-Encoding": encoding})
     error = assert_refused(reply, 400)
     assert error == {
-        "message": "The request body could not be read: it does not decode as its Content-Encoding says.",
+        "message": "The request is not valid HTTP: the body does not decode as its Content-Encoding says.",
         "type": "invalid_request_error",
         "param": None,
         "code": "bad_http_request",
