@@ -161,7 +161,9 @@ class RedisServerProcess:
                     f"redis-server exited at start (code {self.process.returncode}): "
                     f"{detail.strip()[-500:] or 'it said nothing'}"
                 )
-            if self.answers_ping():
+            # Ours, not another server that answers on the port (it was free when picked): that
+            # one is found out when ours exits, unable to listen.
+            if self.answers_ping() and self.server_pid() == self.process.pid:
                 return
             time.sleep(0.02)
         self.stop()

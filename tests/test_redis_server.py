@@ -22,7 +22,13 @@ import pytest
 import redis
 
 from proxy.errors import ConfigError
-from proxy.redis_server import SOCKET_PATH_MAX_BYTES, EmbeddedKeeper, RedisServerProcess, socket_path_for
+from proxy.redis_server import (
+    SOCKET_PATH_MAX_BYTES,
+    EmbeddedKeeper,
+    RedisServerProcess,
+    free_port,
+    socket_path_for,
+)
 from tests.conftest import KEY_A, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ROOT, ProxyProcess
@@ -85,6 +91,26 @@ def test_a_data_dir_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> Non
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match=r"redis\.data_dir"):
         RedisServerProcess(tmp_path / "a-file" / "redis").start()
+
+
+def test_a_server_of_another_answering_on_its_port_is_not_taken_for_its_own(tmp_path: Path) -> None:
+    """A port picked free may be taken before the server listens on it (the suite's processes
+    pick theirs side by side): the start waited only for a PONG, and took another's server for
+    its own, whose data a test then flushed. Now it fails as its own server does, unable to
+    listen, and the other is left as it was."""
+    other = RedisServerProcess(tmp_path / "other", port=free_port())
+    other.start()
+    try:
+        client = redis.Redis(port=other.port)
+        client.set("others", "data")
+        late = RedisServerProcess(tmp_path / "late", port=other.port)
+        with pytest.raises(ConfigError, match="exited at start"):
+            late.start()
+        assert late.process is not None and late.process.poll() is not None
+        assert client.get("others") == b"data"
+        client.close()
+    finally:
+        other.stop()
 
 
 # -- the keeper: the embedded server of a serving proxy (found by a hunt) --------------------
