@@ -311,6 +311,20 @@ async def leave_once_upstream_received(request: Awaitable[Any], fake: FakeUpstre
         await task
 
 
+# Sockets bound for the life of this test process (``refused_port``).
+_HELD_PORTS: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A loopback port where a connection is refused while this test process lives: bound and
+    never listening, so no server of the suite's other processes (which run side by side and
+    pick their ports free) can take it, as they could one picked free and let go."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _HELD_PORTS.append(sock)
+    return int(sock.getsockname()[1])
+
+
 @contextlib.contextmanager
 def unreachable_port(kind: str) -> Iterator[int]:
     """A loopback port no upstream answers on: ``refused`` (nothing listens), or
@@ -326,8 +340,7 @@ def unreachable_port(kind: str) -> Iterator[int]:
             filler.setblocking(False)
             filler.connect_ex(("127.0.0.1", port))
             fillers.append(filler)
-    else:
-        listener.close()
+    # ``refused``: bound, never listening, until the test ends (see ``refused_port``).
     try:
         yield port
     finally:

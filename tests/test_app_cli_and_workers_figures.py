@@ -35,7 +35,7 @@ from proxy.report import TOKEN_FIELDS
 from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from proxy.workers import _claim_port
-from tests.conftest import UPSTREAM_KEY, ProxyFactory, base_config
+from tests.conftest import UPSTREAM_KEY, ProxyFactory, base_config, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ROOT, ProxyProcess
 from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, scripted_upstreams
@@ -234,7 +234,7 @@ async def test_a_store_that_does_not_answer_is_a_store_error_exit_3(
     """README: exit 3, the store unreachable (``ledger``, ``report``): the message says it is the
     store, not the config, that failed."""
     for command in ("ledger", "report"):
-        args = [command, "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--tenant", "team-a"]
+        args = [command, "--redis-url", f"redis://127.0.0.1:{refused_port()}/0", "--tenant", "team-a"]
         assert await asyncio.to_thread(main, args) == 3
         assert capsys.readouterr().err.startswith("llm-billing-proxy: store error: ")
 
@@ -588,14 +588,14 @@ async def test_worker_i_serves_its_metrics_on_the_base_port_plus_i(
 ) -> None:
     """README: with ``--workers N``, worker i uses the metrics port + i: a scrape config names
     base, base + 1, ... (worker 1 of 2 here, started as the supervisor starts it)."""
-    base = free_port()
+    base = refused_port()
     while True:  # base + 1 free too
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", base + 1))
                 break
             except OSError:
-                base = free_port()
+                base = refused_port()
     proc = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path)
     raw = yaml.safe_load(proc.config_path.read_text())
     raw["metrics"] = {"listen": {"host": "127.0.0.1", "port": base}}

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import KEY_A, Proxy, ProxyFactory
+from proxy.redis_server import RedisServerProcess
+from tests.conftest import KEY_A, Proxy, ProxyFactory, refused_port
 from tests.test_cli import LEDGER_ENTRY
 
 
@@ -182,7 +182,7 @@ async def test_a_view_while_the_store_is_unreachable_is_a_503_in_openais_format(
 ) -> None:
     # A read the store cannot serve is the store's outage (the SDK retries a 503), not a 500
     # "internal proxy error" with a stack trace in the operator's log for each poll.
-    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5})
+    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{refused_port()}/0", "socket_timeout_s": 0.5})
     async with (
         aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY_A}"}) as session,
         session.get(proxy.url + "/v1/billing/keys/self") as resp,

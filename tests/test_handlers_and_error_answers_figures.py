@@ -18,10 +18,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import PASSTHROUGH_ID_DIGITS
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
 from proxy.store import TENANTS_KEY
-from tests.conftest import KEY_A, Proxy, ProxyFactory, base_config, digest
+from tests.conftest import KEY_A, Proxy, ProxyFactory, base_config, digest, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
@@ -142,7 +142,7 @@ async def test_models_from_an_upstream_that_fails_is_a_502_upstream_error(
     """Nothing listening, or a list past the proxy's bound (4 MiB): a bad gateway the SDK may
     retry, never the upstream's bytes nor a 500."""
     if kind == "refused":
-        proxy = await make_proxy(upstreams=scripted_upstreams(f"http://127.0.0.1:{free_port()}/v1"))
+        proxy = await make_proxy(upstreams=scripted_upstreams(f"http://127.0.0.1:{refused_port()}/v1"))
     else:
         script.plan = Plan(chunks=[b'{"object": "list", "data": [' + b" " * (4 * 1024 * 1024) + b"]}"])
         proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
@@ -180,7 +180,7 @@ async def test_a_store_down_on_messages_is_an_anthropic_overloaded_error_with_re
     """The Anthropic SDK reads its own error format and ``request-id``: the billing store down
     before the reserve was answered in OpenAI's, which it cannot read. The operator's counter of
     store failures names the reserve."""
-    redis = {"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5}
+    redis = {"url": f"redis://127.0.0.1:{refused_port()}/0", "socket_timeout_s": 0.5}
     proxy = await anthropic_proxy(make_proxy, fake.base_url, redis=redis)
     body = {"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
     reply = await call(proxy, MESSAGES, body=body, headers={"x-request-id": "req-store-down"})
@@ -382,7 +382,7 @@ async def test_a_billing_view_with_the_store_down_is_a_503_with_retry_advice(
     make_proxy: ProxyFactory,
 ) -> None:
     """A view the error middleware answers: the SDK's retry advice as on a billed call."""
-    redis = {"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5}
+    redis = {"url": f"redis://127.0.0.1:{refused_port()}/0", "socket_timeout_s": 0.5}
     proxy = await make_proxy(redis=redis)
     reply = await call(proxy, "/v1/billing/keys/self", method="GET")
     error = assert_openai_error(reply, 503)
@@ -399,7 +399,7 @@ async def test_health_and_readiness_bodies(make_proxy: ProxyFactory) -> None:
     for path, status, said in [("/healthz", 200, {"status": "ok"}), ("/readyz", 200, {"status": "ready"})]:
         reply = await call(proxy, path, method="GET", key=None)
         assert (reply.status, reply.json()) == (status, said), reply.describe()
-    redis = {"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5}
+    redis = {"url": f"redis://127.0.0.1:{refused_port()}/0", "socket_timeout_s": 0.5}
     down = await make_proxy(redis=redis)
     reply = await call(down, "/readyz", method="GET", key=None)
     assert (reply.status, reply.json()) == (503, {"status": "unavailable", "store": "unreachable"})

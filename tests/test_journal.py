@@ -22,9 +22,10 @@ import redis.asyncio as aioredis
 
 from proxy.journal import Journal
 from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.settle import release_unforwarded_off_loop, settle_or_journal
+from tests.conftest import refused_port
 from tests.test_billed_usage import chat, planned
 from tests.test_reaper import ScriptsInFlight
 from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
@@ -170,7 +171,7 @@ async def test_a_disk_slow_to_sync_does_not_hold_the_event_loop_while_a_settle_i
 ) -> None:
     """During an outage every settle is journaled, durable (fsync) before its call goes on. On
     the event loop, a disk slow to sync held every other call of the process meanwhile."""
-    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing there: it fails
+    store = RedisStore.from_url(f"redis://127.0.0.1:{refused_port()}/0")  # nothing there: it fails
     journal = Journal(tmp_path / "journal")
     try:
         entry_id, stored = await settle_or_journal(store, journal, _line("journaled"))

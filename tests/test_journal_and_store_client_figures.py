@@ -25,10 +25,10 @@ from proxy.errors import StoreError, StoreRejected
 from proxy.journal import Journal, store_tag
 from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement
 from proxy.redis_failures import SENT_BEFORE, never_sent, transient
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.resp import ConnectionLost, PipelinedConnection, RespError
-from tests.conftest import busy_script, until_redis_busy
+from tests.conftest import busy_script, refused_port, until_redis_busy
 from tests.test_journal import HeldSyncs, _line
 from tests.test_journal_lines import GatedStore
 from tests.test_redis_failures import Send, reply_error
@@ -646,7 +646,7 @@ async def test_a_damaged_record_of_a_call_in_flight_leaves_the_scope_view_readab
 
 async def test_every_read_of_a_store_that_cannot_be_reached_fails_as_a_store_error() -> None:
     # A StoreError is what the views answer 503 for: anything else is a 500 and a traceback.
-    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    store = RedisStore.from_url(f"redis://127.0.0.1:{refused_port()}/0")
     try:
         with pytest.raises(StoreError):
             await store.meters("lbp:{team-a}:run:r1")

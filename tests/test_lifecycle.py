@@ -14,7 +14,7 @@ from aiohttp import web
 
 from proxy.app import build_app, server_options
 from proxy.config_load import parse_config
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from proxy.workers import GC_YOUNG_THRESHOLD
@@ -24,6 +24,7 @@ from tests.conftest import (
     ProxyFactory,
     base_config,
     busy_script,
+    refused_port,
     slow_stream,
     unread_at,
     until_redis_busy,
@@ -107,7 +108,7 @@ async def test_health_and_readiness(make_proxy: ProxyFactory) -> None:
 async def test_store_down_at_start_gives_503_and_no_upstream_call(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
-    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5})
+    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{refused_port()}/0", "socket_timeout_s": 0.5})
     async with aiohttp.ClientSession() as session:
         async with session.get(proxy.url + "/readyz") as resp:
             assert resp.status == 503
@@ -126,7 +127,7 @@ BILLING_VIEWS = ["/v1/billing/runs/r1", "/v1/billing/runs/r1/ledger", "/v1/billi
 async def test_the_billing_views_answer_503_while_the_store_is_down(
     make_proxy: ProxyFactory, path: str
 ) -> None:
-    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5})
+    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{refused_port()}/0", "socket_timeout_s": 0.5})
     async with aiohttp.ClientSession() as session:
         async with session.get(proxy.url + path, headers={"Authorization": f"Bearer {KEY_A}"}) as resp:
             assert resp.status == 503

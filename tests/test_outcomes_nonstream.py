@@ -10,9 +10,8 @@ import pytest
 import tiktoken
 
 from proxy.observe import Observation
-from proxy.redis_server import free_port
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import (
     CHARS_PROMPT_TOKENS,
@@ -427,7 +426,7 @@ async def test_upstream_timeout_before_headers(make_proxy: ProxyFactory, fake: F
 
 
 async def test_upstream_connection_refused(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
-    closed = f"http://127.0.0.1:{free_port()}/v1"
+    closed = f"http://127.0.0.1:{refused_port()}/v1"
     proxy = await make_proxy(upstreams=upstream_override(closed))
     async with proxy.client() as client:
         with pytest.raises(openai.InternalServerError) as caught:

@@ -16,9 +16,15 @@ import pytest
 from aiohttp import web
 from openai.types.chat import ChatCompletionChunk
 
-from proxy.redis_server import free_port
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, leave_once_upstream_received
+from tests.conftest import (
+    KEY_A,
+    UPSTREAM_KEY,
+    Proxy,
+    ProxyFactory,
+    leave_once_upstream_received,
+    refused_port,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import (
     CHARS_PROMPT_TOKENS,
@@ -635,7 +641,7 @@ BEFORE_THE_STREAM = [
 async def test_upstream_failure_before_the_stream(
     make_proxy: ProxyFactory, fake: FakeUpstream, ctl: JsonDict, status: int, outcome: str, charge: str
 ) -> None:
-    base_url = f"http://127.0.0.1:{free_port()}/v1" if charge == "none" else fake.base_url
+    base_url = f"http://127.0.0.1:{refused_port()}/v1" if charge == "none" else fake.base_url
     proxy = await make_proxy(upstreams=upstream_override(base_url, timeout_s=1))
     with pytest.raises(openai.APIStatusError) as caught:
         await sdk_stream(proxy, "r1", ctl)

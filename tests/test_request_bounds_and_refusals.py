@@ -17,9 +17,8 @@ import redis.asyncio as aioredis
 
 from proxy.errors import BadRequest
 from proxy.payload import MAX_TOKENS_LIMIT, Endpoint, parse_body, set_output_cap
-from proxy.redis_server import free_port
 from proxy.state import STATE
-from tests.conftest import KEY_A, KEY_B, Proxy, ProxyFactory, digest
+from tests.conftest import KEY_A, KEY_B, Proxy, ProxyFactory, digest, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import auth, run_headers, the_entry
 from tests.test_bad_input import _raw, assert_refused, dumps, send
@@ -296,7 +295,7 @@ async def test_a_store_down_503_tells_the_sdk_to_retry_after_a_second(
     """The OpenAI SDKs read ``x-should-retry`` before the status, and ``retry-after`` for the
     wait: without them a store outage of a second was a failure the client never retried (or a
     retry at once)."""
-    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{free_port()}/0", "socket_timeout_s": 0.5})
+    proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{refused_port()}/0", "socket_timeout_s": 0.5})
     async with (
         aiohttp.ClientSession() as session,
         session.post(proxy.url + CHAT, json=CHAT_BODY, headers={"Authorization": f"Bearer {KEY_A}"}) as resp,

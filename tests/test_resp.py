@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.redis_server import RedisServerProcess, free_port
+from proxy.redis_server import RedisServerProcess
 from proxy.resp import ConnectionLost, PipelinedConnection, RespError
-from tests.conftest import KEY_A, ProxyFactory, busy_script
+from tests.conftest import KEY_A, ProxyFactory, busy_script, refused_port
 
 
 async def test_every_kind_of_argument_arrives_as_sent(redis_server: RedisServerProcess) -> None:
@@ -167,7 +167,7 @@ async def test_on_sent_is_told_once_the_command_is_written_not_when_queued(
 
 
 async def test_on_sent_is_not_told_of_a_command_never_written() -> None:
-    pipe = PipelinedConnection(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1)
+    pipe = PipelinedConnection(f"redis://127.0.0.1:{refused_port()}/0", timeout_s=1)
     told: list[str] = []
     try:
         with pytest.raises(ConnectionLost) as refused:
@@ -230,7 +230,7 @@ async def test_a_readonly_reply_has_the_next_call_connect_again(tmp_path: Path) 
     admin = aioredis.from_url(server.url, decode_responses=True)
     try:
         first = await pipe.call("CLIENT", "ID")
-        await admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a master never there
+        await admin.execute_command("REPLICAOF", "127.0.0.1", str(refused_port()))  # a master never there
         with pytest.raises(RespError, match="READONLY"):
             await pipe.call("SET", "k", "v")
         await admin.execute_command("REPLICAOF", "NO", "ONE")  # the address names a master again

@@ -26,9 +26,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from proxy.redis_server import free_port
 from proxy.store import TENANTS_KEY
-from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
+from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import _raw
 
@@ -616,7 +615,7 @@ async def test_upstream_key_never_in_any_response(proxy: Proxy) -> None:
 async def test_upstream_key_never_in_transport_failure_responses(
     make_proxy: ProxyFactory, redis_client: aioredis.Redis
 ) -> None:
-    closed = f"http://127.0.0.1:{free_port()}/v1"
+    closed = f"http://127.0.0.1:{refused_port()}/v1"
     proxy = await make_proxy(upstreams=upstream_config(closed))
     for body in (CHAT_BODY, {**CHAT_BODY, "stream": True}):
         reply = await call(proxy, CHAT, body=body)
@@ -696,7 +695,7 @@ async def test_upstream_key_never_in_logs(
     caplog.set_level(logging.DEBUG)
     await mixed_workload(proxy)
     # Failures the proxy logs at error level: an unreachable upstream.
-    unreachable = await make_proxy(upstreams=upstream_config(f"http://127.0.0.1:{free_port()}/v1"))
+    unreachable = await make_proxy(upstreams=upstream_config(f"http://127.0.0.1:{refused_port()}/v1"))
     await call(unreachable, CHAT, body=CHAT_BODY)
     await call(unreachable, "/v1/models", method="GET")
     records = caplog.records
