@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -11,11 +12,20 @@ from pathlib import Path
 
 from proxy.redis_server import RedisServerProcess
 
+# Node ports from here, bus ports (+ 10000) from 20000: both below the range the kernel hands
+# out for port 0 (32768 and up), where the suite's other servers and clients take theirs.
+_NODE_PORTS = range(10000, 16384)
+
 
 def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    """A free port whose cluster bus port (port + 10000) is free and valid too, from a share of
+    ``_NODE_PORTS`` no other process of the suite (pytest-xdist's workers) picks from."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = len(_NODE_PORTS) // max(workers, 1)
+    first = _NODE_PORTS.start + share * (int(worker) if worker.isdigit() else 0) % len(_NODE_PORTS)
     for _ in range(200):
-        port = random.randint(20000, 50000)
+        port = random.randint(first, first + share - 1)
         try:
             for candidate in (port, port + 10000):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
