@@ -17,15 +17,18 @@ from proxy.redis_server import RedisServerProcess
 _NODE_PORTS = range(10000, 16384)
 
 
-def cluster_port() -> int:
+def cluster_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
     """A free port whose cluster bus port (port + 10000) is free and valid too, from a share of
-    ``_NODE_PORTS`` no other process of the suite (pytest-xdist's workers) picks from."""
+    ``_NODE_PORTS`` no other process of the suite (pytest-xdist's workers) picks from, and not
+    one of ``taken`` (a cluster's ports are all picked before its first node binds one)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     share = len(_NODE_PORTS) // max(workers, 1)
     first = _NODE_PORTS.start + share * (int(worker) if worker.isdigit() else 0) % len(_NODE_PORTS)
     for _ in range(200):
         port = random.randint(first, first + share - 1)
+        if port in taken:
+            continue
         try:
             for candidate in (port, port + 10000):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -41,7 +44,7 @@ class RedisClusterProcesses:
         self.replicas = replicas
         self.nodes: list[RedisServerProcess] = []
         for i in range(masters * (1 + replicas)):
-            port = cluster_port()
+            port = cluster_port({node.port for node in self.nodes if node.port is not None})
             self.nodes.append(
                 RedisServerProcess(
                     base_dir / f"node{i}",
@@ -68,26 +71,30 @@ class RedisClusterProcesses:
         return self.nodes[0].url
 
     def start(self, timeout_s: float = 30.0) -> RedisClusterProcesses:
-        for node in self.nodes:
-            node.start()
-        cli = shutil.which("redis-cli")
-        assert cli, "redis-cli is needed to form the cluster"
-        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        subprocess.run(
-            [
-                cli,
-                "--cluster",
-                "create",
-                *addresses,
-                "--cluster-replicas",
-                str(self.replicas),
-                "--cluster-yes",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        self.wait_ok(timeout_s)
+        try:
+            for node in self.nodes:
+                node.start()
+            cli = shutil.which("redis-cli")
+            assert cli, "redis-cli is needed to form the cluster"
+            addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+            subprocess.run(
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *addresses,
+                    "--cluster-replicas",
+                    str(self.replicas),
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            self.wait_ok(timeout_s)
+        except BaseException:
+            self.stop()  # the nodes it started: no fixture's teardown runs for a start that failed
+            raise
         return self
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
