@@ -169,10 +169,10 @@ async def test_a_stream_call_redirected_with_an_event_stream_is_still_a_redirect
     # Only a success is relayed as a stream: a 300 that happens to say text/event-stream is not
     # an answer either, and the SDK must be told not to retry it.
     proxy = await proxy_before(make_proxy, script.base_url)
-    path, request = CHAT
     events = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
-    script.plan = Plan(status=300, content_type="text/event-stream", chunks=[events])
-    reply = await send(proxy, lambda: script.received, redis_client, path, dumps({**request, "stream": True}))
+    reply = await answer(
+        proxy, script, redis_client, 300, events, stream=True, content_type="text/event-stream"
+    )
     (entry,) = reply.new_entries
     assert (reply.status, reply.json()["error"]["code"]) == (502, "upstream_redirect"), reply.describe()
     assert reply.headers["x-should-retry"] == "false"
@@ -185,9 +185,7 @@ async def test_a_stream_call_answered_with_a_whole_json_body_is_relayed_and_bill
     # A gateway that ignores ``stream`` answers JSON: read as an event stream it has no events,
     # and the call's usage, right there in the body, would be lost for the reserve.
     proxy = await proxy_before(make_proxy, script.base_url)
-    path, request = CHAT
-    script.plan = Plan(chunks=[dumps(chat_body())])
-    reply = await send(proxy, lambda: script.received, redis_client, path, dumps({**request, "stream": True}))
+    reply = await answer(proxy, script, redis_client, 200, dumps(chat_body()), stream=True)
     (entry,) = reply.new_entries
     assert (reply.status, reply.body) == (200, dumps(chat_body())), reply.describe()
     assert reply.headers["content-type"].startswith("application/json")

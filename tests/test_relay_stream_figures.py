@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
-from aiohttp import web
 
 from proxy.state import STATE
 from tests.conftest import UPSTREAM_KEY, ProxyFactory, digest
@@ -16,7 +15,7 @@ from tests.outcome_helpers import MODEL, MSGS, data_chunks, parse_sse, raw_post,
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams, send
 from tests.test_metrics import ADMIN, scrape, total
 from tests.test_outcomes_stream import REJECT_ALL, raw_stream
-from tests.test_stream_dialects import CHAT, CONTENT, FINISH, USAGE, chunk, proxy_for
+from tests.test_stream_dialects import CHAT, CONTENT, FINISH, USAGE, CutAfterTheEnd, chunk, proxy_for
 
 CHAT_PATH = "/v1/chat/completions"
 DONE = b"data: [DONE]\n\n"
@@ -135,19 +134,10 @@ async def test_a_rejected_streams_error_event_carries_the_same_type_and_code_as_
     assert (await the_entry(proxy, "streamed"))["outcome"] == "rejected:output-truncated"
 
 
-class BrokenAfterDone(ScriptedUpstream):
-    """Sends its plan, then breaks the connection a moment later, its body never ended."""
+class BrokenAfterDone(CutAfterTheEnd):
+    """Breaks the connection while the proxy waits in its drain after [DONE]."""
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        self.received.append(await request.read())
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for piece in self.plan.chunks:
-            await resp.write(piece)
-        await asyncio.sleep(0.2)  # the proxy waits in its drain after [DONE] meanwhile
-        assert request.transport is not None
-        request.transport.close()
-        return resp
+    linger_s = 0.2
 
 
 async def test_a_body_broken_after_done_is_the_upstreams_time_not_the_proxys(

@@ -317,8 +317,11 @@ async def test_an_empty_finish_reason_does_not_finish_a_stream_cut_short(
     assert b"event: error" in reply.body
 
 
-class _CutAfterTheEnd(ScriptedUpstream):
-    """Sends its plan, then drops the connection without ending the chunked body."""
+class CutAfterTheEnd(ScriptedUpstream):
+    """Sends its plan, then drops the connection ``linger_s`` later without ending the chunked
+    body."""
+
+    linger_s = 0.05
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.received.append(await request.read())
@@ -326,7 +329,7 @@ class _CutAfterTheEnd(ScriptedUpstream):
         await response.prepare(request)
         for piece in self.plan.chunks:
             await response.write(piece)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(self.linger_s)
         assert request.transport is not None
         request.transport.close()
         return response
@@ -337,7 +340,7 @@ async def test_a_connection_broken_past_the_answers_end_takes_nothing_from_it(
     make_proxy: ProxyFactory, redis_client: aioredis.Redis, after: bytes
 ) -> None:
     """The client had the whole answer and no error; the ledger said upstream_error."""
-    cut = _CutAfterTheEnd()
+    cut = CutAfterTheEnd()
     await cut.start()
     try:
         proxy = await proxy_for(make_proxy, cut)

@@ -24,12 +24,26 @@ CALLER = Identity(tenant="team-a", tier="standard", key_name="a")
 
 
 async def answer(
-    proxy: Any, script: ScriptedUpstream, redis_client: aioredis.Redis, status: int, body: bytes, **plan: Any
+    proxy: Any,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    status: int,
+    body: bytes,
+    *,
+    stream: bool = False,
+    **plan: Any,
 ) -> Reply:
-    """The chat call ``CHAT`` answered ``status`` and ``body`` by the scripted upstream."""
+    """The chat call ``CHAT`` (``stream``: asking for a stream) answered ``status`` and ``body``
+    by the scripted upstream."""
     script.plan = Plan(status=status, chunks=[body], **plan)
     path, request = CHAT
-    return await send(proxy, lambda: script.received, redis_client, path, dumps(request))
+    return await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        path,
+        dumps({**request, "stream": True} if stream else request),
+    )
 
 
 def assert_billed_at_reserve(entry: dict[str, Any]) -> None:
