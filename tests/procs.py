@@ -18,6 +18,32 @@ from proxy.redis_server import free_port
 from tests.conftest import TEST_EVENT_LOOP, UPSTREAM_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
+_TCP_LISTEN = "0A"  # /proc/net/tcp's state field
+
+
+def listening_inodes(port: int) -> set[str]:
+    """The inodes of the IPv4 and IPv6 sockets listening on ``port`` (``/proc/net/tcp``)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == _TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    return inodes
+
+
+def sockets_of(pids: list[int]) -> set[str]:
+    """The inodes of the sockets the processes ``pids`` hold open."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+    return inodes
 
 
 class ProxyProcess:
@@ -26,9 +52,14 @@ class ProxyProcess:
     naming ``--upstream``."""
 
     def __init__(
-        self, raw_config: dict[str, Any] | None, workdir: Path, *, args: tuple[str, ...] = ()
+        self,
+        raw_config: dict[str, Any] | None,
+        workdir: Path,
+        *,
+        args: tuple[str, ...] = (),
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         if raw_config is None:
             self.args: tuple[str, ...] = (*args, "--port", str(self.port))
@@ -68,12 +99,21 @@ class ProxyProcess:
                 raise RuntimeError(f"proxy exited: {self.log_path.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/readyz", timeout=1) as resp:
-                    if resp.status == 200:
+                    # Answered by this proxy, not by another test process's that took the port
+                    # picked free first (this one then fails to bind it, and exits).
+                    if resp.status == 200 and self._listening():
                         return self
             except OSError:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"proxy did not become ready: {self.log_path.read_text()[-2000:]}")
+
+    def _listening(self) -> bool:
+        """Whether every socket listening on the port is this proxy's (its own or its workers',
+        ``--workers`` binding it with SO_REUSEPORT, as another proxy's workers could too)."""
+        assert self.process is not None
+        inodes = listening_inodes(self.port)
+        return bool(inodes) and inodes <= sockets_of([self.process.pid, *self.workers()])
 
     def signal(self, sig: signal.Signals) -> None:
         if self.process is not None and self.process.poll() is None:
