@@ -260,9 +260,9 @@ async def open_upstream(
         headers = upstream_headers(call.upstream, call.identity)
         headers.update(call.feature_headers)
         # A stream's headers within timeout_s of its connection, as a whole answer's: sock_read
-        # alone starts again at every byte, so headers that trickled in held the call past it
-        # (and past its lease, renewed only once the stream has started). Never first in the
-        # connect: that is connect_timeout_s's, and a call never connected is billed nothing.
+        # alone starts again at every byte, so headers that trickled in held the call for as
+        # long as they came. Never first in the connect: that is connect_timeout_s's, and a call
+        # never connected is billed nothing.
         up = call.upstream
         async with asyncio.timeout(up.connect_timeout_s + up.timeout_s if call.stream else None):
             return await session.post(

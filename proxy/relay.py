@@ -319,33 +319,17 @@ class Exchange:
                     "The client closed the connection before the call went out.",
                     NOTHING_BILLED,
                 )
-            started = time.monotonic()
-            upstream = await open_upstream(
-                self.services.session, self.call, self.request.rel_url.raw_query_string
-            )
-            self.upstream_s += time.monotonic() - started
-            if isinstance(upstream, TransportFailure):
-                return await self._transport_failure(upstream)
+            # A stream call's lease is renewed from the moment it goes out: its headers may take
+            # its connection's time and timeout_s more, its body is bounded only by its silences
+            # (``timeout_for``), and its lease covers timeout_s (a whole answer's every wait).
+            renewal = None
+            if self.call.stream:
+                renewal = LeaseRenewal(self.call, self.services.store, self.services.metrics)
             try:
-                self.call.upstream_status = upstream.status
-                self.provider_headers = provider_headers(upstream, self.operator_secrets)
-                sse = upstream.content_type == "text/event-stream"
-                if self.call.stream and upstream.status < 300 and sse:
-                    return await relay_stream(self, upstream)  # renews the lease itself
-                # A stream call's body is bounded only by its silences (``timeout_for``): a JSON
-                # body or an error page that comes slowly keeps its lease renewed, as a stream.
-                renewal = None
-                if self.call.stream:
-                    renewal = LeaseRenewal(self.call, self.services.store, self.services.metrics)
-                try:
-                    if upstream.status >= 300:  # redirects are not followed: not an answer either
-                        return await relay_upstream_error(self, upstream)
-                    return await relay_body(self, upstream)
-                finally:
-                    if renewal is not None:
-                        renewal.stop()
+                return await self._forward(renewal)
             finally:
-                upstream.close()
+                if renewal is not None:
+                    renewal.stop()
         except asyncio.CancelledError:
             # The server is shutting down past its grace period: a call that went out is
             # charged at its reserve unless the provider already told us its usage.
@@ -357,6 +341,25 @@ class Exchange:
             if self._settling is None:
                 # An unexpected error after the call went out: charged, never dropped.
                 await self.settle(Outcome("upstream_error"), self._cut_usage())
+
+    async def _forward(self, renewal: LeaseRenewal | None) -> web.StreamResponse:
+        started = time.monotonic()
+        query = self.request.rel_url.raw_query_string
+        upstream = await open_upstream(self.services.session, self.call, query)
+        self.upstream_s += time.monotonic() - started
+        if isinstance(upstream, TransportFailure):
+            return await self._transport_failure(upstream)
+        try:
+            self.call.upstream_status = upstream.status
+            self.provider_headers = provider_headers(upstream, self.operator_secrets)
+            sse = upstream.content_type == "text/event-stream"
+            if renewal is not None and upstream.status < 300 and sse:
+                return await relay_stream(self, upstream, renewal)
+            if upstream.status >= 300:  # redirects are not followed: not an answer either
+                return await relay_upstream_error(self, upstream)
+            return await relay_body(self, upstream)
+        finally:
+            upstream.close()
 
     def _cut_usage(self) -> BilledUsage:
         """What bills a call cut short: nothing while its connection to the upstream was still

@@ -50,7 +50,11 @@ class _EventStream(web.StreamResponse):
     _send_headers_immediately = False
 
 
-async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+async def relay_stream(
+    ex: Exchange, upstream: aiohttp.ClientResponse, renewal: LeaseRenewal
+) -> web.StreamResponse:
+    """``renewal``: the call's lease renewal, stopped here once the stream has ended (before
+    its settle)."""
     call = ex.call
     obs = ex.obs
     response = _EventStream(
@@ -78,7 +82,6 @@ async def relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.St
         obs, dialect=call.dialect, choices=call.choices, client_wants_usage=call.client_wants_usage
     )
     guard = StallGuard(upstream, call.upstream.timeout_s)
-    renewal = LeaseRenewal(call, ex.services.store, ex.services.metrics)
     body = BodyReader(upstream.content)
     # Looked up once: the loop runs once per read of the upstream, often once per event.
     next_piece = body.read

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
@@ -84,3 +88,100 @@ async def test_a_stream_call_answered_by_a_slow_json_body_keeps_its_lease(
     assert await redis_client.zcard("lbp:{team-a}:leases") == 0
     run = await redis_client.hgetall("lbp:{team-a}:run:slow-json")
     assert run["resv:total_tokens"] == "0" and run["resv:concurrent"] == "0"
+
+
+class SlowDoor:
+    """A loopback port whose connections go through only after a while: its accept queue is
+    full, so the kernel leaves a client's handshake unfinished (it tries again 1 s later, then 2 s
+    after that); ``open`` empties the queue, and each connection from then on is piped to
+    ``port``."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        self.listener.setblocking(False)
+        self.fillers = []
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(self.listener.getsockname())
+            self.fillers.append(filler)
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+        self.pipes: set[asyncio.Task[None]] = set()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+
+    async def open(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self.listener.accept()[0].close()
+        self.server = await asyncio.start_server(self._pipe, sock=self.listener)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.pipes.add(asyncio.current_task())  # type: ignore[arg-type]
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [writer, up_writer]
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            finally:
+                sink.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Closed, its pipes ended (each reads the end of its connections)."""
+        if self.server is not None:
+            self.server.close()
+            for writer in self.writers:
+                writer.close()
+            await asyncio.gather(*self.pipes)
+        for sock in (*self.fillers, self.listener):
+            sock.close()
+
+
+async def test_a_stream_whose_connection_outlasts_its_lease_keeps_it(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A stream's headers may take its connection's time (up to ``connect_timeout_s``: a name
+    to resolve, a TCP or TLS handshake) and ``timeout_s`` more, where its lease covers
+    ``timeout_s`` and ``limits.lease_margin_s``, and it was renewed only once the stream had
+    started: a connection slower than the margin let a reaper bill the live call at its reserve
+    (``lease_expired``), and the provider's usage was thrown away."""
+    door = SlowDoor(fake.port)
+    try:
+        upstream = {"base_url": door.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 1}
+        proxy = await make_proxy(
+            upstreams={"openai": {**upstream, "connect_timeout_s": 10}},
+            limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1, "reap_grace_s": 0},  # lease 1.5 s
+        )
+        body = {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 30,
+            "fake": {"reply_tokens": 30},
+        }
+        async with aiohttp.ClientSession() as session:
+            headers = {"Authorization": f"Bearer {KEY_A}"}
+            url = proxy.url + "/v1/chat/completions"
+            call = asyncio.ensure_future(session.post(url, json=body, headers=headers))
+            await asyncio.sleep(2)  # past the lease (and a reaper's round after it)
+            assert not fake.received
+            await door.open()
+            resp = await call
+            text = await resp.read()
+        assert text.endswith(b"data: [DONE]\n\n")
+        ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
+        assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "30")
+        assert await redis_client.zcard("lbp:{team-a}:leases") == 0
+    finally:
+        await door.close()
