@@ -95,12 +95,14 @@ def without_usage_null(data: bytes) -> bytes | None:
     return cut
 
 
-def dumps_chunk(obj: dict[str, Any]) -> bytes:
-    try:
+def dumps_chunk(obj: dict[str, Any], *, read_by_orjson: bool) -> bytes:
+    """A chunk parsed by ``observe.parse_event_data`` written again. Only Python's ``json`` read
+    one holding a lone surrogate escape (a text cut inside an emoji), NaN or Infinity (a logprob
+    of -inf, as a Python server writes it): it writes them again as they came, where orjson
+    would write NaN and Infinity as null."""
+    if read_by_orjson:
         return orjson.dumps(obj)
-    except orjson.JSONEncodeError:
-        # A lone surrogate (a text cut inside an emoji), which parse_json takes: escaped again.
-        return json.dumps(obj, separators=(",", ":")).encode()
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def is_done(data: bytes) -> bool:
@@ -117,8 +119,8 @@ def odd_texts(texts: bytes) -> bool:
     if len(texts.translate(None, CONTROL)) != len(texts):
         return True
     if not texts.isascii():
-        try:  # as Python's json reads bytes (which the client's SDK does)
-            texts.decode("utf-8", "surrogatepass")
+        try:  # as the client's SDK decodes a stream's lines (``observe.parse_event_data``)
+            texts.decode("utf-8")
         except UnicodeDecodeError:
             return True
     if QUOTE not in texts and BACKSLASH not in texts:

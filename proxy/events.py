@@ -34,7 +34,7 @@ from proxy.chunks import (
     without_usage_null,
 )
 from proxy.dialects import Dialect
-from proxy.observe import Observation, parse_json, string_end
+from proxy.observe import Observation, parse_event_data, string_end
 
 # Tries at learning a template per stream: a stream whose events never fit one stops trying.
 _TEMPLATE_TRIES = 3
@@ -69,6 +69,9 @@ class EventFilter:
         self._cut = operator.itemgetter(slice(0))
         # Where template events' texts go: the observation's list of choice 0's content.
         self._sink: list[str | bytes] = []
+        # The service tier the template names (None: none), which prices the call: each
+        # template event names it again, as the per-event path reads it (last one wins).
+        self._tier: str | None = None
         # The client's version of the template when it did not ask for usage (empty: the same).
         self._stripped_suffix = b""
         self._stripped_separator = b""
@@ -158,6 +161,8 @@ class EventFilter:
         if text:
             self._sink.append(text)
         self.obs.chunks += 1
+        if self._tier is not None:
+            self.obs.service_tier = self._tier
         self.run_events += 1
         return True
 
@@ -279,6 +284,8 @@ class EventFilter:
 
     def _pass_run(self, run: bytes, texts: list[bytes]) -> bytes:
         self.obs.raw_run(0, b"".join(texts), len(texts))
+        if self._tier is not None:
+            self.obs.service_tier = self._tier
         self.run_events += len(texts)
         if self._stripped_suffix:
             return self._prefix + self._stripped_separator.join(texts) + self._stripped_suffix
@@ -331,6 +338,7 @@ class EventFilter:
         self._prefix_len, self._suffix_len = len(prefix), len(suffix)
         self._cut = operator.itemgetter(slice(len(prefix), 2 - len(suffix)))
         self._sink = self.obs.contents.setdefault(0, [])
+        self._tier = scratch.service_tier
         self._separator = suffix + prefix
         if stripped:
             self._stripped_suffix = stripped
@@ -351,7 +359,7 @@ class EventFilter:
     def _typed_event(self, event: bytes, data: bytes) -> bytes:
         """Responses / Anthropic events: observed, passed on unchanged."""
         try:
-            obj = parse_json(data)
+            obj, _ = parse_event_data(data)
         except ValueError:
             self.obs.malformed = True
             return event + b"\n\n"
@@ -395,7 +403,7 @@ class EventFilter:
         # Parsed whole, even a plain content delta: the SDK parses it too, and a chunk it
         # cannot read is a malformed answer. (Runs of template events skip this: see _run.)
         try:
-            obj = parse_json(data)
+            obj, read_by_orjson = parse_event_data(data)
         except ValueError:
             self.obs.malformed = True
             return event + b"\n\n"
@@ -414,4 +422,4 @@ class EventFilter:
             # provider's error event carrying the usage so far: the SDK raises that one.
             return None
         obj.pop("usage")
-        return data_event(dumps_chunk(obj), event)
+        return data_event(dumps_chunk(obj, read_by_orjson=read_by_orjson), event)

@@ -388,6 +388,21 @@ def parse_json(data: bytes) -> Any:
             raise ValueError("JSON nested too deep") from None
 
 
+def parse_event_data(data: bytes) -> tuple[Any, bool]:
+    """An event's data as JSON, as the client's SDK reads a stream's chunk: its lines decoded
+    as strict UTF-8 (a byte order mark kept, which JSON then refuses, and bytes that are not
+    UTF-8, a surrogate encoded raw among them, refused), then Python's ``json`` (which takes a
+    lone surrogate escape, NaN and Infinity). With whether orjson read it: then orjson writes it
+    again as it came (``chunks.dumps_chunk``). ValueError when the SDK could not read it."""
+    try:
+        return orjson.loads(data), True
+    except orjson.JSONDecodeError:
+        try:
+            return json.loads(data.decode("utf-8")), False
+        except RecursionError:
+            raise ValueError("JSON nested too deep") from None
+
+
 def _unescape(escaped: bytes) -> str:
     try:
         # As the client's SDK reads it (a lone surrogate escape too, which orjson refuses).

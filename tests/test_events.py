@@ -11,6 +11,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai._streaming import SSEDecoder
 
 from proxy.dialects import DIALECTS
 from proxy.events import EventFilter
@@ -90,6 +91,7 @@ ODD = (
     content("tok ").replace(b'"content":"tok "', b'"content":"'),
     content("tok ", usage_null=False),
     content("tok ", created=2),
+    content("tok ", service_tier="priority"),
     b'data: {"error":{"message":"boom"}}\n\n',
     b"event: x\ndata: " + content("multi")[6:],
     # Not JSON, which the client's SDK refuses: a raw control byte, escapes JSON has not.
@@ -134,6 +136,7 @@ def relay(stream: bytes, cuts: list[int], *, runs: bool, wants_usage: bool, choi
         obs.done,
         obs.chunks,
         obs.first_token_at is None,
+        obs.service_tier,
     )
     return out, seen, events.run_events
 
@@ -477,3 +480,84 @@ def test_a_legacy_completion_s_top_logprob_token_usage_keeps_the_chunk_s_bytes()
     expected = chunk.replace(b',"usage":null}', b"}")
     assert out is not None and out.startswith(b"data: " + expected + b"\n\n"), out
     assert obs.content_of(0) == "usage"
+
+
+@pytest.mark.parametrize("one_event_a_read", [False, True])
+def test_template_events_name_their_service_tier_again(one_event_a_read: bool) -> None:
+    """The tier an answer names prices it (the last one named). An event that differs from the
+    template only in its tier is read alone and names its own; the template events after it
+    name the template's again, which the per-event path reads and the template path took no
+    notice of: the call was priced at the odd event's tier (the stream events hunt)."""
+    events = [
+        ROLE,
+        content("a", service_tier="default"),  # makes the template
+        content("b", service_tier="priority"),  # not the template: read alone
+        content("c", service_tier="default"),
+        content("d", service_tier="default"),
+    ]
+    stream = b"".join(events)
+    cuts = list(itertools.accumulate(map(len, events)))[:-1] if one_event_a_read else []
+    obs = {runs: Observation() for runs in (True, False)}
+    for runs, seen in obs.items():
+        filt = EventFilter(
+            seen, dialect=DIALECTS["chat.completions"], choices=1, client_wants_usage=False, runs=runs
+        )
+        for start, end in itertools.pairwise([0, *cuts, len(stream)]):
+            assert filt.read(stream[start:end], limit=1 << 20) is not None
+        assert filt.run_events == (2 if runs else 0)
+    assert obs[True].service_tier == obs[False].service_tier == "default"
+    assert obs[True].content_of(0) == "abcd"
+
+
+# A chunk whose data starts with a byte order mark, and one whose text holds a surrogate encoded
+# raw (b"\xed\xa0\xbd": not UTF-8). Python's json.loads(bytes) takes both (it drops the mark,
+# decodes with surrogatepass); the client's SDK decodes each line of a stream as strict UTF-8,
+# then json.loads(str), and takes neither.
+UNREADABLE = {
+    "mark-in-data": content(" world").replace(b"data: ", b"data: \xef\xbb\xbf", 1),
+    "raw-surrogate": content(" wXrld").replace(b"wXrld", b"w\xed\xa0\xbdrld"),
+}
+
+
+def sdk_reads(body: bytes) -> None:
+    for sse in SSEDecoder().iter_bytes(iter([body])):
+        if sse.data.startswith("[DONE]"):
+            return
+        sse.json()
+
+
+@pytest.mark.parametrize("runs", [True, False])
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+def test_a_chunk_the_sdk_cannot_read_is_a_malformed_answer(kind: str, runs: bool) -> None:
+    """Read as the SDK reads it: one it cannot read makes the answer an ``upstream_error``; these
+    two were read as Python's json reads bytes, and billed as a good answer (the stream events
+    hunt). After the template too, read alone or with others."""
+    stream = ROLE + content("Hello") + content("there") + UNREADABLE[kind] + finish() + USAGE + DONE
+    with pytest.raises(ValueError):  # JSONDecodeError, UnicodeDecodeError
+        sdk_reads(stream)
+    alone = len(ROLE) + len(content("Hello")) + len(content("there"))
+    for cuts in ([], [alone, alone + len(UNREADABLE[kind])]):
+        for wants_usage in (False, True):
+            seen = relay(stream, cuts, runs=runs, wants_usage=wants_usage)[1]
+            assert seen[5] is True, (cuts, wants_usage)  # malformed
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("nan"), 1e999], ids=["-Infinity", "NaN", "1e999"])
+def test_a_chunk_written_again_without_its_usage_keeps_its_values(value: float) -> None:
+    """A finish chunk that carries the usage (the client did not ask for it) is written again
+    without it. Python's json, the SDK's, reads -Infinity, NaN (a Python server writes them for
+    a logprob of -inf) and a number past a float's range; orjson wrote them as null, and the
+    client's SDK got a logprob of None (the stream events hunt)."""
+    logprobs = {"content": [{"token": "Hi", "logprob": value, "bytes": [72, 105], "top_logprobs": []}]}
+    choice = {"index": 0, "delta": {"content": "Hi"}, "logprobs": logprobs, "finish_reason": "stop"}
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    data = json.dumps({**BASE, "choices": [choice], "usage": usage}, separators=(",", ":")).encode()
+    if value == 1e999:
+        data = data.replace(b"Infinity", b"1e999")
+    stream = b"data: " + data + b"\n\n" + DONE
+    for runs in (True, False):
+        out, seen, _ = relay(stream, [], runs=runs, wants_usage=False)
+        assert b"prompt_tokens" not in out and seen[2] is not None and seen[0] == "Hi"
+        (sse,) = list(SSEDecoder().iter_bytes(iter([out])))
+        sent = sse.json()["choices"][0]["logprobs"]["content"][0]["logprob"]
+        assert isinstance(sent, float) and repr(sent) == repr(float(value)), out

@@ -279,6 +279,58 @@ async def test_a_stream_the_provider_ends_with_its_error_reaches_the_sdk_as_it_s
     assert entry["outcome"] == "upstream_error"  # billed as before: a failed answer
 
 
+def _chat_chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    data = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": [choice]}
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+_USAGE_CHUNK = (
+    b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"gpt-4o-mini","choices":[],'
+    b'"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\n\n'
+)
+_UNREADABLE_CHUNKS = {
+    "mark-in-data": _chat_chunk({"content": " world"}).replace(b"data: ", b"data: \xef\xbb\xbf", 1),
+    "raw-surrogate": _chat_chunk({"content": " wXrld"}).replace(b"wXrld", b"w\xed\xa0\xbdrld"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_UNREADABLE_CHUNKS))
+async def test_a_stream_the_sdk_cannot_read_is_not_billed_as_a_good_answer(
+    kind: str, make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """A chunk whose data starts with a byte order mark, or holds a surrogate encoded raw: the
+    SDK (strict UTF-8 per line, then ``json.loads``) raises on it, directly and through the
+    proxy, and the ledger said ``ok`` (the stream events hunt)."""
+    chunks = [
+        _chat_chunk({"role": "assistant", "content": ""}),
+        _chat_chunk({"content": "Hello"}),
+        _UNREADABLE_CHUNKS[kind],
+        _chat_chunk({}, "stop"),
+        _USAGE_CHUNK,
+        b"data: [DONE]\n\n",
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    direct = openai.AsyncOpenAI(base_url=script.base_url, api_key=UPSTREAM_KEY, max_retries=0)
+    async with direct, proxy.client() as client:
+        for sdk in (direct, client):
+            # Asking for usage, the client gets every chunk as it came (one written again to cut
+            # its usage would lose the mark, and hide what the provider sent).
+            stream = await sdk.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers={"X-Run-Id": "unreadable"},
+            )
+            with pytest.raises(ValueError):  # JSONDecodeError, UnicodeDecodeError
+                async for _ in stream:
+                    pass
+    [entry] = await ledger_entries(proxy, "unreadable")
+    assert entry["outcome"] == "upstream_error", entry
+
+
 # -- headers ----------------------------------------------------------------------------------
 
 
