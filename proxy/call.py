@@ -87,6 +87,10 @@ class Call:
     tier_rates: Mapping[str, dict[str, int]] = field(default_factory=dict)
     reserve_rates: dict[str, int] | None = None
     served_tier: str | None = None
+    # The model's long-context prices by tier (``ModelConfig.long_context``), for a call whose
+    # input passes ``long_context_above`` tokens (None: the model has none).
+    long_context_above: int | None = None
+    long_tier_rates: Mapping[str, dict[str, int]] = field(default_factory=dict)
     # The model's prices of hosted tools per 1,000 calls, in micro-units (``ModelConfig.tool_rates``;
     # empty: none priced, nearly every model). The calls reserved are the estimate's.
     tool_rates: Mapping[str, int] = field(default_factory=dict)
@@ -123,6 +127,15 @@ class Call:
         priced that tier; else those of the tier asked for."""
         served = self.tier_rates.get(self.served_tier) if self.served_tier else None
         return served if served is not None else self.rates
+
+    def rates_billed(self, input_tokens: int) -> dict[str, int] | None:
+        """``rates_served``, or their long-context counterpart for a call of ``input_tokens``
+        past the model's threshold."""
+        rates = self.rates_served
+        if rates is None or self.long_context_above is None or input_tokens <= self.long_context_above:
+            return rates
+        served = self.served_tier if self.served_tier in self.long_tier_rates else None
+        return self.long_tier_rates.get(served or self.service_tier or "default", rates)
 
     @property
     def writes_nothing(self) -> bool:

@@ -60,6 +60,23 @@ class PricePerMillion(Frozen):
         return self
 
 
+class LongContextPrices(Frozen):
+    """A model's prices for a call whose input passes a number of tokens: the whole call, its
+    input and its output, at these (Gemini's Pro models past 200K input tokens, OpenAI's past
+    272K, as their price lists say)."""
+
+    # Past this many input tokens (every kind: cached, cache writes and audio included).
+    above_input_tokens: int = Field(gt=0, le=10**12)
+    price_per_million: PricePerMillion
+    # The long-context prices of each processing tier the model prices (``service_tiers``).
+    service_tiers: dict[str, PricePerMillion] = {}  # noqa: RUF012 (a pydantic field)
+
+    @field_validator("above_input_tokens", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        return not_a_bool(value)
+
+
 # The bounds of a price per 1,000 calls of a hosted tool, as a price per million tokens's.
 ToolPrice = Annotated[Decimal, Field(ge=0, le=MAX_UNITS)]
 
@@ -114,6 +131,8 @@ class ModelConfig(Frozen):
     # web_search, web_fetch; OpenAI's Responses web_search, file_search): by tool name, any name
     # the answers count (``tool_fees``). A tool not named here costs nothing.
     price_per_thousand_calls: dict[str, ToolPrice] = {}  # noqa: RUF012 (a pydantic field)
+    # Dearer prices past a number of input tokens (None: the same prices at any length).
+    long_context: LongContextPrices | None = None
 
     @cached_property
     def tool_rates(self) -> dict[str, int]:
@@ -178,4 +197,20 @@ class ModelConfig(Frozen):
         for name in self.service_tiers:
             if name in ("auto", "default"):
                 raise ValueError(f"service_tiers.{name}: the default tier's prices are price_per_million")
+        long = self.long_context
+        if long is not None:
+            if self.price_per_million is None:
+                raise ValueError("long_context: price_per_million (the prices below it) is needed too")
+            # A tier's long calls at its short prices would be billed below their cost.
+            unpriced = sorted(set(self.service_tiers) - set(long.service_tiers))
+            if unpriced:
+                raise ValueError(
+                    f"long_context.service_tiers: no long-context prices for the tier '{unpriced[0]}' "
+                    "(service_tiers prices it): price each tier past the threshold too"
+                )
+            stray = sorted(set(long.service_tiers) - set(self.service_tiers))
+            if stray:
+                raise ValueError(
+                    f"long_context.service_tiers.{stray[0]}: not a tier of service_tiers (price it there too)"
+                )
         return self

@@ -32,7 +32,7 @@ from proxy.payload import (
     set_output_cap,
 )
 from proxy.pricing import tool_fees_exact
-from proxy.service_tiers import asked_tier, dearest, rates_for, tier_rates
+from proxy.service_tiers import asked_tier, dearest, long_tier_rates, rates_for, tier_rates
 from proxy.tokenizer import Tokenizer, encoding_for_model
 from proxy.tool_fees import counted_as, reserved_tool_calls
 
@@ -165,7 +165,8 @@ def plan_call(
         json_mode = isinstance(form, dict) and form.get("type") == "json_schema"
     service_tier, rates = rates_for(view, model_config)
     tiers = tier_rates(model_config)
-    reserve_rates = rates
+    # The tiers that may serve the call: it is reserved at the dearest of their prices.
+    reserved_tiers = [service_tier or "default"]
     if rates is not None and len(tiers) > 1 and asked_tier(view) in (None, "auto"):
         # Served by the tier the client's project defaults to (priority, say), which the proxy
         # cannot know: reserved at the dearest priced tier, billed at the one the answer names.
@@ -174,7 +175,7 @@ def plan_call(
         unasked = FAST_TIERS
         if isinstance(view, MessagesBody) and view.inference_geo is not None:
             unasked = _OUTSIDE_THE_US
-        reserve_rates = dearest(rates for name, rates in tiers.items() if name not in unasked)
+        reserved_tiers = [name for name in tiers if name not in unasked]
     elif (
         rates is not None
         and service_tier == FAST_TIER
@@ -184,7 +185,15 @@ def plan_call(
     ):
         # Fast mode naming no geography: a workspace's default_inference_geo may run it in the
         # US, billed at fast-us (``observe_anthropic._anthropic_tier``). Reserved at the dearer.
-        reserve_rates = dearest((rates, tiers[FAST_US_TIER]))
+        reserved_tiers = [FAST_TIER, FAST_US_TIER]
+    long_tiers = long_tier_rates(model_config)
+    long_above = model_config.long_context.above_input_tokens if model_config.long_context else None
+    # Past the threshold by its estimate, at the long-context prices (an input estimated below it
+    # that passes it is billed at them all the same: overshoot, as any input past its estimate).
+    priced = long_tiers if long_above is not None and est.input_tokens > long_above else tiers
+    reserve_rates = rates
+    if rates is not None and (priced is long_tiers or len(reserved_tiers) > 1):
+        reserve_rates = dearest(priced[name] for name in reserved_tiers)
     tool_rates = model_config.tool_rates if rates is not None else {}
     if tool_rates:
         tool_calls = reserved_tool_calls(view, tool_rates, config.limits.default_max_tool_calls)
@@ -220,6 +229,8 @@ def plan_call(
         service_tier=service_tier,
         tier_rates=tiers,
         reserve_rates=reserve_rates,
+        long_context_above=long_above if long_tiers else None,
+        long_tier_rates=long_tiers,
         tool_rates=tool_rates,
         estimate=est,
         body=body,

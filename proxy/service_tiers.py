@@ -62,6 +62,14 @@ def tier_rates(model: ModelConfig) -> dict[str, dict[str, int]]:
     return {"default": price.rates, **{name: tier.rates for name, tier in model.service_tiers.items()}}
 
 
+def long_tier_rates(model: ModelConfig) -> dict[str, dict[str, int]]:
+    """``tier_rates`` past the model's long-context threshold (empty: no such prices)."""
+    long = model.long_context
+    if long is None or model.price_per_million is None:
+        return {}
+    return {"default": long.price_per_million.rates, **{n: t.rates for n, t in long.service_tiers.items()}}
+
+
 def dearest(rates: Iterable[Mapping[str, int]]) -> dict[str, int]:
     """Each price at its highest among ``rates``."""
     top: dict[str, int] = {}

@@ -18,6 +18,7 @@ from proxy.journal import Journal
 from proxy.journal_lines import PendingSettlement
 from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, tool_fees_exact, worst_rates
+from proxy.service_tiers import dearest
 from proxy.store import ACTUAL_METERS, Store
 from proxy.tool_fees import ToolCalls, billed_tool_calls, tool_calls_field
 
@@ -205,14 +206,23 @@ def _actual(usage: BilledUsage, cost: int) -> dict[str, int]:
 
 def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     if usage.source != "reserve":
-        return call.rates_served
-    # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
-    # (and as a reaper bills it), every token at its dearest rate.
-    worst = worst_rates(call.rates_reserved)
-    if not usage.input_known or worst is None:
-        return worst
+        return call.rates_billed(usage.input_tokens)
+    reserved = call.rates_reserved
+    if reserved is None:
+        return None
+    if not usage.input_known:
+        # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
+        # (and as a reaper bills it), every token at its dearest rate.
+        return worst_rates(reserved)
     # The provider's input (its kinds known), the reserve's output: only the output is unknown.
-    known = (call.rates_served if call.served_tier else None) or call.rates_reserved or worst
+    # The input at the prices of the tier the answer names, else the reserve's (the dearest
+    # tier that may have served it); past the long-context threshold by the provider's count,
+    # no cheaper than the long-context prices, its output too.
+    billed = call.rates_billed(usage.input_tokens) or reserved
+    known = billed if call.served_tier else dearest((reserved, billed))
+    long = call.long_context_above is not None and usage.input_tokens > call.long_context_above
+    worst = worst_rates(dearest((reserved, billed)) if long else reserved)
+    assert worst is not None
     return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}}
 
 

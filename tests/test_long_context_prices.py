@@ -1,0 +1,155 @@
+"""A model's dearer prices past a number of input tokens (``models.X.long_context``): the whole
+call, input and output, at them, as Gemini's Pro models and OpenAI's price lists bill a call past
+200K or 272K input tokens; reserved at them when its input estimate passes the threshold."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import ProxyFactory
+from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_config import UP, error_of
+from tests.test_pricing_kinds import _chat_answer, _claude_message, _entry, _post
+from tests.test_stream_dialects import ev
+
+PRICE = {"input": "1.25", "cached_input": "0.125", "output": "10"}
+LONG = {"input": "2.5", "cached_input": "0.25", "output": "15"}
+MODEL = {
+    "upstream": "openai",
+    "price_per_million": PRICE,
+    "service_tiers": {"priority": {"input": "2.5", "output": "20"}},
+    "long_context": {
+        "above_input_tokens": 200_000,
+        "price_per_million": LONG,
+        "service_tiers": {"priority": {"input": "5", "output": "30"}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("usage", "asked", "served", "cost_micros"),
+    [
+        # At the threshold: its own prices.
+        ({"prompt_tokens": 200_000}, None, None, 200_000 * 1.25 + 2_000 * 10),
+        # One past it: the whole call at the long-context prices (500,002.5 rounded up).
+        ({"prompt_tokens": 200_001}, None, None, 530_003),
+        # Cached input counts toward the threshold, and is priced at its long-context price.
+        (
+            {"prompt_tokens": 250_000, "prompt_tokens_details": {"cached_tokens": 100_000}},
+            None,
+            None,
+            150_000 * 2.5 + 100_000 * 0.25 + 2_000 * 15,
+        ),
+        # A processing tier past the threshold: that tier's long-context prices.
+        ({"prompt_tokens": 300_000}, "priority", "priority", 300_000 * 5 + 2_000 * 30),
+        # Asked for nothing, served by priority, as its answer says.
+        ({"prompt_tokens": 300_000}, None, "priority", 300_000 * 5 + 2_000 * 30),
+        ({"prompt_tokens": 100_000}, "priority", "priority", 100_000 * 2.5 + 2_000 * 20),
+    ],
+)
+async def test_a_call_past_the_threshold_is_billed_at_the_long_context_prices(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    usage: dict[str, Any],
+    asked: str | None,
+    served: str | None,
+    cost_micros: float,
+) -> None:
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-long": MODEL},
+    )
+    told = {**usage, "completion_tokens": 2_000, "total_tokens": usage["prompt_tokens"] + 2_000}
+    script.plan = _chat_answer("gpt-long", told, served)
+    request: dict[str, Any] = {"model": "gpt-long", "messages": [{"role": "user", "content": "hi"}]}
+    if asked is not None:
+        request["service_tier"] = asked
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "long")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == cost_micros
+    assert entry["usage_source"] == "provider"
+
+
+async def test_a_call_whose_estimate_passes_the_threshold_is_reserved_at_the_long_context_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """Three models of the same prices, one without long-context prices, one whose threshold the
+    request's input estimate passes, one whose threshold it does not: a cost ceiling of one
+    micro-unit refuses each, naming the cost its reserve needs."""
+    short = {"input": "1", "output": "10"}
+    long = {"input": "2", "output": "15"}
+
+    def model(above: int | None) -> dict[str, Any]:
+        extra = {"long_context": {"above_input_tokens": above, "price_per_million": long}} if above else {}
+        return {"upstream": "openai", "price_per_million": short, **extra}
+
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"m-flat": model(None), "m-past": model(10), "m-below": model(1_000_000)},
+        tiers={"standard": {"run": {"cost_usd": "0.000001"}}},
+    )
+    needs = {}
+    for name in ("m-flat", "m-past", "m-below"):
+        request = {"model": name, "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 1000}
+        status, raw = await _post(proxy.url, "/v1/chat/completions", request, name)
+        assert status == 429
+        needs[name] = int(json.loads(raw)["error"]["message"].rsplit(" ", 1)[1].rstrip("."))
+    estimated = needs["m-flat"] - 1000 * 10  # its input tokens, at 1 micro-unit each
+    assert estimated > 10
+    assert needs["m-past"] == estimated * 2 + 1000 * 15
+    assert needs["m-below"] == needs["m-flat"]
+    assert script.received == []
+
+
+def test_long_context_prices_are_checked_against_the_models_prices() -> None:
+    priced = {"upstream": "openai", "price_per_million": PRICE}
+    long = {"above_input_tokens": 200_000, "price_per_million": LONG}
+
+    def models(model: dict[str, Any]) -> dict[str, Any]:
+        return {**UP, "models": {"m": model}}
+
+    # Nothing to be dearer than: an unpriced model's calls cost 0.
+    assert "long_context: price_per_million" in error_of(models({"upstream": "openai", "long_context": long}))
+    # A tier's long calls at its short prices would be billed below their cost.
+    tiered = {**priced, "service_tiers": {"priority": PRICE}}
+    unpriced = error_of(models({**tiered, "long_context": long}))
+    assert "no long-context prices for the tier 'priority'" in unpriced
+    stray = {**long, "service_tiers": {"flex": LONG}}
+    assert "long_context.service_tiers.flex" in error_of(models({**priced, "long_context": stray}))
+    for threshold in (0, -1, True, "many"):
+        assert "above_input_tokens" in error_of(
+            models({**priced, "long_context": {**long, "above_input_tokens": threshold}})
+        )
+
+
+async def test_a_stream_cut_after_its_input_was_told_is_billed_at_the_long_context_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Anthropic told the input in ``message_start``, then the stream broke: the provider's
+    input and the reserved output, both at the long-context prices when the input passes the
+    threshold (the reserve, from a short estimate, was at the short ones)."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    long = {"above_input_tokens": 200_000, "price_per_million": {"input": "6", "output": "22.5"}}
+    price = {"input": "3", "output": "15"}
+    model = {"upstream": "anthropic", "price_per_million": price, "long_context": long}
+    proxy = await make_proxy(upstreams={"anthropic": upstream}, models={"claude-long": model})
+    start = {**_claude_message({"input_tokens": 300_000, "output_tokens": 1}), "content": []}
+    script.plan = Plan(content_type="text/event-stream", chunks=[ev("message_start", {"message": start})])
+    request = {
+        "model": "claude-long",
+        "max_tokens": 100,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    status, _ = await _post(proxy.url, "/v1/messages", request, "cut")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["outcome"] == "upstream_error"
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("300000", "100")
+    assert int(entry["cost_micros"]) == 300_000 * 6 + 100 * 22.5
