@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.error_answers import answer_parser_errors_in_openai_format, error_middleware
+from proxy.error_answers import answer_parser_errors_as_json, error_middleware
 from proxy.errors import StoreError
 from proxy.forward import UpstreamConnector
 from proxy.handlers import add_routes, metrics_handler
@@ -89,8 +89,8 @@ def encodings_in(config: Config) -> set[str]:
 
 def server_options(config: Config) -> dict[str, Any]:
     """HTTP parser limits, set above ours so that the header limit is ours to enforce (and to
-    refuse in OpenAI's format); past these the parser refuses, also in OpenAI's format
-    (``answer_parser_errors_in_openai_format``)."""
+    refuse in the format of the API called); past these the parser refuses, in JSON both APIs'
+    clients read (``answer_parser_errors_as_json``)."""
     return {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024, "max_headers": 1024}
 
 
@@ -116,7 +116,7 @@ def build_app(
     registry: CollectorRegistry | None = None,
     workers: int = 1,
 ) -> web.Application:
-    answer_parser_errors_in_openai_format()
+    answer_parser_errors_as_json()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     state = State(
         config=config,

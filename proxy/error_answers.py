@@ -3,6 +3,7 @@ and those of requests aiohttp's HTTP parser refuses before any middleware."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from aiohttp import http_exceptions, web, web_protocol
 
 from proxy.dialects import Dialect, dialect_of_path
-from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable, error_response
+from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable
 from proxy.ids import REQUEST_ID, request_id_for
 from proxy.state import STATE
 
@@ -55,7 +56,7 @@ def body_refusal(err: Exception) -> str:
     return reason
 
 
-def _handle_error_in_openai_format(
+def _handle_parser_error(
     self: web_protocol.RequestHandler,
     request: web.BaseRequest,
     status: int = 500,
@@ -64,8 +65,11 @@ def _handle_error_in_openai_format(
 ) -> web.StreamResponse:
     """aiohttp's answer to a request its parser refused (before any middleware: a control
     character in a header, Content-Length beside chunked, a bad chunk size, past the parser's
-    limits), in OpenAI's error format rather than its own text/plain page. Neither the answer nor
-    the log line quotes the request's bytes (a key in them): a reason of our own words."""
+    limits), as JSON rather than its own text/plain page. The path is not known here (aiohttp
+    hands over a request of its own, path /): the answer is read by both APIs' clients, OpenAI's
+    error object with Anthropic's ``"type": "error"`` beside it (an ``invalid_request_error`` in
+    both). Neither the answer nor the log line quotes the request's bytes (a key in them): a
+    reason of our own words."""
     if status >= 500:
         return _PLAIN_HANDLE_ERROR(self, request, status, exc, message)  # not the parser's
     if request.writer.output_size > 0:  # as aiohttp's: a response started cannot be replaced
@@ -75,11 +79,16 @@ def _handle_error_in_openai_format(
         "request refused by the HTTP parser",
         extra={"status": status, "reason": reason, "error": type(exc).__name__, "remote": request.remote},
     )
-    response = error_response(
-        status,
-        f"The request is not valid HTTP: {reason}.",
-        "invalid_request_error",
-        code="bad_http_request",
+    error = {
+        "message": f"The request is not valid HTTP: {reason}.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "bad_http_request",
+    }
+    response = web.Response(
+        status=status,
+        body=json.dumps({"type": "error", "error": error}).encode(),
+        content_type="application/json",
         # On every answer (README). No app state reaches here; rare enough for a system call (a
         # source made at import would repeat its ids in every worker forked after it).
         headers={"x-request-id": f"req_{os.urandom(16).hex()}"},
@@ -88,12 +97,12 @@ def _handle_error_in_openai_format(
     return response
 
 
-def answer_parser_errors_in_openai_format() -> None:
-    """Make aiohttp answer requests its HTTP parser refuses in OpenAI's error format. aiohttp
+def answer_parser_errors_as_json() -> None:
+    """Make aiohttp answer requests its HTTP parser refuses in the APIs' error format. aiohttp
     builds its ``RequestHandler`` itself and offers no hook for its error page, so its method is
     replaced, for the process (every server in it, as it must: the runner is aiohttp's).
     Idempotent; ``app.build_app`` calls it."""
-    web_protocol.RequestHandler.handle_error = _handle_error_in_openai_format  # type: ignore[method-assign]
+    web_protocol.RequestHandler.handle_error = _handle_parser_error  # type: ignore[method-assign]
 
 
 @web.middleware

@@ -1496,7 +1496,7 @@ async def _raw(proxy_url: str, request: bytes) -> bytes:
 async def test_the_parser_error_answer_does_not_quote_the_callers_key(
     make_proxy: ProxyFactory, header: str, bad: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The answer is 'the reason, not the line' (answer_parser_errors_in_openai_format): a NUL in
+    """The answer is 'the reason, not the line' (answer_parser_errors_as_json): a NUL in
     a header value, or a value past the parser's limit, quoted the raw value (the key) on the
     message's first line, which went back in the error JSON."""
     caplog.set_level(logging.DEBUG)

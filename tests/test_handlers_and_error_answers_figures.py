@@ -304,12 +304,13 @@ async def test_a_parser_refusal_names_its_reason_and_carries_a_request_id(proxy:
     assert status.split(b" ")[1] == b"400", (status, body)
     assert headers["content-type"].startswith("application/json"), headers
     assert json.loads(body) == {
+        "type": "error",  # Anthropic's, beside OpenAI's error: the path is not known there
         "error": {
             "message": f"The request is not valid HTTP: {reason}.",
             "type": "invalid_request_error",
             "param": None,
             "code": "bad_http_request",
-        }
+        },
     }
     request_id = headers.get("x-request-id", "")
     assert request_id.startswith("req_") and len(request_id) == 36, headers

@@ -587,3 +587,26 @@ async def test_the_operators_key_refused_is_not_retried_whatever_the_headers_cas
         assert caught.value.response.headers.get_list("x-should-retry") == ["false"]
     finally:
         await script.close()
+
+
+async def test_a_request_the_http_parser_refuses_reads_as_an_error_in_both_sdks(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A header past the HTTP parser's 64 KiB field limit (a long anthropic-beta list, say) is
+    refused before any route is known: the answer carries both APIs' error fields, so the
+    Anthropic SDK on /v1/messages reads an ``invalid_request_error`` as the OpenAI SDK does
+    (it was OpenAI's format alone: no ``"type": "error"`` for the Anthropic SDK; the request
+    fuzzing hunt)."""
+    proxy = await _claude_proxy(make_proxy, fake)
+    long = {"x-long": "x" * 70_000}
+    claude = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0, default_headers=long)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await claude.messages.create(model="claude-x", max_tokens=5, messages=MESSAGES)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["type"] == "error", body
+    assert body["error"]["type"] == "invalid_request_error" and "not valid HTTP" in body["error"]["message"]
+    gpt = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0, default_headers=long)
+    with pytest.raises(openai.BadRequestError) as refused_too:
+        await gpt.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert refused_too.value.code == "bad_http_request" and refused_too.value.type == "invalid_request_error"
+    assert not fake.received
