@@ -15,11 +15,14 @@ from typing import Any
 
 from proxy.payload import MessagesBody, RequestView, ResponsesBody
 
-# The Responses API's hosted tool types, by the name their calls are counted under.
-RESPONSES_TOOLS = {
-    "web_search": "web_search",
+# Responses tool types whose calls are counted under another name than their own: their output
+# items' (``computer_call``: computer). Every other type's calls are ``<type>_call`` items
+# (``code_interpreter_call``, ``image_generation_call``, ``mcp_call``, ``file_search_call``).
+RESPONSES_COUNTED_AS = {
     "web_search_preview": "web_search",
-    "file_search": "file_search",
+    "computer_use_preview": "computer",
+    "computer_use": "computer",
+    "custom": "custom_tool",
 }
 # Priced under this name, web_search_preview's calls (web_search_call items too) are billed at
 # its own price (OpenAI: $25 per 1,000 on a model that does not reason, web_search's $10).
@@ -74,7 +77,7 @@ def _responses_tool(kind: Any, prices: Mapping[str, int]) -> str | None:
     name = dated.group(1) if dated else kind
     if name == WEB_SEARCH_PREVIEW and name in prices:
         return name
-    return RESPONSES_TOOLS.get(name)
+    return RESPONSES_COUNTED_AS.get(name, name)
 
 
 def counted_as(view: RequestView, prices: Mapping[str, int]) -> tuple[tuple[str, str], ...]:

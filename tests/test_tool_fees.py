@@ -433,3 +433,63 @@ async def test_a_lease_the_reaper_settles_names_the_searches_its_cost_holds(
     status, _ = await posted
     assert status == 200
     assert await redis_client.xlen("lbp:{team-a}:ledger") == 1  # billed once, by the reaper
+
+
+CODE_ITEM: dict[str, Any] = {
+    "type": "code_interpreter_call",
+    "id": "ci_1",
+    "status": "completed",
+    "code": "print(1)",
+    "container_id": "cntr_1",
+    "outputs": None,
+}
+CODE_TOOL = {"type": "code_interpreter", "container": {"type": "auto"}}
+
+
+@pytest.mark.parametrize(
+    ("tool", "priced_as"),
+    [
+        (CODE_TOOL, "code_interpreter"),
+        ({"type": "image_generation"}, "image_generation"),
+        ({"type": "mcp", "server_label": "x", "server_url": "https://mcp.example.com"}, "mcp"),
+        ({"type": "computer_use_preview", "display_width": 1024, "display_height": 768}, "computer"),
+    ],
+)
+async def test_every_priced_responses_hosted_tool_is_reserved_as_it_is_billed(
+    make_proxy: Factory, script: ScriptedUpstream, tool: dict[str, Any], priced_as: str
+) -> None:
+    """A price's name is the tool's as the answers count it (``code_interpreter_call``:
+    code_interpreter; ``computer_call``: computer): the settle billed each such call, but the
+    reserve knew only the search tools' types, so a call enabling another priced tool held none
+    of its fee and a cost ceiling was passed (the pricing hunt)."""
+    body = {"model": "gpt-x", "input": "compute", "tools": [tool]}
+    unpriced = await _needed(make_proxy, script, "/v1/responses", body, tool_prices={"other": "1"})
+    priced = await _needed(make_proxy, script, "/v1/responses", body, tool_prices={priced_as: "30"})
+    assert priced == unpriced + 10 * 30_000  # limits.default_max_tool_calls, at 30,000 micro-units
+    bounded = {**body, "tools": [tool, {"type": "web_search"}], "max_tool_calls": 2}
+    prices = {priced_as: "30", "web_search": "10"}
+    # Every call may go to the dearest of the priced tools it enables.
+    assert (
+        await _needed(make_proxy, script, "/v1/responses", bounded, tool_prices=prices) >= unpriced + 60_000
+    )
+
+
+async def test_a_cost_ceiling_holds_a_priced_code_interpreter_call(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A run of 1,000 micro-units: the call's tokens fit, its one code interpreter call ($30 per
+    1,000) does not; it was forwarded and billed 30,090."""
+    proxy = await _proxy(
+        make_proxy,
+        script,
+        tool_prices={"code_interpreter": "30"},
+        tiers={"standard": {"run": {"cost_usd": "0.001"}}},
+    )
+    answer = _response([CODE_ITEM, ANSWER])
+    answer["usage"] = {"input_tokens": 5, "output_tokens": 5, "total_tokens": 10}
+    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    body = {"model": "gpt-x", "input": "compute", "max_output_tokens": 16, "tools": [CODE_TOOL]}
+    status, _ = await _post(proxy.url, "/v1/responses", body, "ceiling")
+    assert status == 429
+    assert script.received == []
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 0
