@@ -279,6 +279,17 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             param=template_param,
             code="unsupported_parameter",
         )
+    fallbacks = data.get("models")
+    if fallbacks is not None and (not isinstance(fallbacks, list) or any(m != view.model for m in fallbacks)):
+        # OpenRouter's fallback list: another model runs when the first errs (an error a caller
+        # can provoke), billed at its own price; one the proxy may not serve nor price at all.
+        raise BadRequest(
+            "A list of fallback models is not supported through this proxy: it routes, reserves and "
+            "prices the one model a call names. Send the request without 'models' (name the model "
+            "in 'model'; send a second request for another).",
+            param="models",
+            code="unsupported_parameter",
+        )
     if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
         # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
         # times, its rows billed as input; no count of them can be read from base64 before the call.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from typing import Any
 
 import aiohttp
@@ -399,3 +400,36 @@ async def test_a_requests_own_chat_template_is_refused_before_anything_is_reserv
     )
     error = assert_refused(reply, 400)  # was: forwarded, reserved at 9 input tokens
     assert (error["param"], error["code"]) == (where, "unsupported_parameter")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/responses", {"input": "hi"}),
+    ],
+)
+async def test_a_list_of_fallback_models_is_refused_not_routed_as_its_first(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    path: str,
+    body: dict[str, Any],
+) -> None:
+    """OpenRouter's ``models``: when the first model errs (a rate limit, a context too long, which
+    a caller can provoke) the next one runs, billed at its own price. Routed, reserved and priced
+    as ``model`` alone, it reached a model the proxy does not serve (a 404 named in ``model``),
+    billed at the cheap model's prices (the request fuzzing hunt). A list of ``model`` alone
+    changes nothing and goes as it came."""
+    proxy = await proxy_for(make_proxy, script)
+    for models in (["m", "o1-pro"], ["o1-pro"], "o1-pro", {"m": 1}, []):
+        request = {"model": "m", "models": models, **body}
+        reply = await send(proxy, lambda: script.received, redis_client, path, dumps(request))
+        if models == []:
+            continue  # no fallback named: forwarded as it came (its answer is the script's)
+        error = assert_refused(reply, 400)
+        assert (error["param"], error["code"]) == ("models", "unsupported_parameter"), models
+    same = {"model": "m", "models": ["m"], **body}
+    await send(proxy, lambda: script.received, redis_client, path, dumps(same))
+    assert json.loads(script.received[-1])["models"] == ["m"]
