@@ -244,7 +244,11 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
         if int(result[0]) == 2:
             return Tentative()
         if int(result[0]) == 1:
-            _, per_choice, meter, remaining, _scope = result
+            _, per_choice, flat = result
+            rooms = tuple(
+                (RESERVED_METERS[int(flat[i]) - 1], int(flat[i + 1]), int(flat[i + 2]))
+                for i in range(0, len(flat), 3)
+            )
             reserved = dict(amounts)
             if int(per_choice) and clamp is not None:
                 reserved = clamped_amounts(amounts, int(per_choice), clamp)
@@ -256,8 +260,7 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
                 amounts=reserved,
                 lease_ms=lease_ms,
                 clamped_output_per_choice=int(per_choice),
-                tightest_meter=str(meter) or None,
-                tightest_remaining=int(remaining),
+                rooms=rooms,
             )
         _, index, meter, ceiling, used, reserved, amount, *after = result
         waits_on = tuple(scopes[int(i) - 1] for i in str(after[1]).split()) if len(after) > 1 else ()

@@ -77,11 +77,7 @@ async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> 
         )
         return
     metrics.quick_estimates.labels("lowered").inc()
-    meter = reservation.tightest_meter
-    freed = before[meter] - after[meter] if meter is not None else 0
-    call.reservation = replace(
-        reservation, amounts=after, tightest_remaining=reservation.tightest_remaining + freed
-    )
+    call.reservation = replace(reservation, amounts=after)
 
 
 async def _landed(shrinking: asyncio.Future[bool]) -> bool:

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import orjson
 
@@ -337,14 +338,20 @@ def _release_lost(call: Call, disk: OSError) -> None:
 
 
 def budget_headers(call: Call, settlement: Settlement) -> dict[str, str]:
-    """Room left on the tightest limited meter, after this call's real figures replaced its reserve."""
+    """Room left on the tightest limited meter (the least part of its ceiling left, over every
+    scope), once this call's real figures replaced its reserve: its concurrency slot free again;
+    the figure is the meter's least room over the scopes that limit it."""
     reservation = call.reservation
-    if reservation is None or reservation.tightest_meter is None:
+    if reservation is None or not reservation.rooms:
         return {}
-    meter = reservation.tightest_meter
-    actual = settlement.actual.get(meter, 0) if meter != "concurrent" else 0
-    refund = reservation.amounts.get(meter, 0) - actual
-    return {f"x-budget-remaining-{meter.replace('_', '-')}": str(reservation.tightest_remaining + refund)}
+    left = [
+        (meter, room - (settlement.actual.get(meter, 0) if meter != "concurrent" else 0), ceiling)
+        for meter, room, ceiling in reservation.rooms
+    ]
+    # Exact parts (no floats); a ceiling of 0 has none left. The first of equals.
+    tight = min(left, key=lambda each: Fraction(each[1], each[2]) if each[2] > 0 else Fraction(0))[0]
+    least = min(room for meter, room, _ in left if meter == tight)
+    return {f"x-budget-remaining-{tight.replace('_', '-')}": str(least)}
 
 
 def billing_headers(call: Call, settlement: Settlement) -> dict[str, str]:

@@ -98,9 +98,9 @@ class Reservation:
     amounts: Mapping[str, int]
     lease_ms: int
     clamped_output_per_choice: int = 0
-    # The limited meter with the least room left (after this reserve), if any is limited.
-    tightest_meter: str | None = None
-    tightest_remaining: int = 0
+    # Each limited meter's room in each scope, this call's reserve aside, and its ceiling:
+    # (meter, room, ceiling), in scope order (``settle.budget_headers`` names the tightest).
+    rooms: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

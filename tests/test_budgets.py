@@ -926,6 +926,34 @@ async def test_budget_remaining_is_the_least_room_of_that_meter_whatever_the_sco
     assert served.headers["x-billing-outcome"] == "ok"
 
 
+def _budget_headers(response: Any) -> dict[str, str]:
+    return {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("x-budget")}
+
+
+async def test_budget_remaining_is_not_hidden_behind_the_calls_own_concurrency_slot(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The tightest meter was chosen at the reserve, this call's worst case held: a key's one
+    concurrency slot, held by the call itself, was always the tightest (0 of 1 left), and the
+    header said ``concurrent: 1`` however little of the run's tokens was left (the budgets
+    hunt). One call at a time per key, 40 tokens a run: two calls billed 12 each leave 16."""
+    proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 40}, "key": {"concurrent": 1}}})
+    await call(proxy, "conc")
+    response = await call(proxy, "conc")
+    assert _budget_headers(response) == {"x-budget-remaining-total-tokens": str(40 - 2 * (FAKE_PROMPT + 8))}
+
+
+async def test_budget_remaining_names_the_tightest_meter_once_the_call_is_billed(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """3 calls a run and 1,000 tokens: a call reserving 900 output tokens and billed 12 leaves 2
+    of 3 calls (67%) and 988 tokens (99%). Judged on its worst case (91 tokens left, 9%), the
+    header named the tokens (the budgets hunt)."""
+    proxy = await make_proxy(tiers={"standard": {"run": {"requests": 3, "total_tokens": 1000}}})
+    response = await call(proxy, "tight", max_tokens=900)
+    assert _budget_headers(response) == {"x-budget-remaining-requests": "2"}
+
+
 async def test_legacy_functions_reserve_the_models_tool_prompt_as_tools_do(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:

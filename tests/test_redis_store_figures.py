@@ -134,17 +134,21 @@ def test_eviction_drops_keys_only_under_a_dropping_policy_with_a_memory_limit() 
 # ---- what a reserve reports back ----
 
 
-async def test_a_reserve_reports_the_tightest_meter_and_its_room(store: RedisStore) -> None:
+async def test_a_reserve_reports_each_limited_meters_room_and_ceiling(store: RedisStore) -> None:
     limited = Scope(
-        name="key:minute", key="lbp:{team-a}:key:a-ci:minute:tight", ceilings={"total_tokens": 50}
+        name="key:minute",
+        key="lbp:{team-a}:key:a-ci:minute:tight",
+        ceilings={"total_tokens": 100, "concurrent": 2},
     )
     res = await reserve(store, "t1", [Scope(name="run", key="lbp:{team-a}:run:tight"), limited])
     assert isinstance(res, Reservation)
-    assert (res.tightest_meter, res.tightest_remaining) == ("total_tokens", 20)
+    # This call aside: all 100 tokens and both slots (the run limits nothing).
+    assert res.rooms == (("total_tokens", 100, 100), ("concurrent", 2, 2))
+    again = await reserve(store, "t3", [Scope(name="run", key="lbp:{team-a}:run:tight"), limited])
+    assert isinstance(again, Reservation)
+    assert again.rooms == (("total_tokens", 70, 100), ("concurrent", 1, 2))  # t1's 30 and slot held
     free = await reserve(store, "t2", [Scope(name="run", key="lbp:{team-a}:run:free")])
-    assert isinstance(free, Reservation)
-    # Nothing limited: no meter named (not an empty name), and no room figure.
-    assert (free.tightest_meter, free.tightest_remaining) == (None, -1)
+    assert isinstance(free, Reservation) and free.rooms == ()  # nothing limited
 
 
 async def test_a_refusal_reports_the_scope_and_each_figure_that_refused(store: RedisStore) -> None:

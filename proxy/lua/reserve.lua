@@ -35,8 +35,9 @@ those TTLs again, so a scope key never expires under a live reserve nor is writt
 Landing exactly on a ceiling is allowed: used + reserved + amount <= ceiling.
 A reservation id that already exists is a retry: success, nothing changes, and the clamp the
 first try made is returned again (the caller must send the lowered cap Redis holds the call to).
-Returns on success {1, clamped output per choice (0 = not clamped), tightest meter, its
-remaining after this reserve (-1 = nothing limited), tightest scope index}; on refusal
+Returns on success {1, clamped output per choice (0 = not clamped), rooms: for each limited
+meter of each scope, in scope order, its index in METERS (1-based), its room (ceiling - used -
+reserved, this call's reserve aside) and its ceiling, flat}; on refusal
 {0, scope index (1-based), meter, ceiling, used, reserved, amount, clears (1: every limited meter
 of every scope would fit once the calls in flight end: their reserves gone, save requests, which
 all count when they settle; under a clamp, at the least output it keeps; the client may try again
@@ -45,7 +46,7 @@ says.
 ]]
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {1, tonumber(redis.call('HGET', KEYS[1], 'clamped')) or 0, '', -1, 0}
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'clamped')) or 0, {}}
 end
 
 -- The TTL this call's config gives a scope key, which an operator's reload may have changed:
@@ -286,7 +287,10 @@ local function hold(s)
   return life
 end
 
-local tight_meter, tight_left, tight_ratio, tight_scope = '', -1, 2, 0
+-- The room of each limited meter, this call aside: its caller names the tightest once the call
+-- is settled, at its real figures (at its worst case here, a large output cap or the call's own
+-- concurrency slot would name a meter that is not tight).
+local rooms = {}
 local born = {}
 for s = 1, nscopes do
   -- A scope that does not hold (a window nobody limits) is only counted by the settle: most of
@@ -296,23 +300,9 @@ for s = 1, nscopes do
   for m = 1, NM do
     local st = state[s][m]
     if st then
-      local left = st[1] - st[2] - st[3] - amounts[m]
-      local ratio = 0
-      if st[1] > 0 then ratio = left / st[1] end
-      if ratio < tight_ratio then
-        tight_meter, tight_left, tight_ratio, tight_scope = METERS[m], left, ratio, s
-      end
-    end
-  end
-end
-
--- The room left on that meter is its least over every scope that limits it: the tightest by
--- ratio may be a large ceiling, with another scope's smaller one nearer its end.
-for s = 1, nscopes do
-  for m = 1, NM do
-    local st = state[s][m]
-    if st and METERS[m] == tight_meter then
-      tight_left = math.min(tight_left, st[1] - st[2] - st[3] - amounts[m])
+      rooms[#rooms + 1] = m
+      rooms[#rooms + 1] = st[1] - st[2] - st[3]
+      rooms[#rooms + 1] = st[1]
     end
   end
 end
@@ -328,4 +318,4 @@ redis.call('HSET', KEYS[1], 'scopes', table.concat(scopes, '\n'), 'amounts', tab
   'record', ARGV[3], 'reserved_at_ms', now_ms, 'clamped', clamped, 'ttls', table.concat(ttls, ' '), 'born', table.concat(born, ' '))
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
 index_follows_run()
-return {1, clamped, tight_meter, tight_left, tight_scope}
+return {1, clamped, rooms}
