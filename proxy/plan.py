@@ -66,6 +66,9 @@ def least_cap_accepted(endpoint: Endpoint, body: dict[str, Any], *, anthropic_be
         budget = thinking.get("budget_tokens")
         if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
             return budget + 1  # Anthropic: max_tokens must be above the thinking budget
+    least = body.get("min_tokens") if endpoint in ("chat.completions", "completions") else None
+    if isinstance(least, int) and not isinstance(least, bool) and least > 1:
+        return least  # vLLM's: it refuses a max_tokens below the request's min_tokens
     return 1
 
 
@@ -129,12 +132,14 @@ def plan_call(
     least = least_cap_accepted(endpoint, body, anthropic_beta=anthropic_beta)
     if est.enforce_cap is not None and est.enforce_cap < least:
         # The model's cap in the config would make the request one the provider refuses.
-        thinking = endpoint == "messages"
+        # Anthropic's thinking budget must stay below the cap; vLLM's min_tokens within it.
+        param = "thinking.budget_tokens" if endpoint == "messages" else None
+        if endpoint in ("chat.completions", "completions") and least > 1:
+            param = "min_tokens"
         raise BadRequest(
             f"This proxy caps the model '{view.model}' at {est.enforce_cap} output tokens, below the "
-            f"{least} this request needs"
-            + (": keep thinking.budget_tokens below that cap." if thinking else "."),
-            param="thinking.budget_tokens" if thinking else None,
+            f"{least} this request needs" + (f": keep {param} below that cap." if param else "."),
+            param=param,
             code="output_cap_too_low",
         )
     if est.enforce_cap is not None and est.output_cap_field:

@@ -1234,3 +1234,32 @@ async def test_a_reload_changes_a_chat_templates_reserve_for_the_next_call(
         assert int(after["reserved_input_tokens"]) == TEMPLATE_RESERVE
     finally:
         await proxy.runner.cleanup()
+
+
+async def test_a_clamp_never_lowers_max_tokens_below_the_requests_min_tokens(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """vLLM refuses a ``min_tokens`` above ``max_tokens`` (a 400): a clamp to 6 output tokens of
+    a request asking for at least 50 made a request the provider refuses, where the client's own
+    (100 and 50) was valid; refused here instead, as a clamp below the Responses API's 16 or
+    Anthropic's thinking budget is (the budgets hunt)."""
+    proxy = await make_proxy(
+        tiers={"standard": {"run": {"output_tokens": 6}, "on_budget_short": "clamp", "min_output_tokens": 2}}
+    )
+    with pytest.raises(openai.RateLimitError):
+        await call(proxy, "min-tokens", max_tokens=100, extra_body={"min_tokens": 50})
+    assert fake.received == []
+    # Within what is left, the clamp still serves it.
+    await call(proxy, "min-tokens", max_tokens=100, extra_body={"min_tokens": 5})
+    sent = fake.received[-1].body
+    assert (sent["max_tokens"], sent["min_tokens"]) == (6, 5)
+
+
+async def test_a_models_cap_below_the_requests_min_tokens_is_refused_naming_it(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    proxy = await make_proxy(models={"gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 20}})
+    with pytest.raises(openai.BadRequestError) as refused:
+        await call(proxy, "min-cap", max_tokens=100, extra_body={"min_tokens": 50})
+    assert (refused.value.param, refused.value.code) == ("min_tokens", "output_cap_too_low")
+    assert fake.received == []
