@@ -46,6 +46,11 @@ def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, comple
         if found is None or not found.input_tokens:
             return reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
         return _reserved_output(call, found)
+    if found is not None and not final and not found.input_tokens:
+        # A report of no input before the final one (a gateway's message_start: 0 and 0, its
+        # counts in message_delta; no call has no input): nothing of the input is known. A
+        # complete answer is counted, a broken one billed at its reserve.
+        found = None
     if found is not None and not final and not complete and not obs.error:
         # Input is known (message_start) but the stream broke or stalled before the output
         # count: the provider may have written up to the cap, as for a stream with no usage.

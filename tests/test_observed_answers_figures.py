@@ -615,3 +615,35 @@ def test_a_failed_or_queued_response_is_not_an_answer() -> None:
 def test_streamed_call_arguments_make_the_answer_a_call() -> None:
     obs = responses({"type": "response.function_call_arguments.delta", "output_index": 0, "delta": "{}"})
     assert obs.calls == {0}
+
+
+# A gateway's message_start: its counts come with message_delta.
+PLACEHOLDER = {"input_tokens": 0, "output_tokens": 0}
+
+
+def test_a_cut_stream_after_a_placeholder_input_of_0_is_billed_at_its_reserve() -> None:
+    """Cut before message_delta: an input of 0 before the final report is no count (no call has
+    no input), so the whole call is billed at its reserve, as when the output is unseen; it was
+    billed 0 input tokens and the reserved output (the usage fallback hunt)."""
+    call = claude()
+    assert call.reserved_input_tokens > 0
+    billed = billed_usage(call, events(start(PLACEHOLDER), text("hello there")), TOKENIZER, complete=False)
+    assert (billed.input_tokens, billed.output_tokens, billed.source) == (
+        call.reserved_input_tokens,
+        call.reserved_output_tokens,
+        "reserve",
+    )
+
+
+def test_a_cancelled_stream_after_a_placeholder_input_of_0_has_its_input_counted() -> None:
+    """Cut by the proxy (cancel) after the placeholder: counted as a stream that told no usage
+    at all, its prompt included; it was billed 0 input tokens."""
+    call = claude()
+    untold = {
+        "type": "message_start",
+        "message": {"id": "m", "type": "message", "role": "assistant", "content": []},
+    }
+    counted = billed_usage(call, events(untold, text("hello there")), TOKENIZER, complete=True)
+    assert counted.input_tokens > 0
+    billed = billed_usage(call, events(start(PLACEHOLDER), text("hello there")), TOKENIZER, complete=True)
+    assert (billed.input_tokens, billed.output_tokens) == (counted.input_tokens, counted.output_tokens)
