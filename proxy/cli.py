@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -218,6 +218,9 @@ def ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _since_ms(value: str | None) -> str:
     if value is None:
         return "-"
@@ -227,8 +230,10 @@ def _since_ms(value: str | None) -> str:
         raise ConfigError(f"--since: not a date or time: {value!r}") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    # A ledger id is milliseconds since 1970: nothing is older.
-    return str(max(0, int(moment.timestamp() * 1000)))
+    # A ledger id is milliseconds since 1970: nothing is older. In whole milliseconds: a float's
+    # product lands below the whole number for some moments (2038-08-29T17:04:47.186), and the
+    # millisecond before would be counted.
+    return str(max(0, (moment - _EPOCH) // timedelta(milliseconds=1)))
 
 
 async def _totals(config: Config, tenant: str, start: str, by: str) -> dict[str, Totals]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -112,6 +113,14 @@ def _printable(value: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
 
 
+def _columns(text: str) -> int:
+    """The columns a terminal draws ``text`` in: East Asian wide and fullwidth characters take
+    two (a model name a client chose: 通义千问), combining marks none."""
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text
+    )
+
+
 def render(table: list[dict[str, str]], fmt: str) -> str:
     if fmt == "jsonl":
         return "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in table)
@@ -121,11 +130,14 @@ def render(table: list[dict[str, str]], fmt: str) -> str:
         return csv_text(table)
     table = [{c: _printable(v) for c, v in row.items()} for row in table]
     columns = list(table[0])
-    widths = {c: max(len(c), *(len(row[c]) for row in table)) for c in columns}
+    widths = {c: max(_columns(c), *(_columns(row[c]) for row in table)) for c in columns}
     numeric = {c for c in columns if all(row[c].replace(".", "").isdigit() for row in table)}
 
     def line(values: Mapping[str, str]) -> str:
-        cells = [values[c].rjust(widths[c]) if c in numeric else values[c].ljust(widths[c]) for c in columns]
+        cells = []
+        for c in columns:
+            pad = " " * (widths[c] - _columns(values[c]))
+            cells.append(pad + values[c] if c in numeric else values[c] + pad)
         return "  ".join(cells).rstrip()
 
     header = line({c: c for c in columns})

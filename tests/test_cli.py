@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import unicodedata
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -616,3 +617,44 @@ async def test_an_export_piped_into_head_ends_quietly(
     code = await proc.wait()
     assert b"Traceback" not in stderr, stderr.decode()[-500:]
     assert code == 141, (code, stderr.decode()[-300:])  # as a shell reports a writer SIGPIPE ended
+
+
+def _terminal_columns(text: str) -> int:
+    """Columns a terminal draws ``text`` in: East Asian wide and fullwidth characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+async def test_report_table_lines_up_with_wide_characters_in_a_model_name(
+    make_proxy: ProxyFactory, redis_server: RedisServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The client names the model ("*" routes any): a CJK name was padded by its code points, not
+    by the columns a terminal draws it in, and every cell after it shifted right (the CLI hunt)."""
+    proxy = await make_proxy()
+    client = proxy.client()
+    for model in ("gpt-4o-mini", "通义千问-旗舰版"):
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    await proxy.recorded()
+    args = ["report", "--redis-url", redis_server.url, "--tenant", "team-a"]
+    assert await asyncio.to_thread(main, args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4, lines  # header, rule, two models
+    header = lines[0]
+    calls_end = _terminal_columns(header[: header.index("calls") + len("calls")])
+    for row in lines[2:]:
+        calls_cell_end = row.index(" 1 ") + 2  # each model's one call, right-aligned under "calls"
+        assert _terminal_columns(row[:calls_cell_end]) == calls_end, (header, row)
+
+
+async def test_a_report_since_a_moment_does_not_count_the_millisecond_before(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``int(moment.timestamp() * 1000)``: the float product lands just below the whole number for
+    some moments (about one in five of 2038's milliseconds), and the report counted the
+    millisecond before ``--since`` (the CLI hunt)."""
+    since, since_ms = "2038-08-29T17:04:47.186", 2_166_714_287_186
+    for ms in (since_ms - 1, since_ms):
+        await redis_client.xadd("lbp:{team-s}:ledger", dict(LEDGER_ENTRY), id=f"{ms}-0")
+    args = ["report", "--redis-url", redis_server.url, "--tenant", "team-s", "--since", since]
+    assert await asyncio.to_thread(main, [*args, "--format", "jsonl"]) == 0
+    (row,) = map(json.loads, capsys.readouterr().out.splitlines())
+    assert row["calls"] == "1"  # only the entry of .186
