@@ -85,7 +85,11 @@ def _estimated_usage(call: Call, obs: Observation, tokenizer: Tokenizer) -> Bill
     # error, not tokens the provider wrote.
     reserved = call.reserved_output_tokens
     if counted.output_tokens > reserved:
-        return replace(counted, output_tokens=reserved)
+        counted = replace(counted, output_tokens=reserved)
+    # A report that told the output and no input (a gateway's): the provider's figure, never
+    # less (the README's real figures first), the input counted.
+    if obs.output_alone_tokens > counted.output_tokens:
+        counted = replace(counted, output_tokens=obs.output_alone_tokens)
     return counted
 
 

@@ -211,6 +211,9 @@ class Observation:
     usage_final: bool = True
     # An Anthropic stream's message_delta told an output count (message_start's is a placeholder).
     output_told: bool = False
+    # The most output a report told that told no input count (a gateway's: unusable as usage, its
+    # output is the provider's all the same): a count of the answer bills no less.
+    output_alone_tokens: int = 0
     # The id of the answer the provider keeps (Responses API): a later call may continue it.
     response_id: str | None = None
     # The ids of its output items (Responses API) and audio answers (chat): a later call may name
@@ -326,6 +329,8 @@ class Observation:
             usage = parse_usage(obj["usage"])
             if usage is not None:
                 self.take_usage(usage)
+            else:
+                self.take_output_alone(obj["usage"])
         choices = obj.get("choices")
         if not isinstance(choices, list):
             return
@@ -334,6 +339,15 @@ class Observation:
             if isinstance(choice, dict):
                 part = choice.get(key)
                 self._choice(choice, part if isinstance(part, dict) else None, position)
+
+    def take_output_alone(self, raw: Any) -> None:
+        """A report ``parse_usage`` could not use: its output count, when that is all it lacks
+        an input count for (``output_alone_tokens``)."""
+        if not isinstance(raw, dict) or raw.get("prompt_tokens", raw.get("input_tokens")) is not None:
+            return
+        told = token_count(raw.get("completion_tokens", raw.get("output_tokens")))
+        if told:
+            self.output_alone_tokens = max(self.output_alone_tokens, told)
 
     def content_of(self, index: int) -> str:
         out: list[str] = []

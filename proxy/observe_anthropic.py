@@ -115,6 +115,8 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             _anthropic_tier(obs, obs.partial_usage)  # a part may leave out what an earlier one told
             _server_tool_use(obs, obj["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
+            if obs.usage is None:
+                obs.take_output_alone(obs.partial_usage)
             # Final only with an output count of its own (message_start's is a placeholder), and
             # once the answer has stopped: a message_delta before the one with the stop reason
             # (a turn with server tools may send several) tells the output so far.
@@ -225,4 +227,6 @@ def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
     _anthropic_tier(obs, obj.get("usage"))
     _server_tool_use(obs, obj.get("usage"))
     obs.usage = anthropic_usage(obj.get("usage"))
+    if obs.usage is None:
+        obs.take_output_alone(obj.get("usage"))
     obs.usage_final = obs.usage is None or obs.usage.output_known

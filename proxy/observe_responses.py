@@ -30,6 +30,8 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
     usage = parse_usage(response.get("usage"))
     if usage is not None:
         obs.take_usage(_with_image_tokens(usage, response.get("tool_usage")))
+    else:
+        obs.take_output_alone(response.get("usage"))
     tool_calls: dict[str, int] = {}
     for item in response.get("output") or ():
         if not isinstance(item, dict):

@@ -647,3 +647,52 @@ def test_a_cancelled_stream_after_a_placeholder_input_of_0_has_its_input_counted
     assert counted.input_tokens > 0
     billed = billed_usage(call, events(start(PLACEHOLDER), text("hello there")), TOKENIZER, complete=True)
     assert (billed.input_tokens, billed.output_tokens) == (counted.input_tokens, counted.output_tokens)
+
+
+def test_an_output_count_without_an_input_count_is_the_providers_output() -> None:
+    """A report that tells the output and no input is unusable as usage, but its output is the
+    provider's figure: a count of the 6 characters streamed (2 tokens) billed less than the 50 it
+    said (the usage fallback hunt). The input is counted."""
+    call = chat(max_tokens=100)
+    obs = Observation()
+    for chunk in (
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "answer"}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"completion_tokens": 50}},
+    ):
+        obs.observe(chunk, streaming=True)
+    billed = billed_usage(call, obs, TOKENIZER, complete=True)
+    assert billed.output_tokens == 50 and billed.input_tokens > 0, billed
+    body = Observation()
+    body.observe(
+        {
+            "choices": [{"index": 0, "message": {"content": "answer"}, "finish_reason": "stop"}],
+            "usage": {"completion_tokens": 7},
+        },
+        streaming=False,
+    )
+    assert billed_usage(call, body, TOKENIZER, complete=True).output_tokens == 7
+
+
+def test_an_anthropic_output_count_without_an_input_count_is_the_providers_output() -> None:
+    """message_start told no usage (a gateway's), message_delta the final output (50, with the
+    stop reason): billed 50, not the 1 token "hi" counts to."""
+    untold = {
+        "type": "message_start",
+        "message": {"id": "m", "type": "message", "role": "assistant", "content": []},
+    }
+    obs = events(untold, text("hi"), delta({"output_tokens": 50}, "end_turn"), {"type": "message_stop"})
+    billed = billed_usage(claude(), obs, TOKENIZER, complete=True)
+    assert billed.output_tokens == 50 and billed.input_tokens > 0, billed
+    body = Observation()
+    message = {
+        "id": "m",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-x",
+        "stop_reason": "end_turn",
+    }
+    anthropic_body(
+        body, {**message, "content": [{"type": "text", "text": "hi"}], "usage": {"output_tokens": 9}}
+    )
+    assert billed_usage(claude(), body, TOKENIZER, complete=True).output_tokens == 9
