@@ -79,6 +79,7 @@ def _estimated_usage(call: Call, obs: Observation, tokenizer: Tokenizer) -> Bill
         tokenizer=tokenizer,
         echoes=_echoes(call),  # billed as input: not output again
         separate_texts=est.separate_texts,
+        answer_cap=_answer_cap(call),
     )
     # The upstream was held to the reserved output (its cap went in every cap field): a
     # count of the text above it (4 characters a token, another tokenizer's) is the count's
@@ -91,6 +92,13 @@ def _estimated_usage(call: Call, obs: Observation, tokenizer: Tokenizer) -> Bill
     if obs.output_alone_tokens > counted.output_tokens:
         counted = replace(counted, output_tokens=obs.output_alone_tokens)
     return counted
+
+
+def _answer_cap(call: Call) -> int:
+    """The output cap each answer went with (its request's, the model's, a clamp's)."""
+    cap = call.estimate.output_cap
+    clamped = call.reservation.clamped_output_per_choice if call.reservation is not None else 0
+    return min(cap, clamped) if cap and clamped else cap or clamped
 
 
 def _echoes(call: Call) -> list[str]:

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from proxy.billed_usage import billed_usage
 from proxy.call import Call
 from proxy.journal import Journal
+from proxy.observe import Observation
 from proxy.outcome import NOTHING_BILLED, Outcome, provider_usage
 from proxy.pricing import MAX_AMOUNT, cost_micros, reserve_amounts
 from proxy.redis_server import RedisServerProcess
@@ -491,3 +492,21 @@ async def test_the_overshoot_counter_counts_what_the_ledger_names(
     assert total(values, "llm_proxy_overshoot_tokens_total", tenant="team-a") == int(
         entry["overshoot_tokens"]
     )
+
+
+def test_each_counted_answer_of_n_is_held_to_its_own_cap() -> None:
+    """n=2, max_tokens=5: each answer went with a cap of 5. A count of 100 for the first (400
+    characters at 4 a token) is the count's error above its cap: billed 5 + 1, not the 10 reserved
+    for both, which only the sum was held to (the usage fallback hunt)."""
+    call = planned(chat(max_tokens=5, n=2))
+    assert (call.estimate.output_cap, call.reserved_output_tokens) == (5, 10)
+    obs = Observation()
+    for chunk in (
+        {"choices": [{"index": 0, "delta": {"content": "x" * 400}}]},
+        {"choices": [{"index": 1, "delta": {"content": "hi"}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+        {"choices": [{"index": 1, "delta": {}, "finish_reason": "stop"}]},
+    ):
+        obs.observe(chunk, streaming=True)
+    billed = billed_usage(call, obs, TOKENIZER, complete=True)
+    assert billed.output_tokens == 5 + 1, billed
