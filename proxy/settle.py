@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from fractions import Fraction
 
 import orjson
 
@@ -348,8 +347,13 @@ def budget_headers(call: Call, settlement: Settlement) -> dict[str, str]:
         (meter, room - (settlement.actual.get(meter, 0) if meter != "concurrent" else 0), ceiling)
         for meter, room, ceiling in reservation.rooms
     ]
-    # Exact parts (no floats); a ceiling of 0 has none left. The first of equals.
-    tight = min(left, key=lambda each: Fraction(each[1], each[2]) if each[2] > 0 else Fraction(0))[0]
+    # The least part of its ceiling left, compared in integers (a ceiling of 0: none left); the
+    # first of equals.
+    tight, part, whole = "", 0, 0
+    for meter, room, ceiling in left:
+        room, ceiling = (room, ceiling) if ceiling > 0 else (0, 1)
+        if not whole or room * whole < part * ceiling:
+            tight, part, whole = meter, room, ceiling
     least = min(room for meter, room, _ in left if meter == tight)
     return {f"x-budget-remaining-{tight.replace('_', '-')}": str(least)}
 
