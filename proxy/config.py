@@ -312,6 +312,17 @@ class Config(Frozen):
 
     @model_validator(mode="after")
     def _references(self) -> Config:
+        scrape = self.metrics.listen
+        anywhere = ("0.0.0.0", "::", "")
+        if (
+            scrape is not None
+            and scrape.port == self.listen.port != 0
+            and (scrape.host == self.listen.host or scrape.host in anywhere or self.listen.host in anywhere)
+        ):
+            # serve would bind it first, then fail its own port as if another process held it.
+            raise ValueError(
+                f"metrics.listen: port {scrape.port} is the main listen port: give the metrics their own"
+            )
         for pattern, model in self.models.items():
             if model.upstream not in self.upstreams:
                 raise ValueError(f"models.{pattern}.upstream: unknown upstream {model.upstream!r}")

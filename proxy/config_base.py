@@ -8,9 +8,9 @@ import re
 from collections.abc import Mapping
 from decimal import Decimal
 from functools import cached_property
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 MICROS_PER_UNIT = 1_000_000
 # The largest figure the store holds exactly (15 digits; pricing.MAX_AMOUNT), and in whole units
@@ -49,10 +49,35 @@ def not_a_bool(value: Any, what: str = "a token count") -> Any:
     return value
 
 
+_NUMBERS = (int, float, Decimal)
+
+
+def _takes_a_number_not_a_bool(annotation: Any) -> bool:
+    """Whether a field of type ``annotation`` holds a number and never a bool."""
+    kinds: list[Any] = [annotation]
+    found: set[Any] = set()
+    while kinds:
+        kind = kinds.pop()
+        found.add(kind)
+        kinds.extend(get_args(kind))
+    return bool not in found and any(kind in found for kind in _NUMBERS)
+
+
 class Frozen(BaseModel):
     # No YAML .inf or .nan for a number: a timeout or a margin of .inf passed its bounds, and a
     # lease of infinite milliseconds then failed every call.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _number_not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML's true/false/yes/no/on/off are 1 and 0 to a number: a port of 0 (any free one), a
+        # pool of one connection, a timeout of a second. A field's own check may say more (first).
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _takes_a_number_not_a_bool(field.annotation):
+                raise ValueError("a number, not true or false")
+        return value
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy whose values derived from fields (the ``cached_property``s, kept in the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,24 @@ from proxy.errors import ConfigError
 
 def _bare(mark: yaml.Mark) -> yaml.Mark:
     return yaml.Mark(mark.name, mark.index, mark.line, mark.column, None, 0)
+
+
+# YAML 1.1 (PyYAML's) reads a number with a leading 0 as octal (010: 8) and one with colons as
+# base 60 (1:30: 90): a ceiling, a price or a cap no one wrote.
+_OCTAL = re.compile(r"[-+]?0[0-9_]+")
+
+
+def _refuse_another_figure(node: yaml.ScalarNode) -> None:
+    text = str(node.value)
+    if ":" in text or _OCTAL.fullmatch(text):
+        read = "a base-60 number" if ":" in text else "an octal number"
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"{text} is {read} in YAML 1.1, not the figure it looks like: write it without the "
+            "leading 0 or the colons (or quote it, for a string)",
+            _bare(node.start_mark),
+        )
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -61,6 +80,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                         _bare(key_node.start_mark),
                     )
         super().flatten_mapping(node)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        _refuse_another_figure(node)
+        return int(super().construct_yaml_int(node))
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        _refuse_another_figure(node)
+        return float(super().construct_yaml_float(node))
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -396,3 +396,67 @@ def test_a_yaml_error_names_its_line_without_quoting_it(
     assert "line 2" in str(caught.value) and "Zx9Wq" not in str(caught.value), str(caught.value)
     assert main(["check-config", str(path)]) == 2
     assert "Zx9Wq" not in capsys.readouterr().err
+
+
+HEAD = "upstreams:\n  openai: {base_url: 'https://api.example.com/v1'}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "figure"),
+    [
+        ("tiers:\n  standard:\n    run: {requests: 010}\n", "010"),  # YAML 1.1: 8
+        ("tiers:\n  standard:\n    key: {concurrent: 1:30}\n", "1:30"),  # base 60: 90
+        ("models:\n  '*': {upstream: openai, price_per_million: {input: 010, output: 1}}\n", "010"),
+        ("models:\n  '*': {upstream: openai, price_per_million: {input: 2:50, output: 1}}\n", "2:50"),
+        ("limits: {default_max_output_tokens: 0100}\n", "0100"),  # 64
+        ("models:\n  '*': {upstream: openai, max_output_tokens: 0100}\n", "0100"),
+    ],
+)
+def test_a_yaml_11_octal_or_base_60_number_is_refused_not_read_as_another_figure(
+    tmp_path: Path, text: str, figure: str
+) -> None:
+    """``requests: 010`` was a ceiling of 8 and ``input: 2:50`` a price of 170 per million: PyYAML
+    reads YAML 1.1's octal and base-60 numbers, and check-config said ok (the config hunt)."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text(HEAD + text)
+    with pytest.raises(ConfigError, match=re.escape(figure)):
+        load_config(path, {})
+    # Written as meant, or quoted, they load.
+    plain = text.replace(figure, figure.lstrip("0").replace(":", "") or "0")
+    path.write_text(HEAD + plain)
+    load_config(path, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("listen: {port: off}\n", "listen.port"),  # 0: a random free port
+        ("redis: {pool_size: yes}\n", "redis.pool_size"),  # one connection for every call
+        ("limits: {lease_margin_s: yes}\n", "limits.lease_margin_s"),
+        ("upstreams:\n  openai: {base_url: 'https://api.example.com/v1', timeout_s: on}\n", "timeout_s"),
+    ],
+)
+def test_a_yaml_boolean_is_not_a_port_a_pool_size_or_a_timeout(tmp_path: Path, text: str, field: str) -> None:
+    """true/false/yes/no/on/off are 1 and 0 to a number: refused for counts already, they were
+    taken as a port (off: any free one), a pool of one connection, a timeout of a second (the
+    config hunt). Every number of the config refuses them now."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text(text if text.startswith("upstreams") else HEAD + text)
+    with pytest.raises(ConfigError, match=re.escape(field) + ".*not true or false"):
+        load_config(path, {})
+
+
+@pytest.mark.parametrize("metrics_host", ["127.0.0.1", "0.0.0.0"])
+def test_a_metrics_listener_on_the_main_port_is_refused_by_check_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics_host: str
+) -> None:
+    """check-config said ok; serve bound the metrics listener first, then failed its own port
+    with 'address already in use', as though another process held it (the config hunt)."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        HEAD
+        + "listen: {host: 127.0.0.1, port: 18555}\n"
+        + f"metrics: {{listen: {{host: '{metrics_host}', port: 18555}}}}\n"
+    )
+    assert main(["check-config", str(path)]) == 2
+    assert "metrics.listen" in capsys.readouterr().err
