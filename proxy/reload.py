@@ -74,7 +74,12 @@ class ConfigReloader:
         baseline = self._started_from or old
         running = _start_only(baseline)
         changed = sorted(name for name, value in _start_only(new).items() if value != running[name])
-        if new.redis.url is not None and new.redis.url != baseline.redis.url:
+        if self._started_from is not None:
+            # Left out (the embedded Redis) where the file named one, too.
+            url_changed = new.redis.url != self._started_from.redis.url
+        else:  # the config in force carries the embedded Redis's URL, which serve filled in
+            url_changed = new.redis.url is not None and new.redis.url != old.redis.url
+        if url_changed:
             changed.append("redis.url")
         if changed:
             # The store, the sockets, the journal, the logging, the metrics and the background

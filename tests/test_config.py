@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,30 @@ def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: 
     (new,) = applied
     assert new.limits.default_max_output_tokens == 77  # the rest of the reload applies
     assert new.limits.settled_marker_ttl_s == started.limits.settled_marker_ttl_s == 3600
+
+
+def test_a_reload_that_drops_redis_url_says_the_store_does_not_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Changing redis.url is named in the 'only on restart' warning; deleting it (back to the
+    embedded server) was applied with 'config reloaded' alone, while the proxy kept writing to
+    the old Redis (the config hunt)."""
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {"TEST_UPSTREAM_KEY": "x"}
+    started = load_config(path, env)
+    applied: list[Config] = []
+    caplog.set_level(logging.INFO)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        reloader = ConfigReloader(path, lambda: started, applied.append)
+        raw["redis"] = {k: v for k, v in raw["redis"].items() if k != "url"}
+        path.write_text(yaml.safe_dump(raw))
+        assert reloader.reload("test")
+    assert applied[0].redis.url == "redis://127.0.0.1:6379/0"  # kept, as it must be
+    warnings = [r for r in caplog.records if "only on restart" in r.getMessage()]
+    assert warnings and "redis.url" in warnings[0].settings  # type: ignore[attr-defined]
 
 
 def test_a_run_ttl_outlives_its_calls() -> None:
