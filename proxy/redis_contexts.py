@@ -35,9 +35,15 @@ class ContextCommands(ScriptRunner):
     """``RedisStore``'s commands on the contexts a provider keeps (``Store.prior_context_tokens``
     to ``Store.claim_contexts``)."""
 
-    async def prior_context_tokens(self, *, tenant: str, ids: Sequence[str]) -> int | None:
-        sizes = [size for size in await self._sizes("prior context", tenant, ids) if size is not None]
-        return max(sizes) if sizes else None
+    async def prior_context_tokens(
+        self, *, tenant: str, ids: Sequence[str], added: Sequence[str] = ()
+    ) -> int | None:
+        sizes = await self._sizes("prior context", tenant, [*ids, *added])
+        largest = [size for size in sizes[: len(ids)] if size is not None]
+        beside = [size for size in sizes[len(ids) :] if size is not None]
+        if not largest and not beside:
+            return None
+        return max(largest, default=0) + sum(beside)
 
     async def item_tokens(self, *, tenant: str, ids: Sequence[str]) -> int:
         return sum(size for size in await self._sizes("item sizes", tenant, ids) if size is not None)

@@ -274,7 +274,11 @@ async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None
     tenant = call.identity.tenant
     added = 0
     if call.continues:
-        tokens = await store.prior_context_tokens(tenant=tenant, ids=call.continues)
+        # A stored prompt's template is read beside the response or conversation continued,
+        # which the provider never takes together: the larger of those, and the template.
+        prompt = [call.stored_prompt] if call.stored_prompt is not None else []
+        others = [ctx for ctx in call.continues if ctx != call.stored_prompt]
+        tokens = await store.prior_context_tokens(tenant=tenant, ids=others, added=prompt)
         metrics.prior_contexts.labels("unknown" if tokens is None else "found").inc()
         call.prior_context_tokens = added = tokens or 0
     items = [context_key(ref) for what, ref in call.references if what == "item"]

@@ -242,9 +242,12 @@ class Store(Protocol):
         command: one read of a ledger of millions would hold Redis for seconds."""
         ...
 
-    async def prior_context_tokens(self, *, tenant: str, ids: Sequence[str]) -> int | None:
-        """The largest size remembered for any of ``ids`` (see ``remember_context``); None
-        when none is known."""
+    async def prior_context_tokens(
+        self, *, tenant: str, ids: Sequence[str], added: Sequence[str] = ()
+    ) -> int | None:
+        """The largest size remembered for any of ``ids`` (one context the provider reads: a
+        previous response or a conversation), plus each of ``added`` (a stored prompt's
+        template, read beside it); see ``remember_context``. None when none is known."""
         ...
 
     async def item_tokens(self, *, tenant: str, ids: Sequence[str]) -> int:

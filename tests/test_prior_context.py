@@ -1078,3 +1078,43 @@ async def test_a_call_item_sent_back_cannot_name_another_tenants_container(
             )
     assert len(fake.received) == sent
     assert_not_found(refused.value, f"Container with id '{mine}' not found.", "input")
+
+
+_PROMPT = {"prompt": {"id": "pmpt_support_agent", "version": "3", "variables": {"customer": "Ada"}}}
+
+
+async def _responses_entry(proxy: Any, run: str, body: dict[str, Any]) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+    payload = {"model": "gpt-4o-mini", "max_output_tokens": 16, **body}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/responses", json=payload, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+    await proxy.recorded()
+    (entry,) = await ledger_entries(proxy, run)
+    return entry
+
+
+async def test_a_stored_prompt_on_a_conversation_reserves_the_template_and_the_conversation(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A stored prompt's template is input the provider adds to every call, a conversation's
+    context is input again: a call naming both is billed both, and was reserved at the larger
+    of the two kept sizes alone (the prior context hunt)."""
+    proxy = await make_proxy()
+    # A fresh call naming the prompt: its 3,000-token template billed, kept as the prompt's size.
+    fresh = {**_PROMPT, "input": "hi", "fake": {"usage": {"input_tokens": 3000}}}
+    await _responses_entry(proxy, "tpl", fresh)
+    # A conversation of 5,000 tokens billed here.
+    fake.contexts["conv_1"] = 0
+    body = {"conversation": "conv_1", "input": "hello", "fake": {"usage": {"input_tokens": 5000}}}
+    await _responses_entry(proxy, "conv", body)
+    kept = int(await redis_client.get("lbp:{team-a}:ctx:conv_1") or 0)
+    assert kept >= 5000
+    # The next turn names both: the provider bills the conversation, the template and "hi"
+    # (the fake knows no stored prompts: its bill says what OpenAI's does).
+    billed = kept + 3000 + 1
+    both = {**_PROMPT, "conversation": "conv_1", "input": "hi", "fake": {"usage": {"input_tokens": billed}}}
+    entry = await _responses_entry(proxy, "both", both)
+    assert int(entry["input_tokens"]) == billed
+    assert int(entry["reserved_input_tokens"]) >= billed, entry

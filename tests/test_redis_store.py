@@ -1057,6 +1057,10 @@ async def test_a_context_size_is_kept_per_tenant_and_the_largest_is_read(store: 
     assert await store.prior_context_tokens(tenant="t", ids=["resp_a", "conv_b"]) == 300
     assert await store.prior_context_tokens(tenant="t", ids=["resp_a"]) == 120
     assert await store.prior_context_tokens(tenant="other", ids=["resp_a"]) is None
+    # A stored prompt's template, read beside the one context continued: added to it.
+    assert await store.prior_context_tokens(tenant="t", ids=["resp_a", "conv_b"], added=["resp_a"]) == 420
+    assert await store.prior_context_tokens(tenant="t", ids=[], added=["resp_a"]) == 120
+    assert await store.prior_context_tokens(tenant="t", ids=["nowhere"], added=["nor_here"]) is None
 
 
 async def test_a_kept_size_is_never_lowered_by_its_kind_and_garbage_is_replaced(store: RedisStore) -> None:
