@@ -1111,7 +1111,8 @@ async def test_a_bound_is_not_replaced_by_an_older_calls_figures(store: RedisSto
     await store.remember_context(tenant="t", ids=["conv_b"], ttl_s=60, **cut)
     await store.remember_context(tenant="t", ids=["conv_b"], tokens=100, ttl_s=60)
     assert await store.prior_context_tokens(tenant="t", ids=["conv_b"]) == 16_100
-    await store.remember_context(tenant="t", ids=["conv_b"], tokens=1_200, ttl_s=60)  # the next call's
+    # The next call's, which continued the bound it read (16,100: its prior context):
+    await store.remember_context(tenant="t", ids=["conv_b"], tokens=1_200, ttl_s=60, base_tokens=16_100)
     assert await c.get("lbp:{t}:ctx:conv_b") == "1200"
 
 
@@ -1228,3 +1229,24 @@ async def test_eviction_not_told_cannot_rule_out_dropped_keys(tmp_path: Path) ->
         await admin.close()
         server.stop()
     assert found == Eviction(None) and found.drops_keys
+
+
+async def test_an_older_calls_figure_ending_late_does_not_replace_a_cut_calls_bound(
+    store: RedisStore,
+) -> None:
+    """A bound gives way to a later call's figures, which hold what the cut call added, not to
+    an older call's ending late: told apart by size alone, an older call (it continued the
+    conversation at 500) whose figure passed the 1,000 the cut call continued replaced the
+    bound, though it held nothing of what the cut call added (the prior context hunt)."""
+    tenant = "t"
+    await store.remember_context(tenant=tenant, ids=["conv_late"], tokens=1000, ttl_s=60)
+    # A call continuing it at 1,000 is cut: kept at its reserve (up to 4,000 more), a bound.
+    await store.remember_context(
+        tenant=tenant, ids=["conv_late"], tokens=5000, ttl_s=60, bound=True, base_tokens=1000
+    )
+    # An older call, which continued the conversation at 500, ends late at 1,100.
+    await store.remember_context(tenant=tenant, ids=["conv_late"], tokens=1100, ttl_s=60, base_tokens=500)
+    assert await store.prior_context_tokens(tenant=tenant, ids=["conv_late"]) == 5000
+    # A later call's, which continued what the cut call continued or more, does.
+    await store.remember_context(tenant=tenant, ids=["conv_late"], tokens=1300, ttl_s=60, base_tokens=1000)
+    assert await store.prior_context_tokens(tenant=tenant, ids=["conv_late"]) == 1300
