@@ -216,4 +216,26 @@ def passthrough_config(upstream_url: str, *, host: str, port: int, redis_url: st
         "upstreams": {"default": {"base_url": upstream_url, "passthrough_auth": True}},
         "models": {"*": {"upstream": "default"}},
     }
-    return parse_config(raw, {})
+    try:
+        return parse_config(raw, {})
+    except ConfigError as err:
+        # No file: the fields are the flags' (a passthrough upstream sends the caller's key).
+        message = str(err)
+        for field, flag in _FLAGS:
+            message = message.replace(field, flag)
+        raise ConfigError(message) from None
+
+
+# The fields zero-config fills from its flags, as the operator wrote them.
+_FLAGS = (
+    (
+        "upstreams.default: base_url: credentials in the URL and a key sent as a header (api_key_env, "
+        "passthrough_auth) cannot go together",
+        "--upstream: credentials in the URL cannot go with the caller's own key, which zero-config passes on",
+    ),
+    ("upstreams.default.base_url", "--upstream"),
+    ("upstreams.default", "--upstream"),
+    ("listen.port", "--port"),
+    ("listen.host", "--host"),
+    ("redis.url", "--redis-url"),
+)

@@ -460,3 +460,25 @@ def test_a_metrics_listener_on_the_main_port_is_refused_by_check_config(
     )
     assert main(["check-config", str(path)]) == 2
     assert "metrics.listen" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--upstream", "ftp://api.example.com/v1"),
+        ("--upstream", "https://user:secret@api.example.com/v1"),
+        ("--port", "70000"),
+        ("--redis-url", "notaurl"),
+    ],
+)
+def test_a_bad_zero_config_flag_is_named_as_the_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Zero-config has no file: its errors named fields nobody wrote ('upstreams.default.base_url:
+    invalid URL', 'listen.port: ...', 'redis.url: ...'), where the flag is what to mend (the
+    config hunt)."""
+    args = {"--upstream": "https://api.example.com/v1", "--port": "0", "--redis-url": "redis://127.0.0.1:1"}
+    args[flag] = value
+    assert main(["serve", *[x for pair in args.items() for x in pair]]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}:" in err and "upstreams.default" not in err and "secret" not in err, err
