@@ -7,6 +7,7 @@ the environment here and nowhere else. The shapes are in ``config``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from pydantic import SecretStr, ValidationError
 from proxy.config import Config, ListenConfig, RedisConfig
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.errors import ConfigError
+
+log = logging.getLogger("proxy.config")
 
 
 def _bare(mark: yaml.Mark) -> yaml.Mark:
@@ -125,6 +128,11 @@ def parse_config(raw: Any, environ: Mapping[str, str], *, key_secrets: bool = Tr
     upstreams = {}
     for name, upstream in config.upstreams.items():
         key = _secret(f"upstreams.{name}.api_key_env", upstream.api_key_env, environ)
+        if upstream.api_key_env and not key and key_secrets:
+            # Not refused (a key the upstream does not need, a variable set later for a reload),
+            # but every call would go out without one, and come back a 502 upstream_auth.
+            variable = f"upstreams.{name}.api_key_env: {upstream.api_key_env}"
+            log.warning(f"{variable} is not set: its calls go out without a key")
         upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
     if not key_secrets:
         return config.model_copy(update={"redis": redis, "upstreams": upstreams})

@@ -482,3 +482,18 @@ def test_a_bad_zero_config_flag_is_named_as_the_flag(
     assert main(["serve", *[x for pair in args.items() for x in pair]]) == 2
     err = capsys.readouterr().err
     assert f"{flag}:" in err and "upstreams.default" not in err and "secret" not in err, err
+
+
+def test_an_upstream_key_variable_not_set_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every call would go out without a key and come back a 502 upstream_auth: a typo in the
+    variable's name was told nowhere (the config hunt). Warned, not refused: a reload may follow."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text(HEAD.replace("'}", "', api_key_env: OPENAI_KEY_TYPO}"))
+    load_config(path, {})
+    said = "upstreams.openai.api_key_env: OPENAI_KEY_TYPO is not set"
+    assert any(said in record.getMessage() for record in caplog.records)
+    caplog.clear()
+    assert load_config(path, {"OPENAI_KEY_TYPO": "sk-up"}).upstreams["openai"].api_key is not None
+    assert not caplog.records
