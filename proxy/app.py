@@ -115,6 +115,7 @@ def build_app(
     run_reaper_task: bool = True,
     registry: CollectorRegistry | None = None,
     workers: int = 1,
+    started_from: Config | None = None,
 ) -> web.Application:
     answer_parser_errors_as_json()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
@@ -279,7 +280,9 @@ def build_app(
         for result in ("applied", "refused"):  # at 0 from the start: a first refusal is an increase
             state.metrics.config_reloads.labels(result)
 
-        reloader = ConfigReloader(config_path, lambda: state.config, apply, counted=counted)
+        reloader = ConfigReloader(
+            config_path, lambda: state.config, apply, counted=counted, started_from=started_from
+        )
         if reloader.changed():
             reloader.reload("file changed while starting")
         loop = asyncio.get_running_loop()

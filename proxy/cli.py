@@ -63,24 +63,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_for(args: argparse.Namespace) -> Config:
+def _config_for(args: argparse.Namespace) -> tuple[Config, Config | None]:
+    """The config to serve, and the file as read (None: zero-config), before its flags: the
+    reloader compares start-only settings with that file, not with a save made while the proxy
+    started."""
     if getattr(args, "upstream", None):
         if args.config:
             raise ConfigError("give either --config or --upstream, not both")
-        return passthrough_config(
+        zero = passthrough_config(
             args.upstream,
             host=args.host or "127.0.0.1",
             port=8080 if args.port is None else args.port,
             redis_url=args.redis_url,
         )
+        return zero, None
     if not args.config:
         raise ConfigError("give --config FILE (or --upstream URL for a zero-config start)")
-    return with_flags(
-        load_config(args.config),
+    read = load_config(args.config)
+    flagged = with_flags(
+        read,
         host=getattr(args, "host", None) or None,
         port=getattr(args, "port", None),
         redis_url=args.redis_url or None,
     )
+    return flagged, read
 
 
 @contextmanager
@@ -126,7 +132,7 @@ def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[
 
 def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until a worker's reloader takes it
-    config = _config_for(args)
+    config, started_from = _config_for(args)
     setup_logging(config.log.level, config.log.format)
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
@@ -141,8 +147,8 @@ def serve(args: argparse.Namespace) -> int:
         log.warning("with --workers, metrics are per worker: set metrics.listen to scrape them")
     with store_url(config, purpose="serve") as config:
         if args.workers == 1:
-            return run_worker(config, bool(args.upstream), args.config, 0, 1)
-        return supervise(config, bool(args.upstream), args.config, args.workers)
+            return run_worker(config, bool(args.upstream), args.config, 0, 1, started_from)
+        return supervise(config, bool(args.upstream), args.config, args.workers, started_from)
 
 
 def check_config(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ class ConfigReloader:
         apply: Callable[[Config], None],
         *,
         counted: Callable[[str], None] = lambda result: None,
+        started_from: Config | None = None,
     ) -> None:
         self.path = path
         self._current = current
@@ -49,12 +50,19 @@ class ConfigReloader:
         # Start-only settings are compared with the file as it was at start, not with the config
         # in force: that one carries what the command line and the worker set (--port,
         # --redis-url, a worker's metrics port), which no file ever says.
+        # ``started_from``: the file as ``serve`` read it (before its flags); else the file as it
+        # is now, which a save while the proxy started (seconds) may already have changed.
         try:
-            self._started_from: Config | None = load_config(path, os.environ)
+            now: Config | None = load_config(path, os.environ)
         except ConfigError:
-            self._started_from = None
+            now = None
+        self._started_from = started_from if started_from is not None else now
         in_force = current()
-        if self._started_from is None or _keep_start_only(self._started_from, in_force) != in_force:
+        if (
+            now is None
+            or (started_from is not None and now != started_from)
+            or _keep_start_only(now, in_force) != in_force
+        ):
             # The file changed after the config in force was read from it: saved while the
             # proxy started (its SIGHUP ignored until now). ``changed`` says so at once.
             self._stamp = None

@@ -39,9 +39,17 @@ EXIT_WORKER_ENDED = 1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def run_worker(config: Config, passthrough: bool, config_path: Path | None, worker: int, workers: int) -> int:
+def run_worker(
+    config: Config,
+    passthrough: bool,
+    config_path: Path | None,
+    worker: int,
+    workers: int,
+    started_from: Config | None = None,
+) -> int:
     """One serving process. With several workers they share the port (SO_REUSEPORT); all
-    state is in Redis, so any worker can serve any call."""
+    state is in Redis, so any worker can serve any call. ``started_from``: the file as ``serve``
+    read it, before its flags (``reload.ConfigReloader``)."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
     # A stop before the app has started (imports, tokenizer tables) is kept for when it has:
     # cutting the start short half way leaves it neither serving nor shut down.
@@ -55,7 +63,9 @@ def run_worker(config: Config, passthrough: bool, config_path: Path | None, work
         # Each worker exposes its own metrics on its own port: base port + worker index.
         listen = config.metrics.listen.model_copy(update={"port": config.metrics.listen.port + worker})
         config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"listen": listen})})
-    app = build_app(config, passthrough=passthrough, config_path=config_path, workers=workers)
+    app = build_app(
+        config, passthrough=passthrough, config_path=config_path, workers=workers, started_from=started_from
+    )
     loop, loop_name = new_event_loop(config.event_loop)
     # What exists now (modules, config, tiktoken's rank tables) lives as long as the process:
     # kept out of the collector's scans. A call allocates hundreds of containers, nearly all
@@ -172,7 +182,13 @@ def _worker_process(*args: Any) -> None:
     sys.exit(run_worker(*args))
 
 
-def supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
+def supervise(
+    config: Config,
+    passthrough: bool,
+    config_path: Path | None,
+    workers: int,
+    started_from: Config | None = None,
+) -> int:
     """Start the workers, pass SIGTERM/SIGINT/SIGHUP on to them, wait for all of them; the first
     that fails stops the rest."""
     try:
@@ -183,7 +199,7 @@ def supervise(config: Config, passthrough: bool, config_path: Path | None, worke
         print(f"llm-billing-proxy: cannot serve: {err.strerror or err}", file=sys.stderr)
         return EXIT_CANNOT_SERVE
     try:
-        return _supervise(config, passthrough, config_path, workers)
+        return _supervise(config, passthrough, config_path, workers, started_from)
     finally:
         for sock in claim:
             sock.close()
@@ -231,11 +247,19 @@ def _claim_port(host: str, port: int) -> list[socket.socket]:
     return claims
 
 
-def _supervise(config: Config, passthrough: bool, config_path: Path | None, workers: int) -> int:
+def _supervise(
+    config: Config,
+    passthrough: bool,
+    config_path: Path | None,
+    workers: int,
+    started_from: Config | None,
+) -> int:
     context = multiprocessing.get_context("spawn")
     children = [
         context.Process(
-            target=_worker_process, args=(config, passthrough, config_path, i, workers), name=f"worker-{i}"
+            target=_worker_process,
+            args=(config, passthrough, config_path, i, workers, started_from),
+            name=f"worker-{i}",
         )
         for i in range(workers)
     ]

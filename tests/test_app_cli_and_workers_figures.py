@@ -265,7 +265,7 @@ def test_a_zero_config_start_listens_where_the_readme_says() -> None:
     (``serve --upstream URL``) too: a default on every address would open the pass-through to
     the network."""
     args = _parser().parse_args(["serve", "--upstream", "http://127.0.0.1:9"])
-    listen = _config_for(args).listen
+    listen = _config_for(args)[0].listen
     assert (listen.host, listen.port) == ("127.0.0.1", 8080)
     assert args.workers == 1
 
@@ -274,13 +274,13 @@ def test_host_port_and_redis_url_on_the_command_line_override_the_files(tmp_path
     config = tmp_path / "c.yaml"
     config.write_text(BAD_FLAG_CONFIG + "listen: {host: 127.0.0.1, port: 8081}\n")
     argv = ["serve", "--config", str(config), "--host", "0.0.0.0", "--port", "9999", "--redis-url"]
-    loaded = _config_for(_parser().parse_args([*argv, "redis://127.0.0.1:7/0"]))
+    loaded, _ = _config_for(_parser().parse_args([*argv, "redis://127.0.0.1:7/0"]))
     assert (loaded.listen.host, loaded.listen.port, loaded.redis.url) == (
         "0.0.0.0",
         9999,
         "redis://127.0.0.1:7/0",
     )
-    kept = _config_for(_parser().parse_args(["serve", "--config", str(config)]))
+    kept, _ = _config_for(_parser().parse_args(["serve", "--config", str(config)]))
     assert (kept.listen.host, kept.listen.port, kept.redis.url) == ("127.0.0.1", 8081, "redis://127.0.0.1:1")
 
 

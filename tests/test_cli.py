@@ -354,7 +354,7 @@ def test_a_zero_config_start_on_port_0_listens_on_a_free_port() -> None:
     args = _parser().parse_args(
         ["serve", "--upstream", "http://127.0.0.1:9", "--port", "0", "--redis-url", "redis://127.0.0.1:1"]
     )
-    assert _config_for(args).listen.port == 0  # was 8080: 0 read as "not given"
+    assert _config_for(args)[0].listen.port == 0  # was 8080: 0 read as "not given"
 
 
 async def test_a_ledger_export_reads_and_writes_page_by_page(

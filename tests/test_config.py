@@ -229,6 +229,36 @@ def test_a_reload_that_drops_redis_url_says_the_store_does_not_change(
     assert warnings and "redis.url" in warnings[0].settings  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("also_a_price", [False, True], ids=["start-only-alone", "with-a-price"])
+def test_a_start_only_setting_saved_while_the_proxy_starts_is_named_as_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, also_a_price: bool
+) -> None:
+    """The file saved between ``serve`` reading it and the worker's reloader starting: the
+    reloader took the newer file for the one the proxy started from, so a start-only change in
+    it (``currency`` here) was never named; alone, the file was not even reloaded (it looked like
+    the config in force). ``serve`` hands the file as it read it to the reloader (the config
+    hunt)."""
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {"TEST_UPSTREAM_KEY": "x"}
+    started = load_config(path, env)  # what serve read
+    raw["currency"] = "EUR"  # saved while the proxy starts
+    if also_a_price:
+        raw["models"]["*"]["price_per_million"] = {"input": 1, "output": 2}
+    path.write_text(yaml.safe_dump(raw))
+    applied: list[Config] = []
+    caplog.set_level(logging.INFO)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        reloader = ConfigReloader(path, lambda: started, applied.append, started_from=started)
+        assert reloader.changed()
+        reloader.reload("file changed while starting")  # as app.reload_ctx does
+    assert applied[-1].currency == "USD"  # start-only: kept
+    warnings = [r for r in caplog.records if "only on restart" in r.getMessage()]
+    assert warnings and "currency" in warnings[0].settings  # type: ignore[attr-defined]
+
+
 def test_a_run_ttl_outlives_its_calls() -> None:
     assert "limits.run_ttl_s" in error_of({**UP, "limits": {"run_ttl_s": 60}})
     assert parse_config({**UP, "limits": {"run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
