@@ -21,6 +21,7 @@ from proxy.payload import (
     MessagesBody,
     RequestView,
     ResponsesBody,
+    compaction_instructions,
     compacts,
     generations,
     prompts,
@@ -229,7 +230,9 @@ def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, in
         )
         return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
     if isinstance(view, MessagesBody):
-        parts = _with_json(items_parts(view.messages, view.system), view.tools, _anthropic_schema(view))
+        # A compaction's own summarizing prompt is read too (reserved with the input it reads).
+        texts = items_parts(view.messages, view.system) + compaction_instructions(view)
+        parts = _with_json(texts, view.tools, _anthropic_schema(view))
         return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
     source = (view.prompt if isinstance(view, CompletionBody) else view.input) or ""
     # Insert mode: each prompt of a list is sent with the suffix.

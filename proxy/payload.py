@@ -119,6 +119,20 @@ def compacts(view: object) -> bool:
     )
 
 
+def compaction_instructions(view: object) -> list[str]:
+    """The summarizing prompts a Messages request's compaction edits give (``instructions``:
+    it replaces Anthropic's own), which the summarizing step reads beside the input."""
+    if not compacts(view):
+        return []
+    assert isinstance(view, MessagesBody)
+    edits = (view.model_extra or {})["context_management"]["edits"]
+    return [
+        edit["instructions"]
+        for edit in edits
+        if isinstance(edit, dict) and isinstance(edit.get("instructions"), str)
+    ]
+
+
 class EmbeddingBody(_Body):
     input: str | list[str] | list[int] | list[list[int]]
 

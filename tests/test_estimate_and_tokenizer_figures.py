@@ -566,3 +566,28 @@ async def test_a_count_that_fails_before_the_reserve_makes_the_bound_final() -> 
     # Final: no count is tried again after the reserve, nor at the settle.
     assert call.estimate.input_exact and call.estimate.input_tokens == quick.input_tokens
     assert metric(metrics, "failed") == 1
+
+
+def test_a_compactions_own_instructions_are_reserved() -> None:
+    """Anthropic's threshold compaction: ``instructions`` is the summarizing step's prompt (it
+    replaces Anthropic's own), read beside the conversation and billed with that step; the
+    estimate left it out of the input, and a long one passed a ceiling by its whole count, with
+    no estimate error at all (the request estimate hunt)."""
+    text = "word " * 200
+    instructions = "Summarize keeping every identifier, path and number verbatim. " * 40
+
+    def reserved(edit: dict[str, Any]) -> int:
+        view = MessagesBody.model_validate(
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": text}],
+                "context_management": {"edits": [edit]},
+            }
+        )
+        return byte_estimate("messages", view).input_tokens
+
+    plain = reserved({"type": "compact_20260112"})
+    told = reserved({"type": "compact_20260112", "instructions": instructions})
+    # Both readings of the input are reserved (the step's and the answer's), the prompt in them.
+    assert told - plain >= len(instructions.encode())
