@@ -155,6 +155,10 @@ async def relay_stream(
         renewal.stop()
     if events.incomplete and failure is None and not client_gone and not obs.done:
         failure = Outcome("upstream_error")  # the stream ended inside an event
+    if not client_gone and (request.transport is None or request.transport.is_closing()):
+        # Gone with nothing more written to it (a usage chunk it did not ask for is dropped,
+        # [DONE] waits for the tail): it never had the answer's end.
+        client_gone = True
 
     # A body that ended cleanly once every choice had finished is a whole answer even without
     # [DONE]: OpenAI-compatible servers that never send it (Perplexity) are served as directly.

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from tests.conftest import ProxyFactory
+from tests.conftest import KEY_A, ProxyFactory
 from tests.outcome_helpers import parse_sse
 from tests.test_bad_input import Plan, Reply, ScriptedUpstream, dumps, send
 from tests.test_contract_edges import read_until_then_leave
@@ -308,4 +309,46 @@ async def test_a_client_dropped_while_the_answers_end_was_written_to_it_is_a_dis
         entry = await only_entry(redis_client)
     finally:
         sock.close()
+    assert billed(entry) == ("client_disconnected", "provider", "5", "9"), entry
+
+
+@pytest.mark.parametrize("asks_usage", [False, True])
+@pytest.mark.parametrize("policy", ["drain", "cancel"])
+async def test_a_client_gone_before_the_answers_end_is_a_disconnect_even_when_nothing_more_is_written(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    policy: str,
+    asks_usage: bool,
+) -> None:
+    """The client has the last content event and leaves; 0.5 s later the upstream sends its usage
+    chunk and [DONE]. Without usage asked for, nothing more was written to it (the usage chunk is
+    dropped, [DONE] held for the tail), so the relay never noticed it gone and billed ``ok``
+    where it abandoned the stream (the client transport hunt); with usage asked for, the write
+    of that chunk noticed."""
+    upstream = {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 5}
+    proxy = await make_proxy(upstreams={"openai": upstream}, policy={"on_client_disconnect": policy})
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[text(0, "Hello") + finish(0), usage_chunk() + DONE],
+        delay_s=0.5,
+    )
+    body: dict[str, Any] = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+    }
+    if asks_usage:
+        body["stream_options"] = {"include_usage": True}
+    raw = orjson.dumps(body)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    await asyncio.wait_for(reader.readuntil(b'"stop"'), 5)
+    writer.close()  # before the usage chunk and [DONE], 0.5 s off
+    entry = await only_entry(redis_client)  # one entry, nothing left leased
     assert billed(entry) == ("client_disconnected", "provider", "5", "9"), entry
