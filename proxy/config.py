@@ -192,6 +192,18 @@ class UpstreamConfig(Frozen):
         return self
 
 
+_ANYWHERE = frozenset({"0.0.0.0", "::", ""})
+_LOOPBACK = {"localhost": frozenset({"127.0.0.1", "::1"})}
+
+
+def _overlap(host: str, other: str) -> bool:
+    """Whether a listener on ``host`` and one on ``other`` (same port) would take an address
+    both: a wildcard takes every one, ``localhost`` its loopback addresses."""
+    if host in _ANYWHERE or other in _ANYWHERE:
+        return True
+    return bool(_LOOPBACK.get(host, {host}) & _LOOPBACK.get(other, {other}))
+
+
 class MetricsConfig(Frozen):
     # A separate address for Prometheus (no auth there: bind it where only scrapers reach).
     # On the main port /metrics needs an admin key.
@@ -313,12 +325,8 @@ class Config(Frozen):
     @model_validator(mode="after")
     def _references(self) -> Config:
         scrape = self.metrics.listen
-        anywhere = ("0.0.0.0", "::", "")
-        if (
-            scrape is not None
-            and scrape.port == self.listen.port != 0
-            and (scrape.host == self.listen.host or scrape.host in anywhere or self.listen.host in anywhere)
-        ):
+        main = self.listen
+        if scrape is not None and scrape.port == main.port != 0 and _overlap(scrape.host, main.host):
             # serve would bind it first, then fail its own port as if another process held it.
             raise ValueError(
                 f"metrics.listen: port {scrape.port} is the main listen port: give the metrics their own"

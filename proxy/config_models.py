@@ -93,7 +93,20 @@ def micros_per_thousand_calls(prices: Mapping[str, Decimal]) -> dict[str, int]:
 _NOT_A_TOOL_NAME = re.compile(r".+(_requests|_call|_\d{8}|_\d{4}_\d{2}_\d{2})")
 
 
+# Responses tool types whose calls are counted under another name than their own: their output
+# items' (``computer_call``: computer). ``tool_fees`` reserves them under it.
+RESPONSES_COUNTED_AS = {
+    "web_search_preview": "web_search",
+    "computer_use_preview": "computer",
+    "computer_use": "computer",
+    "custom": "custom_tool",
+}
+
+
 def _counted_name(tool: str) -> None:
+    counted = RESPONSES_COUNTED_AS.get(tool)
+    if counted is not None and tool != "web_search_preview":  # priced apart when named
+        raise ValueError(f"{tool}: no answer counts calls under this name: price the tool as '{counted}'")
     found = _NOT_A_TOOL_NAME.fullmatch(tool)
     if found is not None:
         raise ValueError(

@@ -13,17 +13,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from proxy.config_models import RESPONSES_COUNTED_AS
 from proxy.payload import MessagesBody, RequestView, ResponsesBody
 
-# Responses tool types whose calls are counted under another name than their own: their output
-# items' (``computer_call``: computer). Every other type's calls are ``<type>_call`` items
-# (``code_interpreter_call``, ``image_generation_call``, ``mcp_call``, ``file_search_call``).
-RESPONSES_COUNTED_AS = {
-    "web_search_preview": "web_search",
-    "computer_use_preview": "computer",
-    "computer_use": "computer",
-    "custom": "custom_tool",
-}
+# Every Responses tool type's calls are ``<type>_call`` items (``code_interpreter_call``,
+# ``image_generation_call``, ``mcp_call``, ``file_search_call``), but those of RESPONSES_COUNTED_AS.
 # Priced under this name, web_search_preview's calls (web_search_call items too) are billed at
 # its own price (OpenAI: $25 per 1,000 on a model that does not reason, web_search's $10).
 WEB_SEARCH_PREVIEW = "web_search_preview"

@@ -446,7 +446,7 @@ def test_a_yaml_boolean_is_not_a_port_a_pool_size_or_a_timeout(tmp_path: Path, t
         load_config(path, {})
 
 
-@pytest.mark.parametrize("metrics_host", ["127.0.0.1", "0.0.0.0"])
+@pytest.mark.parametrize("metrics_host", ["127.0.0.1", "0.0.0.0", "localhost"])
 def test_a_metrics_listener_on_the_main_port_is_refused_by_check_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics_host: str
 ) -> None:
@@ -497,3 +497,11 @@ def test_an_upstream_key_variable_not_set_is_warned_of(
     caplog.clear()
     assert load_config(path, {"OPENAI_KEY_TYPO": "sk-up"}).upstreams["openai"].api_key is not None
     assert not caplog.records
+
+
+def test_a_metrics_listener_beside_the_main_one_on_another_address_is_taken(tmp_path: Path) -> None:
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        HEAD + "listen: {host: 127.0.0.1, port: 18555}\nmetrics: {listen: {host: '::1', port: 18555}}\n"
+    )
+    assert load_config(path, {}).metrics.listen is not None

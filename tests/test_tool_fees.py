@@ -493,3 +493,16 @@ async def test_a_cost_ceiling_holds_a_priced_code_interpreter_call(
     assert status == 429
     assert script.received == []
     assert await redis_client.xlen("lbp:{team-a}:ledger") == 0
+
+
+@pytest.mark.parametrize(
+    ("tool", "counted"), [("computer_use_preview", "computer"), ("custom", "custom_tool")]
+)
+def test_a_tool_type_whose_calls_are_counted_under_another_name_is_refused_naming_it(
+    tool: str, counted: str
+) -> None:
+    """``computer_use_preview``'s calls are ``computer_call`` items: priced under the type's name,
+    nothing was reserved or billed, and check-config said ok (the README audit)."""
+    with pytest.raises(ConfigError, match=f"price the tool as '{counted}'"):
+        _config({"price_per_million": PRICE, "price_per_thousand_calls": {tool: "10"}})
+    assert _config({"price_per_million": PRICE, "price_per_thousand_calls": {counted: "10"}})
