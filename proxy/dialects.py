@@ -16,6 +16,7 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
+from proxy.errors import error_object
 from proxy.observe import Observation
 from proxy.observe_anthropic import anthropic_body, anthropic_event
 from proxy.observe_responses import responses_body, responses_event
@@ -83,7 +84,7 @@ class Dialect:
                 or _ANTHROPIC_TYPES.get(error_type, error_type)
             )
             return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
-        return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+        return orjson.dumps({"error": error_object(message, error_type, param=param, code=code)})
 
     def error_response(
         self,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from aiohttp import http_exceptions, web, web_protocol
 
 from proxy.dialects import Dialect, dialect_of_path
-from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable
+from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable, error_object
 from proxy.ids import REQUEST_ID, request_id_for
 from proxy.state import STATE
 
@@ -79,12 +79,9 @@ def _handle_parser_error(
         "request refused by the HTTP parser",
         extra={"status": status, "reason": reason, "error": type(exc).__name__, "remote": request.remote},
     )
-    error = {
-        "message": f"The request is not valid HTTP: {reason}.",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": "bad_http_request",
-    }
+    error = error_object(
+        f"The request is not valid HTTP: {reason}.", "invalid_request_error", code="bad_http_request"
+    )
     response = web.Response(
         status=status,
         body=json.dumps({"type": "error", "error": error}).encode(),

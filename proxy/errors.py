@@ -122,10 +122,15 @@ class StoreUnavailable(ApiError):
         )
 
 
+def error_object(
+    message: str, error_type: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, str | None]:
+    """OpenAI's error object, the ``error`` of its error body."""
+    return {"message": message, "type": error_type, "param": param, "code": code}
+
+
 def error_body(message: str, error_type: str, *, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps(
-        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    ).encode()
+    return json.dumps({"error": error_object(message, error_type, param=param, code=code)}).encode()
 
 
 def error_response(

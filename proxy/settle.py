@@ -219,9 +219,10 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     # tier that may have served it); past the long-context threshold by the provider's count,
     # no cheaper than the long-context prices, its output too.
     billed = call.rates_billed(usage.input_tokens) or reserved
-    known = billed if call.served_tier else dearest((reserved, billed))
+    either = dearest((reserved, billed))
+    known = billed if call.served_tier else either
     long = call.long_context_above is not None and usage.input_tokens > call.long_context_above
-    worst = worst_rates(dearest((reserved, billed)) if long else reserved)
+    worst = worst_rates(either if long else reserved)
     assert worst is not None
     return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}}
 

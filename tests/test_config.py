@@ -188,12 +188,17 @@ def test_a_tier_policy_overrides_only_the_fields_it_sets() -> None:
     )
 
 
-def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: Path) -> None:
+def _started_from_file(tmp_path: Path) -> tuple[dict[str, Any], Path, dict[str, str], Config]:
+    """A config file, its environment, and the config a proxy started with it: for a reload."""
     raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
     path = tmp_path / "proxy.yaml"
     path.write_text(yaml.safe_dump(raw))
     env = {"TEST_UPSTREAM_KEY": "x"}
-    started = load_config(path, env)
+    return raw, path, env, load_config(path, env)
+
+
+def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: Path) -> None:
+    raw, path, env, started = _started_from_file(tmp_path)
     applied: list[Config] = []
     raw["limits"] = {"settled_marker_ttl_s": 7200, "default_max_output_tokens": 77}
     path.write_text(yaml.safe_dump(raw))
@@ -211,11 +216,7 @@ def test_a_reload_that_drops_redis_url_says_the_store_does_not_change(
     """Changing redis.url is named in the 'only on restart' warning; deleting it (back to the
     embedded server) was applied with 'config reloaded' alone, while the proxy kept writing to
     the old Redis (the config hunt)."""
-    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {"TEST_UPSTREAM_KEY": "x"}
-    started = load_config(path, env)
+    raw, path, env, started = _started_from_file(tmp_path)
     applied: list[Config] = []
     caplog.set_level(logging.INFO)
     with pytest.MonkeyPatch.context() as patch:
@@ -238,11 +239,7 @@ def test_a_start_only_setting_saved_while_the_proxy_starts_is_named_as_kept(
     it (``currency`` here) was never named; alone, the file was not even reloaded (it looked like
     the config in force). ``serve`` hands the file as it read it to the reloader (the config
     hunt)."""
-    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {"TEST_UPSTREAM_KEY": "x"}
-    started = load_config(path, env)  # what serve read
+    raw, path, env, started = _started_from_file(tmp_path)  # what serve read
     raw["currency"] = "EUR"  # saved while the proxy starts
     if also_a_price:
         raw["models"]["*"]["price_per_million"] = {"input": 1, "output": 2}
@@ -304,11 +301,7 @@ def test_a_file_that_cannot_be_read_as_yaml_is_a_config_error(
 def test_a_reload_keeps_and_names_every_setting_used_only_at_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {"TEST_UPSTREAM_KEY": "x"}
-    started = load_config(path, env)
+    raw, path, env, started = _started_from_file(tmp_path)
     applied: list[Config] = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("proxy.reload.os.environ", env)
@@ -726,11 +719,7 @@ def test_a_reload_keeps_and_names_every_start_only_limit_and_then_sees_the_file_
     """A reap grace taken from a reload, its journal replay interval kept from the start, can
     fall below it: leases reaped at their reserve before the journal bills their real figures.
     Once reloaded, the file is the one in force (else the watcher reloads it at every look)."""
-    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {"TEST_UPSTREAM_KEY": "x"}
-    started = load_config(path, env)
+    raw, path, env, started = _started_from_file(tmp_path)
     applied: list[Config] = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("proxy.reload.os.environ", env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any
 
 import aiohttp
 import pytest
@@ -13,6 +14,17 @@ import redis.asyncio as aioredis
 from tests.conftest import KEY_A, ProxyFactory, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream
+
+
+def _stream(**fake: Any) -> dict[str, Any]:
+    """A stream call of 30 output tokens, the fake upstream told ``fake`` beside them."""
+    return {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 30,
+        "fake": {"reply_tokens": 30, **fake},
+    }
 
 
 @pytest.mark.skewed_loop_clock
@@ -26,13 +38,7 @@ async def test_a_stream_renews_its_lease_on_a_loop_whose_clock_is_not_monotonics
         upstreams={"openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 1}},
         limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1, "reap_grace_s": 0},  # lease 1.5 s
     )
-    body = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": True,
-        "max_tokens": 30,
-        "fake": {"reply_tokens": 30, "chunk_delay_s": 0.1},  # about 3 s: two lease lengths
-    }
+    body = _stream(chunk_delay_s=0.1)  # about 3 s: two lease lengths
     async with aiohttp.ClientSession() as session:
         resp = await session.post(
             proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
@@ -163,13 +169,7 @@ async def test_a_stream_whose_connection_outlasts_its_lease_keeps_it(
             upstreams={"openai": {**upstream, "connect_timeout_s": 10}},
             limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1, "reap_grace_s": 0},  # lease 1.5 s
         )
-        body = {
-            "model": "gpt-4o-mini",
-            "messages": [{"role": "user", "content": "hi"}],
-            "stream": True,
-            "max_tokens": 30,
-            "fake": {"reply_tokens": 30},
-        }
+        body = _stream()
         async with aiohttp.ClientSession() as session:
             headers = {"Authorization": f"Bearer {KEY_A}"}
             url = proxy.url + "/v1/chat/completions"

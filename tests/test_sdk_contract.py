@@ -20,6 +20,7 @@ from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, until_upstr
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries, run_meters
 from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, scripted_upstreams
+from tests.test_stream_endings_and_drains import DONE, finish, text, usage_chunk
 from tests.test_upstream_bodies import read_request
 
 MODEL = "gpt-4o-mini"
@@ -279,19 +280,9 @@ async def test_a_stream_the_provider_ends_with_its_error_reaches_the_sdk_as_it_s
     assert entry["outcome"] == "upstream_error"  # billed as before: a failed answer
 
 
-def _chat_chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    data = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": [choice]}
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
-_USAGE_CHUNK = (
-    b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"gpt-4o-mini","choices":[],'
-    b'"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\n\n'
-)
 _UNREADABLE_CHUNKS = {
-    "mark-in-data": _chat_chunk({"content": " world"}).replace(b"data: ", b"data: \xef\xbb\xbf", 1),
-    "raw-surrogate": _chat_chunk({"content": " wXrld"}).replace(b"wXrld", b"w\xed\xa0\xbdrld"),
+    "mark-in-data": text(0, " world").replace(b"data: ", b"data: \xef\xbb\xbf", 1),
+    "raw-surrogate": text(0, " wXrld").replace(b"wXrld", b"w\xed\xa0\xbdrld"),
 }
 
 
@@ -302,14 +293,7 @@ async def test_a_stream_the_sdk_cannot_read_is_not_billed_as_a_good_answer(
     """A chunk whose data starts with a byte order mark, or holds a surrogate encoded raw: the
     SDK (strict UTF-8 per line, then ``json.loads``) raises on it, directly and through the
     proxy, and the ledger said ``ok`` (the stream events hunt)."""
-    chunks = [
-        _chat_chunk({"role": "assistant", "content": ""}),
-        _chat_chunk({"content": "Hello"}),
-        _UNREADABLE_CHUNKS[kind],
-        _chat_chunk({}, "stop"),
-        _USAGE_CHUNK,
-        b"data: [DONE]\n\n",
-    ]
+    chunks = [text(0, "Hello"), _UNREADABLE_CHUNKS[kind], finish(0), usage_chunk(), DONE]
     script.plan = Plan(content_type="text/event-stream", chunks=chunks)
     proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
     direct = openai.AsyncOpenAI(base_url=script.base_url, api_key=UPSTREAM_KEY, max_retries=0)

@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import orjson
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from tests.conftest import KEY_A, ProxyFactory
+from tests.conftest import ProxyFactory
 from tests.outcome_helpers import parse_sse
 from tests.test_bad_input import Plan, Reply, ScriptedUpstream, dumps, send
 from tests.test_contract_edges import read_until_then_leave
@@ -340,15 +339,7 @@ async def test_a_client_gone_before_the_answers_end_is_a_disconnect_even_when_no
     }
     if asks_usage:
         body["stream_options"] = {"include_usage": True}
-    raw = orjson.dumps(body)
-    host, port = proxy.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
-        + raw
-    )
-    await asyncio.wait_for(reader.readuntil(b'"stop"'), 5)
-    writer.close()  # before the usage chunk and [DONE], 0.5 s off
+    # Gone before the usage chunk and [DONE], 0.5 s off.
+    await read_until_then_leave(proxy, "/v1/chat/completions", body, b'"stop"')
     entry = await only_entry(redis_client)  # one entry, nothing left leased
     assert billed(entry) == ("client_disconnected", "provider", "5", "9"), entry
