@@ -6,6 +6,7 @@ letters, never dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -133,7 +134,14 @@ async def apply_lines(
             # left in the file, the shutdown's last replay would apply and count them again.
             cut = True
             for task in tasks:
-                task.cancel()  # any still running (none, when the cancel was the round's)
+                task.cancel()
+            # gather gives up at the first line cancelled, while others may still run: one whose
+            # store client swallowed the cancel settles and is counted after we looked, and kept
+            # in the file, the last replay counted it again. Looked at once all have ended (a
+            # store call is bounded by its timeout; shutdown waits for a round a bounded time).
+            while not all(task.done() for task in tasks):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(tasks)
         going_on = not cut
         for (line, _), task in zip(window, tasks, strict=True):
             outcome = task.result() if task.done() and not task.cancelled() else _Line.KEPT
