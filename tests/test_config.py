@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import importlib.util
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -454,6 +455,52 @@ def test_a_file_saved_after_the_config_in_force_was_read_is_seen_at_once(
     raw["tiers"] = {"standard": {"key": {"requests": 1}}}
     path.write_text(yaml.safe_dump(raw))
     assert ConfigReloader(path, lambda: running, lambda _: None).changed()
+
+
+@pytest.mark.parametrize("deployed", ["symlink switched", "copied keeping its times", "saved in place"])
+def test_the_watch_sees_a_new_file_of_the_old_ones_size_and_modification_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deployed: str
+) -> None:
+    """A config deployed as a symlink into a content-addressed store (Nix: every file's mtime
+    is 1), copied with its times kept (``cp -p``, ``rsync -a``) and renamed into place, or saved
+    twice within one tick of the file system's clock, has new content and neither a new size nor
+    a new modification time: the watch looked at those alone, and a ceiling lowered from 9 to 2
+    (the same bytes' count) never came into force (found by the reload hunt)."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "k")
+    raw = base_config("http://127.0.0.1:9", "redis://127.0.0.1:1")
+    raw["tiers"] = {"standard": {"run": {"requests": 9}}}
+    store = tmp_path / "store"
+    store.mkdir()
+    first, second = store / "a.yaml", store / "b.yaml"
+    first.write_text(yaml.safe_dump(raw))
+    raw["tiers"] = {"standard": {"run": {"requests": 2}}}
+    second.write_text(yaml.safe_dump(raw))
+    for made in (first, second):
+        os.utime(made, ns=(1, 1))
+    assert first.stat().st_size == second.stat().st_size
+    path = tmp_path / "config.yaml"
+    if deployed == "symlink switched":
+        path.symlink_to(first)
+    else:
+        path.write_bytes(first.read_bytes())
+        os.utime(path, ns=(1, 1))
+    running = load_config(path)
+    reloader = ConfigReloader(path, lambda: running, lambda _: None)
+    assert not reloader.changed()
+    staged = tmp_path / "config.yaml.new"
+    if deployed == "symlink switched":
+        staged.symlink_to(second)
+        os.replace(staged, path)
+    elif deployed == "copied keeping its times":
+        staged.write_bytes(second.read_bytes())
+        os.utime(staged, ns=(1, 1))
+        os.replace(staged, path)
+    else:
+        path.write_bytes(second.read_bytes())
+        os.utime(path, ns=(1, 1))
+    assert reloader.changed()
+    assert reloader.reload("test")
+    assert not reloader.changed()
 
 
 async def test_the_watch_reloads_a_file_once_per_save_and_goes_on_after_a_failed_reload(
