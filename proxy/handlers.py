@@ -53,7 +53,7 @@ from proxy.payload import Endpoint, parse_body
 from proxy.plan import plan_call
 from proxy.record import record_refusal
 from proxy.relay import Exchange
-from proxy.reserve import Reloaded, reserve
+from proxy.reserve import Reloaded, Told, reserve
 from proxy.state import STATE, State
 from proxy.store import Store
 from proxy.tokenizer import Tokenizer
@@ -71,6 +71,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, state.ids)
         raw = await read_body(request, config.limits.max_body_bytes, config.limits.body_timeout_s)
+        told = Told()  # one call's metrics, whatever number of plans it takes
         while True:
             if state.config is not config:
                 # Reloaded while the call waited (its body, which a client decides how long takes;
@@ -89,6 +90,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                     count_now=functools.partial(count_now, tokenizer=state.tokenizer),
                     count_later=functools.partial(count_later, state),
                     in_force=lambda: state.config,
+                    told=told,
                 )
                 break
             except Reloaded:

@@ -26,15 +26,16 @@ log = logging.getLogger("proxy.refine")
 Counter = Callable[[Call], Awaitable[Estimate]]
 
 
-async def count_first(call: Call, count: Counter, metrics: Metrics) -> None:
-    """Count a quick estimate before its reserve; should that fail, the bound (still an upper
-    bound) is reserved as final."""
+async def count_first(call: Call, count: Counter) -> bool:
+    """Count a quick estimate before its reserve; should that fail (False), the bound (still an
+    upper bound) is reserved as final."""
     try:
         call.estimate = await count(call)
     except Exception as err:
-        metrics.quick_estimates.labels("failed").inc()
         log.warning("could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)})
         call.estimate = replace(call.estimate, uncounted=())
+        return False
+    return True
 
 
 async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> None:

@@ -20,6 +20,7 @@ from proxy.config_tiers import TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, NotFound, StoreError
 from proxy.forward import operator_key_sent
 from proxy.journal import Journal
+from proxy.metrics import Counter as MetricCounter
 from proxy.metrics import Metrics
 from proxy.payload import set_output_cap
 from proxy.plan import least_cap_accepted
@@ -34,6 +35,21 @@ from proxy.tool_fees import billed_tool_calls, tool_calls_field
 class Reloaded(Exception):
     """The config was reloaded while the reserve waited (a count, the store): nothing is
     reserved; the call is to be judged again under the config in force (``handlers``)."""
+
+
+class Told:
+    """What a call has counted in the metrics, kept across its plans: a reload before its
+    reserve script plans it again (``Reloaded``), and what the first plan counted (the context
+    it continues, its bound counted first) would be counted twice for the one call."""
+
+    def __init__(self) -> None:
+        self._told: set[tuple[int, str]] = set()
+
+    def once(self, counter: MetricCounter, label: str) -> None:
+        key = (id(counter), label)
+        if key not in self._told:
+            self._told.add(key)
+            counter.labels(label).inc()
 
 
 def lease_ms(call: Call, config: Config) -> int:
@@ -105,6 +121,7 @@ async def reserve(
     count_now: Counter,
     count_later: Counter,
     in_force: Callable[[], Config],
+    told: Told | None = None,
 ) -> Reservation:
     """Reserve the worst case against every scope, all or nothing; raise when it does not fit.
 
@@ -115,7 +132,9 @@ async def reserve(
     (not queued behind the refinements of other calls, which ``count_later`` runs).
 
     ``in_force``: the config in force now. Each reserve script runs under ``config`` only while
-    that is still the one in force; a reload during a wait before it raises ``Reloaded``."""
+    that is still the one in force; a reload during a wait before it raises ``Reloaded``; ``told``
+    is kept by the caller across the plans of one call."""
+    told = told if told is not None else Told()
     tier = config.tiers.get(call.identity.tier)
     run_ttl_s = config.limits.run_ttl_s
     # The window by the store's clock, which every instance shares (a host's own may be off).
@@ -143,7 +162,9 @@ async def reserve(
         and (call.continues or call.references)
         and config.limits.prior_context_ttl_s
     ):
-        await _add_prior_context(store, call, metrics)
+        found = await _add_prior_context(store, call)
+        if found is not None:
+            told.once(metrics.prior_contexts, found)
     kept: dict[str, object] = {
         "request_id": call.request_id,
         "run_id": call.run_id,
@@ -165,15 +186,17 @@ async def reserve(
     in_flight = False  # a reserve sent, its answer not read yet
     try:
         if not call.estimate.input_exact and not config.limits.quick_estimates:
-            await count_first(call, count_later, metrics)  # one count at a time, as configured
+            if not await count_first(call, count_later):  # one count at a time, as configured
+                told.once(metrics.quick_estimates, "failed")
             asked = time.monotonic()
         _still_in_force(config, in_force)
         in_flight = True
         result = await _reserve(store, call, config, tier, scopes, record)
         in_flight = False
         if isinstance(result, Tentative):
-            metrics.quick_estimates.labels("counted_first").inc()
-            await count_first(call, count_now, metrics)
+            told.once(metrics.quick_estimates, "counted_first")
+            if not await count_first(call, count_now):
+                told.once(metrics.quick_estimates, "failed")
             asked = time.monotonic()
             _still_in_force(config, in_force)  # the tentative reserve wrote nothing
             in_flight = True
@@ -263,23 +286,25 @@ _NOT_FOUND = {
 }
 
 
-async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None:
+async def _add_prior_context(store: Store, call: Call) -> str | None:
     """Reserve what the provider adds to the input from a context it keeps (a previous response,
     a conversation): its size when the proxy billed it, input and output. The provider bills
     that context as input again, so a call sending "hi" may cost 100,000 input tokens; reserved
     at "hi", calls at once could pass a ceiling by that much. A context the proxy did not bill
     (made elsewhere, or kept past ``limits.prior_context_ttl_s``) is reserved at the request
     alone, as before, and billed on the provider's figures. The stored items the input names
-    are input too: each reserved at the output of the answer that made it."""
+    are input too: each reserved at the output of the answer that made it. Returns how the
+    context was found (``prior_contexts``' label), None when none is continued."""
     tenant = call.identity.tenant
     added = 0
+    found: str | None = None
     if call.continues:
         # A stored prompt's template is read beside the response or conversation continued,
         # which the provider never takes together: the larger of those, and the template.
         prompt = [call.stored_prompt] if call.stored_prompt is not None else []
         others = [ctx for ctx in call.continues if ctx != call.stored_prompt]
         tokens = await store.prior_context_tokens(tenant=tenant, ids=others, added=prompt)
-        metrics.prior_contexts.labels("unknown" if tokens is None else "found").inc()
+        found = "unknown" if tokens is None else "found"
         call.prior_context_tokens = added = tokens or 0
     items = [context_key(ref) for what, ref in call.references if what == "item"]
     if items:
@@ -293,6 +318,7 @@ async def _add_prior_context(store: Store, call: Call, metrics: Metrics) -> None
             input_tokens=est.input_tokens + added,
             prompt_overhead_tokens=est.prompt_overhead_tokens + added,
         )
+    return found
 
 
 async def _reserve(

@@ -284,3 +284,68 @@ async def test_a_reload_while_a_call_waits_on_its_count_judges_it_by_the_new_con
     finally:
         gate.set()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("waits", ["quick estimates off", "bound does not fit"])
+async def test_a_call_planned_again_after_a_reload_is_counted_once_in_the_metrics(
+    waits: str,
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload while a call waits on its count plans it again, nothing reserved: what its
+    first plan had counted (``prior_contexts``: the context it continues; ``quick_estimates``:
+    its bound counted first) was counted again by the second, one call told twice (found by
+    the reload hunt)."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    raw["limits"] = {**raw["limits"], "quick_estimates": waits == "bound does not fit"}
+    raw["tiers"] = {"standard": {"run": {"input_tokens": 20_000}}}  # the count fits, the bound does not
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    app = build_app(load_config(path), tokenizer=Tokenizer({"o200k_base": enc}), config_path=path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    state = app[STATE]
+    fake.contexts["resp_elsewhere"] = 3000  # made with the provider directly: unknown here
+    body = {"model": "gpt-4o-mini", "input": TEXT, "previous_response_id": "resp_elsewhere"}
+
+    async def post() -> int:
+        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "planned-twice"}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/responses", json=body, headers=headers) as resp:
+                await resp.read()
+                return resp.status
+
+    try:
+        pending = asyncio.ensure_future(post())
+        for _ in range(500):
+            if enc.entries:
+                break
+            await asyncio.sleep(0.01)
+        assert enc.entries == 1, "the reserve never waited on the count"
+        raw["tiers"]["standard"]["run"]["requests"] = 10
+        before = state.config
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(250):
+            if state.config is not before:
+                break
+            await asyncio.sleep(0.02)
+        assert state.config is not before, "not reloaded"
+        gate.set()
+        assert await asyncio.wait_for(pending, 20) == 200
+        assert len(fake.received) == 1
+        metrics = state.metrics
+        assert {labels[0]: c.value for labels, c in metrics.prior_contexts.items()} == {"unknown": 1}
+        quick = {labels[0]: c.value for labels, c in metrics.quick_estimates.items()}
+        assert quick.get("counted_first", 0) == (1 if waits == "bound does not fit" else 0), quick
+    finally:
+        gate.set()
+        await runner.cleanup()
