@@ -7,6 +7,7 @@ import base64
 import contextlib
 import functools
 import json
+import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from proxy.config import UpstreamConfig
 
 REDACTED = b"[REDACTED]"
 FailureKind = Literal["connect", "timeout", "transport", "connect_timeout"]
+
+log = logging.getLogger("proxy.forward")
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +275,18 @@ async def open_upstream(
         return TransportFailure("connect", f"cannot connect to upstream: {err.os_error.strerror or err}")
     except ValueError as err:
         # aiohttp (or yarl, for a query's URL) refused to build the request (a header value it
-        # cannot send, a host with no IDNA form): nothing went out.
-        return TransportFailure("connect", f"cannot send the request upstream: {err}")
+        # cannot send, a host with no IDNA form, a base_url password outside latin-1): nothing
+        # went out. Its words are not the client's: they quote the URL, the operator's password
+        # in it, or a character of that password and where it stands.
+        log.error(
+            "the upstream request could not be built",
+            extra={"upstream": call.upstream_name, "error": type(err).__name__},
+        )
+        return TransportFailure(
+            "connect",
+            "cannot send the request upstream: the proxy could not build it "
+            f"(upstreams.{call.upstream_name}: its base_url, or a header it cannot send)",
+        )
     except aiohttp.ConnectionTimeoutError:
         return TransportFailure("connect_timeout", "cannot connect to upstream: connect timed out")
     except TimeoutError:

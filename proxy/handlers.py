@@ -263,16 +263,17 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             code="upstream_redirect",
             headers={"x-should-retry": "false"},
         )
+    if resp.status in (401, 403) and key is not None:
+        # The upstream refused the proxy's own credentials: not the caller's fault, whatever the
+        # body (a gateway in front of the provider refuses its basic auth with a page of HTML).
+        return error_response(
+            502,
+            f"The upstream refused the proxy's credentials (HTTP {resp.status}).",
+            "upstream_error",
+            code="upstream_auth",
+            headers={"x-should-retry": "false"},
+        )
     if 400 <= resp.status < 500 and _is_error_object(body):
-        if resp.status in (401, 403) and key is not None:
-            # The upstream refused the proxy's own credentials: not the caller's fault.
-            return error_response(
-                502,
-                f"The upstream refused the proxy's credentials (HTTP {resp.status}).",
-                "upstream_error",
-                code="upstream_auth",
-                headers={"x-should-retry": "false"},
-            )
         # The caller's own key refused, a rate limit: the provider's answer, as for a billed call.
         return web.Response(status=resp.status, body=body, content_type="application/json", headers=passed)
     if resp.status != 200 or not body.lstrip().startswith(b"{"):

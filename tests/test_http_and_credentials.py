@@ -362,3 +362,66 @@ def test_short_base_url_credentials_are_the_operators_and_leave_answers_alone() 
     assert operator_key_sent(upstream, caller) == base64.b64encode(b"x:y")
     assert operator_secrets(upstream, caller) == ()
     assert url_credentials("https://gw-user:s3cret-gateway@gw.example/v1")  # long ones are sought
+
+
+GW_PASSWORD = "gw-pass-0123456789"
+CHAT_BODY: dict[str, Any] = {
+    "model": "gpt-4o-mini",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 5,
+}
+
+
+@pytest.mark.parametrize(
+    ("base_url", "shown"),
+    [
+        (f"http://gw-user:{GW_PASSWORD}@api\u200b.example.com/v1", GW_PASSWORD),  # a zero-width space
+        (f"http://gw-user:{GW_PASSWORD}@\ufffd.example.com/v1", GW_PASSWORD),
+        ("http://gw-user:gw-pass-%C5%82-0123456789@127.0.0.1:9/v1", "\\u0142"),  # not latin-1
+    ],
+    ids=["zero-width-space", "replacement-character", "password-not-latin-1"],
+)
+async def test_a_base_url_aiohttp_cannot_send_to_never_shows_its_password(
+    make_proxy: ProxyFactory, base_url: str, shown: str
+) -> None:
+    """A base_url the config takes (a host pasted with a zero-width space; a gateway password
+    outside latin-1, which aiohttp sends basic auth in) that aiohttp refuses when the call is
+    sent: the proxy's 502 quoted aiohttp's error, which is the whole URL with the gateway's
+    password, or the codec's, which names a character of the password and where it stands
+    (found by the headers hunt)."""
+    bad = {"base_url": base_url, "timeout_s": 5, "connect_timeout_s": 2}
+    proxy = await make_proxy(upstreams={"openai": bad})
+    async with proxy.client(KEY_A, max_retries=0) as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(**CHAT_BODY, extra_headers={"X-Run-Id": "bad-url"})
+    response = caught.value.response
+    assert response.status_code == 502
+    assert shown not in response.text and "gw-pass" not in response.text, response.text
+    assert "upstreams.openai" in response.json()["error"]["message"]
+
+
+GATEWAY_401 = b"<html><head><title>401 Authorization Required</title></head><body>nginx</body></html>"
+
+
+@pytest.mark.parametrize("in_url", [True, False], ids=["gateway-basic-auth", "api-key"])
+async def test_the_model_list_refused_the_operators_credentials_with_a_page_is_upstream_auth(
+    make_proxy: ProxyFactory, upstream: Upstream, in_url: bool
+) -> None:
+    """The gateway in front of the provider (base_url's basic auth) or the provider refuses the
+    operator's credentials with a page of HTML: a billed call reads that as 502 upstream_auth
+    with x-should-retry: false; the model list answered a plain 502 upstream_error, which the
+    SDK retried twice (found by the headers hunt)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=401, body=GATEWAY_401, content_type="text/html")
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams(in_url=in_url))
+    async with proxy.client(KEY_A, max_retries=2) as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.models.list()
+    response = caught.value.response
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_auth", response.text
+    assert response.headers.get("x-should-retry") == "false"
+    assert upstream.calls == 1
