@@ -17,7 +17,7 @@ import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import (
     Field,
@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
+from yarl import URL
 
 from proxy.config_base import OTHER_MODEL, Frozen, Period, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
@@ -172,6 +173,22 @@ class UpstreamConfig(Frozen):
         except ValueError:
             raise ValueError(
                 f"invalid URL: the port of {parts.netloc.rpartition('@')[2]!r} is not a port"
+            ) from None
+        # What aiohttp would refuse when a call is sent (every call a 502): said now, by
+        # check-config, and never in words that quote the password.
+        try:
+            URL(value).raw_host  # noqa: B018 (raises for a host with no IDNA form)
+        except (ValueError, UnicodeError):
+            raise ValueError(
+                f"invalid URL: the host {parts.hostname!r} cannot be sent (no IDNA form)"
+            ) from None
+        try:
+            unquote(parts.username or "").encode("latin-1")
+            unquote(parts.password or "").encode("latin-1")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "invalid URL: its user name or password has a character outside latin-1, "
+                "which HTTP basic auth cannot carry"
             ) from None
         return value.rstrip("/")
 

@@ -17,6 +17,7 @@ import brotli
 import openai
 import pytest
 from aiohttp import web
+from pydantic import ValidationError
 
 from proxy.auth import Identity
 from proxy.config import UpstreamConfig
@@ -24,6 +25,7 @@ from proxy.forward import operator_key_sent, operator_secrets, url_credentials
 from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import the_entry
+from tests.test_forward import unsendable_base_url
 
 JsonDict = dict[str, Any]
 CHAT = "/v1/chat/completions"
@@ -388,9 +390,14 @@ async def test_a_base_url_aiohttp_cannot_send_to_never_shows_its_password(
     outside latin-1, which aiohttp sends basic auth in) that aiohttp refuses when the call is
     sent: the proxy's 502 quoted aiohttp's error, which is the whole URL with the gateway's
     password, or the codec's, which names a character of the password and where it stands
-    (found by the headers hunt)."""
-    bad = {"base_url": base_url, "timeout_s": 5, "connect_timeout_s": 2}
-    proxy = await make_proxy(upstreams={"openai": bad})
+    (found by the headers hunt). The config refuses such a base_url now."""
+    with pytest.raises(ValidationError, match="invalid URL") as refused:  # check-config says so
+        UpstreamConfig(base_url=base_url)
+    (said,) = (error["msg"] for error in refused.value.errors())
+    assert shown not in said and "gw-pass" not in said, said
+    # A config built around the check (as a model_copy is): still never shown to the client.
+    proxy = await make_proxy()
+    unsendable_base_url(proxy, base_url)
     async with proxy.client(KEY_A, max_retries=0) as client:
         with pytest.raises(openai.APIStatusError) as caught:
             await client.chat.completions.create(**CHAT_BODY, extra_headers={"X-Run-Id": "bad-url"})
