@@ -177,7 +177,6 @@ async def test_a_query_s_escapes_go_upstream_as_they_came(
     assert fake.received[-1].query == query
 
 
-
 def unsendable_base_url(proxy: Proxy, base_url: str) -> None:
     """The proxy's upstream moved to ``base_url`` around the config's checks (as a model_copy
     would), for what the call does with a URL aiohttp refuses."""
