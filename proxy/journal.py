@@ -78,6 +78,10 @@ class Journal:
         # Lines in our file the store has not taken yet (``pending_lines``).
         self._pending_lines = 0
         self._foreign_seen: set[Path] = set()
+        # By file: the reservations whose entries a round counted (``on_applied``) while their
+        # lines stayed, the file not rewritten without them (a full disk). Applied again, the
+        # store answers a call's own settle with its entry: counted once, not at every round.
+        self._told: dict[Path, set[str]] = {}
         self._sync_thread: ThreadPoolExecutor | None = None  # started by the first off-loop sync
         # One replay at a time: a shutdown's last replay may start while a round's still runs.
         self._replaying = asyncio.Lock()
@@ -175,7 +179,8 @@ class Journal:
             self._file.seek(0)
             text = self._file.read()
             lines = text.decode("utf-8", "replace").splitlines()
-            done, left, cut = await self._apply(store, lines, on_applied, on_parked)
+            told = self._told.setdefault(self.path, set())
+            done, left, cut = await self._apply(store, lines, on_applied, on_parked, told)
             applied += done
             if done:
                 # The lines applied go (applied again, a settle's own try gets its entry, and
@@ -184,18 +189,21 @@ class Journal:
                 self._file.seek(len(text))
                 rest = "".join(line + "\n" for line in left).encode() + self._file.read()
                 self._replace_file(rest)
+                self._told.pop(self.path, None)  # the lines counted went with the rewrite
             if cut is not None:
                 raise cut
         applied += await self._adopt(store, on_applied, on_parked)
         return applied
 
     async def _apply(
-        self, store: Store, lines: list[str], on_applied: OnApplied, on_parked: OnParked
+        self, store: Store, lines: list[str], on_applied: OnApplied, on_parked: OnParked, told: set[str]
     ) -> tuple[int, list[str], RoundCut | None]:
         """``apply_lines``: how many lines went, those left, and the cancel that cut the round
         (a shutdown), for the caller to raise once it has rewritten its file: what went goes."""
         try:
-            done, left = await apply_lines(store, lines, self.directory / DEAD_LETTERS, on_applied, on_parked)
+            done, left = await apply_lines(
+                store, lines, self.directory / DEAD_LETTERS, on_applied, on_parked, told=told
+            )
         except RoundCut as cut:
             return cut.gone, cut.left, cut
         return done, left, None
@@ -242,15 +250,18 @@ class Journal:
                 if not _still_at(handle, path):
                     continue  # replayed meanwhile by another process, and removed or rewritten
                 lines = handle.read().splitlines()
-                done, left, cut = await self._apply(store, lines, on_applied, on_parked)
+                told = self._told.setdefault(path, set())
+                done, left, cut = await self._apply(store, lines, on_applied, on_parked, told)
                 applied += done
                 if not left:
                     path.unlink()
+                    self._told.pop(path, None)
                     log.info("orphaned journal replayed", extra={"journal": str(path), "lines": done})
                 elif done:
                     # Stopped part-way: the lines applied go (see ``replay``), atomically.
                     rest = "".join(line + "\n" for line in left)
                     _locked_beside(path, rest.encode("utf-8", "surrogateescape")).close()
+                    self._told.pop(path, None)
                 if cut is not None:
                     raise cut
         return applied

@@ -112,12 +112,16 @@ async def apply_lines(
     dead_letters: Path,
     on_applied: OnApplied,
     on_parked: OnParked = none_parked,
+    *,
+    told: set[str] | None = None,
 ) -> tuple[int, list[str]]:
     """Settle the lines, a window of them at a time, and park those the store will never take;
     after a window in which the store failed, stop (the rest is retried on the next round).
     Returns how many went (applied or parked) and the lines left, in order: not only a prefix,
     since a line the store failed for may sit among lines of its window it took. ``on_parked``
-    is told of each line parked."""
+    is told of each line parked; ``told`` holds the reservations whose entries were counted
+    already (their lines left in the file by a rewrite that failed): not counted again."""
+    told = set() if told is None else told
     gone = 0
     left: list[str] = []
     window: list[tuple[str, PendingSettlement]] = []
@@ -126,7 +130,9 @@ async def apply_lines(
     async def flush() -> bool:
         """Apply the window; False when the round must stop."""
         nonlocal gone, cut
-        tasks = [asyncio.ensure_future(_apply_line(store, pending, on_applied)) for _, pending in window]
+        tasks = [
+            asyncio.ensure_future(_apply_line(store, pending, on_applied, told)) for _, pending in window
+        ]
         try:
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
@@ -206,7 +212,9 @@ class _Line(enum.Enum):
     KEPT = enum.auto()  # the store failed: tried again on the next round
 
 
-async def _apply_line(store: Store, pending: PendingSettlement, on_applied: OnApplied) -> _Line:
+async def _apply_line(
+    store: Store, pending: PendingSettlement, on_applied: OnApplied, told: set[str]
+) -> _Line:
     try:
         entry_id = await pending.apply(store)
         if pending.owned_contexts:
@@ -241,7 +249,8 @@ async def _apply_line(store: Store, pending: PendingSettlement, on_applied: OnAp
         "journaled settlement applied" if entry_id else "journaled settlement was already settled",
         extra={"reservation_id": pending.reservation_id},
     )
-    if entry_id is not None:
+    if entry_id is not None and pending.reservation_id not in told:
+        told.add(pending.reservation_id)
         try:
             on_applied(pending.entry)
         except Exception:

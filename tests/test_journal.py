@@ -59,6 +59,51 @@ async def test_a_dead_letters_file_that_cannot_be_written_does_not_count_applied
     assert [c["reservation_id"] for c in counted] == ["ok-1"]  # counted once, not every round
 
 
+@pytest.mark.parametrize("whose", ["its own", "an orphan's"])
+async def test_a_round_whose_file_could_not_be_rewritten_counts_no_entry_twice(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    whose: str,
+) -> None:
+    """A round applied its lines, then could not rewrite its file without them (a full disk:
+    the journal grows during an outage) or remove an orphan's: they stayed, the next round
+    applied them again, the store answered each call's own settle with its entry, and every
+    such round counted them again in the spend metrics (found by the metrics hunt)."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    await held_reservations(redis_client, "first", "second")
+    counted: list[Any] = []
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
+        if whose == "its own":
+            journal.append(PendingSettlement(**_settlement_line("first")))
+            journal.append(PendingSettlement(**_settlement_line("second")))
+            failing = "proxy.journal._locked_beside"
+        else:
+            orphan = journal_dir / "journal-99999-deadbeef.jsonl"  # a dead process's
+            orphan.write_text("".join(json.dumps(_settlement_line(r)) + "\n" for r in ("first", "second")))
+            failing = "pathlib.Path.unlink"
+
+        unlink = Path.unlink
+
+        def full(path: Path, *args: Any, **kwargs: Any) -> Any:
+            if failing == "pathlib.Path.unlink" and path.name != orphan.name:
+                return unlink(path, *args, **kwargs)
+            raise OSError(28, "No space left on device")
+
+        with monkeypatch.context() as disk:
+            disk.setattr(failing, full)
+            for _ in range(2):  # app.py's loop: a failed round is logged, the next one runs
+                with contextlib.suppress(OSError):
+                    await journal.replay(store, counted.append)
+        await journal.replay(store, counted.append)  # room again: the lines go
+        assert not journal.path.exists() or journal.path.read_text() == ""
+        assert not list(journal_dir.glob("journal-9*"))
+    assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == ["first", "second"]
+    assert sorted(c["reservation_id"] for c in counted) == ["first", "second"]  # once each
+
+
 async def test_an_orphaned_journal_with_bytes_not_utf8_is_replayed_and_blocks_no_other(
     redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
