@@ -129,6 +129,15 @@ def plan_call(
             output_cap=cap,
             output_tokens=cap * generations(view),
         )
+    elif (
+        isinstance(view, ChatBody)
+        and view.max_completion_tokens is None
+        and est.output_cap_field == "max_completion_tokens"
+        and _predicts(body.get("prediction"))
+    ):
+        # OpenAI refuses max_completion_tokens beside a Predicted Output (and takes max_tokens):
+        # the cap a request without one is given goes where the provider takes it.
+        est = replace(est, output_cap_field="max_tokens")
     least = least_cap_accepted(endpoint, body, anthropic_beta=anthropic_beta)
     if est.enforce_cap is not None and est.enforce_cap < least:
         # The model's cap in the config would make the request one the provider refuses.

@@ -86,3 +86,20 @@ async def test_provider_output_above_the_reserved_cap_is_billed_and_told_as_over
     )
     held = int(entry["reserved_input_tokens"]) + int(entry["reserved_output_tokens"])
     assert int(entry["overshoot_tokens"]) == int(entry["total_tokens"]) - held > 0
+
+
+async def test_a_predicted_output_without_a_cap_is_capped_in_the_field_the_provider_takes(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """OpenAI refuses ``max_completion_tokens`` beside a ``prediction`` (its Predicted Outputs
+    guide and Azure's list it among the parameters not supported; ``max_tokens`` is taken): a
+    request with no cap of its own was forwarded with the cap the proxy reserves in
+    ``max_completion_tokens``, a valid request turned into a 400 (found by the reserve hunt)."""
+    body = {"model": MODEL, "messages": MSGS, "prediction": PREDICTION}
+    result = await raw_post(proxy, body, "predicted-uncapped")
+    assert result.status == 200
+    sent = fake.received[-1].body
+    assert "max_completion_tokens" not in sent, sent
+    assert sent["max_tokens"] == 1000  # the model's max_output_tokens in the tests' config
+    entry = await the_entry(proxy, "predicted-uncapped")
+    assert entry["reserved_output_tokens"] == "1000"
