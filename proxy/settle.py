@@ -233,11 +233,14 @@ def _tool_calls(call: Call, usage: BilledUsage) -> ToolCalls:
     call that went nowhere (source ``none``)."""
     if not call.tool_rates or usage.source == "none":
         return ()
+    # A chat call's one search (``tool_fees.chat_searches``) is in no answer's count: billed as
+    # reserved once the provider answered (a refusal bills no token, nor any search).
+    answered_chat = call.endpoint == "chat.completions" and (usage.input_tokens or usage.output_tokens) > 0
     return billed_tool_calls(
         call.tool_rates,
         usage.tool_calls,
         call.estimate.tool_calls,
-        at_reserve=usage.source == "reserve",
+        at_reserve=usage.source == "reserve" or answered_chat,
         aliases=call.estimate.tool_aliases,
     )
 

@@ -3,8 +3,9 @@ the calls a request may make at most (reserved), and the calls a settle bills.
 
 Counted by tool name: Anthropic's ``usage.server_tool_use`` counts each ``<tool>_requests``
 (``web_search_requests``: ``web_search``), a Responses answer each output item of type
-``<tool>_call`` (``web_search_call``: ``web_search``; ``observe_responses``). Chat completions
-have no hosted tools of their own: nothing is counted there.
+``<tool>_call`` (``web_search_call``: ``web_search``; ``observe_responses``). A chat call has
+one hosted tool, OpenAI's search (its search models search the web before every answer; others
+search when asked with ``web_search_options``): one ``web_search`` call, which no answer counts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.config_models import RESPONSES_COUNTED_AS
-from proxy.payload import MessagesBody, RequestView, ResponsesBody
+from proxy.payload import ChatBody, MessagesBody, RequestView, ResponsesBody
 
 # Every Responses tool type's calls are ``<type>_call`` items (``code_interpreter_call``,
 # ``image_generation_call``, ``mcp_call``, ``file_search_call``), but those of RESPONSES_COUNTED_AS.
@@ -41,6 +42,8 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
     ``max_tool_calls``, which bounds every hosted tool call together, all at the dearest priced
     tool it enables, else ``default_calls`` for each. Empty when it enables none (nearly every
     call: ``prices`` is empty, or the request has no tools)."""
+    if isinstance(view, ChatBody):
+        return (("web_search", 1),) if "web_search" in prices and chat_searches(view) else ()
     tools = view.tools if isinstance(view, MessagesBody | ResponsesBody) else None
     if not prices or not tools:
         return ()
@@ -62,6 +65,14 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
     # Every call may go to the dearest: reserved once, as that many calls of it.
     dearest = max(priced, key=lambda name: prices[name])
     return ((dearest, bound),)
+
+
+def chat_searches(view: ChatBody) -> bool:
+    """Whether a chat call searches the web: OpenAI's search models (``gpt-4o-search-preview``,
+    ``gpt-5-search-api``) always do ("the model always retrieves information from the web before
+    responding"), billed per call beside the tokens; a request may ask with
+    ``web_search_options``."""
+    return "search" in view.model or isinstance((view.model_extra or {}).get("web_search_options"), dict)
 
 
 def _responses_tool(kind: Any, prices: Mapping[str, int]) -> str | None:

@@ -506,3 +506,96 @@ def test_a_tool_type_whose_calls_are_counted_under_another_name_is_refused_namin
     with pytest.raises(ConfigError, match=f"price the tool as '{counted}'"):
         _config({"price_per_million": PRICE, "price_per_thousand_calls": {tool: "10"}})
     assert _config({"price_per_million": PRICE, "price_per_thousand_calls": {counted: "10"}})
+
+
+# OpenAI's chat search models search the web before every answer ("the model always retrieves
+# information from the web before responding"), billed per call beside the tokens.
+SEARCH_MODEL = "gpt-4o-search-preview"
+SEARCH_FEE_MICROS = 30_000  # $30 per 1,000 calls: $0.03 a call
+
+
+def _chat_answer(model: str) -> Plan:
+    answer = {
+        "id": "chatcmpl-search",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "It is sunny."}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 10, "total_tokens": 30},
+    }
+    return Plan(chunks=[json.dumps(answer).encode()])
+
+
+async def _chat_search_proxy(make_proxy: Factory, script: ScriptedUpstream, **extra: Any) -> Any:
+    priced = {
+        "upstream": "openai",
+        "price_per_million": {"input": "2.5", "output": "10"},
+        "price_per_thousand_calls": {"web_search": "30"},
+    }
+    return await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={SEARCH_MODEL: priced, "gpt-4o": priced},
+        **extra,
+    )
+
+
+def _chat(model: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": MESSAGES, "max_completion_tokens": 100, **extra}
+
+
+@pytest.mark.parametrize(
+    ("body", "searches"),
+    [
+        (_chat(SEARCH_MODEL), True),
+        (_chat("gpt-4o", web_search_options={"search_context_size": "medium"}), True),
+        (_chat("gpt-4o"), False),  # the same price list, no search asked: no fee
+    ],
+    ids=["search-model", "web_search_options", "no-search"],
+)
+async def test_a_chat_search_call_is_reserved_and_billed_its_search(
+    make_proxy: Factory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    body: dict[str, Any],
+    searches: bool,
+) -> None:
+    """A chat call to a search model, or asking to search (``web_search_options``), was neither
+    reserved nor billed its search fee though the operator priced ``web_search`` for the model:
+    "chat completions have no hosted tools" is false for OpenAI (found by the reserve hunt)."""
+    proxy = await _chat_search_proxy(make_proxy, script)
+    script.plan = _chat_answer(body["model"])
+    status, _ = await _post(proxy.url, "/v1/chat/completions", body, "chat-search")
+    assert status == 200
+    entry = await _entry(redis_client)
+    tokens_micros = -(-(20 * 2_500_000 + 10 * 10_000_000) // 1_000_000)
+    fee = SEARCH_FEE_MICROS if searches else 0
+    assert (entry.get("tool_calls"), int(entry["cost_micros"])) == (
+        "web_search=1" if searches else None,
+        tokens_micros + fee,
+    ), entry
+
+
+async def test_a_chat_search_call_whose_fee_passes_a_cost_ceiling_is_not_forwarded(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A $0.02 run ceiling: the tokens fit, the $0.03 search does not. It was forwarded, and the
+    provider billed the search past the ceiling."""
+    proxy = await _chat_search_proxy(make_proxy, script, tiers={"standard": {"run": {"cost_usd": "0.02"}}})
+    script.plan = _chat_answer(SEARCH_MODEL)
+    status, _ = await _post(proxy.url, "/v1/chat/completions", _chat(SEARCH_MODEL), "chat-search-ceiling")
+    assert status == 429
+    assert script.received == []
+
+
+async def test_a_chat_search_call_the_provider_refused_is_billed_no_search(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await _chat_search_proxy(make_proxy, script)
+    refusal = {"error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}}
+    script.plan = Plan(status=400, chunks=[json.dumps(refusal).encode()])
+    status, _ = await _post(proxy.url, "/v1/chat/completions", _chat(SEARCH_MODEL), "chat-search-refused")
+    assert status == 400
+    entry = await _entry(redis_client)
+    assert (entry.get("tool_calls"), entry["cost_micros"]) == (None, "0"), entry
