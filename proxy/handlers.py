@@ -149,7 +149,16 @@ async def registered(state: State, identity: Identity) -> Store:
     if state.store is None:
         raise StoreError("store not opened")
     if identity.tenant not in state.registered_tenants:
-        await state.store.register_tenant(identity.tenant)
+        try:
+            await state.store.register_tenant(identity.tenant)
+        except StoreError as err:
+            # The registry is one key, on one master of a Cluster: down, it says nothing of the
+            # tenant's own, where the call's keys are (one Redis down refuses the reserve next).
+            # The reaper registers every tenant this process knows once the registry answers.
+            log.warning(
+                "tenant not registered yet; the reaper registers it",
+                extra={"tenant": identity.tenant, "error": str(err)},
+            )
         state.registered_tenants.add(identity.tenant)
     return state.store
 

@@ -215,16 +215,22 @@ async def run_reaper(
     # its own master's: the registry answering says nothing of whether its journals could land.
     answering: dict[str, float] = {}
     unsure: Unsure = {}  # settles whose reply was lost, retried first each round
+    # The registry's tenants as last read: on a Cluster the registry is one key on one master,
+    # and that master down must not stop the reaping of the tenants on the others (each
+    # tenant's own reads say whether its master answers, and restart its grace when not).
+    last_read: set[str] = set()
     while True:
+        registry_down = False
         try:
             tenants = await store.tenants()
             for tenant in set(known()) - tenants:
                 await store.register_tenant(tenant)
                 tenants.add(tenant)
+            last_read = set(tenants)
         except StoreError as err:
-            answering.clear()
+            registry_down = True
             log.error("reaper could not reach the store", extra={"error": str(err)})
-            tenants = set()
+            tenants = last_read | set(known())
         except Exception:
             log.exception("reaper round failed")
             tenants = set()
@@ -241,7 +247,8 @@ async def run_reaper(
                     await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure)
             except StoreError as err:
                 answering.pop(tenant, None)
-                log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
+                if not registry_down:  # else said once for the round (one Redis down: every tenant)
+                    log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
             except Exception:
                 log.exception("reaper round failed", extra={"tenant": tenant})
         current = asyncio.current_task()

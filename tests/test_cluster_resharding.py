@@ -20,7 +20,7 @@ from proxy.redis_store import RedisStore
 from proxy.state import STATE
 from proxy.store import TENANTS_KEY, Reservation, Scope
 from tests.cluster import RedisClusterProcesses
-from tests.conftest import ProxyFactory, slow_stream
+from tests.conftest import KEY_A, ProxyFactory, slow_stream
 from tests.fake_upstream import FakeUpstream
 
 AMOUNTS = {"requests": 1, "input_tokens": 10, "output_tokens": 20, "total_tokens": 30}
@@ -205,6 +205,86 @@ async def test_a_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
         await store.close()
+        for node in masters:
+            cli(node, "config", "set", "cluster-require-full-coverage", "yes")
+        await asyncio.to_thread(cluster.wait_ok, 30)
+
+
+async def test_the_registrys_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
+    cluster: RedisClusterProcesses,
+) -> None:
+    """The master that holds the tenant registry (one key, ``lbp:tenants``) down: each round
+    began by reading it, failed, and reaped no tenant at all, though each tenant's keys answer
+    on its own master: a dead instance's leases held their budgets' room for as long as that one
+    master was down (found by the cluster hunt). The round goes on with the tenants it knows."""
+    registry = cluster.master_of(TENANTS_KEY)
+    tenant = tenant_on(cluster, "up-", None, {registry.port})
+    masters = [n for n in cluster.nodes if cli(n, "role").startswith("master")]
+    store = RedisStore.from_url(cluster.url, cluster=True, socket_timeout_s=0.3)
+    counted: list[str] = []
+
+    def count(entry: Mapping[str, str]) -> None:
+        counted.append(entry["reservation_id"])
+
+    reaper: asyncio.Task[None] | None = None
+    try:
+        await store.load_scripts()
+        await store.register_tenant(tenant)
+        await reserved(store, tenant, "dead-instance", "orphan", lease_ms=1)
+        for node in masters:
+            cli(node, "config", "set", "cluster-require-full-coverage", "no")
+        assert registry.process is not None
+        registry.process.send_signal(signal.SIGSTOP)
+        try:
+            reaper = asyncio.create_task(run_reaper(store, 0.05, count, known=lambda: [tenant]))
+            for _ in range(400):
+                if counted:
+                    break
+                await asyncio.sleep(0.05)
+            leases = await store.client.zcard(f"lbp:{{{tenant}}}:leases")
+        finally:
+            registry.process.send_signal(signal.SIGCONT)
+        assert counted == ["dead-instance"] and leases == 0, (counted, leases)
+    finally:
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await store.close()
+        for node in masters:
+            cli(node, "config", "set", "cluster-require-full-coverage", "yes")
+        await asyncio.to_thread(cluster.wait_ok, 30)
+
+
+async def test_a_tenants_call_is_served_while_only_the_registrys_master_is_down(
+    cluster: RedisClusterProcesses, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A tenant's first call in a process adds it to the registry (one key, on one master)
+    before its reserve: with that master down, a tenant whose keys' master answers was refused
+    503 though nothing of its call needed the registry (found by the cluster hunt). The reaper
+    registers it once the registry answers."""
+    registry = cluster.master_of(TENANTS_KEY)
+    assert cluster.master_of("team-a") is not registry
+    entry = next(n for n in cluster.nodes if n is not registry)
+    proxy = await make_proxy(redis={"url": entry.url, "cluster": True, "socket_timeout_s": 0.3})
+    masters = [n for n in cluster.nodes if cli(n, "role").startswith("master")]
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "registry-down"}
+    try:
+        for node in masters:
+            cli(node, "config", "set", "cluster-require-full-coverage", "no")
+        assert registry.process is not None
+        registry.process.send_signal(signal.SIGSTOP)
+        try:
+            async with aiohttp.ClientSession() as session:
+                url = proxy.url + "/v1/chat/completions"
+                async with session.post(url, json=body, headers=headers) as resp:
+                    status, raw = resp.status, await resp.read()
+        finally:
+            registry.process.send_signal(signal.SIGCONT)
+        assert status == 200, (status, raw[:200])
+        assert "team-a" in proxy.app[STATE].registered_tenants  # the reaper's known() names it
+    finally:
         for node in masters:
             cli(node, "config", "set", "cluster-require-full-coverage", "yes")
         await asyncio.to_thread(cluster.wait_ok, 30)
