@@ -168,18 +168,23 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
             raise StoreError(f"script load: {err}") from err
 
     async def persistence_warning(self) -> str | None:
-        """Say so when the server keeps nothing on disk: the ledger lives there."""
+        """Say so when the server keeps nothing on disk: the ledger lives there. On a Cluster,
+        any primary that keeps nothing (each holds some tenants' ledgers), named."""
+        cluster = isinstance(self._client, RedisCluster)
+        nodes: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if cluster else {}
         try:
-            found: Any = await self._client.config_get("appendonly")
-            saves: Any = await self._client.config_get("save")
+            found: Any = await self._client.execute_command("CONFIG GET", "appendonly", "save", **nodes)
         except STORE_FAILURES as err:
             return f"could not read the persistence settings ({err})"
-        if isinstance(self._client, RedisCluster):  # one answer per node
-            found = next(iter(found.values()), {}) if found and "appendonly" not in found else found
-            saves = next(iter(saves.values()), {}) if saves and "save" not in saves else saves
-        if found.get("appendonly") != "yes" and not saves.get("save"):
-            return "the Redis server keeps nothing on disk (no AOF, no RDB): a restart loses the ledger"
-        return None
+        # A Cluster's answer is one per node (unless only one node answered).
+        answers = found if cluster and "appendonly" not in found else {"": found}
+        bare = sorted(
+            node for node, a in answers.items() if a.get("appendonly") != "yes" and not a.get("save")
+        )
+        if not bare:
+            return None
+        where = f" ({', '.join(bare)})" if cluster else ""
+        return f"the Redis server{where} keeps nothing on disk (no AOF, no RDB): a restart loses the ledger"
 
     async def eviction(self) -> Eviction:
         """Read with CONFIG GET, else from INFO (a managed Redis often refuses CONFIG), from

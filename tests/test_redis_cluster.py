@@ -304,3 +304,31 @@ async def test_the_owners_of_many_contexts_are_read_across_slots_in_order(
         }
     finally:
         await store.close()
+
+
+async def test_a_cluster_master_that_keeps_nothing_on_disk_is_warned_of(
+    cluster: RedisClusterProcesses,
+) -> None:
+    """Each master of a Cluster holds some tenants' ledgers; the warning read one node's answer
+    alone, and a master with neither AOF nor RDB went unwarned unless it was that one (found by
+    the cluster hunt). Every primary is asked, as for the eviction policy, and named."""
+    from tests.test_cluster_resharding import cli
+
+    masters = [n for n in cluster.nodes if cli(n, "role").startswith("master")]
+    store = RedisStore.from_url(cluster.url, cluster=True, socket_timeout_s=2)
+    warned: dict[int, str | None] = {}
+    try:
+        assert await store.persistence_warning() is None
+        for node in masters:
+            aof = cli(node, "config", "get", "appendonly").split()[1]
+            save = " ".join(cli(node, "config", "get", "save").split("\n")[1:])
+            cli(node, "config", "set", "appendonly", "no")
+            cli(node, "config", "set", "save", "")
+            try:
+                warned[node.port] = await store.persistence_warning()
+            finally:
+                cli(node, "config", "set", "appendonly", aof)
+                cli(node, "config", "set", "save", save)
+    finally:
+        await store.close()
+    assert all(w is not None and f":{port}" in w for port, w in warned.items()), warned
