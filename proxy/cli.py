@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,9 +19,9 @@ from proxy.config import Config
 from proxy.config_load import load_config, passthrough_config, with_flags
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
-from proxy.redis_server import EmbeddedKeeper, RedisServerProcess
+from proxy.redis_server import EmbeddedKeeper, RedisServerProcess, StartCancelled
 from proxy.store import Store
-from proxy.workers import run_worker, supervise
+from proxy.workers import EarlyStop, run_worker, supervise
 
 if TYPE_CHECKING:
     from proxy.report import Totals
@@ -90,11 +90,18 @@ def _config_for(args: argparse.Namespace) -> tuple[Config, Config | None]:
 
 
 @contextmanager
-def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[Config]:
+def store_url(
+    config: Config,
+    *,
+    purpose: str,
+    create: bool = True,
+    cancelled: Callable[[], bool] | None = None,
+) -> Iterator[Config]:
     """The config with a Redis URL: the configured one, or an embedded child server. Without
     ``create`` (reading the ledger) a data directory holding no store is an error: a relative
     ``data_dir`` read from another directory would otherwise start an empty store there and
-    report an empty ledger."""
+    report an empty ledger. ``StartCancelled`` once ``cancelled()`` says so while the embedded
+    server starts, the server stopped."""
     if config.redis.url is not None:
         yield config
         return
@@ -110,19 +117,19 @@ def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[
             "the directory the proxy serves from, or give --redis-url"
         )
     keeper = EmbeddedKeeper(server, take_over=purpose == "serve")
-    if keeper.ensure():
-        log.info(
-            "started embedded redis-server",
-            extra={
-                "binary": server.binary,
-                "socket": str(server.socket_path),
-                "data_dir": str(server.data_dir),
-                "for": purpose,
-            },
-        )
-    if purpose == "serve":
-        keeper.watch()
     try:
+        if keeper.ensure(cancelled):
+            log.info(
+                "started embedded redis-server",
+                extra={
+                    "binary": server.binary,
+                    "socket": str(server.socket_path),
+                    "data_dir": str(server.data_dir),
+                    "for": purpose,
+                },
+            )
+        if purpose == "serve":
+            keeper.watch()
         yield config.model_copy(update={"redis": config.redis.model_copy(update={"url": server.url})})
     finally:
         keeper.close()
@@ -132,6 +139,7 @@ def store_url(config: Config, *, purpose: str, create: bool = True) -> Iterator[
 
 def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until a worker's reloader takes it
+    early = EarlyStop()  # until the serving process (or the supervisor) takes the stop signals
     config, started_from = _config_for(args)
     setup_logging(config.log.level, config.log.format)
     if args.workers < 1:
@@ -145,10 +153,17 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.workers > 1 and metrics is None:
         log.warning("with --workers, metrics are per worker: set metrics.listen to scrape them")
-    with store_url(config, purpose="serve") as config:
-        if args.workers == 1:
-            return run_worker(config, bool(args.upstream), args.config, 0, 1, started_from)
-        return supervise(config, bool(args.upstream), args.config, args.workers, started_from)
+    try:
+        with store_url(config, purpose="serve", cancelled=early) as config:
+            if early.asked:
+                log.info("stopped before serving")
+                return 0
+            if args.workers == 1:
+                return run_worker(config, bool(args.upstream), args.config, 0, 1, started_from, early)
+            return supervise(config, bool(args.upstream), args.config, args.workers, started_from, early)
+    except StartCancelled:
+        log.info("stopped while the embedded redis-server started")
+        return 0
 
 
 def check_config(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -31,6 +32,11 @@ INSTALL_HINT = (
     "no redis-server or valkey-server binary found on PATH; install one "
     "(Debian/Ubuntu: apt-get install redis-server) or set redis.url in the config"
 )
+
+
+class StartCancelled(Exception):
+    """A start given up because its caller was asked to stop (``serve`` got SIGTERM or SIGINT
+    while the server loaded its AOF); a server it had spawned is stopped already."""
 
 
 def find_server_binary() -> str:
@@ -129,9 +135,16 @@ class RedisServerProcess:
             args += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         return args + list(self.extra_args)
 
-    def start(self, timeout_s: float = 10.0, *, keep_fds: tuple[int, ...] = ()) -> None:
+    def start(
+        self,
+        timeout_s: float = 10.0,
+        *,
+        keep_fds: tuple[int, ...] = (),
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
         """Start and wait for its PONG; ``keep_fds`` are handed to the server (a lock it holds
-        for as long as it lives)."""
+        for as long as it lives). Once ``cancelled()`` says so, the server is stopped and
+        ``StartCancelled`` raised: the wait may be a large AOF's load."""
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -165,6 +178,9 @@ class RedisServerProcess:
             # one is found out when ours exits, unable to listen.
             if self.answers_ping() and self.server_pid() == self.process.pid:
                 return
+            if cancelled is not None and cancelled():
+                self.stop()
+                raise StartCancelled("asked to stop while redis-server started")
             time.sleep(0.02)
         self.stop()
         raise ConfigError(f"redis-server did not answer within {timeout_s}s")
@@ -296,9 +312,10 @@ class EmbeddedKeeper:
         self._write_owner()
         log.warning("took over an embedded redis-server its proxy left running", extra={"pid": pid})
 
-    def ensure(self) -> bool:
+    def ensure(self, cancelled: Callable[[], bool] | None = None) -> bool:
         """A server answers on the socket once this returns (or ``start_timeout_s`` passed);
-        True when this call started it.
+        True when this call started it. ``StartCancelled`` once ``cancelled()`` says so, the
+        server this call started stopped.
 
         Whether a server of this directory lives is told by a lock the server itself holds for
         its whole life (its copy of the locked file), not by a PING: a server that is slow to
@@ -325,14 +342,18 @@ class EmbeddedKeeper:
                     return False
                 if time.monotonic() >= deadline:
                     return False
+                if cancelled is not None and cancelled():
+                    raise StartCancelled("asked to stop while waiting for redis-server")
                 time.sleep(0.05)
             if self.server.answers_ping():
                 return False  # one that holds no lock (started by hand, or by an older version)
+            if cancelled is not None and cancelled():
+                raise StartCancelled("asked to stop before redis-server started")
             # Recorded before the server answers: a proxy waiting on the lock takes the first
             # PONG as its cue to read the owner, and an older owner (dead) would hand it this
             # live proxy's server to stop.
             self._write_owner()
-            self.server.start(self.start_timeout_s, keep_fds=(fd,))
+            self.server.start(self.start_timeout_s, keep_fds=(fd,), cancelled=cancelled)
             self._adopted = None
             return True
         finally:

@@ -39,6 +39,23 @@ EXIT_WORKER_ENDED = 1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+class EarlyStop:
+    """SIGTERM and SIGINT from ``serve``'s start until the serving process takes them over,
+    kept. Before, a stop while the embedded redis-server started (an AOF's load may take a
+    minute) killed serve (a traceback for Ctrl-C) and left the server it started running."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, self._ask)
+
+    def _ask(self, _signum: int, _frame: object) -> None:
+        self.asked = True
+
+    def __call__(self) -> bool:
+        return self.asked
+
+
 def run_worker(
     config: Config,
     passthrough: bool,
@@ -46,16 +63,19 @@ def run_worker(
     worker: int,
     workers: int,
     started_from: Config | None = None,
+    early: EarlyStop | None = None,
 ) -> int:
     """One serving process. With several workers they share the port (SO_REUSEPORT); all
     state is in Redis, so any worker can serve any call. ``started_from``: the file as ``serve``
-    read it, before its flags (``reload.ConfigReloader``)."""
+    read it, before its flags (``reload.ConfigReloader``); ``early``: the stop signals ``serve``
+    took until now."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
     # A stop before the app has started (imports, tokenizer tables) is kept for when it has:
     # cutting the start short half way leaves it neither serving nor shut down.
     stop = _Stop()
     for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda _signum, _frame: setattr(stop, "asked", True))
+    stop.asked = stop.asked or (early is not None and early.asked)  # read once ours are in place
     from proxy.app import build_app, server_options
 
     setup_logging(config.log.level, config.log.format)
@@ -188,9 +208,10 @@ def supervise(
     config_path: Path | None,
     workers: int,
     started_from: Config | None = None,
+    early: EarlyStop | None = None,
 ) -> int:
     """Start the workers, pass SIGTERM/SIGINT/SIGHUP on to them, wait for all of them; the first
-    that fails stops the rest."""
+    that fails stops the rest. ``early``: the stop signals ``serve`` took until now."""
     try:
         claim = _claim_port(config.listen.host, config.listen.port)
     except OSError as err:
@@ -199,7 +220,7 @@ def supervise(
         print(f"llm-billing-proxy: cannot serve: {err.strerror or err}", file=sys.stderr)
         return EXIT_CANNOT_SERVE
     try:
-        return _supervise(config, passthrough, config_path, workers, started_from)
+        return _supervise(config, passthrough, config_path, workers, started_from, early)
     finally:
         for sock in claim:
             sock.close()
@@ -253,6 +274,7 @@ def _supervise(
     config_path: Path | None,
     workers: int,
     started_from: Config | None,
+    early: EarlyStop | None,
 ) -> int:
     context = multiprocessing.get_context("spawn")
     children = [
@@ -275,6 +297,8 @@ def _supervise(
     # kill it, a Ctrl-C in its bootstrap would end it with a traceback (exit 1).
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    if early is not None and early.asked:  # read once ours are in place
+        return 0
     for child in children:
         child.start()
     for sig in (signal.SIGINT, signal.SIGHUP):

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,8 +25,9 @@ import redis.asyncio as aioredis
 from proxy.cli import main
 from proxy.config import RedisConfig
 from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.procs import ProxyProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -658,3 +660,58 @@ async def test_a_report_since_a_moment_does_not_count_the_millisecond_before(
     assert await asyncio.to_thread(main, [*args, "--format", "jsonl"]) == 0
     (row,) = map(json.loads, capsys.readouterr().out.splitlines())
     assert row["calls"] == "1"  # only the entry of .186
+
+
+def _held_redis_server(tmp_path: Path) -> Path:
+    """A ``redis-server`` first on PATH that writes its pid, then waits (as one loading a large
+    AOF does before it answers) for a ``go`` that never comes, then is the real server."""
+    real = shutil.which("redis-server") or shutil.which("valkey-server")
+    assert real is not None
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "redis-server"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo $$ > "{tmp_path}/pid.new" && mv "{tmp_path}/pid.new" "{tmp_path}/pid"\n'
+        f'while [ ! -e "{tmp_path}/go" ]; do sleep 0.05; done\n'
+        f'exec {real} "$@"\n'
+    )
+    script.chmod(0o755)
+    return bin_dir
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(("sig", "workers"), [(signal.SIGTERM, "1"), (signal.SIGINT, "2")])
+def test_a_stop_while_the_embedded_server_starts_ends_serve_cleanly_and_stops_that_server(
+    sig: signal.Signals, workers: str, fake: FakeUpstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop signal while ``serve`` waited for its embedded server to answer (an AOF's load)
+    found no handler yet: serve was killed (exit -15, or a KeyboardInterrupt's traceback) and
+    the server it was starting, in a session of its own, was left running."""
+    monkeypatch.setenv("PATH", f"{_held_redis_server(tmp_path)}:{os.environ['PATH']}")
+    raw = base_config(fake.base_url, "unused")
+    raw["redis"] = {"data_dir": str(tmp_path / "redis")}
+    proxy = ProxyProcess(raw, tmp_path, args=("--workers", workers)).start(ready=False)
+    pid = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid").exists():
+            assert time.monotonic() < deadline, proxy.log()[-2000:]
+            time.sleep(0.02)
+        pid = int((tmp_path / "pid").read_text())
+        proxy.signal(sig)
+        code = proxy.wait(30)
+        left = _alive(pid)
+    finally:
+        proxy.stop()
+        if pid and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "the redis-server serve was starting outlived it"
+    assert code == 0, proxy.log()[-2000:]
+    assert "Traceback" not in proxy.log()
