@@ -308,6 +308,11 @@ class EmbeddedKeeper:
         pid = self.server.server_pid()
         if pid is None:
             return
+        with contextlib.suppress(OSError, ValueError):
+            # A proxy records itself before its server answers: one whose owner changed since
+            # it was read is another proxy's new server, not the dead one's.
+            if int(self._owner_path.read_text().strip()) != owner:
+                return
         self._adopted = pid
         self._write_owner()
         log.warning("took over an embedded redis-server its proxy left running", extra={"pid": pid})
@@ -363,9 +368,28 @@ class EmbeddedKeeper:
         self._thread = threading.Thread(target=self._run, name="embedded-redis", daemon=True)
         self._thread.start()
 
+    def _held_by_a_server(self) -> bool:
+        """Whether the directory's lock is held: by a server (for its life) or a proxy starting
+        one, never by a server started by hand."""
+        try:
+            fd = os.open(self.server.data_dir / "server.lock", os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # and with it a lock it took
+        return False
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             if self.server.answers_ping():
+                # The proxy that started it killed -9 while this one serves on it: taken over
+                # here, or the last proxy of the directory would leave it running on exit.
+                if self.server.process is None and self._adopted is None and self._held_by_a_server():
+                    self._adopt_if_orphaned()
                 continue
             try:
                 if self.ensure():

@@ -387,3 +387,44 @@ def test_a_proxy_starting_beside_one_that_is_starting_never_takes_its_server_ove
         first.stdin.close()
         first.wait(30)
         _kill_left(data)
+
+
+_SERVING_PROXY = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from proxy.redis_server import EmbeddedKeeper, RedisServerProcess
+
+    assert EmbeddedKeeper(RedisServerProcess(Path(sys.argv[1]))).ensure()
+    print("started", flush=True)
+    sys.stdin.read()  # serving until killed
+    """
+)
+
+
+def test_a_server_whose_proxy_was_killed_is_taken_over_by_one_still_serving_on_it(tmp_path: Path) -> None:
+    """Two proxies share a directory's server and the one that started it is killed -9. Only a
+    proxy starting there took a server over (``ensure``), never one already serving on it: once
+    that one too exited, no proxy was left and the server ran on."""
+    data = tmp_path / "redis"
+    first = subprocess.Popen(
+        [sys.executable, "-c", _SERVING_PROXY, str(data)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    second = EmbeddedKeeper(RedisServerProcess(data), interval_s=0.1)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == b"started\n"
+        assert not second.ensure()  # shared
+        second.watch()
+        first.kill()  # the OOM killer's choice
+        first.wait()
+        _until(lambda: (data / "server.owner").read_text() == str(os.getpid()))
+    finally:
+        first.kill()
+        first.wait()
+        second.close()
+        left = _kill_left(data)
+    assert left == [], "the server outlived the last proxy of its directory"
