@@ -37,6 +37,8 @@ EXIT_CANNOT_SERVE = 4
 # A worker that ended while the supervisor was not stopping, without a failure of its own.
 EXIT_WORKER_ENDED = 1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# aiohttp's shutdown timeout for a grace of 0 (a timeout of 0 is none to aiohttp).
+_LEAST_SHUTDOWN_TIMEOUT_S = 0.001
 
 
 class EarlyStop:
@@ -147,8 +149,11 @@ def aiohttp_shutdown_timeout(grace_s: float) -> float:
     request's body, and only then cancels it. Passed the grace itself, in-flight calls ran for
     twice the grace before they were ended and settled (``shutdown``), past a supervisor's stop
     timeout sized on it. A body still coming when the first half ends can no longer arrive
-    (aiohttp reads nothing more once shutdown starts): nothing of it was reserved."""
-    return grace_s / 2
+    (aiohttp reads nothing more once shutdown starts): nothing of it was reserved.
+
+    Never 0: aiohttp reads a timeout of 0 as none, and a grace of 0 waited for every in-flight
+    call to end by itself; the least it takes ends them at once."""
+    return max(grace_s / 2, _LEAST_SHUTDOWN_TIMEOUT_S)
 
 
 def new_event_loop(choice: EventLoopChoice) -> tuple[asyncio.AbstractEventLoop, str]:

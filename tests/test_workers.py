@@ -5,6 +5,7 @@ failed before proxy/workers.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -414,3 +415,30 @@ def test_a_second_instance_is_still_refused_while_the_first_starts_or_serves(
     finally:
         second.stop()
         first.stop()
+
+
+async def test_a_grace_period_of_0_ends_inflight_calls_at_once(
+    fake: FakeUpstream, redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """``shutdown_grace_s: 0`` was passed on to aiohttp as a shutdown timeout of 0, which it
+    reads as none at all: SIGTERM waited for every in-flight call to end by itself (the stream
+    here ran to its end, billed ``ok``)."""
+    raw = base_config(fake.base_url, redis_server.url, shutdown_grace_s=0)
+    raw["upstreams"]["openai"]["timeout_s"] = 60
+    proxy = ProxyProcess(raw, tmp_path).start()
+    try:
+        body, headers = slow_stream("no-grace", chunks=100, delay_s=0.05)
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+            await resp.content.readuntil(b"\n\n")
+            proxy.signal(signal.SIGTERM)
+            rest = b""
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                rest = await resp.read()
+        code = await asyncio.to_thread(proxy.wait, 60)
+    finally:
+        proxy.stop()
+    ledger = [e for _, e in await redis_client.xrange(LEDGER)]
+    assert [e["outcome"] for e in ledger] == ["shutdown"], rest[-60:]
+    assert not rest.endswith(b"data: [DONE]\n\n")
+    assert code == 0
