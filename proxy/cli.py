@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy.config import Config
-from proxy.config_load import load_config, passthrough_config, with_flags
+from proxy.config_load import cross_checked, load_config, passthrough_config, with_flags
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
 from proxy.redis_server import EmbeddedKeeper, RedisServerProcess, StartCancelled
 from proxy.store import Store
-from proxy.workers import EarlyStop, run_worker, supervise
+from proxy.workers import EarlyStop, run_worker, supervise, worker_config
 
 if TYPE_CHECKING:
     from proxy.report import Totals
@@ -150,6 +150,14 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"metrics.listen.port {metrics.port} with --workers {args.workers}: worker i uses port + i, "
             f"so the port must be 1 to {65536 - args.workers}"
+        )
+    if metrics is not None and 0 < config.listen.port - metrics.port < args.workers:
+        # The worker whose metrics port would be the main one: bound first, the main port then
+        # failed as if another process held it (exit 4).
+        worker = config.listen.port - metrics.port
+        cross_checked(
+            worker_config(config, worker, args.workers),
+            f"--workers {args.workers}: worker {worker} serves its metrics on metrics.listen.port + {worker}",
         )
     if args.workers > 1 and metrics is None:
         log.warning("with --workers, metrics are per worker: set metrics.listen to scrape them")

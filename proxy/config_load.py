@@ -162,7 +162,17 @@ def with_flags(
             updates["redis"] = RedisConfig.model_validate({**config.redis.model_dump(), "url": redis_url})
     except ValidationError as err:
         raise ConfigError("command line: " + _format_validation_error(err)) from None
-    return config.model_copy(update=updates) if updates else config
+    return cross_checked(config.model_copy(update=updates), "command line") if updates else config
+
+
+def cross_checked(config: Config, where: str) -> Config:
+    """``config`` once its checks across fields have passed again, an error said as ``where``'s: a
+    copy (``model_copy``) skips them, and a ``--port`` onto the metrics port was served, exit 4."""
+    try:
+        return Config.model_validate({name: getattr(config, name) for name in Config.model_fields})
+    except ValidationError as err:
+        # Said as the file's would be, less the "config" a check across fields is said under.
+        raise ConfigError(f"{where}: " + _format_validation_error(err).removeprefix("config: ")) from None
 
 
 def _digest(section: str, key: KeyConfig | AdminKeyConfig, environ: Mapping[str, str]) -> str:

@@ -81,10 +81,7 @@ def run_worker(
     from proxy.app import build_app, server_options
 
     setup_logging(config.log.level, config.log.format)
-    if workers > 1 and config.metrics.listen is not None:
-        # Each worker exposes its own metrics on its own port: base port + worker index.
-        listen = config.metrics.listen.model_copy(update={"port": config.metrics.listen.port + worker})
-        config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"listen": listen})})
+    config = worker_config(config, worker, workers)
     app = build_app(
         config, passthrough=passthrough, config_path=config_path, workers=workers, started_from=started_from
     )
@@ -141,6 +138,15 @@ def run_worker(
         return EXIT_CANNOT_SERVE
     log.info("stopped", extra={"worker": worker})
     return 0
+
+
+def worker_config(config: Config, worker: int, workers: int) -> Config:
+    """The config worker ``worker`` serves: with several, each exposes its own metrics on a port
+    of its own, the base port + its index."""
+    if workers == 1 or config.metrics.listen is None:
+        return config
+    listen = config.metrics.listen.model_copy(update={"port": config.metrics.listen.port + worker})
+    return config.model_copy(update={"metrics": config.metrics.model_copy(update={"listen": listen})})
 
 
 def aiohttp_shutdown_timeout(grace_s: float) -> float:

@@ -350,6 +350,25 @@ def test_a_bad_value_on_the_command_line_is_a_config_error_not_a_traceback(
     assert result.returncode == 2, (result.stdout, result.stderr)
 
 
+@pytest.mark.parametrize("way", ["--port", "--workers"])
+def test_metrics_on_the_main_port_by_the_command_line_is_a_config_error(tmp_path: Path, way: str) -> None:
+    """A metrics.listen on the main port is a config error, but two ways got past the check:
+    ``--port`` onto the metrics port (the flags' copy of the config skipped the checks across
+    fields) and ``--workers N`` (worker i serves its metrics on port + i, only checked to stay
+    below 65536). serve bound the metrics, then failed its own port: exit 4, address in use."""
+    port = free_port()
+    config = tmp_path / "c.yaml"
+    metrics = f"metrics: {{listen: {{host: 127.0.0.1, port: {port}}}}}\n"
+    if way == "--port":
+        config.write_text(BAD_FLAG_CONFIG + metrics)
+        result = run_cli("serve", "--config", str(config), "--port", str(port))
+    else:
+        config.write_text(BAD_FLAG_CONFIG + metrics + f"listen: {{host: 127.0.0.1, port: {port + 1}}}\n")
+        result = run_cli("serve", "--config", str(config), "--workers", "2")
+    assert result.returncode == 2, result.stderr[-300:]
+    assert f"metrics.listen: port {port + (way == '--workers')} is the main listen port" in result.stderr
+
+
 def test_a_zero_config_start_on_port_0_listens_on_a_free_port() -> None:
     from proxy.cli import _config_for, _parser
 
