@@ -190,6 +190,18 @@ class EventFilter:
         """Whether the body so far ends inside an event."""
         return bool(self._held.strip() or self._head)
 
+    def end(self) -> bytes:
+        """At the body's clean end: the client's bytes for an event whose blank line never came
+        but whose data is whole (a gateway that closes right after the last field, as
+        openai/openai-node#2725 met: the answer's end, [DONE], its usage), read as the last
+        event; ``b""`` when nothing was held, or what was is cut inside its data (then still
+        ``incomplete``). Once per stream, never per read: the reads' path stays as it was."""
+        event = bytes(self._held).strip(b"\n")
+        if not event or not _data_whole(event):
+            return b""
+        self._held.clear()
+        return self.feed(event + b"\n\n")
+
     def feed(self, events: bytes) -> bytes:
         """``events``: one or more complete events, each ending in a blank line (``\\n\\n``)."""
         size = len(events)
@@ -423,3 +435,19 @@ class EventFilter:
             return None
         obj.pop("usage")
         return data_event(dumps_chunk(obj, read_by_orjson=read_by_orjson), event)
+
+
+def _data_whole(event: bytes) -> bool:
+    """Whether ``event`` (its lines, without the blank line that ends it) has data as the SDK
+    reads a whole event's: ``[DONE]`` or JSON (data cut inside its JSON is not)."""
+    lines = [ln[5:].removeprefix(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    if not lines:
+        return False  # fields or comments alone: no answer's end to read
+    data = b"\n".join(lines)
+    if is_done(data):
+        return True
+    try:
+        parse_event_data(data)
+    except ValueError:
+        return False
+    return True

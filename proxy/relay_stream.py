@@ -106,7 +106,9 @@ async def relay_stream(
                 guard.waiting_since = waited = monotonic()
                 piece = await next_piece()
                 if not piece:
-                    break  # the body's end
+                    # The body's end, maybe right after an event's data, before its blank line.
+                    client_gone = not await _last_event(ex, events, write, client_gone)
+                    break
                 guard.waiting_since = None
                 waited_s += monotonic() - waited
             # Every complete event of this read goes out in one write, as soon as it came.
@@ -206,6 +208,19 @@ async def relay_stream(
         tail += call.dialect.done_marker  # as it came: not when the upstream sent none
     await _to_client(ex, response.write_eof, tail)
     return response
+
+
+async def _last_event(
+    ex: Exchange, events: EventFilter, write: Callable[[bytes], Awaitable[None]], client_gone: bool
+) -> bool:
+    """Read the event the body ended in when its data came whole, its blank line not
+    (``EventFilter.end``), and pass it on as the loop does; False when the client is gone."""
+    out = events.end()
+    if out and ex.obs.done:
+        await keep_context(ex)  # before the client has the answer whole (its id)
+    if not out or client_gone:
+        return not client_gone
+    return await _to_client(ex, write, scrubbed(out, ex.operator_secrets))
 
 
 async def _drain(next_piece: Callable[[], Awaitable[bytes]], within_s: float) -> None:

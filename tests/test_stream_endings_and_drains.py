@@ -23,6 +23,8 @@ from tests.test_stream_dialects import (
     ANTHROPIC_HEADERS,
     CHAT,
     MESSAGE_START,
+    RESPONSE,
+    RESPONSES_BODY,
     chunk,
     ev,
     proxy_for,
@@ -137,6 +139,69 @@ async def test_an_anthropic_stream_without_message_stop_is_an_upstream_error(
         "3" if stopped else "500",
     )
     assert [e["error"]["type"] for e in error_events(reply.body)] == ["api_error"], reply.body[-300:]
+
+
+# -- the last event's blank line never came ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "last",
+    [DONE[:-1], DONE[:-2], usage_chunk()[:-1], usage_chunk()[:-2]],
+    ids=["done-one-lf", "done-no-lf", "usage-one-lf", "usage-no-lf"],
+)
+async def test_a_whole_stream_whose_last_event_lacks_its_blank_line_is_a_whole_answer(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, last: bytes
+) -> None:
+    """The body ended cleanly right after its last event ([DONE], or the usage chunk of a server
+    that sends no [DONE]) but before that event's blank line, as gateways that close right after
+    the last field send it (openai/openai-node#2725). Those bytes were held as an event cut
+    short: an upstream_error told by the proxy's error event (the client's SDK raised), billed
+    at the reserve when they carried the usage."""
+    ended = [usage_chunk(), last] if DONE[:-2] in last else [last]
+    chunks = [text(0, "hello"), text(0, " world"), finish(0), *ended]
+    reply, entry = await chat_stream(
+        make_proxy, script, redis_client, chunks, stream_options={"include_usage": True}
+    )
+    assert billed(entry) == ("ok", "provider", "5", "9"), entry
+    assert error_events(reply.body) == [], reply.body[-300:]
+    # The usage chunk reaches the client whole, with its blank line; [DONE] as the upstream
+    # ended with it (after the billing comment).
+    assert usage_chunk() in reply.body, reply.body[-300:]
+    assert reply.body.endswith(DONE) == (DONE[:-2] in last), reply.body[-300:]
+
+
+async def test_a_responses_stream_whose_completed_event_lacks_its_blank_line_is_billed_on_its_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The same for the Responses API, whose usage comes only in ``response.completed`` (the
+    event openai-node#2725 names): the answer came whole with the provider's figures, and was
+    billed at its reserve as an upstream_error."""
+    done = {**RESPONSE, "status": "completed", "usage": {"input_tokens": 20, "output_tokens": 7}}
+    events = [
+        ev("response.created", {"sequence_number": 0, "response": {**RESPONSE, "status": "in_progress"}}),
+        ev("response.output_text.delta", {"sequence_number": 1, "item_id": "msg_1", "output_index": 0,
+                                          "content_index": 0, "delta": "hello world"}),
+        ev("response.completed", {"sequence_number": 2, "response": done})[:-1],  # one \n, then the end
+    ]  # fmt: skip
+    proxy = await proxy_for(make_proxy, script)
+    script.plan = Plan(content_type="text/event-stream", chunks=events)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/responses", dumps(RESPONSES_BODY))
+    (entry,) = reply.new_entries
+    assert billed(entry) == ("ok", "provider", "20", "7"), entry
+    assert error_events(reply.body) == [], reply.body[-300:]
+    assert events[-1] + b"\n" in reply.body
+
+
+async def test_an_anthropic_stream_whose_message_stop_lacks_its_blank_line_is_a_whole_answer(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Likewise message_stop, the end of a Messages stream, with no line break after it."""
+    stop = ev("message_stop", {})[:-2]
+    parts = [MESSAGE_START, BLOCK, HELLO, BLOCK_STOP, STOPPED, stop]
+    reply, entry = await anthropic_stream(make_proxy, script, redis_client, parts)
+    assert billed(entry) == ("ok", "provider", "700", "3"), entry
+    assert error_events(reply.body) == [], reply.body[-300:]
+    assert stop + b"\n\n" in reply.body
 
 
 # -- drained after the client left: only a whole answer is counted -----------------------------

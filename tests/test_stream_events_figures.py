@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import aiohttp
 import orjson
+import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
@@ -74,6 +75,38 @@ def test_a_stray_line_break_after_the_last_event_does_not_leave_the_stream_insid
     assert obs.finish_reasons == {0: "stop"}
     read_all(events, b"data: {")
     assert events.incomplete
+
+
+@pytest.mark.parametrize(
+    ("last", "relayed", "done"),
+    [
+        (USAGE[:-1], USAGE, False),
+        (USAGE[:-2], USAGE, False),
+        (b"data: [DONE]\n", b"", True),
+        (b"data: [DONE]", b"", True),
+        (b"data: [DONE]\r", b"", True),
+    ],
+    ids=["usage-one-lf", "usage-no-lf", "done-one-lf", "done-no-lf", "done-cr"],
+)
+def test_an_event_whose_data_is_whole_is_read_at_the_bodys_end_without_its_blank_line(
+    last: bytes, relayed: bytes, done: bool
+) -> None:
+    """The body's last event came without its blank line: its bytes stayed held, the stream
+    ``incomplete`` (an event cut short), its usage or [DONE] never read."""
+    obs, events = chat_filter(wants_usage=True)
+    read_all(events, ROLE + content("a") + finish(), last)
+    assert events.incomplete
+    assert events.end() == relayed
+    assert (events.incomplete, obs.done, obs.usage is not None) == (False, done, not done)
+
+
+@pytest.mark.parametrize("last", [b'data: {"id":"c","choi', b"data: [DON", b"event: ping", b"data: \xff"])
+def test_an_event_cut_inside_its_data_stays_incomplete_at_the_bodys_end(last: bytes) -> None:
+    """The counterpart: data cut short (or none at all) is no event to read at the end."""
+    obs, events = chat_filter(wants_usage=True)
+    read_all(events, ROLE + content("a") + finish(), last)
+    assert events.end() == b""
+    assert events.incomplete and not obs.done and not obs.malformed
 
 
 async def test_a_stream_without_done_whose_last_read_is_a_line_break_is_a_whole_answer(
