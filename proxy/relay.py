@@ -352,8 +352,10 @@ class Exchange:
         try:
             self.call.upstream_status = upstream.status
             self.provider_headers = provider_headers(upstream, self.operator_secrets)
-            sse = upstream.content_type == "text/event-stream"
-            if renewal is not None and upstream.status < 300 and sse:
+            if renewal is not None and upstream.status < 300 and not _is_json(upstream.content_type):
+                # A stream asked for is read as one whatever its type, as the SDK reads it
+                # (servers label theirs x-ndjson, text/plain, or nothing); JSON is a provider
+                # that ignored ``stream``, relayed whole.
                 return await relay_stream(self, upstream, renewal)
             if upstream.status >= 300:  # redirects are not followed: not an answer either
                 return await relay_upstream_error(self, upstream)
@@ -403,3 +405,7 @@ class Exchange:
             f"It was billed: {settlement.usage.input_tokens} input tokens, "
             f"{settlement.usage.output_tokens} output tokens. Retrying will be billed again."
         )
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")

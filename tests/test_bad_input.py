@@ -1155,8 +1155,12 @@ async def test_fuzz_upstream_whole_body_answers(
     scripted.plan = plan
     reply = await post_scripted(CHAT, dumps({**VALID[CHAT], "stream": stream}))
     entry = assert_billed_once(reply, plan)
-    streamed = stream and plan.content_type == "text/event-stream" and plan.status < 400
-    if not streamed:
+    # A stream call's success is read as a stream whatever its type, but for JSON (a provider
+    # that ignored ``stream``): these bodies hold no event, so it ends as malformed SSE does.
+    streamed = stream and plan.content_type != "application/json" and plan.status < 400
+    if streamed:
+        assert (reply.status, entry["outcome"]) == (200, "upstream_error"), reply.describe()
+    else:
         assert reply.headers.get("x-billing-outcome") == entry["outcome"], reply.describe()
         if reply.status >= 400:
             body = reply.json()

@@ -5,7 +5,11 @@ a mutation hunt: each test fails on a change of the exchange the other tests let
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import Any
 
+import openai
+import pytest
 import redis.asyncio as aioredis
 
 from proxy.redis_scripts import read_scripts
@@ -14,7 +18,8 @@ from proxy.state import STATE
 from tests.conftest import UPSTREAM_KEY, Proxy, ProxyFactory, unreachable_port, unreachable_upstream
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, MSGS, run_headers
-from tests.test_bad_input import Plan, ScriptedUpstream, send
+from tests.test_bad_input import LEDGER_A, Plan, ScriptedUpstream, scripted_upstreams, send
+from tests.test_stream_dialects import chunk
 from tests.test_upstream_bodies import CHAT, USAGE, chat_body, dumps, proxy_before
 from tests.test_whole_answers_as_sent import answer
 
@@ -189,6 +194,103 @@ async def test_a_stream_call_answered_with_a_whole_json_body_is_relayed_and_bill
     (entry,) = reply.new_entries
     assert (reply.status, reply.body) == (200, dumps(chat_body())), reply.describe()
     assert reply.headers["content-type"].startswith("application/json")
+    assert (entry["outcome"], entry["usage_source"], entry["input_tokens"]) == ("ok", "provider", "3"), entry
+
+
+def sse(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+STREAM_USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+# A whole, healthy chat stream as the SDK reads it: two words, a finish, the usage asked for.
+STREAM = [
+    sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": "hello"}, "finish_reason": None}])),
+    sse(chunk([{"index": 0, "delta": {"content": " world"}, "finish_reason": None}])),
+    sse(chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}])),
+    sse(chunk([], STREAM_USAGE)),
+    b"data: [DONE]\n\n",
+]
+
+
+async def stream_text(client: openai.AsyncOpenAI) -> tuple[str, Any]:
+    """The text and the usage of a chat stream, as the SDK reads them."""
+    stream = await client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=50,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    async for part in stream:
+        if part.choices and part.choices[0].delta.content:
+            text += part.choices[0].delta.content
+        if part.usage is not None:
+            usage = part.usage.model_dump(exclude_none=True)
+    return text, usage
+
+
+async def billed_since(redis_client: aioredis.Redis, before: int) -> list[tuple[str, str, str, str]]:
+    entries = [e for _, e in (await redis_client.xrange(LEDGER_A))[before:]]
+    return [(e["outcome"], e["usage_source"], e["input_tokens"], e["output_tokens"]) for e in entries]
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/x-ndjson",  # LitServe's OpenAISpec (Lightning-AI/LitServe#359)
+        "application/octet-stream",  # what aiohttp reads when there is none (a Starlette
+        # StreamingResponse without its media_type: nearai/private-ml-sdk#20)
+        "text/plain; charset=utf-8",
+    ],
+)
+async def test_a_stream_not_labelled_text_event_stream_is_relayed_and_billed_on_its_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, content_type: str
+) -> None:
+    """The openai SDK reads a stream it asked for as SSE whatever its Content-Type, so these
+    servers work when called directly. Through the proxy such a 200 was read as one JSON body:
+    a 502 "broken or non-JSON answer" (which the SDK retries), billed at the reserve although
+    the provider's usage came whole."""
+    script.plan = Plan(content_type=content_type, chunks=STREAM)
+    direct = openai.AsyncOpenAI(base_url=script.base_url, api_key="sk-x", max_retries=0)
+    assert await stream_text(direct) == ("hello world", STREAM_USAGE)
+
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    before = await redis_client.xlen(LEDGER_A)
+    got = await stream_text(proxy.client())
+    await proxy.recorded()
+    assert (got, await billed_since(redis_client, before)) == (
+        ("hello world", STREAM_USAGE),
+        [("ok", "provider", "5", "2")],
+    )
+
+
+async def test_a_stream_labelled_otherwise_is_one_call_not_three_at_the_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The same stream with the SDK's default retries: the proxy's 502 carried no
+    ``x-should-retry: false``, so the SDK sent the call twice more, each attempt answered whole
+    by the provider and billed at the reserve: three charges for one call."""
+    script.plan = Plan(content_type="application/x-ndjson", chunks=STREAM)
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    before = await redis_client.xlen(LEDGER_A)
+    with contextlib.suppress(openai.APIStatusError):  # the calls and charges are what counts
+        await stream_text(proxy.client(max_retries=2, timeout=10))
+    await proxy.recorded()
+    billed = await billed_since(redis_client, before)
+    assert (len(script.received), billed) == (1, [("ok", "provider", "5", "2")])
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/problem+json"])
+async def test_a_stream_call_answered_with_any_json_type_is_relayed_whole(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, content_type: str
+) -> None:
+    # The counterpart: a JSON type (a +json one too) is a provider that ignored ``stream``.
+    proxy = await proxy_before(make_proxy, script.base_url)
+    body = dumps(chat_body())
+    reply = await answer(proxy, script, redis_client, 200, body, stream=True, content_type=content_type)
+    (entry,) = reply.new_entries
+    assert (reply.status, reply.body) == (200, body), reply.describe()
     assert (entry["outcome"], entry["usage_source"], entry["input_tokens"]) == ("ok", "provider", "3"), entry
 
 
