@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from proxy.events import EventFilter
 from proxy.forward import BodyTooLarge, read_limited
 from proxy.observe import Observation, parse_json, parse_usage
 from proxy.outcome import ZERO_USAGE, BilledUsage, Outcome, OutcomeTag, classify_answer, provider_usage
@@ -47,7 +48,11 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
             retry=False,
         )
     except (ValueError, *UPSTREAM_BROKEN) as err:
-        if not isinstance(err, ValueError):  # cut, not too large nor unparseable: read what came
+        if isinstance(err, ValueError):
+            # Not JSON, yet maybe the events of a server that streams whatever ``stream`` says:
+            # not the answer asked for, but the provider's usage when its last chunk carried it.
+            _observe_events(ex, b"".join(came))
+        else:  # cut, not too large nor unparseable: read what came
             _observe_cut_body(ex, b"".join(came))
         return await ex.failed("upstream_error", 502, "The upstream sent a broken or non-JSON answer.")
     try:
@@ -93,6 +98,20 @@ def _observe_cut_body(ex: Exchange, came: bytes) -> None:
             ex.call.dialect.observe_body(ex.obs, parsed)
     except Exception:  # cut inside its JSON: nothing to read, the reserve bills it
         pass
+
+
+def _observe_events(ex: Exchange, body: bytes) -> None:
+    """Observe ``body`` (a whole body, not JSON) as a stream's events, for its usage: bytes that
+    are no events leave the observation as it was, or malformed (the call failed either way)."""
+    call = ex.call
+    events = EventFilter(
+        ex.obs, dialect=call.dialect, choices=call.choices, client_wants_usage=True, runs=False
+    )
+    try:
+        if events.read(body, limit=ex.services.config.limits.max_upstream_body_bytes) is not None:
+            events.end()  # the body's clean end: an event without its blank line counts too
+    except Exception:  # bytes no stream ever held: the failed call is told all the same
+        ex.obs.malformed = True
 
 
 async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:

@@ -230,9 +230,12 @@ async def stream_text(client: openai.AsyncOpenAI) -> tuple[str, Any]:
     return text, usage
 
 
+def billed_as(entry: dict[str, str]) -> tuple[str, str, str, str]:
+    return entry["outcome"], entry["usage_source"], entry["input_tokens"], entry["output_tokens"]
+
+
 async def billed_since(redis_client: aioredis.Redis, before: int) -> list[tuple[str, str, str, str]]:
-    entries = [e for _, e in (await redis_client.xrange(LEDGER_A))[before:]]
-    return [(e["outcome"], e["usage_source"], e["input_tokens"], e["output_tokens"]) for e in entries]
+    return [billed_as(e) for _, e in (await redis_client.xrange(LEDGER_A))[before:]]
 
 
 @pytest.mark.parametrize(
@@ -292,6 +295,37 @@ async def test_a_stream_call_answered_with_any_json_type_is_relayed_whole(
     (entry,) = reply.new_entries
     assert (reply.status, reply.body) == (200, body), reply.describe()
     assert (entry["outcome"], entry["usage_source"], entry["input_tokens"]) == ("ok", "provider", "3"), entry
+
+
+@pytest.mark.parametrize(
+    "events",
+    [b"".join(STREAM), b"".join(STREAM[:4])[:-2]],
+    ids=["done", "usage-last-without-its-blank-line"],
+)
+async def test_a_whole_answer_call_answered_as_a_stream_is_billed_on_the_usage_it_carries(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, events: bytes
+) -> None:
+    """A server that streams whatever ``stream`` says, the provider's usage in its last chunk
+    (Together, Groq, Mistral, TGI and llama.cpp put it there unasked): the body, not JSON, was
+    a 502 billed at the reserve. Still a 502 (not the answer the SDK asked for), now billed on
+    the provider's usage, as the README's Faults table says of a non-JSON body."""
+    proxy = await proxy_before(make_proxy, script.base_url)
+    reply = await answer(proxy, script, redis_client, 200, events, content_type="text/event-stream")
+    (entry,) = reply.new_entries
+    assert (reply.status, reply.json()["error"]["code"]) == (502, "upstream_error"), reply.describe()
+    assert billed_as(entry) == ("upstream_error", "provider", "5", "2"), entry
+
+
+async def test_a_whole_answer_call_answered_as_a_stream_without_usage_is_billed_its_reserve(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # The counterpart: events without the provider's figures say nothing of what it spent.
+    proxy = await proxy_before(make_proxy, script.base_url)
+    events = b"".join(STREAM[:3] + STREAM[4:])
+    reply = await answer(proxy, script, redis_client, 200, events, content_type="text/event-stream")
+    (entry,) = reply.new_entries
+    assert reply.status == 502, reply.describe()
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "reserve"), entry
 
 
 async def test_a_stream_call_answered_whole_stops_renewing_its_lease_once_answered(
