@@ -154,7 +154,11 @@ async def registered(state: State, identity: Identity) -> Store:
         except StoreError as err:
             # The registry is one key, on one master of a Cluster: down, it says nothing of the
             # tenant's own, where the call's keys are (one Redis down refuses the reserve next).
-            # The reaper registers every tenant this process knows once the registry answers.
+            # A tenant of the config goes on: every instance's reaper knows and registers it. A
+            # pass-through caller's is known to this process alone, which may die before the
+            # registry answers, its leases then reaped by no one: refused.
+            if identity.tenant not in state.config.tenants:
+                raise
             log.warning(
                 "tenant not registered yet; the reaper registers it",
                 extra={"tenant": identity.tenant, "error": str(err)},

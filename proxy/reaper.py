@@ -228,9 +228,16 @@ async def run_reaper(
                 tenants.add(tenant)
             last_read = set(tenants)
         except StoreError as err:
-            registry_down = True
             log.error("reaper could not reach the store", extra={"error": str(err)})
-            tenants = last_read | set(known())
+            if store.spans_masters:
+                # The registry's master down says nothing of the others': each tenant's own
+                # reads tell (and restart its grace when they fail).
+                registry_down = True
+                tenants = last_read | set(known())
+            else:
+                # One Redis down: every tenant's grace starts again from its next answer.
+                answering.clear()
+                tenants = set()
         except Exception:
             log.exception("reaper round failed")
             tenants = set()

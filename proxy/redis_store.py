@@ -121,6 +121,10 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
     def client(self) -> aioredis.Redis | RedisCluster:
         return self._client
 
+    @property
+    def spans_masters(self) -> bool:
+        return isinstance(self._client, RedisCluster)
+
     async def close(self) -> None:
         if self._pipe is not None:
             await self._pipe.close()

@@ -148,6 +148,12 @@ class Eviction:
 
 
 class Store(Protocol):
+    @property
+    def spans_masters(self) -> bool:
+        """Whether its keys live on several masters (a Cluster): one of them down says nothing
+        of the others', the tenant registry's (one key) among them."""
+        ...
+
     async def ping(self) -> None: ...
 
     def now(self) -> float:
