@@ -99,7 +99,7 @@ async def test_a_round_whose_file_could_not_be_rewritten_counts_no_entry_twice(
                     await journal.replay(store, counted.append)
         await journal.replay(store, counted.append)  # room again: the lines go
         assert not journal.path.exists() or journal.path.read_text() == ""
-        assert not list(journal_dir.glob("journal-9*"))
+        assert whose == "its own" or not orphan.exists()
     assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == ["first", "second"]
     assert sorted(c["reservation_id"] for c in counted) == ["first", "second"]  # once each
 
