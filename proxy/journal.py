@@ -189,7 +189,7 @@ class Journal:
                 self._file.seek(len(text))
                 rest = "".join(line + "\n" for line in left).encode() + self._file.read()
                 self._replace_file(rest)
-                self._told.pop(self.path, None)  # the lines counted went with the rewrite
+                _keep_told(told, left)  # the lines counted went with the rewrite
             if cut is not None:
                 raise cut
         applied += await self._adopt(store, on_applied, on_parked)
@@ -261,7 +261,7 @@ class Journal:
                     # Stopped part-way: the lines applied go (see ``replay``), atomically.
                     rest = "".join(line + "\n" for line in left)
                     _locked_beside(path, rest.encode("utf-8", "surrogateescape")).close()
-                    self._told.pop(path, None)
+                    _keep_told(told, left)
                 if cut is not None:
                     raise cut
         return applied
@@ -282,6 +282,19 @@ class Journal:
             if empty:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
+
+
+def _keep_told(told: set[str], left: list[str]) -> None:
+    """Once a file is rewritten: the counted reservations whose lines it still holds stay told
+    (a line counted in a round whose rewrite failed, which the store then failed for, stays in
+    the file; forgotten, it is counted again when it goes)."""
+    kept = set()
+    for line in left:
+        try:
+            kept.add(str(json.loads(line)["reservation_id"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+    told &= kept
 
 
 def _locked_beside(path: Path, content: bytes) -> BinaryIO:

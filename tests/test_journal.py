@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.errors import StoreError
 from proxy.journal import Journal
 from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement
 from proxy.redis_server import RedisServerProcess
@@ -100,6 +101,48 @@ async def test_a_round_whose_file_could_not_be_rewritten_counts_no_entry_twice(
         await journal.replay(store, counted.append)  # room again: the lines go
         assert not journal.path.exists() or journal.path.read_text() == ""
         assert whose == "its own" or not orphan.exists()
+    assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == ["first", "second"]
+    assert sorted(c["reservation_id"] for c in counted) == ["first", "second"]  # once each
+
+
+async def test_a_counted_line_the_store_then_failed_for_stays_told_after_the_rewrite(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Round 1 counts both lines and cannot rewrite its file; round 2 the store fails for the
+    first, the second goes and the file is rewritten: the first, counted and still in the file,
+    was forgotten with the rewrite and counted again in round 3 (found by the review)."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    await held_reservations(redis_client, "first", "second")
+    counted: list[Any] = []
+    failing_first = False
+    settle = RedisStore.settle
+
+    async def flaky(self: RedisStore, **kwargs: Any) -> Any:
+        if failing_first and kwargs["reservation_id"] == "first":
+            raise StoreError("connection reset")
+        return await settle(self, **kwargs)
+
+    monkeypatch.setattr(RedisStore, "settle", flaky)
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
+        journal.append(PendingSettlement(**_settlement_line("first")))
+        journal.append(PendingSettlement(**_settlement_line("second")))
+
+        def full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        with monkeypatch.context() as disk:
+            disk.setattr("proxy.journal._locked_beside", full)
+            with contextlib.suppress(OSError):
+                await journal.replay(store, counted.append)
+        failing_first = True
+        await journal.replay(store, counted.append)  # "second" goes, "first" stays
+        failing_first = False
+        await journal.replay(store, counted.append)  # "first" goes
+        assert journal.path.read_text() == ""
     assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == ["first", "second"]
     assert sorted(c["reservation_id"] for c in counted) == ["first", "second"]  # once each
 
