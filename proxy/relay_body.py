@@ -91,24 +91,32 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
 
 def _observe_cut_body(ex: Exchange, came: bytes) -> None:
     """A body whose connection broke after its JSON was whole (before the chunked body's end):
-    its usage is the provider's figure, billed before the reserve."""
+    its usage is the provider's figure, billed before the reserve. Not JSON, it may be a
+    stream's events whose usage came before the cut (``_observe_events``, without the end)."""
+    if not came:
+        return
     try:
-        parsed = parse_json(came) if came else None
+        parsed = parse_json(came)
+    except ValueError:
+        _observe_events(ex, came, whole=False)
+        return
+    try:
         if isinstance(parsed, dict):
             ex.call.dialect.observe_body(ex.obs, parsed)
     except Exception:  # cut inside its JSON: nothing to read, the reserve bills it
         pass
 
 
-def _observe_events(ex: Exchange, body: bytes) -> None:
-    """Observe ``body`` (a whole body, not JSON) as a stream's events, for its usage: bytes that
-    are no events leave the observation as it was, or malformed (the call failed either way)."""
+def _observe_events(ex: Exchange, body: bytes, *, whole: bool = True) -> None:
+    """Observe ``body`` (not JSON) as a stream's events, for its usage: bytes that are no events
+    leave the observation as it was, or malformed (the call failed either way). ``whole``: the
+    body ended cleanly, so an event without its blank line is its last (else cut short)."""
     call = ex.call
     events = EventFilter(
         ex.obs, dialect=call.dialect, choices=call.choices, client_wants_usage=True, runs=False
     )
     try:
-        if events.read(body, limit=ex.services.config.limits.max_upstream_body_bytes) is not None:
+        if events.read(body, limit=ex.services.config.limits.max_upstream_body_bytes) is not None and whole:
             events.end()  # the body's clean end: an event without its blank line counts too
     except Exception:  # bytes no stream ever held: the failed call is told all the same
         ex.obs.malformed = True
