@@ -316,7 +316,6 @@ async def test_a_whole_answer_call_answered_as_a_stream_is_billed_on_the_usage_i
     assert billed_as(entry) == ("upstream_error", "provider", "5", "2"), entry
 
 
-
 async def test_a_whole_answer_call_answered_as_a_stream_then_timed_out_is_billed_on_its_usage(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
@@ -324,7 +323,8 @@ async def test_a_whole_answer_call_answered_as_a_stream_then_timed_out_is_billed
     path of a body cut or timed out read it as JSON alone, and billed the reserve (found by the
     review of the fix above)."""
     proxy = await proxy_before(make_proxy, script.base_url)  # timeout_s 3
-    script.plan = Plan(content_type="text/event-stream", chunks=[b"".join(STREAM[:4]), STREAM[4]], delay_s=5.0)
+    chunks = [b"".join(STREAM[:4]), STREAM[4]]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks, delay_s=5.0)
     path, request = CHAT
     reply = await send(proxy, lambda: script.received, redis_client, path, dumps(request))
     (entry,) = reply.new_entries
