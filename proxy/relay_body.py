@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
 
-async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
+async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse, *, first: bytes = b"") -> web.Response:
+    """``first``: the body's bytes already read (to tell a JSON body from a stream's events)."""
     call = ex.call
-    came: list[bytes] = []
+    came: list[bytes] = [first] if first else []
     started = time.monotonic()
     try:
         try:

@@ -51,10 +51,10 @@ class _EventStream(web.StreamResponse):
 
 
 async def relay_stream(
-    ex: Exchange, upstream: aiohttp.ClientResponse, renewal: LeaseRenewal
+    ex: Exchange, upstream: aiohttp.ClientResponse, renewal: LeaseRenewal, *, first: bytes = b""
 ) -> web.StreamResponse:
     """``renewal``: the call's lease renewal, stopped here once the stream has ended (before
-    its settle)."""
+    its settle). ``first``: the body's bytes already read (a stream labelled otherwise)."""
     call = ex.call
     obs = ex.obs
     response = _EventStream(
@@ -93,7 +93,7 @@ async def relay_stream(
     try:
         # What came with the upstream's headers goes out with ours, in one send; ours never
         # wait on the upstream: they go out (if no events took them) before any wait.
-        pending = body.read_nowait()
+        pending = first + body.read_nowait() if first else body.read_nowait()
         while True:
             if pending:
                 piece, pending = pending, b""
