@@ -137,15 +137,23 @@ async def reserve(
     told = told if told is not None else Told()
     tier = config.tiers.get(call.identity.tier)
     run_ttl_s = config.limits.run_ttl_s
-    # The window by the store's clock, which every instance shares (a host's own may be off).
-    scopes = scopes_for(
-        call.identity,
-        call.run_id,
-        tier,
-        datetime.fromtimestamp(await store.synced_now(), UTC),
-        run_ttl_s=run_ttl_s,
-        tenant_periods=config.tenant_periods(call.identity.tenant),
-    )
+
+    def windows_at(now_s: float) -> list[Scope]:
+        # The window by the store's clock, which every instance shares (a host's own may be off).
+        return scopes_for(
+            call.identity,
+            call.run_id,
+            tier,
+            datetime.fromtimestamp(now_s, UTC),
+            run_ttl_s=run_ttl_s,
+            tenant_periods=config.tenant_periods(call.identity.tenant),
+        )
+
+    scopes = windows_at(await store.synced_now())
+    # Whether the call waited (the store's reads, its count) since its windows were picked: they
+    # are picked again for the script, else a window that ended meanwhile would hold the call
+    # (a day's spend past the next day's ceiling; a refusal naming a window that has reset).
+    waited = False
     if call.rates_reserved is None and any("cost_micros" in s.ceilings for s in scopes):
         raise BadRequest(
             f"The model '{call.model}' has no price in the config, and your tier limits cost; "
@@ -155,6 +163,7 @@ async def reserve(
         )
     if (call.continues or call.references) and operator_key_sent(call.upstream, call.identity) is not None:
         await _refuse_another_tenants_context(store, call)
+        waited = True
     # Sizes are kept for Responses answers only: a chat message's earlier audio answer is
     # reserved as a media part (``estimate``).
     if (
@@ -163,6 +172,7 @@ async def reserve(
         and config.limits.prior_context_ttl_s
     ):
         found = await _add_prior_context(store, call)
+        waited = True
         if found is not None:
             told.once(metrics.prior_contexts, found)
     kept: dict[str, object] = {
@@ -189,7 +199,10 @@ async def reserve(
             if not await count_first(call, count_later):  # one count at a time, as configured
                 told.once(metrics.quick_estimates, "failed")
             asked = time.monotonic()
+            waited = True
         _still_in_force(config, in_force)
+        if waited:
+            scopes = windows_at(store.now())
         in_flight = True
         result = await _reserve(store, call, config, tier, scopes, record)
         in_flight = False
@@ -199,6 +212,7 @@ async def reserve(
                 told.once(metrics.quick_estimates, "failed")
             asked = time.monotonic()
             _still_in_force(config, in_force)  # the tentative reserve wrote nothing
+            scopes = windows_at(store.now())
             in_flight = True
             result = await _reserve(store, call, config, tier, scopes, record)
     except StoreError as err:

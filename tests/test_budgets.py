@@ -20,8 +20,10 @@ from prometheus_client import generate_latest
 
 import proxy.reserve
 from proxy.redis_server import RedisServerProcess
+from proxy.redis_store import RedisStore
 from proxy.state import STATE
 from proxy.store import Reservation, Scope
+from proxy.tokenizer import Tokenizer
 from tests.conftest import (
     KEY_A,
     UPSTREAM_KEY,
@@ -1263,3 +1265,60 @@ async def test_a_models_cap_below_the_requests_min_tokens_is_refused_naming_it(
         await call(proxy, "min-cap", max_tokens=100, extra_body={"min_tokens": 50})
     assert (refused.value.param, refused.value.code) == ("min_tokens", "output_cap_too_low")
     assert fake.received == []
+
+
+@pytest.mark.parametrize("quick_estimates", [True, False], ids=["bound-does-not-fit", "quick-estimates-off"])
+async def test_a_call_that_waited_on_its_count_across_a_minute_is_held_to_the_minute_its_reserve_ran(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, quick_estimates: bool
+) -> None:
+    """A call's windows were picked by the store's clock when its reserve began, before it waited
+    on its prompt's exact count: a minute that ended meanwhile held it, a day's spend charged to
+    the day before (and the next day's ceiling passed by it), a refusal naming a window that had
+    reset (found by the races hunt). Picked again once the call has waited."""
+    import threading
+    from datetime import UTC
+
+    from tests.test_estimate import QuarterEncoding
+
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    tier = {"run": {"total_tokens": 10000}, "windows": [{"period": "minute", "requests": 5}]}
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        tiers={"standard": tier},
+        limits={"quick_estimates": quick_estimates},
+    )
+    store = proxy.app[STATE].store
+    assert isinstance(store, RedisStore)
+    await store.synced_now()
+    # The store's clock set 0.4 s before a minute ends (the proxy measures it again every 30 s).
+    now_s = store.now()
+    boundary_s = (int(now_s) // 60 + 1) * 60
+    assert store._clock_offset_s is not None
+    store._clock_offset_s += boundary_s - 0.4 - now_s
+    long_text = " ".join(f"w{i}" for i in range(3400))  # ~17 KB: a byte bound of ~17K tokens
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": long_text}], "max_tokens": 5}
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "across-a-minute"}
+
+    async def post() -> int:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                await resp.read()
+                return resp.status
+
+    long_call = asyncio.ensure_future(post())
+    try:
+        assert await asyncio.to_thread(enc.entered.wait, 10)  # its count began in the old minute
+        assert store.now() < boundary_s
+        while store.now() < boundary_s + 0.05:
+            await asyncio.sleep(0.02)
+    finally:
+        gate.set()
+    assert await long_call == 200
+    used = {
+        key.rsplit(":", 1)[1]: fields.get("used:requests")
+        for key in await redis_client.keys("lbp:{team-a}:key:a-ci:minute:*")
+        if (fields := await redis_client.hgetall(key))
+    }
+    new_minute = f"{datetime.fromtimestamp(boundary_s, UTC):%Y%m%dT%H%M}"
+    assert used == {new_minute: "1"}, used
