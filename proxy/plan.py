@@ -101,7 +101,7 @@ def plan_call(
             param="model",
             code="wrong_endpoint_for_model",
         )
-    encoding = encoding_for_model(view.model, model_config.encoding)
+    encoding = tokenizer.resolve(encoding_for_model(view.model, model_config.encoding))
     est = estimate(
         endpoint,
         view,

@@ -38,6 +38,11 @@ class Encoding(Protocol):
     def encode_ordinary(self, text: str) -> list[int]: ...
 
 
+# Encodings that count ordinary text (no special tokens) as another does: the same ranks, with
+# special tokens of their own.
+SAME_ORDINARY_TEXT = {"o200k_harmony": "o200k_base"}
+
+
 @functools.lru_cache(maxsize=1024)  # once per model name, not per call
 def encoding_for_model(model: str, configured: str | None) -> str:
     if configured:
@@ -152,6 +157,22 @@ class Tokenizer:
 
     def available(self, encoding: str) -> bool:
         return self._encodings.get(encoding) is not None
+
+    def resolve(self, encoding: str) -> str:
+        """The encoding a model's text is counted with: ``encoding`` when loaded, else one
+        that counts ordinary text the same (o200k_harmony is o200k_base with special tokens of
+        its own); else ``encoding``, loaded off the event loop from now on when it was never
+        tried: a model that reaches a glob of the config (``gpt-oss-*`` by ``*``) names an
+        encoding no pattern of the config did, and its calls were counted as without tiktoken
+        (reserved at their bytes, an answer without usage billed at 4 characters a token)."""
+        if encoding == BYTES_ENCODING or self._encodings.get(encoding) is not None:
+            return encoding
+        same = SAME_ORDINARY_TEXT.get(encoding)
+        if same is not None and self._encodings.get(same) is not None:
+            return same
+        if encoding not in self._encodings:
+            self.load_more([encoding])
+        return encoding
 
     def count(self, text: str, encoding: str) -> tuple[int, UsageSource]:
         """Best estimate of the tokens in ``text``: tiktoken, else 4 characters per token."""

@@ -179,3 +179,54 @@ async def test_a_model_with_the_bytes_encoding_is_reserved_at_its_prompts_bytes(
     (counted,) = await ledger_entries(proxy, "gpt-4o-mini")
     (bounded,) = await ledger_entries(proxy, "bounded")
     assert int(counted["reserved_input_tokens"]) < 400 < len(prompt) < int(bounded["reserved_input_tokens"])
+
+
+async def test_a_model_a_glob_routes_is_counted_with_its_family_s_encoding(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A model that reaches its entry by a glob (``gpt-oss-120b`` by ``*``, as zero-config
+    routes every model) names an encoding no pattern of the config does (o200k_harmony), which
+    was never loaded: its calls were reserved at their bytes and, answered without usage, billed
+    at 4 characters a token (found by the routing hunt). o200k_harmony counts ordinary text as
+    o200k_base, which is loaded."""
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": _Words()}))
+    text = "word " * 300
+    for model in ("gpt-4o", "gpt-oss-120b"):  # both by "*"
+        await proxy.client().chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=500,
+            extra_headers=run_headers(model),
+            extra_body={"fake": {"no_usage": True, "content": text}},
+        )
+    entries = {model: (await ledger_entries(proxy, model))[0] for model in ("gpt-4o", "gpt-oss-120b")}
+    counted = {
+        m: (e["usage_source"], e["reserved_input_tokens"], e["output_tokens"]) for m, e in entries.items()
+    }
+    assert counted["gpt-oss-120b"] == counted["gpt-4o"], counted
+    assert counted["gpt-4o"][0] == "tokenizer"
+
+
+def test_an_encoding_never_tried_is_loaded_once_a_model_names_it(monkeypatch: Any) -> None:
+    """An encoding with no same-counting one loaded (a glob routing ``davinci-002``: p50k_base)
+    is loaded off the event loop once a call names it: until it lands its calls are counted as
+    without it, after it by it."""
+    import proxy.tokenizer as tokenizer_module
+
+    loads: list[str] = []
+
+    def load(name: str, timeout_s: float) -> Any:
+        loads.append(name)
+        return _Words()
+
+    monkeypatch.setattr(tokenizer_module, "_load_one", load)
+    tokenizer = Tokenizer({"o200k_base": _Words()})
+    assert tokenizer.resolve("o200k_harmony") == "o200k_base"
+    assert tokenizer.resolve("p50k_base") == "p50k_base"
+    for _ in range(200):
+        if tokenizer.available("p50k_base"):
+            break
+        time.sleep(0.01)
+    assert tokenizer.available("p50k_base")
+    tokenizer.resolve("p50k_base")
+    assert loads == ["p50k_base"]  # once
