@@ -36,6 +36,12 @@ def test_the_example_config_loads() -> None:
     )
     assert config.route("gpt-4o-mini") is not None
     assert config.route("gpt-4o-2024")[0] == "gpt-4o*"  # type: ignore[index]
+    # A dated mini (the name the alias serves) was priced as gpt-4o, 16 times dearer; audio
+    # models' audio tokens at text prices (found by the routing hunt).
+    for model in ("gpt-4o-mini-2024-07-18", "gpt-4o-mini-search-preview"):
+        assert config.route(model)[0] == "gpt-4o-mini*"  # type: ignore[index]
+    assert config.route("gpt-4o-audio-preview")[0] == "gpt-4o-audio*"  # type: ignore[index]
+    assert config.route("gpt-4o-mini-audio-preview")[0] == "gpt-4o-mini-audio*"  # type: ignore[index]
     assert config.tiers["standard"].run.as_meters()["cost_micros"] == 2_000_000
     dev = dict((key.name, digest) for digest, key in config.key_digests)["dev"]
     assert dev == hashlib.sha256(b"sk-dev").hexdigest()
