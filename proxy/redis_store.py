@@ -194,13 +194,18 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
         cluster = isinstance(self._client, RedisCluster)
         nodes: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if cluster else {}
         try:
-            found: Any = await self._client.execute_command("CONFIG GET", "appendonly", "save", **nodes)
+            # One setting a command: CONFIG GET takes several only from Redis 7.
+            aof: Any = await self._client.execute_command("CONFIG GET", "appendonly", **nodes)
+            rdb: Any = await self._client.execute_command("CONFIG GET", "save", **nodes)
         except STORE_FAILURES as err:
             return f"could not read the persistence settings ({err})"
         # A Cluster's answer is one per node (unless only one node answered).
-        answers = found if cluster and "appendonly" not in found else {"": found}
+        aofs = aof if cluster and "appendonly" not in aof else {"": aof}
+        rdbs = rdb if cluster and "save" not in rdb else {"": rdb}
         bare = sorted(
-            node for node, a in answers.items() if a.get("appendonly") != "yes" and not a.get("save")
+            node
+            for node, a in aofs.items()
+            if a.get("appendonly") != "yes" and not rdbs.get(node, {}).get("save")
         )
         if not bare:
             return None
