@@ -123,17 +123,24 @@ class CountCache:
 
 class Tokenizer:
     def __init__(
-        self, encodings: Mapping[str, Encoding | None], *, cache_chars: int = DEFAULT_CACHE_CHARS
+        self,
+        encodings: Mapping[str, Encoding | None],
+        *,
+        cache_chars: int = DEFAULT_CACHE_CHARS,
+        loads_missing: bool = False,
     ) -> None:
         self._encodings = dict(encodings)
         self.cache = CountCache(cache_chars)
+        # Whether an encoding a call names and nobody tried is loaded (``resolve``): the app's
+        # tokenizer (``load``); one given its encodings (tests, tools) has all it will have.
+        self._loads_missing = loads_missing
 
     @classmethod
     def load(
         cls, names: Iterable[str], *, timeout_s: float = 5.0, cache_chars: int = DEFAULT_CACHE_CHARS
     ) -> Tokenizer:
         loaded = {name: None if name == BYTES_ENCODING else _load_one(name, timeout_s) for name in set(names)}
-        return cls(loaded, cache_chars=cache_chars)
+        return cls(loaded, cache_chars=cache_chars, loads_missing=True)
 
     def load_more(self, names: Iterable[str], *, timeout_s: float = 5.0) -> threading.Thread | None:
         """Encodings not tried yet (those of models a reload added), each loaded within the
@@ -170,7 +177,7 @@ class Tokenizer:
         same = SAME_ORDINARY_TEXT.get(encoding)
         if same is not None and self._encodings.get(same) is not None:
             return same
-        if encoding not in self._encodings:
+        if self._loads_missing and encoding not in self._encodings:
             self.load_more([encoding])
         return encoding
 

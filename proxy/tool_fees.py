@@ -23,6 +23,10 @@ from proxy.payload import ChatBody, MessagesBody, RequestView, ResponsesBody
 # its own price (OpenAI: $25 per 1,000 on a model that does not reason, web_search's $10).
 WEB_SEARCH_PREVIEW = "web_search_preview"
 
+# A search model's name: "search" as a part of it (``gpt-4o-search-preview``), not inside a word
+# (``o3-deep-research``).
+_SEARCH_MODEL = re.compile(r"(?:^|[-_./:])search(?:$|[-_./:])")
+
 # A dated version of a Responses tool type (``web_search_preview_2025_03_11``).
 _DATED = re.compile(r"(.+?)_\d{4}_\d{2}_\d{2}")
 
@@ -72,7 +76,9 @@ def chat_searches(view: ChatBody) -> bool:
     ``gpt-5-search-api``) always do ("the model always retrieves information from the web before
     responding"), billed per call beside the tokens; a request may ask with
     ``web_search_options``."""
-    return "search" in view.model or isinstance((view.model_extra or {}).get("web_search_options"), dict)
+    return bool(_SEARCH_MODEL.search(view.model)) or isinstance(
+        (view.model_extra or {}).get("web_search_options"), dict
+    )
 
 
 def _responses_tool(kind: Any, prices: Mapping[str, int]) -> str | None:

@@ -220,7 +220,7 @@ def test_an_encoding_never_tried_is_loaded_once_a_model_names_it(monkeypatch: An
         return _Words()
 
     monkeypatch.setattr(tokenizer_module, "_load_one", load)
-    tokenizer = Tokenizer({"o200k_base": _Words()})
+    tokenizer = Tokenizer({"o200k_base": _Words()}, loads_missing=True)  # as Tokenizer.load makes it
     assert tokenizer.resolve("o200k_harmony") == "o200k_base"
     assert tokenizer.resolve("p50k_base") == "p50k_base"
     for _ in range(200):
@@ -230,3 +230,5 @@ def test_an_encoding_never_tried_is_loaded_once_a_model_names_it(monkeypatch: An
     assert tokenizer.available("p50k_base")
     tokenizer.resolve("p50k_base")
     assert loads == ["p50k_base"]  # once
+    given = Tokenizer({})  # its encodings given (tests, tools): nothing more is loaded
+    assert given.resolve("r50k_base") == "r50k_base" and loads == ["p50k_base"]

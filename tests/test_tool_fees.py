@@ -536,7 +536,7 @@ async def _chat_search_proxy(make_proxy: Factory, script: ScriptedUpstream, **ex
     }
     return await make_proxy(
         upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={SEARCH_MODEL: priced, "gpt-4o": priced},
+        models={SEARCH_MODEL: priced, "gpt-4o": priced, "o3-deep-research": priced},
         **extra,
     )
 
@@ -551,8 +551,9 @@ def _chat(model: str, **extra: Any) -> dict[str, Any]:
         (_chat(SEARCH_MODEL), True),
         (_chat("gpt-4o", web_search_options={"search_context_size": "medium"}), True),
         (_chat("gpt-4o"), False),  # the same price list, no search asked: no fee
+        (_chat("o3-deep-research"), False),  # "search" inside a word is no search model
     ],
-    ids=["search-model", "web_search_options", "no-search"],
+    ids=["search-model", "web_search_options", "no-search", "research"],
 )
 async def test_a_chat_search_call_is_reserved_and_billed_its_search(
     make_proxy: Factory,
