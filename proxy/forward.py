@@ -285,7 +285,7 @@ async def open_upstream(
         return TransportFailure(
             "connect",
             "cannot send the request upstream: the proxy could not build it "
-            f"(upstreams.{call.upstream_name}: its base_url, or a header it cannot send)",
+            f"(upstreams.{call.upstream_name}: its base_url, the query or a header it cannot send)",
         )
     except aiohttp.ConnectionTimeoutError:
         return TransportFailure("connect_timeout", "cannot connect to upstream: connect timed out")
