@@ -190,6 +190,11 @@ class EventFilter:
         """Whether the body so far ends inside an event."""
         return bool(self._held.strip() or self._head)
 
+    def held(self) -> bytes:
+        """What came after the last event, no blank line ending it (at the body's end: all of a
+        body that held no event)."""
+        return self._head + bytes(self._held)
+
     def end(self) -> bytes:
         """At the body's clean end: the client's bytes for an event whose blank line never came
         but whose data is whole (a gateway that closes right after the last field, as

@@ -307,10 +307,9 @@ async def read_limited(
     response: aiohttp.ClientResponse, limit: int, chunks: list[bytes] | None = None
 ) -> bytes:
     """The whole body, refusing one larger than ``limit`` bytes. ``chunks`` keeps what came
-    should the read fail (a body cut after its last byte still carries its usage), after what
-    it holds already (bytes read before)."""
+    should the read fail (a body cut after its last byte still carries its usage)."""
     chunks = [] if chunks is None else chunks
-    size = sum(len(chunk) for chunk in chunks)
+    size = 0
     async for piece in response.content.iter_any():
         size += len(piece)
         if size > limit:

@@ -353,16 +353,10 @@ class Exchange:
             self.call.upstream_status = upstream.status
             self.provider_headers = provider_headers(upstream, self.operator_secrets)
             if renewal is not None and upstream.status < 300 and not _is_json(upstream.content_type):
-                if upstream.content_type == "text/event-stream":
-                    return await relay_stream(self, upstream, renewal)
                 # A stream asked for is read as one whatever its type, as the SDK reads it
-                # (servers label theirs x-ndjson, text/plain, or nothing), but for a JSON body
-                # under another label (a provider that ignored ``stream``: Flask's text/html):
-                # told apart by its first bytes, relayed whole as a JSON answer is.
-                first = await _first_bytes(upstream)
-                if first.lstrip(_BLANK)[:1] not in (b"{", b"["):
-                    return await relay_stream(self, upstream, renewal, first=first)
-                return await relay_body(self, upstream, first=first)
+                # (servers label theirs x-ndjson, text/plain, or nothing); JSON is a provider
+                # that ignored ``stream``, relayed whole.
+                return await relay_stream(self, upstream, renewal)
             if upstream.status >= 300:  # redirects are not followed: not an answer either
                 return await relay_upstream_error(self, upstream)
             return await relay_body(self, upstream)
@@ -415,22 +409,3 @@ class Exchange:
 
 def _is_json(content_type: str) -> bool:
     return content_type == "application/json" or content_type.endswith("+json")
-
-
-# What may come before a body's first character (a byte order mark's bytes among them).
-_BLANK = b" \t\r\n\xef\xbb\xbf"
-
-
-async def _first_bytes(upstream: aiohttp.ClientResponse) -> bytes:
-    """The body's bytes up to its first that is not blank, or all of it; what came before a
-    failure (the relay that reads on meets the failure again)."""
-    came = b""
-    try:
-        while not came.lstrip(_BLANK):
-            piece = await upstream.content.readany()
-            if not piece:
-                break
-            came += piece
-    except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
-        pass
-    return came

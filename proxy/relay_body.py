@@ -24,10 +24,9 @@ if TYPE_CHECKING:
 UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
 
-async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse, *, first: bytes = b"") -> web.Response:
-    """``first``: the body's bytes already read (to tell a JSON body from a stream's events)."""
+async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
     call = ex.call
-    came: list[bytes] = [first] if first else []
+    came: list[bytes] = []
     started = time.monotonic()
     try:
         try:

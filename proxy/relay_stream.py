@@ -22,6 +22,7 @@ from proxy.contexts import keep_context
 from proxy.events import EventFilter
 from proxy.forward import StallGuard, scrubbed
 from proxy.lease import LeaseRenewal
+from proxy.observe import Observation, parse_json
 from proxy.outcome import Outcome, classify_answer
 from proxy.settle import billing_comment
 
@@ -51,10 +52,10 @@ class _EventStream(web.StreamResponse):
 
 
 async def relay_stream(
-    ex: Exchange, upstream: aiohttp.ClientResponse, renewal: LeaseRenewal, *, first: bytes = b""
+    ex: Exchange, upstream: aiohttp.ClientResponse, renewal: LeaseRenewal
 ) -> web.StreamResponse:
     """``renewal``: the call's lease renewal, stopped here once the stream has ended (before
-    its settle). ``first``: the body's bytes already read (a stream labelled otherwise)."""
+    its settle)."""
     call = ex.call
     obs = ex.obs
     response = _EventStream(
@@ -93,7 +94,7 @@ async def relay_stream(
     try:
         # What came with the upstream's headers goes out with ours, in one send; ours never
         # wait on the upstream: they go out (if no events took them) before any wait.
-        pending = first + body.read_nowait() if first else body.read_nowait()
+        pending = body.read_nowait()
         while True:
             if pending:
                 piece, pending = pending, b""
@@ -216,11 +217,33 @@ async def _last_event(
     """Read the event the body ended in when its data came whole, its blank line not
     (``EventFilter.end``), and pass it on as the loop does; False when the client is gone."""
     out = events.end()
+    if not out and events.incomplete:
+        _observe_usage_of_json(ex, events.held())
     if out and ex.obs.done:
         await keep_context(ex)  # before the client has the answer whole (its id)
     if not out or client_gone:
         return not client_gone
     return await _to_client(ex, write, scrubbed(out, ex.operator_secrets))
+
+
+def _observe_usage_of_json(ex: Exchange, held: bytes) -> None:
+    """A stream call's body that held no event but one JSON answer (a provider that ignored
+    ``stream`` and labelled it neither JSON nor SSE: Flask's text/html): no stream the client's
+    SDK can read (the call fails as malformed SSE does), but the provider's usage it carries
+    bills it, not the reserve. Only the usage is taken: the answer was never the client's."""
+    try:
+        parsed = parse_json(held)
+    except ValueError:
+        return
+    if not isinstance(parsed, dict):
+        return
+    scratch = Observation()
+    try:
+        ex.call.dialect.observe_body(scratch, parsed)
+    except Exception:  # not the answer's shape: no figures to take from it
+        return
+    if scratch.usage is not None and ex.obs.usage is None:
+        ex.obs.usage, ex.obs.usage_final = scratch.usage, scratch.usage_final
 
 
 async def _drain(next_piece: Callable[[], Awaitable[bytes]], within_s: float) -> None:

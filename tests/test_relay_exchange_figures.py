@@ -284,22 +284,39 @@ async def test_a_stream_labelled_otherwise_is_one_call_not_three_at_the_reserve(
     assert (len(script.received), billed) == (1, [("ok", "provider", "5", "2")])
 
 
-@pytest.mark.parametrize(
-    "content_type",
-    ["application/json", "application/problem+json", "text/plain", "text/html", "application/octet-stream"],
-)
+@pytest.mark.parametrize("content_type", ["application/json", "application/problem+json"])
 async def test_a_stream_call_answered_with_any_json_type_is_relayed_whole(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, content_type: str
 ) -> None:
-    """The counterpart: a JSON type (a +json one too) is a provider that ignored ``stream``; so
-    is a JSON body under another label (Flask's ``return json.dumps(...)`` is text/html), which
-    the stream path read as malformed events, billed at the reserve (found by the review)."""
+    # The counterpart: a JSON type (a +json one too) is a provider that ignored ``stream``.
     proxy = await proxy_before(make_proxy, script.base_url)
     body = dumps(chat_body())
     reply = await answer(proxy, script, redis_client, 200, body, stream=True, content_type=content_type)
     (entry,) = reply.new_entries
     assert (reply.status, reply.body) == (200, body), reply.describe()
     assert (entry["outcome"], entry["usage_source"], entry["input_tokens"]) == ("ok", "provider", "3"), entry
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/html", "application/octet-stream"])
+async def test_a_stream_call_answered_whole_json_under_another_type_is_billed_on_its_usage(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, content_type: str
+) -> None:
+    """A provider that ignored ``stream`` and labels its JSON neither JSON nor SSE (Flask's
+    ``return json.dumps(...)`` is text/html): read as a stream, it is one that holds no event
+    (the client gets the proxy's error event, as its SDK reads no event either), and it was
+    billed at the reserve though the answer carried the provider's usage (found by the review).
+    Its usage is taken; the answer is not relayed as an event (it never was one)."""
+    proxy = await proxy_before(make_proxy, script.base_url)
+    reply = await answer(
+        proxy, script, redis_client, 200, dumps(chat_body()), stream=True, content_type=content_type
+    )
+    (entry,) = reply.new_entries
+    assert reply.status == 200 and b"event: error" in reply.body, reply.describe()
+    assert (entry["outcome"], entry["usage_source"], entry["input_tokens"]) == (
+        "upstream_error",
+        "provider",
+        "3",
+    ), entry
 
 
 @pytest.mark.parametrize(
