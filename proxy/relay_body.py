@@ -54,7 +54,15 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
             _observe_events(ex, b"".join(came))
         else:  # cut, not too large nor unparseable: read what came
             _observe_cut_body(ex, b"".join(came))
-        return await ex.failed("upstream_error", 502, "The upstream sent a broken or non-JSON answer.")
+        # A whole answer that is no JSON is what the same request gets again (a server that
+        # streams whatever ``stream`` says): an SDK does not retry a 200 it cannot read, nor
+        # should it retry ours, each retry run and billed. A cut answer may come whole next time.
+        return await ex.failed(
+            "upstream_error",
+            502,
+            "The upstream sent a broken or non-JSON answer.",
+            retry=None if not isinstance(err, ValueError) else False,
+        )
     try:
         if not isinstance(parsed, dict):
             raise TypeError("not an object")
@@ -62,7 +70,9 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
     except Exception:
         ex.obs.malformed = True
     if ex.obs.malformed:
-        return await ex.failed("upstream_error", 502, "The upstream answer is not a JSON object.")
+        return await ex.failed(
+            "upstream_error", 502, "The upstream answer is not a JSON object.", retry=False
+        )
     transport = ex.request.transport
     failed = ex.obs.error  # an answer that says it failed (status failed, an error object)
     if transport is None or transport.is_closing():

@@ -297,6 +297,35 @@ async def test_a_stream_call_answered_with_any_json_type_is_relayed_whole(
     assert (entry["outcome"], entry["usage_source"], entry["input_tokens"]) == ("ok", "provider", "3"), entry
 
 
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/json", b"<html><body>maintenance</body></html>"),
+        ("application/json", b"[]"),
+        ("text/event-stream", b"".join(STREAM)),
+    ],
+    ids=["html-as-json", "not-an-object", "events"],
+)
+async def test_a_whole_answer_that_is_no_json_object_is_not_retried_into_three_billed_calls(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    content_type: str,
+    body: bytes,
+) -> None:
+    """A 200 the proxy cannot relay as a whole answer: called directly, the SDK raises once (it
+    never retries a 200); the proxy's 502 said nothing of retrying, and the SDK's default retries
+    ran and billed the call twice more (found by the SDK helpers hunt)."""
+    script.plan = Plan(content_type=content_type, chunks=[body])
+    proxy = await proxy_before(make_proxy, script.base_url)
+    before = await redis_client.xlen(LEDGER_A)
+    with pytest.raises(openai.APIStatusError) as raised:
+        await proxy.client(max_retries=2).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=50)
+    assert raised.value.response.headers.get("x-should-retry") == "false"
+    assert len(script.received) == 1
+    assert len(await billed_since(redis_client, before)) == 1
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "text/html", "application/octet-stream"])
 async def test_a_stream_call_answered_whole_json_under_another_type_is_billed_on_its_usage(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, content_type: str
