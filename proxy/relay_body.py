@@ -56,12 +56,17 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
             _observe_cut_body(ex, b"".join(came))
         # A whole answer that is no JSON is what the same request gets again (a server that
         # streams whatever ``stream`` says): an SDK does not retry a 200 it cannot read, nor
-        # should it retry ours, each retry run and billed. A cut answer may come whole next time.
+        # should it retry ours, each retry run and billed. A cut answer may come whole next time,
+        # and a body ended by its connection's close (no length, not chunked) may have been cut.
+        framed = (
+            upstream.content_length is not None
+            or "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
+        )
         return await ex.failed(
             "upstream_error",
             502,
             "The upstream sent a broken or non-JSON answer.",
-            retry=None if not isinstance(err, ValueError) else False,
+            retry=False if isinstance(err, ValueError) and framed else None,
         )
     try:
         if not isinstance(parsed, dict):

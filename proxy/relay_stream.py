@@ -217,8 +217,8 @@ async def _last_event(
     """Read the event the body ended in when its data came whole, its blank line not
     (``EventFilter.end``), and pass it on as the loop does; False when the client is gone."""
     out = events.end()
-    if not out and events.incomplete:
-        _observe_usage_of_json(ex, events.held())
+    if not out and events.incomplete and not ex.obs.chunks and not ex.obs.finish_reasons:
+        _observe_usage_of_json(ex, events.held())  # a body that held no event at all
     if out and ex.obs.done:
         await keep_context(ex)  # before the client has the answer whole (its id)
     if not out or client_gone:
@@ -230,7 +230,8 @@ def _observe_usage_of_json(ex: Exchange, held: bytes) -> None:
     """A stream call's body that held no event but one JSON answer (a provider that ignored
     ``stream`` and labelled it neither JSON nor SSE: Flask's text/html): no stream the client's
     SDK can read (the call fails as malformed SSE does), but the provider's usage it carries
-    bills it, not the reserve. Only the usage is taken: the answer was never the client's."""
+    bills it, not the reserve. Only what bills it is taken (its usage, hosted tools' calls, the
+    tier that served it, output it does not show): the answer was never the client's."""
     try:
         parsed = parse_json(held)
     except ValueError:
@@ -242,8 +243,12 @@ def _observe_usage_of_json(ex: Exchange, held: bytes) -> None:
         ex.call.dialect.observe_body(scratch, parsed)
     except Exception:  # not the answer's shape: no figures to take from it
         return
-    if scratch.usage is not None and ex.obs.usage is None:
-        ex.obs.usage, ex.obs.usage_final = scratch.usage, scratch.usage_final
+    obs = ex.obs
+    if scratch.usage is not None and obs.usage is None:
+        obs.usage, obs.usage_final = scratch.usage, scratch.usage_final
+        obs.tool_calls, obs.tool_uses = scratch.tool_calls, scratch.tool_uses
+        obs.service_tier = scratch.service_tier or obs.service_tier
+        obs.hidden_output = obs.hidden_output or scratch.hidden_output
 
 
 async def _drain(next_piece: Callable[[], Awaitable[bytes]], within_s: float) -> None:
