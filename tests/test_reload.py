@@ -204,6 +204,64 @@ async def test_a_reload_shortening_run_ttl_keeps_a_run_alive_under_a_call_in_fli
         await runner.cleanup()
 
 
+class WaitingCall:
+    """A proxy served from ``path`` (its config ``raw``, its counts held by ``enc``'s gate) and a
+    call to it that waits on its prompt's exact count; ``reload`` saves ``raw`` again and
+    SIGHUPs, then lets the count go."""
+
+    def __init__(self, raw: dict[str, Any], path: Path, enc: QuarterEncoding, runner: web.AppRunner) -> None:
+        self.raw, self.path, self.enc, self.runner = raw, path, enc, runner
+        self.state = runner.app[STATE]
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        self.pending: asyncio.Future[int] | None = None
+
+    @classmethod
+    async def serve(
+        cls, raw: dict[str, Any], path: Path, enc: QuarterEncoding, monkeypatch: pytest.MonkeyPatch
+    ) -> WaitingCall:
+        path.write_text(yaml.safe_dump(raw))
+        monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+        app = build_app(load_config(path), tokenizer=Tokenizer({"o200k_base": enc}), config_path=path)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return cls(raw, path, enc, runner)
+
+    async def start(self, endpoint: str, body: dict[str, Any], run: str) -> None:
+        async def post() -> int:
+            headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(self.url + endpoint, json=body, headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+
+        self.pending = asyncio.ensure_future(post())
+        for _ in range(500):
+            if self.enc.entries:
+                break
+            await asyncio.sleep(0.01)
+        assert self.enc.entries == 1, "the reserve never waited on the count"
+
+    async def reload(self) -> int:
+        """The call's status, once the reload is in and its count let go."""
+        assert self.pending is not None and self.enc.gate is not None
+        before = self.state.config
+        self.path.write_text(yaml.safe_dump(self.raw))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(250):
+            if self.state.config is not before:
+                break
+            await asyncio.sleep(0.02)
+        assert self.state.config is not before, "not reloaded"
+        self.enc.gate.set()
+        return await asyncio.wait_for(self.pending, 20)
+
+    async def close(self) -> None:
+        if self.enc.gate is not None:
+            self.enc.gate.set()
+        await self.runner.cleanup()
+
+
 @pytest.mark.parametrize("change", ["key revoked", "ceiling lowered", "price raised"])
 @pytest.mark.parametrize("waits", ["quick estimates off", "bound does not fit"])
 async def test_a_reload_while_a_call_waits_on_its_count_judges_it_by_the_new_config(
@@ -220,55 +278,24 @@ async def test_a_reload_while_a_call_waits_on_its_count_judges_it_by_the_new_con
     reserved and forwarded under the config the reload replaced, so a key it revoked got that
     call out, a ceiling it lowered let it through, and a price it raised was not charged. Now
     planned again under the new config (route, price) once the count is in."""
-    gate = threading.Event()
-    enc = QuarterEncoding(gate)
+    enc = QuarterEncoding(threading.Event())
     raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
     raw["limits"] = {**raw["limits"], "quick_estimates": waits == "bound does not fit"}
     # The exact count (10,007 input tokens) fits; the byte bound (40,007) does not.
     raw["tiers"] = {"standard": {"run": {"input_tokens": 20_000}}}
     raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "1", "output": "1"}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
-    app = build_app(load_config(path), tokenizer=Tokenizer({"o200k_base": enc}), config_path=path)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    state = app[STATE]
+    waiting = await WaitingCall.serve(raw, tmp_path / "config.yaml", enc, monkeypatch)
     run = "waits-" + waits.replace(" ", "-")
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 5}
-
-    async def post() -> int:
-        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
-                await resp.read()
-                return resp.status
-
     try:
-        pending = asyncio.ensure_future(post())
-        for _ in range(500):
-            if enc.entries:
-                break
-            await asyncio.sleep(0.01)
-        assert enc.entries == 1, "the reserve never waited on the count"
+        await waiting.start("/v1/chat/completions", body, run)
         if change == "key revoked":
             raw["keys"] = [k for k in raw["keys"] if k["name"] != "a-ci"]
         elif change == "ceiling lowered":
             raw["tiers"]["standard"]["run"]["input_tokens"] = 5_000  # below the exact count
         else:
             raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "100", "output": "100"}
-        before = state.config
-        path.write_text(yaml.safe_dump(raw))
-        os.kill(os.getpid(), signal.SIGHUP)
-        for _ in range(250):
-            if state.config is not before:
-                break
-            await asyncio.sleep(0.02)
-        assert state.config is not before, "not reloaded"
-        gate.set()
-        status = await asyncio.wait_for(pending, 20)
+        status = await waiting.reload()
         if change == "price raised":
             assert status == 200
             ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
@@ -278,12 +305,12 @@ async def test_a_reload_while_a_call_waits_on_its_count_judges_it_by_the_new_con
         assert status == {"key revoked": 401, "ceiling lowered": 429}[change]
         assert fake.received == []
         assert await redis_client.zcard("lbp:{team-a}:leases") == 0
-        assert state.store is not None
-        meters = await state.store.meters(run_key("team-a", run))
+        store = waiting.state.store
+        assert store is not None
+        meters = await store.meters(run_key("team-a", run))
         assert all(m.reserved == 0 and m.used == 0 for m in meters.values()), meters
     finally:
-        gate.set()
-        await runner.cleanup()
+        await waiting.close()
 
 
 @pytest.mark.parametrize("waits", ["quick estimates off", "bound does not fit"])
@@ -299,53 +326,21 @@ async def test_a_call_planned_again_after_a_reload_is_counted_once_in_the_metric
     first plan had counted (``prior_contexts``: the context it continues; ``quick_estimates``:
     its bound counted first) was counted again by the second, one call told twice (found by
     the reload hunt)."""
-    gate = threading.Event()
-    enc = QuarterEncoding(gate)
+    enc = QuarterEncoding(threading.Event())
     raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
     raw["limits"] = {**raw["limits"], "quick_estimates": waits == "bound does not fit"}
     raw["tiers"] = {"standard": {"run": {"input_tokens": 20_000}}}  # the count fits, the bound does not
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
-    app = build_app(load_config(path), tokenizer=Tokenizer({"o200k_base": enc}), config_path=path)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    state = app[STATE]
+    waiting = await WaitingCall.serve(raw, tmp_path / "config.yaml", enc, monkeypatch)
     fake.contexts["resp_elsewhere"] = 3000  # made with the provider directly: unknown here
     body = {"model": "gpt-4o-mini", "input": TEXT, "previous_response_id": "resp_elsewhere"}
-
-    async def post() -> int:
-        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "planned-twice"}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v1/responses", json=body, headers=headers) as resp:
-                await resp.read()
-                return resp.status
-
     try:
-        pending = asyncio.ensure_future(post())
-        for _ in range(500):
-            if enc.entries:
-                break
-            await asyncio.sleep(0.01)
-        assert enc.entries == 1, "the reserve never waited on the count"
+        await waiting.start("/v1/responses", body, "planned-twice")
         raw["tiers"]["standard"]["run"]["requests"] = 10
-        before = state.config
-        path.write_text(yaml.safe_dump(raw))
-        os.kill(os.getpid(), signal.SIGHUP)
-        for _ in range(250):
-            if state.config is not before:
-                break
-            await asyncio.sleep(0.02)
-        assert state.config is not before, "not reloaded"
-        gate.set()
-        assert await asyncio.wait_for(pending, 20) == 200
+        assert await waiting.reload() == 200
         assert len(fake.received) == 1
-        metrics = state.metrics
+        metrics = waiting.state.metrics
         assert {labels[0]: c.value for labels, c in metrics.prior_contexts.items()} == {"unknown": 1}
         quick = {labels[0]: c.value for labels, c in metrics.quick_estimates.items()}
         assert quick.get("counted_first", 0) == (1 if waits == "bound does not fit" else 0), quick
     finally:
-        gate.set()
-        await runner.cleanup()
+        await waiting.close()
