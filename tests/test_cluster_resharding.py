@@ -157,6 +157,50 @@ def tenant_on(
     raise AssertionError("no tenant name found for that node")
 
 
+async def reaped_while_down(
+    cluster: RedisClusterProcesses, down: RedisServerProcess, tenants: list[str]
+) -> None:
+    """A dead instance's lease of the last of ``tenants`` (all registered and known to the
+    reaper) is reaped, once, while master ``down`` does not answer (the Cluster serving the slots
+    it still covers: ``cluster-require-full-coverage no``)."""
+    masters = [n for n in cluster.nodes if cli(n, "role").startswith("master")]
+    store = RedisStore.from_url(cluster.url, cluster=True, socket_timeout_s=0.3)
+    counted: list[str] = []
+
+    def count(entry: Mapping[str, str]) -> None:
+        counted.append(entry["reservation_id"])
+
+    reaper: asyncio.Task[None] | None = None
+    try:
+        await store.load_scripts()
+        for tenant in tenants:
+            await store.register_tenant(tenant)
+        await reserved(store, tenants[-1], "dead-instance", "orphan", lease_ms=1)
+        for node in masters:
+            cli(node, "config", "set", "cluster-require-full-coverage", "no")
+        assert down.process is not None
+        down.process.send_signal(signal.SIGSTOP)  # the master stops answering
+        try:
+            reaper = asyncio.create_task(run_reaper(store, 0.05, count, known=lambda: tenants))
+            for _ in range(400):
+                if counted:
+                    break
+                await asyncio.sleep(0.05)
+            leases = await store.client.zcard(f"lbp:{{{tenants[-1]}}}:leases")
+        finally:
+            down.process.send_signal(signal.SIGCONT)
+        assert counted == ["dead-instance"] and leases == 0, (counted, leases)
+    finally:
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await store.close()
+        for node in masters:
+            cli(node, "config", "set", "cluster-require-full-coverage", "yes")
+        await asyncio.to_thread(cluster.wait_ok, 30)
+
+
 async def test_a_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
     cluster: RedisClusterProcesses,
 ) -> None:
@@ -170,44 +214,7 @@ async def test_a_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
     first = tenant_on(cluster, "aa-down-", down, set())
     later = tenant_on(cluster, "zz-up-", None, {down.port})
     assert first < later  # the round reaches the tenant of the master down first
-    masters = [n for n in cluster.nodes if cli(n, "role").startswith("master")]
-    store = RedisStore.from_url(cluster.url, cluster=True, socket_timeout_s=0.3)
-    counted: list[str] = []
-
-    def count(entry: Mapping[str, str]) -> None:
-        counted.append(entry["reservation_id"])
-
-    reaper: asyncio.Task[None] | None = None
-    try:
-        await store.load_scripts()
-        for tenant in (first, later):
-            await store.register_tenant(tenant)
-        await reserved(store, later, "dead-instance", "orphan", lease_ms=1)
-        for node in masters:
-            cli(node, "config", "set", "cluster-require-full-coverage", "no")
-        assert down.process is not None
-        down.process.send_signal(signal.SIGSTOP)  # the master stops answering
-        try:
-            reaper = asyncio.create_task(run_reaper(store, 0.05, count, known=lambda: [first, later]))
-            for _ in range(400):
-                if counted:
-                    break
-                await asyncio.sleep(0.05)
-            leases = await store.client.zcard(f"lbp:{{{later}}}:leases")
-        finally:
-            down.process.send_signal(signal.SIGCONT)
-        assert counted == ["dead-instance"] and leases == 0, (
-            "a master down stopped every later tenant's reaping"
-        )
-    finally:
-        if reaper is not None:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
-        await store.close()
-        for node in masters:
-            cli(node, "config", "set", "cluster-require-full-coverage", "yes")
-        await asyncio.to_thread(cluster.wait_ok, 30)
+    await reaped_while_down(cluster, down, [first, later])
 
 
 async def test_the_registrys_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
@@ -218,42 +225,7 @@ async def test_the_registrys_master_down_does_not_stop_the_reaping_of_tenants_on
     on its own master: a dead instance's leases held their budgets' room for as long as that one
     master was down (found by the cluster hunt). The round goes on with the tenants it knows."""
     registry = cluster.master_of(TENANTS_KEY)
-    tenant = tenant_on(cluster, "up-", None, {registry.port})
-    masters = [n for n in cluster.nodes if cli(n, "role").startswith("master")]
-    store = RedisStore.from_url(cluster.url, cluster=True, socket_timeout_s=0.3)
-    counted: list[str] = []
-
-    def count(entry: Mapping[str, str]) -> None:
-        counted.append(entry["reservation_id"])
-
-    reaper: asyncio.Task[None] | None = None
-    try:
-        await store.load_scripts()
-        await store.register_tenant(tenant)
-        await reserved(store, tenant, "dead-instance", "orphan", lease_ms=1)
-        for node in masters:
-            cli(node, "config", "set", "cluster-require-full-coverage", "no")
-        assert registry.process is not None
-        registry.process.send_signal(signal.SIGSTOP)
-        try:
-            reaper = asyncio.create_task(run_reaper(store, 0.05, count, known=lambda: [tenant]))
-            for _ in range(400):
-                if counted:
-                    break
-                await asyncio.sleep(0.05)
-            leases = await store.client.zcard(f"lbp:{{{tenant}}}:leases")
-        finally:
-            registry.process.send_signal(signal.SIGCONT)
-        assert counted == ["dead-instance"] and leases == 0, (counted, leases)
-    finally:
-        if reaper is not None:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
-        await store.close()
-        for node in masters:
-            cli(node, "config", "set", "cluster-require-full-coverage", "yes")
-        await asyncio.to_thread(cluster.wait_ok, 30)
+    await reaped_while_down(cluster, registry, [tenant_on(cluster, "up-", None, {registry.port})])
 
 
 async def test_a_tenants_call_is_served_while_only_the_registrys_master_is_down(
