@@ -19,6 +19,7 @@ from tests.conftest import UPSTREAM_KEY, base_config
 from tests.conftest import ProxyFactory as Factory
 from tests.test_bad_input import Plan, ScriptedUpstream
 from tests.test_pricing_kinds import _claude_message, _entry, _post, _sse
+from tests.test_upstream_bodies import chat_body
 
 # Claude's list prices per million (input 3, output 15) and web search's $10 per 1,000 searches:
 # a search costs 10,000 micro-units.
@@ -515,17 +516,8 @@ SEARCH_FEE_MICROS = 30_000  # $30 per 1,000 calls: $0.03 a call
 
 
 def _chat_answer(model: str) -> Plan:
-    answer = {
-        "id": "chatcmpl-search",
-        "object": "chat.completion",
-        "created": 1,
-        "model": model,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "It is sunny."}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 20, "completion_tokens": 10, "total_tokens": 30},
-    }
-    return Plan(chunks=[json.dumps(answer).encode()])
+    usage = {"prompt_tokens": 20, "completion_tokens": 10, "total_tokens": 30}
+    return Plan(chunks=[json.dumps({**chat_body("It is sunny.", usage), "model": model}).encode()])
 
 
 async def _chat_search_proxy(make_proxy: Factory, script: ScriptedUpstream, **extra: Any) -> Any:
