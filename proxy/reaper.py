@@ -220,7 +220,6 @@ async def run_reaper(
     # tenant's own reads say whether its master answers, and restart its grace when not).
     last_read: set[str] = set()
     while True:
-        registry_down = False
         try:
             tenants = await store.tenants()
             for tenant in set(known()) - tenants:
@@ -232,7 +231,6 @@ async def run_reaper(
             if store.spans_masters:
                 # The registry's master down says nothing of the others': each tenant's own
                 # reads tell (and restart its grace when they fail).
-                registry_down = True
                 tenants = last_read | set(known())
             else:
                 # One Redis down: every tenant's grace starts again from its next answer.
@@ -254,8 +252,7 @@ async def run_reaper(
                     await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure)
             except StoreError as err:
                 answering.pop(tenant, None)
-                if not registry_down:  # else said once for the round (one Redis down: every tenant)
-                    log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
+                log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
             except Exception:
                 log.exception("reaper round failed", extra={"tenant": tenant})
         current = asyncio.current_task()
