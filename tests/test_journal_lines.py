@@ -39,11 +39,14 @@ class GatedStore(RedisStore):
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()
         self.waiting = 0
+        self.settled = 0  # settles not held that returned (their lines' tasks end in that step)
 
     async def settle(self, **kwargs: Any) -> str | None:
         rid = kwargs["reservation_id"]
         if rid != "r4" and rid not in self.swallowing:
-            return await RedisStore.settle(self, **kwargs)
+            found = await RedisStore.settle(self, **kwargs)
+            self.settled += 1
+            return found
 
         async def sent() -> str | None:
             self.waiting += 1
