@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import random
 import signal
 from pathlib import Path
 
@@ -107,3 +108,42 @@ async def test_a_key_in_an_id_the_client_chose_is_redacted_in_the_call_line(
     (record,) = calls
     line = JsonFormatter().format(record)
     assert secret not in line and json.loads(line)["run_id"] == "[REDACTED]", line
+
+
+def test_redacting_skips_the_scan_only_for_a_text_the_pattern_cannot_match() -> None:
+    from proxy.logs import _SECRET, redact
+
+    rng = random.Random(6)
+    pieces = [
+        "sk-",
+        "SK-",
+        "\u017fk-",
+        "sK-",
+        "Key",
+        "KEY",
+        "\u212aey",
+        "api_",
+        "x-api-",
+        "Bearer ",
+        "BEARER\t",
+        "auth",
+        "Authorization",
+        "AUTHOR\u0130ZATION",
+        "=",
+        ": ",
+        '"',
+        "'",
+        "abcdef0123",
+        "-",
+        "_",
+        " ",
+        "é",
+        "k",
+    ]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 8))) for _ in range(5000)]
+    texts += ["req_0123456789abcdef", "gpt-4o-mini", "ok", "sk-proj-AbCdEf0123456789", "\u017fk-abcdefgh"]
+    for text in texts:
+        assert redact(text) == _SECRET.sub("[REDACTED]", text), text
+    # Non-ASCII letters the pattern matches case-insensitively are still scanned.
+    assert redact("\u017fk-abcdefgh") == "[REDACTED]"
+    assert redact("api_\u212aey=abc") == "[REDACTED]"
