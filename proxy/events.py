@@ -336,7 +336,7 @@ class EventFilter:
             return
         prefix = b"data: " + data[:start]
         suffix = data[end:] + b"\n\n"
-        if b"\n" in prefix or b"\n" in suffix[:-2] or b"\r" in prefix + suffix:
+        if LF in prefix or LF in suffix[:-2] or CR in prefix or CR in suffix:
             return
         stripped = b""
         if self._strip and "usage" in obj:  # spelled with escapes or not
@@ -402,7 +402,7 @@ class EventFilter:
 
     def _event(self, event: bytes) -> bytes | None:
         """Observe one SSE event; return the bytes the client gets, or None to drop it."""
-        if event.startswith(b"data: ") and b"\n" not in event:
+        if event.startswith(b"data: ") and LF not in event:
             data = event[6:]
         elif lines := [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]:
             data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)

@@ -186,7 +186,17 @@ async def settle(
             actual=_actual(usage, cost),
             overshoot_tokens=0,
         )
-    return replace(asked, stored=stored, entry_id=entry_id)
+    # Built, not ``dataclasses.replace``d: that walks the fields on every call.
+    return Settlement(
+        outcome=outcome,
+        usage=usage,
+        cost_micros=cost,
+        entry_id=entry_id,
+        finish_reasons=reasons,
+        actual=actual,
+        overshoot_tokens=asked.overshoot_tokens,
+        stored=stored,
+    )
 
 
 def _actual(usage: BilledUsage, cost: int) -> dict[str, int]:
