@@ -91,6 +91,10 @@ async def relay_stream(
     secrets = ex.operator_secrets
     request = ex.request
     waited_s = 0.0
+    # The answer's last event went out to the client as it came (message_stop,
+    # response.completed / incomplete / failed): a client gone after it had the answer whole.
+    # Never so for chat and completions, whose [DONE] waits for the tail.
+    end_sent = False
     try:
         # What came with the upstream's headers goes out with ours, in one send; ours never
         # wait on the upstream: they go out (if no events took them) before any wait.
@@ -109,6 +113,7 @@ async def relay_stream(
                 if not piece:
                     # The body's end, maybe right after an event's data, before its blank line.
                     client_gone = not await _last_event(ex, events, write, client_gone)
+                    end_sent = _end_sent(ex, client_gone)
                     break
                 guard.waiting_since = None
                 waited_s += monotonic() - waited
@@ -138,6 +143,7 @@ async def relay_stream(
                 # end (its last chunk, often a read of its own) is waited for briefly, so the
                 # connection goes back to the pool; an upstream slow to close it does not hold
                 # the answer's end (nor the client's next call on that connection) for longer.
+                end_sent = _end_sent(ex, client_gone)
                 waited = monotonic()
                 await _drain(next_piece, DONE_DRAIN_S)
                 waited_s += monotonic() - waited  # the upstream's time, not the proxy's
@@ -158,9 +164,11 @@ async def relay_stream(
         renewal.stop()
     if events.incomplete and failure is None and not client_gone and not obs.done:
         failure = Outcome("upstream_error")  # the stream ended inside an event
-    if not client_gone and (request.transport is None or request.transport.is_closing()):
+    if not client_gone and not end_sent and (request.transport is None or request.transport.is_closing()):
         # Gone with nothing more written to it (a usage chunk it did not ask for is dropped,
-        # [DONE] waits for the tail): it never had the answer's end.
+        # [DONE] waits for the tail): it never had the answer's end. One gone once it had a
+        # Messages or Responses answer's last event (while the body's end was waited for) keeps
+        # the answer's tag: only the billing comment is lost.
         client_gone = True
 
     # A body that ended cleanly once every choice had finished is a whole answer even without
@@ -209,6 +217,20 @@ async def relay_stream(
         tail += call.dialect.done_marker  # as it came: not when the upstream sent none
     await _to_client(ex, response.write_eof, tail)
     return response
+
+
+def _end_sent(ex: Exchange, client_gone: bool) -> bool:
+    """The answer's last event has gone out to the client: written (the answer ended in it, no
+    [DONE] to come) and handed to the socket whole. Left in the transport's buffer (a client
+    that stopped reading), it may never reach a client that then leaves."""
+    transport = ex.request.transport
+    return (
+        ex.obs.done
+        and not client_gone
+        and not ex.call.dialect.done_marker
+        and transport is not None
+        and transport.get_write_buffer_size() == 0
+    )
 
 
 async def _last_event(

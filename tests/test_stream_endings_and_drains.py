@@ -408,3 +408,83 @@ async def test_a_client_gone_before_the_answers_end_is_a_disconnect_even_when_no
     await read_until_then_leave(proxy, "/v1/chat/completions", body, b'"stop"')
     entry = await only_entry(redis_client)  # one entry, nothing left leased
     assert billed(entry) == ("client_disconnected", "provider", "5", "9"), entry
+
+
+# -- a client that leaves once it has the answer's end ------------------------------------------
+
+MAX_TOKENS_DELTA = ev(
+    "message_delta",
+    {"delta": {"stop_reason": "max_tokens", "stop_sequence": None}, "usage": {"output_tokens": 500}},
+)
+REFUSAL_DELTA = ev(
+    "message_delta",
+    {"delta": {"stop_reason": "refusal", "stop_sequence": None}, "usage": {"output_tokens": 4}},
+)
+RESPONSES_USAGE = {"input_tokens": 20, "output_tokens": 5, "total_tokens": 25}
+# Each answer whole, up to its last event (what the client reads to), its tag and its figures.
+ENDS_THEN_LEAVES = {
+    "messages-truncated": (
+        "/v1/messages",
+        MESSAGE_START + MAX_TOKENS_DELTA + ev("message_stop", {}),
+        b"message_stop",
+        ("truncated", "provider", "700", "500"),
+    ),
+    "messages-refused": (
+        "/v1/messages",
+        MESSAGE_START + REFUSAL_DELTA + ev("message_stop", {}),
+        b"message_stop",
+        ("refused", "provider", "700", "4"),
+    ),
+    "responses-ok": (
+        "/v1/responses",
+        ev("response.completed", {"response": {**RESPONSE, "status": "completed", "usage": RESPONSES_USAGE}}),
+        b"response.completed",
+        ("ok", "provider", "20", "5"),
+    ),
+    "responses-truncated": (
+        "/v1/responses",
+        ev(
+            "response.incomplete",
+            {
+                "response": {
+                    **RESPONSE,
+                    "status": "incomplete",
+                    "incomplete_details": {"reason": "max_output_tokens"},
+                    "usage": RESPONSES_USAGE,
+                }
+            },
+        ),
+        b"response.incomplete",
+        ("truncated", "provider", "20", "5"),
+    ),
+    # [DONE] waits for the tail: a client gone before it never had the answer's end.
+    "chat-disconnected": (
+        CHAT_PATH,
+        text(0, "Hello") + finish(0) + usage_chunk() + DONE,
+        b'"stop"',
+        ("client_disconnected", "provider", "5", "9"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ENDS_THEN_LEAVES))
+async def test_a_client_that_leaves_once_it_has_the_answers_last_event_keeps_the_answers_tag(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, case: str
+) -> None:
+    """The client reads to message_stop / response.completed / incomplete and closes; the
+    upstream keeps its body open a second longer. The relay's brief wait for the body's end
+    noticed the client gone, and tagged the call ``client_disconnected`` as if it never had the
+    answer's end: true of chat, whose [DONE] waits for the tail, not of these two dialects,
+    whose last event went out as it came (a truncated or refused answer's tag was lost)."""
+    path, answer, marker, expected = ENDS_THEN_LEAVES[case]
+    proxy = await proxy_for(make_proxy, script)
+    # The body's end comes a second after the answer's: past the relay's wait for it.
+    script.plan = Plan(content_type="text/event-stream", chunks=[answer, b": slow close\n\n"], delay_s=1.0)
+    body = {
+        CHAT_PATH: {**CHAT, "stream_options": {"include_usage": True}},
+        "/v1/messages": ANTHROPIC_BODY,
+        "/v1/responses": RESPONSES_BODY,
+    }[path]
+    await read_until_then_leave(proxy, path, body, marker)
+    entry = await only_entry(redis_client)  # settled after the relay's 0.25 s wait, not the upstream's
+    assert billed(entry) == expected, entry
