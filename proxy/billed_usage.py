@@ -21,10 +21,12 @@ def billed_usage(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete
 
 def with_tool_calls(usage: BilledUsage, obs: Observation) -> BilledUsage:
     """``usage`` with the hosted tool calls ``obs`` counted (nearly every call: none): the
-    provider's final count; without one (a stream cut, an answer without usage), the calls the
-    answer showed where they are more than it told."""
+    provider's final count, where its final usage told one (Anthropic's); else (a stream cut,
+    an answer without usage or whose usage counts no calls, a Responses answer's final output,
+    empty in a failed one) the calls the answer showed where they are more than it counted."""
     calls = obs.tool_calls
-    if obs.tool_uses and not (obs.usage_final and obs.usage is not None):
+    told = obs.tool_calls_told and obs.usage_final and obs.usage is not None
+    if obs.tool_uses and not told:
         seen = obs.tool_uses
         calls = {**seen, **{tool: max(count, seen.get(tool, 0)) for tool, count in calls.items()}}
     if not calls:

@@ -232,8 +232,13 @@ class Observation:
     tool_calls: dict[str, int] = field(default_factory=dict)
     # Calls of hosted tools the answer showed as it went (Anthropic's server_tool_use blocks, a
     # Responses ``*_call`` item as it starts), by tool: billed where no final usage told them (a
-    # stream cut under cancel, an answer without usage). None until one is seen.
+    # stream cut under cancel, an answer without usage, ``tool_calls_told``). None until one is seen.
     tool_uses: dict[str, int] | None = None
+    # The provider counted those calls itself with its last usage (Anthropic's
+    # ``usage.server_tool_use``, 0 for a search that failed): its count stands over the calls
+    # shown. A usage without it counts no calls; nor does a Responses usage, ever: its count is
+    # of the items the final response lists, which a failed one's empty output leaves out.
+    tool_calls_told: bool = False
 
     def saw_tool_use(self, tool: Any) -> None:
         if isinstance(tool, str) and tool:

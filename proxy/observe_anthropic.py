@@ -113,7 +113,9 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(obj.get("usage"), dict):
             _take_delta_usage(obs.partial_usage, obj["usage"])
             _anthropic_tier(obs, obs.partial_usage)  # a part may leave out what an earlier one told
-            _server_tool_use(obs, obj["usage"])
+            # The last part's: one without the count (a gateway's) leaves the searches shown since
+            # an earlier count to be billed (message_start's is the placeholder before them).
+            obs.tool_calls_told = _server_tool_use(obs, obj["usage"])
             obs.usage = anthropic_usage(obs.partial_usage)
             if obs.usage is None:
                 obs.take_output_alone(obs.partial_usage)
@@ -164,18 +166,20 @@ def _cumulative(held: Any, given: Any) -> Any:
 _REQUESTS = "_requests"
 
 
-def _server_tool_use(obs: Observation, usage: Any) -> None:
+def _server_tool_use(obs: Observation, usage: Any) -> bool:
     """The calls of Anthropic's server tools (``usage.server_tool_use``: ``web_search_requests``,
     ``web_fetch_requests``), by tool (``web_search``). A stream's counts are cumulative
-    (message_delta's repeat or grow message_start's): the largest told stands."""
+    (message_delta's repeat or grow message_start's): the largest told stands. False when the
+    usage counts none (no ``server_tool_use``)."""
     told = usage.get("server_tool_use") if isinstance(usage, dict) else None
     if not isinstance(told, dict):
-        return
+        return False
     for key, value in told.items():
         count = token_count(value)
         if count and isinstance(key, str) and key.endswith(_REQUESTS) and len(key) > len(_REQUESTS):
             tool = key[: -len(_REQUESTS)]
             obs.tool_calls[tool] = max(count, obs.tool_calls.get(tool, 0))
+    return True
 
 
 def _anthropic_tier(obs: Observation, usage: Any) -> None:
@@ -225,7 +229,7 @@ def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
             elif block.get("type") == "compaction":  # the summary compaction wrote: billed output
                 obs.add_text(0, block.get("content"), content=False)
     _anthropic_tier(obs, obj.get("usage"))
-    _server_tool_use(obs, obj.get("usage"))
+    obs.tool_calls_told = _server_tool_use(obs, obj.get("usage"))
     obs.usage = anthropic_usage(obj.get("usage"))
     if obs.usage is None:
         obs.take_output_alone(obj.get("usage"))

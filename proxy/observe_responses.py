@@ -67,7 +67,8 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                     obs.add_text(0, part.get("refusal"), content=False)
             elif part.get("type") == "output_text" and texts:
                 obs.add_text(0, part.get("text"), content=final)
-    # The final response object holds every item: counted once (a stream's events are not).
+    # The final response object holds every item: counted once (a stream's events are not). A
+    # failed one may list none of those the stream showed (``with_tool_calls`` bills the more).
     obs.tool_calls = tool_calls
 
 

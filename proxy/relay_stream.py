@@ -269,6 +269,7 @@ def _observe_usage_of_json(ex: Exchange, held: bytes) -> None:
     if scratch.usage is not None and obs.usage is None:
         obs.usage, obs.usage_final = scratch.usage, scratch.usage_final
         obs.tool_calls, obs.tool_uses = scratch.tool_calls, scratch.tool_uses
+        obs.tool_calls_told = scratch.tool_calls_told
         obs.service_tier = scratch.service_tier or obs.service_tier
         obs.hidden_output = obs.hidden_output or scratch.hidden_output
 

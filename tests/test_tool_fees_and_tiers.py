@@ -1,6 +1,7 @@
 """Hosted tools priced per call and Anthropic's price tiers, past the simple cases: searches seen
-before a cut or without usage, web_search_preview priced apart, tool names no answer counts,
-fast mode with no geography named, a geography other than the US."""
+before a cut, without usage or beside final figures that count none of them, web_search_preview
+priced apart, tool names no answer counts, fast mode with no geography named, a geography other
+than the US."""
 
 from __future__ import annotations
 
@@ -137,6 +138,76 @@ async def test_a_responses_search_streamed_before_a_cancel_is_billed(
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected", entry
     assert entry.get("tool_calls") == "web_search=1", entry  # was: absent
+
+
+async def test_a_failed_response_that_lists_no_search_is_billed_the_search_it_streamed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A Responses stream runs a web search, then ends in response.failed, whose output is empty
+    (as OpenAI's documented one) and whose usage is told. A Responses usage never counts tool
+    calls, but the proxy took it for their final count, and the final output's none for the
+    count: the tokens were billed, the search (billed without usage) was not."""
+    proxy = await _proxy(make_proxy, script, tool_prices={"web_search": "10"})
+    failed = {**_response([], status="failed"), "error": {"code": "server_error", "message": "x"}}
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": {**failed, "status": "in_progress", "usage": None}}),
+        ("response.output_item.added", {"output_index": 0, "item": {**SEARCH_ITEM, "status": "in_progress"}}),
+        ("response.web_search_call.completed", {"output_index": 0, "item_id": "ws_1"}),
+        ("response.output_item.done", {"output_index": 0, "item": SEARCH_ITEM}),
+        ("response.failed", {"response": failed}),
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=[ev(kind, obj) for kind, obj in events])
+    body = {"model": "gpt-x", "input": "news?", "stream": True, "tools": [{"type": "web_search"}]}
+    status, _ = await _post(proxy.url, "/v1/responses", body, "failed")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["outcome"] == "upstream_error", entry
+    billed = (entry["usage_source"], entry["input_tokens"], entry["output_tokens"])
+    assert billed == ("provider", "100", "20"), entry
+    assert entry.get("tool_calls") == "web_search=1", entry  # was: absent
+    assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + SEARCH_MICROS, entry
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_anthropic_search_the_final_usage_does_not_count_is_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """A search block, then usage without ``server_tool_use`` (a gateway's translation drops
+    it): no count of the searches came, yet the usage was taken for one, and the search shown
+    was not billed (without usage it was). Anthropic's own count, 0 for a failed search, still
+    stands where it is told (above)."""
+    proxy = await _proxy(make_proxy, script)
+    usage = {"input_tokens": 10, "output_tokens": 5}
+    if stream:
+        start = {**_claude_message({}), "content": [], "stop_reason": None}
+        start["usage"] = {"input_tokens": 10, "output_tokens": 1}
+        text = {"type": "text", "text": ""}
+        parts = [
+            ev("message_start", {"message": start}),
+            ev("content_block_start", {"index": 0, "content_block": SEARCH_USE}),
+            ev("content_block_stop", {"index": 0}),
+            ev("content_block_start", {"index": 1, "content_block": SEARCH_RESULT}),
+            ev("content_block_stop", {"index": 1}),
+            ev("content_block_start", {"index": 2, "content_block": text}),
+            ev("content_block_delta", {"index": 2, "delta": {"type": "text_delta", "text": "Found it."}}),
+            ev("content_block_stop", {"index": 2}),
+            ev(
+                "message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": usage}
+            ),
+            ev("message_stop", {}),
+        ]
+        script.plan = Plan(content_type="text/event-stream", chunks=parts)
+    else:
+        answer = _claude_message(usage)
+        answer["content"] = [SEARCH_USE, SEARCH_RESULT, {"type": "text", "text": "Found it."}]
+        script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    body = _claude(tools=[WEB_SEARCH], stream=stream)
+    status, answered = await _post(proxy.url, "/v1/messages", body, "untold")
+    assert status == 200, answered
+    entry = await _entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+    assert entry.get("tool_calls") == "web_search=1", entry  # was: absent, the search free
+    assert int(entry["cost_micros"]) == 10 * 3 + 5 * 15 + SEARCH_MICROS, entry
 
 
 # -- US-only inference: a fast call naming no geography may run in the US ----------------------
