@@ -91,6 +91,8 @@ class Estimate:
     # The names the answer's counted calls are billed under, where not their own
     # (``tool_fees.counted_as``: web_search_call items of a web_search_preview request).
     tool_aliases: tuple[tuple[str, str], ...] = ()
+    # ``tool_calls`` are one bound over every hosted tool's calls (``tool_fees.pools_tool_calls``).
+    tool_calls_pooled: bool = False
 
     @property
     def input_exact(self) -> bool:

@@ -34,7 +34,7 @@ from proxy.payload import (
 from proxy.pricing import tool_fees_exact
 from proxy.service_tiers import asked_tier, dearest, long_tier_rates, rates_for, tier_rates
 from proxy.tokenizer import Tokenizer, encoding_for_model
-from proxy.tool_fees import counted_as, reserved_tool_calls
+from proxy.tool_fees import counted_as, pools_tool_calls, reserved_tool_calls
 
 # The tiers a Messages call naming a geography other than the US is never served at.
 _OUTSIDE_THE_US = FAST_TIERS | {US_TIER}
@@ -218,6 +218,7 @@ def plan_call(
                 tool_calls=tool_calls,
                 tool_fees_exact=tool_fees_exact(tool_calls, tool_rates),
                 tool_aliases=aliases,
+                tool_calls_pooled=pools_tool_calls(view),
             )
     continues, conversation, stores_answer = _chaining(view)
     stored_prompt = _stored_prompt(view)

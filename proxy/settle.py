@@ -239,8 +239,9 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
 
 def _tool_calls(call: Call, usage: BilledUsage) -> ToolCalls:
     """The priced hosted tools' calls billed: as the answer counts them; billed at its reserve
-    (no usage came), the calls reserved, or the answer's count where that is more. None for a
-    call that went nowhere (source ``none``)."""
+    (no usage came), the calls reserved, or the answer's count where that is more (of a pool,
+    ``max_tool_calls``: the calls counted and what they leave of it). None for a call that
+    went nowhere (source ``none``)."""
     if not call.tool_rates or usage.source == "none":
         return ()
     # A chat call's one search (``tool_fees.chat_searches``) is in no answer's count: billed as
@@ -252,6 +253,7 @@ def _tool_calls(call: Call, usage: BilledUsage) -> ToolCalls:
         call.estimate.tool_calls,
         at_reserve=usage.source == "reserve" or answered_chat,
         aliases=call.estimate.tool_aliases,
+        pooled=call.estimate.tool_calls_pooled,
     )
 
 

@@ -63,12 +63,23 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
     priced = [name for name in dict.fromkeys(enabled) if name is not None and name in prices]
     if not priced:
         return ()
-    bound = _count((view.model_extra or {}).get("max_tool_calls"))
+    bound = _pool_bound(view)
     if bound is None:
         return tuple((name, default_calls) for name in priced)
     # Every call may go to the dearest: reserved once, as that many calls of it.
     dearest = max(priced, key=lambda name: prices[name])
     return ((dearest, bound),)
+
+
+def _pool_bound(view: RequestView) -> int | None:
+    return _count((view.model_extra or {}).get("max_tool_calls"))
+
+
+def pools_tool_calls(view: RequestView) -> bool:
+    """Whether one bound holds every hosted tool call of the request together (a Responses
+    call's ``max_tool_calls``): its calls are reserved as one pool at the dearest tool, and a
+    settle at the reserve bills what the pool leaves, not each tool's own reserve."""
+    return isinstance(view, ResponsesBody) and _pool_bound(view) is not None
 
 
 def chat_searches(view: ChatBody) -> bool:
@@ -121,10 +132,13 @@ def billed_tool_calls(
     *,
     at_reserve: bool,
     aliases: tuple[tuple[str, str], ...] = (),
+    pooled: bool = False,
 ) -> ToolCalls:
     """The priced tools' calls a settle bills: those the answer counts (under the names
     ``aliases`` give them: ``counted_as``); a call billed at its reserve (no usage came), its
-    reserved calls, or more when the answer counted more."""
+    reserved calls, or more when the answer counted more. Reserved as one pool (``pooled``:
+    ``pools_tool_calls``), the calls counted and those of the pool they leave: a call of any
+    tool took one of it."""
     if not prices:
         return ()
     counted: dict[str, int] = {}
@@ -133,6 +147,17 @@ def billed_tool_calls(
         name = renamed.get(name, name)
         counted[name] = counted.get(name, 0) + count
     held = dict(reserved) if at_reserve else {}
+    if pooled and held:
+        # The pool bounds the calls of every tool together: each tool's larger of reserved and
+        # counted would bill the pool at the dearest tool and the calls counted of the others
+        # on top, past the bound and past the reserve. Unpriced tools' calls (and function
+        # calls, counted as well) are left out of what the pool lost: never billed below it.
+        left = max(0, sum(held.values()) - sum(counted.get(name, 0) for name in prices))
+        for name, count in held.items():
+            took = min(count, left)
+            counted[name] = counted.get(name, 0) + took
+            left -= took
+        held = {}
     # In the order the operator priced them: one entry's field reads as the next one's.
     billed = ((name, max(counted.get(name, 0), held.get(name, 0))) for name in prices)
     return tuple((name, count) for name, count in billed if count)

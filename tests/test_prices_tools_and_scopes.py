@@ -29,7 +29,7 @@ from proxy.pricing import (
 from proxy.scopes import scopes_for, window_bounds
 from proxy.service_tiers import dearest, rates_for, tier_rates
 from proxy.store import Scope
-from proxy.tool_fees import billed_tool_calls, counted_as, reserved_tool_calls
+from proxy.tool_fees import billed_tool_calls, counted_as, pools_tool_calls, reserved_tool_calls
 from tests.test_tool_fees import _config
 
 # -- cost_micros: each part out of what is left of its whole, at its own price ------------------
@@ -354,6 +354,39 @@ def test_billed_tool_calls_at_the_reserve_are_the_more_of_reserved_and_counted()
     )
     # Not at the reserve: only what the answer counts.
     assert billed_tool_calls(PRICES, (("web_search", 2),), reserved, at_reserve=False) == (("web_search", 2),)
+
+
+def test_billed_tool_calls_at_a_pooled_reserve_are_those_counted_and_what_they_leave_of_it() -> None:
+    """max_tool_calls 2 over web_search and file_search, reserved as 2 web searches: a file
+    search counted took one of the 2, not one beside them (was: web_search=2,file_search=2)."""
+    tools = [{"type": "web_search"}, {"type": "file_search"}]
+    assert pools_tool_calls(_responses(tools=tools, max_tool_calls=2))
+    assert not pools_tool_calls(_responses(tools=tools))
+    assert not pools_tool_calls(_messages(max_tool_calls=2))
+    pool = (("web_search", 2),)
+
+    def billed(*observed: tuple[str, int]) -> tuple[tuple[str, int], ...]:
+        return billed_tool_calls(PRICES, observed, pool, at_reserve=True, pooled=True)
+
+    assert billed(("file_search", 2)) == (("file_search", 2),)
+    assert billed(("file_search", 1)) == (("web_search", 1), ("file_search", 1))
+    assert billed(("web_search", 1)) == (("web_search", 2),)
+    assert billed() == pool
+    # A function call is no hosted tool's: it leaves the pool whole.
+    assert billed(("function", 2)) == pool
+    # More counted than the pool held: billed as counted.
+    assert billed(("file_search", 3)) == (("file_search", 3),)
+    for observed in [
+        (),
+        (("file_search", 1),),
+        (("file_search", 2),),
+        (("web_search", 1), ("file_search", 1)),
+    ]:
+        assert tool_fees_exact(billed(*observed), PRICES) <= tool_fees_exact(pool, PRICES), observed
+    # Not at the reserve: only what the answer counts.
+    assert billed_tool_calls(PRICES, (("file_search", 1),), pool, at_reserve=False, pooled=True) == (
+        ("file_search", 1),
+    )
 
 
 # -- tier ceilings ----------------------------------------------------------------------------------

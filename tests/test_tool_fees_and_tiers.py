@@ -19,6 +19,7 @@ from tests.test_pricing_kinds import _claude_message, _entry, _post
 from tests.test_stream_dialects import ev
 from tests.test_tool_fees import (
     ANSWER,
+    FILE_ITEM,
     SEARCH_ITEM,
     SEARCH_MICROS,
     WEB_SEARCH,
@@ -29,6 +30,44 @@ from tests.test_tool_fees import (
     _proxy,
     _response,
 )
+
+# -- hosted tools: a pool of calls (max_tool_calls) billed at its reserve ----------------------
+
+
+async def test_a_pooled_reserve_cut_after_its_calls_bills_no_more_than_the_pool(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """web_search ($10 / 1,000) and file_search ($2.50) with max_tool_calls 2 ("the maximum
+    number of total calls to built-in tools"): reserved as 2 web searches. The stream shows two
+    file searches, then breaks: billed at the reserve, the 2 file searches are the pool's 2 calls.
+    Was web_search=2,file_search=2: 25,000 of fees, past the reserve's 20,000 and past anything
+    the provider could bill."""
+    proxy = await _proxy(make_proxy, script, tool_prices={"web_search": "10", "file_search": "2.5"})
+    created = {"id": "resp_1", "object": "response", "status": "in_progress", "model": "gpt-x", "output": []}
+    items = [{**FILE_ITEM, "id": f"fs_{n}"} for n in (1, 2)]
+    events = [ev("response.created", {"response": created})]
+    for index, item in enumerate(items):
+        begun = {"output_index": index, "item": {**item, "status": "in_progress"}}
+        events.append(ev("response.output_item.added", begun))
+        events.append(ev("response.output_item.done", {"output_index": index, "item": item}))
+    # No response.completed: a broken stream, billed at its reserve.
+    script.plan = Plan(content_type="text/event-stream", chunks=[b"".join(events)])
+    body: dict[str, Any] = {
+        "model": "gpt-x",
+        "input": "search my files",
+        "stream": True,
+        "max_output_tokens": 100,
+        "max_tool_calls": 2,
+        "tools": [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]}],
+    }
+    status, _ = await _post(proxy.url, "/v1/responses", body, "pooled")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] == "reserve", entry
+    assert entry["tool_calls"] == "file_search=2", entry
+    tokens = int(entry["reserved_input_tokens"]) * 3 + int(entry["reserved_output_tokens"]) * 15
+    assert int(entry["cost_micros"]) == tokens + 2 * 2_500, entry
+
 
 # -- hosted tools: a search the answer showed is billed when no usage told it -----------------
 
