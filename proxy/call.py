@@ -91,6 +91,9 @@ class Call:
     # input passes ``long_context_above`` tokens (None: the model has none).
     long_context_above: int | None = None
     long_tier_rates: Mapping[str, dict[str, int]] = field(default_factory=dict)
+    # Reserved at the long-context prices (its input estimate past the threshold): the prices it
+    # is reserved at within it, the dearest of the same tiers (None: not reserved at them).
+    reserve_rates_short: dict[str, int] | None = None
     # The model's prices of hosted tools per 1,000 calls, in micro-units (``ModelConfig.tool_rates``;
     # empty: none priced, nearly every model). The calls reserved are the estimate's.
     tool_rates: Mapping[str, int] = field(default_factory=dict)

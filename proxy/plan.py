@@ -208,6 +208,11 @@ def plan_call(
     reserve_rates = rates
     if rates is not None and (priced is long_tiers or len(reserved_tiers) > 1):
         reserve_rates = dearest(priced[name] for name in reserved_tiers)
+    # Reserved at the long-context prices, a call whose provider tells an input within the
+    # threshold is billed at the model's own: the dearest of the same tiers (``settle._rates``).
+    reserve_rates_short = None
+    if rates is not None and priced is long_tiers:
+        reserve_rates_short = dearest(tiers[name] for name in reserved_tiers)
     tool_rates = model_config.tool_rates if rates is not None else {}
     if tool_rates:
         tool_calls = reserved_tool_calls(view, tool_rates, config.limits.default_max_tool_calls)
@@ -244,6 +249,7 @@ def plan_call(
         service_tier=service_tier,
         tier_rates=tiers,
         reserve_rates=reserve_rates,
+        reserve_rates_short=reserve_rates_short,
         long_context_above=long_above if long_tiers else None,
         long_tier_rates=long_tiers,
         tool_rates=tool_rates,

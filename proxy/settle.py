@@ -228,10 +228,15 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     # The input at the prices of the tier the answer names, else the reserve's (the dearest
     # tier that may have served it); past the long-context threshold by the provider's count,
     # no cheaper than the long-context prices, its output too.
+    long = call.long_context_above is not None and usage.input_tokens > call.long_context_above
+    if not long and call.reserve_rates_short is not None:
+        # Reserved past the threshold by its estimate, the input told does not pass it: the
+        # whole call at the model's own prices, as the reserve would be had the estimate not
+        # passed it (the long-context prices are for a call whose input passes it, output too).
+        reserved = call.reserve_rates_short
     billed = call.rates_billed(usage.input_tokens) or reserved
     either = dearest((reserved, billed))
     known = billed if call.served_tier else either
-    long = call.long_context_above is not None and usage.input_tokens > call.long_context_above
     worst = worst_rates(either if long else reserved)
     assert worst is not None
     return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}}

@@ -153,3 +153,66 @@ async def test_a_stream_cut_after_its_input_was_told_is_billed_at_the_long_conte
     assert entry["outcome"] == "upstream_error"
     assert (entry["input_tokens"], entry["output_tokens"]) == ("300000", "100")
     assert int(entry["cost_micros"]) == 300_000 * 6 + 100 * 22.5
+
+
+US = {"input": "3.3", "output": "16.5"}
+
+
+@pytest.mark.parametrize(
+    ("tiers", "told", "cost_micros"),
+    [
+        # Was 5 * 6 + 100 * 22.5: the whole call at prices its told input never reached.
+        ({}, {}, 5 * 3 + 100 * 15),
+        # Was 5 * 3 + 100 * 22.5: half at the model's own prices, half at the long-context ones.
+        ({}, {"service_tier": "standard"}, 5 * 3 + 100 * 15),
+        # Reserved at the dearer of the default and US-only inference: the output at it, the
+        # input too when the answer names no tier (1,666.5 rounded up).
+        ({"us": US}, {}, 1667),
+        ({"us": US}, {"service_tier": "standard"}, 5 * 3 + 100 * 16.5),
+        ({"us": US}, {"inference_geo": "us"}, 1667),
+    ],
+    ids=["told-nothing", "told-standard", "tiers-told-nothing", "tiers-told-standard", "tiers-told-us"],
+)
+async def test_a_stream_cut_after_its_input_was_told_within_the_threshold_is_billed_at_the_models_prices(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    tiers: dict[str, Any],
+    told: dict[str, Any],
+    cost_micros: float,
+) -> None:
+    """Its estimate passes the threshold (reserved at the long-context prices), then Anthropic's
+    message_start tells an input of 5 tokens, within it, and the stream breaks: the told input
+    and the reserved output at the model's own prices, the output at the dearest of the tiers
+    that may have served it, as a reserve within the threshold is."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    long_tiers = {"us": {"input": "6.6", "output": "24.75"}} if tiers else {}
+    long = {
+        "above_input_tokens": 10,
+        "price_per_million": {"input": "6", "output": "22.5"},
+        "service_tiers": long_tiers,
+    }
+    model = {
+        "upstream": "anthropic",
+        "price_per_million": {"input": "3", "output": "15"},
+        "service_tiers": tiers,
+        "long_context": long,
+    }
+    proxy = await make_proxy(upstreams={"anthropic": upstream}, models={"claude-long": model})
+    start = {**_claude_message({"input_tokens": 5, "output_tokens": 1, **told}), "content": []}
+    script.plan = Plan(content_type="text/event-stream", chunks=[ev("message_start", {"message": start})])
+    request = {
+        "model": "claude-long",
+        "max_tokens": 100,
+        "stream": True,
+        "messages": [
+            {"role": "user", "content": "a long enough prompt for an estimate past ten tokens " * 3}
+        ],
+    }
+    status, _ = await _post(proxy.url, "/v1/messages", request, "cut-short")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["outcome"] == "upstream_error"
+    assert int(entry["reserved_input_tokens"]) > 10  # reserved at the long-context prices
+    assert (entry["input_tokens"], entry["output_tokens"], entry["usage_source"]) == ("5", "100", "reserve")
+    assert int(entry["cost_micros"]) == cost_micros, entry
