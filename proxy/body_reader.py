@@ -88,6 +88,8 @@ class BodyReader:
         content._size -= size
         content._cursor = cursor = content._cursor + size
         splits = content._http_chunk_splits
+        if splits and splits[-1] < cursor:
+            splits.clear()  # every chunk's end taken: the common case, one step, not one a chunk
         while splits and splits[0] < cursor:
             splits.popleft()
         if content._size < content._low_water and (splits is None or len(splits) < content._low_water_chunks):

@@ -3,6 +3,7 @@ and those of requests aiohttp's HTTP parser refuses before any middleware."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -111,7 +112,7 @@ async def error_middleware(
     state = request.app[STATE]
     request[REQUEST_ID] = request_id_for(request, state.ids)
     limit = state.config.limits.max_header_bytes
-    if sum(len(name) + len(value) for name, value in request.raw_headers) > limit:
+    if sum(map(len, itertools.chain.from_iterable(request.raw_headers))) > limit:
         return _error(request, 431, f"The request headers exceed {limit} bytes.", code="headers_too_large")
     try:
         response = await handler(request)  # type: ignore[misc]

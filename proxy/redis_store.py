@@ -265,8 +265,7 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
             args += [clamp.min_output_tokens, clamp.choices, clamp.input_cost_exact, clamp.output_rate]
         args.append(1 if tentative else 0)
         for scope in scopes:
-            args += [scope.ttl_s, 1 if scope.holds else 0]
-            args += [scope.ceilings.get(m, -1) for m in RESERVED_METERS]
+            args += scope.reserve_args
         run_scope = _run_scope(prefix, run_id, [s.key for s in scopes])
         if run_scope:
             keys.append(f"{prefix}runlog:{run_id}")

@@ -51,6 +51,13 @@ class Scope:
     resets_at_s: int | None = None
     # A tenant window another tier limits: this call holds its reserve there (see ``holds``).
     shared_limit: bool = False
+    # What ``reserve.lua`` is given of it: its TTL, whether it holds, a ceiling per reserved
+    # meter (-1: none). Built once: a key's window scopes serve its calls for a minute.
+    reserve_args: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ceilings = tuple(self.ceilings.get(m, -1) for m in RESERVED_METERS)
+        object.__setattr__(self, "reserve_args", (self.ttl_s, 1 if self.holds else 0, *ceilings))
 
     @property
     def holds(self) -> bool:
