@@ -229,10 +229,12 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     # tier that may have served it); past the long-context threshold by the provider's count,
     # no cheaper than the long-context prices, its output too.
     long = call.long_context_above is not None and usage.input_tokens > call.long_context_above
-    if not long and call.reserve_rates_short is not None:
+    if not long and call.reserve_rates_short is not None and not usage.tool_calls:
         # Reserved past the threshold by its estimate, the input told does not pass it: the
         # whole call at the model's own prices, as the reserve would be had the estimate not
         # passed it (the long-context prices are for a call whose input passes it, output too).
+        # Not once a server tool ran: its results are read as input, so an input told before
+        # them (Anthropic's message_start) is no final count, and may pass the threshold.
         reserved = call.reserve_rates_short
     billed = call.rates_billed(usage.input_tokens) or reserved
     either = dearest((reserved, billed))

@@ -15,6 +15,8 @@ from tests.test_bad_input import Plan, ScriptedUpstream
 from tests.test_config import UP, error_of
 from tests.test_pricing_kinds import _chat_answer, _claude_message, _entry, _post
 from tests.test_stream_dialects import ev
+from tests.test_tool_fees import SEARCH_MICROS, WEB_SEARCH
+from tests.test_tool_fees_and_tiers import SEARCH_RESULT, SEARCH_USE
 
 PRICE = {"input": "1.25", "cached_input": "0.125", "output": "10"}
 LONG = {"input": "2.5", "cached_input": "0.25", "output": "15"}
@@ -216,3 +218,42 @@ async def test_a_stream_cut_after_its_input_was_told_within_the_threshold_is_bil
     assert int(entry["reserved_input_tokens"]) > 10  # reserved at the long-context prices
     assert (entry["input_tokens"], entry["output_tokens"], entry["usage_source"]) == ("5", "100", "reserve")
     assert int(entry["cost_micros"]) == cost_micros, entry
+
+
+async def test_an_input_told_before_a_server_tool_ran_keeps_the_long_context_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    # Reserved past the threshold, message_start tells 5 input tokens, then a web search runs
+    # (its results are read as input: Anthropic's later count grows) and the stream breaks: the
+    # 5 told is no final input, and the provider may bill the call past the threshold.
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    long = {"above_input_tokens": 10, "price_per_million": {"input": "6", "output": "22.5"}}
+    model = {
+        "upstream": "anthropic",
+        "price_per_million": {"input": "3", "output": "15"},
+        "long_context": long,
+        "price_per_thousand_calls": {"web_search": "10"},
+    }
+    proxy = await make_proxy(upstreams={"anthropic": upstream}, models={"claude-long": model})
+    start = {**_claude_message({"input_tokens": 5, "output_tokens": 1}), "content": []}
+    parts = [
+        ev("message_start", {"message": start}),
+        ev("content_block_start", {"index": 0, "content_block": SEARCH_USE}),
+        ev("content_block_stop", {"index": 0}),
+        ev("content_block_start", {"index": 1, "content_block": SEARCH_RESULT}),
+        ev("content_block_stop", {"index": 1}),
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=[b"".join(parts)])
+    request = {
+        "model": "claude-long",
+        "max_tokens": 100,
+        "stream": True,
+        "tools": [{**WEB_SEARCH, "max_uses": 1}],
+        "messages": [{"role": "user", "content": "an estimate past ten tokens, " * 5}],
+    }
+    status, _ = await _post(proxy.url, "/v1/messages", request, "cut-after-search")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] == "reserve", entry
+    assert entry.get("tool_calls") == "web_search=1", entry
+    assert int(entry["cost_micros"]) == 5 * 6 + 100 * 22.5 + SEARCH_MICROS, entry
