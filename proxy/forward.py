@@ -307,7 +307,8 @@ async def read_limited(
     response: aiohttp.ClientResponse, limit: int, chunks: list[bytes] | None = None
 ) -> bytes:
     """The whole body, refusing one larger than ``limit`` bytes. ``chunks`` keeps what came
-    should the read fail (a body cut after its last byte still carries its usage)."""
+    should the read fail (a body cut after its last byte still carries its usage); emptied once
+    the body is whole."""
     chunks = [] if chunks is None else chunks
     size = 0
     async for piece in response.content.iter_any():
@@ -315,7 +316,11 @@ async def read_limited(
         if size > limit:
             raise BodyTooLarge(f"upstream body exceeds {limit} bytes")
         chunks.append(piece)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    # Kept, the pieces would hold the body a second time for as long as the caller's frame
+    # (through the parse and the settle of an answer of up to 64 MiB).
+    chunks.clear()
+    return body
 
 
 class StallGuard:

@@ -27,6 +27,7 @@ UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Response:
     call = ex.call
     came: list[bytes] = []
+    raw = b""
     started = time.monotonic()
     try:
         try:
@@ -51,7 +52,7 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
         if isinstance(err, ValueError):
             # Not JSON, yet maybe the events of a server that streams whatever ``stream`` says:
             # not the answer asked for, but the provider's usage when its last chunk carried it.
-            _observe_events(ex, b"".join(came))
+            _observe_events(ex, raw)
         else:  # cut, not too large nor unparseable: read what came
             _observe_cut_body(ex, b"".join(came))
         # A whole answer that is no JSON is what the same request gets again (a server that
