@@ -225,9 +225,20 @@ def upstream_url(upstream: UpstreamConfig, path: str, query: str) -> str | URL:
     return URL(f"{URL(url)}?{quote(query, safe=QUERY_SAFE)}", encoded=True)
 
 
+class _Sending:
+    """The call whose request the running task is sending, until it is sent."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Call) -> None:
+        self.call: Call | None = call
+
+
 # The call whose request the running task is sending (``open_upstream``): its connector tells
-# it when its connection is made (``UpstreamConnector``).
-_SENDING: ContextVar[Call | None] = ContextVar("sending", default=None)
+# it when its connection is made (``UpstreamConnector``). Held in a box emptied once the call is
+# sent: a connection made in this context keeps a copy of it (its transport, its keep-alive
+# timer) for as long as it is pooled, and the call (its body, its prompt) must not live as long.
+_SENDING: ContextVar[_Sending | None] = ContextVar("sending", default=None)
 
 
 class UpstreamConnector(aiohttp.TCPConnector):
@@ -239,7 +250,8 @@ class UpstreamConnector(aiohttp.TCPConnector):
     async def connect(
         self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
     ) -> Connection:
-        call = _SENDING.get()
+        sending = _SENDING.get()
+        call = None if sending is None else sending.call
         if call is None:
             return await super().connect(req, traces, timeout)
         call.connecting = True
@@ -251,7 +263,17 @@ class UpstreamConnector(aiohttp.TCPConnector):
 async def open_upstream(
     session: aiohttp.ClientSession, call: Call, query: str = ""
 ) -> aiohttp.ClientResponse | TransportFailure:
-    _SENDING.set(call)  # the handler's task's own context: no other call's
+    sending = _Sending(call)
+    _SENDING.set(sending)  # the handler's task's own context: no other call's
+    try:
+        return await _post(session, call, query)
+    finally:
+        sending.call = None
+
+
+async def _post(
+    session: aiohttp.ClientSession, call: Call, query: str
+) -> aiohttp.ClientResponse | TransportFailure:
     # Always the parsed body: raw bytes with duplicate keys could mean one thing to our parser
     # (what was validated and reserved) and another to the upstream's.
     data = orjson.dumps(call.body)

@@ -1,9 +1,11 @@
 """Forwarding: the stall guard of streams (only the upstream's silence while the relay waits
-counts), and a request that cannot go out."""
+counts), a request that cannot go out, and what a call leaves in the connection it opened."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +20,7 @@ from pydantic import SecretStr
 from yarl import URL
 
 from proxy.app import build_app
+from proxy.call import Call
 from proxy.config_load import parse_config
 from proxy.forward import StallGuard
 from proxy.redis_server import RedisServerProcess
@@ -203,3 +206,35 @@ async def test_a_url_aiohttp_cannot_build_is_not_billed_with_a_query_either(
         (entry,) = reply.new_entries
         billed = (entry["outcome"], entry["usage_source"], entry["total_tokens"])
         assert billed == ("upstream_error", "none", "0"), entry
+
+
+async def test_a_call_does_not_outlive_itself_in_the_upstream_connection_it_opened(
+    make_proxy: ProxyFactory,
+) -> None:
+    """The context ``open_upstream`` sends a call in held the call for good, and the upstream
+    connection made in it keeps a copy of that context (its transport, its keep-alive timer):
+    a call with a 1 MB prompt stayed alive after ten later calls had reused its connection, for
+    as long as the pool kept it (one per concurrent call: a burst of large prompts pinned them
+    all)."""
+    proxy = await make_proxy()
+    big = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "big " * 250_000}],
+        "max_tokens": 5,
+    }
+    small = {"model": "gpt-4o-mini", "messages": MSGS, "max_tokens": 5}
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=big, headers=auth) as resp:
+            assert resp.status == 200
+            first = resp.headers["x-request-id"]
+            await resp.read()
+        for _ in range(10):  # later calls, on the same upstream connection
+            async with session.post(proxy.url + "/v1/chat/completions", json=small, headers=auth) as resp:
+                assert resp.status == 200
+                await resp.read()
+    await proxy.recorded()
+    await asyncio.sleep(0.2)  # the last call's handler and settle tasks end
+    gc.collect()
+    alive = [(c.request_id == first, len(json.dumps(c.body))) for c in gc.get_objects() if type(c) is Call]
+    assert not alive, f"calls alive once ended ((the first?, body bytes)): {alive}"
