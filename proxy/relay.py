@@ -84,7 +84,8 @@ class Exchange:
         # The settle's result, known before the task records it (see ``_settle_and_record``).
         self._settlement: asyncio.Future[Settlement] | None = None
         lease_s = call.reservation.lease_ms / 1000 if call.reservation else call.upstream.timeout_s
-        # A client that stops reading is dropped after this long (see relay_stream._to_client).
+        # A client that stops reading is dropped after this long (see relay_stream._to_client,
+        # relay_body.WholeAnswer).
         self.write_timeout_s = min(call.upstream.timeout_s, lease_s / 3)
         # Time spent waiting on the upstream, so the proxy's own overhead can be told apart.
         self.upstream_s = 0.0

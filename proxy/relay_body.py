@@ -7,6 +7,7 @@ says what was billed.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -100,9 +101,69 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
             code="output_rejected",
             headers=headers,
         )
-    return web.Response(
-        status=upstream.status, body=ex.scrub(raw), content_type="application/json", headers=headers
-    )
+    return WholeAnswer(ex, upstream.status, ex.scrub(raw), headers)
+
+
+class WholeAnswer(web.Response):
+    """A JSON answer whose client is dropped once it has taken none of it for the exchange's
+    ``write_timeout_s``, as a stream's client that stops reading is (``relay_stream._to_client``).
+    aiohttp hands the whole body to the transport at once and waits without bound for it to be
+    taken: a client that kept its connection and never read held the answer twice (the
+    transport's buffer and this body) for as long as it liked. The call was settled before the
+    write (its headers carry the settlement): a client dropped so leaves its bill as it was."""
+
+    def __init__(self, ex: Exchange, status: int, body: bytes, headers: dict[str, str]) -> None:
+        super().__init__(status=status, body=body, content_type="application/json", headers=headers)
+        self._client = ex.request.transport
+        self._write_timeout_s = ex.write_timeout_s
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        client = self._client
+        if client is None:
+            await super().write_eof(data)
+            return
+        watch = _TakenWatch(client, self._write_timeout_s)
+        try:
+            # Aborted, the client's connection fails the wait (a ConnectionError, which aiohttp
+            # takes for a client gone).
+            await super().write_eof(data)
+        finally:
+            watch.cancel()
+
+
+class _TakenWatch:
+    """Aborts ``client``'s connection once it has taken nothing of what waits for it (the
+    transport's buffer has not shrunk) for ``timeout_s``, looked at every quarter of it."""
+
+    __slots__ = ("_client", "_handle", "_left", "_since", "_timeout_s")
+
+    def __init__(self, client: asyncio.Transport, timeout_s: float) -> None:
+        self._client = client
+        self._timeout_s = timeout_s
+        # First looked at once the write has handed the body to the transport.
+        self._left: int | None = None
+        self._since = time.monotonic()
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            timeout_s / 4, self._check
+        )
+
+    def _check(self) -> None:
+        client = self._client
+        left = client.get_write_buffer_size()
+        now = time.monotonic()
+        if self._left is not None and (left < self._left or not left):
+            self._since = now  # it took some, or has it all
+        self._left = left
+        if now - self._since >= self._timeout_s:
+            self._handle = None
+            client.abort()
+            return
+        self._handle = asyncio.get_running_loop().call_later(self._timeout_s / 4, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def _observe_cut_body(ex: Exchange, came: bytes) -> None:
@@ -193,7 +254,7 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
             headers=headers,
         )
     if explicit_error:
-        return web.Response(status=status, body=raw, content_type="application/json", headers=headers)
+        return WholeAnswer(ex, status, raw, headers)
     snippet = raw[:200].decode("utf-8", "replace").strip() or "no body"
     error_type = "invalid_request_error" if status < 500 else "upstream_error"
     return ex.error(

@@ -3,7 +3,12 @@ client gets, the bill, and the operator's secrets kept out of both."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import json
+import socket
+import tracemalloc
 from typing import Any
 
 import aiohttp
@@ -14,7 +19,8 @@ from proxy import relay
 from proxy.auth import Identity
 from proxy.config import UpstreamConfig
 from proxy.forward import operator_secrets, scrubbed, url_credentials
-from tests.conftest import UPSTREAM_KEY, ProxyFactory
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory
+from tests.memory_held import MB, split
 from tests.test_bad_input import Plan, Reply, ScriptedUpstream, send
 from tests.test_pricing_kinds import _entry, _post
 from tests.test_tool_fees import SEARCH_ITEM, _proxy, _response
@@ -292,3 +298,88 @@ async def test_an_unexpected_error_after_the_call_went_out_is_billed_not_dropped
     assert reply.status == 500 and b"a bug while relaying" not in reply.body, reply.describe()
     assert entry["outcome"] == "upstream_error"
     assert_billed_at_reserve(entry)
+
+
+async def _raw_chat_call(proxy: Any, receive_buffer: int | None = 4096) -> socket.socket:
+    """A client connected to ``proxy`` that sent the chat call ``CHAT`` and reads nothing yet
+    (a small receive buffer: what it does not read stays with the proxy)."""
+    path, request = CHAT
+    data = dumps(request)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    loop = asyncio.get_running_loop()
+    client = socket.socket()
+    if receive_buffer is not None:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    client.setblocking(False)
+    await loop.sock_connect(client, ("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])))
+    await loop.sock_sendall(client, head.encode() + data)
+    return client
+
+
+async def test_a_client_that_stops_reading_a_whole_answer_is_dropped_and_billed_as_answered(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A stream's client that stops reading is dropped after the write timeout (a third of the
+    lease: here 4/3 s). A whole answer went into the client's transport buffer at once, and
+    aiohttp waited without bound for it to be taken: a client that kept its connection and never
+    read held a 16 MiB answer twice (32.1 MB still held after 3 s: the buffer and the response's
+    body) for as long as it liked. Its call was settled before the write: billed as before."""
+    n = 16 * MB
+    body = dumps(chat_body("x" * n))
+    script.plan = Plan(chunks=split(body))
+    proxy = await proxy_before(make_proxy, script.base_url, limits={"lease_margin_s": 1})
+    loop = asyncio.get_running_loop()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        client = await _raw_chat_call(proxy)
+    except BaseException:
+        tracemalloc.stop()
+        raise
+    try:
+        try:
+            await asyncio.sleep(3)  # more than twice the write timeout
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert held < n, f"{held / MB:.1f} MB still held for a {n // MB} MB answer its client does not read"
+        got = 0
+        with contextlib.suppress(ConnectionResetError):  # ended: reset or closed
+            while piece := await asyncio.wait_for(loop.sock_recv(client, 1024 * 1024), 10):
+                got += len(piece)
+    finally:
+        client.close()
+    assert got < len(body), "the client's connection ended with the whole answer"
+    entry = await _entry(redis_client)
+    billed = (entry["outcome"], entry["usage_source"], entry["input_tokens"], entry["output_tokens"])
+    assert billed == ("ok", "provider", "3", "1"), entry
+
+
+async def test_a_client_that_keeps_reading_a_whole_answer_slower_than_the_write_timeout_gets_it_all(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """What drops a client is a write timeout (4/3 s here) in which it took none of the answer,
+    not the time the whole answer takes: a 24 MiB answer read at about 6 MB/s comes whole."""
+    body = dumps(chat_body("x" * 24 * MB))
+    script.plan = Plan(chunks=split(body))
+    proxy = await proxy_before(make_proxy, script.base_url, limits={"lease_margin_s": 1})
+    loop = asyncio.get_running_loop()
+    client = await _raw_chat_call(proxy, receive_buffer=None)
+    started, got = loop.time(), bytearray()
+    try:
+        while not got.endswith(body[-100:]):
+            piece = await asyncio.wait_for(loop.sock_recv(client, 256 * 1024), 10)
+            assert piece, f"the connection ended after {len(got)} bytes of {len(body)}"
+            got += piece
+            await asyncio.sleep(0.04)
+    finally:
+        client.close()
+    assert loop.time() - started > 2, "read fast: nothing tested"
+    assert got.endswith(body)
+    entry = await _entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
