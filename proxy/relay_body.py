@@ -104,6 +104,10 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
     return WholeAnswer(ex, upstream.status, ex.scrub(raw), headers)
 
 
+# asyncio's and uvloop's default high-water mark of a transport's buffer.
+UNWATCHED_BYTES = 64 * 1024
+
+
 class WholeAnswer(web.Response):
     """A JSON answer whose client is dropped once it has taken none of it for the exchange's
     ``write_timeout_s``, as a stream's client that stops reading is (``relay_stream._to_client``).
@@ -114,7 +118,9 @@ class WholeAnswer(web.Response):
 
     def __init__(self, ex: Exchange, status: int, body: bytes, headers: dict[str, str]) -> None:
         super().__init__(status=status, body=body, content_type="application/json", headers=headers)
-        self._client = ex.request.transport
+        # A body the transport takes without waiting (below its high-water mark) is never
+        # waited on: nearly every answer goes out unwatched, with no timer.
+        self._client = ex.request.transport if len(body) > UNWATCHED_BYTES else None
         self._write_timeout_s = ex.write_timeout_s
 
     async def write_eof(self, data: bytes = b"") -> None:
