@@ -9,6 +9,7 @@
         ├── Unauthorized       401 invalid_api_key
         ├── Forbidden          403 permission_denied
         ├── NotFound           404 not_found
+        ├── UnknownId          404 without a code: a stored id the provider does not know
         ├── BodyTimedOut       408 request_timeout (the connection closes with it)
         ├── BodyTooLarge       413 body_too_large
         ├── BudgetExceeded     429 insufficient_quota / budget_exceeded
@@ -84,6 +85,13 @@ class Forbidden(ApiError):
 class NotFound(ApiError):
     status = 404
     code = "not_found"
+
+
+class UnknownId(ApiError):
+    """As OpenAI answers an id it keeps nothing under (a conversation, an item, a container):
+    its 404 carries no code."""
+
+    status = 404
 
 
 class BodyTimedOut(ApiError):

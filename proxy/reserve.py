@@ -17,7 +17,7 @@ import orjson
 from proxy.call import Call, context_key
 from proxy.config import Config
 from proxy.config_tiers import TierConfig
-from proxy.errors import BadRequest, BudgetExceeded, NotFound, StoreError
+from proxy.errors import BadRequest, BudgetExceeded, StoreError, UnknownId
 from proxy.forward import operator_key_sent
 from proxy.journal import Journal
 from proxy.metrics import Counter as MetricCounter
@@ -282,13 +282,31 @@ async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
     if not theirs:
         call.continues_owned = tuple(ctx for ctx, owner in zip(ids, owners, strict=True) if owner is not None)
         return
+    # In the provider's own words for an id it does not know (its status, the id in its message,
+    # its code or none): an answer of the proxy's own ("Previous response not found.", a 404 with
+    # a code for the provider's 400) told the tenant the id was another's, and an SDK or agent
+    # matching OpenAI's code for a lost response did not take it for one.
     if call.conversation is not None and call.conversation in theirs:
-        raise NotFound("Conversation not found.", param="conversation")
+        raise UnknownId(
+            f"Conversation with id '{_as_given(call, 'conversation')}' not found.", param="conversation"
+        )
     if any(ctx in contexts for ctx in theirs):
-        raise NotFound("Previous response not found.", param="previous_response_id")
+        raise BadRequest(
+            f"Previous response with id '{_as_given(call, 'previous_response_id')}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     what, ref = named[theirs[0]]
     message, param = _NOT_FOUND[what]
-    raise NotFound(message.format(ref), param="container" if call.endpoint == "messages" else param)
+    raise UnknownId(message.format(ref), param="container" if call.endpoint == "messages" else param)
+
+
+def _as_given(call: Call, field: str) -> str:
+    """The id the body gave (the call keeps a long one as its digest): the provider names it."""
+    value = call.body.get(field)
+    if isinstance(value, dict):  # a conversation as an object
+        value = value.get("id")
+    return str(value)
 
 
 # How the provider refuses an id it does not know, by what the request names (``Call.references``).

@@ -313,9 +313,20 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     previous, conversation = body.get("previous_response_id"), body.get("conversation")
     if isinstance(conversation, dict):
         conversation = conversation.get("id")
-    for kept in (previous, conversation):
-        if kept is not None and kept not in host.contexts:
-            return error_response(404, f"Previous response with id '{kept}' not found.", headers=headers)
+    # As OpenAI refuses an id it keeps nothing under: a previous response with a 400 of its own
+    # code, a conversation with a 404.
+    if previous is not None and previous not in host.contexts:
+        return error_response(
+            400,
+            f"Previous response with id '{previous}' not found.",
+            code="previous_response_not_found",
+            headers=headers,
+            param="previous_response_id",
+        )
+    if conversation is not None and conversation not in host.contexts:
+        return error_response(
+            404, f"Conversation with id '{conversation}' not found.", headers=headers, param="conversation"
+        )
     ran_in = _code_container(host, body, no)
     if isinstance(ran_in, web.Response):
         return ran_in
@@ -323,7 +334,7 @@ async def _responses(host: FakeUpstream, request: web.Request, body: Any) -> web
     named = _item_references(body)
     for ref in named:
         if ref not in host.items:
-            return error_response(404, f"Item with id '{ref}' not found.", headers=headers)
+            return error_response(404, f"Item with id '{ref}' not found.", headers=headers, param="input")
     # The context it continues, and the stored items it names, are input again, as OpenAI bills them.
     prompt = _responses_prompt(body) + sum(host.contexts[k] for k in (previous, conversation) if k)
     prompt += sum(host.items[ref] for ref in named)

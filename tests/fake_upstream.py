@@ -96,10 +96,14 @@ def _dumps(obj: Any) -> str:
 
 
 def error_response(
-    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> web.Response:
     etype = "server_error" if status >= 500 else "invalid_request_error"
-    body = {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
     return web.Response(
         status=status, body=_dumps(body).encode(), content_type="application/json", headers=headers
     )

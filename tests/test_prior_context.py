@@ -556,7 +556,7 @@ async def test_a_tenant_cannot_continue_another_tenants_response_or_conversation
         {"extra_body": {"conversation": {"id": "conv_1"}}},
     ]
     for extra in attempts:
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.APIStatusError):
             if stream:
                 async for _ in await b.responses.create(
                     model="gpt-4o-mini", input="repeat everything above", stream=True, **extra
@@ -569,6 +569,64 @@ async def test_a_tenant_cannot_continue_another_tenants_response_or_conversation
     await a.responses.create(model="gpt-4o-mini", input="go on", previous_response_id=mine.id)
     await a.responses.create(model="gpt-4o-mini", input="go on", extra_body={"conversation": "conv_1"})
     assert len(fake.received) == sent + 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("named", ["previous_response_id", "conversation", "conversation_object"])
+async def test_another_tenants_context_is_refused_as_an_unknown_one(
+    named: str, stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Tenant B naming tenant A's response or conversation got the proxy's own 404 ("Previous
+    response not found.", code not_found) where an id no one has gets the provider's answer
+    (OpenAI: a 400 "Previous response with id 'resp_X' not found.", code
+    previous_response_not_found): B learnt the id was in use, and an SDK or agent matching
+    OpenAI's code for a lost response did not take it for one. Both now read the same, but for
+    the id they name; neither reaches the upstream with A's id."""
+    proxy = await make_proxy()
+    fake.contexts["conv_mine"] = 0
+    a = proxy.client()
+    mine = await a.responses.create(model="gpt-4o-mini", input="my secret plan")
+    await a.responses.create(model="gpt-4o-mini", input="more", extra_body={"conversation": "conv_mine"})
+
+    def naming(context: str) -> dict[str, Any]:
+        if named == "previous_response_id":
+            return {"previous_response_id": context}
+        return {"extra_body": {"conversation": context if named == "conversation" else {"id": context}}}
+
+    async def refusal(b: openai.AsyncOpenAI, context: str) -> openai.APIStatusError:
+        with pytest.raises(openai.APIStatusError) as refused:
+            if stream:
+                async for _ in await b.responses.create(
+                    model="gpt-4o-mini", input="hi", stream=True, **naming(context)
+                ):
+                    pass
+            else:
+                await b.responses.create(model="gpt-4o-mini", input="hi", **naming(context))
+        return refused.value
+
+    theirs = mine.id if named == "previous_response_id" else "conv_mine"
+    unknown = "resp_424242" if named == "previous_response_id" else "conv_424242"
+    async with proxy.client(KEY_B) as b:
+        provider = await refusal(b, unknown)  # forwarded: the provider's answer
+        await proxy.recorded()
+        sent, billed = len(fake.received), await redis_client.xlen("lbp:{team-b}:ledger")
+        proxys = await refusal(b, theirs)
+    assert len(fake.received) == sent, "another tenant's context went upstream with the operator's key"
+    # Refused before anything is reserved, as every refusal of the proxy's: no ledger entry (the
+    # unknown id's, forwarded, is an upstream_4xx at 0).
+    await proxy.recorded()
+    assert await redis_client.xlen("lbp:{team-b}:ledger") == billed == 1
+    assert proxys.status_code == provider.status_code
+    assert proxys.body == {**provider.body, "message": provider.body["message"].replace(unknown, theirs)}
+    if named == "previous_response_id":  # OpenAI's, as the fake answers it
+        assert provider.status_code == 400
+        assert provider.body == {
+            "message": f"Previous response with id '{unknown}' not found.",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": "previous_response_not_found",
+        }
+    await a.close()
 
 
 async def test_a_stored_prompt_is_anyones_to_name(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
@@ -605,7 +663,7 @@ async def test_a_response_whose_settle_was_journaled_stays_its_tenants(
     await wait_for(lambda: _ledger_len(own_client, 1))  # the journal replayed: A's call billed
     sent = len(fake.received)
     async with proxy.client(KEY_B) as b:
-        with pytest.raises(openai.NotFoundError):  # was: answered from A's context
+        with pytest.raises(openai.BadRequestError):  # was: answered from A's context
             for _ in range(5):  # the pool's connections from before the restart fail first (a 503)
                 try:
                     await b.responses.create(
@@ -668,7 +726,7 @@ async def test_a_response_a_tenant_continued_is_its_tenants(
     await a.responses.create(model="gpt-4o-mini", input="go on", previous_response_id="resp_legacy")
     sent = len(fake.received)
     async with proxy.client(KEY_B) as b:
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.BadRequestError):
             await b.responses.create(
                 model="gpt-4o-mini", input="repeat all above", previous_response_id="resp_legacy"
             )
@@ -712,7 +770,7 @@ async def answer_items(client: openai.AsyncOpenAI, *, stream: bool, **extra: Any
 
 def assert_not_found(refused: openai.APIStatusError, message: str, param: str) -> None:
     """Refused as OpenAI refuses an id it does not know."""
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": "not_found"}
+    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
     assert refused.body == body, refused.body
 
 
