@@ -287,8 +287,9 @@ def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
 
 def _references(view: RequestView) -> tuple[Reference, ...]:
     """What a request names by id for the provider to look up (``Call.references``): a Responses
-    input's item references (their ``type`` may be left out: an item of an id alone) and
-    reasoning items sent back without their encrypted content (read from the store by id); a
+    input's item references (their ``type`` may be left out: an item of an id alone), reasoning
+    items sent back without their encrypted content, images of the image generation tool without
+    their result and typed items of their id alone (read from the store by id); a
     chat message's earlier audio answer, sent back by its id; the container a code execution
     tool runs in (a Responses tool's ``container`` or ``environment``, a Messages call's
     ``container``)."""
@@ -308,6 +309,11 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
                 kind == "item_reference"
                 or (kind is None and "role" not in item and "content" not in item)
                 or (kind == "reasoning" and not item.get("encrypted_content"))
+                # An earlier image taken up again (multi-turn editing): read from the stored
+                # answer by its id when it comes without the image.
+                or (kind == "image_generation_call" and not item.get("result"))
+                # A typed item of its id alone: nothing of its own to send, only to look up.
+                or (kind is not None and item.keys() <= _ID_ALONE)
             ):
                 _add_reference(found, "item", item.get("id"))
             # A code interpreter's or hosted shell's call sent back: the container it names may be
@@ -321,6 +327,10 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
                 _add_reference(found, "container", environment.get("container_id"))
             _add_reference(found, "container", tool.get("container"))  # an id, or {"type": "auto"}
     return tuple(dict.fromkeys(found))
+
+
+# The fields of an input item that names a stored one and holds nothing of it.
+_ID_ALONE = frozenset({"type", "id", "status"})
 
 
 def _add_reference(found: list[Reference], what: str, ref: Any) -> None:

@@ -229,7 +229,8 @@ def _code_container(host: FakeUpstream, body: JsonDict, no: int) -> tuple[str, s
 
 def _item_references(body: JsonDict) -> list[str]:
     """The stored items an input names by id, as OpenAI reads them: an ``item_reference`` (its
-    type may be left out) or a reasoning item without its encrypted content."""
+    type may be left out), a reasoning item without its encrypted content, an image of the
+    image generation tool without its result, a typed item of its id alone."""
     found = []
     for item in body.get("input") if isinstance(body.get("input"), list) else []:
         if not isinstance(item, dict) or not isinstance(item.get("id"), str):
@@ -239,6 +240,8 @@ def _item_references(body: JsonDict) -> list[str]:
             kind == "item_reference"
             or (kind is None and "role" not in item and "content" not in item)
             or (kind == "reasoning" and not item.get("encrypted_content"))
+            or (kind == "image_generation_call" and not item.get("result"))
+            or (kind is not None and item.keys() <= {"type", "id", "status"})
         ):
             found.append(item["id"])
     return found

@@ -6,6 +6,7 @@ contexts and bills them as OpenAI does."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Awaitable
@@ -806,6 +807,74 @@ async def test_a_tenant_cannot_name_another_tenants_stored_item(
     await a.responses.create(model="gpt-4o-mini", input=naming(mine, form))
     assert len(fake.received) == sent + 1
     await a.close()
+
+
+# An answer of the image generation tool: the image, kept with the answer, and a message.
+IMAGE_ANSWER: dict[str, Any] = {
+    "id": "resp_img1",
+    "object": "response",
+    "created_at": 1,
+    "status": "completed",
+    "model": "gpt-4o-mini",
+    "output": [
+        {
+            "type": "image_generation_call",
+            "id": "ig_secret1",
+            "status": "completed",
+            "result": "iVBORw0KGgo=",
+        },
+        {
+            "type": "message",
+            "id": "msg_img1",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "here", "annotations": []}],
+        },
+    ],
+    "usage": {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15},
+}
+
+
+@pytest.mark.parametrize(
+    "named",
+    [
+        {"type": "image_generation_call", "id": "ig_secret1"},
+        {"type": "image_generation_call", "id": "ig_secret1", "status": "completed", "result": None},
+        {"type": "message", "id": "msg_img1"},  # any item of its id alone, typed
+    ],
+    ids=["image", "image-no-result", "typed-id-alone"],
+)
+async def test_a_tenant_cannot_name_another_tenants_generated_image_by_id(
+    named: dict[str, Any], make_proxy: ProxyFactory, script: Any, redis_client: aioredis.Redis
+) -> None:
+    """OpenAI's image generation tool takes an earlier image back by its id alone (multi-turn
+    editing: ``{"type": "image_generation_call", "id": "ig_..."}`` in the input), read from the
+    stored answer as a reasoning item without its content is. Only item references, items of an
+    id alone untyped and such reasoning items were checked: tenant B naming tenant A's image
+    so went upstream with the operator's key, and the provider read A's image into B's call. An
+    item that names a stored one for the provider to look up (an image without its result, a
+    typed item of its id alone) is refused as an item reference to A's item is."""
+    from tests.test_bad_input import Plan
+
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}}
+    )
+    script.plan = Plan(chunks=[json.dumps(IMAGE_ANSWER).encode()])
+    async with proxy.client() as a:
+        await a.responses.create(
+            model="gpt-4o-mini", input="draw my secret", tools=[{"type": "image_generation"}]
+        )
+    assert await redis_client.get(f"lbp:ctxowner:{named['id']}") == "team-a"
+    sent = len(script.received)
+    asked = [named, {"role": "user", "content": "describe this image in detail"}]
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError) as refused:
+            await b.responses.create(model="gpt-4o-mini", input=asked, tools=[{"type": "image_generation"}])
+    assert len(script.received) == sent, "another tenant's stored image went upstream with the operator's key"
+    assert_not_found(refused.value, f"Item with id '{named['id']}' not found.", "input")
+    async with proxy.client() as a:  # its owner names it as before
+        await a.responses.create(model="gpt-4o-mini", input=asked, tools=[{"type": "image_generation"}])
+    assert len(script.received) == sent + 1
 
 
 async def test_an_item_a_tenant_named_first_is_its_tenants(
