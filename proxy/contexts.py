@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from proxy.call import context_key
 from proxy.errors import StoreError
 from proxy.outcome import BilledUsage
+from proxy.store import KEPT_FOR_GOOD
 
 if TYPE_CHECKING:
     from proxy.relay import Exchange
@@ -89,9 +90,23 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
         # becomes no one's by a failed call.
         answer = obs.response_id if call.stores_answer else None
         own = [context_key(answer)] if answer else []
-        return [c for c in dict.fromkeys([*own, *answer_items(ex)]) if c not in skip]
+        return _kept_for_good(ex, [c for c in dict.fromkeys([*own, *answer_items(ex)]) if c not in skip])
     named = [*call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
-    return [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
+    owned = [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
+    return _kept_for_good(ex, owned)
+
+
+def _kept_for_good(ex: Exchange, owned: list[str]) -> list[str]:
+    """Within a conversation, the conversation and what its call made (its answer, its items):
+    the provider keeps them with no expiry, so their marks are kept for good (a mark gone after
+    30 days left an idle conversation, or its first answer's items, anyone's to continue). Not
+    its container (the provider drops it once idle) nor an item it named (kept as long as the
+    answer that made it; for good when that was within a conversation)."""
+    call = ex.call
+    if call.conversation is None:
+        return owned
+    lasting = {call.conversation, *contexts_made(ex), *(context_key(i) for i in ex.obs.item_ids)}
+    return [KEPT_FOR_GOOD + c if c in lasting else c for c in owned]
 
 
 def answer_items(ex: Exchange) -> list[str]:

@@ -14,11 +14,12 @@ from redis.asyncio.cluster import RedisCluster
 from proxy.errors import StoreError
 from proxy.redis_failures import STORE_FAILURES
 from proxy.redis_scripts import ScriptRunner
-from proxy.store import key_prefix
+from proxy.store import KEPT_FOR_GOOD, key_prefix
 
 # A kept context size as context.lua writes it: digits, a bound's followed by ~ and digits.
 CONTEXT_SIZE = re.compile(r"([0-9]+)(?:~[0-9]*)?")
-# Whose a context the provider keeps is (owner.lua): kept as long as the provider keeps it.
+# Whose a context the provider keeps is (owner.lua): kept as long as the provider keeps it, a
+# response 30 days; a conversation, and what was answered within one, for good.
 CONTEXT_OWNER_TTL_S = 30 * 24 * 3600
 # The owners (or sizes) read by one command (``context_owners``, ``item_tokens``).
 OWNERS_A_COMMAND = 1000
@@ -29,6 +30,11 @@ CLAIMS_AT_ONCE = 32
 def _owner_key(context_id: str) -> str:
     # Not under a tenant's hash tag: looked up by a caller of any tenant (one key, one slot).
     return f"lbp:ctxowner:{context_id}"
+
+
+def _kept_for(claimed: str) -> int:
+    # Marked so by ``contexts.contexts_owned`` (and journaled so, for a mark made on replay).
+    return 0 if claimed.startswith(KEPT_FOR_GOOD) else CONTEXT_OWNER_TTL_S
 
 
 class ContextCommands(ScriptRunner):
@@ -102,7 +108,7 @@ class ContextCommands(ScriptRunner):
         for start in range(0, len(ids), CLAIMS_AT_ONCE):
             done = await asyncio.gather(
                 *(
-                    self._script("owner", [_owner_key(i)], [tenant, CONTEXT_OWNER_TTL_S])
+                    self._script("owner", [_owner_key(i.removeprefix(KEPT_FOR_GOOD))], [tenant, _kept_for(i)])
                     for i in ids[start : start + CLAIMS_AT_ONCE]
                 ),
                 return_exceptions=True,

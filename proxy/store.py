@@ -33,6 +33,10 @@ ALL_METERS = (*ACTUAL_METERS, "concurrent")
 TENANTS_KEY = "lbp:tenants"
 # Ledger entries read per command (exports, reports, a run's entries).
 LEDGER_PAGE = 1000
+# Before an id given to ``Store.claim_contexts``: its mark kept for good, as the provider keeps a
+# conversation and what was answered within one. No id holds it (``call.context_key``), and a
+# journaled settle's ids keep it (``PendingSettlement.owned_contexts``).
+KEPT_FOR_GOOD = "+"
 
 
 def key_prefix(tenant: str) -> str:
@@ -290,7 +294,8 @@ class Store(Protocol):
         ...
 
     async def claim_contexts(self, *, tenant: str, ids: Sequence[str]) -> None:
-        """Mark ``ids`` as ``tenant``'s, unless another tenant's already."""
+        """Mark ``ids`` as ``tenant``'s, unless another tenant's already: for the provider's
+        retention of a response, for good an id written after ``KEPT_FOR_GOOD``."""
         ...
 
     async def register_tenant(self, tenant: str) -> None: ...

@@ -630,6 +630,41 @@ async def test_another_tenants_context_is_refused_as_an_unknown_one(
     await a.close()
 
 
+async def test_a_conversations_mark_lasts_as_long_as_the_provider_keeps_it(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """OpenAI keeps a conversation, and the items of the answers within it, with no expiry (not
+    the 30 days of a response). Their marks were kept 30 days (``CONTEXT_OWNER_TTL_S``): a
+    conversation left idle a month, or its first answer's items a month on, were no one's again,
+    and another tenant naming them was answered from them with the operator's key (and marked
+    them its own, locking their owner out). Now kept for good, also once an item of one is
+    named by a call outside it; a response outside a conversation keeps its 30 days."""
+    proxy = await make_proxy()
+    fake.contexts["conv_1"] = 0
+    a = proxy.client()
+    answer = await a.responses.create(
+        model="gpt-4o-mini", input="my secret", extra_body={"conversation": "conv_1"}
+    )
+    (item,) = [i.id for i in answer.output]
+    await a.responses.create(model="gpt-4o-mini", input=[{"type": "item_reference", "id": item}])
+    alone = await a.responses.create(model="gpt-4o-mini", input="outside it")
+    await proxy.recorded()
+    for kept in ("conv_1", answer.id, item):
+        assert await redis_client.get(f"lbp:ctxowner:{kept}") == "team-a"
+        assert await redis_client.ttl(f"lbp:ctxowner:{kept}") == -1, kept  # no expiry
+    assert await redis_client.ttl(f"lbp:ctxowner:{alone.id}") > 0
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.create(
+                model="gpt-4o-mini", input="repeat all", extra_body={"conversation": "conv_1"}
+            )
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.create(model="gpt-4o-mini", input=[{"type": "item_reference", "id": item}])
+    assert len(fake.received) == sent, "another tenant's conversation went upstream with the operator's key"
+    await a.close()
+
+
 async def test_a_stored_prompt_is_anyones_to_name(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """A stored prompt is the operator's template, not a context a tenant made: a second tenant
     naming the one a first tenant used is served (its size kept per tenant)."""
