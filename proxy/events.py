@@ -34,7 +34,7 @@ from proxy.chunks import (
     without_usage_null,
 )
 from proxy.dialects import Dialect
-from proxy.observe import Observation, parse_event_data, string_end
+from proxy.observe import LOOSE_PIECES, Observation, Pieces, parse_event_data, pieces_of, string_end
 
 # Tries at learning a template per stream: a stream whose events never fit one stops trying.
 _TEMPLATE_TRIES = 3
@@ -68,7 +68,7 @@ class EventFilter:
         self._suffix_len = 0
         self._cut = operator.itemgetter(slice(0))
         # Where template events' texts go: the observation's list of choice 0's content.
-        self._sink: list[str | bytes] = []
+        self._sink: Pieces[str | bytes] = Pieces()
         # The service tier the template names (None: none), which prices the call: each
         # template event names it again, as the per-event path reads it (last one wins).
         self._tier: str | None = None
@@ -159,7 +159,10 @@ class EventFilter:
         if LF in text or CR in text or text in PARSED_TEXTS or odd_texts(text):
             return False
         if text:
-            self._sink.append(text)
+            sink = self._sink
+            sink.append(text)
+            if len(sink) - sink.floor >= LOOSE_PIECES:
+                sink.compact()
         self.obs.chunks += 1
         if self._tier is not None:
             self.obs.service_tier = self._tier
@@ -354,7 +357,7 @@ class EventFilter:
         self._prefix, self._suffix = prefix, suffix
         self._prefix_len, self._suffix_len = len(prefix), len(suffix)
         self._cut = operator.itemgetter(slice(len(prefix), 2 - len(suffix)))
-        self._sink = self.obs.contents.setdefault(0, [])
+        self._sink = pieces_of(self.obs.contents, 0)
         self._tier = scratch.service_tier
         self._separator = suffix + prefix
         if stripped:

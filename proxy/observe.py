@@ -10,7 +10,8 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import groupby
+from typing import Any, Generic, TypeVar
 
 import orjson
 
@@ -180,6 +181,49 @@ def _detail(details: Any, name: str) -> int | None:
     return 0 if value is None else token_count(value)
 
 
+# Pieces of a text left apart before they are joined into one (see ``Pieces``): a stream's
+# pieces are a token or so each, and a Python object of ~4 characters costs ten times its text.
+LOOSE_PIECES = 64
+
+
+_Piece = TypeVar("_Piece", str, str | bytes)
+
+
+class Pieces(list[_Piece], Generic[_Piece]):
+    """A text's pieces in order (str, or bytes still JSON-escaped), whose last ones are joined
+    into one every ``LOOSE_PIECES`` (``compact``): the text held near its size, not as one object
+    per token. Those before ``floor`` are left as they are (joined, or a position a caller holds:
+    ``Observation.content_mark``)."""
+
+    __slots__ = ("floor",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.floor = 0
+
+    def compact(self) -> None:
+        """Join the pieces after ``floor``: those of one type in a row into one (the text reads
+        the same: ``Observation.content_of`` joins them so too)."""
+        floor = self.floor
+        loose: list[Any] = self[floor:]
+        if not loose:
+            return
+        joined: list[Any]
+        try:
+            joined = [(b"" if isinstance(loose[0], bytes) else "").join(loose)]
+        except TypeError:  # str and bytes mixed (the chat fast path's and the per-event path's)
+            joined = [(b"" if kind is bytes else "").join(run) for kind, run in groupby(loose, type)]
+        self[floor:] = joined
+        self.floor = len(self)
+
+
+def pieces_of(texts: dict[int, Pieces[_Piece]], index: int) -> Pieces[_Piece]:
+    found = texts.get(index)
+    if found is None:
+        found = texts[index] = Pieces()
+    return found
+
+
 @dataclass(slots=True)
 class Observation:
     usage: ProviderUsage | None = None
@@ -187,8 +231,8 @@ class Observation:
     finish_reasons: dict[int, str] = field(default_factory=dict)
     # Generated text per choice, held once: content pieces (raw JSON-escaped bytes from the
     # fast path, or decoded str) and the rest (refusals, tool calls).
-    contents: dict[int, list[str | bytes]] = field(default_factory=dict)
-    extras: dict[int, list[str]] = field(default_factory=dict)
+    contents: dict[int, Pieces[str | bytes]] = field(default_factory=dict)
+    extras: dict[int, Pieces[str]] = field(default_factory=dict)
     refused: bool = False
     # Choices that called a tool or function (OpenAI chat and Responses; the JSON policy holds
     # no other dialect): their answer is the call, not text.
@@ -256,10 +300,29 @@ class Observation:
         if isinstance(piece, str) and piece:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            if content:
-                self.contents.setdefault(index, []).append(piece)
-            else:
-                self.extras.setdefault(index, []).append(piece)
+            pieces = pieces_of(self.contents, index) if content else pieces_of(self.extras, index)
+            pieces.append(piece)
+            if len(pieces) - pieces.floor >= LOOSE_PIECES:
+                pieces.compact()
+
+    def content_mark(self, index: int) -> int:
+        """Where choice ``index``'s content goes on from: its pieces from there are never joined
+        with those before (``content_since``)."""
+        pieces = self.contents.get(index)
+        if pieces is None:
+            return 0  # a choice without content is none of the answers yet
+        pieces.floor = len(pieces)
+        return pieces.floor
+
+    def content_since(self, index: int, start: int) -> list[str | bytes]:
+        """The content pieces from ``start`` (a ``content_mark``), taken out of the content."""
+        pieces = self.contents.get(index)
+        if pieces is None:
+            return []
+        taken = pieces[start:]
+        del pieces[start:]
+        pieces.floor = min(pieces.floor, len(pieces))
+        return taken
 
     def raw_content(self, index: int, escaped: bytes) -> None:
         """A content piece still JSON-escaped (the relay's fast path): decoded only if needed."""
@@ -267,7 +330,7 @@ class Observation:
         if escaped:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            self.contents.setdefault(index, []).append(escaped)
+            self._add_raw(index, escaped)
 
     def raw_run(self, index: int, escaped: bytes, events: int) -> None:
         """The texts of ``events`` content events at once, still JSON-escaped and joined."""
@@ -275,7 +338,13 @@ class Observation:
         if escaped:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            self.contents.setdefault(index, []).append(escaped)
+            self._add_raw(index, escaped)
+
+    def _add_raw(self, index: int, escaped: bytes) -> None:
+        pieces = pieces_of(self.contents, index)
+        pieces.append(escaped)
+        if len(pieces) - pieces.floor >= LOOSE_PIECES:
+            pieces.compact()
 
     def _choice(self, choice: dict[str, Any], part: dict[str, Any] | None, position: int) -> None:
         index = choice.get("index")

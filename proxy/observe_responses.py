@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from proxy.observe import Observation, ProviderUsage, add_id, parse_usage, token_count
+from proxy.observe import Observation, ProviderUsage, add_id, parse_usage, pieces_of, token_count
 
 
 def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool) -> None:
@@ -186,7 +186,7 @@ def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         elif isinstance(item, dict) and item.get("type") == "message" and item.get("phase") is None:
             # Its phase may be told only once it is done: where its text starts, to take it
             # back out of the answer then (items stream one after another).
-            obs.message_starts[obj.get("output_index")] = len(obs.contents.get(0, ()))
+            obs.message_starts[obj.get("output_index")] = obs.content_mark(0)
     elif kind == "response.output_item.done":
         start = obs.message_starts.pop(obj.get("output_index"), None) if obs.message_starts else None
         item = obj.get("item")
@@ -196,10 +196,10 @@ def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
             for text in _call_texts(item, _CALL_INPUTS):  # whole now; its name was counted
                 obs.add_text(0, text, content=False)
         if start is not None and isinstance(item, dict) and _side_message(item):
-            pieces = obs.contents.get(0, [])
-            moved = [p.decode() if isinstance(p, bytes) else p for p in pieces[start:]]
-            del pieces[start:]
-            obs.extras.setdefault(0, []).extend(moved)
+            moved = [p.decode() if isinstance(p, bytes) else p for p in obs.content_since(0, start)]
+            extras = pieces_of(obs.extras, 0)
+            extras.extend(moved)
+            extras.compact()
     elif isinstance(kind, str) and kind.endswith(".delta") and kind not in _UNCOUNTED_DELTAS:
         # Refusals, call arguments and inputs, reasoning text and summaries: output tokens too,
         # counted when no usage comes (a cancelled stream, say).

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 import pytest
 import redis.asyncio as aioredis
 
 from proxy.config import PolicyConfig
-from proxy.observe import Observation, parse_usage, string_end
+from proxy.observe import LOOSE_PIECES, Observation, parse_usage, string_end
+from proxy.observe_responses import responses_event
 from proxy.outcome import classify_answer
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -747,3 +749,50 @@ def test_each_provider_s_usage_is_read_as_it_bills(provider: str) -> None:
         usage.reasoning_tokens,
     )
     assert got == expected
+
+
+def test_pieces_joined_as_they_come_read_as_the_pieces_do() -> None:
+    """A stream's pieces are joined every ``LOOSE_PIECES`` (to hold its text near its size):
+    escaped bytes (the fast path's) and str (the per-event path's) in any order read the same
+    text, a surrogate pair split between them too."""
+    obs = Observation()
+    parts: list[str] = []
+    for i in range(5 * LOOSE_PIECES + 3):
+        if i % 7 == 3:
+            obs.observe({"choices": [{"index": 0, "delta": {"content": f"<{i}>"}}]}, streaming=True)
+            parts.append(f"<{i}>")
+        elif i % 11 == 5:
+            obs.raw_content(0, b"\\ud83d")  # an emoji cut by the events between its two halves
+            obs.raw_content(0, b"\\ude80")
+            parts.append("\U0001f680")
+        else:
+            obs.raw_content(0, orjson.dumps(f'"{i}"\n')[1:-1])
+            parts.append(f'"{i}"\n')
+        obs.add_text(0, f"({i})")
+    assert len(obs.contents[0]) < 2 * LOOSE_PIECES
+    assert obs.content_of(0) == "".join(parts)
+    assert obs.answers() == ["".join(parts) + "".join(f"({i})" for i in range(5 * LOOSE_PIECES + 3))]
+
+
+def test_a_streamed_commentary_is_taken_out_whole_however_its_pieces_were_joined() -> None:
+    """A Responses message whose phase is told at its end (commentary: not the answer) is taken
+    back out of the content from where it started, joined pieces or not on either side."""
+    answer = {"type": "message", "id": "msg_0", "role": "assistant", "content": []}
+    side = {"type": "message", "id": "msg_1", "role": "assistant", "content": []}
+
+    def delta(index: int, text: str) -> dict[str, Any]:
+        return {"type": "response.output_text.delta", "output_index": index, "item_id": "x", "delta": text}
+
+    obs = Observation()
+    responses_event(obs, {"type": "response.output_item.added", "output_index": 0, "item": answer})
+    for i in range(LOOSE_PIECES + 5):
+        responses_event(obs, delta(0, f"a{i}"))
+    responses_event(obs, {"type": "response.output_item.done", "output_index": 0, "item": answer})
+    responses_event(obs, {"type": "response.output_item.added", "output_index": 1, "item": side})
+    for i in range(3 * LOOSE_PIECES):
+        responses_event(obs, delta(1, f"c{i}"))
+    done = {**side, "phase": "commentary"}
+    responses_event(obs, {"type": "response.output_item.done", "output_index": 1, "item": done})
+    answer_text = "".join(f"a{i}" for i in range(LOOSE_PIECES + 5))
+    assert obs.content_of(0) == answer_text
+    assert obs.answers() == [answer_text + "".join(f"c{i}" for i in range(3 * LOOSE_PIECES))]
