@@ -431,11 +431,11 @@ class Observation:
                 raw.append(piece)
                 continue
             if raw:
-                out.append(_unescape(b"".join(raw)))
+                out.append(_unescape(raw))
                 raw.clear()
             out.append(piece)
         if raw:
-            out.append(_unescape(b"".join(raw)))
+            out.append(_unescape(raw))
         text = "".join(out)
         try:
             text.encode("utf-8")
@@ -491,12 +491,15 @@ def parse_event_data(data: bytes) -> tuple[Any, bool]:
             raise ValueError("JSON nested too deep") from None
 
 
-def _unescape(escaped: bytes) -> str:
+def _unescape(pieces: list[bytes]) -> str:
+    """The text of JSON-escaped ``pieces`` in a row, quoted in the join itself: a join quoted
+    after it is one more copy of the whole text alive when it is decoded."""
+    quoted = b"".join([b'"', *pieces, b'"'])
     try:
         # As the client's SDK reads it (a lone surrogate escape too, which orjson refuses).
-        value = parse_json(b'"' + escaped + b'"')
+        value = parse_json(quoted)
     except ValueError:
-        return escaped.decode("utf-8", "replace")
+        return quoted[1:-1].decode("utf-8", "replace")
     return value if isinstance(value, str) else ""
 
 

@@ -15,6 +15,7 @@ from proxy.observe_responses import responses_event
 from proxy.outcome import classify_answer
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.memory import MB, alive_when_called
 
 
 @pytest.mark.parametrize(
@@ -796,3 +797,19 @@ def test_a_streamed_commentary_is_taken_out_whole_however_its_pieces_were_joined
     answer_text = "".join(f"a{i}" for i in range(LOOSE_PIECES + 5))
     assert obs.content_of(0) == answer_text
     assert obs.answers() == [answer_text + "".join(f"c{i}" for i in range(3 * LOOSE_PIECES))]
+
+
+def test_counting_a_streams_text_does_not_copy_it_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream without usage is billed on a count of its text: ``content_of`` joined its escaped
+    pieces and quoted that join, two copies alive when it was decoded (2.0x the text); quoted
+    as it is joined, one (1.0x)."""
+    import proxy.observe as observe_module
+
+    obs = Observation()
+    piece = b"x" * 4095 + b"\\n"  # an escape in each, as a text's line breaks come
+    for _ in range(1024):
+        obs.raw_run(0, piece, 1)
+    n = 1024 * len(piece)
+    text, alive = alive_when_called(monkeypatch, observe_module, "parse_json", lambda: obs.content_of(0))
+    assert text == ("x" * 4095 + "\n") * 1024
+    assert alive < 1.5 * n, f"{alive / MB:.1f} MB alive for {n / MB:.1f} MB of text when it is decoded"
