@@ -106,8 +106,8 @@ def dumps_chunk(obj: dict[str, Any], *, read_by_orjson: bool) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def is_done(data: bytes) -> bool:
-    return data[:6] == b"[DONE]" and data.rstrip() == b"[DONE]"
+def is_done(data: bytes | memoryview) -> bool:
+    return data[:6] == b"[DONE]" and bytes(data).rstrip() == b"[DONE]"
 
 
 def odd_texts(texts: bytes) -> bool:

@@ -41,6 +41,8 @@ _TEMPLATE_TRIES = 3
 # Tries at a run per read (see ``EventFilter.feed``).
 _RUN_TRIES = 4
 _BOM = b"\xef\xbb\xbf"
+# Reads larger than this may let go of the events they are past (see ``EventFilter.feed``).
+_LARGE_READ = 1 << 16
 
 
 class EventFilter:
@@ -125,9 +127,18 @@ class EventFilter:
         complete = held.rfind(b"\n\n", start) + 2
         if complete < 2:
             return b""
-        out = self.feed(bytes(held[:complete]))
+        # Handed over without a name here: ``feed`` may let go of them (see there).
+        return self.feed(self._take(complete))
+
+    def _take(self, complete: int) -> bytes:
+        """The held bytes up to ``complete``, copied once (not sliced, then copied) and let go
+        of before they are read: an event as large as the answer (Responses' last, a gateway's
+        one chunk) was held twice more while it was parsed."""
+        held = self._held
+        with memoryview(held) as view:
+            events = view[:complete].tobytes()
         del held[:complete]
-        return out
+        return events
 
     def _single(self, event: bytes) -> bytes | None:
         """The client's bytes when ``event`` is exactly one template event, else None.
@@ -245,13 +256,25 @@ class EventFilter:
             sep = events.find(b"\n\n", pos)
             if sep < 0:  # not a complete event: the caller only hands over complete ones
                 sep = size
+                framed = events[pos:] + b"\n\n"
+            elif pos or sep + 2 != size:
+                framed = events[pos : sep + 2]
+            else:
+                framed = events  # a read of one event (most are): not copied
             # Padded template events differ from each other beyond their texts: one at a time.
-            passed = self._single_padded(events[pos : sep + 2]) if self._pad_mid else None
+            passed = self._single_padded(framed) if self._pad_mid else None
             if passed is None:
-                passed = self.safe_event(events[pos:sep])
+                passed = self.safe_event(framed)
             if passed is not None:
                 out.append(passed)
             pos = sep + 2
+            if _LARGE_READ < pos < size and size - pos < pos:
+                # Past a large event (as large as the answer, say), what is left is kept alone:
+                # the whole is not held beside that event's bytes for the client and its text
+                # while the rest is read. Only when most is behind: copied a few times at most.
+                events = events[pos:]
+                size -= pos
+                pos = 0
         return b"".join(out)
 
     # -- runs of template events -----------------------------------------------------------
@@ -367,27 +390,28 @@ class EventFilter:
 
     # -- one event at a time ---------------------------------------------------------------
 
-    def safe_event(self, event: bytes) -> bytes | None:
-        """``event``, but an answer shaped so oddly that observing it fails is a malformed
-        answer (``upstream_error``), passed on as it came: it never breaks the stream."""
+    def safe_event(self, framed: bytes) -> bytes | None:
+        """``framed`` (one event and the blank line ending it), but an answer shaped so oddly
+        that observing it fails is a malformed answer (``upstream_error``), passed on as it
+        came: it never breaks the stream."""
         try:
-            return self._event(event)
+            return self._event(framed)
         except Exception:
             self.obs.malformed = True
-            return event + b"\n\n"
+            return framed
 
-    def _typed_event(self, event: bytes, data: bytes) -> bytes:
+    def _typed_event(self, framed: bytes, data: bytes | memoryview) -> bytes:
         """Responses / Anthropic events: observed, passed on unchanged."""
         try:
             obj, _ = parse_event_data(data)
         except ValueError:
             self.obs.malformed = True
-            return event + b"\n\n"
+            return framed
         if isinstance(obj, dict):
             self.dialect.observe_event(self.obs, obj)
         else:
             self.obs.malformed = True
-        return event + b"\n\n"
+        return framed
 
     def _try_template(self, data: bytes, obj: Any) -> None:
         """Learn the template from ``data`` (parsed as ``obj``) when it is a compact chunk whose
@@ -403,37 +427,39 @@ class EventFilter:
         if end > start and data.find(key, end) < 0:
             self._learn(data, obj, start, end)
 
-    def _event(self, event: bytes) -> bytes | None:
-        """Observe one SSE event; return the bytes the client gets, or None to drop it."""
-        if event.startswith(b"data: ") and LF not in event:
-            data = event[6:]
-        elif lines := [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]:
-            data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines)
-        else:
-            return event + b"\n\n"  # comments (keep-alives) and field-only events pass through
-        if is_done(data):
+    def _event(self, framed: bytes) -> bytes | None:
+        """Observe one SSE event (``framed``: with the blank line ending it, as it is passed on);
+        return the bytes the client gets, or None to drop it."""
+        one_line = framed.startswith(b"data: ") and framed.find(b"\n") == len(framed) - 2
+        # Parsed from a view of the event's bytes, not a copy: an event may be as large as the
+        # answer (Responses' last repeats it all).
+        view = memoryview(framed)[6:-2] if one_line else _data_of(framed)
+        if view is None:
+            return framed  # comments (keep-alives) and field-only events pass through
+        if is_done(view):
             if not self.dialect.done_marker:
                 # Not how these APIs end (response.completed, message_stop do): passed on,
                 # never taken for a complete answer.
-                return event + b"\n\n"
+                return framed
             self.obs.done = True
             return None  # written after the billing comment
         if not self.dialect.injects_usage:
-            return self._typed_event(event, data)
+            return self._typed_event(framed, view)
         # Parsed whole, even a plain content delta: the SDK parses it too, and a chunk it
         # cannot read is a malformed answer. (Runs of template events skip this: see _run.)
         try:
-            obj, read_by_orjson = parse_event_data(data)
+            obj, read_by_orjson = parse_event_data(view)
         except ValueError:
             self.obs.malformed = True
-            return event + b"\n\n"
+            return framed
         self.obs.observe(obj, streaming=True)
         if self._tries:
-            self._try_template(data, obj)
+            self._try_template(bytes(view), obj)
         if self.client_wants_usage or not isinstance(obj, dict) or "usage" not in obj:
-            return event + b"\n\n"  # no usage field: as it came
+            return framed  # no usage field: as it came
+        event = b"" if one_line else framed[:-2]  # the fields data_event keeps
         if obj["usage"] is None:
-            cut = without_usage_null(data)
+            cut = without_usage_null(bytes(view))
             if cut is not None:
                 return data_event(cut, event)
         elif not obj.get("choices") and obj.get("error") is None:
@@ -443,6 +469,24 @@ class EventFilter:
             return None
         obj.pop("usage")
         return data_event(dumps_chunk(obj, read_by_orjson=read_by_orjson), event)
+
+
+def _data_of(framed: bytes) -> bytes | memoryview | None:
+    """The data of an event of several lines (its ``data:`` lines' values, a line break between
+    them; None: it has none), a view of its bytes when one line holds it all (Responses' and
+    Anthropic's events: ``event:``, then ``data:``)."""
+    view = memoryview(framed)
+    found: list[memoryview] = []
+    pos, last = 0, len(framed) - 1  # the blank line ending the event starts there
+    while pos < last:
+        end = framed.find(b"\n", pos)
+        if framed.startswith(b"data:", pos):
+            start = pos + 5
+            found.append(view[start + 1 if framed.startswith(b" ", start) else start : end])
+        pos = end + 1
+    if len(found) == 1:
+        return found[0]
+    return b"\n".join(found) if found else None
 
 
 def _data_whole(event: bytes) -> bool:

@@ -476,7 +476,7 @@ def parse_json(data: bytes) -> Any:
             raise ValueError("JSON nested too deep") from None
 
 
-def parse_event_data(data: bytes) -> tuple[Any, bool]:
+def parse_event_data(data: bytes | memoryview) -> tuple[Any, bool]:
     """An event's data as JSON, as the client's SDK reads a stream's chunk: its lines decoded
     as strict UTF-8 (a byte order mark kept, which JSON then refuses, and bytes that are not
     UTF-8, a surrogate encoded raw among them, refused), then Python's ``json`` (which takes a
@@ -486,7 +486,7 @@ def parse_event_data(data: bytes) -> tuple[Any, bool]:
         return orjson.loads(data), True
     except orjson.JSONDecodeError:
         try:
-            return json.loads(data.decode("utf-8")), False
+            return json.loads(str(data, "utf-8")), False
         except RecursionError:
             raise ValueError("JSON nested too deep") from None
 

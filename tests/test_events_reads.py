@@ -15,6 +15,7 @@ from proxy.dialects import DIALECTS
 from proxy.events import EventFilter
 from proxy.observe import Observation
 from tests.conftest import ProxyFactory
+from tests.memory import MB, alive_when_called
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, send
 from tests.test_events import DONE, ROLE, USAGE, content, finish
 from tests.test_stream_dialects import MESSAGE_START, ev, proxy_for
@@ -140,3 +141,73 @@ async def test_a_chat_stream_whose_bom_comes_in_a_read_of_its_own_is_billed_on_i
     assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "120"), (
         entry
     )
+
+
+def _read_in_pieces(endpoint: str, reads: list[bytes], *, pieces: int = 1 << 16) -> tuple[bytes, Observation]:
+    """The client's bytes and the observation of ``reads``, each cut as a provider's server
+    writes a large body: in pieces, each a read."""
+    obs = Observation()
+    events = EventFilter(obs, dialect=DIALECTS[endpoint], choices=1, client_wants_usage=False)  # type: ignore[index]
+    out = []
+    for one in reads:
+        for at in range(0, len(one), pieces):
+            got = events.read(one[at : at + pieces], limit=1 << 26)
+            assert got is not None
+            out.append(got)
+    return b"".join(out), obs
+
+
+def test_a_responses_streams_last_event_is_parsed_holding_its_text_and_itself_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Responses stream ends in ``response.completed``, whose response repeats the whole
+    answer: an event as large as the text, over many reads. When it was parsed, the text (once,
+    observed) was alive beside the held bytes, their slice and its copy, the event cut out of
+    it, its data line and that line's value: 6N. Now the text and the event's bytes: 2N."""
+    import proxy.events as events_module
+
+    n = 4 * MB
+    piece = "x" * 4096
+    delta = {"output_index": 0, "item_id": "msg_1", "delta": piece}
+    message = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed"}
+    text = {"type": "output_text", "text": piece * (n // len(piece)), "annotations": []}
+    done = {
+        "id": "resp_1",
+        "object": "response",
+        "status": "completed",
+        "output": [{**message, "content": [text]}],
+    }
+    done["usage"] = {"input_tokens": 5, "output_tokens": n // 4}
+    reads = [ev("response.created", {"response": {**done, "status": "in_progress", "output": []}})]
+    reads += [ev("response.output_text.delta", delta)] * (n // len(piece))
+    reads.append(ev("response.completed", {"response": done}))
+    (out, obs), alive = alive_when_called(
+        monkeypatch, events_module, "parse_event_data", lambda: _read_in_pieces("responses", reads)
+    )
+    assert out == b"".join(reads) and obs.done and obs.usage is not None
+    assert len(obs.all_text()) == n
+    assert alive < 2.5 * n, (
+        f"{alive / MB:.1f} MB alive for a {n // MB} MB answer when its last event is parsed"
+    )
+
+
+def test_one_large_chat_chunk_is_not_held_four_times_when_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that streams its answer in one chunk (a gateway wrapping a non-streaming
+    backend) sends one event as large as the text (up to ``limits.max_upstream_body_bytes``).
+    Its last read also brings the events after it. Held were the bytes read, their slice and its
+    copy, the event cut out of them, its data cut out of that: 4N when it and the events after it
+    were parsed. Now 2N: the bytes read and the event when it is parsed; when the events after it
+    are, the event's bytes for the client and its text, observed (both needed: the client's are
+    written once the read's events are all read, the text is counted when no usage comes)."""
+    import proxy.events as events_module
+
+    n = 4 * MB
+    big = content("y" * n)
+    last = (len(big) // (1 << 16)) * (1 << 16)
+    reads = [big[:last], big[last:] + finish() + USAGE + DONE]  # the last read: its end, and more
+    (out, obs), alive = alive_when_called(
+        monkeypatch, events_module, "parse_event_data", lambda: _read_in_pieces("chat.completions", reads)
+    )
+    assert obs.done and obs.usage is not None and len(obs.all_text()) == n
+    assert out.count(b"y" * 1000) == n // 1000 and b'"usage"' not in out
+    assert alive < 2.5 * n, f"{alive / MB:.1f} MB alive for one {n // MB} MB event when it is parsed"
