@@ -3,7 +3,8 @@
 KEYS[1]   lbp:ctxowner:<id>
 ARGV[1]   the tenant whose call made or continued it
 ARGV[2]   how long it is kept, in seconds (the provider's own retention); 0: for good
-The first tenant to use an id keeps it; its own later calls extend its life. A mark kept for
+The first tenant to use an id keeps it; a later call of its own that marks it again (a call in a
+conversation marks the conversation) extends its life. A mark kept for
 good (a conversation, what was answered within one: the provider keeps them with no expiry)
 stays so, whatever a later call keeps it for (an item of it named by a call outside it).
 Returns 1 when the id is the tenant's, 0 when another tenant's.
