@@ -356,8 +356,11 @@ class EventFilter:
             and not scratch.error
             and scratch.usage is None
             and obj.get("usage", None) is None
-            # Nothing observed but this one text (no legacy "text" beside the delta, say).
+            # Nothing observed but this one text.
             and scratch.contents == {0: [text]}
+            # Nor a choice's "text" beside its delta (Together's): which of the two is read
+            # depends on the delta's content, which a template's bytes may leave free.
+            and ("text" not in choices[0] or "delta" not in choices[0])
         ):
             return
         prefix = b"data: " + data[:start]

@@ -357,11 +357,17 @@ class Observation:
             # OpenRouter: a choice that failed mid-answer, on HTTP 200 (its error on the choice,
             # not always at the top): the provider's failure, not a whole answer.
             self.error = True
-        # legacy completions carry "text" on the choice itself
-        self.add_text(index, choice.get("text"), content=True)
         if part is None:
+            # legacy completions carry "text" on the choice itself
+            self.add_text(index, choice.get("text"), content=True)
             return
-        self.add_text(index, part.get("content"), content=True)
+        content = part.get("content")
+        if isinstance(content, str):
+            self.add_text(index, content, content=True)
+        else:
+            # Only where no content came beside it: Together's chunks carry each piece twice,
+            # as the choice's "text" and as its delta's content (one answer, not two).
+            self.add_text(index, choice.get("text"), content=True)
         audio = part.get("audio")
         if isinstance(audio, dict):  # an audio answer's words (its sound is not text)
             self.add_text(index, audio.get("transcript"))

@@ -237,7 +237,7 @@ def test_no_template_from_an_event_that_says_more_than_its_text() -> None:
 
     stream = ROLE + legacy(b"a") + legacy(b"b") + legacy(b"c") + finish() + DONE
     fast = relay(stream, [], runs=True, wants_usage=False)
-    assert fast[2] == 0  # the full parse saw "X" beside the text: no template
+    assert fast[2] == 0  # a "text" beside the delta: no template
     assert fast[:2] == relay(stream, [], runs=False, wants_usage=False)[:2]
 
 

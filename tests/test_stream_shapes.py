@@ -12,7 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import KEY_A, ProxyFactory
-from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams
+from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams, send
+from tests.test_contract_edges import cancel_proxy, read_until_then_leave
 from tests.test_fault_matrix import only_entry
 from tests.test_stream_dialects import proxy_for
 from tests.test_upstream_bodies import read_request
@@ -27,6 +28,9 @@ def content(escaped_text: str, tail: str = "") -> bytes:
 
 
 FINISH = ("data: " + HEAD + '"delta":{},"logprobs":null,"finish_reason":"stop"}],"usage":null}\n\n').encode()
+
+
+DONE = b"data: [DONE]\n\n"
 
 
 def usage(output_tokens: int) -> bytes:
@@ -196,3 +200,89 @@ async def test_an_answer_whole_before_its_connection_broke_is_billed_whole_behin
     entry = await only_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "3"), entry
     assert b"data: [DONE]" in received and b"error" not in received, received[-400:]
+
+
+# -- providers' own chunk shapes ----------------------------------------------------------------
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chat(**extra: Any) -> bytes:
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 500, **extra}  # fmt: skip
+    return json.dumps(body).encode()
+
+
+def figures(entry: dict[str, str]) -> tuple[str, ...]:
+    return (entry["usage_source"], entry["input_tokens"], entry["output_tokens"],
+            entry.get("cached_input_tokens", "0"), entry.get("reasoning_tokens", "0"))  # fmt: skip
+
+
+def together(piece: str, finish: str | None = None, usage: Any = None, seed: Any = None) -> bytes:
+    """Together AI's chat chunk: each piece twice, the choice's ``text`` and its delta's
+    ``content`` (as lzell/AIProxySwift's TogetherAIChatCompletionStreamingChunkTests record it),
+    usage on the chunk that ends the answer (finish_reason ``eos``)."""
+    delta = {"token_id": 30, "role": "assistant", "content": piece, "tool_calls": None}
+    choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish, "seed": seed,
+              "delta": delta}  # fmt: skip
+    model = "meta-llama/Meta-Llama-3.1-8B-Instruct-Turbo"
+    return sse({"id": "8b43a5cfadf99e5c-SJC", "object": "chat.completion.chunk", "created": 1723834621,
+                "choices": [choice], "model": model, "usage": usage})  # fmt: skip
+
+
+async def test_a_together_json_answer_is_read_once_and_not_rejected(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """JSON mode, ``on_invalid_json: reject``: Together's answer ``{"a": 1}`` was read from both
+    of its copies (``{"a"{"a": 1: 1}}``...), which does not parse: a valid answer rejected."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_invalid_json": "reject"})
+    usage = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+    chunks = [together('{"a"'), together(": 1"), together("}", "eos", usage, 2039908639335532000), DONE]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions",
+                       chat(response_format={"type": "json_object"}))  # fmt: skip
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "ok", entry  # was rejected:parse-json
+    assert figures(entry) == ("provider", "12", "5", "0", "0"), entry
+    assert b"error" not in reply.body, reply.body
+
+
+async def test_together_text_left_by_the_client_is_counted_once(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """``on_client_disconnect: cancel``, the client leaves before Together's usage: the streamed
+    text is counted (README), each piece once, though it comes twice."""
+    proxy = await cancel_proxy(make_proxy, script, "openai")
+    usage = {"prompt_tokens": 12, "completion_tokens": 100, "total_tokens": 112}
+    chunks = [together("abcd" * 100), together(" more"), together("", "eos", usage), DONE]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks, delay_s=0.5)
+    await read_until_then_leave(proxy, "/v1/chat/completions", json.loads(chat()), b'abcdabcd"')
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("client_disconnected", "chars"), entry
+    # 405 characters at most reached the proxy ("abcd" * 100, " more"): 102 tokens at most.
+    assert int(entry["output_tokens"]) <= 102, entry  # was 203
+
+
+async def test_together_completion_text_left_by_the_client_is_counted_once(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The same for a legacy completion: Together's completion chunks carry ``text`` and
+    ``delta.content`` too (mlflow's Together gateway tests record them)."""
+
+    def piece(text: str, finish: str | None = None, usage: Any = None) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                  "delta": {"token_id": 546, "content": text}}  # fmt: skip
+        return sse({"id": "test-id", "object": "completion.chunk", "created": 1, "choices": [choice],
+                    "model": "m", "usage": usage})  # fmt: skip
+
+    proxy = await cancel_proxy(make_proxy, script, "openai")
+    usage = {"prompt_tokens": 12, "completion_tokens": 100, "total_tokens": 112}
+    chunks = [piece("abcd" * 100), piece(" more"), piece("", "eos", usage), DONE]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks, delay_s=0.5)
+    body = {"model": "gpt-4o-mini", "prompt": "hi", "max_tokens": 500, "stream": True}
+    await read_until_then_leave(proxy, "/v1/completions", body, b'abcdabcd"')
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"]) == ("client_disconnected", "chars"), entry
+    assert int(entry["output_tokens"]) <= 102, entry  # was 203
