@@ -364,6 +364,8 @@ class Observation:
         content = part.get("content")
         if isinstance(content, str):
             self.add_text(index, content, content=True)
+        elif isinstance(content, list):
+            self._content_parts(index, content)
         else:
             # Only where no content came beside it: Together's chunks carry each piece twice,
             # as the choice's "text" and as its delta's content (one answer, not two).
@@ -393,6 +395,25 @@ class Observation:
                 self.calls.add(index)
                 for key in CALL_TEXT_FIELDS:
                     self.add_text(index, function.get(key))
+
+    def _content_parts(self, index: int, parts: list[Any]) -> None:
+        """A content sent as a list of parts (Mistral's; its reasoning models, Magistral, send
+        their thinking so, then the answer): the text parts are the answer, the thinking's texts
+        output the provider bills beside it, as reasoning_content is (never held to JSON)."""
+        for part in parts:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind == "text":
+                self.add_text(index, part.get("text"), content=True)
+            elif kind == "thinking":
+                thought = part.get("thinking")
+                if isinstance(thought, list):  # Mistral's: text parts of its own
+                    for inner in thought:
+                        if isinstance(inner, dict):
+                            self.add_text(index, inner.get("text"))
+                else:
+                    self.add_text(index, thought)
 
     def observe(self, obj: Any, *, streaming: bool) -> None:
         """One SSE chunk or one whole body."""

@@ -241,6 +241,28 @@ def test_no_template_from_an_event_that_says_more_than_its_text() -> None:
     assert fast[:2] == relay(stream, [], runs=False, wants_usage=False)[:2]
 
 
+def test_a_content_of_parts_is_never_read_as_a_template_event() -> None:
+    """Mistral's contents of parts (Magistral's thinking, then text parts) among string ones: no
+    template learnt from the string ones fits them, and each is read as the per-event path
+    reads it, its text parts as the answer, its thinking beside it."""
+
+    def parts(*texts: str, thought: str = "") -> bytes:
+        listed: list[Any] = [{"type": "text", "text": t} for t in texts]
+        if thought:
+            listed.insert(0, {"type": "thinking", "thinking": [{"type": "text", "text": thought}]})
+        return event({**BASE, "choices": [{"index": 0, "delta": {"content": listed}, "finish_reason": None}]})
+
+    events = [content("a"), content("b"), parts("c", thought="hm"), content("d"), parts("e", "f")]
+    events.append(content("g"))
+    stream = ROLE + b"".join(events) + finish() + USAGE + DONE
+    each = list(itertools.accumulate(len(e) for e in [ROLE, *events]))
+    for cuts in ([], each):
+        fast = relay(stream, cuts, runs=True, wants_usage=False)
+        assert (fast[1][0], fast[1][1]) == ("abcdefg", "abcdefghm")
+        assert fast[:2] == relay(stream, cuts, runs=False, wants_usage=False)[:2]
+        assert fast[2] == 3  # b, d and g: a made the template
+
+
 def test_no_runs_with_several_choices() -> None:
     stream = ROLE + b"".join(content(f"t{i}") for i in range(20)) + DONE
     assert relay(stream, [], runs=True, wants_usage=False, choices=2)[2] == 0

@@ -200,6 +200,18 @@ def test_a_call_said_before_it_is_not_held_to_json_whichever_way_it_is_called(
     assert classify_answer(obs, policy, json_mode=True).tag == "ok"
 
 
+def test_a_whole_answer_of_content_parts_is_its_text_parts_beside_its_thinking() -> None:
+    """Magistral's whole answer (Mistral's content of parts): its text parts are the answer held
+    to JSON, its thinking's texts output beside it; none was read."""
+    obs = Observation()
+    thought = {"type": "thinking", "thinking": [{"type": "text", "text": "JSON, so"}]}
+    message = {"role": "assistant", "content": [thought, {"type": "text", "text": '{"a": 1}'}]}
+    obs.observe({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}, streaming=False)
+    assert obs.content_of(0) == '{"a": 1}'
+    assert obs.all_text() == '{"a": 1}JSON, so'
+    assert classify_answer(obs, PolicyConfig(on_invalid_json="reject"), json_mode=True).tag == "ok"
+
+
 # Anthropic's own bill for one call: 10 input tokens after the cache breakpoint, 2,000 read from the
 # cache, 1,000 written to it (400 of them kept an hour), 50 output. Priced below (micro-units per
 # token): 10 * 1 + 2,000 * 0.1 + 600 * 5 + 400 * 10 + 50 * 2.

@@ -286,3 +286,72 @@ async def test_together_completion_text_left_by_the_client_is_counted_once(
     entry = await only_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"]) == ("client_disconnected", "chars"), entry
     assert int(entry["output_tokens"]) <= 102, entry  # was 203
+
+
+def magistral(content: Any, finish: str | None = None, usage: Any = None) -> bytes:
+    """Mistral's reasoning models' chunk: a content of a list of parts, thinking parts
+    (``{"type": "thinking", "thinking": [{"type": "text", "text": ...}]}``) then text parts
+    (as BerriAI/litellm#16272 records the stream)."""
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": finish}
+    obj = {"id": "c3c7", "object": "chat.completion.chunk", "created": 1762355135,
+           "model": "magistral-medium-2509", "choices": [choice]}  # fmt: skip
+    return sse(obj if usage is None else {**obj, "usage": usage})
+
+
+def thinking(text: str) -> list[Any]:
+    return [{"type": "thinking", "thinking": [{"type": "text", "text": text}]}]
+
+
+def said(text: str) -> list[Any]:
+    return [{"type": "text", "text": text}]
+
+
+async def test_magistral_thinking_is_counted_when_the_client_leaves(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """``cancel``, the client leaves mid-thinking: the README bills the prompt and the streamed
+    text counted, the thinking among it (output the provider bills). Magistral's thinking
+    (1,600 characters, 400 tokens at 4 a token) was in parts the proxy did not read: 0."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_client_disconnect": "cancel"})
+    first = magistral("") + magistral(thinking("abcd" * 400))
+    usage = {"prompt_tokens": 10, "total_tokens": 900, "completion_tokens": 890}
+    chunks = [first, magistral(thinking(" more")), magistral(said("Hi"), "stop", usage), DONE]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks, delay_s=0.5)
+    body = json.loads(chat(max_tokens=4000))
+    await read_until_then_leave(proxy, "/v1/chat/completions", body, b'abcdabcd"')
+    entry = await only_entry(redis_client)
+    assert entry["outcome"] == "client_disconnected", entry
+    assert int(entry["output_tokens"]) >= 400, entry  # was 0
+
+
+async def test_a_magistral_answer_without_usage_is_counted(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A whole Magistral-shaped stream without usage (a self-hosted server): its thinking and
+    its text are counted (2,000 characters, 500 tokens at 4 a token; 1 when only string
+    contents were read)."""
+    proxy = await proxy_for(make_proxy, script)
+    chunks = [magistral(thinking("abcd" * 400)), magistral(said("efgh" * 100), "stop"), DONE]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    body = chat(max_tokens=4000)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", body)
+    (entry,) = reply.new_entries
+    assert entry["usage_source"] == "chars", entry
+    assert int(entry["output_tokens"]) >= 500, entry
+
+
+async def test_a_magistral_json_answer_is_held_to_json_without_its_thinking(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """JSON mode, ``on_invalid_json: reject``: Magistral's answer ``{"a": 1}`` comes in text
+    parts after its thinking parts. No text of a list content was read (an empty answer,
+    rejected); the thinking is no part of the answer held to JSON."""
+    proxy = await proxy_for(make_proxy, script, policy={"on_invalid_json": "reject"})
+    usage = {"prompt_tokens": 10, "total_tokens": 30, "completion_tokens": 20}
+    answer = [magistral(said('{"a": 1}')), magistral("", "stop", usage), DONE]
+    script.plan = Plan(content_type="text/event-stream", chunks=[magistral(thinking("so: JSON")), *answer])
+    body = chat(response_format={"type": "json_object"})
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", body)
+    (entry,) = reply.new_entries
+    assert entry["outcome"] == "ok", entry  # was rejected:parse-json
+    assert figures(entry) == ("provider", "10", "20", "0", "0"), entry
