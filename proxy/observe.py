@@ -426,12 +426,14 @@ class Observation:
         tier = obj.get("service_tier")
         if isinstance(tier, str) and tier:
             self.service_tier = tier
-        if "usage" in obj and obj["usage"] is not None:
-            usage = parse_usage(obj["usage"])
-            if usage is not None:
-                self.take_usage(usage)
-            else:
-                self.take_output_alone(obj["usage"])
+        told = obj.get("usage")
+        if told is not None:
+            self._take_told(told)
+        elif "x_groq" in obj:
+            # Groq's streams tell their usage there, on their last chunk, asked for or not.
+            groq = obj["x_groq"]
+            if isinstance(groq, dict) and groq.get("usage") is not None:
+                self._take_told(groq["usage"])
         choices = obj.get("choices")
         if not isinstance(choices, list):
             return
@@ -440,6 +442,14 @@ class Observation:
             if isinstance(choice, dict):
                 part = choice.get(key)
                 self._choice(choice, part if isinstance(part, dict) else None, position)
+
+    def _take_told(self, raw: Any) -> None:
+        """A usage report, as the provider wrote it."""
+        usage = parse_usage(raw)
+        if usage is not None:
+            self.take_usage(usage)
+        else:
+            self.take_output_alone(raw)
 
     def take_output_alone(self, raw: Any) -> None:
         """A report ``parse_usage`` could not use: its output count, when that is all it lacks

@@ -355,3 +355,30 @@ async def test_a_magistral_json_answer_is_held_to_json_without_its_thinking(
     (entry,) = reply.new_entries
     assert entry["outcome"] == "ok", entry  # was rejected:parse-json
     assert figures(entry) == ("provider", "10", "20", "0", "0"), entry
+
+
+async def test_a_groq_streams_usage_under_x_groq_is_the_providers(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Groq tells a stream's usage under ``x_groq`` on its last chunk, asked for or not: it was
+    not read (the call billed on a count of its text). Groq's field, not the usage the proxy
+    asked for: a client that did not ask gets it as Groq sent it, as it would calling Groq."""
+    proxy = await proxy_for(make_proxy, script)
+    told = {"queue_time": 0.061348671, "prompt_tokens": 18, "prompt_time": 0.000211569,
+            "completion_tokens": 439, "completion_time": 0.798181818, "total_tokens": 457,
+            "total_time": 0.798393387}  # fmt: skip
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    last = sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "x_groq": {"id": "req_1", "usage": told}})  # fmt: skip
+    chunks = [
+        sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+             "x_groq": {"id": "req_1"}}),
+        sse({**head, "choices": [{"index": 0, "delta": {"content": "Hello there"}, "finish_reason": None}]}),
+        last,
+        DONE,
+    ]  # fmt: skip
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", chat())
+    (entry,) = reply.new_entries
+    assert figures(entry) == ("provider", "18", "439", "0", "0"), entry  # was chars, 3 output tokens
+    assert last in reply.body, reply.body
