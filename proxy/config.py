@@ -152,6 +152,10 @@ class UpstreamConfig(Frozen):
     # OpenAI-compatible servers read alone (one that ignores the cap would write past the
     # reserve; one that refuses unknown fields would fail every call).
     chat_output_cap_field: Literal["max_completion_tokens", "max_tokens"] = "max_completion_tokens"
+    # Whether a chat or legacy completion stream is sent stream_options.include_usage: off for a
+    # server that refuses the field (Mistral's API: 422, every stream failed) and tells its usage
+    # unasked; a stream that then tells none is billed on a count of its text.
+    stream_usage_option: bool = True
 
     @field_validator("base_url")
     @classmethod

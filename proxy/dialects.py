@@ -2,9 +2,10 @@
 how errors are written in its own format.
 
 OpenAI chat completions and legacy completions stream ``data:`` chunks ending in ``[DONE]``
-and get ``stream_options.include_usage`` injected. The Responses API and Anthropic Messages
-stream typed events and report usage themselves (``response.completed`` / ``message_start`` +
-``message_delta``); their streams end without ``[DONE]``.
+and get ``stream_options.include_usage`` injected (unless their upstream refuses it). The
+Responses API and Anthropic Messages stream typed events and report usage themselves
+(``response.completed`` / ``message_start`` + ``message_delta``); their streams end without
+``[DONE]``.
 """
 
 from __future__ import annotations

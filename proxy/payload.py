@@ -39,8 +39,9 @@ class _Body(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, frozen=True)
 
-    # Always sent upstream as true (the proxy reads the usage chunk) and the chunk stripped
-    # unless this is true: anything but a bool is refused, as OpenAI refuses it.
+    # Sent upstream as true (the proxy reads the usage chunk; as it came to an upstream whose
+    # stream_usage_option is off) and the chunk stripped unless this is true: anything but a
+    # bool is refused, as OpenAI refuses it.
     include_usage: bool | None = None
 
 

@@ -160,8 +160,10 @@ def plan_call(
     if stream and dialect.injects_usage:
         options = body.get("stream_options")
         client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-        # Real figures first: always ask the provider for the usage chunk.
-        body["stream_options"] = {**(options or {}), "include_usage": True}
+        if upstream.stream_usage_option:
+            # Real figures first: always ask the provider for the usage chunk (an upstream that
+            # refuses the field is sent the client's own, as it came).
+            body["stream_options"] = {**(options or {}), "include_usage": True}
     json_mode = False
     if isinstance(view, ChatBody) and view.response_format is not None:
         json_mode = view.response_format.get("type") in ("json_object", "json_schema")

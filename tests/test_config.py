@@ -830,3 +830,16 @@ def test_a_reload_puts_in_force_every_setting_read_at_each_call(tmp_path: Path) 
     assert new.limits.default_max_output_tokens == 77
     assert new.tenants == {"team-a", "team-b", "team-c"}
     assert new.tenant_periods("team-a") == want.tenant_periods("team-a") != started.tenant_periods("team-a")
+
+
+def test_an_upstream_may_be_sent_no_stream_options() -> None:
+    """A server that refuses stream_options (Mistral's API: 422 extra_forbidden) is not asked
+    its streams' usage with them when ``stream_usage_option`` is off; anything but a yes or no
+    is a config error naming it."""
+    upstreams = {"mistral": {"base_url": "https://api.mistral.ai/v1", "stream_usage_option": False}}
+    config = parse_config({"upstreams": {**UP["upstreams"], **upstreams}}, {})
+    assert config.upstreams["mistral"].stream_usage_option is False
+    assert config.upstreams["openai"].stream_usage_option is True
+    unsure = {"base_url": "https://api.mistral.ai/v1", "stream_usage_option": "sometimes"}
+    error = error_of({"upstreams": {"openai": unsure}})
+    assert "upstreams.openai.stream_usage_option" in error, error

@@ -91,6 +91,7 @@ def test_an_upstreams_defaults_are_the_readmes() -> None:
     assert upstream.api_key_env is None and upstream.api_key is None
     assert (upstream.timeout_s, upstream.connect_timeout_s) == (600, 10)
     assert upstream.chat_output_cap_field == "max_completion_tokens"
+    assert upstream.stream_usage_option is True
     assert upstream.passthrough_auth is False
 
 

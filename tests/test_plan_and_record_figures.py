@@ -35,6 +35,8 @@ CAPPED = {
     "api_key_env": "TEST_UPSTREAM_KEY",
     "chat_output_cap_field": "max_tokens",
 }
+# An upstream that refuses stream_options (Mistral's API).
+UNASKED = {**CAPPED, "chat_output_cap_field": "max_completion_tokens", "stream_usage_option": False}
 STANDARD = {"input": "3", "output": "15"}
 PRIORITY = {"input": "5", "output": "20"}
 # A model priced at STANDARD by default and at PRIORITY on the priority tier.
@@ -47,7 +49,8 @@ INTERLEAVED = "interleaved-thinking-2025-05-14"
 
 def config_of(**overrides: Any) -> Config:
     raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:9")
-    raw["upstreams"] = {**raw["upstreams"], "anthropic": ANTHROPIC, "capped": CAPPED}
+    upstreams = {"anthropic": ANTHROPIC, "capped": CAPPED, **overrides.pop("upstreams", {})}
+    raw["upstreams"] = {**raw["upstreams"], **upstreams}
     raw["models"] = {**overrides.pop("models", {}), **raw["models"]}
     raw.update(overrides)
     return parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY}, key_secrets=False)
@@ -166,6 +169,24 @@ def test_a_stream_always_asks_for_usage_but_the_client_gets_it_only_if_it_asked(
     assert kept.body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     whole = planned({"model": "gpt-4o-mini", "messages": MSGS, "stream_options": {"include_usage": True}})
     assert (whole.stream, whole.client_wants_usage) == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "base"), [("chat.completions", {"messages": MSGS}), ("completions", {"prompt": "hi"})]
+)
+def test_an_upstream_not_asked_for_usage_is_sent_the_clients_stream_options_as_they_came(
+    endpoint: Endpoint, base: dict[str, Any]
+) -> None:
+    """``stream_usage_option: false`` (a server that refuses the field): nothing added, nothing
+    taken; the client still gets usage only if it asked."""
+    config = config_of(models={"small": {"upstream": "unasked"}}, upstreams={"unasked": UNASKED})
+    for options in (None, {"include_usage": True}, {"include_usage": False, "continuous_usage_stats": True}):
+        body: dict[str, Any] = {"model": "small", "stream": True, **base}
+        if options is not None:
+            body["stream_options"] = options
+        call = planned(body, endpoint, config=config)
+        assert call.body.get("stream_options") == options
+        assert (call.stream, call.client_wants_usage) == (True, options == {"include_usage": True})
 
 
 @pytest.mark.parametrize(

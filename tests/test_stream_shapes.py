@@ -10,8 +10,9 @@ from typing import Any
 import openai
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 
-from tests.conftest import KEY_A, ProxyFactory
+from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream, scripted_upstreams, send
 from tests.test_contract_edges import cancel_proxy, read_until_then_leave
 from tests.test_fault_matrix import only_entry
@@ -382,3 +383,69 @@ async def test_a_groq_streams_usage_under_x_groq_is_the_providers(
     (entry,) = reply.new_entries
     assert figures(entry) == ("provider", "18", "439", "0", "0"), entry  # was chars, 3 output tokens
     assert last in reply.body, reply.body
+
+
+# -- an upstream that refuses stream_options (stream_usage_option: false) -------------------------
+
+
+class MistralLike(ScriptedUpstream):
+    """Mistral's API validates its body strictly: ``stream_options`` is an extra input it
+    refuses with 422 (openai/openai-agents-python#442, avante.nvim#2347, BerriAI/litellm#8978);
+    its streams carry their usage on the last content chunk unasked."""
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if "stream_options" in json.loads(raw):
+            self.received.append(raw)
+            detail = [{"type": "extra_forbidden", "loc": ["body", "stream_options", "include_usage"],
+                       "msg": "Extra inputs are not permitted", "input": True}]  # fmt: skip
+            error = {"object": "error", "message": {"detail": detail}, "type": "invalid_request_error",
+                     "param": None, "code": None}  # fmt: skip
+            return web.json_response(error, status=422)
+        return await super()._handle(request)
+
+
+async def unasked_proxy(make_proxy: ProxyFactory, upstream: ScriptedUpstream) -> Proxy:
+    """A proxy before ``upstream`` that does not ask its streams for usage."""
+    upstreams = scripted_upstreams(upstream.base_url)
+    upstreams["openai"]["stream_usage_option"] = False
+    return await make_proxy(upstreams=upstreams)
+
+
+def mistral(delta: dict[str, Any], finish: str | None = None, **usage: Any) -> bytes:
+    head = {"id": "m1", "object": "chat.completion.chunk", "created": 1, "model": "mistral-small-latest"}
+    return sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **usage})
+
+
+async def test_a_mistral_stream_is_not_refused_for_the_proxys_stream_options(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """Called directly, a streamed chat call to Mistral works and carries its usage; through the
+    proxy, which asked for usage in a field Mistral refuses, every one was a 422 (billed 0).
+    ``stream_usage_option: false`` sends the client's body as it came."""
+    upstream = MistralLike()
+    await upstream.start()
+    try:
+        proxy = await unasked_proxy(make_proxy, upstream)
+        usage = {"prompt_tokens": 10, "total_tokens": 11, "completion_tokens": 1}
+        chunks = [mistral({"content": "Hi"}), mistral({"content": ""}, "stop", usage=usage), DONE]
+        upstream.plan = Plan(content_type="text/event-stream", chunks=chunks)
+        reply = await send(proxy, lambda: upstream.received, redis_client, "/v1/chat/completions", chat())
+    finally:
+        await upstream.close()
+    assert reply.status == 200, reply.body
+    assert figures(reply.new_entries[0]) == ("provider", "10", "1", "0", "0")
+    assert b'"usage"' not in reply.body  # the client did not ask: stripped, as ever
+
+
+async def test_a_stream_not_asked_for_usage_that_tells_none_is_billed_on_a_count(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await unasked_proxy(make_proxy, script)
+    text = "abcd" * 100
+    chunks = [mistral({"role": "assistant", "content": text}), mistral({"content": ""}, "stop"), DONE]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    reply = await send(proxy, lambda: script.received, redis_client, "/v1/chat/completions", chat())
+    (entry,) = reply.new_entries
+    assert "stream_options" not in json.loads(script.received[-1])
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "chars", "100"), entry
