@@ -33,7 +33,8 @@ _PART_HOLDERS = ("content", "output")
 
 def _parts(*sources: Any) -> Iterator[dict[str, Any]]:
     """Every object of the messages, items or variables of ``sources``, a tool result's parts
-    included (not the insides of a media part or a search result)."""
+    included (not the insides of a media part or a search result, but the blocks of an Anthropic
+    document whose source is content of its own: its images are billed as images)."""
     stack = list(sources)
     while stack:
         value = stack.pop()
@@ -41,7 +42,11 @@ def _parts(*sources: Any) -> Iterator[dict[str, Any]]:
             stack.extend(value)
         elif isinstance(value, dict):
             yield value
-            if not (_is_media(value) or value.get("type") == "web_search_result"):
+            if _is_media(value):
+                source = value.get("source")
+                if isinstance(source, dict) and source.get("type") == "content":
+                    stack.append(source.get("content"))
+            elif value.get("type") != "web_search_result":
                 held = (value.get(key) for key in _PART_HOLDERS)
                 stack.extend(inner for inner in held if isinstance(inner, list | dict))
 

@@ -663,3 +663,19 @@ async def test_a_streams_answer_is_its_tenants_once_its_last_event_came(
                 break  # the event is whole: the SDK yields it
         assert completed
         assert await redis_client.get("lbp:ctxowner:resp_1") == "team-a"
+
+
+def test_the_images_of_a_document_of_its_own_content_are_media_parts_each() -> None:
+    """Anthropic's custom content document (``source.type: "content"``) holds text and image
+    blocks, each image billed as one: reserved as one each, beside the document."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}}
+    source = {"type": "content", "content": [{"type": "text", "text": "slide"}, image, image, image]}
+    document = {"type": "document", "source": source, "citations": {"enabled": True}}
+    messages = [{"role": "user", "content": [document, {"type": "text", "text": "summarize"}]}]
+    assert media_parts(messages) == 4
+    assert prompt_texts(messages) == ["slide", "summarize"]
+    inside_a_result = {"type": "tool_result", "tool_use_id": "t1", "content": [document]}
+    assert media_parts([{"role": "user", "content": [inside_a_result]}]) == 4
+    # A document of a base64 or text source is one part, whatever its source holds.
+    pdf = {"type": "document", "source": {"type": "base64", "data": "JVBERi0x", "content": [image]}}
+    assert media_parts([{"role": "user", "content": [pdf]}]) == 1
