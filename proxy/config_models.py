@@ -92,6 +92,11 @@ def micros_per_thousand_calls(prices: Mapping[str, Decimal]) -> dict[str, int]:
 # (web_search_20250305): priced under those, its calls would never be billed, and no error said so.
 _NOT_A_TOOL_NAME = re.compile(r".+(_requests|_call|_\d{8}|_\d{4}_\d{2}_\d{2})")
 
+# Every name an answer counts a tool under is lowercase snake_case (Anthropic's server_tool_use
+# keys, the Responses API's item types): a price under web-search, Web_Search, WebSearch or
+# "web search" loaded and was never billed.
+_TOOL_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
 
 # Responses tool types whose calls are counted under another name than their own: their output
 # items' (``computer_call``: computer). ``tool_fees`` reserves them under it.
@@ -104,6 +109,11 @@ RESPONSES_COUNTED_AS = {
 
 
 def _counted_name(tool: str) -> None:
+    if _TOOL_NAME.fullmatch(tool) is None:
+        raise ValueError(
+            f"{tool[:60]!r}: no answer counts calls under this name: a tool's name is lowercase "
+            "letters, digits and underscores, as the answers spell it (web_search, web_fetch, file_search)"
+        )
     counted = RESPONSES_COUNTED_AS.get(tool)
     if counted is not None and tool != "web_search_preview":  # priced apart when named
         raise ValueError(f"{tool}: no answer counts calls under this name: price the tool as '{counted}'")

@@ -368,6 +368,47 @@ def test_bare_tool_names_are_taken() -> None:
     assert set(config.models["m"].tool_rates) == set(prices)
 
 
+@pytest.mark.parametrize(
+    "name", ["web-search", "Web_Search", "WebSearch", "web search", "1web", "web_searché"]
+)
+def test_a_tool_price_under_a_name_no_answer_can_spell_is_a_config_error(name: str) -> None:
+    """Answers count tools by lowercase snake_case names (``web_search_requests``,
+    ``web_search_call``): a price under any other spelling loaded, and was never billed."""
+    with pytest.raises(ConfigError, match="price_per_thousand_calls"):
+        _config({"price_per_million": STANDARD, "price_per_thousand_calls": {name: "10"}})
+
+
+async def test_searches_priced_under_a_misspelled_tool_name_are_refused_at_load_then_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Web search priced at $10 per 1,000 as ``web-search``: the config loaded, check-config said
+    ok, and three searches were billed 0 (only the tokens). It is refused; spelt as the answers
+    count it, the searches are billed."""
+    upstream = {"base_url": script.base_url, "kind": "anthropic", "api_key_env": "TEST_UPSTREAM_KEY"}
+    model: dict[str, Any] = {
+        "upstream": "anthropic",
+        "price_per_million": {"input": "3", "output": "15"},
+        "price_per_thousand_calls": {"web-search": "10"},
+    }
+    with pytest.raises(ConfigError, match="price_per_thousand_calls"):
+        await make_proxy(upstreams={"anthropic": upstream}, models={"claude-x": model})
+    model["price_per_thousand_calls"] = {"web_search": "10"}
+    proxy = await make_proxy(upstreams={"anthropic": upstream}, models={"claude-x": model})
+    usage = {"input_tokens": 1000, "output_tokens": 100, "server_tool_use": {"web_search_requests": 3}}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    body = {
+        "model": "claude-x",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "what is new?"}],
+        "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
+    }
+    status, _ = await _post(proxy.url, "/v1/messages", body, "search-run")
+    assert status == 200
+    entry = await _entry(redis_client)
+    # 1000 * 3 + 100 * 15 micro-units of tokens, plus 3 searches at 10,000 micro-units each.
+    assert int(entry["cost_micros"]) == 1000 * 3 + 100 * 15 + 3 * 10_000, entry
+
+
 async def test_a_call_naming_a_geography_other_than_the_us_is_not_reserved_at_us_prices(
     make_proxy: ProxyFactory, script: ScriptedUpstream
 ) -> None:
