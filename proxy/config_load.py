@@ -129,10 +129,10 @@ def parse_config(raw: Any, environ: Mapping[str, str], *, key_secrets: bool = Tr
     for name, upstream in config.upstreams.items():
         key = _secret(f"upstreams.{name}.api_key_env", upstream.api_key_env, environ)
         if upstream.api_key_env and not key and key_secrets:
-            # Not refused (a key the upstream does not need, a variable set later for a reload),
-            # but every call would go out without one, and come back a 502 upstream_auth.
+            # Not refused (a variable set later for a reload), but every call to the upstream is
+            # answered a 502 upstream_auth, not forwarded (``forward.operator_key_unset``).
             variable = f"upstreams.{name}.api_key_env: {upstream.api_key_env}"
-            log.warning(f"{variable} is not set: its calls go out without a key")
+            log.warning(f"{variable} is not set: its calls are refused (502 upstream_auth)")
         upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
     if not key_secrets:
         return config.model_copy(update={"redis": redis, "upstreams": upstreams})

@@ -13,6 +13,7 @@
         ├── BodyTimedOut       408 request_timeout (the connection closes with it)
         ├── BodyTooLarge       413 body_too_large
         ├── BudgetExceeded     429 insufficient_quota / budget_exceeded
+        ├── UpstreamKeyUnset   502 upstream_error / upstream_auth (the call was not forwarded)
         └── StoreUnavailable   503 service_unavailable (the call was not forwarded)
 
 Upstream failures are not exceptions of ours: they are outcomes of a call (see ``outcome``).
@@ -116,6 +117,23 @@ class BudgetExceeded(ApiError):
     status = 429
     error_type = "insufficient_quota"
     code = "budget_exceeded"
+
+
+class UpstreamKeyUnset(ApiError):
+    """The operator's upstream key would authorize the call, and its variable is unset: sent
+    without it, the provider's 401 would tell the caller its own key was wrong."""
+
+    status = 502
+    error_type = "upstream_error"
+    code = "upstream_auth"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The proxy has no key for the upstream (its environment variable is not set); "
+            "the call was not forwarded.",
+            # Not one a retry mends: the variable is read at start and on a reload.
+            headers={"x-should-retry": "false"},
+        )
 
 
 class StoreUnavailable(ApiError):

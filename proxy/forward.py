@@ -95,6 +95,14 @@ def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | N
     return basic_token(upstream.base_url)
 
 
+def operator_key_unset(upstream: UpstreamConfig, identity: Identity) -> bool:
+    """Whether the operator's key would authorize a request of ``identity`` to ``upstream`` and
+    its variable (``api_key_env``) is unset or empty: such a call is not forwarded."""
+    if upstream.passthrough_auth and identity.upstream_key is not None:
+        return False
+    return bool(upstream.api_key_env) and upstream.api_key is None
+
+
 def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[bytes, ...]:
     """Every credential of the operator's a request of ``identity`` to ``upstream`` carries, as
     an upstream echoing it would show it: its key (unless the caller's own goes instead) and the

@@ -33,6 +33,7 @@ from proxy.errors import (
     StoreError,
     StoreUnavailable,
     Unauthorized,
+    UpstreamKeyUnset,
     error_response,
 )
 from proxy.estimate import Estimate, counted
@@ -40,6 +41,7 @@ from proxy.forward import (
     feature_headers,
     header_list,
     operator_key_sent,
+    operator_key_unset,
     operator_secrets,
     provider_headers,
     read_limited,
@@ -140,6 +142,10 @@ def planned(
         ids=state.ids,
         anthropic_beta=header_list(request.headers, "anthropic-beta"),
     )
+    if operator_key_unset(call.upstream, identity):
+        # Sent without a key, the provider's 401 would reach the caller as its own key refused;
+        # refused here, nothing is reserved, and the 502 says whose the key is.
+        raise UpstreamKeyUnset()
     call.feature_headers = feature_headers(request.headers, call.upstream)
     return call
 
@@ -248,6 +254,11 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     if routed is None:  # no model routed (``models: {}``): nothing to list, nobody to ask
         return web.json_response({"object": "list", "data": []})
     upstream = state.config.upstreams[routed[1].upstream]
+    if operator_key_unset(upstream, identity):
+        unset = UpstreamKeyUnset()
+        return error_response(
+            unset.status, unset.message, unset.error_type, code=unset.code, headers=unset.headers
+        )
     assert state.session is not None
     try:
         async with state.session.get(

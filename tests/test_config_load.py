@@ -487,8 +487,8 @@ def test_a_bad_zero_config_flag_is_named_as_the_flag(
 def test_an_upstream_key_variable_not_set_is_warned_of(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Every call would go out without a key and come back a 502 upstream_auth: a typo in the
-    variable's name was told nowhere (the config hunt). Warned, not refused: a reload may follow."""
+    """Every call to the upstream is refused a 502 upstream_auth: a typo in the variable's name
+    was told nowhere (the config hunt). Warned, not refused: a reload may follow."""
     path = tmp_path / "proxy.yaml"
     path.write_text(HEAD.replace("'}", "', api_key_env: OPENAI_KEY_TYPO}"))
     load_config(path, {})

@@ -24,7 +24,7 @@ from proxy.config import UpstreamConfig
 from proxy.forward import operator_key_sent, operator_secrets, url_credentials
 from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
-from tests.outcome_helpers import the_entry
+from tests.outcome_helpers import ledger_entries, the_entry
 from tests.test_forward import unsendable_base_url
 
 JsonDict = dict[str, Any]
@@ -170,6 +170,35 @@ async def test_base_url_credentials_refused_are_the_proxys_fault_and_never_echoe
         status, headers, body = await request(proxy, CHAT, {**BODY, "stream": route == "stream"})
     assert status == 502 and json.loads(body)["error"]["code"] == "upstream_auth", (status, body)
     assert_no_secret(headers, body, (GW_PASSWORD, GW_TOKEN))
+
+
+@pytest.mark.parametrize("route", ["json", "stream", "models"])
+@pytest.mark.parametrize("unset", ["typo", "empty"])
+async def test_an_upstream_key_variable_not_set_is_a_502_upstream_auth_not_the_callers_401(
+    make_proxy: ProxyFactory, upstream: Upstream, route: str, unset: str
+) -> None:
+    """api_key_env names a variable not set (a typo, a secret not mounted) or empty: load_config
+    warned that every call would come back a 502 upstream_auth, but each went out with no key,
+    and the provider's 401 invalid_api_key reached the caller as its own key refused (its SDK
+    raises AuthenticationError). Now refused before forwarding: nothing reserved nor billed."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        error = {"error": {"message": "Incorrect API key provided", "type": "x", "code": "invalid_api_key"}}
+        return web.json_response(error, status=401)
+
+    upstream.handler = handler
+    upstreams = upstream.upstreams()
+    if unset == "typo":
+        upstreams["openai"]["api_key_env"] = "OPENAI_KEY_TYPO"
+    proxy = await make_proxy(upstreams=upstreams, upstream_key="" if unset == "empty" else UPSTREAM_KEY)
+    if route == "models":
+        status, headers, body = await request(proxy, "/v1/models", None, method="GET")
+    else:
+        status, headers, body = await request(proxy, CHAT, {**BODY, "stream": route == "stream"}, run="unset")
+    assert status == 502 and json.loads(body)["error"]["code"] == "upstream_auth", (status, body)
+    assert headers.get("x-should-retry") == "false"
+    assert upstream.calls == 0
+    assert await ledger_entries(proxy, "unset") == []
 
 
 def echo_error(said: str, stream: bool) -> web.StreamResponse:
