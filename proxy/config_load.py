@@ -195,6 +195,13 @@ def _secret(field: str, name: str | None, environ: Mapping[str, str]) -> str | N
     value = value.strip()
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         raise ConfigError(f"{field}: environment variable {name} holds a control character inside the key")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        # A byte that is no UTF-8 (a secrets file written in Latin-1) comes as a surrogate: taken,
+        # an upstream key failed each call's settle (its lease left for the reaper to bill at
+        # the reserve), a proxy key's digest a traceback.
+        raise ConfigError(f"{field}: environment variable {name} is not UTF-8 text") from None
     return value
 
 

@@ -54,6 +54,32 @@ def test_check_config_ok_and_invalid(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("section", ["upstream", "keys", "admin_keys"])
+def test_check_config_with_a_secret_that_is_not_utf8_exits_2_naming_it(tmp_path: Path, section: str) -> None:
+    """A Latin-1 byte in a key's variable (a secrets file written so): a proxy or admin key's
+    digest raised out of the load, exit 1 and a traceback; an upstream key was taken."""
+    path = tmp_path / "proxy.yaml"
+    text = {
+        "upstream": 'upstreams: {openai: {base_url: "https://api.example.com/v1", api_key_env: SECRET}}\n',
+        "keys": 'upstreams: {openai: {base_url: "https://api.example.com/v1"}}\n'
+        "keys: [{name: a, key_env: SECRET, tenant: t}]\n",
+        "admin_keys": 'upstreams: {openai: {base_url: "https://api.example.com/v1"}}\n'
+        "admin_keys: [{name: a, key_env: SECRET}]\n",
+    }[section]
+    path.write_text(text)
+    env = {b"PATH": b"/usr/bin:/bin", b"SECRET": b"sk-caf\xe9"}  # Latin-1 é
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "check-config", str(path)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "environment variable SECRET is not UTF-8 text" in done.stderr, done.stderr
+
+
 def test_serve_without_config_explains(tmp_path: Path) -> None:
     result = run_cli("serve")
     assert result.returncode == 2 and "--config" in result.stderr and "Traceback" not in result.stderr

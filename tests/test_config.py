@@ -291,6 +291,27 @@ def test_a_secret_with_a_control_character_inside_is_a_config_error() -> None:
         parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-one\nsk-two"})
 
 
+@pytest.mark.parametrize("section", ["upstreams", "keys", "admin_keys"])
+def test_a_secret_that_is_not_utf8_is_a_config_error_naming_it(section: str) -> None:
+    """A variable holding a Latin-1 byte, as os.environ gives it (a surrogate escape): an upstream
+    key was taken, and each call's settle raised encoding it (a false 500, the lease left for the
+    reaper to bill the reserve); a proxy or admin key's digest raised UnicodeEncodeError out of
+    parse_config, a traceback."""
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:6379/0")
+    environ = {"TEST_UPSTREAM_KEY": "sk-up", "SECRET": "sk-caf\udce9"}
+    if section == "upstreams":
+        raw["upstreams"]["openai"]["api_key_env"] = "SECRET"
+        field = "upstreams.openai.api_key_env"
+    else:
+        entry: dict[str, Any] = {"name": "a", "key_env": "SECRET"}
+        if section == "keys":
+            entry["tenant"] = "t"
+        raw[section] = [entry]
+        field = f"{section}.a.key_env"
+    with pytest.raises(ConfigError, match=f"^{field}: environment variable SECRET is not UTF-8 text$"):
+        parse_config(raw, environ)
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [(b"upstreams: {}\n# caf\xe9\n", "not UTF-8 text"), (b"a: " + b"[" * 5000, "nested too deeply")],
