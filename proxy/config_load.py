@@ -11,6 +11,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,24 @@ def _refuse_another_figure(node: yaml.ScalarNode) -> None:
             None,
             f"{text} is {read} in YAML 1.1, not the figure it looks like: write it without the "
             "leading 0 or the colons (or quote it, for a string)",
+            _bare(node.start_mark),
+        )
+
+
+def _refuse_a_rounded_float(node: yaml.ScalarNode, value: float) -> None:
+    # A float keeps about 17 digits: 2.5000000000000001 was read as 2.5, and a price or a cost
+    # past 6 decimal places passed the check made of what was read, billed at another figure.
+    text = str(node.value).replace("_", "")
+    try:
+        written = Decimal(text)
+    except InvalidOperation:  # .inf, .nan: no digits to lose
+        return
+    if written != Decimal(repr(value)):
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"{text} has more digits than a YAML number keeps (read as {value!r}, not the figure "
+            "written): write fewer (a price or a cost has at most 6 decimal places)",
             _bare(node.start_mark),
         )
 
@@ -90,7 +109,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
         _refuse_another_figure(node)
-        return float(super().construct_yaml_float(node))
+        value = float(super().construct_yaml_float(node))
+        _refuse_a_rounded_float(node, value)
+        return value
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)

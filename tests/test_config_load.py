@@ -428,6 +428,37 @@ def test_a_yaml_11_octal_or_base_60_number_is_refused_not_read_as_another_figure
 
 
 @pytest.mark.parametrize(
+    ("text", "figure"),
+    [
+        (
+            "models:\n  '*': {upstream: openai, price_per_million: {input: 2.5000000000000001, output: 1}}\n",
+            "2.5000000000000001",
+        ),
+        (
+            "models:\n  '*': {upstream: openai, price_per_million: {input: 1.0000000000000001, output: 1}}\n",
+            "1.0000000000000001",
+        ),
+        ("tiers: {standard: {run: {cost_usd: 100.00000000000000001}}}\n", "100.00000000000000001"),
+    ],
+)
+def test_a_yaml_float_with_more_digits_than_it_keeps_is_refused_not_rounded(
+    tmp_path: Path, text: str, figure: str
+) -> None:
+    """Unquoted, YAML reads a float, which rounds the 7th+ decimal places away before the six
+    places check: ``input: 2.5000000000000001`` was taken as a price of 2.5 (the config hunt)."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text(HEAD + text)
+    with pytest.raises(ConfigError, match=re.escape(figure) + " has more digits"):
+        load_config(path, {})
+    # Quoted, it is a decimal the six places check refuses; with the digits a float keeps, taken.
+    path.write_text(HEAD + text.replace(figure, f"'{figure}'"))
+    with pytest.raises(ConfigError):
+        load_config(path, {})
+    path.write_text(HEAD + text.replace(figure, "2.500001"))
+    load_config(path, {})
+
+
+@pytest.mark.parametrize(
     ("text", "field"),
     [
         ("listen: {port: off}\n", "listen.port"),  # 0: a random free port
