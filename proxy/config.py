@@ -28,7 +28,7 @@ from pydantic import (
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 from yarl import URL
 
-from proxy.config_base import OTHER_MODEL, Frozen, Period, not_a_bool
+from proxy.config_base import OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_tiers import TierConfig
@@ -59,6 +59,11 @@ class RedisConfig(Frozen):
     data_dir: Path = Path(".llm-billing-proxy/redis")
     pool_size: int = Field(default=64, ge=1)
     socket_timeout_s: float = Field(default=5.0, gt=0)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir_usable(cls, value: Path) -> Path:
+        return a_path_the_system_takes(value)
 
     @field_validator("url")
     @classmethod
@@ -335,6 +340,11 @@ class Config(Frozen):
     # Secrets resolved at load time: sha256 digests of keys given by env var.
     key_digests: tuple[tuple[str, KeyConfig], ...] = Field(default=(), exclude=True)
     admin_digests: tuple[str, ...] = Field(default=(), exclude=True)
+
+    @field_validator("journal_dir")
+    @classmethod
+    def _journal_dir_usable(cls, value: Path) -> Path:
+        return a_path_the_system_takes(value)
 
     @field_validator("event_loop")
     @classmethod

@@ -4,10 +4,12 @@ and the constants (limits, units, reserved names) more than one of them reads.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from decimal import Decimal
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Literal, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
@@ -46,6 +48,18 @@ def not_a_bool(value: Any, what: str = "a token count") -> Any:
     ``mode="before"`` field validator."""
     if isinstance(value, bool):
         raise ValueError(f"{what}, not true or false")
+    return value
+
+
+def a_path_the_system_takes(value: Path) -> Path:
+    """``value``, if the system can name a file by it; ValueError if not. A NUL byte (or a
+    character no file name encodes) passed check-config, then the start raised a traceback."""
+    try:
+        named = os.fsencode(value)
+    except UnicodeEncodeError:
+        raise ValueError("a path no file name can hold (a character the file system cannot encode)") from None
+    if b"\0" in named:
+        raise ValueError("a path holds no NUL byte")
     return value
 
 

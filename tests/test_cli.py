@@ -80,6 +80,25 @@ def test_check_config_with_a_secret_that_is_not_utf8_exits_2_naming_it(tmp_path:
     assert "environment variable SECRET is not UTF-8 text" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('redis: {data_dir: "data\\0dir"}\n', "redis.data_dir"),
+        ('journal_dir: "journal\\0dir"\n', "journal_dir"),
+    ],
+)
+def test_check_config_with_a_directory_holding_a_nul_byte_exits_2_naming_it(
+    tmp_path: Path, line: str, field: str
+) -> None:
+    """check-config said ok, and serve then raised a traceback starting the embedded Redis or
+    opening the journal (the config hunt)."""
+    path = tmp_path / "proxy.yaml"
+    path.write_text('upstreams: {openai: {base_url: "http://127.0.0.1:9/v1"}}\n' + line)
+    result = run_cli("check-config", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == f"llm-billing-proxy: {field}: a path holds no NUL byte"
+
+
 def test_serve_without_config_explains(tmp_path: Path) -> None:
     result = run_cli("serve")
     assert result.returncode == 2 and "--config" in result.stderr and "Traceback" not in result.stderr
