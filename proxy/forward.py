@@ -97,9 +97,11 @@ def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | N
 
 def operator_key_unset(upstream: UpstreamConfig, identity: Identity) -> bool:
     """Whether the operator's key would authorize a request of ``identity`` to ``upstream`` and
-    its variable (``api_key_env``) is unset or empty: such a call is not forwarded."""
-    if upstream.passthrough_auth and identity.upstream_key is not None:
-        return False
+    its variable (``api_key_env``) is unset or empty, or ``upstream`` takes its callers' own keys
+    and this caller (one with a proxy key) brought none, with no key of the operator's to go in
+    its place: such a call is not forwarded."""
+    if upstream.passthrough_auth:
+        return identity.upstream_key is None and operator_key_sent(upstream, identity) is None
     return bool(upstream.api_key_env) and upstream.api_key is None
 
 

@@ -201,6 +201,21 @@ async def test_an_upstream_key_variable_not_set_is_a_502_upstream_auth_not_the_c
     assert await ledger_entries(proxy, "unset") == []
 
 
+async def test_a_caller_with_a_proxy_key_to_an_upstream_taking_callers_keys_is_a_502_upstream_auth(
+    make_proxy: ProxyFactory, upstream: Upstream
+) -> None:
+    """An upstream marked passthrough_auth and no api_key_env, called with a proxy key: nothing
+    authorizes it. It went with no key, and the provider's 401 reached the caller as its own
+    (good) key refused."""
+    upstreams = {"openai": {"base_url": upstream.base_url, "timeout_s": 5, "passthrough_auth": True}}
+    proxy = await make_proxy(upstreams=upstreams)
+    status, headers, body = await request(proxy, CHAT, BODY, run="pt-no-key")
+    assert status == 502 and json.loads(body)["error"]["code"] == "upstream_auth", (status, body)
+    assert headers.get("x-should-retry") == "false"
+    assert upstream.calls == 0
+    assert await ledger_entries(proxy, "pt-no-key") == []
+
+
 def echo_error(said: str, stream: bool) -> web.StreamResponse:
     """A gateway's error echoing ``said``: a 400 JSON body, or an error event on a 200 stream."""
     error = {"error": {"message": said, "type": "invalid_request_error", "param": None, "code": None}}
