@@ -294,6 +294,20 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             param=template_param,
             code="unsupported_parameter",
         )
+    if isinstance(view, (ChatBody, CompletionBody)) and data.get("n_predict") is not None:
+        # llama.cpp's server reads its output cap from n_predict before max_tokens (-1: until the
+        # context is full), so the cap the proxy reserves and writes would not be the one it
+        # honours. Refused, not bounded: writing a field only one server reads into every path
+        # that caps (none asked, one asked, a model's cap, a clamp) is more to get wrong, and
+        # max_tokens caps llama.cpp alike.
+        raise BadRequest(
+            "'n_predict' is not supported through this proxy: it reserves a call's output before "
+            "forwarding it and caps the call there, and llama.cpp's server would honour "
+            "'n_predict' over that cap. Send the cap as 'max_tokens', which it reads when "
+            "'n_predict' is absent.",
+            param="n_predict",
+            code="unsupported_parameter",
+        )
     fallbacks = data.get("models")
     if fallbacks is not None and (not isinstance(fallbacks, list) or any(m != view.model for m in fallbacks)):
         # OpenRouter's fallback list: another model runs when the first errs (an error a caller

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from tests.conftest import KEY_A, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
-from tests.test_bad_input import Plan, ScriptedUpstream, assert_refused, dumps, send
+from tests.test_bad_input import Plan, ScriptedUpstream, assert_refused, dumps, scripted_upstreams, send
 from tests.test_budgets import meters, tiers
 from tests.test_stream_dialects import proxy_for
 
@@ -400,6 +400,43 @@ async def test_a_requests_own_chat_template_is_refused_before_anything_is_reserv
     )
     error = assert_refused(reply, 400)  # was: forwarded, reserved at 9 input tokens
     assert (error["param"], error["code"]) == (where, "unsupported_parameter")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100}),
+    ],
+)
+@pytest.mark.parametrize("n_predict", [4000, -1])
+async def test_llama_cpps_n_predict_is_refused_not_let_past_the_reserved_output_cap(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    path: str,
+    body: dict[str, Any],
+    n_predict: int,
+) -> None:
+    """llama.cpp's server reads its output cap from ``n_predict`` before ``max_tokens`` (-1: until
+    the context is full), on chat and legacy completions alike. A call reserved at the model's 300
+    (and sent ``max_tokens: 300``) went out with ``n_predict`` as sent, and the server wrote and
+    billed 4,000 tokens against a run ceiling of 300 (the caps hunt). A null one is unset, as
+    llama.cpp reads it: forwarded."""
+    upstreams = scripted_upstreams(script.base_url)
+    upstreams["openai"]["chat_output_cap_field"] = "max_tokens"  # as the README says for llama.cpp
+    proxy = await make_proxy(
+        upstreams=upstreams,
+        models={"*": {"upstream": "openai", "max_output_tokens": 300}},
+        tiers=tiers(run={"output_tokens": 300}),
+    )
+    request = {"model": "m", **body, "n_predict": n_predict}
+    reply = await send(proxy, lambda: script.received, redis_client, path, dumps(request))
+    error = assert_refused(reply, 400)  # was: forwarded, 4,000 output tokens billed
+    assert (error["param"], error["code"]) == ("n_predict", "unsupported_parameter")
+    unset = {"model": "m", **body, "n_predict": None}
+    reply = await send(proxy, lambda: script.received, redis_client, path, dumps(unset))
+    assert reply.upstream_calls == 1, reply.describe()
 
 
 @pytest.mark.parametrize(
