@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from aiohttp import http_exceptions, web, web_protocol
+from aiohttp import hdrs, http_exceptions, web, web_protocol
 
 from proxy.dialects import Dialect, dialect_of_path
 from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable, error_object
@@ -103,12 +103,38 @@ def answer_parser_errors_as_json() -> None:
     web_protocol.RequestHandler.handle_error = _handle_parser_error  # type: ignore[method-assign]
 
 
+def undecoded_after(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
+    """``response``, after which what is left of a compressed request body not read to its end
+    is not decoded. aiohttp reads an unread body's rest after the answer (for up to 10 s, its
+    lingering, so that a client still sending reads the answer rather than a reset), and a
+    compressed rest is decoded as it is read: while its decoder has output the read never
+    yields, so a few KiB of Brotli that decode to GiBs froze the worker's loop for seconds,
+    every call on it waiting, no key needed. Such a connection is closed after the answer
+    ("Connection: close"): from now on what the client sends is read and dropped undecoded (a
+    closing protocol's ``data_received`` takes nothing, nor does the parser's resume) while
+    aiohttp lingers. The protocol's ``force_close`` instead (the response's does not stop the
+    lingering) closed the transport at once, with bytes unread: a client still sending got a
+    reset in place of its answer. An uncompressed rest is read as ever, bounded by what the
+    client sends."""
+    coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if coding not in ("", "identity") and not request.content.is_eof():
+        response.force_close()
+        request.protocol.close()
+    return response
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], object]
 ) -> web.StreamResponse:
     """Every error leaves in the format of the API called (OpenAI's, or Anthropic's on
-    ``/v1/messages``); no stack trace ever reaches a client."""
+    ``/v1/messages``); no stack trace ever reaches a client. A compressed body left unread is
+    not decoded after the answer (``undecoded_after``): a refusal's, the router's 404 and 405
+    too."""
+    return undecoded_after(request, await _answer(request, handler))
+
+
+async def _answer(request: web.Request, handler: Callable[[web.Request], object]) -> web.StreamResponse:
     state = request.app[STATE]
     request[REQUEST_ID] = request_id_for(request, state.ids)
     limit = state.config.limits.max_header_bytes

@@ -22,7 +22,7 @@ from proxy.billing_views import key_self, run_ledger, run_meters
 from proxy.call import Call
 from proxy.config import Config
 from proxy.dialects import DIALECTS, Dialect, dialect_of_path
-from proxy.error_answers import body_refusal
+from proxy.error_answers import body_refusal, undecoded_after
 from proxy.errors import (
     ApiError,
     BadRequest,
@@ -372,13 +372,14 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     expect = request.headers.get(hdrs.EXPECT, "")
     if expect.lower() != "100-continue":
         dialect = dialect_of_path(request.path)
-        return dialect.error_response(
+        refused = dialect.error_response(
             417,
             f"Unknown Expect: {expect[:100]}",
             "invalid_request_error",
             code="expectation_failed",
             headers=dialect.id_headers(request_id_for(request, request.app[STATE].ids)),
         )
+        return undecoded_after(request, refused)  # answered before any middleware
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the response proper has not started
     return None
@@ -401,7 +402,8 @@ async def expect_continue_once_known(request: web.Request) -> web.StreamResponse
         # The body was never asked for: a client that leaves it unsent and reuses the connection
         # would have its next request read as that body. The connection ends with this answer.
         refused.force_close()
-        return refused
+        # A client may send its body without waiting: a compressed one is not decoded either.
+        return undecoded_after(request, refused)
     return await expect_continue(request)
 
 

@@ -4,16 +4,29 @@ it is sent, as an unknown key is (before, the proxy answered ``100 Continue``, h
 uploaded, then refused them with 413; RFC 9110, 10.1.1, lets a server answer a final status
 instead); one that does not arrive whole within ``limits.body_timeout_s`` is a 408 that closes
 the connection (before, a stalled upload or a chunked body whose framing broke, which aiohttp
-never fails the read for, held its handler until the client left).
+never fails the read for, held its handler until the client left). A compressed body refused
+before it is read whole is not decoded after its answer (before, aiohttp's read of an unread body's
+rest, its lingering, decoded a few KiB of Brotli to GiBs in one run, the worker's loop frozen).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import brotli
+import pytest
+import redis.asyncio as aioredis
 
 from tests.conftest import KEY_A, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.test_bad_input import CHAT, assert_refused, send
+
+T = TypeVar("T")
 
 
 def announcing(length: int) -> bytes:
@@ -136,3 +149,71 @@ async def test_a_body_sent_in_parts_within_the_timeout_is_served(
     answer = await answer_to(proxy, head + body[:10], body[10:], pause_s=0.1)
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert len(fake.received) == 1
+
+
+@functools.cache
+def brotli_bomb() -> bytes:
+    """A chat body of 1 GiB of 'a' in its content, Brotli-compressed to under 1 KiB (made once:
+    0.8 s). Decoding it whole takes 1.5-2 s."""
+    compressor = brotli.Compressor(quality=3, lgwin=24)
+    block = b"a" * (16 * 1024 * 1024)
+    parts = [compressor.process(b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"')]
+    parts += [compressor.process(block) for _ in range(64)]
+    parts += [compressor.process(b'"}]}'), compressor.finish()]
+    return b"".join(parts)
+
+
+async def longest_stall(answer: Awaitable[T]) -> tuple[T, float]:
+    """``answer``'s result and the longest the event loop (the proxy's: it is the test's) went
+    without running a 5 ms ticker, while it came and for 0.5 s after (aiohttp lingers after it)."""
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            gaps.append(time.perf_counter() - last)
+            last += gaps[-1]
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.05)
+    result = await answer
+    await asyncio.sleep(0.5)
+    done.set()
+    await ticker
+    return result, max(gaps)
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "status"),
+    [
+        (CHAT, "sk-proxy-nobody", 401),  # refused before its body is read: no key needed
+        ("/v1/nothing-here", KEY_A, 404),  # the router's own
+        (CHAT, KEY_A, 413),  # read up to the limit, refused
+    ],
+    ids=["unauthenticated-401", "unknown-path-404", "past-the-limit-413"],
+)
+async def test_a_compressed_body_refused_unread_is_not_decoded_after_its_answer(
+    proxy: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis, path: str, key: str, status: int
+) -> None:
+    body = brotli_bomb()
+    headers = {"Content-Encoding": "br", "Authorization": f"Bearer {key}"}
+    reply, stall = await longest_stall(
+        send(proxy, lambda: fake.received, redis_client, path, body, headers=headers)
+    )
+    assert_refused(reply, status)  # the answer arrives whole before the connection ends
+    assert stall < 0.5, f"the event loop froze {stall:.2f} s for one {len(body)}-byte request"
+    assert reply.headers.get("Connection", "").lower() == "close", reply.describe()
+
+
+async def test_a_compressed_body_sent_despite_its_refused_expectation_is_not_decoded(proxy: Proxy) -> None:
+    # The expectation's refusal is answered before any middleware; a client may send its body
+    # without waiting for 100 Continue.
+    body = brotli_bomb()
+    head = announcing(len(body)).replace(KEY_A.encode(), b"sk-nobody")
+    head = head.replace(b"Expect:", b"Content-Encoding: br\r\nExpect:")
+    answer, stall = await longest_stall(answer_to(proxy, head + body))
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:300]
+    assert stall < 0.5, f"the event loop froze {stall:.2f} s for one {len(body)}-byte request"
