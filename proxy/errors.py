@@ -129,8 +129,8 @@ class UpstreamKeyUnset(ApiError):
 
     def __init__(self) -> None:
         super().__init__(
-            "The proxy has no key for the upstream (its environment variable is not set, or the "
-            "upstream takes its callers' own keys and none came); the call was not forwarded.",
+            "The proxy has no key for the upstream (its environment variable is not set); "
+            "the call was not forwarded.",
             # Not one a retry mends: the variable is read at start and on a reload.
             headers={"x-should-retry": "false"},
         )

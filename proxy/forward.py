@@ -97,12 +97,18 @@ def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | N
 
 def operator_key_unset(upstream: UpstreamConfig, identity: Identity) -> bool:
     """Whether the operator's key would authorize a request of ``identity`` to ``upstream`` and
-    its variable (``api_key_env``) is unset or empty, or ``upstream`` takes its callers' own keys
-    and this caller (one with a proxy key) brought none, with no key of the operator's to go in
-    its place: such a call is not forwarded."""
-    if upstream.passthrough_auth:
-        return identity.upstream_key is None and operator_key_sent(upstream, identity) is None
+    its variable (``api_key_env``) is unset or empty: such a call is not forwarded."""
+    if caller_key_sent(upstream, identity):
+        return False
     return bool(upstream.api_key_env) and upstream.api_key is None
+
+
+def caller_key_sent(upstream: UpstreamConfig, identity: Identity) -> bool:
+    """Whether the caller's own key goes to ``upstream`` (a pass-through caller's): the one
+    case where the upstream refusing its credentials is the caller's to hear. Otherwise the
+    operator's credentials went, or none did (an upstream configured without a key, a
+    pass-through upstream called with a proxy key): a refusal is the operator's to mend."""
+    return upstream.passthrough_auth and identity.upstream_key is not None
 
 
 def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[bytes, ...]:

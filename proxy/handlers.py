@@ -38,9 +38,9 @@ from proxy.errors import (
 )
 from proxy.estimate import Estimate, counted
 from proxy.forward import (
+    caller_key_sent,
     feature_headers,
     header_list,
-    operator_key_sent,
     operator_key_unset,
     operator_secrets,
     provider_headers,
@@ -274,7 +274,6 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         return error_response(
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
-    key = operator_key_sent(upstream, identity)
     secrets = operator_secrets(upstream, identity)
     body = scrubbed(body, secrets)
     passed = provider_headers(resp, secrets)
@@ -287,9 +286,10 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             code="upstream_redirect",
             headers={"x-should-retry": "false"},
         )
-    if resp.status in (401, 403) and key is not None:
-        # The upstream refused the proxy's own credentials: not the caller's fault, whatever the
-        # body (a gateway in front of the provider refuses its basic auth with a page of HTML).
+    if resp.status in (401, 403) and not caller_key_sent(upstream, identity):
+        # The upstream refused the proxy's own credentials (or none: an upstream configured
+        # without a key): not the caller's fault, whatever the body (a gateway in front of the
+        # provider refuses its basic auth with a page of HTML).
         return error_response(
             502,
             f"The upstream refused the proxy's credentials (HTTP {resp.status}).",

@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.events import EventFilter
-from proxy.forward import BodyTooLarge, read_limited
+from proxy.forward import BodyTooLarge, caller_key_sent, read_limited
 from proxy.observe import Observation, parse_json, parse_usage
 from proxy.outcome import ZERO_USAGE, BilledUsage, Outcome, OutcomeTag, classify_answer, provider_usage
 
@@ -248,9 +248,10 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
         )
     settlement = await ex.settle(Outcome(tag), usage)
     headers = ex.headers(settlement)
-    if status in (401, 403) and ex.operator_key is not None:
-        # The upstream refused the proxy's own credentials: not the caller's fault, and not one
-        # a retry mends (the SDK retries a 502 unless told not to: each retry a billed call).
+    if status in (401, 403) and not caller_key_sent(ex.call.upstream, ex.call.identity):
+        # The upstream refused the proxy's own credentials, or the call it sent with none (an
+        # upstream configured without a key): not the caller's fault, and not one a retry mends
+        # (the SDK retries a 502 unless told not to: each retry a billed call).
         headers["x-should-retry"] = "false"
         return ex.error(
             502,

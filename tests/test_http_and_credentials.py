@@ -201,19 +201,52 @@ async def test_an_upstream_key_variable_not_set_is_a_502_upstream_auth_not_the_c
     assert await ledger_entries(proxy, "unset") == []
 
 
-async def test_a_caller_with_a_proxy_key_to_an_upstream_taking_callers_keys_is_a_502_upstream_auth(
-    make_proxy: ProxyFactory, upstream: Upstream
+@pytest.mark.parametrize("passthrough", [False, True], ids=["no-key", "passthrough-with-a-proxy-key"])
+@pytest.mark.parametrize("route", ["json", "stream", "models"])
+async def test_an_upstream_sent_no_key_refusing_the_call_is_a_502_upstream_auth(
+    make_proxy: ProxyFactory, upstream: Upstream, passthrough: bool, route: str
 ) -> None:
-    """An upstream marked passthrough_auth and no api_key_env, called with a proxy key: nothing
-    authorizes it. It went with no key, and the provider's 401 reached the caller as its own
-    (good) key refused."""
-    upstreams = {"openai": {"base_url": upstream.base_url, "timeout_s": 5, "passthrough_auth": True}}
-    proxy = await make_proxy(upstreams=upstreams)
-    status, headers, body = await request(proxy, CHAT, BODY, run="pt-no-key")
+    """An upstream configured without a key (none at all, or one taking its callers' own keys
+    called with a proxy key) is sent none: a provider that wants one refuses it, and its 401
+    reached the caller as its own (good) key refused. The operator's to mend, as a refused key
+    of the operator's is; a server that needs no key still answers (below)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        assert "Authorization" not in request.headers
+        error = {"error": {"message": "Missing API key", "type": "x", "code": "invalid_api_key"}}
+        return web.json_response(error, status=401)
+
+    upstream.handler = handler
+    openai_upstream: JsonDict = {"base_url": upstream.base_url, "timeout_s": 5}
+    if passthrough:
+        openai_upstream["passthrough_auth"] = True
+    proxy = await make_proxy(upstreams={"openai": openai_upstream})
+    if route == "models":
+        status, headers, body = await request(proxy, "/v1/models", None, method="GET")
+    else:
+        status, headers, body = await request(proxy, CHAT, {**BODY, "stream": route == "stream"})
     assert status == 502 and json.loads(body)["error"]["code"] == "upstream_auth", (status, body)
     assert headers.get("x-should-retry") == "false"
-    assert upstream.calls == 0
-    assert await ledger_entries(proxy, "pt-no-key") == []
+    assert upstream.calls == 1
+
+
+@pytest.mark.parametrize("passthrough", [False, True], ids=["no-key", "passthrough-with-a-proxy-key"])
+async def test_an_upstream_that_needs_no_key_is_called_without_one(
+    make_proxy: ProxyFactory, upstream: Upstream, passthrough: bool
+) -> None:
+    """A local server (llama.cpp, vLLM without --api-key) configured without a key answers."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.json_response(ANSWER)
+
+    upstream.handler = handler
+    openai_upstream: JsonDict = {"base_url": upstream.base_url, "timeout_s": 5}
+    if passthrough:
+        openai_upstream["passthrough_auth"] = True
+    proxy = await make_proxy(upstreams={"openai": openai_upstream})
+    status, _, body = await request(proxy, CHAT, BODY)
+    assert status == 200, body
+    assert upstream.calls == 1
 
 
 def echo_error(said: str, stream: bool) -> web.StreamResponse:
