@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import ProxyFactory
-from tests.memory_held import MB, alive_when_called, split
+from tests.memory import MB, alive_when_awaited, split
 from tests.test_bad_input import Plan, ScriptedUpstream, send
 from tests.test_pricing_kinds import _entry, _post
 from tests.test_tool_fees import ANSWER, SEARCH_ITEM, _proxy, _response
@@ -152,7 +152,7 @@ async def test_a_json_answer_is_not_held_twice_as_chunks_and_their_join_when_par
     proxy = await proxy_before(make_proxy, script.base_url)
     path, request = CHAT
     data = dumps({**request, "stream": stream})
-    reply, alive = await alive_when_called(
+    reply, alive = await alive_when_awaited(
         monkeypatch,
         relay_body_module,
         "parse_json",

@@ -20,7 +20,7 @@ from proxy.auth import Identity
 from proxy.config import UpstreamConfig
 from proxy.forward import operator_secrets, scrubbed, url_credentials
 from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory
-from tests.memory_held import MB, split
+from tests.memory import MB, split
 from tests.test_bad_input import Plan, Reply, ScriptedUpstream, send
 from tests.test_pricing_kinds import _entry, _post
 from tests.test_tool_fees import SEARCH_ITEM, _proxy, _response
