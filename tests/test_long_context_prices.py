@@ -16,7 +16,7 @@ from tests.test_config import UP, error_of
 from tests.test_pricing_kinds import _chat_answer, _claude_message, _entry, _post
 from tests.test_stream_dialects import ev
 from tests.test_tool_fees import SEARCH_MICROS, WEB_SEARCH
-from tests.test_tool_fees_and_tiers import SEARCH_RESULT, SEARCH_USE
+from tests.test_tool_fees_and_tiers import searched
 
 PRICE = {"input": "1.25", "cached_input": "0.125", "output": "10"}
 LONG = {"input": "2.5", "cached_input": "0.25", "output": "15"}
@@ -236,14 +236,7 @@ async def test_an_input_told_before_a_server_tool_ran_keeps_the_long_context_pri
     }
     proxy = await make_proxy(upstreams={"anthropic": upstream}, models={"claude-long": model})
     start = {**_claude_message({"input_tokens": 5, "output_tokens": 1}), "content": []}
-    parts = [
-        ev("message_start", {"message": start}),
-        ev("content_block_start", {"index": 0, "content_block": SEARCH_USE}),
-        ev("content_block_stop", {"index": 0}),
-        ev("content_block_start", {"index": 1, "content_block": SEARCH_RESULT}),
-        ev("content_block_stop", {"index": 1}),
-    ]
-    script.plan = Plan(content_type="text/event-stream", chunks=[b"".join(parts)])
+    script.plan = Plan(content_type="text/event-stream", chunks=[b"".join(searched(start))])
     request = {
         "model": "claude-long",
         "max_tokens": 100,

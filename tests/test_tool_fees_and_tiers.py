@@ -79,6 +79,17 @@ SEARCH_RESULT = {
 }
 
 
+def searched(start: dict[str, Any]) -> list[bytes]:
+    """A Messages stream's events up to a web search's result (``start``: message_start's)."""
+    return [
+        ev("message_start", {"message": start}),
+        ev("content_block_start", {"index": 0, "content_block": SEARCH_USE}),
+        ev("content_block_stop", {"index": 0}),
+        ev("content_block_start", {"index": 1, "content_block": SEARCH_RESULT}),
+        ev("content_block_stop", {"index": 1}),
+    ]
+
+
 def _claude_searching_stream() -> Plan:
     """A search, its result, then text that streams slowly (the client leaves in it)."""
     start = {**_claude_message({}), "content": [], "stop_reason": None}
@@ -222,11 +233,7 @@ async def test_an_anthropic_search_the_final_usage_does_not_count_is_billed(
         start["usage"] = {"input_tokens": 10, "output_tokens": 1}
         text = {"type": "text", "text": ""}
         parts = [
-            ev("message_start", {"message": start}),
-            ev("content_block_start", {"index": 0, "content_block": SEARCH_USE}),
-            ev("content_block_stop", {"index": 0}),
-            ev("content_block_start", {"index": 1, "content_block": SEARCH_RESULT}),
-            ev("content_block_stop", {"index": 1}),
+            *searched(start),
             ev("content_block_start", {"index": 2, "content_block": text}),
             ev("content_block_delta", {"index": 2, "delta": {"type": "text_delta", "text": "Found it."}}),
             ev("content_block_stop", {"index": 2}),
