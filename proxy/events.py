@@ -34,7 +34,7 @@ from proxy.chunks import (
     without_usage_null,
 )
 from proxy.dialects import Dialect
-from proxy.observe import LOOSE_PIECES, Observation, Pieces, parse_event_data, pieces_of, string_end
+from proxy.observe import Observation, Pieces, parse_event_data, pieces_of, string_end
 
 # Tries at learning a template per stream: a stream whose events never fit one stops trying.
 _TEMPLATE_TRIES = 3
@@ -170,10 +170,7 @@ class EventFilter:
         if LF in text or CR in text or text in PARSED_TEXTS or odd_texts(text):
             return False
         if text:
-            sink = self._sink
-            sink.append(text)
-            if len(sink) - sink.floor >= LOOSE_PIECES:
-                sink.compact()
+            self._sink.add(text)
         self.obs.chunks += 1
         if self._tier is not None:
             self.obs.service_tier = self._tier

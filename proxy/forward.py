@@ -88,7 +88,7 @@ def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | N
     of its ``base_url`` (a gateway's basic auth). Its refusal is the operator's problem, not the
     caller's, and every tenant's call then goes out as one account's. What an echo of it would
     show is ``operator_secrets``."""
-    if upstream.passthrough_auth and identity.upstream_key is not None:
+    if caller_key_sent(upstream, identity):
         return None
     if upstream.api_key is not None and (key := upstream.api_key.get_secret_value().encode()):
         return key

@@ -201,6 +201,11 @@ class Pieces(list[_Piece], Generic[_Piece]):
         super().__init__()
         self.floor = 0
 
+    def add(self, piece: _Piece) -> None:
+        self.append(piece)
+        if len(self) - self.floor >= LOOSE_PIECES:
+            self.compact()
+
     def compact(self) -> None:
         """Join the pieces after ``floor``: those of one type in a row into one (the text reads
         the same: ``Observation.content_of`` joins them so too)."""
@@ -300,10 +305,7 @@ class Observation:
         if isinstance(piece, str) and piece:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            pieces = pieces_of(self.contents, index) if content else pieces_of(self.extras, index)
-            pieces.append(piece)
-            if len(pieces) - pieces.floor >= LOOSE_PIECES:
-                pieces.compact()
+            (pieces_of(self.contents, index) if content else pieces_of(self.extras, index)).add(piece)
 
     def content_mark(self, index: int) -> int:
         """Where choice ``index``'s content goes on from: its pieces from there are never joined
@@ -330,7 +332,7 @@ class Observation:
         if escaped:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            self._add_raw(index, escaped)
+            pieces_of(self.contents, index).add(escaped)
 
     def raw_run(self, index: int, escaped: bytes, events: int) -> None:
         """The texts of ``events`` content events at once, still JSON-escaped and joined."""
@@ -338,13 +340,7 @@ class Observation:
         if escaped:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            self._add_raw(index, escaped)
-
-    def _add_raw(self, index: int, escaped: bytes) -> None:
-        pieces = pieces_of(self.contents, index)
-        pieces.append(escaped)
-        if len(pieces) - pieces.floor >= LOOSE_PIECES:
-            pieces.compact()
+            pieces_of(self.contents, index).add(escaped)
 
     def _choice(self, choice: dict[str, Any], part: dict[str, Any] | None, position: int) -> None:
         index = choice.get("index")
