@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -40,9 +39,9 @@ BENCH = ROOT / "bench"
 sys.path.insert(0, str(ROOT))
 
 from bench.ab import worktree  # noqa: E402
-from bench.procstats import Server, start_ready_line, wait_http_ok  # noqa: E402
-from bench.run import start_upstream  # noqa: E402
-from bench.scenarios import KEYS, SCENARIOS, UPSTREAM_KEY, proxy_config  # noqa: E402
+from bench.procstats import Server, start_ready_line  # noqa: E402
+from bench.run import start_proxy, start_upstream  # noqa: E402
+from bench.scenarios import KEYS, SCENARIOS, proxy_config  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 
 PYTHON = sys.executable
@@ -63,26 +62,12 @@ def callgrind(out_dir: Path, arm: str) -> list[str]:
 def start_arm(arm: str, workdir: Path, upstream_url: str, redis_url: str, root: Path) -> Server:
     wrap = callgrind(workdir, arm)
     if arm in ("proxy", "base"):
-        config_path = workdir / f"{arm}.yaml"
-        config = proxy_config(free_port(), upstream_url, redis_url, "info")
-        config_path.write_text(yaml.safe_dump(config))
-        log_path = workdir / f"{arm}.log"
-        env = {"BENCH_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(root)}
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [*wrap, PYTHON, "-m", "proxy", "serve", "--config", str(config_path)],
-                stdout=log,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                cwd=str(root),
-                env={**os.environ, **env},
-            )
-        url = f"http://127.0.0.1:{config['listen']['port']}"
-        server = Server(arm, process, url, log_path)
-        wait_http_ok(url + "/readyz", server, timeout_s=START_TIMEOUT_S)
-        if process.poll() is not None:
-            raise SystemExit(f"instr_cost: {arm} exited at start:\n{server.log_tail()}")
-        return server
+        (workdir / arm).mkdir(exist_ok=True)
+        config_path = workdir / arm / "proxy.yaml"
+        config_path.write_text(yaml.safe_dump(proxy_config(free_port(), upstream_url, redis_url, "info")))
+        return start_proxy(
+            config_path, workdir / arm, None, root=root, wrap=wrap, ready_timeout_s=START_TIMEOUT_S
+        )
     argv = [*wrap, PYTHON, str(BENCH / "relay.py"), "--upstream", upstream_url, "--port", "0"]
     if arm != "relay":
         argv.append("--uvloop")

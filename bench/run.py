@@ -85,11 +85,19 @@ def start_upstream(
 
 
 def start_proxy(
-    config_path: Path, workdir: Path, workers: int | None, *, root: Path = ROOT, python: str = PYTHON
+    config_path: Path,
+    workdir: Path,
+    workers: int | None,
+    *,
+    root: Path = ROOT,
+    python: str = PYTHON,
+    wrap: Sequence[str] = (),
+    ready_timeout_s: float = 60.0,
 ) -> Server:
     """The proxy of the source tree ``root`` on the interpreter ``python`` (``bench/ab.py`` runs
-    two trees, or two interpreters, side by side)."""
-    argv = [python, "-m", "proxy", "serve", "--config", str(config_path)]
+    two trees, or two interpreters, side by side), under ``wrap`` (``bench/instr_cost.py``:
+    valgrind, whose start takes longer than ``ready_timeout_s``'s default)."""
+    argv = [*wrap, python, "-m", "proxy", "serve", "--config", str(config_path)]
     if workers is not None:
         argv += ["--workers", str(workers)]
     env = {**os.environ, "BENCH_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(root)}
@@ -101,7 +109,7 @@ def start_proxy(
     config = yaml.safe_load(config_path.read_text())
     url = f"http://127.0.0.1:{config['listen']['port']}"
     server = Server("proxy", process, url, log_path)
-    wait_http_ok(url + "/readyz", server, timeout_s=60)
+    wait_http_ok(url + "/readyz", server, timeout_s=ready_timeout_s)
     if process.poll() is not None:
         tail = server.log_tail()
         hint = ""
