@@ -131,23 +131,26 @@ async def error_middleware(
     ``/v1/messages``); no stack trace ever reaches a client. A compressed body left unread is
     not decoded after the answer (``undecoded_after``): a refusal's, the router's 404 and 405
     too."""
-    return undecoded_after(request, await _answer(request, handler))
-
-
-async def _answer(request: web.Request, handler: Callable[[web.Request], object]) -> web.StreamResponse:
     state = request.app[STATE]
     request[REQUEST_ID] = request_id_for(request, state.ids)
     limit = state.config.limits.max_header_bytes
     if sum(map(len, itertools.chain.from_iterable(request.raw_headers))) > limit:
-        return _error(request, 431, f"The request headers exceed {limit} bytes.", code="headers_too_large")
+        answer = _error(request, 431, f"The request headers exceed {limit} bytes.", code="headers_too_large")
+        return undecoded_after(request, answer)
     try:
         response = await handler(request)  # type: ignore[misc]
         assert isinstance(response, web.StreamResponse)
         if not response.prepared:  # a stream's went out with its headers
             for name, value in _dialect(request).id_headers(request[REQUEST_ID]).items():
                 response.headers.setdefault(name, value)
-        return response
-    except ApiError as err:
+    except Exception as err:
+        return undecoded_after(request, _answer_to(request, err))
+    return undecoded_after(request, response)
+
+
+def _answer_to(request: web.Request, err: Exception) -> web.StreamResponse:
+    """The answer to what a handler raised (called while it is handled: its traceback logged)."""
+    if isinstance(err, ApiError):
         return _error(
             request,
             err.status,
@@ -157,12 +160,12 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], object]
             code=err.code,
             headers=err.headers,
         )
-    except StoreError:
+    if isinstance(err, StoreError):
         down = StoreUnavailable()
         return _error(
             request, down.status, down.message, down.error_type, code=down.code, headers=down.headers
         )
-    except web.HTTPException as err:
+    if isinstance(err, web.HTTPException):
         if err.status == 404:
             message = (
                 f"Unknown endpoint {request.method} {request.path}: this proxy forwards only calls "
@@ -177,10 +180,9 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], object]
             too_large = BodyTooLarge()
             return _error(request, too_large.status, too_large.message, code=too_large.code)
         return _error(request, err.status, err.reason)
-    except Exception:
-        log.exception("unhandled error", extra={"path": request.path})
-        message = "Internal proxy error; the call was not forwarded or was settled."
-        return _error(request, 500, message, "server_error")
+    log.exception("unhandled error", extra={"path": request.path})
+    message = "Internal proxy error; the call was not forwarded or was settled."
+    return _error(request, 500, message, "server_error")
 
 
 def _error(
