@@ -15,7 +15,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.redis_failures import NOT_RUN_ERRORS, STORE_FAILURES, never_sent, sent_before, transient
-from proxy.resp import ConnectionLost, PipelinedConnection, RespError
+from proxy.resp import ConnectionLost, Packed, PipelinedConnection, RespError
 
 SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
 
@@ -45,7 +45,20 @@ class ScriptRunner:
         on_sent: Callable[[], None] | None = None,
     ) -> Any:
         if self._pipe is not None:
-            return await self._piped_script(name, keys, args, on_sent)
+            return await self._piped_script(name, len(keys), (*keys, *args), (), on_sent)
+        return await self._client_script(name, len(keys), [*keys, *args])
+
+    async def _script_parts(
+        self, name: str, key_count: int, parts: Sequence[tuple[Any, ...] | Packed]
+    ) -> Any:
+        """``_script`` with its keys and arguments in parts, some packed once for many calls
+        (``Packed``): the first ``key_count`` of them are its keys."""
+        if self._pipe is not None:
+            return await self._piped_script(name, key_count, (), parts, None)
+        flat = [a for part in parts for a in (part.args if isinstance(part, Packed) else part)]
+        return await self._client_script(name, key_count, flat)
+
+    async def _client_script(self, name: str, key_count: int, keys_and_args: list[Any]) -> Any:
         # redis-py (a Cluster, or TLS: rediss://) does not say when a command is written: ``on_sent``
         # is not called.
         source, sha = self._scripts[name]
@@ -54,10 +67,10 @@ class ScriptRunner:
         ran_before = False
         try:
             try:
-                return await self._client.evalsha(sha, len(keys), *keys, *args)
+                return await self._client.evalsha(sha, key_count, *keys_and_args)
             except NoScriptError as err:
                 ran_before = sent_before(err)
-                return await self._client.eval(source, len(keys), *keys, *args)
+                return await self._client.eval(source, key_count, *keys_and_args)
         except STORE_FAILURES as err:
             if ran_before or sent_before(err):
                 raise StoreError(f"{name}: {err}", maybe_applied=True) from err
@@ -70,17 +83,24 @@ class ScriptRunner:
             raise StoreError(f"{name}: {err}", maybe_applied=not never_sent(err)) from err
 
     async def _piped_script(
-        self, name: str, keys: Sequence[str], args: Sequence[Any], on_sent: Callable[[], None] | None
+        self,
+        name: str,
+        key_count: int,
+        keys_and_args: tuple[Any, ...],
+        parts: Sequence[tuple[Any, ...] | Packed],
+        on_sent: Callable[[], None] | None,
     ) -> Any:
         assert self._pipe is not None
         source, sha = self._scripts[name]
         try:
             try:
-                return await self._pipe.call("EVALSHA", sha, len(keys), *keys, *args, on_sent=on_sent)
+                return await self._pipe.call(
+                    "EVALSHA", sha, key_count, *keys_and_args, on_sent=on_sent, parts=parts
+                )
             except RespError as err:
                 if not str(err).startswith("NOSCRIPT"):
                     raise
-                return await self._pipe.call("EVAL", source, len(keys), *keys, *args)
+                return await self._pipe.call("EVAL", source, key_count, *keys_and_args, parts=parts)
         except RespError as err:
             if transient(err):
                 raise StoreError(f"{name}: {err}") from err

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 # How long a settled reservation's marker is kept (see settle.bill_if_lost_until_ms).
 DEFAULT_SETTLED_MARKER_TTL_S = 3600
@@ -58,6 +58,9 @@ class Scope:
     # What ``reserve.lua`` is given of it: its TTL, whether it holds, a ceiling per reserved
     # meter (-1: none). Built once: a key's window scopes serve its calls for a minute.
     reserve_args: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # A store's own encoding of the scope, made by its first reserve and kept as long as the scope
+    # (``RedisStore.reserve``: its key and ``reserve_args`` packed for Redis once).
+    packed: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ceilings = tuple(self.ceilings.get(m, -1) for m in RESERVED_METERS)

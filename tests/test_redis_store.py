@@ -145,6 +145,20 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
     assert entry["outcome"] == "ok" and entry["id"] == entry_id
 
 
+async def test_a_scopes_arguments_are_packed_once_for_all_its_reserves(store: RedisStore) -> None:
+    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
+    scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)  # the key's: the last test's too
+    first = await reserve(store, "r1", scopes)
+    packed = [s.packed for s in scopes]
+    assert all(p is not None for p in packed)
+    second = await reserve(store, "r2", scopes)
+    assert all(a is b for a, b in zip(packed, [s.packed for s in scopes], strict=True))
+    assert isinstance(first, Reservation) and isinstance(second, Reservation)
+    for scope in scopes:  # both reserves held where the scope holds, from the packed arguments
+        held = await store.meters(scope.key)
+        assert held["total_tokens"].reserved == (60 if scope.holds else 0), scope.name
+
+
 async def test_a_settle_writes_each_scope_once(redis_server: RedisServerProcess, redis_client: Any) -> None:
     """One HMGET and one HSET per scope, whatever the number of meters (a command from a script
     costs Redis a few microseconds, mostly outside the command): it made one HINCRBY per meter

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import hiredis
 import pytest
 import redis.asyncio as aioredis
 
 from proxy.redis_server import RedisServerProcess
-from proxy.resp import ConnectionLost, PipelinedConnection, RespError
+from proxy.resp import ConnectionLost, PipelinedConnection, RespError, encode, pack
 from tests.conftest import KEY_A, ProxyFactory, busy_script, refused_port
 
 
@@ -22,6 +23,29 @@ async def test_every_kind_of_argument_arrives_as_sent(redis_server: RedisServerP
         args = (b"\x00raw\r\nbytes", "ünïcödé ✓", -1, 0, 2**62, '{"json": ["x"]}', "")
         got = await pipe.call("EVAL", "return ARGV", 0, *args)
         assert got == ["\x00raw\r\nbytes", "ünïcödé ✓", "-1", "0", str(2**62), '{"json": ["x"]}', ""]
+    finally:
+        await pipe.close()
+
+
+def test_a_command_in_parts_packs_byte_for_byte_as_in_one() -> None:
+    head = ("EVALSHA", "a" * 40, 3, "k1")
+    parts = (pack("k2", b"\x00raw"), (), ("ünï", -1), pack(), pack(0, 2**62, ""), (7,))
+    flat = (*head, "k2", b"\x00raw", "ünï", -1, 0, 2**62, "", 7)
+    assert encode(head, parts) == hiredis.pack_command(flat)
+    assert encode(head) == hiredis.pack_command(head)
+    assert pack("a", 1).count == 2 and pack().count == 0
+
+
+async def test_a_command_in_parts_arrives_as_sent(redis_server: RedisServerProcess) -> None:
+    pipe = PipelinedConnection(redis_server.url, timeout_s=5)
+    try:
+        got = await pipe.call(
+            "EVAL", "return {KEYS[1], ARGV[1], ARGV[2], ARGV[3]}", 1, parts=(pack("k"), ("a",), pack(1, "ü"))
+        )
+        assert got == ["k", "a", "1", "ü"]
+        with pytest.raises(TypeError):
+            await pipe.call("ECHO", parts=((True,),))  # hiredis packs no bool: nothing sent
+        assert await asyncio.wait_for(pipe.call("ECHO", parts=(pack("b"),)), 3) == "b"
     finally:
         await pipe.close()
 
