@@ -44,6 +44,9 @@ class PendingSettlement:
     # marked as its tenant's once the store is back (Store.claim_contexts), as the live settle
     # would have.
     owned_contexts: list[str] = field(default_factory=list)
+    # The marks alone (``marks_line``): the call's settle landed, the command marking its contexts
+    # failed (on a Cluster, another master than its tenant's). Applying it makes the marks only.
+    marks_only: bool = False
 
     async def apply(self, store: Store, on_sent: Callable[[], None] | None = None) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
@@ -196,6 +199,35 @@ async def apply_lines(
     return ended()
 
 
+def marks_line(*, tenant: str, reservation_id: str, run_id: str, ids: list[str]) -> PendingSettlement:
+    """A line making only the marks ``ids`` of a call whose settle has landed."""
+    return PendingSettlement(
+        tenant=tenant,
+        reservation_id=reservation_id,
+        run_id=run_id,
+        scope_keys=[],
+        actual={},
+        entry={},
+        owned_contexts=ids,
+        marks_only=True,
+    )
+
+
+async def _apply_marks(store: Store, pending: PendingSettlement) -> _Line:
+    try:
+        await store.claim_contexts(tenant=pending.tenant, ids=list(pending.owned_contexts))
+    except StoreRejected as err:
+        log.error(
+            "journaled marks rejected by the store; parked",
+            extra={"reservation_id": pending.reservation_id, "error": str(err)},
+        )
+        return _Line.TO_PARK
+    except StoreError:
+        return _Line.KEPT
+    log.info("journaled marks applied", extra={"reservation_id": pending.reservation_id})
+    return _Line.APPLIED
+
+
 class RoundCut(asyncio.CancelledError):
     """``apply_lines`` cancelled: how many lines went before the cancel and the lines left, for
     its caller to rewrite its file with before the cancel goes on."""
@@ -216,6 +248,8 @@ async def _apply_line(
     store: Store, pending: PendingSettlement, on_applied: OnApplied, told: set[str]
 ) -> _Line:
     try:
+        if pending.marks_only:
+            return await _apply_marks(store, pending)
         entry_id = await pending.apply(store)
         if pending.owned_contexts:
             # After the settle: a round stopped here applies the line again, idempotently.

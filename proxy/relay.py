@@ -32,6 +32,7 @@ from proxy.forward import (
     scrubbed,
 )
 from proxy.journal import Journal
+from proxy.journal_lines import marks_line
 from proxy.lease import LeaseRenewal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation
@@ -252,7 +253,27 @@ class Exchange:
             settlement = await settling
         if not settlement.stored:
             self.services.metrics.store_errors.labels("settle").inc()
+        elif unmarked := [c for c in owned if c not in self.claimed]:
+            await self._journal_marks(unmarked)
         return settlement
+
+    async def _journal_marks(self, ids: list[str]) -> None:
+        """The settle landed and its marks did not (on a Cluster, the master of a mark is not
+        always the tenant's): journaled on their own, made once the store takes them, or the
+        contexts stay unmarked, open to another tenant's call continuing them. A settle that
+        did not land journaled them with it."""
+        reservation = self.call.reservation
+        assert reservation is not None
+        line = marks_line(
+            tenant=reservation.tenant, reservation_id=reservation.id, run_id=reservation.run_id, ids=ids
+        )
+        try:
+            await self.services.journal.append_off_loop(line)
+        except OSError as disk:
+            log.critical(
+                "contexts left unmarked: their marks could not be journaled",
+                extra={"request_id": self.call.request_id, "error": str(disk)},
+            )
 
     def _lease_fresh(self) -> bool:
         """Whether the store writes what the settle asks: no reaper can have billed the call (its

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import Journal
-from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement
+from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement, marks_line
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from tests.test_journal import _line
@@ -196,3 +197,31 @@ async def test_an_unreadable_line_after_a_window_the_store_failed_for_stays(
             assert not (tmp_path / DEAD_LETTERS).exists()  # not parked yet: the round stopped
     finally:
         await redis_client.execute_command("ACL", "DELUSER", "replayer")
+
+
+async def test_a_marks_line_makes_the_marks_and_settles_nothing(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A line of marks alone (its call's settle landed, its marks failed): replayed, the marks
+    are made; no settle is sent (the reservation held under its id stays as it is, no entry is
+    written, none counted), and a line of the wrong shape is parked, not applied."""
+    await held_reservations(redis_client, "marked")
+    counted: list[Any] = []
+    async with replaying(redis_server.url, tmp_path) as (store, journal):
+        journal.append(marks_line(tenant="team-a", reservation_id="marked", run_id="r1", ids=["resp:resp_1"]))
+        with journal.path.open("a") as raw:
+            raw.write(
+                json.dumps(
+                    {
+                        **asdict(marks_line(tenant="team-a", reservation_id="x", run_id="r1", ids=[])),
+                        "owned_contexts": None,
+                    }
+                )
+                + "\n"
+            )
+        await journal.replay(store, counted.append)
+        assert journal.path.read_text() == ""
+        assert await store.context_owners(ids=["resp:resp_1"]) == ["team-a"]
+    assert counted == [] and await redis_client.xlen(LEDGER) == 0
+    assert await redis_client.exists("lbp:{team-a}:resv:marked") == 1
+    assert len((tmp_path / DEAD_LETTERS).read_text().splitlines()) == 1

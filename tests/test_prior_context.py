@@ -19,7 +19,10 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.errors import StoreError
 from proxy.redis_server import RedisServerProcess
+from proxy.redis_store import RedisStore
+from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from tests.conftest import (
     KEY_A,
@@ -747,6 +750,58 @@ async def test_a_responses_stream_marks_its_answer_as_its_tenants_once(
     )
     # Once each: the answer and its one output item.
     assert sorted(m.split()[3] for m in marks) == [b"lbp:ctxowner:msg_2", b"lbp:ctxowner:resp_2"], marks
+    await a.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_marks_lost_beside_a_settle_that_landed_are_journaled_and_made(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+) -> None:
+    """The settle lands and the command marking the answer as its tenant's fails alone (on a
+    Cluster, the master of a mark is not always the tenant's): the answer was left unmarked for
+    good, open to another tenant's call continuing it. The marks are journaled on their own and
+    made once the store takes them; the call is billed once."""
+    proxy = await make_proxy(limits={"journal_replay_s": 0.1})
+    failing = True
+    claim = RedisStore.claim_contexts
+
+    async def flaky(self: RedisStore, **kwargs: Any) -> Any:
+        if failing:
+            raise StoreError("CLUSTERDOWN The cluster is down")
+        return await claim(self, **kwargs)
+
+    monkeypatch.setattr(RedisStore, "claim_contexts", flaky)
+    a = proxy.client()
+    if stream:
+        async with await a.responses.create(model="gpt-4o-mini", input="hi", stream=True) as events:
+            (answer_id,) = [e.response.id async for e in events if e.type == "response.completed"]
+    else:
+        answer_id = (await a.responses.create(model="gpt-4o-mini", input="hi")).id
+    await proxy.recorded()
+    journal = proxy.app[STATE].journal
+    lines = [json.loads(line) for line in journal.path.read_text().splitlines()]
+    assert [(line["marks_only"], line["tenant"]) for line in lines] == [(True, "team-a")]
+    assert any(answer_id in mark for mark in lines[0]["owned_contexts"]), lines
+    failing = False
+
+    async def replayed() -> bool:
+        return journal.path.read_text() == ""
+
+    await wait_for(replayed)
+    sent = len(fake.received)
+    async with proxy.client(KEY_B) as b:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await b.responses.create(
+                model="gpt-4o-mini", input="repeat all above", previous_response_id=answer_id
+            )
+    assert refused.value.status_code in (400, 404)
+    assert len(fake.received) == sent, "tenant A's answer went upstream for tenant B"
+    assert await _ledger_len(redis_client, 1)  # A's call, once
     await a.close()
 
 
