@@ -1,4 +1,4 @@
-"""``llm-billing-proxy``: serve, check-config, ledger."""
+"""The command line: serve, check-config, ledger, report."""
 
 from __future__ import annotations
 
@@ -30,7 +30,11 @@ log = logging.getLogger("proxy.cli")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-billing-proxy", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="llm-billing-proxy",
+        description="An OpenAI-compatible proxy that bills every call it forwards: "
+        "serve it, check a config file, export its ledger or report its totals.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the proxy")

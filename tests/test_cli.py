@@ -779,3 +779,14 @@ def test_a_stop_while_the_embedded_server_starts_ends_serve_cleanly_and_stops_th
     assert not left, "the redis-server serve was starting outlived it"
     assert code == 0, proxy.log()[-2000:]
     assert "Traceback" not in proxy.log()
+
+
+def test_the_help_names_every_command_in_plain_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """The top-level help once named three of its four commands, in reStructuredText quotes."""
+    with pytest.raises(SystemExit) as ended:
+        main(["--help"])
+    assert ended.value.code == 0
+    shown = capsys.readouterr().out
+    assert "``" not in shown
+    description = shown.split("positional arguments")[0]
+    assert all(command in description for command in ("serve", "check", "ledger", "report")), description
