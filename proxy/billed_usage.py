@@ -4,12 +4,61 @@ else 4 characters a token); else the reserve, which the call may have spent.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import asyncio
+from dataclasses import dataclass, replace
 
 from proxy.call import Call
 from proxy.observe import Observation
 from proxy.outcome import BilledUsage, estimated_usage, provider_usage, reserve_usage
-from proxy.tokenizer import Tokenizer
+from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
+
+# A count of the prompt and answers (no usage came) of more characters than this runs in a
+# thread, not on the event loop, where it would hold every other call of the process. Below it
+# the loop is held at most about a millisecond (tiktoken's time for 16 KB), the stall a reserve
+# allows itself too (QUICK_BOUND_CHARS); a hop to a thread and back costs about 0.1 ms, more on
+# a loaded machine, as much as counting 2 KB: most answers are counted sooner than sent away.
+INLINE_COUNT_CHARS = QUICK_BOUND_CHARS
+
+
+@dataclass(frozen=True, slots=True)
+class Uncounted:
+    """What bills a call whose figures need much text counted (``INLINE_COUNT_CHARS``): worked
+    out by ``usage_counted``, in a thread, by the call's settle (shielded from a cancel of its
+    handler as the settle is, and only by the settle that wins)."""
+
+    complete: bool
+
+
+# What bills a call, worked out (``billed_usage``) or to be (``usage_counted``).
+Usage = BilledUsage | Uncounted
+
+
+def usage_now(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> Usage:
+    """``billed_usage``, unless it may count more than ``INLINE_COUNT_CHARS``: then left to
+    ``usage_counted``, off the event loop."""
+    if _chars_to_count(call, obs) > INLINE_COUNT_CHARS:
+        return Uncounted(complete)
+    return billed_usage(call, obs, tokenizer, complete=complete)
+
+
+async def usage_counted(call: Call, obs: Observation, tokenizer: Tokenizer, usage: Uncounted) -> BilledUsage:
+    """``billed_usage`` in a thread of its own: not queued behind the estimate thread's counts
+    of other calls' prompts, which a settle (and the client waiting on it) need not wait for.
+    The observation is whole by now (its answer has ended, or its relay was cut): the thread
+    reads what no one writes."""
+    return await asyncio.to_thread(billed_usage, call, obs, tokenizer, complete=usage.complete)
+
+
+def _chars_to_count(call: Call, obs: Observation) -> int:
+    """At most how many characters ``billed_usage`` may count (the answers' JSON escapes taken
+    as characters): the prompt's and the answers'; none where the provider's final usage
+    bills the call."""
+    if obs.usage is not None and _final(call, obs):
+        return 0
+    est = call.estimate
+    prompt = sum(map(len, est.separate_texts)) if est.separate_texts else len(est.prompt_text)
+    answers = sum(len(piece) for pieces in obs.contents.values() for piece in pieces)
+    return prompt + answers + sum(len(piece) for pieces in obs.extras.values() for piece in pieces)
 
 
 def billed_usage(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:
@@ -36,8 +85,7 @@ def with_tool_calls(usage: BilledUsage, obs: Observation) -> BilledUsage:
 
 def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:
     found = provider_usage(obs)
-    # An embeddings usage has no output count, and no output to count: it is final as it is.
-    final = obs.usage_final or call.endpoint == "embeddings"
+    final = _final(call, obs)
     # Output no count of the answer sees: audio and image tokens (its text is only a
     # transcript, or words beside the image), reasoning tokens (never streamed, or streamed
     # as a summary), a Predicted Output's rejected tokens (written, thrown away, billed), and
@@ -69,6 +117,12 @@ def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, comple
     if complete:
         return _estimated_usage(call, obs, tokenizer)
     return reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
+
+
+def _final(call: Call, obs: Observation) -> bool:
+    """Whether the provider's usage, if any, is its last word on the call."""
+    # An embeddings usage has no output count, and no output to count: it is final as it is.
+    return obs.usage_final or call.endpoint == "embeddings"
 
 
 def _estimated_usage(call: Call, obs: Observation, tokenizer: Tokenizer) -> BilledUsage:

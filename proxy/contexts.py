@@ -46,13 +46,13 @@ async def keep_context(ex: Exchange) -> None:
     kept = made if made and ex.services.config.limits.prior_context_ttl_s else []
     writes: list[Awaitable[None]] = []
     if kept:  # the usage only then: every stream's last event comes here
-        usage = ex.usage(complete=True)
+        usage = await ex.billed(ex.usage(complete=True))
         if usage.source == "reserve" and not usage.input_known:
             # Kept at what the settle bills, the exact count: a quick bound kept now would
             # stay (a bound never lowers a bound), reserved and, without usage, billed by
             # every call continuing it.
             await ex.count_input()
-            usage = ex.usage(complete=True)
+            usage = await ex.billed(ex.usage(complete=True))
         writes.append(remember(ex, kept, usage))
     if owned:
         writes.append(claim(ex, owned))  # its owner's before the id reaches the client

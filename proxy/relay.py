@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 from aiohttp import web
 
-from proxy.billed_usage import billed_usage, with_tool_calls
+from proxy.billed_usage import Uncounted, Usage, usage_counted, usage_now, with_tool_calls
 from proxy.call import Call
 from proxy.config import Config
 from proxy.contexts import claim, contexts_made, contexts_owned, remember
@@ -107,21 +107,28 @@ class Exchange:
         usage = reserve_usage(self.call.reserved_input_tokens, self.call.reserved_output_tokens)
         return with_tool_calls(usage, self.obs)  # the reserved calls, or more if it counted more
 
-    def usage(self, *, complete: bool) -> BilledUsage:
-        """What bills the call as it stands (``billed_usage``)."""
-        return billed_usage(self.call, self.obs, self.services.tokenizer, complete=complete)
+    def usage(self, *, complete: bool) -> Usage:
+        """What bills the call as it stands (``billed_usage``); a count of much text is left to
+        the settle, which runs it off the event loop (``billed``)."""
+        return usage_now(self.call, self.obs, self.services.tokenizer, complete=complete)
 
-    async def settle(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+    async def billed(self, usage: Usage) -> BilledUsage:
+        if isinstance(usage, Uncounted):
+            return await usage_counted(self.call, self.obs, self.services.tokenizer, usage)
+        return usage
+
+    async def settle(self, outcome: Outcome, usage: Usage) -> Settlement:
         """Settle and record the call, once: the first outcome wins, later calls get its result.
 
         Both run in one task that a cancelled handler does not stop (shutdown past its grace
         period cancels handlers mid-settle): such a call is neither settled a second time nor
         left out of the metrics and the log, and shutdown waits for the task
-        (``Services.settling``) before it closes the journal and the store.
+        (``Services.settling``) before it closes the journal and the store. A count of much
+        text (``Uncounted``) runs in that task too: a cancelled handler's call is billed at it.
         """
         return await asyncio.shield(self._start_settle(outcome, usage))
 
-    async def settle_early(self, outcome: Outcome, usage: BilledUsage) -> Settlement:
+    async def settle_early(self, outcome: Outcome, usage: Usage) -> Settlement:
         """``settle`` for an answer the client gets whole, with the settlement in its headers
         (a non-streaming body): that settlement as soon as the settle is on its way to the
         store, not once the store has answered. A round trip and the script's run less for the
@@ -143,7 +150,7 @@ class Exchange:
         return await asyncio.shield(settled)
 
     def _start_settle(
-        self, outcome: Outcome, usage: BilledUsage, early: asyncio.Future[Settlement] | None = None
+        self, outcome: Outcome, usage: Usage, early: asyncio.Future[Settlement] | None = None
     ) -> asyncio.Future[Settlement]:
         if self._settling is None:
             self.call.first_token_at = self.obs.first_token_at
@@ -181,7 +188,7 @@ class Exchange:
     async def _settle_and_record(
         self,
         outcome: Outcome,
-        usage: BilledUsage,
+        usage: Usage,
         settled: asyncio.Future[Settlement],
         early: asyncio.Future[Settlement] | None,
     ) -> Settlement:
@@ -199,8 +206,11 @@ class Exchange:
         return settlement
 
     async def _settle(
-        self, outcome: Outcome, usage: BilledUsage, early: asyncio.Future[Settlement] | None = None
+        self, outcome: Outcome, usage: Usage, early: asyncio.Future[Settlement] | None = None
     ) -> Settlement:
+        # Counted here, in the settle's task: a handler cancelled meanwhile still settles the
+        # call at the count, and the count is the first settle's alone.
+        usage = await self.billed(usage)
         refining = self.call.refining
         if refining is not None and not refining.done():
             # What it has not done yet would only lower a reserve about to go; and a backlog of
@@ -385,7 +395,7 @@ class Exchange:
         finally:
             upstream.close()
 
-    def _cut_usage(self) -> BilledUsage:
+    def _cut_usage(self) -> Usage:
         """What bills a call cut short: nothing while its connection to the upstream was still
         being made (nothing of it went out, as for a connection refused), else what was seen or
         its reserve."""

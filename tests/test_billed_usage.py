@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from proxy.auth import Identity
-from proxy.billed_usage import billed_usage
+from proxy.billed_usage import INLINE_COUNT_CHARS, Uncounted, billed_usage, usage_counted, usage_now
 from proxy.call import Call
 from proxy.config import Config
 from proxy.config_load import parse_config
@@ -142,3 +142,29 @@ def test_an_embeddings_report_is_final_without_an_output_count() -> None:
     obs.take_usage(told(9, 0, output_known=False))
     usage = billed_usage(call, obs, TOKENIZER, complete=False)
     assert (usage.input_tokens, usage.output_tokens, usage.source) == (9, 0, "provider")
+
+
+LARGE = "word " * (INLINE_COUNT_CHARS // 5 + 1)  # past INLINE_COUNT_CHARS
+
+
+async def test_much_text_to_count_is_left_to_a_thread_and_counted_the_same() -> None:
+    """Issue 6: a settle's count of much text runs off the event loop (``usage_counted``, in a
+    thread): the same figures as counted on it. A small count, and a large answer the provider's
+    final usage bills (nothing to count), are worked out at once."""
+    call = planned(chat(max_tokens=1000))
+    assert usage_now(call, answered("four"), TOKENIZER, complete=True) == billed_usage(
+        call, answered("four"), TOKENIZER, complete=True
+    )
+    told_usage = usage_now(call, answered(LARGE, told(12, 3)), TOKENIZER, complete=True)
+    assert not isinstance(told_usage, Uncounted) and told_usage.source == "provider"
+    for complete in (True, False):
+        later = usage_now(call, answered(LARGE), TOKENIZER, complete=complete)
+        assert later == Uncounted(complete)
+        counted = await usage_counted(call, answered(LARGE), TOKENIZER, later)
+        assert counted == billed_usage(call, answered(LARGE), TOKENIZER, complete=complete)
+    # A large prompt of texts counted one by one (an embeddings batch): the prompt's characters.
+    batch = planned({"model": "gpt-4o-mini", "input": [LARGE[:INLINE_COUNT_CHARS], "one more"]}, "embeddings")
+    assert usage_now(batch, Observation(), TOKENIZER, complete=True) == Uncounted(True)
+    counted = await usage_counted(batch, Observation(), TOKENIZER, Uncounted(True))
+    assert counted == billed_usage(batch, Observation(), TOKENIZER, complete=True)
+    assert counted.input_tokens == INLINE_COUNT_CHARS // 4 + 2  # each input on its own

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Awaitable
 from types import SimpleNamespace
@@ -13,11 +15,12 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from proxy import relay
+from proxy import billed_usage, relay
 from proxy.outcome import Outcome
 from proxy.redis_scripts import read_scripts
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
+from proxy.tokenizer import Tokenizer
 from tests.conftest import (
     KEY_A,
     Proxy,
@@ -27,6 +30,7 @@ from tests.conftest import (
     upstream_timing_out,
 )
 from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import MODEL, PROMPT, run_headers, the_entry
 
 T = TypeVar("T")
 
@@ -400,3 +404,167 @@ async def test_a_client_gone_while_its_call_was_reserved_has_nothing_forwarded_n
     assert run.get("used:requests", "0") == "0"  # not a request made
     assert all(run[f"resv:{m}"] == "0" for m in ("requests", "input_tokens", "output_tokens"))
     assert await own_client.zcard("lbp:{team-a}:leases") == 0
+
+
+# The characters of a token of ``Coarse``: an answer of 64 KiB fits gpt-4o-mini's cap of 1,000
+# in the tests' config.
+TOKEN_CHARS = 128
+
+
+class Coarse:
+    """An o200k_base stand-in built in-process: a token per TOKEN_CHARS characters begun."""
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return [0] * -(-len(text) // TOKEN_CHARS)
+
+
+class ThreadNoting(Tokenizer):
+    """A tokenizer noting the thread each count of a call without usage (``count``, a settle's
+    alone) ran on, and the characters it counted; one off the event loop of ``hold_chars`` or
+    more says so (``holding``) and waits for ``release``."""
+
+    def __init__(self, hold_chars: int = 0) -> None:
+        super().__init__({"o200k_base": Coarse()})
+        self.loop_thread = threading.get_ident()  # built by the test, on the loop's thread
+        self.counts: list[tuple[int, int]] = []
+        self.hold_chars = hold_chars
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def count(self, text: str, encoding: str) -> tuple[int, Any]:
+        thread = threading.get_ident()
+        self.counts.append((thread, len(text)))
+        if self.hold_chars and len(text) >= self.hold_chars:
+            self.holding.set()  # on the loop too: the test's wait ends, and it fails on the thread
+            if thread != self.loop_thread:
+                self.release.wait(30)  # a guard: the test releases it
+        return super().count(text, encoding)
+
+    def threads_counting(self, chars: int) -> list[bool]:
+        """For each count of ``chars`` characters: whether it ran on the event loop's thread."""
+        return [thread == self.loop_thread for thread, n in self.counts if n == chars]
+
+
+# An answer (and a prompt) past INLINE_COUNT_CHARS, and a chunk size the fake sends it in.
+LARGE_CHARS = 64 * 1024
+CHUNK_CHARS = 1024
+
+
+async def _no_usage_call(
+    proxy: Proxy, dialect: str, stream: bool, run: str, content: str, prompt: str
+) -> None:
+    """A call whose upstream answers ``content`` and tells no usage (the proxy counts it)."""
+    fake = {"no_usage": True, "content": content, "chunk_chars": CHUNK_CHARS}
+    options: dict[str, Any] = {
+        "stream": stream,
+        "extra_body": {"fake": fake},
+        "extra_headers": run_headers(run),
+    }
+    async with proxy.client() as client:
+        if dialect == "chat":
+            messages = [{"role": "user", "content": prompt}]
+            answer: Any = await client.chat.completions.create(model=MODEL, messages=messages, **options)
+        else:
+            answer = await client.responses.create(model=MODEL, input=prompt, **options)
+        if stream:
+            async for _ in answer:
+                pass
+    await proxy.recorded()
+
+
+def _figures(entry: dict[str, Any]) -> dict[str, Any]:
+    names = ("input_tokens", "output_tokens", "total_tokens", "cost_micros", "usage_source", "outcome")
+    return {name: entry[name] for name in names}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dialect", ["chat", "responses"])
+async def test_a_large_answer_without_usage_is_counted_off_the_event_loop(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    monkeypatch: pytest.MonkeyPatch,
+    dialect: str,
+    stream: bool,
+) -> None:
+    """Issue 6: a count never blocks the event loop for other calls. An answer of 64 KiB without
+    usage was tokenized on the loop at its settle, every other call of the process waiting; it is
+    counted in a thread now, and billed the same as counted on the loop (the threshold raised
+    past it). A small one is still counted on the loop: a thread hop costs more than its count."""
+    tokenizer = ThreadNoting()
+    proxy = await make_proxy(tokenizer=tokenizer)
+    large = "word " * (LARGE_CHARS // 5)
+    await _no_usage_call(proxy, dialect, stream, "small", "hello there", PROMPT)
+    await _no_usage_call(proxy, dialect, stream, "large", large, PROMPT)
+    # A Responses stream keeps its context's size before its last event: counted there too.
+    counts = 2 if dialect == "responses" and stream else 1
+    assert tokenizer.threads_counting(len("hello there")) == [True] * counts
+    assert tokenizer.threads_counting(len(large)) == [False] * counts
+    monkeypatch.setattr(billed_usage, "INLINE_COUNT_CHARS", 10 * LARGE_CHARS)
+    await _no_usage_call(proxy, dialect, stream, "inline", large, PROMPT)
+    assert tokenizer.threads_counting(len(large)) == [False] * counts + [True] * counts
+    small, off_loop, inline = [await the_entry(proxy, run) for run in ("small", "large", "inline")]
+    assert small["usage_source"] == off_loop["usage_source"] == "tokenizer"
+    assert _figures(off_loop) == _figures(inline)
+    assert (
+        int(off_loop["output_tokens"])
+        == tokenizer.count(large, "o200k_base")[0]
+        == -(-len(large) // TOKEN_CHARS)
+    )
+    assert int(off_loop["input_tokens"]) == int(small["input_tokens"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_large_prompt_without_usage_is_counted_off_the_event_loop(
+    make_proxy: ProxyFactory, fake: FakeUpstream, stream: bool
+) -> None:
+    """A prompt of 64 KiB with a small answer and no usage: counted at the settle in a thread too
+    (the reserve's own count of it ran on the estimate thread, and is no count of the joined text
+    the settle bills)."""
+    tokenizer = ThreadNoting()
+    proxy = await make_proxy(tokenizer=tokenizer)
+    prompt = "word " * (LARGE_CHARS // 5)
+    await _no_usage_call(proxy, "chat", stream, "prompt", "hello there", prompt)
+    assert tokenizer.counts and not any(thread == tokenizer.loop_thread for thread, _ in tokenizer.counts)
+    entry = await the_entry(proxy, "prompt")
+    assert entry["usage_source"] == "tokenizer"
+    assert (
+        int(entry["input_tokens"]) == tokenizer.count(prompt, "o200k_base")[0] + 4 + 3
+    )  # a message, a reply
+    assert int(entry["output_tokens"]) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_handler_cancelled_while_its_answer_is_counted_settles_at_the_count(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The count runs in the settle's task, shielded as the settle is: shutdown past its grace
+    period cancelling the handler while a large answer is being counted neither bills the call
+    at its reserve (a cut call's) nor settles it twice; it is billed at the count, tagged ok."""
+    tokenizer = ThreadNoting(hold_chars=LARGE_CHARS // 2)
+    proxy = await make_proxy(tokenizer=tokenizer)
+    handlers: list[asyncio.Task[Any]] = []
+    run = relay.Exchange.run
+
+    async def noted(self: relay.Exchange) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.append(task)
+        return await run(self)
+
+    monkeypatch.setattr(relay.Exchange, "run", noted)
+    large = "word " * (LARGE_CHARS // 5)
+    call = asyncio.ensure_future(_no_usage_call(proxy, "chat", stream, "cut", large, PROMPT))
+    try:
+        assert await asyncio.to_thread(tokenizer.holding.wait, 30)
+        assert tokenizer.threads_counting(len(large)) == [False]  # not on the loop
+        (handler,) = handlers
+        handler.cancel()
+        await asyncio.wait((handler,))
+    finally:
+        tokenizer.release.set()
+        with contextlib.suppress(Exception):
+            await call
+    await proxy.recorded()
+    entry = await the_entry(proxy, "cut")
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "tokenizer")
+    assert int(entry["output_tokens"]) == -(-len(large) // TOKEN_CHARS)
