@@ -136,6 +136,11 @@ def _estimated_usage(call: Call, obs: Observation, tokenizer: Tokenizer) -> Bill
         echoes=_echoes(call),  # billed as input: not output again
         separate_texts=est.separate_texts,
         answer_cap=_answer_cap(call),
+        # A text of the prompt the reserve counted on its own (a batch's input, a prompt of one
+        # message) has its count remembered: not counted again. Not the joined text of several
+        # parts: the reserve counted each part on its own, and the line break joining two may
+        # merge into one token with the whitespace beside it.
+        prompt_scope=est.cache_scope,
     )
     # The upstream was held to the reserved output (its cap went in every cap field): a
     # count of the text above it (4 characters a token, another tokenizer's) is the count's

@@ -146,6 +146,7 @@ def estimated_usage(
     echoes: Sequence[str] = (),
     separate_texts: Sequence[str] = (),
     answer_cap: int = 0,
+    prompt_scope: str | None = None,
 ) -> BilledUsage:
     """Count what was sent and what came back, when the provider said nothing (``echoes``: see
     ``Observation.answers``; ``separate_texts``: the prompt's texts the provider counts each on
@@ -153,8 +154,11 @@ def estimated_usage(
     is counted on its own too: joined, answers would share tokens (4 characters of four answers
     "a", merges across their ends), each of which the provider bills apart; and held to
     ``answer_cap`` (0: none), the cap each answer was sent with: a count above it (4 characters a
-    token, another tokenizer's) is the count's error, not tokens the provider wrote."""
-    counts = [tokenizer.count(text, encoding) for text in separate_texts or [prompt_text]]
+    token, another tokenizer's) is the count's error, not tokens the provider wrote.
+    ``prompt_scope``: where the reserve remembered its counts of the prompt's texts (its
+    tenant's), taken as they are (``Tokenizer.count``)."""
+    prompts = separate_texts or [prompt_text]
+    counts = [tokenizer.count(text, encoding, scope=prompt_scope) for text in prompts]
     answers = [tokenizer.count(text, encoding) for text in obs.answers(echoes)]
     input_tokens, source = sum(n for n, _ in counts), counts[0][1]
     output_tokens = sum(min(n, answer_cap) if answer_cap else n for n, _ in answers)

@@ -181,13 +181,19 @@ class Tokenizer:
             self.load_more([encoding])
         return encoding
 
-    def count(self, text: str, encoding: str) -> tuple[int, UsageSource]:
-        """Best estimate of the tokens in ``text``: tiktoken, else 4 characters per token."""
+    def count(self, text: str, encoding: str, *, scope: str | None = None) -> tuple[int, UsageSource]:
+        """Best estimate of the tokens in ``text``: tiktoken, else 4 characters per token. With
+        ``scope``, a count remembered under it (a reserve's, ``upper_bound_of_parts``) is taken:
+        the same figure, as it was counted by the same encoder (an encoding, once loaded, is
+        never replaced), never counted again."""
         if not text:
             return 0, "tokenizer" if self.available(encoding) else "chars"
         enc = self._encodings.get(encoding)
         if enc is not None:
-            return len(enc.encode_ordinary(text)), "tokenizer"
+            known = None
+            if scope is not None and len(text) >= CACHED_TEXT_CHARS:
+                known = self.cache.get(encoding, text, scope)
+            return len(enc.encode_ordinary(text)) if known is None else known, "tokenizer"
         return max(1, -(-len(text) // CHARS_PER_TOKEN)), "chars"
 
     def upper_bound(self, text: str, encoding: str) -> int:

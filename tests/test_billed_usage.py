@@ -18,8 +18,9 @@ from proxy.ids import IdSource
 from proxy.observe import Observation, ProviderUsage
 from proxy.payload import Endpoint, parse_body
 from proxy.plan import plan_call
-from proxy.tokenizer import Tokenizer
+from proxy.tokenizer import CACHED_TEXT_CHARS, Tokenizer
 from tests.conftest import base_config
+from tests.test_tokenizer import CountingEncoding
 
 TOKENIZER = Tokenizer({})  # no encodings here: a count is 4 characters a token
 PROMPT = "a prompt of some forty characters, about"
@@ -168,3 +169,65 @@ async def test_much_text_to_count_is_left_to_a_thread_and_counted_the_same() -> 
     counted = await usage_counted(batch, Observation(), TOKENIZER, Uncounted(True))
     assert counted == billed_usage(batch, Observation(), TOKENIZER, complete=True)
     assert counted.input_tokens == INLINE_COUNT_CHARS // 4 + 2  # each input on its own
+
+
+def _planned_with(tokenizer: Tokenizer, body: dict[str, Any], endpoint: Endpoint) -> Call:
+    """``planned``, its reserve counted by ``tokenizer``."""
+    raw = base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:9")
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-up"}, key_secrets=False)
+    data, view = parse_body(orjson.dumps(body), endpoint)
+    identity = Identity(tenant="team-a", tier="standard", key_name="a-ci")
+    return plan_call(
+        request_id="req-1",
+        identity=identity,
+        run_id="run-1",
+        endpoint=endpoint,
+        body=data,
+        view=view,
+        config=config,
+        tokenizer=tokenizer,
+        ids=IdSource(),
+        anthropic_beta="",
+    )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("chat.completions", {"messages": [{"role": "user", "content": "long " * CACHED_TEXT_CHARS}]}),
+        ("embeddings", {"input": ["long " * CACHED_TEXT_CHARS, "x " * CACHED_TEXT_CHARS]}),
+        ("completions", {"prompt": "long " * CACHED_TEXT_CHARS, "max_tokens": 5}),
+    ],
+)
+def test_a_prompt_text_the_reserve_counted_is_not_counted_again_without_usage(
+    endpoint: Endpoint, body: dict[str, Any]
+) -> None:
+    """A text of the prompt the reserve counted on its own (a message alone, each input of a
+    batch, a legacy prompt), long enough to be remembered, was tokenized again by the count of a
+    call without usage: its remembered count is taken, the same figure."""
+    enc = CountingEncoding()
+    tokenizer = Tokenizer({"o200k_base": enc})
+    call = _planned_with(tokenizer, {"model": "gpt-4o-mini", **body}, endpoint)
+    assert call.estimate.input_exact  # counted, not a quick bound
+    texts = list(call.estimate.separate_texts or [call.estimate.prompt_text])
+    assert sorted(t for t in enc.encoded if len(t) >= CACHED_TEXT_CHARS) == sorted(texts)
+    enc.encoded.clear()
+    obs = Observation() if endpoint == "embeddings" else answered("four")
+    usage = billed_usage(call, obs, tokenizer, complete=True)
+    assert enc.encoded == ([] if endpoint == "embeddings" else ["four"])
+    direct = sum(len(enc.inner.encode_ordinary(text)) for text in texts)
+    assert usage.input_tokens == direct + call.estimate.prompt_overhead_tokens
+    assert usage.source == "tokenizer"
+
+
+def test_a_prompt_of_several_parts_is_counted_joined_as_before() -> None:
+    """The reserve counted each message on its own, one token per break: no count of the text
+    the settle bills (the messages joined), which is counted as ever."""
+    enc = CountingEncoding()
+    tokenizer = Tokenizer({"o200k_base": enc})
+    messages = [{"role": "user", "content": "long " * CACHED_TEXT_CHARS}, {"role": "user", "content": "more"}]
+    call = _planned_with(tokenizer, {"model": "gpt-4o-mini", "messages": messages}, "chat.completions")
+    enc.encoded.clear()
+    usage = billed_usage(call, answered("four"), tokenizer, complete=True)
+    assert enc.encoded == [call.estimate.prompt_text, "four"]
+    assert usage.input_tokens == len(enc.inner.encode_ordinary(call.estimate.prompt_text)) + 4 * 2 + 3

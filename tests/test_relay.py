@@ -431,14 +431,14 @@ class ThreadNoting(Tokenizer):
         self.holding = threading.Event()
         self.release = threading.Event()
 
-    def count(self, text: str, encoding: str) -> tuple[int, Any]:
+    def count(self, text: str, encoding: str, *, scope: str | None = None) -> tuple[int, Any]:
         thread = threading.get_ident()
         self.counts.append((thread, len(text)))
         if self.hold_chars and len(text) >= self.hold_chars:
             self.holding.set()  # on the loop too: the test's wait ends, and it fails on the thread
             if thread != self.loop_thread:
                 self.release.wait(30)  # a guard: the test releases it
-        return super().count(text, encoding)
+        return super().count(text, encoding, scope=scope)
 
     def threads_counting(self, chars: int) -> list[bool]:
         """For each count of ``chars`` characters: whether it ran on the event loop's thread."""
