@@ -24,7 +24,7 @@ from proxy.handlers import add_routes, metrics_handler
 from proxy.journal import Journal
 from proxy.logs import flush_logs
 from proxy.metrics import Metrics
-from proxy.reaper import run_reaper
+from proxy.reaper import known_tenants, registration_s, run_reaper
 from proxy.record import record_entry, record_reaped
 from proxy.redis_store import RedisStore
 from proxy.reload import ConfigReloader
@@ -246,18 +246,20 @@ def build_app(
         flush_logs()
 
     async def reaper_ctx(app: web.Application) -> AsyncIterator[None]:
-        assert state.store is not None
+        store = state.store
+        assert store is not None
 
         def count(entry: Mapping[str, str]) -> None:
             record_reaped(state.metrics, state.config, entry)
 
         task = asyncio.create_task(
             run_reaper(
-                state.store,
+                store,
                 config.limits.reaper_interval_s,
                 count,
-                known=lambda: state.registered_tenants | state.config.tenants,
+                known=lambda: known_tenants(state.registered_tenants, state.config, store.now()),
                 grace_s=config.limits.reap_grace_s,
+                kept_s=registration_s(config),
             )
         )
         yield

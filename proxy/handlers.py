@@ -53,6 +53,7 @@ from proxy.ids import REQUEST_ID, request_id_for, run_id_for
 from proxy.metrics import Metrics
 from proxy.payload import Endpoint, parse_body
 from proxy.plan import plan_call
+from proxy.reaper import registration_s
 from proxy.record import record_refusal
 from proxy.relay import Exchange
 from proxy.reserve import Reloaded, Told, reserve
@@ -151,26 +152,33 @@ def planned(
 
 
 async def registered(state: State, identity: Identity) -> Store:
-    """The store, with the caller's tenant known to it."""
-    if state.store is None:
+    """The store, with the caller's tenant in the registry the reapers read: registered by its
+    first call in this process, and again by the first once half its registration is gone (a
+    tenant no registration keeps, and that holds no lease, is dropped from it: ``run_reaper``)."""
+    store = state.store
+    if store is None:
         raise StoreError("store not opened")
-    if identity.tenant not in state.registered_tenants:
+    tenant = identity.tenant
+    kept_s = registration_s(state.config)
+    until_ms = state.registered_tenants.get(tenant)
+    if until_ms is None or until_ms - store.now() * 1000 < kept_s * 500:
         try:
-            await state.store.register_tenant(identity.tenant)
+            until_ms = await store.register_tenant(tenant, kept_s=kept_s)
         except StoreError as err:
             # The registry is one key, on one master of a Cluster: down, it says nothing of the
             # tenant's own, where the call's keys are (one Redis down refuses the reserve next).
             # A tenant of the config goes on: every instance's reaper knows and registers it. A
             # pass-through caller's is known to this process alone, which may die before the
             # registry answers, its leases then reaped by no one: refused.
-            if identity.tenant not in state.config.tenants:
+            if tenant not in state.config.tenants:
                 raise
             log.warning(
                 "tenant not registered yet; the reaper registers it",
-                extra={"tenant": identity.tenant, "error": str(err)},
+                extra={"tenant": tenant, "error": str(err)},
             )
-        state.registered_tenants.add(identity.tenant)
-    return state.store
+            until_ms = int((store.now() + kept_s) * 1000)
+        state.registered_tenants[tenant] = until_ms
+    return store
 
 
 async def count_later(state: State, call: Call) -> Estimate:

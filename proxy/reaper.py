@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.config import Config
 from proxy.errors import StoreError, StoreRejected
-from proxy.store import ExpiredLease, Store
+from proxy.store import REGISTRATION_S, ExpiredLease, Store
 
 log = logging.getLogger("proxy.reaper")
 BATCH = 100
@@ -186,6 +187,25 @@ async def reap_tenant(
             return settled
 
 
+def registration_s(config: Config) -> float:
+    """How long a registration keeps a tenant in the registry the reapers read: two of the
+    config's longest lease. A process registers a tenant again once half of it is gone, so every
+    lease it writes lands while the tenant's registration holds (the waits before a reserve
+    script, a count or the store's reads, are shorter than a lease); a reaper drops a tenant only
+    once its registration ran out and it holds no lease."""
+    longest_s = max((upstream.timeout_s for upstream in config.upstreams.values()), default=0.0)
+    return 2 * (longest_s + config.limits.lease_margin_s)
+
+
+def known_tenants(registered: dict[str, int], config: Config, now_s: float) -> set[str]:
+    """The tenants a process knows, for its reaper: its config's, and those it registered whose
+    registration has not run out (``registered``: each until when, ms; the others are dropped
+    from it, or a process would keep every key ever sprayed at it, and register them again)."""
+    for tenant in [tenant for tenant, until_ms in registered.items() if until_ms <= now_s * 1000]:
+        del registered[tenant]
+    return set(registered) | config.tenants
+
+
 async def run_reaper(
     store: Store,
     interval_s: float,
@@ -193,6 +213,7 @@ async def run_reaper(
     known: Callable[[], Iterable[str]] = tuple,
     *,
     grace_s: float = 0.0,
+    kept_s: float = REGISTRATION_S,
 ) -> None:
     """Loop until cancelled; a store outage only delays reaping.
 
@@ -203,10 +224,14 @@ async def run_reaper(
     (``journal_replay_s``): reaped first, the call would be billed at its reserve instead; and
     after a long outage every lease that ran out during it is past its own grace.
 
-    ``known``: the tenants this process knows (its config's, those it has registered: each
-    once). Should the store's set lose one (evicted, deleted) its leases would go unreaped, those
-    of a dead instance included: it is registered again and reaped all the same. ``on_settled``
-    gets each ledger entry this process wrote."""
+    ``known``: the tenants this process knows (its config's, those it has registered lately).
+    Should the registry lose one (evicted, deleted) its leases would go unreaped, those of a
+    dead instance included: it is registered again (for ``kept_s``) and reaped all the same.
+    A tenant of the registry no registration keeps any longer (``registration_s``: no call of it
+    for that long, a key sprayed at the proxy and refused upstream) is read until it holds no
+    lease, then dropped: a round reads the tenants that may hold one, not every tenant ever
+    seen. The registry as written before is moved in first (``Store.adopt_old_tenants``).
+    ``on_settled`` gets each ledger entry this process wrote."""
     loop = asyncio.get_running_loop()
     # Since when each tenant's keys have answered without a break. Per tenant, not per store: on
     # a Redis Cluster each tenant's keys live on one master, which may be down while the others
@@ -220,25 +245,37 @@ async def run_reaper(
     # tenant's own reads say whether its master answers, and restart its grace when not).
     last_read: set[str] = set()
     while True:
+        # Each tenant of the registry as read this round, until when it is kept (ms); none when
+        # it could not be read: nothing is dropped from a registry not read.
+        registered: dict[str, int] = {}
+        mine: set[str] = set()
         try:
-            tenants = await store.tenants()
-            for tenant in set(known()) - tenants:
-                await store.register_tenant(tenant)
-                tenants.add(tenant)
+            mine = set(known())
+            registered = await store.tenants()
+            await _adopt_old_tenants(store, registered, kept_s)
+            missing = mine - registered.keys()
+            if missing:
+                registered.update(
+                    dict.fromkeys(missing, await store.register_tenants(missing, kept_s=kept_s))
+                )
+            tenants = set(registered)
             last_read = set(tenants)
         except StoreError as err:
             log.error("reaper could not reach the store", extra={"error": str(err)})
+            registered = {}
             if store.spans_masters:
                 # The registry's master down says nothing of the others': each tenant's own
                 # reads tell (and restart its grace when they fail).
-                tenants = last_read | set(known())
+                tenants = last_read | mine
             else:
                 # One Redis down: every tenant's grace starts again from its next answer.
                 answering.clear()
                 tenants = set()
         except Exception:
             log.exception("reaper round failed")
+            registered = {}
             tenants = set()
+        idle: dict[str, int] = {}  # tenants no registration keeps that hold no lease
         for tenant in sorted(tenants):
             since = answering.get(tenant)
             try:
@@ -250,12 +287,48 @@ async def run_reaper(
                     answering[tenant] = since = loop.time()
                 if loop.time() - since >= grace_s:
                     await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure)
+                until_ms = registered.get(tenant)
+                if (
+                    until_ms is not None
+                    and until_ms <= store.now() * 1000
+                    and tenant not in mine
+                    and not any(attempt.settle["tenant"] == tenant for attempt in unsure.values())
+                    and not await store.leases_held(tenant=tenant)
+                ):
+                    idle[tenant] = until_ms
             except StoreError as err:
                 answering.pop(tenant, None)
                 log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
             except Exception:
                 log.exception("reaper round failed", extra={"tenant": tenant})
+        if idle:
+            await _forget(store, idle, answering, last_read)
         current = asyncio.current_task()
         if current is not None and current.cancelling():
             return  # cancelled inside a store client that swallowed it (redis-py may, mid-command)
         await asyncio.sleep(interval_s)
+
+
+async def _adopt_old_tenants(store: Store, registered: dict[str, int], kept_s: float) -> None:
+    """Move the registry as written before into ``registered`` (and the store's). Its key is on
+    another slot: its master down stops neither the round nor the reaping of the others."""
+    try:
+        adopted = await store.adopt_old_tenants(kept_s=kept_s)
+    except StoreError as err:
+        log.warning("reaper could not read the old tenant registry", extra={"error": str(err)})
+        return
+    for tenant, until_ms in adopted.items():
+        registered[tenant] = max(until_ms, registered.get(tenant, until_ms))
+
+
+async def _forget(
+    store: Store, idle: dict[str, int], answering: dict[str, float], last_read: set[str]
+) -> None:
+    try:
+        dropped = await store.forget_tenants(idle)
+    except StoreError as err:
+        log.error("reaper could not drop idle tenants", extra={"error": str(err)})
+        return
+    for tenant in dropped:
+        answering.pop(tenant, None)
+        last_read.discard(tenant)

@@ -1,5 +1,5 @@
 """What the Redis store shows without changing it: a scope's meters (with what calls in flight
-reserved there), the tenants it knows and the ledger, page by page.
+reserved there) and the ledger, page by page.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from proxy.errors import StoreError
 from proxy.redis_failures import STORE_FAILURES
-from proxy.store import ALL_METERS, LEDGER_PAGE, RESERVED_METERS, TENANTS_KEY, MeterState, key_prefix
+from proxy.store import ALL_METERS, LEDGER_PAGE, RESERVED_METERS, MeterState, key_prefix
 
 
 def _meter_states(raw: Mapping[str, Any], unheld: Mapping[str, int]) -> dict[str, MeterState]:
@@ -25,7 +25,7 @@ def _meter_states(raw: Mapping[str, Any], unheld: Mapping[str, int]) -> dict[str
 
 
 class ReadCommands:
-    """``RedisStore``'s reads (``meters``, ``scope_meters``, ``tenants`` and the ledger's pages),
+    """``RedisStore``'s reads (``meters``, ``scope_meters`` and the ledger's pages),
     on its redis-py client (set by ``RedisStore``)."""
 
     _client: aioredis.Redis | RedisCluster
@@ -75,13 +75,6 @@ class ReadCommands:
                     for meter, value in zip(RESERVED_METERS, values, strict=False):
                         unheld[key][meter] += value
         return {key: _meter_states(raw, unheld[key]) for key, raw in zip(keys, hashes, strict=True)}
-
-    async def tenants(self) -> set[str]:
-        try:
-            members: Any = await self._client.smembers(TENANTS_KEY)
-        except STORE_FAILURES as err:
-            raise StoreError(f"tenants: {err}") from err
-        return {str(m) for m in members}
 
     async def run_ledger(self, *, tenant: str, run_id: str) -> list[dict[str, str]]:
         return [entry async for page in self.run_ledger_pages(tenant=tenant, run_id=run_id) for entry in page]

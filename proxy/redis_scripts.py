@@ -17,7 +17,18 @@ from proxy.errors import StoreError, StoreRejected
 from proxy.redis_failures import NOT_RUN_ERRORS, STORE_FAILURES, never_sent, sent_before, transient
 from proxy.resp import ConnectionLost, Packed, PipelinedConnection, RespError
 
-SCRIPT_NAMES = ("reserve", "settle", "renew", "expired", "lease", "shrink", "context", "owner")
+SCRIPT_NAMES = (
+    "reserve",
+    "settle",
+    "renew",
+    "expired",
+    "lease",
+    "shrink",
+    "context",
+    "owner",
+    "register",
+    "forget",
+)
 
 
 def read_scripts() -> dict[str, tuple[str, str]]:

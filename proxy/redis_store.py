@@ -1,9 +1,10 @@
 """The Redis backend of the store: Lua scripts by SHA, one hash tag per tenant.
 
 Works unchanged against a single server or a Redis Cluster, because every script touches only
-keys of one tenant (see ``store.key_prefix``). ``RedisStore`` holds the writes (reserve, settle,
-shrink, renew, leases), its clock and its checks of the server; how a script runs, the reads and
-the kept contexts' commands are mixins (``redis_scripts``, ``redis_reads``, ``redis_contexts``).
+keys of one tenant (see ``store.key_prefix``), or the tenant registry's one key. ``RedisStore``
+holds the writes (reserve, settle, shrink, renew, leases), its clock and its checks of the
+server; how a script runs, the reads, the kept contexts' and the tenant registry's commands are
+mixins (``redis_scripts``, ``redis_reads``, ``redis_contexts``, ``redis_tenants``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from proxy.redis_contexts import ContextCommands
 from proxy.redis_failures import STORE_FAILURES, refused
 from proxy.redis_reads import ReadCommands
 from proxy.redis_scripts import ScriptRunner, read_scripts
+from proxy.redis_tenants import TenantCommands
 from proxy.resp import Packed, PipelinedConnection, pack
 from proxy.store import (
     ACTUAL_METERS,
     DEFAULT_SETTLED_MARKER_TTL_S,
     RESERVED_METERS,
-    TENANTS_KEY,
     Clamp,
     Eviction,
     ExpiredLease,
@@ -74,7 +75,7 @@ _CLOCK_READS = 3
 _CLOCK_TRIP_S = 0.005
 
 
-class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
+class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
     def __init__(
         self,
         client: aioredis.Redis | RedisCluster,
@@ -423,9 +424,3 @@ class RedisStore(ContextCommands, ReadCommands, ScriptRunner):
                 )
             )
         return out
-
-    async def register_tenant(self, tenant: str) -> None:
-        try:
-            await self._client.sadd(TENANTS_KEY, tenant)
-        except STORE_FAILURES as err:
-            raise StoreError(f"register tenant: {err}") from err

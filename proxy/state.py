@@ -34,8 +34,10 @@ class State:
     # Large prompts are counted here, one at a time: off the event loop, and never more than one
     # core spent tokenizing (several at once on few cores only fight over them and the GIL).
     estimator: ThreadPoolExecutor | None = None
-    # Tenants this process has registered for the reapers (one SADD per tenant per process).
-    registered_tenants: set[str] = field(default_factory=set)
+    # Tenants this process has registered for the reapers, each until when (ms, the registry's
+    # clock): registered again once half of it is gone (``handlers.registered``), dropped once
+    # it ran out (``reaper.known_tenants``).
+    registered_tenants: dict[str, int] = field(default_factory=dict)
     # Settlements under way (``relay.Exchange.settle``): shutdown lets them finish.
     settling: set[asyncio.Future[Settlement]] = field(default_factory=set)
     # What every exchange is given, made once per config (see ``services_for``).

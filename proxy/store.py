@@ -6,7 +6,7 @@ billing path only see this interface.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,8 +29,16 @@ ACTUAL_METERS = (
 ALL_METERS = (*ACTUAL_METERS, "concurrent")
 
 
-# The one key outside any tenant's slot: which tenants exist, for the lease reapers.
-TENANTS_KEY = "lbp:tenants"
+# The one key outside any tenant's slot: the tenants the lease reapers read, each until when (ms,
+# by that key's server's clock) its latest registration keeps it there (``register.lua``).
+TENANTS_KEY = "lbp:tenants:until"
+# The registry as written before 2026-12-05: a set, its tenants kept for good (a pass-through key
+# sprayed at the proxy, each refused upstream, one more tenant every reaper round read, for ever).
+# The reapers move its tenants into ``TENANTS_KEY`` (``Store.adopt_old_tenants``).
+OLD_TENANTS_KEY = "lbp:tenants"
+# How long a registration keeps a tenant where no config says (``reaper.registration_s`` of the
+# default config: two leases of its 600 s timeout and 30 s margin).
+REGISTRATION_S = 1260.0
 # Ledger entries read per command (exports, reports, a run's entries).
 LEDGER_PAGE = 1000
 # Before an id given to ``Store.claim_contexts``: its mark kept for good, as the provider keeps a
@@ -301,8 +309,33 @@ class Store(Protocol):
         retention of a response, for good an id written after ``KEPT_FOR_GOOD``."""
         ...
 
-    async def register_tenant(self, tenant: str) -> None: ...
+    async def register_tenant(self, tenant: str, *, kept_s: float = REGISTRATION_S) -> int:
+        """``register_tenants`` of one tenant."""
+        ...
 
-    async def tenants(self) -> set[str]: ...
+    async def register_tenants(self, tenants: Collection[str], *, kept_s: float = REGISTRATION_S) -> int:
+        """Keep ``tenants`` in the registry the reapers read for ``kept_s`` from now at least (a
+        registration for longer, another instance's, stays); returns until when, in ms by the
+        registry's clock."""
+        ...
+
+    async def tenants(self) -> dict[str, int]:
+        """Each tenant of the registry and until when (ms, the registry's clock) it is kept."""
+        ...
+
+    async def adopt_old_tenants(self, *, kept_s: float = REGISTRATION_S) -> dict[str, int]:
+        """Move the tenants of the registry as written before (``OLD_TENANTS_KEY``) into it,
+        registered for ``kept_s``; returns them, each until when it is kept."""
+        ...
+
+    async def forget_tenants(self, registered: Mapping[str, int]) -> list[str]:
+        """Drop each of ``registered`` (a tenant, until when it was kept as read) from the registry
+        if that has passed and no registration renewed it since; returns those dropped. The
+        caller has found each holding no lease since it read the registry."""
+        ...
+
+    async def leases_held(self, *, tenant: str) -> int:
+        """How many leases ``tenant`` holds, run out or not (settled ones gone)."""
+        ...
 
     async def close(self) -> None: ...

@@ -33,6 +33,7 @@ from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.report import TOKEN_FIELDS
 from proxy.state import STATE
+from proxy.store import TENANTS_KEY
 from proxy.tokenizer import Tokenizer
 from proxy.workers import _claim_port
 from tests.conftest import UPSTREAM_KEY, ProxyFactory, base_config, refused_port
@@ -656,11 +657,11 @@ async def test_a_pass_through_tenant_the_store_forgot_is_registered_again_for_it
     caller = proxy.client(UPSTREAM_KEY)
     await caller.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
     tenant = "pt-" + hashlib.sha256(UPSTREAM_KEY.encode()).hexdigest()[:32]
-    assert await redis_client.sismember("lbp:tenants", tenant)
-    await redis_client.delete("lbp:tenants")
+    assert await redis_client.zscore(TENANTS_KEY, tenant) is not None
+    await redis_client.delete(TENANTS_KEY)
     deadline = time.monotonic() + 10
-    while not await redis_client.sismember("lbp:tenants", tenant):
-        assert time.monotonic() < deadline, await redis_client.smembers("lbp:tenants")
+    while await redis_client.zscore(TENANTS_KEY, tenant) is None:
+        assert time.monotonic() < deadline, await redis_client.zrange(TENANTS_KEY, 0, -1)
         await asyncio.sleep(0.05)
 
 

@@ -220,7 +220,7 @@ async def test_a_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
 async def test_the_registrys_master_down_does_not_stop_the_reaping_of_tenants_on_the_others(
     cluster: RedisClusterProcesses,
 ) -> None:
-    """The master that holds the tenant registry (one key, ``lbp:tenants``) down: each round
+    """The master that holds the tenant registry (one key, ``lbp:tenants:until``) down: each round
     began by reading it, failed, and reaped no tenant at all, though each tenant's keys answer
     on its own master: a dead instance's leases held their budgets' room for as long as that one
     master was down (found by the cluster hunt). The round goes on with the tenants it knows."""

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import PASSTHROUGH_ID_DIGITS
+from proxy.reaper import registration_s
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
 from proxy.store import TENANTS_KEY
@@ -208,7 +209,41 @@ async def test_a_passthrough_callers_tenant_is_registered_with_the_store_by_its_
     reply = await call(proxy, CHAT, body=CHAT_BODY, key="sk-own-key")
     assert reply.status == 200, reply.describe()
     tenant = "pt-" + digest("sk-own-key")[:PASSTHROUGH_ID_DIGITS]
-    assert tenant in await redis_client.smembers(TENANTS_KEY)
+    assert await redis_client.zscore(TENANTS_KEY, tenant) is not None
+
+
+async def test_a_tenant_whose_registration_is_half_gone_is_registered_again_by_its_call(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A registration keeps a tenant in the registry for two of the longest lease (a reaper
+    drops it after that if it holds no lease): its calls register it again once half of that is
+    gone, so every lease a call writes lands while the tenant is kept. Not at each call."""
+    upstreams = {"openai": {"base_url": fake.base_url, "passthrough_auth": True}}
+    proxy = await make_proxy(passthrough=True, upstreams=upstreams, limits={"reaper_interval_s": 3600})
+    fake.api_key = None  # any key: the caller's own
+    tenant = "pt-" + digest("sk-own-key")[:PASSTHROUGH_ID_DIGITS]
+    assert (await call(proxy, CHAT, body=CHAT_BODY, key="sk-own-key")).status == 200
+    registered = proxy.app[STATE].registered_tenants
+    first = await redis_client.zscore(TENANTS_KEY, tenant)
+    assert first is not None and registered[tenant] == first
+    kept_ms = registration_s(proxy.config) * 1000
+    assert kept_ms == 2 * (600 + 30) * 1000  # the upstream's timeout_s and lease_margin_s
+    store = proxy.app[STATE].store
+    assert store is not None
+    now_ms = int(store.now() * 1000)
+    assert now_ms + kept_ms - 5000 < first <= now_ms + kept_ms
+    half_gone = now_ms + kept_ms / 2 + 5000  # not yet
+    await redis_client.zadd(TENANTS_KEY, {tenant: half_gone})
+    registered[tenant] = int(half_gone)
+    assert (await call(proxy, CHAT, body=CHAT_BODY, key="sk-own-key")).status == 200
+    assert await redis_client.zscore(TENANTS_KEY, tenant) == half_gone
+    half_gone = now_ms + kept_ms / 2 - 5000  # now
+    await redis_client.zadd(TENANTS_KEY, {tenant: half_gone})
+    registered[tenant] = int(half_gone)
+    assert (await call(proxy, CHAT, body=CHAT_BODY, key="sk-own-key")).status == 200
+    again = await redis_client.zscore(TENANTS_KEY, tenant)
+    assert again is not None and again > now_ms + kept_ms - 5000
+    assert registered[tenant] == again
 
 
 # -- /metrics on the main port -------------------------------------------------------------------

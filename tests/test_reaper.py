@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -16,7 +17,7 @@ from proxy.reaper import BATCH, reap_tenant, run_reaper
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE
-from proxy.store import TENANTS_KEY, Reservation, Scope
+from proxy.store import OLD_TENANTS_KEY, TENANTS_KEY, Reservation, Scope
 from tests.conftest import (
     KEY_A,
     Proxy,
@@ -63,7 +64,7 @@ async def test_a_tenant_lost_from_the_registry_is_registered_again_and_reaped(
     async with proxy.client() as client:
         await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
     assert await reaped_orphan(proxy, redis_client, "team-a", "r2") == 0
-    assert "team-a" in await redis_client.smembers(TENANTS_KEY)
+    assert await redis_client.zscore(TENANTS_KEY, "team-a") is not None
     outcomes = [entry["outcome"] for _, entry in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert outcomes == ["ok", "lease_expired"]
 
@@ -215,7 +216,7 @@ async def test_leases_a_round_settled_before_a_store_error_are_counted(
     await admin.close()
     # A user that may not touch r2's meters yet: its settle fails with NOPERM, a store error
     # that passes (the round stops there, to be tried again).
-    keys = ["~lbp:tenants", "~lbp:{team-a}:leases", "~lbp:{team-a}:resv:*", "~lbp:{team-a}:ledger"]
+    keys = ["~lbp:tenants*", "~lbp:{team-a}:leases", "~lbp:{team-a}:resv:*", "~lbp:{team-a}:ledger"]
     keys += ["~lbp:{team-a}:runlog:*", "~lbp:{team-a}:run:r1"]
     await redis_client.execute_command("ACL", "SETUSER", "reaper7", "on", ">pw", "+@all", *keys)
     store = RedisStore.from_url(redis_server.url.replace("redis://", "redis://reaper7:pw@"))
@@ -431,3 +432,158 @@ async def test_a_reapers_try_sent_again_gets_its_entry_and_no_other_settle_does(
         assert (used.used, used.reserved) == (12, 0)
     finally:
         await store.close()
+
+
+def passthrough_tenant(key: str) -> str:
+    return "pt-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+async def until_registry_lacks(redis_client: aioredis.Redis, tenants: set[str]) -> set[str]:
+    """Up to 5 s for reaper rounds to drop ``tenants`` from the registry: what it holds then."""
+    registry: set[str] = set()
+    for _ in range(100):
+        registry = set(await redis_client.zrange(TENANTS_KEY, 0, -1))
+        if not registry & tenants:
+            break
+        await asyncio.sleep(0.05)
+    return registry
+
+
+async def test_keys_refused_upstream_leave_the_registry_once_no_registration_keeps_them(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """In pass-through mode each key is a tenant of its own, and each was registered for good:
+    40 keys the provider refused (401) were 40 tenants every reaper round read, for ever, and
+    keys sprayed at the proxy grew the registry, the process's own set and every round without
+    bound. A tenant no registration keeps (two of the longest lease since its last call: set
+    back here, as that much time would) and that holds no lease is dropped from both; a key
+    still in use stays, and what the ledger holds of the others stays."""
+    proxy = await make_proxy(
+        passthrough=True,
+        upstreams={"openai": {"base_url": fake.base_url, "passthrough_auth": True}},
+        limits={"reaper_interval_s": 0.05},
+    )
+    fake.api_key = "sk-caller-good"
+    junk = {passthrough_tenant(f"sk-junk-{i}") for i in range(40)}
+    body = {"model": MODEL, "messages": MSGS}
+    async with aiohttp.ClientSession() as session:
+        for i in range(40):
+            headers = {"Authorization": f"Bearer sk-junk-{i}"}
+            async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                assert resp.status == 401, await resp.text()
+        headers = {"Authorization": "Bearer sk-caller-good"}
+        async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    good = passthrough_tenant("sk-caller-good")
+    assert junk | {good} <= set(await redis_client.zrange(TENANTS_KEY, 0, -1))
+    registered = proxy.app[STATE].registered_tenants
+    for tenant in junk:  # their registrations ran out, by the registry's clock and the process's
+        await redis_client.zadd(TENANTS_KEY, {tenant: 1}, xx=True)
+        registered[tenant] = 1
+    registry = await until_registry_lacks(redis_client, junk)
+    assert not registry & junk
+    assert good in registry
+    assert set(registered) == {good}
+    for tenant in junk:  # a dropped tenant's ledger is its own: its entry is still there
+        assert await redis_client.xlen(f"lbp:{{{tenant}}}:ledger") == 1
+
+
+class TenantsRead(RedisStore):
+    """The real store, noting the tenants whose leases it was asked for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    async def expired_leases(self, *, tenant: str, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.read.add(tenant)
+        return await super().expired_leases(tenant=tenant, **kwargs)
+
+
+async def test_a_round_reads_the_tenants_that_may_hold_a_lease_and_reaps_a_dead_instances(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """Every round read every tenant ever registered. One whose registration ran out is read
+    until it holds no lease, then dropped: here 40 that hold none at once, and one whose call a
+    dead instance left in flight (its lease renewed past the registration, a long stream) only
+    once that lease ran out and was billed at its reserve. A tenant registered lately stays."""
+    store = TenantsRead.from_url(redis_server.url)
+    await store.load_scripts()
+    junk = {f"pt-junk-{i:02d}" for i in range(40)}
+    reaper: asyncio.Task[None] | None = None
+    try:
+        await store.register_tenants([*junk, "crashed", "live"])
+        reserved = await store.reserve(
+            tenant="crashed",
+            reservation_id="in-flight",
+            run_id="r",
+            scopes=[Scope(name="run", key="lbp:{crashed}:run:r")],
+            amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+            lease_ms=600_000,
+            record='{"run_id": "r"}',
+        )
+        assert isinstance(reserved, Reservation)
+        for tenant in [*junk, "crashed"]:  # registered two leases ago, by the registry's clock
+            await redis_client.zadd(TENANTS_KEY, {tenant: 1}, xx=True)
+        reaper = asyncio.create_task(run_reaper(store, 0.05, lambda entry: None))
+        registry = await until_registry_lacks(redis_client, junk)
+        assert registry == {"crashed", "live"}  # crashed holds a lease: kept
+        store.read.clear()
+        await asyncio.sleep(0.3)  # rounds after the drop
+        assert store.read == {"crashed", "live"}
+        await redis_client.zadd("lbp:{crashed}:leases", {"in-flight": 0})  # the lease ran out
+        registry = await until_registry_lacks(redis_client, {"crashed"})
+        assert registry == {"live"}
+    finally:
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await store.close()
+    entries = [fields for _, fields in await redis_client.xrange("lbp:{crashed}:ledger")]
+    assert [(e["reservation_id"], e["outcome"]) for e in entries] == [("in-flight", "lease_expired")]
+
+
+async def test_the_registry_as_written_before_is_moved_in_and_its_tenants_reaped(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A deployment upgraded from the registry as a set (``lbp:tenants``, kept for good, and
+    still written by an instance not upgraded yet): its tenants' leases are reaped, and they
+    are moved into the registry, registered from then on, dropped as any other."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    await store.reserve(
+        tenant="team-old",
+        reservation_id="dead-instance",
+        run_id="r",
+        scopes=[Scope(name="run", key="lbp:{team-old}:run:r")],
+        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+        lease_ms=1,
+        record='{"run_id": "r"}',
+    )
+    await redis_client.delete(TENANTS_KEY)
+    await redis_client.sadd(OLD_TENANTS_KEY, "team-old", "pt-idle")
+    reaper = asyncio.create_task(run_reaper(store, 0.05, lambda entry: None))
+    try:
+        for _ in range(100):
+            if await redis_client.xlen("lbp:{team-old}:ledger"):
+                break
+            await asyncio.sleep(0.05)
+        now_ms = int(await store.synced_now() * 1000)
+        registry = dict(await redis_client.zrange(TENANTS_KEY, 0, -1, withscores=True))
+        assert await redis_client.exists(OLD_TENANTS_KEY) == 0
+        await redis_client.sadd(OLD_TENANTS_KEY, "team-not-upgraded")  # an older instance's reaper
+        for _ in range(100):
+            if await redis_client.zscore(TENANTS_KEY, "team-not-upgraded") is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert await redis_client.exists(OLD_TENANTS_KEY) == 0
+    finally:
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        await store.close()
+    assert set(registry) == {"team-old", "pt-idle"}
+    assert all(until_ms > now_ms + 600_000 for until_ms in registry.values()), (registry, now_ms)
+    outcomes = [fields["outcome"] for _, fields in await redis_client.xrange("lbp:{team-old}:ledger")]
+    assert outcomes == ["lease_expired"]

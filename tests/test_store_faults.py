@@ -725,7 +725,7 @@ async def test_calls_while_redis_cannot_be_connected_to_are_refused_together_not
     the proxy's throughput fell to one call per timeout."""
     with unreachable_port("connect_timeout") as port:
         proxy = await make_proxy(redis={"url": f"redis://127.0.0.1:{port}/0", "socket_timeout_s": 0.5})
-        proxy.app[STATE].registered_tenants.add("team-a")  # registered before the outage
+        proxy.app[STATE].registered_tenants["team-a"] = 2**62  # registered before the outage
         body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
         async def one(session: aiohttp.ClientSession) -> int:
