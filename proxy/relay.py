@@ -210,7 +210,8 @@ class Exchange:
     ) -> Settlement:
         # Counted here, in the settle's task: a handler cancelled meanwhile still settles the
         # call at the count, and the count is the first settle's alone.
-        usage = await self.billed(usage)
+        if isinstance(usage, Uncounted):  # not ``billed``: a coroutine more on every settle
+            usage = await usage_counted(self.call, self.obs, self.services.tokenizer, usage)
         refining = self.call.refining
         if refining is not None and not refining.done():
             # What it has not done yet would only lower a reserve about to go; and a backlog of
@@ -263,7 +264,7 @@ class Exchange:
             settlement = await settling
         if not settlement.stored:
             self.services.metrics.store_errors.labels("settle").inc()
-        elif unmarked := [c for c in owned if c not in self.claimed]:
+        elif owned and (unmarked := [c for c in owned if c not in self.claimed]):
             await self._journal_marks(unmarked)
         return settlement
 
