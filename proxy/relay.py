@@ -405,6 +405,11 @@ class Exchange:
     async def _transport_failure(self, failure: TransportFailure) -> web.Response:
         timed_out = failure.kind in ("timeout", "connect_timeout")
         tag: OutcomeTag = "upstream_timeout" if timed_out else "upstream_error"
+        client = self.request.transport
+        if client is None or client.is_closing():
+            # The client had left (its own timeout, shorter than the upstream's): the call is
+            # tagged as its stream's or body's would be once answered, the bill the same.
+            tag = "client_disconnected"
         usage = self.reserve_usage() if failure.went_out else NOTHING_BILLED
         return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage)
 

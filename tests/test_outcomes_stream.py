@@ -342,6 +342,29 @@ async def test_client_gone_before_the_first_byte_is_a_disconnect(proxy: Proxy, f
     assert fake.bill[0].completion_tokens == 5
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("policy", ["drain", "cancel"])
+async def test_client_gone_before_an_upstream_that_then_times_out_is_a_disconnect(
+    make_proxy: ProxyFactory, fake: FakeUpstream, stream: bool, policy: str
+) -> None:
+    """The client gives up (its own timeout, shorter than the upstream's) while the upstream says
+    nothing, and the upstream then times out: the call was tagged ``upstream_timeout``, the
+    provider's fault for an answer no one waited on (the SDK hunt). The bill is its reserve."""
+    proxy = await make_proxy(
+        policy={"on_client_disconnect": policy}, upstreams=upstream_override(fake.base_url, timeout_s=1)
+    )
+    body = {"model": MODEL, "messages": MSGS, "stream": stream, "max_tokens": 6}
+    body["fake"] = {"mode": "stall_before_headers", "stall_s": 3}
+    async with aiohttp.ClientSession() as session:
+        post = session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
+        )
+        await leave_once_upstream_received(post, fake)
+    entry = await the_entry(proxy, "r1", wait_s=5)
+    assert entry["outcome"] == "client_disconnected", entry
+    assert entry["usage_source"] == "reserve"
+
+
 async def test_headers_reach_the_client_while_the_upstream_withholds_its_first_event(
     proxy: Proxy, fake: FakeUpstream
 ) -> None:
