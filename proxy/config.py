@@ -2,7 +2,7 @@
 
 The root ``Config`` and its small sections are here; a model's entry, the keys and the tiers are
 in ``config_models``, ``config_keys`` and ``config_tiers``; their base model and the limits they
-share in ``config_base``.
+share in ``config_base``; the check of a Redis URL's options in ``config_redis``.
 
 ``config_load.load_config`` reads the file and the environment into a ``Config`` at start and on
 reload; it is passed down explicitly.
@@ -25,12 +25,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
+from redis.asyncio.connection import parse_url
 from yarl import URL
 
 from proxy.config_base import OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
+from proxy.config_redis import bad_value, unknown_option
 from proxy.config_tiers import TierConfig
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
 
@@ -92,19 +93,18 @@ class RedisConfig(Frozen):
             raise ValueError(f"invalid Redis URL: the port of {where!r} is not a port") from None
         if parts.scheme == "unix" and not parts.path:
             raise ValueError("invalid Redis URL: unix:// needs the socket's path")
-        # Options redis-py reads (TLS's among them, for rediss://); a name it does not know was a
-        # traceback when the first connection was made.
-        unknown = sorted(
-            name
-            for name in parse_qs(parts.query, keep_blank_values=True)
-            if name not in URL_QUERY_ARGUMENT_PARSERS and not name.startswith("ssl_")
-        )
-        if unknown:
-            raise ValueError(f"invalid Redis URL: unknown option {', '.join(unknown)[:80]}")
+        # Options redis-py reads (TLS's for rediss://); one its connection does not take failed
+        # every connection it made.
+        unknown = unknown_option(parts.scheme, sorted(parse_qs(parts.query, keep_blank_values=True)))
+        if unknown is not None:
+            raise ValueError(f"invalid Redis URL: {unknown}")
         try:
-            options = parse_url(value)  # type: ignore[no-untyped-call]
+            options: dict[str, Any] = dict(parse_url(value))
         except ValueError as err:
             raise ValueError(f"invalid Redis URL: {err}") from None
+        bad = bad_value(parse_qs(parts.query))
+        if bad is not None:
+            raise ValueError(f"invalid Redis URL: {bad}")
         # Values that parse as numbers but that no connection can use: redis-py takes the URL's
         # options over the proxy's own (socket_timeout_s), and every command it sent then failed
         # (a timeout of 0 or less or NaN times out at once, a negative database, a protocol other
@@ -136,7 +136,7 @@ class RedisConfig(Frozen):
             raise ValueError(
                 "cluster: true needs a redis:// or rediss:// url: a cluster is not reached over a unix socket"
             )
-        db = parse_url(self.url).get("db")  # type: ignore[no-untyped-call]
+        db = parse_url(self.url).get("db")
         if db not in (None, 0, "0"):
             raise ValueError(f"cluster: true needs database 0 (a cluster has no other), not {db}")
         return self

@@ -366,6 +366,8 @@ BAD_FLAG_CONFIG = (
         ["ledger", "--redis-url", "redis://127.0.0.1:1/0?socket_timeout=x", "--tenant", "team-a"],
         ["report", "--redis-url", "redis://127.0.0.1:1/0?foo=bar", "--tenant", "team-a"],
         ["serve", "--config", "{config}", "--redis-url", "redis://127.0.0.1:1/abc"],
+        # redis-py refused every connection: serve answered every call 503 store_unavailable.
+        ["serve", "--config", "{config}", "--redis-url", "redis://127.0.0.1:1/0?ssl_cert_reqs=none"],
         ["check-config", "{bad_db_config}"],
         ["serve", "--config", "{metrics_config}", "--workers", "2"],
         ["serve", "--config", "{config}", "--port", "70000"],

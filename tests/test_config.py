@@ -659,6 +659,9 @@ def test_uvloop_asked_where_it_is_not_installed_is_refused_at_load(monkeypatch: 
         "rediss://redis.example:6380/0?ssl_ca_certs=/etc/ssl/private-ca.pem",
         "redis://[::1]:6379/2?socket_timeout=5",
         "unix:///run/redis.sock?db=3",
+        "rediss://redis.example:6380/0?ssl_cert_reqs=optional&ssl_check_hostname=no&ssl_min_version=771",
+        "rediss://redis.example:6380/0?ssl_ciphers=HIGH:!aNULL&ssl_password=pw&ssl_ca_path=/etc/ssl/certs",
+        "redis://127.0.0.1:6379/0?socket_keepalive=Yes&retry_on_timeout=off",
     ],
 )
 def test_a_redis_url_with_options_redis_py_reads_is_accepted(url: str) -> None:
@@ -666,6 +669,33 @@ def test_a_redis_url_with_options_redis_py_reads_is_accepted(url: str) -> None:
     # URL check must not refuse them (no redis.* field sets them).
     raw = {"redis": {"url": url}, "upstreams": {"openai": {"base_url": "http://127.0.0.1:1/v1"}}}
     assert parse_config(raw, {}).redis.url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "name"),
+    [
+        ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "ssl_cert_reqs"),  # TLS on a plain URL
+        ("unix:///run/redis.sock?ssl_check_hostname=false", "ssl_check_hostname"),
+        ("rediss://redis.example:6380/0?ssl_bogus=1", "ssl_bogus"),
+        # redis-py's synchronous client reads it; the proxy's (asyncio) TLS connection does not.
+        ("rediss://redis.example:6380/0?ssl_validate_ocsp=true", "ssl_validate_ocsp"),
+        ("rediss://redis.example:6380/0?ssl_cert_reqs=bogus", "ssl_cert_reqs"),
+        ("rediss://redis.example:6380/0?ssl_cert_reqs=None", "ssl_cert_reqs"),
+        ("rediss://redis.example:6380/0?ssl_check_hostname=maybe", "ssl_check_hostname"),
+        ("rediss://redis.example:6380/0?ssl_min_version=5", "ssl_min_version"),
+        ("rediss://redis.example:6380/0?ssl_ciphers=NO-SUCH-CIPHER", "ssl_ciphers"),
+        ("redis://127.0.0.1:6379/0?socket_keepalive=maybe", "socket_keepalive"),
+        ("unix:///run/redis.sock?retry_on_timeout=sometimes", "retry_on_timeout"),
+    ],
+)
+def test_a_redis_url_option_redis_py_would_refuse_or_misread_is_a_config_error(url: str, name: str) -> None:
+    """README: TLS's ssl_* for rediss://; 'an unknown option, a bad value ... is a config error
+    (exit 2)'. Any name starting with ssl_ passed, on any scheme, its value unread: check-config
+    said ok, then redis-py refused every connection ('unexpected keyword argument
+    'ssl_cert_reqs''), every call and /readyz a 503 store_unavailable against a Redis that was
+    up. A boolean redis-py does not know as one (maybe) it reads as true."""
+    error = error_of({**UP, "redis": {"url": url}})
+    assert "redis.url" in error and name in error, error
 
 
 @pytest.mark.parametrize("url", ["redis://:s3cretpw@redis:63x79/0", "redis://admin:s3cretpw@redis:99999/0"])
