@@ -31,7 +31,7 @@ from yarl import URL
 from proxy.config_base import OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
-from proxy.config_redis import bad_value, unknown_option
+from proxy.config_redis import DB_INDEX_MAX, bad_value, unknown_option
 from proxy.config_tiers import TierConfig
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
 
@@ -113,14 +113,16 @@ class RedisConfig(Frozen):
             timeout = options.get(name)
             if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
                 raise ValueError(f"invalid Redis URL: {name} must be a number of seconds above 0")
-        if options.get("db", 0) < 0:
-            raise ValueError("invalid Redis URL: db must be 0 or more")
+        if not 0 <= options.get("db", 0) <= DB_INDEX_MAX:
+            raise ValueError(f"invalid Redis URL: db must be from 0 to {DB_INDEX_MAX} (a Redis has no more)")
         if options.get("protocol", 2) not in (2, 3):
             raise ValueError("invalid Redis URL: protocol must be 2 or 3")
         if options.get("socket_read_size", 1) < 1:
             raise ValueError("invalid Redis URL: socket_read_size must be 1 or more")
         db = parts.path.lstrip("/") if parts.scheme != "unix" else ""
-        if db and not db.isdigit():
+        # Decimal digits, as int() reads them: redis-py leaves out a path it cannot read (the
+        # database 0 used), and the proxy's own client raised out of serve.
+        if db and not db.isdecimal():
             raise ValueError(f"invalid Redis URL: the database {db[:40]!r} is not a number")
         return value
 

@@ -16,6 +16,9 @@ from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection, 
 # What redis-py's to_bool reads as false (its FALSE_STRINGS) and the words that say true: any
 # other word it reads as true (socket_keepalive=maybe), which no one meant.
 _BOOLEAN_WORDS = frozenset({"0", "F", "FALSE", "N", "NO", "OFF", "1", "T", "TRUE", "Y", "YES", "ON"})
+# Redis counts its databases in a C int (the databases setting is at most 2^31 - 1): SELECT
+# refuses an index past the last, every connection with it.
+DB_INDEX_MAX = 2**31 - 2
 # redis-py's RedisSSLContext takes these words alone, in lower case.
 _CERT_REQS = ("none", "optional", "required")
 

@@ -777,6 +777,7 @@ def test_a_negative_chat_template_overhead_is_refused(field: str) -> None:
         "socket_timeout=nan",
         "socket_connect_timeout=0",
         "db=-1",
+        "db=9223372036854775808",
         "protocol=7",
         "socket_read_size=0",
     ],
@@ -791,6 +792,19 @@ def test_a_redis_url_option_no_connection_can_use_is_a_config_error(query: str) 
     for url in (f"redis://127.0.0.1:6379/0?{query}", f"unix:///run/redis.sock?{query}"):
         assert name in error_of({**UP, "redis": {"url": url}})
     assert name in error_of({**UP, "redis": {"url_env": "REDIS_URL"}}, {"REDIS_URL": f"redis://h/0?{query}"})
+
+
+@pytest.mark.parametrize(
+    ("db", "said"),
+    [("2147483647", "db must be"), ("9223372036854775808", "db must be"), ("\u00b2", "not a number")],
+)
+def test_a_redis_database_no_redis_has_is_a_config_error(db: str, said: str) -> None:
+    """Past 2^31 - 2, Redis refuses SELECT (its databases are counted in a C int): every
+    connection failed, the calls 503 store_unavailable, after check-config said ok. A
+    superscript two is a digit to str.isdigit but no number to int: redis-py left it out (the
+    database 0 used) and the proxy's own client raised out of serve (a traceback, exit 1)."""
+    error = error_of({**UP, "redis": {"url": f"redis://127.0.0.1:6379/{db}"}})
+    assert "redis.url" in error and said in error, error
 
 
 @pytest.mark.parametrize(

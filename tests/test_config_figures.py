@@ -525,6 +525,7 @@ def test_a_unix_socket_redis_url_is_taken() -> None:
     "query",
     [
         "db=-1",
+        "db=2147483647",  # a Redis has at most 2^31 - 1 databases: SELECT refused every connection
         "protocol=4",
         "protocol=1",
         "socket_read_size=0",
@@ -534,6 +535,11 @@ def test_a_unix_socket_redis_url_is_taken() -> None:
 )
 def test_a_redis_url_option_just_past_what_a_connection_takes_is_refused(query: str) -> None:
     assert "redis.url" in error_of({**UP, "redis": {"url": f"redis://localhost:6379/0?{query}"}})
+
+
+@pytest.mark.parametrize("url", ["redis://localhost:6379/2147483646", "unix:///run/redis.sock?db=2147483646"])
+def test_the_last_database_a_redis_can_have_is_taken(url: str) -> None:
+    assert taken({**UP, "redis": {"url": url}}).redis.url == url
 
 
 @pytest.mark.parametrize(
