@@ -31,7 +31,7 @@ from yarl import URL
 from proxy.config_base import OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
-from proxy.config_redis import DB_INDEX_MAX, bad_value, unknown_option
+from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
 from proxy.config_tiers import TierConfig
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
 
@@ -141,6 +141,9 @@ class RedisConfig(Frozen):
         db = parse_url(self.url).get("db")
         if db not in (None, 0, "0"):
             raise ValueError(f"cluster: true needs database 0 (a cluster has no other), not {db}")
+        refused = ", ".join(not_for_a_cluster(parse_qs(urlsplit(self.url).query)))
+        if refused:
+            raise ValueError(f"cluster: true: redis-py's cluster client does not take {refused[:80]}")
         return self
 
 

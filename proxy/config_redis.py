@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import inspect
 import ssl
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection, to_bool
 
 # What redis-py's to_bool reads as false (its FALSE_STRINGS) and the words that say true: any
@@ -39,6 +40,14 @@ def unknown_option(scheme: str, names: list[str]) -> str | None:
         if name in tls and scheme != "rediss":
             return f"{name} is a TLS option, which only a rediss:// URL takes"
     return None
+
+
+def not_for_a_cluster(names: Iterable[str]) -> list[str]:
+    """The options among ``names`` redis-py's cluster client does not take (timeout,
+    retry_on_timeout, ssl_password, ...): it takes keyword arguments by name alone, and raised
+    for one of them when it was made."""
+    parameters = inspect.signature(RedisCluster.__init__).parameters
+    return sorted(name for name in names if name not in parameters)
 
 
 def bad_value(values: Mapping[str, list[str]]) -> str | None:

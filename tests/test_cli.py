@@ -369,6 +369,7 @@ BAD_FLAG_CONFIG = (
         # redis-py refused every connection: serve answered every call 503 store_unavailable.
         ["serve", "--config", "{config}", "--redis-url", "redis://127.0.0.1:1/0?ssl_cert_reqs=none"],
         ["check-config", "{bad_db_config}"],
+        ["serve", "--config", "{cluster_config}"],  # an option redis-py's cluster client refuses
         ["serve", "--config", "{metrics_config}", "--workers", "2"],
         ["serve", "--config", "{config}", "--port", "70000"],
         ["serve", "--config", "{config}", "--redis-url", "notaurl"],
@@ -384,12 +385,15 @@ def test_a_bad_value_on_the_command_line_is_a_config_error_not_a_traceback(
     bad_port.write_text(BAD_FLAG_CONFIG.replace("redis://127.0.0.1:1", "redis://127.0.0.1:notaport"))
     bad_db = tmp_path / "bad-db.yaml"
     bad_db.write_text(BAD_FLAG_CONFIG.replace("redis://127.0.0.1:1", "redis://127.0.0.1:1?db=x"))
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(BAD_FLAG_CONFIG.replace("127.0.0.1:1'}", "127.0.0.1:1/0?timeout=3', cluster: true}"))
     metrics = tmp_path / "metrics.yaml"  # worker 1 would listen on 65536
     metrics.write_text(BAD_FLAG_CONFIG + "metrics: {listen: {host: 127.0.0.1, port: 65535}}\n")
     names = {
         "config": config,
         "bad_port_config": bad_port,
         "bad_db_config": bad_db,
+        "cluster_config": cluster,
         "metrics_config": metrics,
     }
     result = run_cli(*(a.format(**names) for a in args))

@@ -795,6 +795,25 @@ def test_a_redis_url_option_no_connection_can_use_is_a_config_error(query: str) 
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:7000/0?timeout=3",
+        "redis://127.0.0.1:7000/0?retry_on_timeout=yes",
+        "rediss://redis.example:7000/0?ssl_password=pw",
+        "rediss://redis.example:7000/0?ssl_ca_path=/etc/ssl/certs",
+    ],
+)
+def test_a_redis_url_option_the_cluster_client_does_not_take_is_a_config_error(url: str) -> None:
+    """redis-py's cluster client takes its options by name, and not these (its single-server
+    client does): serve, ledger and report raised out with a traceback (unexpected keyword
+    argument 'timeout'), exit 1, after check-config said ok."""
+    name = url.rpartition("?")[2].partition("=")[0]
+    error = error_of({**UP, "redis": {"url": url, "cluster": True}})
+    assert "redis" in error and "cluster" in error and name in error, error
+    assert parse_config({**UP, "redis": {"url": url}}, {}).redis.url == url
+
+
+@pytest.mark.parametrize(
     ("db", "said"),
     [("2147483647", "db must be"), ("9223372036854775808", "db must be"), ("\u00b2", "not a number")],
 )
