@@ -14,6 +14,7 @@ import fnmatch
 import importlib.util
 import math
 import re
+import socket
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -227,9 +228,24 @@ _ANYWHERE = frozenset({"0.0.0.0", "::", ""})
 _LOOPBACK = {"localhost": frozenset({"127.0.0.1", "::1"})}
 
 
+def _as_resolved(host: str) -> str:
+    """The host as the resolver reads it, asked of no server: a numeric address in its one
+    form (``0`` is 0.0.0.0, ``127.1`` 127.0.0.1, ``::0001`` ::1), a name in lower case (names
+    are read in any case: ``LOCALHOST`` is localhost)."""
+    if host == "":
+        return host
+    try:
+        # AI_NUMERICHOST: a name is refused, not looked up.
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError, ValueError):
+        return host.lower()
+    return str(found[0][4][0])
+
+
 def _overlap(host: str, other: str) -> bool:
     """Whether a listener on ``host`` and one on ``other`` (same port) would take an address
     both: a wildcard takes every one, ``localhost`` its loopback addresses."""
+    host, other = _as_resolved(host), _as_resolved(other)
     if host in _ANYWHERE or other in _ANYWHERE:
         return True
     return bool(_LOOPBACK.get(host, {host}) & _LOOPBACK.get(other, {other}))

@@ -420,6 +420,21 @@ def test_metrics_on_the_main_port_by_the_command_line_is_a_config_error(tmp_path
     assert f"metrics.listen: port {port + (way == '--workers')} is the main listen port" in result.stderr
 
 
+def test_metrics_on_the_main_port_as_localhost_in_capitals_is_a_config_error(tmp_path: Path) -> None:
+    """Host names are read in any case: LOCALHOST is localhost. serve bound the metrics, then
+    failed its own port (exit 4, address in use), where a config error (exit 2) is promised."""
+    port = free_port()
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        BAD_FLAG_CONFIG
+        + f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        + f"metrics: {{listen: {{host: LOCALHOST, port: {port}}}}}\n"
+    )
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2, result.stderr[-300:]
+    assert f"metrics.listen: port {port} is the main listen port" in result.stderr
+
+
 def test_a_zero_config_start_on_port_0_listens_on_a_free_port() -> None:
     from proxy.cli import _config_for, _parser
 

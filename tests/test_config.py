@@ -740,6 +740,41 @@ def test_a_tenant_named_like_pass_through_callers_is_a_config_error(tenant: str)
     assert parse_config({**UP, "keys": [{**keys[0], "tenant": "pt-team"}]}, {}).tenants == {"pt-team"}
 
 
+@pytest.mark.parametrize(
+    ("main_host", "metrics_host"),
+    [
+        ("127.0.0.1", "LOCALHOST"),  # localhost: host names are read in any case
+        ("127.0.0.1", "Localhost"),
+        ("::1", "localHost"),
+        ("127.0.0.1", "0"),  # the IPv4 wildcard, as the resolver reads it
+        ("127.0.0.1", "127.1"),  # 127.0.0.1, as the resolver reads it
+        ("0x7f.0.0.1", "localhost"),
+        ("0:0::0", "::1"),  # the IPv6 wildcard
+        ("::0001", "::1"),
+        ("Proxy.Example", "proxy.example"),
+    ],
+)
+def test_metrics_on_the_main_port_under_another_spelling_of_its_host_is_a_config_error(
+    main_host: str, metrics_host: str
+) -> None:
+    """README: a metrics.listen on the main port, 'localhost beside 127.0.0.1 or a wildcard
+    included', is a config error. The hosts were compared as written: serve bound the metrics,
+    then failed its own port (exit 4, address in use) instead of exit 2 naming metrics.listen."""
+    listen = {"listen": {"host": main_host, "port": 8080}}
+    raw = {**UP, **listen, "metrics": {"listen": {"host": metrics_host, "port": 8080}}}
+    assert "metrics.listen: port 8080 is the main listen port" in error_of(raw)
+
+
+@pytest.mark.parametrize(
+    ("main_host", "metrics_host"),
+    [("127.0.0.1", "127.0.0.2"), ("127.0.0.1", "::1"), ("127.1", "10.0.0.1"), ("a.example", "b.example")],
+)
+def test_metrics_on_the_main_port_of_another_address_is_taken(main_host: str, metrics_host: str) -> None:
+    listen = {"listen": {"host": main_host, "port": 8080}}
+    raw = {**UP, **listen, "metrics": {"listen": {"host": metrics_host, "port": 8080}}}
+    assert parse_config(raw, {}).metrics.listen is not None
+
+
 def test_a_model_named_like_the_unknown_models_label_is_a_config_error() -> None:
     # Its metrics would merge with every model the config does not name.
     error = error_of({**UP, "models": {"other": {"upstream": "openai"}}})
