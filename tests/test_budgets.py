@@ -923,7 +923,8 @@ async def test_budget_remaining_is_the_least_room_of_that_meter_whatever_the_sco
     response = await call(proxy, "small")  # 12 more: the run has 1000 - 898 - 12 = 90 left
     remaining = int(response.headers["x-budget-remaining-total-tokens"])
     assert remaining == 1000 - 898 - 12, remaining
-    # What the header says is left is what the next call of the run can have, exactly.
+    # With no other call of the run beside it, what the header says is left is what the next
+    # call of the run can have, exactly (README: the room its reserve found, less its own bill).
     served = await call(proxy, "small", max_tokens=remaining - INPUT_RESERVE)
     assert served.headers["x-billing-outcome"] == "ok"
 
