@@ -279,7 +279,9 @@ class LimitsConfig(Frozen):
     default_max_tool_calls: int = Field(default=10, ge=0, le=1_000_000)
     # A settled reservation leaves a marker this long: a second settle is recognised and changes
     # nothing, and within most of it a settle still bills a call whose reservation was lost.
-    settled_marker_ttl_s: int = Field(default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60)
+    # At most ten years: settle.lua's EXPIRE of a marker past what Redis takes failed every
+    # settle after its writes (each journaled, its marker kept for good).
+    settled_marker_ttl_s: int = Field(default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60, le=10 * 366 * 24 * 3600)
     # How long the size of a stored Responses context (an answer, a conversation) is kept for
     # the reserve of a call that continues it (0: not kept, such calls reserve their request).
     prior_context_ttl_s: int = Field(default=3600, ge=0, le=30 * 24 * 3600)
@@ -327,6 +329,15 @@ class LimitsConfig(Frozen):
             raise ValueError(
                 "reap_grace_s must be longer than journal_replay_s (or 0: leases reaped as soon as "
                 "they run out), or a reaper bills at their reserve calls a journal holds"
+            )
+        if self.reap_grace_s and self.reaper_interval_s > self.reap_grace_s - self.journal_replay_s:
+            # A reaper learns of an outage only by a round that meets it: one shorter than its
+            # interval goes unseen, and its first round after it would bill at their reserve the
+            # calls whose leases ran out meanwhile, before their journals landed.
+            raise ValueError(
+                "reaper_interval_s must be at most reap_grace_s - journal_replay_s (or reap_grace_s "
+                "0): a reaper that sleeps through an outage would bill at their reserve calls a "
+                "journal holds; raise reap_grace_s for a rarer reaper"
             )
         return self
 

@@ -619,10 +619,24 @@ def test_a_model_token_count_is_not_true_or_false(field: str, value: bool) -> No
             "reap_grace_s",
         ),  # reaped never: a dead process's reserves held for good
         ({"reap_grace_s": -1}, "reap_grace_s"),
+        # A reaper sleeping through an outage shorter than its interval bills journaled calls
+        # at their reserve on its first round after it (the lease hunt): 60 > 10 - 1.
+        ({"reaper_interval_s": 60}, "reaper_interval_s must be at most reap_grace_s - journal_replay_s"),
+        ({"reaper_interval_s": 9.5}, "reaper_interval_s must be at most"),
+        # settle.lua's EXPIRE failed past what Redis takes, after the settle's writes.
+        ({"settled_marker_ttl_s": 10**17}, "settled_marker_ttl_s"),
     ],
 )
 def test_a_reap_grace_a_journal_cannot_beat_is_refused(limits: dict[str, Any], message: str) -> None:
     assert message in error_of({**UP, "limits": limits})
+
+
+def test_a_rare_reaper_stays_possible_with_a_grace_that_outlasts_its_interval() -> None:
+    limits = {"reaper_interval_s": 60, "reap_grace_s": 61, "journal_replay_s": 1}
+    assert parse_config({**UP, "limits": limits}, {}).limits.reaper_interval_s == 60
+    limits = {"reaper_interval_s": 600, "reap_grace_s": 0}  # reaped at once: no journal waited for
+    assert parse_config({**UP, "limits": limits}, {}).limits.reaper_interval_s == 600
+    assert parse_config({**UP, "limits": {"reaper_interval_s": 9}}, {}).limits.reaper_interval_s == 9
 
 
 def test_reaping_at_once_stays_possible() -> None:
@@ -879,7 +893,7 @@ def test_an_output_token_count_is_not_true_or_false(raw: dict[str, Any]) -> None
 START_ONLY_LIMITS = {
     "settled_marker_ttl_s": 7200,
     "token_count_cache_chars": 1234,
-    "reaper_interval_s": 3.0,
+    "reaper_interval_s": 1.5,
     "journal_replay_s": 0.5,
     "reap_grace_s": 2.0,
 }

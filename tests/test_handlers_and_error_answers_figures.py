@@ -219,7 +219,9 @@ async def test_a_tenant_whose_registration_is_half_gone_is_registered_again_by_i
     drops it after that if it holds no lease): its calls register it again once half of that is
     gone, so every lease a call writes lands while the tenant is kept. Not at each call."""
     upstreams = {"openai": {"base_url": fake.base_url, "passthrough_auth": True}}
-    proxy = await make_proxy(passthrough=True, upstreams=upstreams, limits={"reaper_interval_s": 3600})
+    proxy = await make_proxy(
+        passthrough=True, upstreams=upstreams, limits={"reaper_interval_s": 3000, "reap_grace_s": 3600}
+    )
     fake.api_key = None  # any key: the caller's own
     tenant = "pt-" + digest("sk-own-key")[:PASSTHROUGH_ID_DIGITS]
     assert (await call(proxy, CHAT, body=CHAT_BODY, key="sk-own-key")).status == 200

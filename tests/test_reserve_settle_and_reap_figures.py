@@ -233,7 +233,7 @@ async def test_a_calls_lease_is_its_upstreams_timeout_and_the_margin(
     margin (its connect, its settle), or a reaper bills a healthy call at its reserve."""
     proxy = await make_proxy(
         upstreams=upstream_timing_out(fake.base_url, 5),
-        limits={"lease_margin_s": 600, "reaper_interval_s": 60},
+        limits={"lease_margin_s": 600, "reaper_interval_s": 60, "reap_grace_s": 120},
     )
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "fake": {"hold": True}}
     async with aiohttp.ClientSession() as session:
