@@ -9,9 +9,10 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import quote, unquote, urlsplit
 
 import aiohttp
@@ -27,7 +28,10 @@ from proxy.call import Call
 from proxy.config import UpstreamConfig
 
 REDACTED = b"[REDACTED]"
-FailureKind = Literal["connect", "timeout", "transport", "connect_timeout"]
+# How often a stream call waiting for its upstream's headers looks whether its client left
+# (``cancel``: ``unless_client_leaves``): aiohttp tells a handler nothing when its client goes.
+CLIENT_WATCH_S = 0.1
+FailureKind = Literal["connect", "timeout", "transport", "connect_timeout", "client_gone"]
 
 log = logging.getLogger("proxy.forward")
 
@@ -42,7 +46,7 @@ class TransportFailure:
     @property
     def went_out(self) -> bool:
         # A connection refused or never made carried no request; anything later may have been
-        # billed.
+        # billed. A call cut as its client left is one that went out (``relay``: cut only then).
         return self.kind not in ("connect", "connect_timeout")
 
 
@@ -400,3 +404,28 @@ class StallGuard:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+async def unless_client_leaves(
+    opening: Coroutine[Any, Any, aiohttp.ClientResponse | TransportFailure],
+    call: Call,
+    client: asyncio.BaseTransport | None,
+) -> aiohttp.ClientResponse | TransportFailure:
+    """The upstream's answer (``opening``), or, its client gone first (``cancel``), the call cut
+    before its headers: a stream closed early stops the provider writing it (a reasoning
+    model's long silence, a client's short timeout), as a stream cut mid-answer does."""
+    sending = asyncio.ensure_future(opening)
+    try:
+        while not (await asyncio.wait((sending,), timeout=CLIENT_WATCH_S))[0]:
+            if client is None or client.is_closing():
+                sending.cancel()
+                await asyncio.wait((sending,))
+                if not sending.cancelled():  # answered meanwhile: read as any answer
+                    return sending.result()
+                if call.connecting:  # nothing went out: billed nothing
+                    return TransportFailure("connect", "the client left before the call was sent")
+                return TransportFailure("client_gone", "the client left before the upstream answered")
+    except asyncio.CancelledError:  # shutdown past its grace: the request goes with the handler
+        sending.cancel()
+        raise
+    return sending.result()

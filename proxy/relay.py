@@ -30,6 +30,7 @@ from proxy.forward import (
     operator_secrets,
     provider_headers,
     scrubbed,
+    unless_client_leaves,
 )
 from proxy.journal import Journal
 from proxy.journal_lines import marks_line
@@ -378,7 +379,11 @@ class Exchange:
     async def _forward(self, renewal: LeaseRenewal | None) -> web.StreamResponse:
         started = time.monotonic()
         query = self.request.rel_url.raw_query_string
-        upstream = await open_upstream(self.services.session, self.call, query)
+        opening = open_upstream(self.services.session, self.call, query)
+        if self.call.stream and self.call.policy.on_client_disconnect == "cancel":
+            upstream = await unless_client_leaves(opening, self.call, self.request.transport)
+        else:
+            upstream = await opening
         self.upstream_s += time.monotonic() - started
         if isinstance(upstream, TransportFailure):
             return await self._transport_failure(upstream)

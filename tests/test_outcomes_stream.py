@@ -365,6 +365,30 @@ async def test_client_gone_before_an_upstream_that_then_times_out_is_a_disconnec
     assert entry["usage_source"] == "reserve"
 
 
+async def test_under_cancel_a_stream_whose_client_left_before_the_headers_is_cut(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """``cancel``: a stream whose client leaves while the upstream has not answered (a reasoning
+    model's silence, the client's short timeout) is cut then, as one cut mid-answer is, not
+    waited for until the upstream answers or times out (the SDK hunt). Billed at its reserve:
+    it went out, and the provider said nothing of what it spent."""
+    proxy = await make_proxy(
+        policy={"on_client_disconnect": "cancel"}, upstreams=upstream_override(fake.base_url, timeout_s=60)
+    )
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 6, "fake": {"hold": True}}
+    async with aiohttp.ClientSession() as session:
+        post = session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
+        )
+        await leave_once_upstream_received(post, fake)
+    try:
+        entry = await the_entry(proxy, "r1", wait_s=10)  # while the upstream still holds it
+    finally:
+        fake.release()
+    assert entry["outcome"] == "client_disconnected", entry
+    assert entry["usage_source"] == "reserve"
+
+
 async def test_headers_reach_the_client_while_the_upstream_withholds_its_first_event(
     proxy: Proxy, fake: FakeUpstream
 ) -> None:
