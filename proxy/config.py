@@ -419,6 +419,13 @@ class Config(Frozen):
         return self
 
     @cached_property
+    def longest_lease_s(self) -> float:
+        """The longest lease a call of this config writes: its slowest upstream's ``timeout_s``
+        and the margin (read on every call: ``reaper.registration_s``)."""
+        slowest_s = max((upstream.timeout_s for upstream in self.upstreams.values()), default=0.0)
+        return slowest_s + self.limits.lease_margin_s
+
+    @cached_property
     def tenants(self) -> frozenset[str]:
         return frozenset(key.tenant for key in self.keys)
 

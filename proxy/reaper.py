@@ -193,8 +193,7 @@ def registration_s(config: Config) -> float:
     lease it writes lands while the tenant's registration holds (the waits before a reserve
     script, a count or the store's reads, are shorter than a lease); a reaper drops a tenant only
     once its registration ran out and it holds no lease."""
-    longest_s = max((upstream.timeout_s for upstream in config.upstreams.values()), default=0.0)
-    return 2 * (longest_s + config.limits.lease_margin_s)
+    return 2 * config.longest_lease_s
 
 
 def known_tenants(registered: dict[str, int], config: Config, now_s: float) -> set[str]:
