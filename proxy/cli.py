@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -165,6 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.workers > 1 and metrics is None:
         log.warning("with --workers, metrics are per worker: set metrics.listen to scrape them")
+    _journal_writable(config.journal_dir)
     try:
         with store_url(config, purpose="serve", cancelled=early) as config:
             if early.asked:
@@ -176,6 +178,21 @@ def serve(args: argparse.Namespace) -> int:
     except StartCancelled:
         log.info("stopped while the embedded redis-server started")
         return 0
+
+
+def _journal_writable(directory: Path) -> None:
+    """The journal is written only when Redis fails a settle: a directory that cannot be made or
+    written there would show then, each such call left to a reaper at its reserve. Made and
+    written once at start instead (check-config may run on another host: not there)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"journal_dir {str(directory)[:200]!r}: the journal cannot be written there "
+            f"({err.strerror or err})"
+        ) from None
 
 
 def check_config(args: argparse.Namespace) -> int:

@@ -811,3 +811,19 @@ def test_the_help_names_every_command_in_plain_words(capsys: pytest.CaptureFixtu
     assert "``" not in shown
     description = shown.split("positional arguments")[0]
     assert all(command in description for command in ("serve", "check", "ledger", "report")), description
+
+
+def test_serve_with_a_journal_dir_it_cannot_write_exits_2_naming_it(tmp_path: Path) -> None:
+    """The journal is written only when Redis fails a settle: a journal_dir under a file served
+    calls until then, each such call then left to a reaper at its reserve (the docs hunt)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        'upstreams: {openai: {base_url: "http://127.0.0.1:9/v1"}}\n'
+        'redis: {url: "redis://127.0.0.1:9/0"}\n'
+        f'journal_dir: "{blocker}/journal"\n'
+    )
+    result = run_cli("serve", "--config", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "journal_dir" in result.stderr and "cannot be written" in result.stderr, result.stderr
