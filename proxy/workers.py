@@ -92,19 +92,21 @@ def run_worker(
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    log.info(
-        "listening",
-        extra={
-            "host": config.listen.host,
-            "port": config.listen.port,
-            "mode": "passthrough" if passthrough else "config",
-            "worker": worker,
-            "workers": workers,
-            "gc_frozen_objects": gc.get_freeze_count(),
-            "gc_thresholds": list(gc.get_threshold()),
-            "event_loop": loop_name,
-        },
-    )
+    listening = {
+        "host": config.listen.host,
+        "port": config.listen.port,
+        "mode": "passthrough" if passthrough else "config",
+        "worker": worker,
+        "workers": workers,
+        "gc_frozen_objects": gc.get_freeze_count(),
+        "gc_thresholds": list(gc.get_threshold()),
+        "event_loop": loop_name,
+    }
+
+    def bound(_banner: str) -> None:
+        # run_app's banner, once every site is bound: a port it could not take (exit 4) was
+        # logged as listening before.
+        log.info("listening", extra=listening)
 
     async def take_signals(_app: web.Application) -> None:
         # From the running loop: uvloop takes a signal handler over at once but listens only
@@ -123,7 +125,7 @@ def run_worker(
             app,
             host=config.listen.host,
             port=config.listen.port,
-            print=None,
+            print=bound,
             access_log=None,
             shutdown_timeout=aiohttp_shutdown_timeout(config.shutdown_grace_s),
             reuse_port=workers > 1,

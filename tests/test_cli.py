@@ -197,6 +197,8 @@ def test_serve_on_a_port_in_use_says_so_without_a_traceback(redis_server: RedisS
     assert "Traceback" not in result.stderr
     assert f"cannot serve: error while attempting to bind on address ('127.0.0.1', {port})" in result.stderr
     assert "in use" in result.stderr
+    # Logged once the port is bound, not before (the docs hunt: "listening", then exit 4).
+    assert '"msg":"listening"' not in result.stderr and '"msg": "listening"' not in result.stderr
 
 
 def _workers_of(pid: int) -> list[int]:
