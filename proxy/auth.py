@@ -74,7 +74,7 @@ def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> 
     key = presented_key(request)
     if key is None:
         raise Unauthorized(
-            "Missing API key: send your proxy key as 'Authorization: Bearer <key>'.",
+            "Missing API key: send your proxy key as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
         )
     try:
         encoded = key.encode("utf-8")

@@ -509,3 +509,15 @@ async def test_the_model_list_refused_the_operators_credentials_with_a_page_is_u
     assert response.json()["error"]["code"] == "upstream_auth", response.text
     assert response.headers.get("x-should-retry") == "false"
     assert upstream.calls == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+async def test_a_call_without_a_key_is_told_both_headers_a_key_may_come_in(proxy: Proxy, path: str) -> None:
+    """Anthropic's clients send x-api-key: the 401 named Authorization: Bearer alone (the docs
+    hunt). Both are read, both are named, in the API's own error shape."""
+    body = {"model": "gpt-4o-mini", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session, session.post(proxy.url + path, json=body) as resp:
+        assert resp.status == 401
+        answer = await resp.json()
+    message = answer["error"]["message"]
+    assert "x-api-key" in message and "Authorization: Bearer" in message, answer
