@@ -110,10 +110,19 @@ class RedisConfig(Frozen):
         # options over the proxy's own (socket_timeout_s), and every command it sent then failed
         # (a timeout of 0 or less or NaN times out at once, a negative database, a protocol other
         # than RESP2/3, a read size of 0) after check-config said ok.
-        for name in ("socket_timeout", "socket_connect_timeout"):
+        for name in ("socket_timeout", "socket_connect_timeout", "timeout"):
             timeout = options.get(name)
             if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
                 raise ValueError(f"invalid Redis URL: {name} must be a number of seconds above 0")
+        # A pool of no connection waits for ever; a check of a connection's health every -5 s
+        # (or NaN) runs before every command.
+        if options.get("max_connections", 1) < 1:
+            raise ValueError("invalid Redis URL: max_connections must be 1 or more")
+        interval = options.get("health_check_interval", 0)
+        if not (math.isfinite(interval) and interval >= 0):
+            raise ValueError(
+                "invalid Redis URL: health_check_interval must be a number of seconds, 0 or more"
+            )
         if not 0 <= options.get("db", 0) <= DB_INDEX_MAX:
             raise ValueError(f"invalid Redis URL: db must be from 0 to {DB_INDEX_MAX} (a Redis has no more)")
         if options.get("protocol", 2) not in (2, 3):

@@ -700,6 +700,12 @@ def test_a_redis_url_with_options_redis_py_reads_is_accepted(url: str) -> None:
         ("rediss://redis.example:6380/0?ssl_ciphers=NO-SUCH-CIPHER", "ssl_ciphers"),
         ("redis://127.0.0.1:6379/0?socket_keepalive=maybe", "socket_keepalive"),
         ("unix:///run/redis.sock?retry_on_timeout=sometimes", "retry_on_timeout"),
+        # Numbers no pool can use: none to take, a wait of -1 s, a health check before every
+        # command (the config fixer's leads).
+        ("redis://127.0.0.1:6379/0?max_connections=0", "max_connections"),
+        ("redis://127.0.0.1:6379/0?timeout=-1", "timeout"),
+        ("redis://127.0.0.1:6379/0?health_check_interval=-5", "health_check_interval"),
+        ("redis://127.0.0.1:6379/0?health_check_interval=nan", "health_check_interval"),
     ],
 )
 def test_a_redis_url_option_redis_py_would_refuse_or_misread_is_a_config_error(url: str, name: str) -> None:
