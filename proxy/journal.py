@@ -155,7 +155,9 @@ class Journal:
 
     def _journaled(self, pending: PendingSettlement) -> None:
         log.warning(
-            "settlement journaled until the store is back",
+            "marks journaled until the store takes them"
+            if pending.marks_only
+            else "settlement journaled until the store is back",
             extra={"reservation_id": pending.reservation_id, "journal": str(self.path)},
         )
 

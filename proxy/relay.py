@@ -212,7 +212,17 @@ class Exchange:
         # Counted here, in the settle's task: a handler cancelled meanwhile still settles the
         # call at the count, and the count is the first settle's alone.
         if isinstance(usage, Uncounted):  # not ``billed``: a coroutine more on every settle
-            usage = await usage_counted(self.call, self.obs, self.services.tokenizer, usage)
+            try:
+                usage = await usage_counted(self.call, self.obs, self.services.tokenizer, usage)
+            except Exception as err:
+                # Raised here, it failed the settle: the call stayed reserved for a reaper, a
+                # lease and a grace later. Billed at its reserve now, as a count that cannot be
+                # made (``count_input``): what it may have spent.
+                log.warning(
+                    "could not count a call's texts; billed at its reserve",
+                    extra={"request_id": self.call.request_id, "error": repr(err)},
+                )
+                usage = self.reserve_usage()
         refining = self.call.refining
         if refining is not None and not refining.done():
             # What it has not done yet would only lower a reserve about to go; and a backlog of

@@ -568,3 +568,32 @@ async def test_a_handler_cancelled_while_its_answer_is_counted_settles_at_the_co
     entry = await the_entry(proxy, "cut")
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "tokenizer")
     assert int(entry["output_tokens"]) == -(-len(large) // TOKEN_CHARS)
+
+
+class FailingOffLoop(Tokenizer):
+    """A tokenizer whose count of a large text raises (a bug, a MemoryError on a multi-MB
+    answer)."""
+
+    def __init__(self) -> None:
+        super().__init__({"o200k_base": Coarse()})
+
+    def count(self, text: str, encoding: str, *, scope: str | None = None) -> tuple[int, Any]:
+        if len(text) >= LARGE_CHARS // 2:
+            raise RuntimeError("count failed")
+        return super().count(text, encoding, scope=scope)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_count_that_fails_in_the_settle_bills_the_reserve_at_once(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """The count of a large answer runs in the settle's task: raised there, it failed the settle,
+    and the call stayed reserved for a reaper, a lease and a grace later (the first review). Now
+    settled at once, at its reserve, its tag kept."""
+    proxy = await make_proxy(tokenizer=FailingOffLoop())
+    large = "word " * (LARGE_CHARS // 5)
+    await _no_usage_call(proxy, "chat", stream, "failing", large, PROMPT)
+    await proxy.recorded()
+    assert await redis_client.zcard("lbp:{team-a}:leases") == 0, "left reserved for a reaper"
+    entry = await the_entry(proxy, "failing", wait_s=5)
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "reserve")
