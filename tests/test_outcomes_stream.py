@@ -326,15 +326,20 @@ async def test_client_disconnect_drains_and_bills_provider_usage(proxy: Proxy, f
     assert fake.bill[0].completion_tokens == 40
 
 
-async def test_client_gone_before_the_first_byte_is_a_disconnect(proxy: Proxy, fake: FakeUpstream) -> None:
-    # A slow start (a reasoning model, say): the client gives up before the upstream's headers.
-    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 900}
-    body["fake"] = {"delay_s": 1.0, "reply_tokens": 5}
+async def left_once_received(proxy: Proxy, fake: FakeUpstream, body: JsonDict) -> None:
+    """A chat call of run r1 whose client leaves once the upstream has it."""
     async with aiohttp.ClientSession() as session:
         post = session.post(
             proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
         )
         await leave_once_upstream_received(post, fake)
+
+
+async def test_client_gone_before_the_first_byte_is_a_disconnect(proxy: Proxy, fake: FakeUpstream) -> None:
+    # A slow start (a reasoning model, say): the client gives up before the upstream's headers.
+    body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 900}
+    body["fake"] = {"delay_s": 1.0, "reply_tokens": 5}
+    await left_once_received(proxy, fake, body)
     entry = await the_entry(proxy, "r1", wait_s=5)
     # Not an upstream error billed at the 900-token reserve: the provider's own figures.
     assert entry["outcome"] == "client_disconnected"
@@ -355,11 +360,7 @@ async def test_client_gone_before_an_upstream_that_then_times_out_is_a_disconnec
     )
     body = {"model": MODEL, "messages": MSGS, "stream": stream, "max_tokens": 6}
     body["fake"] = {"mode": "stall_before_headers", "stall_s": 3}
-    async with aiohttp.ClientSession() as session:
-        post = session.post(
-            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
-        )
-        await leave_once_upstream_received(post, fake)
+    await left_once_received(proxy, fake, body)
     entry = await the_entry(proxy, "r1", wait_s=5)
     assert entry["outcome"] == "client_disconnected", entry
     assert entry["usage_source"] == "reserve"
@@ -376,11 +377,7 @@ async def test_under_cancel_a_stream_whose_client_left_before_the_headers_is_cut
         policy={"on_client_disconnect": "cancel"}, upstreams=upstream_override(fake.base_url, timeout_s=60)
     )
     body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 6, "fake": {"hold": True}}
-    async with aiohttp.ClientSession() as session:
-        post = session.post(
-            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
-        )
-        await leave_once_upstream_received(post, fake)
+    await left_once_received(proxy, fake, body)
     try:
         entry = await the_entry(proxy, "r1", wait_s=10)  # while the upstream still holds it
     finally:
@@ -418,11 +415,7 @@ async def test_client_gone_before_the_upstreams_headers_then_a_slow_first_event(
     on the provider's figures, not an upstream error at the reserve."""
     body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 900}
     body["fake"] = {"delay_s": 1.0, "first_event_delay_s": 0.2, "reply_tokens": 5}
-    async with aiohttp.ClientSession() as session:
-        post = session.post(
-            proxy.url + "/v1/chat/completions", json=body, headers={**auth(), **run_headers("r1")}
-        )
-        await leave_once_upstream_received(post, fake)
+    await left_once_received(proxy, fake, body)
     entry = await the_entry(proxy, "r1", wait_s=5)
     assert entry["outcome"] == "client_disconnected", entry
     assert_provider_usage(entry, fake.bill[0])

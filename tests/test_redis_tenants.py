@@ -3,29 +3,12 @@ Cluster (the registry is one key, outside any tenant's slot)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
-
-from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.redis_tenants import TENANTS_A_COMMAND
 from proxy.store import OLD_TENANTS_KEY, TENANTS_KEY, Reservation, Scope
-from tests.cluster import RedisClusterProcesses
+from tests import test_redis_store
 
-
-@pytest.fixture(params=["single", "cluster"])
-async def store(
-    request: pytest.FixtureRequest, redis_server: RedisServerProcess, redis_client: object
-) -> AsyncIterator[RedisStore]:
-    if request.param == "cluster":
-        nodes: RedisClusterProcesses = request.getfixturevalue("cluster")
-        store = RedisStore.from_url(nodes.url, cluster=True)
-        await store.client.flushall()
-    else:
-        store = RedisStore.from_url(redis_server.url)
-    yield store
-    await store.close()
+store = test_redis_store.store  # the fixture: one Redis, and a Cluster
 
 
 async def test_a_registration_keeps_a_tenant_for_its_time_and_a_longer_one_stays(store: RedisStore) -> None:
