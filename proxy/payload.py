@@ -319,6 +319,19 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             param="models",
             code="unsupported_parameter",
         )
+    if isinstance(view, MessagesBody) and data.get("fallbacks") not in (None, []):
+        # Anthropic's server-side fallback, the same hole: a model that declines hands the call to
+        # an entry's model (or "default": the model's own chain), billed at its own price and
+        # writing up to the entry's own max_tokens, where the reserve holds the call's model and
+        # cap. Refused, not reserved at the worst entry: a chain the server picks names no model.
+        raise BadRequest(
+            "Server-side fallback models are not supported through this proxy: it routes, reserves "
+            "and prices the one model a call names, and a fallback runs at its own price and its "
+            "own 'max_tokens'. Send the request without 'fallbacks' (retry a declined call with "
+            "another 'model').",
+            param="fallbacks",
+            code="unsupported_parameter",
+        )
     if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
         # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
         # times, its rows billed as input; no count of them can be read from base64 before the call.

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.errors import BadRequest
 from proxy.payload import Endpoint, answers, generations, parse_body
 
 
@@ -242,3 +243,32 @@ def test_anthropic_search_results_in_the_history_are_reserved_at_their_encrypted
         {"role": "user", "content": "more?"},
     ]
     assert _estimate_input_tokens("/v1/messages", {"messages": messages}) >= 5 * 8000
+
+
+# -- Messages features that run another model, refused ----------------------------------------
+
+MESSAGES_BODY: dict[str, Any] = {"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": [USER]}
+
+
+@pytest.mark.parametrize(
+    "fallbacks",
+    [
+        [{"model": "claude-opus-4-6", "max_tokens": 64000}],
+        [{"model": "claude-sonnet-4-5", "max_tokens": 64000}],  # its own model, another cap
+        "default",  # the model's own chain, which no request names
+        {"model": "claude-opus-4-6"},
+    ],
+)
+def test_anthropic_server_side_fallbacks_are_refused(fallbacks: Any) -> None:
+    """A declined call is run by a fallback at its own price and its own ``max_tokens``: reserved
+    at the call's model and cap, a run's ceiling was passed by what the fallback wrote (the
+    Anthropic SDK hunt), as OpenRouter's ``models`` list was."""
+    with pytest.raises(BadRequest) as refused:
+        parse_body(orjson.dumps({**MESSAGES_BODY, "fallbacks": fallbacks}), "messages")
+    assert (refused.value.param, refused.value.code) == ("fallbacks", "unsupported_parameter")
+
+
+@pytest.mark.parametrize("fallbacks", [None, []])
+def test_anthropic_fallbacks_naming_none_are_forwarded_as_they_came(fallbacks: Any) -> None:
+    data, _view = parse_body(orjson.dumps({**MESSAGES_BODY, "fallbacks": fallbacks}), "messages")
+    assert data["fallbacks"] == fallbacks

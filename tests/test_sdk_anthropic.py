@@ -406,6 +406,33 @@ async def test_beta_messages(make_proxy: ProxyFactory, queue: Queue, redis_clien
     await c.close()
 
 
+@pytest.mark.parametrize("fallbacks", [[{"model": "claude-opus-4-6", "max_tokens": 64000}], "default"])
+async def test_server_side_fallbacks_are_refused_before_anything_is_reserved_or_forwarded(
+    make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis, fallbacks: Any
+) -> None:
+    """Anthropic's server-side fallback (beta server-side-fallback-2026-07-01): a model that
+    declines hands the call to another, at its own price and its own ``max_tokens``. Reserved at
+    100 output tokens of the call's model and forwarded, a run's ceiling of 1,000 was billed the
+    fallback's 5,000 (the Anthropic SDK hunt). Refused as OpenRouter's ``models`` list is."""
+    run = {"standard": {"run": {"output_tokens": 1000}}}
+    proxy = await claude_proxy(make_proxy, queue, tiers=run)
+    c = client(proxy)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await c.beta.messages.create(
+            model=MODEL,
+            max_tokens=100,
+            messages=MSGS,
+            fallbacks=fallbacks,
+            betas=["server-side-fallback-2026-07-01"],
+        )
+    await c.close()
+    error = refused.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "invalid_request_error"  # Anthropic's shape: a type and a message
+    assert "'fallbacks'" in error["message"]
+    assert queue.received == []
+    assert await entries(redis_client) == []
+
+
 # -- on_invalid_json: reject holds for Anthropic structured outputs (output_config.format, what the
 # SDK's messages.parse(output_format=...) sends) as for OpenAI's JSON mode.
 
