@@ -11,6 +11,9 @@ import orjson
 from proxy.observe import Observation, ProviderUsage, add_id, token_count
 from proxy.payload import FAST_TIER, US_GEO, messages_tier
 
+# The iterations ``usage.iterations`` tells apart from its top-level counts.
+_BESIDE_TOP_LEVEL = frozenset({"compaction", "advisor_message"})
+
 
 def anthropic_usage(raw: Any) -> ProviderUsage | None:
     """Anthropic's ``input_tokens`` leaves out cache reads and writes; ours includes them. Any
@@ -24,9 +27,11 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
         return None
     input_tokens, output_tokens, cache_read, cache_creation, hour = counts
     # Context compaction (a beta the client turns on): the summarizing step is billed too, and
-    # is left out of the top-level figures; every other iteration is in them.
+    # is left out of the top-level figures, as the advisor tool's consultations are (refused up
+    # front: another model's, at its prices; counted at the call's should one come all the same);
+    # every other iteration is in them.
     for iteration in iterations or ():
-        if isinstance(iteration, dict) and iteration.get("type") == "compaction":
+        if isinstance(iteration, dict) and iteration.get("type") in _BESIDE_TOP_LEVEL:
             more = _anthropic_counts(iteration)
             if more is None or more[1] is None:
                 return None

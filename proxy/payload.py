@@ -332,6 +332,19 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             param="fallbacks",
             code="unsupported_parameter",
         )
+    advisor_param = _advisor_tool(view) if isinstance(view, MessagesBody) else None
+    if advisor_param is not None:
+        # Anthropic's advisor tool: mid-answer the model consults another (the tool's ``model``),
+        # which reads the whole transcript and writes its advice up to a cap the request may leave
+        # to that model, as often as ``max_uses`` lets it, billed at that model's prices and told
+        # only in ``usage.iterations``. No reserve of the call's model and cap holds it.
+        raise BadRequest(
+            "The advisor tool is not supported through this proxy: it reserves and prices the one "
+            "model a call names, and the advisor is another model, consulted mid-answer at its own "
+            "price. Send the request without the 'advisor_*' tool.",
+            param=advisor_param,
+            code="unsupported_parameter",
+        )
     if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
         # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
         # times, its rows billed as input; no count of them can be read from base64 before the call.
@@ -343,6 +356,26 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
             code="unsupported_parameter",
         )
     return data, view
+
+
+def _advisor_tool(view: MessagesBody) -> str | None:
+    """Where a Messages request enables Anthropic's advisor tool (type ``advisor_*``), if it does:
+    in ``tools``, or defined in a message (a ``tool_addition`` block's ``tool_definition``)."""
+    if any(_is_advisor(tool) for tool in view.tools or ()):
+        return "tools"
+    for message in view.messages:
+        content = message.get("content")
+        for block in content if isinstance(content, list) else ():
+            if isinstance(block, dict) and block.get("type") == "tool_addition":
+                tool = block.get("tool")
+                if isinstance(tool, dict) and _is_advisor(tool.get("definition")):
+                    return "messages"
+    return None
+
+
+def _is_advisor(tool: Any) -> bool:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return isinstance(kind, str) and kind.startswith("advisor_")
 
 
 def _exact_int(literal: str) -> int:

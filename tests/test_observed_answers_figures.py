@@ -201,6 +201,25 @@ def test_a_compaction_step_s_cache_reads_and_writes_are_billed_beside_the_answer
     assert usage.cache_creation_1h_input_tokens == 42
 
 
+def test_an_advisor_s_consultation_told_only_in_the_iterations_is_counted() -> None:
+    """The advisor tool is refused up front (another model, at its prices); an answer that tells
+    one all the same has its tokens counted, as compaction's are: they are outside the top-level
+    counts, and went unbilled."""
+    it = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    raw = {
+        "input_tokens": 30, "output_tokens": 20,
+        "iterations": [
+            {"type": "message", "input_tokens": 10, "output_tokens": 5, **it},
+            {"type": "advisor_message", "model": "claude-opus-4-6", "input_tokens": 1000,
+             "output_tokens": 1500, **it, "cache_read_input_tokens": 200},
+            {"type": "message", "input_tokens": 20, "output_tokens": 15, **it},
+        ],
+    }  # fmt: skip
+    usage = anthropic_usage(raw)
+    assert usage is not None
+    assert (usage.input_tokens, usage.output_tokens, usage.cached_input_tokens) == (1230, 1520, 200)
+
+
 @pytest.mark.parametrize(
     "iterations",
     [

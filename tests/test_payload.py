@@ -272,3 +272,45 @@ def test_anthropic_server_side_fallbacks_are_refused(fallbacks: Any) -> None:
 def test_anthropic_fallbacks_naming_none_are_forwarded_as_they_came(fallbacks: Any) -> None:
     data, _view = parse_body(orjson.dumps({**MESSAGES_BODY, "fallbacks": fallbacks}), "messages")
     assert data["fallbacks"] == fallbacks
+
+
+ADVISOR = {"type": "advisor_20260301", "name": "advisor", "model": "claude-opus-4-6", "max_uses": 1}
+
+
+def _added(tool: dict[str, Any]) -> dict[str, Any]:
+    """A user message whose ``tool_addition`` block defines ``tool`` inline (the beta's way to
+    offer a tool from that point of the conversation on)."""
+    addition = {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": tool}}
+    return {"role": "user", "content": [addition, {"type": "text", "text": "go"}]}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}, ADVISOR]}, "tools"),
+        ({"messages": [USER, {"role": "assistant", "content": "ok"}, _added(ADVISOR)]}, "messages"),
+    ],
+)
+def test_anthropic_s_advisor_tool_is_refused(extra: dict[str, Any], param: str) -> None:
+    """The advisor is another model (the tool's ``model``) that reads the whole transcript and
+    writes its advice mid-answer, at its own prices, told only in ``usage.iterations``: forwarded,
+    its tokens went unbilled and unreserved (the Anthropic SDK hunt)."""
+    with pytest.raises(BadRequest) as refused:
+        parse_body(orjson.dumps({**MESSAGES_BODY, **extra}), "messages")
+    assert (refused.value.param, refused.value.code) == (param, "unsupported_parameter")
+
+
+def test_tools_that_run_no_other_model_are_forwarded_as_they_came() -> None:
+    """An earlier advisor's result in the history is text the call reads, the tool not enabled;
+    a server tool of another type, an inline definition of one, go as they came."""
+    history = [
+        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "advisor", "input": {}},
+        {"type": "advisor_tool_result", "tool_use_id": "srvtoolu_1",
+         "content": {"type": "advisor_result", "text": "Plan: do it."}},
+    ]  # fmt: skip
+    messages = [USER, {"role": "assistant", "content": history}, _added({"type": "web_fetch_20250910"})]
+    tools = [{"type": "web_search_20250305", "name": "web_search"}, {"name": "get", "input_schema": {}}]
+    data, _view = parse_body(
+        orjson.dumps({**MESSAGES_BODY, "messages": messages, "tools": tools}), "messages"
+    )
+    assert data["tools"] == tools

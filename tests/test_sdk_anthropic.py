@@ -433,6 +433,33 @@ async def test_server_side_fallbacks_are_refused_before_anything_is_reserved_or_
     assert await entries(redis_client) == []
 
 
+async def test_the_advisor_tool_is_refused_before_anything_is_reserved_or_forwarded(
+    make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
+) -> None:
+    """Anthropic's advisor tool (beta advisor-tool-2026-03-01): the model consults another (the
+    tool's ``model``, an Opus) mid-answer, which reads the whole transcript and writes its advice,
+    billed at its own prices and told only as an ``advisor_message`` entry of
+    ``usage.iterations``. Forwarded, the call was billed 30 input and 20 output tokens where the
+    provider charged 1,030 and 1,520 (the Anthropic SDK hunt)."""
+    proxy = await claude_proxy(make_proxy, queue)
+    c = client(proxy)
+    advisor = {"type": "advisor_20260301", "name": "advisor", "model": "claude-opus-4-6", "max_uses": 1}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await c.beta.messages.create(
+            model=MODEL,
+            max_tokens=100,
+            messages=MSGS,
+            tools=[advisor],  # type: ignore[list-item]
+            betas=["advisor-tool-2026-03-01"],
+        )
+    await c.close()
+    error = refused.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "invalid_request_error"
+    assert "advisor" in error["message"]
+    assert queue.received == []
+    assert await entries(redis_client) == []
+
+
 # -- on_invalid_json: reject holds for Anthropic structured outputs (output_config.format, what the
 # SDK's messages.parse(output_format=...) sends) as for OpenAI's JSON mode.
 
