@@ -23,7 +23,12 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
         return None
     counts = _anthropic_counts(raw)
     iterations = raw.get("iterations")
-    if counts is None or (iterations is not None and not isinstance(iterations, list)):
+    # The thinking part of output_tokens, as OpenAI's reasoning_tokens are of completion_tokens:
+    # recorded, priced at the reasoning rate (the output's unless the operator prices it), never
+    # billed beside the output.
+    details = raw.get("output_tokens_details")
+    thinking = token_count((details.get("thinking_tokens") if isinstance(details, dict) else None) or 0)
+    if counts is None or thinking is None or (iterations is not None and not isinstance(iterations, list)):
         return None
     input_tokens, output_tokens, cache_read, cache_creation, hour = counts
     # Context compaction (a beta the client turns on): the summarizing step is billed too, and
@@ -45,7 +50,7 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
         input_tokens=input_tokens + cache_read + cache_creation,
         output_tokens=output_tokens or 0,
         cached_input_tokens=cache_read,
-        reasoning_tokens=0,
+        reasoning_tokens=min(thinking, output_tokens or 0),
         cache_creation_input_tokens=cache_creation,
         cache_creation_1h_input_tokens=min(hour, cache_creation),
         output_known=output_tokens is not None,

@@ -201,6 +201,43 @@ def test_a_compaction_step_s_cache_reads_and_writes_are_billed_beside_the_answer
     assert usage.cache_creation_1h_input_tokens == 42
 
 
+THINKING = {"output_tokens_details": {"thinking_tokens": 6}}
+
+
+def test_anthropic_s_thinking_tokens_are_its_reasoning_within_the_output() -> None:
+    """``usage.output_tokens_details.thinking_tokens``, a part of ``output_tokens`` (as OpenAI's
+    reasoning_tokens are of completion_tokens), was recorded as 0 reasoning tokens on every
+    Claude call (the Anthropic SDK hunt); never more than the output it is a part of."""
+    usage = anthropic_usage({"input_tokens": 5, "output_tokens": 8, **THINKING})
+    assert usage is not None and (usage.output_tokens, usage.reasoning_tokens) == (8, 6)
+    over = anthropic_usage({"input_tokens": 5, "output_tokens": 4, **THINKING})
+    assert over is not None and (over.output_tokens, over.reasoning_tokens) == (4, 4)
+    none = anthropic_usage({"input_tokens": 5, "output_tokens": 8, "output_tokens_details": None})
+    assert none is not None and none.reasoning_tokens == 0
+    # Not a count: the usage is unusable, as a cache count that is not one makes it.
+    assert (
+        anthropic_usage(
+            {"input_tokens": 5, "output_tokens": 8, "output_tokens_details": {"thinking_tokens": -1}}
+        )
+        is None
+    )
+
+
+def test_anthropic_s_thinking_tokens_are_read_from_a_stream_s_and_a_body_s_usage() -> None:
+    body = Observation()
+    anthropic_body(body, {"type": "message", "content": [], "stop_reason": "end_turn",
+                          "usage": {"input_tokens": 5, "output_tokens": 8, **THINKING}})  # fmt: skip
+    stream = events(
+        start({"input_tokens": 5, "output_tokens": 1}),
+        text("hi"),
+        delta({"output_tokens": 8, **THINKING}, "end_turn"),
+        {"type": "message_stop"},
+    )
+    for obs in (body, stream):
+        billed = billed_usage(claude(), obs, TOKENIZER, complete=True)
+        assert (billed.output_tokens, billed.reasoning_tokens, billed.source) == (8, 6, "provider")
+
+
 def test_an_advisor_s_consultation_told_only_in_the_iterations_is_counted() -> None:
     """The advisor tool is refused up front (another model, at its prices); an answer that tells
     one all the same has its tokens counted, as compaction's are: they are outside the top-level

@@ -391,6 +391,36 @@ async def test_cache_write_split_priced(
     await c.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_thinking_tokens_are_recorded_as_reasoning_and_billed_once_as_output(
+    make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """Anthropic tells the thinking part of the output in ``usage.output_tokens_details.
+    thinking_tokens`` (the SDK's ``OutputTokensDetails``): the ledger's ``reasoning_tokens`` were
+    0 on every Claude call (the Anthropic SDK hunt). A part of ``output_tokens``, priced as output:
+    the bill is what it was."""
+    prices = {"input": "3", "output": "15"}
+    proxy = await claude_proxy(
+        make_proxy, queue, models={"claude-*": {"upstream": "claude", "price_per_million": prices}}
+    )
+    usage = {"input_tokens": 5, "output_tokens": 8, "output_tokens_details": {"thinking_tokens": 6}}
+    c = client(proxy)
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}
+    if stream:
+        queue.plans = [stream_plan({"input_tokens": 5, "output_tokens": 1}, usage)]
+        async with c.messages.stream(model=MODEL, max_tokens=2000, messages=MSGS, thinking=thinking) as s:
+            final = await s.get_final_message()
+    else:
+        queue.plans = [Plan(chunks=[dumps(message([{"type": "text", "text": "x"}], usage=usage))])]
+        final = await c.messages.create(model=MODEL, max_tokens=2000, messages=MSGS, thinking=thinking)
+    await c.close()
+    assert final.usage.output_tokens_details is not None
+    assert final.usage.output_tokens_details.thinking_tokens == 6
+    (entry,) = await entries(redis_client)
+    assert (entry["output_tokens"], entry["reasoning_tokens"]) == ("8", "6"), entry
+    assert entry["cost_micros"] == str(5 * 3 + 8 * 15), entry
+
+
 async def test_beta_messages(make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis) -> None:
     proxy = await claude_proxy(make_proxy, queue)
     queue.plans = [Plan(chunks=[dumps(message([{"type": "text", "text": "x"}], usage=USAGE))])]
