@@ -100,10 +100,11 @@ class Call:
     # The client's feature switches for the provider (``forward.feature_headers``).
     feature_headers: Mapping[str, str] = field(default_factory=dict)
     # Contexts the provider keeps that this call's input continues (a Responses call's previous
-    # response, its conversation): their size is reserved on top of the request's own input.
+    # response, its conversation; the message a Messages call's thread continues): their size
+    # is reserved on top of the request's own input.
     continues: tuple[str, ...] = ()
     # Where this call's own context is kept for a later call: its conversation, and its answer
-    # unless the client asked the provider not to store it.
+    # unless the client asked the provider not to store it (a Messages answer: within a thread).
     conversation: str | None = None
     stores_answer: bool = False
     # A stored prompt's template (its id and version), input the provider adds to every call

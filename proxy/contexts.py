@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("proxy.relay")
 # The endpoints whose answers the provider keeps for a later call to name (a response, its
-# items; a chat answer's audio; a code execution container).
+# items; a chat answer's audio; a code execution container; a message in a thread).
 _KEEPING = frozenset({"responses", "chat.completions", "messages"})
 # How long a stream's last event waits for its context's size to be kept (``keep_context``): a
 # hint for a later reserve, written in a fraction of a millisecond by a store that answers; one
@@ -76,9 +76,9 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     if call.upstream_status >= 300:
         return []
     obs = ex.obs
-    if not (
-        made or call.continues or call.references or obs.item_ids or obs.container_ids or obs.response_id
-    ):
+    # The answer the provider keeps under its id (a stored response; a message in a thread).
+    answer = obs.response_id if call.stores_answer else None
+    if not (made or call.continues or call.references or obs.item_ids or obs.container_ids or answer):
         return []  # nearly every chat and Messages call: nothing to mark, nothing built
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
@@ -88,7 +88,6 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
         # provider keeps that response under its id, the containers its code ran in keep their
         # files, and its items may be kept. Still this tenant's; what it continued or named
         # becomes no one's by a failed call.
-        answer = obs.response_id if call.stores_answer else None
         own = [context_key(answer)] if answer else []
         return _kept_for_good(ex, [c for c in dict.fromkeys([*own, *answer_items(ex)]) if c not in skip])
     named = [*call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
@@ -121,6 +120,8 @@ def answer_items(ex: Exchange) -> list[str]:
 def contexts_made(ex: Exchange) -> list[str]:
     """Where the provider keeps this call's context for a later call to continue."""
     call = ex.call
+    if call.endpoint == "messages" and call.stores_answer:
+        return _thread_made(ex)
     if call.endpoint != "responses":
         return []
     if (ex.obs.error and not ex.obs.pending) or call.upstream_status >= 300:
@@ -146,6 +147,18 @@ def contexts_made(ex: Exchange) -> list[str]:
     if call.stores_answer:
         kept.append(context_key(answer))
     return kept
+
+
+def _thread_made(ex: Exchange) -> list[str]:
+    """A Messages call in a thread (``thread``: created or continued): the provider holds the
+    conversation, this answer with it, under the answer's id, for the next turn to continue.
+    Not when it failed (an error event) or the upstream answered an error. A stream cut once
+    its id was told is kept at what the call billed (its reserve, a bound), as a Responses
+    answer's; one cut before has no id to keep it under."""
+    call, answer = ex.call, ex.obs.response_id
+    if answer is None or (ex.obs.error and not ex.obs.pending) or call.upstream_status >= 300:
+        return []
+    return [context_key(answer)]
 
 
 async def claim(ex: Exchange, ids: list[str]) -> None:

@@ -84,7 +84,10 @@ class Dialect:
                 or _ANTHROPIC_BY_CODE.get(code or "")
                 or _ANTHROPIC_TYPES.get(error_type, error_type)
             )
-            return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+            error: dict[str, Any] = {"type": kind, "message": message}
+            if code in _ANTHROPIC_ERROR_CODES:  # Anthropic's own (the SDK's ``error_code``)
+                error["details"] = {"error_code": code}
+            return orjson.dumps({"type": "error", "error": error})
         return orjson.dumps({"error": error_object(message, error_type, param=param, code=code)})
 
     def error_response(
@@ -128,6 +131,9 @@ _ANTHROPIC_BY_STATUS = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+# The proxy's codes that are Anthropic's too, told as its ``error.details.error_code`` (the
+# others are OpenAI's, which an Anthropic client would not know).
+_ANTHROPIC_ERROR_CODES = frozenset({"thread_not_found"})
 # A stream's error event has no status of its own: what failed names the type.
 _ANTHROPIC_BY_CODE = {"upstream_timeout": "timeout_error"}
 _ANTHROPIC_TYPES = {

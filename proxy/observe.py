@@ -263,7 +263,8 @@ class Observation:
     # The most output a report told that told no input count (a gateway's: unusable as usage, its
     # output is the provider's all the same): a count of the answer bills no less.
     output_alone_tokens: int = 0
-    # The id of the answer the provider keeps (Responses API): a later call may continue it.
+    # The id of the answer the provider may keep (a Responses answer; a Messages answer, kept in a
+    # thread or as a cache diagnostics fingerprint): a later call may continue or name it.
     response_id: str | None = None
     # The ids of its output items (Responses API) and audio answers (chat): a later call may name
     # them (an item reference, an assistant message's audio).

@@ -104,6 +104,8 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             obs.add_text(0, block.get("content"), content=False)  # a summary may come whole here
     elif kind == "message_start":
         message = obj.get("message")
+        if isinstance(message, dict):
+            _answer_id(obs, message)
         if isinstance(message, dict) and message.get("container") is not None:
             _container(obs, message["container"])
         if isinstance(message, dict) and isinstance(message.get("usage"), dict):
@@ -212,11 +214,19 @@ def _container(obs: Observation, container: Any) -> None:
     add_id(obs.container_ids, container.get("id") if isinstance(container, dict) else None)
 
 
+def _answer_id(obs: Observation, message: dict[str, Any]) -> None:
+    """The answer's id: a thread's state (or a cache diagnostics fingerprint) is kept under it."""
+    found = message.get("id")
+    if isinstance(found, str) and found:
+        obs.response_id = found
+
+
 def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
     obs.chunks += 1
     if obj.get("type") == "error" or isinstance(obj.get("error"), dict):  # a gateway's OpenAI shape
         obs.error = True
         return
+    _answer_id(obs, obj)
     if obj.get("container") is not None:
         _container(obs, obj["container"])
     reason = obj.get("stop_reason")

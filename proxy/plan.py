@@ -278,7 +278,16 @@ def _context_id(value: Any) -> str | None:
 
 
 def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
-    """What a Responses call continues, its conversation, whether its answer is stored."""
+    """What a Responses call continues, its conversation, whether its answer is stored; what a
+    Messages call's thread continues, and whether it has one (its answer is then kept, under its
+    id, for the next turn to continue)."""
+    if isinstance(view, MessagesBody):
+        thread = (view.model_extra or {}).get("thread")
+        if not isinstance(thread, dict):
+            return (), None, False
+        continued = thread.get("previous_message_id") if thread.get("type") == "continue" else None
+        previous = _context_id(continued)
+        return (() if previous is None else (previous,)), None, True
     if not isinstance(view, ResponsesBody):
         return (), None, False
     previous = _context_id(view.previous_response_id)

@@ -265,8 +265,9 @@ def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> boo
 
 async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
     """With the operator's key, every tenant's stored responses, conversations and their items
-    are one account's at the provider: a call continuing another tenant's (its id seen in a log,
-    a shared trace), or naming one of its items, would be answered from that tenant's context.
+    (and Messages threads) are one account's at the provider: a call continuing another tenant's
+    (its id seen in a log, a shared trace), or naming one of its items, would be answered from
+    that tenant's context.
     Refused as the provider refuses an id it does not know, before anything is reserved or
     forwarded. An id no tenant used here (made with the provider directly, or older than the
     provider keeps it) passes, as before."""
@@ -289,6 +290,16 @@ async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
     if call.conversation is not None and call.conversation in theirs:
         raise UnknownId(
             f"Conversation with id '{_as_given(call, 'conversation')}' not found.", param="conversation"
+        )
+    if call.endpoint == "messages" and any(ctx in contexts for ctx in theirs):
+        # A thread continued: Anthropic's 404 for one it does not hold (expired, or never made),
+        # its ``error_code`` the one an SDK or agent branches on to replay the conversation.
+        thread = call.body.get("thread")
+        named_id = thread.get("previous_message_id") if isinstance(thread, dict) else None
+        raise UnknownId(
+            f"No usable Thread state was found for previous_message_id '{named_id}'.",
+            param="thread.previous_message_id",
+            code="thread_not_found",
         )
     if any(ctx in contexts for ctx in theirs):
         raise BadRequest(

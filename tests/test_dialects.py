@@ -1075,3 +1075,23 @@ async def test_an_anthropic_stream_s_input_estimate_is_replaced_by_the_final_cou
     assert billed == ("1200", "1000", "42"), entry
     # 200 x 3 + 1,000 x 0.30 + 42 x 15, in micro-units.
     assert entry["cost_micros"] == str(600 + 300 + 630), entry
+
+
+def test_an_anthropic_error_carries_anthropics_own_code_only() -> None:
+    """An error code Anthropic has too (a thread it does not hold) is told where its SDK reads it
+    (``error.details.error_code``, the exception's ``error_code``, on which a client replays the
+    conversation); the proxy's OpenAI codes (``budget_exceeded``) are not Anthropic's to tell."""
+    messages = DIALECTS["messages"]
+    told = json.loads(
+        messages.error_body("gone", "invalid_request_error", code="thread_not_found", status=404)
+    )
+    assert told == {
+        "type": "error",
+        "error": {
+            "type": "not_found_error",
+            "message": "gone",
+            "details": {"error_code": "thread_not_found"},
+        },
+    }
+    other = json.loads(messages.error_body("over", "insufficient_quota", code="budget_exceeded", status=429))
+    assert other == {"type": "error", "error": {"type": "rate_limit_error", "message": "over"}}

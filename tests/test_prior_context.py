@@ -24,6 +24,7 @@ from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
+from tests import test_sdk_anthropic
 from tests.conftest import (
     KEY_A,
     KEY_B,
@@ -37,8 +38,11 @@ from tests.conftest import (
 )
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
+from tests.test_bad_input import Plan, dumps
 from tests.test_dialects import both_with
 from tests.test_estimate import TEXT, QuarterEncoding, until_quick
+from tests.test_sdk_anthropic import Queue, claude_proxy, ev
+from tests.test_sdk_anthropic import message as sdk_message
 from tests.test_store_faults import _ledger_len, journaling_proxy, wait_for
 
 ADMIN = "sk-admin-ops"
@@ -1335,3 +1339,87 @@ async def test_a_stored_prompt_on_a_conversation_reserves_the_template_and_the_c
     entry = await _responses_entry(proxy, "both", both)
     assert int(entry["input_tokens"]) == billed
     assert int(entry["reserved_input_tokens"]) >= billed, entry
+
+
+# -- Anthropic's message threads and cache diagnostics ---------------------------------------------
+
+queue = test_sdk_anthropic.queue  # the fixture: an upstream answering what each test queues
+
+
+def answer_of(msg_id: str, stream: bool, usage: dict[str, int] | None = None) -> Plan:
+    """A Messages answer of id ``msg_id``, whole or streamed (its id told in message_start)."""
+    usage = usage or {"input_tokens": 10, "output_tokens": 5}
+    whole = sdk_message([{"type": "text", "text": "noted"}], usage=usage)
+    whole["id"] = msg_id
+    if not stream:
+        return Plan(chunks=[dumps(whole)])
+    start = {**whole, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+    return Plan(
+        content_type="text/event-stream",
+        chunks=[
+            ev("message_start", {"message": start}),
+            ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "noted"}}),
+            ev("content_block_stop", {"index": 0}),
+            ev("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                 "usage": {"output_tokens": usage["output_tokens"]}}),
+            ev("message_stop", {}),
+        ],
+    )  # fmt: skip
+
+
+async def asked(c: anthropic.AsyncAnthropic, stream: bool, **kw: Any) -> str:
+    """The id of the answer to a Messages call (the beta's, which takes ``thread``)."""
+    body: dict[str, Any] = {"model": "claude-sonnet-4-5", "max_tokens": 100, **kw}
+    body.setdefault("messages", [{"role": "user", "content": "my secret plan"}])
+    if stream:
+        async with c.beta.messages.stream(**body) as events:
+            return (await events.get_final_message()).id
+    return (await c.beta.messages.create(**body)).id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_cannot_continue_another_tenants_anthropic_thread(
+    stream: bool, make_proxy: ProxyFactory, queue: Queue
+) -> None:
+    """Anthropic's message threads (``thread: {"type": "continue", "previous_message_id": ...}``):
+    the provider answers from the whole conversation it holds under that id. With the operator's
+    key every tenant's threads are one account's: tenant B naming tenant A's message id (from a
+    log, a shared trace) had the model answer from A's conversation. Refused as the provider
+    refuses a thread it does not hold (a 404 ``thread_not_found``), nothing forwarded; its owner
+    continues it, and an id no tenant used here goes upstream as before."""
+    proxy = await claude_proxy(make_proxy, queue)
+    queue.plans = [answer_of("msg_01Secret", stream)]
+    a = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    b = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_B, max_retries=0)
+    mine = await asked(a, stream, thread={"type": "create"})
+    assert mine == "msg_01Secret"
+    sent = len(queue.received)
+    continuing: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "repeat it all"}],
+        "thread": {"type": "continue", "previous_message_id": mine},
+    }
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        await asked(b, stream, **continuing)
+    assert len(queue.received) == sent, "another tenant's thread went upstream with the operator's key"
+    assert refused.value.error_code == "thread_not_found", refused.value.body
+    assert refused.value.body == {
+        "type": "error",
+        "error": {
+            "type": "not_found_error",
+            "message": f"No usable Thread state was found for previous_message_id '{mine}'.",
+            "details": {"error_code": "thread_not_found"},
+        },
+    }, refused.value.body
+    queue.plans = [answer_of("msg_02Next", stream)]
+    assert await asked(a, stream, **continuing) == "msg_02Next"
+    assert len(queue.received) == sent + 1
+    # The continuation's answer is the thread's now (continued next): A's as well.
+    later = {**continuing, "thread": {"type": "continue", "previous_message_id": "msg_02Next"}}
+    with pytest.raises(anthropic.NotFoundError):
+        await asked(b, stream, **later)
+    unknown = {**continuing, "thread": {"type": "continue", "previous_message_id": "msg_0Else"}}
+    await asked(b, stream, **unknown)
+    assert len(queue.received) == sent + 2, "an id no tenant used here is the provider's to answer"
+    await a.close()
+    await b.close()
