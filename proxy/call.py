@@ -107,15 +107,20 @@ class Call:
     # unless the client asked the provider not to store it (a Messages answer: within a thread).
     conversation: str | None = None
     stores_answer: bool = False
+    # The provider keeps a fingerprint of this Messages call's prompt under its answer's id (cache
+    # diagnostics): a later call naming it (``diagnostics.previous_message_id``) is told how its
+    # own prompt differs. Its answer is marked as its tenant's, as a kept one is.
+    fingerprinted: bool = False
     # A stored prompt's template (its id and version), input the provider adds to every call
     # that names it: kept, and reserved, as a context this call continues.
     stored_prompt: str | None = None
     prior_context_tokens: int = 0  # the size of what it continues, when known (reserved)
     # What the request names by id for the provider to look up, as (what, id): stored items it
     # reads as input ("item": a Responses ``item_reference``, a reasoning item without its
-    # content; "audio": a chat message's earlier audio answer) and a code execution container
+    # content; "audio": a chat message's earlier audio answer), a code execution container
     # ("container": with the files earlier calls left in it; "input_container": one a call item
-    # sent back names). Ids as given.
+    # sent back names) and a message whose prompt a Messages call's is compared with (cache
+    # diagnostics' "diagnostics"). Ids as given.
     references: tuple[Reference, ...] = ()
     # Of ``continues`` and ``references`` (keyed), those the reserve found marked as this call's
     # tenant's already: not marked again (``contexts.contexts_owned``).

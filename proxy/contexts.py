@@ -65,8 +65,9 @@ async def keep_context(ex: Exchange) -> None:
 
 
 def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
-    """What becomes this call's tenant's: the contexts it made and the items of its stored
-    answer, and those it continued or named (a previous response or an item no tenant had
+    """What becomes this call's tenant's: the contexts it made, the items of its stored answer
+    and a Messages answer whose prompt's fingerprint the provider keeps (cache diagnostics),
+    and those it continued or named (a previous response or an item no tenant had
     marked: made before, or with the provider directly). Only with the operator's key (a
     pass-through caller's own key goes upstream), and never a stored prompt: the operator's,
     for any tenant to name."""
@@ -76,21 +77,22 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     if call.upstream_status >= 300:
         return []
     obs = ex.obs
-    # The answer the provider keeps under its id (a stored response; a message in a thread).
-    answer = obs.response_id if call.stores_answer else None
+    # The answer the provider keeps under its id (a stored response; a message in a thread, or
+    # its prompt's fingerprint for cache diagnostics).
+    answer = obs.response_id if call.stores_answer or call.fingerprinted else None
     if not (made or call.continues or call.references or obs.item_ids or obs.container_ids or answer):
         return []  # nearly every chat and Messages call: nothing to mark, nothing built
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
     skip = {call.stored_prompt, *call.continues_owned, *made}
+    own = [context_key(answer)] if answer else []  # in ``made`` when kept: a fingerprint's is not
     if ex.obs.error and not ex.obs.pending:
         # It failed (``status: failed``, an error event) once ids had reached the client: the
         # provider keeps that response under its id, the containers its code ran in keep their
         # files, and its items may be kept. Still this tenant's; what it continued or named
         # becomes no one's by a failed call.
-        own = [context_key(answer)] if answer else []
         return _kept_for_good(ex, [c for c in dict.fromkeys([*own, *answer_items(ex)]) if c not in skip])
-    named = [*call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
+    named = [*own, *call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
     owned = [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
     return _kept_for_good(ex, owned)
 

@@ -266,6 +266,7 @@ def plan_call(
         continues=continues,
         conversation=conversation,
         stores_answer=stores_answer,
+        fingerprinted=isinstance(view, MessagesBody) and _fingerprinted(view, anthropic_beta),
         stored_prompt=stored_prompt,
         references=_references(view),
     )
@@ -303,7 +304,7 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
     their result and typed items of their id alone (read from the store by id); a
     chat message's earlier audio answer, sent back by its id; the container a code execution
     tool runs in (a Responses tool's ``container`` or ``environment``, a Messages call's
-    ``container``)."""
+    ``container``); the message a Messages call's cache diagnostics compare its prompt with."""
     found: list[Reference] = []
     if isinstance(view, ChatBody):
         for message in view.messages:
@@ -311,8 +312,12 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
             if isinstance(audio, dict) and message.get("role") == "assistant":
                 _add_reference(found, "audio", audio.get("id"))
     elif isinstance(view, MessagesBody):
-        container = (view.model_extra or {}).get("container")
+        extra = view.model_extra or {}
+        container = extra.get("container")
         _add_reference(found, "container", container.get("id") if isinstance(container, dict) else container)
+        diagnostics = extra.get("diagnostics")
+        compared = diagnostics.get("previous_message_id") if isinstance(diagnostics, dict) else None
+        _add_reference(found, "diagnostics", compared)
     elif isinstance(view, ResponsesBody):
         for item in view.input if isinstance(view.input, list) else ():
             kind = item.get("type")
@@ -338,6 +343,16 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
                 _add_reference(found, "container", environment.get("container_id"))
             _add_reference(found, "container", tool.get("container"))  # an id, or {"type": "auto"}
     return tuple(dict.fromkeys(found))
+
+
+def _fingerprinted(view: MessagesBody, anthropic_beta: str) -> bool:
+    """Whether the provider keeps a fingerprint of the call's prompt under its answer's id, for a
+    later call's cache diagnostics: a call asking for them (``diagnostics``, its
+    ``previous_message_id`` null on a first turn), and any call with the beta's header (its
+    docs: a fingerprint of each request then)."""
+    return (
+        isinstance((view.model_extra or {}).get("diagnostics"), dict) or "cache-diagnosis-" in anthropic_beta
+    )
 
 
 # The fields of an input item that names a stored one and holds nothing of it.

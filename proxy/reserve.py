@@ -309,7 +309,10 @@ async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
         )
     what, ref = named[theirs[0]]
     message, param = _NOT_FOUND[what]
-    raise UnknownId(message.format(ref), param="container" if call.endpoint == "messages" else param)
+    raise UnknownId(
+        message.format(ref),
+        param="container" if what == "container" and call.endpoint == "messages" else param,
+    )
 
 
 def _as_given(call: Call, field: str) -> str:
@@ -326,6 +329,9 @@ _NOT_FOUND = {
     "audio": ("Audio with id '{}' not found.", "messages"),
     "container": ("Container with id '{}' not found.", "tools"),
     "input_container": ("Container with id '{}' not found.", "input"),
+    # (The provider tells one it has no fingerprint of in the answer's ``diagnostics``,
+    # ``previous_message_not_found``: another tenant's is refused, its prompt never compared.)
+    "diagnostics": ("Message with id '{}' not found.", "diagnostics.previous_message_id"),
 }
 
 

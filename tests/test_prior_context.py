@@ -1423,3 +1423,54 @@ async def test_a_tenant_cannot_continue_another_tenants_anthropic_thread(
     assert len(queue.received) == sent + 2, "an id no tenant used here is the provider's to answer"
     await a.close()
     await b.close()
+
+
+async def test_another_tenants_message_id_is_not_sent_for_cache_diagnostics(
+    make_proxy: ProxyFactory, queue: Queue
+) -> None:
+    """Cache diagnostics (``diagnostics: {"previous_message_id": ...}``): the provider compares the
+    request's prompt with the one of the message named, kept (a fingerprint of it) for each call
+    that asked for diagnostics, and says why the cache missed (the model, the system prompt, the
+    tools or the messages changed) and about how many tokens. With the operator's key tenant B
+    naming tenant A's message got an oracle on A's prompt. Refused (a 404, nothing forwarded);
+    A names its own as before."""
+    proxy = await claude_proxy(make_proxy, queue)
+    queue.plans = [answer_of("msg_01OfTenantA", False)]
+    a = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    b = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_B, max_retries=0)
+    first: dict[str, Any] = {
+        "system": "A's confidential system prompt",
+        "diagnostics": {"previous_message_id": None},
+    }
+    mine = await asked(a, False, **first)
+    sent = len(queue.received)
+    guess: dict[str, Any] = {
+        "system": "a guess at A's system prompt",
+        "diagnostics": {"previous_message_id": mine},
+    }
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        await asked(b, False, **guess)
+    assert len(queue.received) == sent, "tenant A's message id went upstream for tenant B"
+    assert refused.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": f"Message with id '{mine}' not found."},
+    }, refused.value.body
+    await asked(a, False, **guess)
+    assert len(queue.received) == sent + 1
+
+
+async def test_a_message_the_provider_keeps_nothing_of_is_not_marked(
+    make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
+) -> None:
+    """A Messages call without a thread or diagnostics (nearly every one): the provider keeps
+    nothing under its answer's id, so nothing is marked (no Redis write, no memory for 30 days).
+    The cache diagnostics beta's header alone has the provider keep a fingerprint: marked."""
+    proxy = await claude_proxy(make_proxy, queue)
+    queue.plans = [answer_of("msg_01Plain", False)]
+    a = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    await asked(a, False)
+    assert await redis_client.get("lbp:ctxowner:msg_01Plain") is None
+    queue.plans = [answer_of("msg_01Beta", False)]
+    await asked(a, False, betas=["cache-diagnosis-2026-04-07"])
+    assert await redis_client.get("lbp:ctxowner:msg_01Beta") is not None
+    await a.close()
