@@ -236,7 +236,8 @@ class Metrics:
         )
         self.prior_contexts = Counter(
             "llm_proxy_prior_contexts",
-            "Responses calls that continue a stored context (previous_response_id, conversation), by "
+            "Responses calls that continue a stored context (previous_response_id, conversation), and "
+            "Messages calls that continue a thread, by "
             "whether the proxy knew its size (found: reserved on top of the request) or not (unknown: "
             "reserved at the request alone).",
             ["result"],

@@ -164,12 +164,12 @@ async def reserve(
     if (call.continues or call.references) and operator_key_sent(call.upstream, call.identity) is not None:
         await _refuse_another_tenants_context(store, call)
         waited = True
-    # Sizes are kept for Responses answers only: a chat message's earlier audio answer is
-    # reserved as a media part (``estimate``).
-    if (
-        call.endpoint == "responses"
-        and (call.continues or call.references)
-        and config.limits.prior_context_ttl_s
+    # Sizes are kept for Responses answers and Messages threads only: a chat message's earlier
+    # audio answer is reserved as a media part (``estimate``), and what else a Messages call names
+    # (a container, a message for cache diagnostics) is read as no input.
+    if config.limits.prior_context_ttl_s and (
+        (call.endpoint == "responses" and (call.continues or call.references))
+        or (call.endpoint == "messages" and call.continues)
     ):
         found = await _add_prior_context(store, call)
         waited = True
@@ -337,13 +337,14 @@ _NOT_FOUND = {
 
 async def _add_prior_context(store: Store, call: Call) -> str | None:
     """Reserve what the provider adds to the input from a context it keeps (a previous response,
-    a conversation): its size when the proxy billed it, input and output. The provider bills
-    that context as input again, so a call sending "hi" may cost 100,000 input tokens; reserved
-    at "hi", calls at once could pass a ceiling by that much. A context the proxy did not bill
-    (made elsewhere, or kept past ``limits.prior_context_ttl_s``) is reserved at the request
-    alone, as before, and billed on the provider's figures. The stored items the input names
-    are input too: each reserved at the output of the answer that made it. Returns how the
-    context was found (``prior_contexts``' label), None when none is continued."""
+    a conversation, the message a Messages thread continues): its size when the proxy billed it,
+    input and output. The provider bills that context as input again, so a call sending "hi" may
+    cost 100,000 input tokens; reserved at "hi", calls at once could pass a ceiling by that much.
+    A context the proxy did not bill (made elsewhere, or kept past ``limits.prior_context_ttl_s``)
+    is reserved at the request alone, as before, and billed on the provider's figures. The
+    stored items the input names are input too: each reserved at the output of the answer that
+    made it. Returns how the context was found (``prior_contexts``' label), None when none is
+    continued."""
     tenant = call.identity.tenant
     added = 0
     found: str | None = None

@@ -1344,6 +1344,7 @@ async def test_a_stored_prompt_on_a_conversation_reserves_the_template_and_the_c
 # -- Anthropic's message threads and cache diagnostics ---------------------------------------------
 
 queue = test_sdk_anthropic.queue  # the fixture: an upstream answering what each test queues
+THREAD_INPUT = 1500  # the thread's first call: input the provider then holds, with its output
 
 
 def answer_of(msg_id: str, stream: bool, usage: dict[str, int] | None = None) -> Plan:
@@ -1474,3 +1475,33 @@ async def test_a_message_the_provider_keeps_nothing_of_is_not_marked(
     await asked(a, False, betas=["cache-diagnosis-2026-04-07"])
     assert await redis_client.get("lbp:ctxowner:msg_01Beta") is not None
     await a.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_continuing_an_anthropic_thread_reserves_its_context(
+    stream: bool, make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
+) -> None:
+    """A thread's continuation is billed by the provider for the whole conversation it holds (the
+    earlier turns, read again as input), as a Responses ``previous_response_id`` is: reserved at
+    the size the proxy billed the call that made it, so a run's ceiling refuses a continuation
+    that would pass it (reserved at its new turn's few words, it went out and passed it)."""
+    proxy = await claude_proxy(make_proxy, queue, tiers={"standard": {"run": {"input_tokens": 2000}}})
+    # The continuation, should it go out: the provider reads the 1,600 tokens it holds.
+    queue.plans = [
+        answer_of("msg_01Held", stream, {"input_tokens": THREAD_INPUT, "output_tokens": 100}),
+        answer_of("msg_02", stream, {"input_tokens": 1610, "output_tokens": 5}),
+    ]
+    c = anthropic.AsyncAnthropic(
+        base_url=proxy.url, api_key=KEY_A, max_retries=0, default_headers={"X-Run-Id": "thread"}
+    )
+    await asked(c, stream, messages=[{"role": "user", "content": "hello there"}], thread={"type": "create"})
+    assert await redis_client.get("lbp:{team-a}:ctx:msg_01Held") == str(THREAD_INPUT + 100)
+    sent = len(queue.received)
+    # 1,500 used of 2,000: a continuation that reads the 1,600 held tokens does not fit.
+    continuing = {"type": "continue", "previous_message_id": "msg_01Held"}
+    with pytest.raises(anthropic.RateLimitError):
+        await asked(c, stream, max_tokens=16, messages=[{"role": "user", "content": "hi"}], thread=continuing)
+    assert len(queue.received) == sent
+    used = [int(f["input_tokens"]) for _i, f in await redis_client.xrange(LEDGER)]
+    assert sum(used) <= 2000, f"run billed {used} input tokens past its ceiling of 2000"
+    await c.close()
