@@ -309,11 +309,14 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         # The caller's own key refused, a rate limit: the provider's answer, as for a billed call.
         return web.Response(status=resp.status, body=body, content_type="application/json", headers=passed)
     if resp.status != 200 or not body.lstrip().startswith(b"{"):
+        # With the provider's retry advice (a 503's retry-after, its x-should-retry), as a billed
+        # call's error answer: the SDK retries a 502 when and whether the provider said to.
         return error_response(
             502,
             f"The upstream could not list models (HTTP {resp.status}).",
             "upstream_error",
             code="upstream_error",
+            headers=passed,
         )
     return web.Response(status=200, body=body, content_type="application/json", headers=passed)
 

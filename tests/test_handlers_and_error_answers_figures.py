@@ -136,6 +136,21 @@ async def test_models_tells_the_sdk_not_to_retry_what_only_the_operator_can_fix(
     assert "x-request-id" in reply.headers, reply.describe()
 
 
+async def test_models_from_an_upstream_that_is_down_passes_on_its_retry_advice(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """A 503 saying when to come back: the proxy's 502 dropped its retry-after and x-should-retry
+    (the SDK hunt), which a billed call's error answer passes on."""
+    extra = {"retry-after": "7", "x-should-retry": "true"}
+    script.plan = Plan(status=503, chunks=[b"<html>down</html>"], extra_headers=extra)
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    reply = await call(proxy, "/v1/models", method="GET")
+    error = assert_openai_error(reply, 502)
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_error"), error
+    assert reply.headers.get("retry-after") == "7", reply.describe()
+    assert reply.headers.get("x-should-retry") == "true", reply.describe()
+
+
 @pytest.mark.parametrize("kind", ["refused", "too-large"])
 async def test_models_from_an_upstream_that_fails_is_a_502_upstream_error(
     make_proxy: ProxyFactory, script: ScriptedUpstream, kind: str
