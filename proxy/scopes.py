@@ -96,6 +96,15 @@ def _windows(
     return [own.get(p) or WindowCeilings(period=p) for p in PERIODS if p in periods]
 
 
+@functools.lru_cache(maxsize=4096)
+def _run_scope(tenant: str, run_id: str, tier: TierConfig | None, run_ttl_s: int) -> Scope:
+    """The run's scope, the same for every call of a run: built once, not per call, and so
+    packed for the store once (``Scope.packed``: two of a call's seven packings were this
+    scope's, every call)."""
+    ceilings = tier.run.meters if tier else {}
+    return Scope(name="run", key=run_key(tenant, run_id), ceilings=ceilings, ttl_s=run_ttl_s)
+
+
 def scopes_for(
     identity: Identity,
     run_id: str,
@@ -108,8 +117,7 @@ def scopes_for(
     """``tenant_periods``: the tenant's window periods its keys' tiers name, and those they
     limit (``Config.tenant_periods``)."""
     tenant = identity.tenant
-    ceilings = tier.run.meters if tier else {}
-    run = Scope(name="run", key=run_key(tenant, run_id), ceilings=ceilings, ttl_s=run_ttl_s)
+    run = _run_scope(tenant, run_id, tier, run_ttl_s)
     if tier is None:
         return [run]
     minute = int(now.timestamp()) // 60 * 60
