@@ -61,6 +61,11 @@ def _run_scope(prefix: str, run_id: str, scope_keys: Sequence[str]) -> int:
     return list(scope_keys).index(run_key) + 1 if run_key in scope_keys else 0
 
 
+# Which scope is the run's, packed once (0: none; the run's scope comes first): the last of a
+# reserve's arguments, after the scopes' packed ones, would otherwise be a packing of its own.
+_RUN_SCOPE_INDEXES = tuple(pack(index) for index in range(4))
+
+
 def _pack_scope(scope: Scope) -> tuple[Packed, Packed]:
     """A scope's key and ``reserve_args``, packed once: a key's window scopes serve its calls for
     a minute, and those arguments are most of a reserve's (54 of 74 with six scopes)."""
@@ -285,7 +290,7 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
                 *(key for key, _ in packed),
                 tuple(middle),
                 *(args for _, args in packed),
-                (run_scope,),
+                _RUN_SCOPE_INDEXES[run_scope] if run_scope < len(_RUN_SCOPE_INDEXES) else (run_scope,),
             ],
         )
         if int(result[0]) == 2:

@@ -65,15 +65,25 @@ def encode(args: tuple[Any, ...], parts: Sequence[tuple[Any, ...] | Packed] = ()
     """A command: ``args``, then each part's arguments in turn."""
     if not parts:
         return cast(bytes, _encode(args))
-    count = len(args)
-    pieces = [b"", _bulk_strings(args)]
+    count = 0
+    pieces = [b""]
+    # Arguments not packed yet are packed together up to the next packed part: each packing is
+    # a call into hiredis whose own cost is several arguments' (an EVALSHA's name, SHA and key
+    # count go with the keys after them).
+    loose: list[Any] = list(args)
     for part in parts:
         if isinstance(part, Packed):
+            if loose:
+                pieces.append(_bulk_strings(loose))
+                count += len(loose)
+                loose = []
             pieces.append(part.resp)
             count += len(part.args)
-        elif part:
-            pieces.append(_bulk_strings(part))
-            count += len(part)
+        else:
+            loose += part
+    if loose:
+        pieces.append(_bulk_strings(loose))
+        count += len(loose)
     pieces[0] = b"*%d\r\n" % count
     return b"".join(pieces)
 
