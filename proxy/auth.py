@@ -8,18 +8,18 @@ caller cannot choose a digest's bytes without the key that makes them).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from proxy.config import Config
 from proxy.errors import BadRequest, Forbidden, Unauthorized
+from proxy.values import value_class
 
 PASSTHROUGH_TIER = "standard"
 PASSTHROUGH_ID_DIGITS = 32
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@value_class(kw_only=True)
 class Identity:
     tenant: str
     tier: str

@@ -8,7 +8,7 @@ request's own cap, else the model's ``max_output_tokens``, else the endpoint's d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -28,6 +28,7 @@ from proxy.payload import (
 )
 from proxy.prompt_parts import items_parts, media_parts, message_parts, search_result_bytes, variable_texts
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
+from proxy.values import value_class
 
 # Chat formats add a few tokens per message and for priming the reply.
 TOKENS_PER_MESSAGE = 4
@@ -57,7 +58,7 @@ ENUM_ITEM_TOKENS = 2
 ANTHROPIC_TOOL_TOKENS = (("bash_", 245), ("text_editor_", 700), ("computer_", 735 + 499))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@value_class(kw_only=True)
 class Estimate:
     prompt_text: str
     prompt_overhead_tokens: int

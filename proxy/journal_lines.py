@@ -12,18 +12,19 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import field, fields
 from pathlib import Path
 from typing import Any
 
 from proxy.errors import StoreError, StoreRejected
 from proxy.store import Store
+from proxy.values import value_class
 
 log = logging.getLogger("proxy.journal")
 DEAD_LETTERS = "rejected.jsonl"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@value_class(kw_only=True)
 class PendingSettlement:
     tenant: str
     reservation_id: str

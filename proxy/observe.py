@@ -15,11 +15,13 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
+from proxy.values import value_class
+
 # OpenRouter's reasoning_details that hold no text of the reasoning it bills (reasoning.text does).
 HIDDEN_REASONING_DETAILS = frozenset({"reasoning.encrypted", "reasoning.summary"})
 
 
-@dataclass(frozen=True, slots=True)
+@value_class()
 class ProviderUsage:
     input_tokens: int  # all input, cached and cache writes included
     output_tokens: int  # all output, reasoning included

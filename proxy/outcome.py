@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 from proxy.config import PolicyConfig
 from proxy.observe import Observation
 from proxy.tokenizer import Tokenizer, UsageSource
+from proxy.values import value_class
 
 OutcomeTag = Literal[
     "ok",
@@ -39,7 +39,7 @@ TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens", "mo
 NOT_THE_ANSWER_REASONS = frozenset({"tool_calls", "function_call", "tool_use", "pause_turn", "compaction"})
 
 
-@dataclass(frozen=True, slots=True)
+@value_class()
 class Outcome:
     tag: OutcomeTag
     reason: str | None = None
@@ -49,7 +49,7 @@ class Outcome:
         return f"rejected:{self.reason}" if self.tag == "rejected" else self.tag
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@value_class(kw_only=True)
 class BilledUsage:
     input_tokens: int
     cached_input_tokens: int

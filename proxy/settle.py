@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import orjson
 
@@ -21,11 +21,12 @@ from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, tool_fees_exact
 from proxy.service_tiers import dearest
 from proxy.store import ACTUAL_METERS, Store
 from proxy.tool_fees import ToolCalls, billed_tool_calls, tool_calls_field
+from proxy.values import value_class
 
 log = logging.getLogger("proxy.settle")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@value_class(kw_only=True)
 class Settlement:
     outcome: Outcome
     usage: BilledUsage

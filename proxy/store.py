@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from proxy.values import value_class
+
 # How long a settled reservation's marker is kept (see settle.bill_if_lost_until_ms).
 DEFAULT_SETTLED_MARKER_TTL_S = 3600
 
@@ -111,7 +113,7 @@ class Clamp:
     output_rate: int  # micro-units per million output tokens
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@value_class(kw_only=True)
 class Reservation:
     id: str
     tenant: str
