@@ -360,16 +360,23 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
 
 def _advisor_tool(view: MessagesBody) -> str | None:
     """Where a Messages request enables Anthropic's advisor tool (type ``advisor_*``), if it does:
-    in ``tools``, or defined in a message (a ``tool_addition`` block's ``tool_definition``)."""
+    in ``tools``, or defined in a message (a ``tool_addition`` block's ``tool_definition``, or
+    one among a compaction block's ``tool_changes``)."""
     if any(_is_advisor(tool) for tool in view.tools or ()):
         return "tools"
     for message in view.messages:
         content = message.get("content")
         for block in content if isinstance(content, list) else ():
-            if isinstance(block, dict) and block.get("type") == "tool_addition":
-                tool = block.get("tool")
-                if isinstance(tool, dict) and _is_advisor(tool.get("definition")):
-                    return "messages"
+            if not isinstance(block, dict):
+                continue
+            # A compaction block carries the tool additions of the range it sums up
+            # (``tool_changes``), sent back with it: the tool set in force after it.
+            changes = block.get("tool_changes") if block.get("type") == "compaction" else None
+            for change in [block, *(changes if isinstance(changes, list) else ())]:
+                if isinstance(change, dict) and change.get("type") == "tool_addition":
+                    tool = change.get("tool")
+                    if isinstance(tool, dict) and _is_advisor(tool.get("definition")):
+                        return "messages"
     return None
 
 

@@ -284,11 +284,22 @@ def _added(tool: dict[str, Any]) -> dict[str, Any]:
     return {"role": "user", "content": [addition, {"type": "text", "text": "go"}]}
 
 
+def _compacted(tool: dict[str, Any]) -> dict[str, Any]:
+    """A compaction block whose range added ``tool`` (its ``tool_changes``)."""
+    addition = {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": tool}}
+    return {"type": "compaction", "content": "Earlier turns, summed up.", "tool_changes": [addition]}
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}, ADVISOR]}, "tools"),
         ({"messages": [USER, {"role": "assistant", "content": "ok"}, _added(ADVISOR)]}, "messages"),
+        # Among a compaction block's tool changes, sent back with it (the second review).
+        (
+            {"messages": [USER, {"role": "assistant", "content": [_compacted(ADVISOR)]}, USER]},
+            "messages",
+        ),
     ],
 )
 def test_anthropic_s_advisor_tool_is_refused(extra: dict[str, Any], param: str) -> None:
