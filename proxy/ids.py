@@ -41,12 +41,16 @@ def request_id_for(request: web.Request, ids: IdSource) -> str:
     return sent if SANE_ID.fullmatch(sent) else f"req_{ids.new()}"
 
 
+# The run id of a call that named none: a run of one call.
+MADE_RUN_PREFIX = "run_"
+
+
 def run_id_for(request: web.Request, ids: IdSource) -> str:
     """The run a call belongs to; a call without ``X-Run-Id`` is a run of its own (a new id,
     never the client's ``X-Request-Id``, which a gateway may repeat)."""
     sent = one_header(request, "X-Run-Id")
     if sent is None:
-        return f"run_{ids.new()}"
+        return f"{MADE_RUN_PREFIX}{ids.new()}"
     if not SANE_ID.fullmatch(sent):
         raise BadRequest(
             "Invalid X-Run-Id: use 1 to 128 letters, digits, '.', '_', ':' or '-'.", param="X-Run-Id"

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from proxy.auth import Identity
 from proxy.config_base import Period
 from proxy.config_tiers import TierConfig, WindowCeilings
+from proxy.ids import MADE_RUN_PREFIX
 from proxy.store import Scope, key_prefix
 
 # Window keys outlive their window so reports can still read them.
@@ -117,7 +118,11 @@ def scopes_for(
     """``tenant_periods``: the tenant's window periods its keys' tiers name, and those they
     limit (``Config.tenant_periods``)."""
     tenant = identity.tenant
-    run = _run_scope(tenant, run_id, tier, run_ttl_s)
+    # A run the proxy named (the call sent no X-Run-Id) is one call: its scope is not asked for
+    # again, and kept it would push out those of the runs that are (4 MB of them, each call
+    # slower by the eviction).
+    build = _run_scope.__wrapped__ if run_id.startswith(MADE_RUN_PREFIX) else _run_scope
+    run = build(tenant, run_id, tier, run_ttl_s)
     if tier is None:
         return [run]
     minute = int(now.timestamp()) // 60 * 60

@@ -567,3 +567,21 @@ def test_window_bounds_are_calendar_periods_in_utc(
     now: datetime, period: str, start: tuple[int, ...], end: tuple[int, ...]
 ) -> None:
     assert window_bounds(period, now) == (_utc(*start), _utc(*end))
+
+
+def test_a_named_runs_scope_is_built_once_and_a_run_of_one_call_is_not_kept() -> None:
+    """A run's scope serves its calls as the key's do (built and packed for Redis once); a run
+    the proxy named for a call that sent no X-Run-Id has that call alone: kept, 4,096 of them
+    pushed out the named runs' scopes (the second review)."""
+    from proxy.ids import MADE_RUN_PREFIX
+    from proxy.scopes import _run_scope
+
+    who = Identity(tenant="team-scope", tier="t", key_name="k")
+    now = datetime(2026, 12, 5, tzinfo=UTC)
+    first = scopes_for(who, "agent-7", None, now, run_ttl_s=3600)[0]
+    assert scopes_for(who, "agent-7", None, now, run_ttl_s=3600)[0] is first
+    held = _run_scope.cache_info().currsize
+    made = f"{MADE_RUN_PREFIX}0123456789abcdef"
+    one = scopes_for(who, made, None, now, run_ttl_s=3600)[0]
+    assert one.key.endswith(made) and scopes_for(who, made, None, now, run_ttl_s=3600)[0] is not one
+    assert _run_scope.cache_info().currsize == held
