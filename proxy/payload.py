@@ -273,26 +273,34 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
         # Digits in strings (ids, base64) are no integer; a field the proxy reads was refused
         # above, by name.
         json.loads(raw, parse_int=_exact_int)
+    unsupported = _unsupported(data, view)
+    if unsupported is not None:
+        param, message = unsupported
+        raise BadRequest(message, param=param, code="unsupported_parameter")
+    return data, view
+
+
+def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
+    """The field of a request the proxy cannot bill that it carries, and why, if it carries one:
+    refused (``unsupported_parameter``) before anything is reserved or forwarded."""
     if isinstance(view, ResponsesBody) and view.background:
         # Queued: answered (and billed by the provider) later, to a request this proxy never sees.
-        raise BadRequest(
+        return (
+            "background",
             "Background responses are not supported through this proxy: it bills a call from its "
             "answer, and a background response's answer comes later, outside it. Send it without "
             "'background'.",
-            param="background",
-            code="unsupported_parameter",
         )
     template_param = _own_chat_template(data) if isinstance(view, ChatBody) else None
     if template_param is not None:
         # vLLM's own Jinja template for this request: what it writes is no function of the
         # request's text (a loop writes any number of tokens from a few bytes), so no reserve
         # can bound it.
-        raise BadRequest(
+        return (
+            template_param,
             "A request's own chat template is not supported through this proxy: it reserves a "
             "call's input before forwarding it, and cannot bound what a template writes. Send "
             f"the request without '{template_param}' (the model's own template applies).",
-            param=template_param,
-            code="unsupported_parameter",
         )
     if isinstance(view, (ChatBody, CompletionBody)) and data.get("n_predict") is not None:
         # llama.cpp's server reads its output cap from n_predict before max_tokens (-1: until the
@@ -300,37 +308,34 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
         # honours. Refused, not bounded: writing a field only one server reads into every path
         # that caps (none asked, one asked, a model's cap, a clamp) is more to get wrong, and
         # max_tokens caps llama.cpp alike.
-        raise BadRequest(
+        return (
+            "n_predict",
             "'n_predict' is not supported through this proxy: it reserves a call's output before "
             "forwarding it and caps the call there, and llama.cpp's server would honour "
             "'n_predict' over that cap. Send the cap as 'max_tokens', which it reads when "
             "'n_predict' is absent.",
-            param="n_predict",
-            code="unsupported_parameter",
         )
     fallbacks = data.get("models")
     if fallbacks is not None and (not isinstance(fallbacks, list) or any(m != view.model for m in fallbacks)):
         # OpenRouter's fallback list: another model runs when the first errs (an error a caller
         # can provoke), billed at its own price; one the proxy may not serve nor price at all.
-        raise BadRequest(
+        return (
+            "models",
             "A list of fallback models is not supported through this proxy: it routes, reserves and "
             "prices the one model a call names. Send the request without 'models' (name the model "
             "in 'model'; send a second request for another).",
-            param="models",
-            code="unsupported_parameter",
         )
     if isinstance(view, MessagesBody) and data.get("fallbacks") not in (None, []):
         # Anthropic's server-side fallback, the same hole: a model that declines hands the call to
         # an entry's model (or "default": the model's own chain), billed at its own price and
         # writing up to the entry's own max_tokens, where the reserve holds the call's model and
         # cap. Refused, not reserved at the worst entry: a chain the server picks names no model.
-        raise BadRequest(
+        return (
+            "fallbacks",
             "Server-side fallback models are not supported through this proxy: it routes, reserves "
             "and prices the one model a call names, and a fallback runs at its own price and its "
             "own 'max_tokens'. Send the request without 'fallbacks' (retry a declined call with "
             "another 'model').",
-            param="fallbacks",
-            code="unsupported_parameter",
         )
     advisor_param = _advisor_tool(view) if isinstance(view, MessagesBody) else None
     if advisor_param is not None:
@@ -338,24 +343,22 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
         # which reads the whole transcript and writes its advice up to a cap the request may leave
         # to that model, as often as ``max_uses`` lets it, billed at that model's prices and told
         # only in ``usage.iterations``. No reserve of the call's model and cap holds it.
-        raise BadRequest(
+        return (
+            advisor_param,
             "The advisor tool is not supported through this proxy: it reserves and prices the one "
             "model a call names, and the advisor is another model, consulted mid-answer at its own "
             "price. Send the request without the 'advisor_*' tool.",
-            param=advisor_param,
-            code="unsupported_parameter",
         )
     if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
         # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
         # times, its rows billed as input; no count of them can be read from base64 before the call.
-        raise BadRequest(
+        return (
+            "prompt_embeds",
             "Prompt embeddings are not supported through this proxy: it reserves a call's input "
             "and the answers of every prompt before forwarding it, and cannot count the prompts "
             "or tokens of 'prompt_embeds'. Send the prompt as text or token ids.",
-            param="prompt_embeds",
-            code="unsupported_parameter",
         )
-    return data, view
+    return None
 
 
 def _advisor_tool(view: MessagesBody) -> str | None:
