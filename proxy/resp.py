@@ -41,15 +41,11 @@ _encode = hiredis.pack_command
 class Packed:
     """Arguments packed once for commands that send them again and again (a budget scope's key
     and ceilings: most of a reserve's arguments, and packing arguments was most of what this
-    client spent): their RESP bulk strings, how many, and the arguments themselves for a client
-    that packs its own (redis-py)."""
+    client spent): their RESP bulk strings, and the arguments themselves (how many; and for a
+    client that packs its own, redis-py)."""
 
     resp: bytes
     args: tuple[Any, ...]
-
-    @property
-    def count(self) -> int:
-        return len(self.args)
 
 
 def _bulk_strings(args: Sequence[Any]) -> bytes:

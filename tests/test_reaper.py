@@ -37,15 +37,7 @@ async def reaped_orphan(proxy: Proxy, redis_client: aioredis.Redis, tenant: str,
     store = proxy.app[STATE].store
     assert store is not None
     await redis_client.delete(TENANTS_KEY)  # first: a lease made while registered could be reaped
-    orphan = await store.reserve(
-        tenant=tenant,
-        reservation_id="dead-instance",
-        run_id=run,
-        scopes=[Scope(name="run", key=f"lbp:{{{tenant}}}:run:{run}")],
-        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-        lease_ms=1,
-        record=f'{{"run_id": "{run}"}}',
-    )
+    orphan = await run_lease(store, tenant, "dead-instance", run)
     assert isinstance(orphan, Reservation)
     leases = f"lbp:{{{tenant}}}:leases"
     for _ in range(100):
@@ -202,15 +194,7 @@ async def test_leases_a_round_settled_before_a_store_error_are_counted(
     admin = RedisStore.from_url(redis_server.url)
     await admin.load_scripts()
     for run in ("r1", "r2"):
-        reserved = await admin.reserve(
-            tenant="team-a",
-            reservation_id=f"lease-{run}",
-            run_id=run,
-            scopes=[Scope(name="run", key=f"lbp:{{team-a}}:run:{run}")],
-            amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-            lease_ms=1,
-            record=f'{{"run_id": "{run}"}}',
-        )
+        reserved = await run_lease(admin, "team-a", f"lease-{run}", run)
         assert isinstance(reserved, Reservation)
         await asyncio.sleep(0.01)  # lease-r1 runs out first: the round reaps it first
     await admin.close()
@@ -264,6 +248,21 @@ class ScriptsInFlight(RedisStore):
             return await super()._script(name, *args, **kwargs)
         finally:
             self.running[name] -= 1
+
+
+async def run_lease(store: RedisStore, tenant: str, rid: str, run: str, lease_ms: int = 1) -> Reservation:
+    """A call of ``tenant``'s run ``run`` reserved (12 tokens) under a lease of ``lease_ms``."""
+    reserved = await store.reserve(
+        tenant=tenant,
+        reservation_id=rid,
+        run_id=run,
+        scopes=[Scope(name="run", key=f"lbp:{{{tenant}}}:run:{run}")],
+        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+        lease_ms=lease_ms,
+        record=f'{{"run_id": "{run}"}}',
+    )
+    assert isinstance(reserved, Reservation)
+    return reserved
 
 
 async def expired_reservations(
@@ -399,15 +398,7 @@ async def test_a_reapers_try_sent_again_gets_its_entry_and_no_other_settle_does(
     store = RedisStore.from_url(redis_server.url)
     await store.load_scripts()
     try:
-        reserved = await store.reserve(
-            tenant="team-a",
-            reservation_id="tried",
-            run_id="r",
-            scopes=[Scope(name="run", key="lbp:{team-a}:run:r")],
-            amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-            lease_ms=1,
-            record='{"run_id": "r"}',
-        )
+        reserved = await run_lease(store, "team-a", "tried", "r")
         assert isinstance(reserved, Reservation)
 
         async def settle(**how: Any) -> str | None:
@@ -513,15 +504,7 @@ async def test_a_round_reads_the_tenants_that_may_hold_a_lease_and_reaps_a_dead_
     reaper: asyncio.Task[None] | None = None
     try:
         await store.register_tenants([*junk, "crashed", "live"])
-        reserved = await store.reserve(
-            tenant="crashed",
-            reservation_id="in-flight",
-            run_id="r",
-            scopes=[Scope(name="run", key="lbp:{crashed}:run:r")],
-            amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-            lease_ms=600_000,
-            record='{"run_id": "r"}',
-        )
+        reserved = await run_lease(store, "crashed", "in-flight", "r", lease_ms=600_000)
         assert isinstance(reserved, Reservation)
         for tenant in [*junk, "crashed"]:  # registered two leases ago, by the registry's clock
             await redis_client.zadd(TENANTS_KEY, {tenant: 1}, xx=True)
@@ -552,15 +535,7 @@ async def test_the_registry_as_written_before_is_moved_in_and_its_tenants_reaped
     are moved into the registry, registered from then on, dropped as any other."""
     store = RedisStore.from_url(redis_server.url)
     await store.load_scripts()
-    await store.reserve(
-        tenant="team-old",
-        reservation_id="dead-instance",
-        run_id="r",
-        scopes=[Scope(name="run", key="lbp:{team-old}:run:r")],
-        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
-        lease_ms=1,
-        record='{"run_id": "r"}',
-    )
+    await run_lease(store, "team-old", "dead-instance", "r")
     await redis_client.delete(TENANTS_KEY)
     await redis_client.sadd(OLD_TENANTS_KEY, "team-old", "pt-idle")
     reaper = asyncio.create_task(run_reaper(store, 0.05, lambda entry: None))

@@ -33,7 +33,7 @@ def test_a_command_in_parts_packs_byte_for_byte_as_in_one() -> None:
     flat = (*head, "k2", b"\x00raw", "ünï", -1, 0, 2**62, "", 7)
     assert encode(head, parts) == hiredis.pack_command(flat)
     assert encode(head) == hiredis.pack_command(head)
-    assert pack("a", 1).count == 2 and pack().count == 0
+    assert pack("a", 1).args == ("a", 1) and pack().resp == b""
 
 
 async def test_a_command_in_parts_arrives_as_sent(redis_server: RedisServerProcess) -> None:
