@@ -44,6 +44,10 @@ class BodyReader:
 
     __slots__ = ("_content", "read", "read_nowait")
 
+    def at_eof(self) -> bool:
+        """The body's end came and every byte of it was read."""
+        return self._content.at_eof()
+
     def __init__(self, content: StreamReader, *, fast: bool = FAST) -> None:
         self._content = content
         # Only aiohttp's own reader: the body of a 204 (EMPTY_PAYLOAD, a subclass) has none of

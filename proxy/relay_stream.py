@@ -145,7 +145,7 @@ async def relay_stream(
                 # the answer's end (nor the client's next call on that connection) for longer.
                 end_sent = _end_sent(ex, client_gone)
                 waited = monotonic()
-                await _drain(next_piece, DONE_DRAIN_S)
+                await _drain(body, DONE_DRAIN_S)
                 waited_s += monotonic() - waited  # the upstream's time, not the proxy's
                 break
     # Past the answer's end ([DONE], response.completed, message_stop) a silence or a broken
@@ -274,11 +274,17 @@ def _observe_usage_of_json(ex: Exchange, held: bytes) -> None:
         obs.hidden_output = obs.hidden_output or scratch.hidden_output
 
 
-async def _drain(next_piece: Callable[[], Awaitable[bytes]], within_s: float) -> None:
+async def _drain(body: BodyReader, within_s: float) -> None:
     """Read the upstream's body to its end, its bytes dropped, for at most ``within_s``."""
     try:
+        while body.read_nowait():
+            pass
+        # Nearly every stream: its last chunk came with the answer's end, and a timeout (a timer
+        # armed and cancelled, some 4 us) would guard a wait that never happens.
+        if body.at_eof():
+            return
         async with asyncio.timeout(within_s):
-            while await next_piece():
+            while await body.read():
                 pass
     except (TimeoutError, *UPSTREAM_BROKEN):
         pass  # ended, slow (closed, not reused) or broken: the answer was whole all the same

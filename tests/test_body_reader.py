@@ -187,3 +187,18 @@ async def test_the_body_of_a_204_is_read_as_empty(fast: bool) -> None:
     reader = BodyReader(aiohttp.EMPTY_PAYLOAD, fast=fast)
     assert reader.read_nowait() == b""
     assert await reader.read() == b""
+    assert reader.at_eof()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "readany"])
+async def test_at_eof_once_the_end_came_and_every_byte_was_read(
+    aiohttp_server: Callable[..., object], session: aiohttp.ClientSession, fast: bool
+) -> None:
+    # The stream relay skips its drain's timer when the body's end came with the answer's.
+    server = await serve(aiohttp_server, chunked(events(3)))
+    async with session.get(server.make_url("/")) as response:
+        reader = BodyReader(response.content, fast=fast)
+        await asyncio.sleep(0.05)  # the whole body, its end with it, buffered
+        assert not reader.at_eof()  # bytes still buffered
+        assert reader.read_nowait() == b"".join(events(3))
+        assert reader.at_eof()
