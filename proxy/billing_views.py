@@ -43,7 +43,10 @@ async def run_meters(request: web.Request) -> web.Response:
     state, identity, store = _caller(request)
     run_id = _run_id(request)
     meters = await store.meters(run_key(identity.tenant, run_id))
-    if all(m.used == 0 and m.reserved == 0 for m in meters.values()):
+    # A run the store keeps any figure of exists: what it used or holds, its peak (written by
+    # every reserve: the run's scope always holds its calls) or what it refused (a run refused
+    # from its first call is a run: its 429 named it).
+    if not any(m.used or m.reserved or m.refused for m in meters.values()):
         raise NotFound(f"No run '{run_id}' for this tenant.")
     tier = state.config.tiers.get(identity.tier)
     out = _meter_view(meters, tier.run.meters if tier else {})
@@ -68,14 +71,19 @@ def _meter_view(
     out: dict[str, Any] = {}
     for meter in ALL_METERS:
         state_ = meters[meter]
-        out[meter] = {"used": state_.used, "reserved": state_.reserved, "ceiling": ceilings.get(meter)}
+        out[meter] = {
+            "used": state_.used,
+            "reserved": state_.reserved,
+            "ceiling": ceilings.get(meter),
+            "refused": state_.refused,  # calls this scope refused on the meter (0: none)
+        }
     # Kept where calls hold their reserve (Scope.holds); elsewhere nobody counted it.
     out["concurrent"]["peak"] = meters["peak_concurrent"].used if peak_kept else None
     return out
 
 
 async def key_self(request: web.Request) -> web.Response:
-    """The caller's key and tenant windows: used / reserved / ceiling per meter."""
+    """The caller's key and tenant windows: used / reserved / ceiling / refused per meter."""
     state, identity, store = _caller(request)
     tier = state.config.tiers.get(identity.tier)
     windows = []

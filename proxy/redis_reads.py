@@ -19,7 +19,9 @@ def _meter_states(raw: Mapping[str, Any], unheld: Mapping[str, int]) -> dict[str
     out = {}
     for meter in ALL_METERS:
         reserved = int(raw.get(f"resv:{meter}", 0)) + unheld.get(meter, 0)
-        out[meter] = MeterState(int(raw.get(f"used:{meter}", 0)), reserved)
+        out[meter] = MeterState(
+            int(raw.get(f"used:{meter}", 0)), reserved, int(raw.get(f"refused:{meter}", 0))
+        )
     out["peak_concurrent"] = MeterState(int(raw.get("peak:concurrent", 0)), 0)
     return out
 

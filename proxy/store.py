@@ -149,6 +149,7 @@ class ExpiredLease:
 class MeterState:
     used: int
     reserved: int
+    refused: int = 0  # the calls this scope refused on the meter (reserve.lua's refused:<meter>)
 
 
 # The one maxmemory-policy under which a full Redis drops no key (it refuses writes: an OOM

@@ -1,4 +1,5 @@
-"""The billing views (GET /v1/billing/...): a run's ledger written a page at a time."""
+"""The billing views (GET /v1/billing/...): a run's meters with the refusals the store counts; a
+run's ledger written a page at a time."""
 
 from __future__ import annotations
 
@@ -9,12 +10,70 @@ import tracemalloc
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import redis.asyncio as aioredis
 
 from proxy.redis_server import RedisServerProcess
-from tests.conftest import KEY_A, Proxy, ProxyFactory, refused_port
+from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, refused_port
+from tests.fake_upstream import FakeUpstream
 from tests.test_cli import LEDGER_ENTRY
+from tests.test_metrics import ADMIN, scrape, total
+
+MSGS: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+async def _run_view(url: str, run: str) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{url}/v1/billing/runs/{run}", headers={"Authorization": f"Bearer {KEY_A}"}) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+async def test_a_run_refused_from_its_first_call_is_a_run_not_no_such_run(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """reserve.lua writes the run's key with the refusal it counts; the view found a run by what
+    it used or held only, and answered "No run 'R' for this tenant." (404) right after a 429 that
+    named scope 'run'."""
+    proxy = await make_proxy(tiers={"standard": {"run": {"total_tokens": 10}}})
+    with pytest.raises(openai.RateLimitError) as refused:
+        await proxy.client().chat.completions.create(
+            model="gpt-4o-mini", messages=MSGS, extra_headers={"X-Run-Id": "R"}
+        )
+    assert refused.value.response.headers["x-billing-refused-scope"] == "run"
+    assert await redis_client.hgetall("lbp:{team-a}:run:R") == {"refused:total_tokens": "1"}
+    status, body = await _run_view(proxy.url, "R")
+    assert status == 200, body
+    assert body["meters"]["total_tokens"] == {"used": 0, "reserved": 0, "ceiling": 10, "refused": 1}
+    assert body["meters"]["requests"]["refused"] == 0
+
+
+async def test_the_run_view_reports_the_refusals_the_store_and_metrics_count(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Every refusal is counted in the refusing scope's hash (``refused:<meter>``) and in
+    ``llm_proxy_budget_refusals_total``; the run view showed used / reserved / ceiling only."""
+    proxy = await make_proxy(
+        tiers={"standard": {"run": {"requests": 1}}},
+        admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}],
+    )
+    client = proxy.client()
+    await client.chat.completions.create(model="gpt-4o-mini", messages=MSGS, extra_headers={"X-Run-Id": "T"})
+    for _ in range(3):
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(
+                model="gpt-4o-mini", messages=MSGS, extra_headers={"X-Run-Id": "T"}
+            )
+    await proxy.recorded()
+    stored = await redis_client.hget("lbp:{team-a}:run:T", "refused:requests")
+    metric = total(await scrape(proxy), "llm_proxy_budget_refusals_total", scope="run", meter="requests")
+    assert stored == "3" and metric == 3
+    status, body = await _run_view(proxy.url, "T")
+    assert status == 200
+    assert body["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": 1, "refused": 3}
+    assert all(view["refused"] == 0 for meter, view in body["meters"].items() if meter != "requests")
 
 
 async def _long_run(client: aioredis.Redis, run: str, entries: int) -> None:

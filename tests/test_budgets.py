@@ -105,7 +105,7 @@ async def test_requests_ceiling_and_refund_of_unused_reserve(
         await call(proxy, "r2")
     assert len(fake.bill) == 2
     state = (await meters(proxy, "r2"))["meters"]
-    assert state["requests"] == {"used": 2, "reserved": 0, "ceiling": 2}
+    assert state["requests"] == {"used": 2, "reserved": 0, "ceiling": 2, "refused": 1}
     # The reserve was 9 + 10 per call; the real figures replaced it.
     assert state["input_tokens"]["used"] == 2 * FAKE_PROMPT
     assert state["output_tokens"]["used"] == 2 * 8
@@ -147,7 +147,7 @@ async def test_cost_prices_cached_and_reasoning_tokens(make_proxy: ProxyFactory,
     # in micro-units: 7 + 1.5 + 6 + 15 = 29.5, rounded up once.
     assert response.headers["x-billing-cost-micros"] == "30"
     state = (await meters(proxy, "cost"))["meters"]
-    assert state["cost_micros"] == {"used": 30, "reserved": 0, "ceiling": 1_000_000}
+    assert state["cost_micros"] == {"used": 30, "reserved": 0, "ceiling": 1_000_000, "refused": 0}
 
 
 async def test_model_without_price_is_refused_when_the_tier_limits_cost(
@@ -244,9 +244,20 @@ async def test_key_window_refusal_has_retry_after(make_proxy: ProxyFactory, fake
     windows = {w["scope"]: w for w in body["windows"]}
     assert list(windows) == ["key", "key:minute", "key:day", "key:month", "tenant:day", "tenant:month"]
     assert windows["key"]["meters"]["requests"]["used"] == 1
-    assert windows["key:minute"]["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": 1}
-    # Day and month are counted, limited or not: reported without a ceiling.
-    assert windows["key:day"]["meters"]["requests"] == {"used": 1, "reserved": 0, "ceiling": None}
+    assert windows["key:minute"]["meters"]["requests"] == {
+        "used": 1,
+        "reserved": 0,
+        "ceiling": 1,
+        "refused": 1,
+    }
+    # Day and month are counted, limited or not: reported without a ceiling; the refusal is the
+    # minute's, the window that refused the call, not theirs.
+    assert windows["key:day"]["meters"]["requests"] == {
+        "used": 1,
+        "reserved": 0,
+        "ceiling": None,
+        "refused": 0,
+    }
 
 
 async def _in_flight(proxy: Proxy, fake: FakeUpstream, key: str = KEY_A) -> asyncio.Task[Any]:
@@ -298,7 +309,12 @@ async def test_a_call_in_flight_shows_in_every_window_a_ceiling_names_or_not(
     during = await _key_view(proxy)
     assert list(during) == ["key", "key:day", "key:month", "tenant:day", "tenant:month"]
     for name, view in during.items():
-        assert view["requests"] == {"used": 0, "reserved": 1, "ceiling": 5 if name == "key:day" else None}
+        assert view["requests"] == {
+            "used": 0,
+            "reserved": 1,
+            "ceiling": 5 if name == "key:day" else None,
+            "refused": 0,
+        }
         assert view["total_tokens"]["reserved"] == INPUT_RESERVE + 10, name
         assert view["concurrent"]["reserved"] == 1, name
         # A peak is kept where the reserve is held; a window that holds nothing has none.
@@ -388,7 +404,7 @@ async def test_a_tenant_window_named_without_a_ceiling_counts_every_key_and_hold
         session.get(f"{proxy.url}/v1/billing/keys/self", headers={"Authorization": "Bearer sk-a1"}) as r,
     ):
         windows = {w["scope"]: w["meters"] for w in (await r.json())["windows"]}
-    assert windows["tenant:hour"]["requests"] == {"used": 2, "reserved": 0, "ceiling": None}
+    assert windows["tenant:hour"]["requests"] == {"used": 2, "reserved": 0, "ceiling": None, "refused": 0}
     hour_keys = [key async for key in redis_client.scan_iter("lbp:{team-a}:tenant:hour:*")]
     assert len(hour_keys) == 1 and not await redis_client.hexists(hour_keys[0], "born")  # never held
 

@@ -223,7 +223,7 @@ def test_a_replayed_or_reaped_entry_is_counted_as_the_call_itself_would_be() -> 
 async def test_a_run_whose_only_call_is_in_flight_shows_its_reserve(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
-    """A run is found by what it used or holds: its first call, still running, is a run with a
+    """A run is found by what it used, holds or refused: its first call, still running, is a run with a
     reserve (a 404 would tell an agent its run does not exist while it is being billed). Once
     settled, the summary is the used figures against the ceilings."""
     proxy = await make_proxy(models=PRICED_MODELS, tiers={"standard": {"run": {"requests": 5}}})
@@ -238,8 +238,8 @@ async def test_a_run_whose_only_call_is_in_flight_shows_its_reserve(
     )
     await until_upstream_received(fake, 1)
     view = (await meters(proxy, "held-run-1"))["meters"]
-    assert view["requests"] == {"used": 0, "reserved": 1, "ceiling": 5}
-    assert view["concurrent"] == {"used": 0, "reserved": 1, "ceiling": None, "peak": 1}
+    assert view["requests"] == {"used": 0, "reserved": 1, "ceiling": 5, "refused": 0}
+    assert view["concurrent"] == {"used": 0, "reserved": 1, "ceiling": None, "refused": 0, "peak": 1}
     assert view["output_tokens"]["reserved"] == 10
     fake.release()
     await call
