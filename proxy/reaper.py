@@ -23,6 +23,18 @@ log = logging.getLogger("proxy.reaper")
 BATCH = 100
 
 
+def marker_ttl_s(lease: ExpiredLease) -> int:
+    """The settled marker's life the serving instance counted on (its record's; 0 when an older
+    version's record says none): a journaled settle of the call may come up to 90% of it after
+    the lease was confirmed, and must then find the reaper's marker."""
+    try:
+        record = json.loads(lease.record)
+    except ValueError:
+        return 0
+    ttl_s = record.get("marker_ttl_s", 0) if isinstance(record, dict) else 0
+    return ttl_s if isinstance(ttl_s, int) and not isinstance(ttl_s, bool) and ttl_s > 0 else 0
+
+
 def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], str, int]:
     """Actual figures, ledger entry, run id and the run's TTL (0: none) for a lease settled at
     its reserve."""
@@ -160,6 +172,7 @@ async def reap_tenant(
             "entry": entry,
             "scope_ttls_s": lease.scope_ttls_s,  # a scope key written anew still expires
             "runlog_ttl_s": run_ttl_s,
+            "marker_ttl_s": marker_ttl_s(lease),  # the store keeps its own when that is longer
         }
         try:
             await settle(lease.id, UnsureSettle(f"r{os.urandom(12).hex()}", arguments, entry))

@@ -342,6 +342,7 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         own: bool = False,
         on_sent: Callable[[], None] | None = None,
         reaper_try: str | None = None,
+        marker_ttl_s: int = 0,
     ) -> str | None:
         prefix = key_prefix(tenant)
         keys = [
@@ -357,7 +358,7 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
             *(actual.get(m, 0) for m in ACTUAL_METERS),
             orjson.dumps(entry),
             1 if bill_if_lost else 0,
-            self._settled_marker_ttl_s,
+            max(self._settled_marker_ttl_s, marker_ttl_s),
             runlog_ttl_s,
             _run_scope(prefix, run_id, scope_keys),
             # The call's own settle (not a reaper's): sent again (the cluster client retries a

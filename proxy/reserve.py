@@ -186,6 +186,10 @@ async def reserve(
         "time_ms": call.started_wall_ms,
         "service_tier": call.service_tier,
         "run_ttl_s": run_ttl_s,  # for a reaper's settle: how long the run's ledger index stays
+        # The marker life this instance's window to bill a lost reservation counts on (its
+        # settle, journaled, may come that long after): a reaper of an instance set shorter
+        # leaves its marker at least this long, or the late settle bills the call again.
+        "marker_ttl_s": config.limits.settled_marker_ttl_s,
     }
     if call.estimate.tool_calls:  # the reserve's cost holds their fees: a reaper's entry names them
         kept["tool_calls"] = tool_calls_field(

@@ -236,13 +236,16 @@ class Store(Protocol):
         own: bool = False,
         on_sent: Callable[[], None] | None = None,
         reaper_try: str | None = None,
+        marker_ttl_s: int = 0,
     ) -> str | None:
         """The ledger entry's id, None when settled before. ``on_sent``: called once the settle
         is on its way, ahead of any later command on the connection the reserve and settle
         scripts share (a store that cannot tell never calls it: a Cluster, TLS, a connection
         that has not run the script yet). ``reaper_try``: a reaper's token for this try (``r``
         and hex digits); the same try sent again after its reply was lost gets its entry, as the
-        call's own settle does (``own``), where any other settle finds it settled before."""
+        call's own settle does (``own``), where any other settle finds it settled before.
+        ``marker_ttl_s``: the settled marker lives at least this long (a reaper's settle: what
+        the instance that served the call counted on), and at least the store's own setting."""
         ...
 
     async def renew(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -25,6 +26,7 @@ from tests.conftest import (
     busy_script,
     until_monotonic,
     until_redis_busy,
+    until_upstream_received,
     upstream_timing_out,
 )
 from tests.fake_upstream import FakeUpstream
@@ -562,3 +564,61 @@ async def test_the_registry_as_written_before_is_moved_in_and_its_tenants_reaped
     assert all(until_ms > now_ms + 600_000 for until_ms in registry.values()), (registry, now_ms)
     outcomes = [fields["outcome"] for _, fields in await redis_client.xrange("lbp:{team-old}:ledger")]
     assert outcomes == ["lease_expired"]
+
+
+async def test_a_call_s_record_names_the_marker_life_its_instance_counts_on(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(limits={"settled_marker_ttl_s": 7200})
+    body = {"model": MODEL, "messages": MSGS, "fake": {"hold": True}}
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.ensure_future(
+            session.post(
+                proxy.url + "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {KEY_A}", **run_headers("marked")},
+            )
+        )
+        await until_upstream_received(fake, 1)
+        [key] = await redis_client.keys("lbp:{team-a}:resv:*")
+        record = json.loads(await redis_client.hget(key, "record"))
+        fake.release()
+        async with await call as resp:
+            assert resp.status == 200
+    assert record["marker_ttl_s"] == 7200
+
+
+async def test_a_reaper_set_shorter_leaves_its_marker_as_long_as_the_serving_instance_counts_on(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """Instances sharing a Redis with settled_marker_ttl_s differing (a rolling restart lowering
+    it): the one serving a call journals its settle, billable if the reservation is lost for up
+    to 90% of its own marker life; another's reaper bills the call meanwhile. Its marker, kept
+    for the reaper's shorter setting, expired before the journal's replay, which then found
+    neither record nor marker and billed the call a second time (the races hunt)."""
+    serving = RedisStore.from_url(redis_server.url, settled_marker_ttl_s=3600)
+    reaping = RedisStore.from_url(redis_server.url, settled_marker_ttl_s=60)
+    try:
+        for rid, named_s in (("named", 3600), ("older", None), ("shorter", 30)):
+            record = {"run_id": rid} if named_s is None else {"run_id": rid, "marker_ttl_s": named_s}
+            held = await serving.reserve(
+                tenant="team-a",
+                reservation_id=rid,
+                run_id=rid,
+                scopes=[Scope(name="run", key=f"lbp:{{team-a}}:run:{rid}")],
+                amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+                lease_ms=1,
+                record=json.dumps(record),
+            )
+            assert isinstance(held, Reservation)
+        await asyncio.sleep(0.05)
+        reaped = await reap_tenant(reaping, "team-a")
+        assert sorted(e["reservation_id"] for e in reaped) == ["named", "older", "shorter"]
+        ttls = {
+            rid: await redis_client.ttl(f"lbp:{{team-a}}:resv:{rid}") for rid in ("named", "older", "shorter")
+        }
+        assert 3500 < ttls["named"] <= 3600, ttls  # the serving instance's, past the reaper's 60 s
+        assert 0 < ttls["older"] <= 60 and 0 < ttls["shorter"] <= 60, ttls  # the reaper's own
+    finally:
+        await serving.close()
+        await reaping.close()
