@@ -92,7 +92,8 @@ class Call:
     long_context_above: int | None = None
     long_tier_rates: Mapping[str, dict[str, int]] = field(default_factory=dict)
     # Reserved at the long-context prices (its input estimate past the threshold): the prices it
-    # is reserved at within it, the dearest of the same tiers (None: not reserved at them).
+    # is reserved at within it, the dearest of the same tiers (None: not reserved at them). A
+    # quick bound's exact count within it puts them in ``reserve_rates`` (``refine.take_count``).
     reserve_rates_short: dict[str, int] | None = None
     # The model's prices of hosted tools per 1,000 calls, in micro-units (``ModelConfig.tool_rates``;
     # empty: none priced, nearly every model). The calls reserved are the estimate's.

@@ -206,6 +206,7 @@ def plan_call(
     long_above = model_config.long_context.above_input_tokens if model_config.long_context else None
     # Past the threshold by its estimate, at the long-context prices (an input estimated below it
     # that passes it is billed at them all the same: overshoot, as any input past its estimate).
+    # A quick estimate's byte bound chooses them until its exact count does (``refine.take_count``).
     priced = long_tiers if long_above is not None and est.input_tokens > long_above else tiers
     reserve_rates = rates
     if rates is not None and (priced is long_tiers or len(reserved_tiers) > 1):

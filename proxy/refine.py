@@ -26,11 +26,24 @@ log = logging.getLogger("proxy.refine")
 Counter = Callable[[Call], Awaitable[Estimate]]
 
 
+def take_count(call: Call, exact: Estimate) -> None:
+    """The exact count of a quick estimate's input in place of its bound, and the prices the call
+    is reserved at chosen again by it: a bound past the long-context threshold chose those
+    prices (``plan``), and an exact count within it is reserved, and billed at its reserve, at
+    the model's own, as the same request is whose count was remembered. A count is never above
+    its bound: it never passes a threshold the bound did not."""
+    call.estimate = exact
+    above = call.long_context_above
+    if call.reserve_rates_short is not None and above is not None and exact.input_tokens <= above:
+        call.reserve_rates = call.reserve_rates_short
+        call.reserve_rates_short = None
+
+
 async def count_first(call: Call, count: Counter) -> bool:
     """Count a quick estimate before its reserve; should that fail (False), the bound (still an
     upper bound) is reserved as final."""
     try:
-        call.estimate = await count(call)
+        take_count(call, await count(call))
     except Exception as err:
         log.warning("could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)})
         call.estimate = replace(call.estimate, uncounted=())
@@ -55,9 +68,10 @@ async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> 
     # What Redis holds, not the estimate: a settle billing at the reserve, or a stream keeping
     # its context, may have counted the estimate meanwhile.
     before = dict(reservation.amounts)
+    # Billed at its reserve (no usage came back), the call is billed at the exact count, at the
+    # prices it chooses; a reaper bills the reserve as lowered to them.
+    take_count(call, exact)
     after = reserve_amounts(exact, call.rates_reserved)
-    # Billed at its reserve (no usage came back), the call is billed at the exact count.
-    call.estimate = exact
     if after == before:
         return
     shrinking = asyncio.ensure_future(

@@ -45,6 +45,7 @@ from proxy.outcome import (
     reserve_usage,
 )
 from proxy.record import record_call
+from proxy.refine import take_count
 from proxy.relay_body import relay_body, relay_upstream_error
 from proxy.relay_stream import relay_stream
 from proxy.settle import MARKER_TRUST, Settlement, billing_headers, settle
@@ -316,8 +317,9 @@ class Exchange:
             return
         try:
             est = self.call.estimate
-            self.call.estimate = await asyncio.to_thread(
-                counted, est, self.services.tokenizer, self.call.encoding
+            # At the prices the count chooses (``refine.take_count``), as the settle bills it.
+            take_count(
+                self.call, await asyncio.to_thread(counted, est, self.services.tokenizer, self.call.encoding)
             )
         except Exception as err:  # the quick bound is an upper bound: billed at it
             self.services.metrics.quick_estimates.labels("failed").inc()

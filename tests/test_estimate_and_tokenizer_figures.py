@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +30,7 @@ from proxy.payload import (
     ResponsesBody,
 )
 from proxy.plan import tools_input_tokens
-from proxy.pricing import reserve_amounts
+from proxy.pricing import INPUT_RATES, OUTPUT_RATES, reserve_amounts
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.refine import count_first, refine
@@ -506,20 +506,52 @@ def quick_chat() -> Estimate:
     return est
 
 
-async def reserved_call(store: RedisStore, est: Estimate) -> Any:
-    """What ``refine`` reads of a call, its reserve made in Redis (a call's other fields unread)."""
+async def reserved_call(
+    store: RedisStore,
+    est: Estimate,
+    rates: dict[str, int] | None = None,
+    *,
+    short: dict[str, int] | None = None,
+    above: int | None = None,
+) -> Any:
+    """What ``refine`` reads of a call, its reserve made in Redis (a call's other fields unread):
+    reserved at ``rates``; at the long-context prices past ``above``, ``short`` within it."""
     scopes = scopes_for(IDENTITY, "run1", RUN_TIER, datetime.now(UTC), run_ttl_s=0)
     reservation = await store.reserve(
         tenant="team-a",
         reservation_id="r1",
         run_id="run1",
         scopes=scopes,
-        amounts=reserve_amounts(est, None),
+        amounts=reserve_amounts(est, rates),
         lease_ms=60_000,
         record="{}",
     )
     assert isinstance(reservation, Reservation)
-    return SimpleNamespace(request_id="r1", reservation=reservation, rates_reserved=None, estimate=est)
+    return RefinedCall("r1", reservation, est, rates, short, above)
+
+
+def per_token(input_micros: int, output_micros: int) -> dict[str, int]:
+    """Rates (micro-units per million tokens) of every input kind and every output kind."""
+    return {
+        **dict.fromkeys(INPUT_RATES, input_micros * 1_000_000),
+        **dict.fromkeys(OUTPUT_RATES, output_micros * 1_000_000),
+    }
+
+
+@dataclass
+class RefinedCall:
+    """What ``refine`` reads and writes of a call."""
+
+    request_id: str
+    reservation: Reservation
+    estimate: Estimate
+    reserve_rates: dict[str, int] | None = None
+    reserve_rates_short: dict[str, int] | None = None
+    long_context_above: int | None = None
+
+    @property
+    def rates_reserved(self) -> dict[str, int] | None:
+        return self.reserve_rates
 
 
 def metric(metrics: Metrics, result: str) -> int:
@@ -538,6 +570,31 @@ async def test_a_refined_call_keeps_the_exact_count_to_be_billed_at(one_store: R
     assert call.estimate.input_exact and call.estimate.input_tokens == QUICK_BOUND_CHARS // 4 + 4 + 3
     assert call.reservation.amounts["input_tokens"] == call.estimate.input_tokens
     assert metric(metrics, "lowered") == 1
+
+
+async def test_a_bound_past_the_long_context_threshold_counted_within_it_is_lowered_to_the_models_prices(
+    one_store: RedisStore,
+) -> None:
+    """Reserved at the long-context prices by its bound, the call's count within the threshold
+    lowers the reserve in Redis (what a reaper bills) to the model's own prices, and the call is
+    billed at its reserve at them. Was: the exact count at the long-context prices."""
+    quick = quick_chat()
+    # Per million tokens: 1 and 10 micro-units a token within the threshold, 2 and 15 past it.
+    short, long = per_token(1, 10), per_token(2, 15)
+    exact = counted(quick, Tokenizer({ENC: QuarterEncoding()}), ENC)
+    above = quick.input_tokens - 1  # the bound passes it; its count does not
+    assert exact.input_tokens <= above
+    call = await reserved_call(one_store, quick, long, short=short, above=above)
+
+    async def count(_call: Any) -> Estimate:
+        return exact
+
+    await refine(one_store, call, count, Metrics(CollectorRegistry()))
+    assert call.rates_reserved == short
+    held = call.reservation.amounts
+    assert held["cost_micros"] == exact.input_tokens * 1 + exact.output_tokens * 10
+    record = await one_store.client.hget("lbp:{team-a}:resv:r1", "amounts")
+    assert record is not None and int(record.split()[4]) == held["cost_micros"]
 
 
 async def test_a_count_equal_to_the_bound_neither_shrinks_nor_counts_as_lowered(

@@ -5,14 +5,17 @@ call, input and output, at them, as Gemini's Pro models and OpenAI's price lists
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.tokenizer import Tokenizer
 from tests.conftest import ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream
 from tests.test_config import UP, error_of
+from tests.test_estimate import QuarterEncoding
 from tests.test_pricing_kinds import _chat_answer, _claude_message, _entry, _post
 from tests.test_stream_dialects import ev
 from tests.test_tool_fees import SEARCH_MICROS, WEB_SEARCH
@@ -250,3 +253,143 @@ async def test_an_input_told_before_a_server_tool_ran_keeps_the_long_context_pri
     assert entry["usage_source"] == "reserve", entry
     assert entry.get("tool_calls") == "web_search=1", entry
     assert int(entry["cost_micros"]) == 5 * 6 + 100 * 22.5 + SEARCH_MICROS, entry
+
+
+# 20,000 characters of new text: a quick (byte) bound of 20,000 tokens, past a threshold of
+# 10,000; its exact count (QuarterEncoding: a token per 4 bytes) about 5,000, well within it.
+COUNTED_ABOVE = 10_000
+COUNTED_TEXT = "abcd" * 5_000
+
+
+def _counted_model(long_context: bool) -> dict[str, Any]:
+    long = {"above_input_tokens": COUNTED_ABOVE, "price_per_million": {"input": "2", "output": "15"}}
+    extra = {"long_context": long} if long_context else {}
+    return {
+        "upstream": "openai",
+        "encoding": "o200k_base",
+        "price_per_million": {"input": "1", "output": "10"},
+        **extra,
+    }
+
+
+async def test_a_byte_bound_past_the_threshold_does_not_price_the_exact_count_at_long_context_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """A quick estimate's bound that does not fit is counted exactly, "so a budget refuses or
+    clamps only on the exact count"; long-context prices apply when the input estimate passes
+    the threshold. Was: the exact count (~5,000), far within it, priced at the long-context
+    prices the byte bound (20,000) chose."""
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": QuarterEncoding()}),
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"m-flat": _counted_model(False), "m-long": _counted_model(True)},
+        tiers={"standard": {"run": {"cost_usd": "0.000001"}}},
+    )
+    needs = {}
+    # m-long first: its count is then remembered, and m-flat's estimate of the same text exact.
+    for name in ("m-long", "m-flat"):
+        request = {"model": name, "messages": [{"role": "user", "content": COUNTED_TEXT}], "max_tokens": 100}
+        status, raw = await _post(proxy.url, "/v1/chat/completions", request, f"need-{name}")
+        assert status == 429, raw
+        needs[name] = int(json.loads(raw)["error"]["message"].rsplit(" ", 1)[1].rstrip("."))
+    assert needs["m-flat"] - 100 * 10 < COUNTED_ABOVE  # the exact count is within the threshold
+    assert needs["m-long"] == needs["m-flat"], needs  # was 2 * input + 15 * output
+    assert script.received == []
+
+
+async def test_a_byte_bound_past_the_threshold_does_not_bill_a_reserve_billed_call_at_long_context_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A stream cut before any usage is billed at its reserve, at the exact count: within the
+    threshold (~5,000 input tokens), at the model's own prices. Was: at the long-context prices
+    the byte bound (20,000) chose, never chosen again once counted."""
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": QuarterEncoding()}),
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"m-long": _counted_model(True)},
+    )
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m-long",
+        "choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": None}],
+    }
+    script.plan = Plan(
+        content_type="text/event-stream", chunks=[b"data: " + json.dumps(chunk).encode() + b"\n\n"]
+    )
+    request = {
+        "model": "m-long",
+        "stream": True,
+        "messages": [{"role": "user", "content": COUNTED_TEXT}],
+        "max_tokens": 100,
+    }
+    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "cut")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] == "reserve", entry
+    billed_in, billed_out = int(entry["input_tokens"]), int(entry["output_tokens"])
+    assert billed_in < COUNTED_ABOVE, entry  # billed at the exact count, within the threshold
+    assert int(entry["cost_micros"]) == billed_in * 1 + billed_out * 10, entry
+
+
+class FirstCountHeld:
+    """QuarterEncoding's count, the first long text's (the background refinement's) held until
+    ``gate`` is set: a later count (the settle's own) comes first."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self._lock = threading.Lock()
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        if len(text) >= 1_024:
+            with self._lock:
+                first = not self.entered.is_set()
+                self.entered.set()
+            if first:
+                assert self.gate.wait(10), "the count was never released"
+        return [0] * -(-len(text.encode()) // 4)
+
+
+async def test_a_reserve_billed_call_counted_at_its_settle_is_billed_at_the_prices_its_count_chooses(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The background count has not landed when the stream is cut: the settle counts the input
+    itself, and bills that count at the prices it chooses (the model's own, within the
+    threshold), not at the long-context prices the byte bound chose."""
+    enc = FirstCountHeld()
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"m-long": _counted_model(True)},
+    )
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m-long",
+        "choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": None}],
+    }
+    script.plan = Plan(
+        content_type="text/event-stream",
+        chunks=[b"data: " + json.dumps(chunk).encode() + b"\n\n"],
+        delay_s=0.2,  # the refinement's count begins (and is held) first
+    )
+    request = {
+        "model": "m-long",
+        "stream": True,
+        "messages": [{"role": "user", "content": COUNTED_TEXT}],
+        "max_tokens": 100,
+    }
+    try:
+        status, _ = await _post(proxy.url, "/v1/chat/completions", request, "cut-counted-at-settle")
+    finally:
+        enc.gate.set()
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["usage_source"] == "reserve", entry
+    assert int(entry["reserved_input_tokens"]) > COUNTED_ABOVE, entry  # the bound, never lowered
+    billed_in, billed_out = int(entry["input_tokens"]), int(entry["output_tokens"])
+    assert billed_in < COUNTED_ABOVE, entry
+    assert int(entry["cost_micros"]) == billed_in * 1 + billed_out * 10, entry
