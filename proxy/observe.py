@@ -286,6 +286,10 @@ class Observation:
     # Responses ``*_call`` item as it starts), by tool: billed where no final usage told them (a
     # stream cut under cancel, an answer without usage, ``tool_calls_told``). None until one is seen.
     tool_uses: dict[str, int] | None = None
+    # A Responses stream's web search calls by output index, and whether each is in
+    # ``tool_uses``: counted as it begins (the bound), taken back when its item is done with an
+    # action that is no search (``observe_responses._billed_call``). None until one is seen.
+    web_searches: dict[int, bool] | None = None
     # The provider counted those calls itself with its last usage (Anthropic's
     # ``usage.server_tool_use``, 0 for a search that failed): its count stands over the calls
     # shown. A usage without it counts no calls; nor does a Responses usage, ever: its count is

@@ -41,7 +41,12 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
         final = not _side_message(item)
         if _is_call(kind):
             obs.calls.add(0)  # function_call, custom_tool_call, computer_call, ...: not text
-            if isinstance(kind, str) and kind.endswith(_CALL) and len(kind) > len(_CALL):
+            if (
+                isinstance(kind, str)
+                and kind.endswith(_CALL)
+                and len(kind) > len(_CALL)
+                and _billed_call(item)
+            ):
                 # A hosted tool's call (web_search_call: web_search), priced per call.
                 tool = kind[: -len(_CALL)]
                 tool_calls[tool] = tool_calls.get(tool, 0) + 1
@@ -73,6 +78,53 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
 
 
 _CALL = "_call"
+_SEARCH_CALL = "web_search_call"
+# A web search call's actions that are no search (OpenAI's web search guide: "Search actions
+# incur a tool call cost"): opening a page of its results, finding a pattern in one. Any other
+# action, or none told, is billed as a search: an action not known here is never left unbilled.
+_PAGE_ACTIONS = frozenset({"open_page", "find_in_page"})
+
+
+def _billed_call(item: dict[str, Any]) -> bool:
+    """Whether a hosted tool's call item is a call billed: every one but a web search call
+    whose action opens or reads a page."""
+    if item.get("type") != _SEARCH_CALL:
+        return True
+    action = item.get("action")
+    return not (isinstance(action, dict) and action.get("type") in _PAGE_ACTIONS)
+
+
+def _search_begun(obs: Observation, index: int) -> None:
+    """A streamed web search call begun: a search until its item is done and tells its action
+    (``_search_done``); a stream cut before that bills it as one, the bound."""
+    searches = _web_searches(obs)
+    if not searches.get(index, False):
+        obs.saw_tool_use("web_search")
+    searches[index] = True
+
+
+def _search_done(obs: Observation, index: int, item: dict[str, Any]) -> None:
+    """A streamed web search call done, its action told: counted in ``tool_uses`` when it is a
+    search, taken back out when it began as one (its action not told yet) and is not."""
+    searches = _web_searches(obs)
+    billed = _billed_call(item)
+    counted = searches.get(index, False)
+    if counted and not billed and obs.tool_uses:
+        obs.tool_uses["web_search"] -= 1
+    elif billed and not counted:
+        obs.saw_tool_use("web_search")
+    searches[index] = billed
+
+
+def _web_searches(obs: Observation) -> dict[int, bool]:
+    if obs.web_searches is None:
+        obs.web_searches = {}
+    return obs.web_searches
+
+
+def _output_index(obj: dict[str, Any]) -> int | None:
+    index = obj.get("output_index")
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
 # What the model writes for a call, output it bills: the tool's name, its arguments or input, the
@@ -175,7 +227,10 @@ def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         if isinstance(item, dict) and _is_call(item.get("type")):
             obs.add_text(0, item.get("name"), content=False)  # never streamed as a delta
             kind = item["type"]
-            if kind.endswith(_CALL) and len(kind) > len(_CALL):
+            index = _output_index(obj) if kind == _SEARCH_CALL else None
+            if index is not None:
+                _search_begun(obs, index)  # counted as a search until its action is told
+            elif kind.endswith(_CALL) and len(kind) > len(_CALL):
                 # A hosted tool's call begun (web_search_call): billed if the stream is cut before
                 # the final response counts it.
                 obs.saw_tool_use(kind[: -len(_CALL)])
@@ -192,6 +247,9 @@ def responses_event(obs: Observation, obj: dict[str, Any]) -> None:
         item = obj.get("item")
         if isinstance(item, dict):
             _item_id(obs, item)
+        index = _output_index(obj) if isinstance(item, dict) and item.get("type") == _SEARCH_CALL else None
+        if index is not None and isinstance(item, dict):
+            _search_done(obs, index, item)  # without an index: counted as it began, a search
         if isinstance(item, dict) and item.get("type") in _UNSTREAMED_CALLS:
             for text in _call_texts(item, _CALL_INPUTS):  # whole now; its name was counted
                 obs.add_text(0, text, content=False)

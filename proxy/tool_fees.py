@@ -3,9 +3,10 @@ the calls a request may make at most (reserved), and the calls a settle bills.
 
 Counted by tool name: Anthropic's ``usage.server_tool_use`` counts each ``<tool>_requests``
 (``web_search_requests``: ``web_search``), a Responses answer each output item of type
-``<tool>_call`` (``web_search_call``: ``web_search``; ``observe_responses``). A chat call has
-one hosted tool, OpenAI's search (its search models search the web before every answer; others
-search when asked with ``web_search_options``): one ``web_search`` call, which no answer counts.
+``<tool>_call`` (``web_search_call``: ``web_search``, its search actions only;
+``observe_responses``). A chat call has one hosted tool, OpenAI's search (its search models
+search the web before every answer; others search when asked with ``web_search_options``): one
+``web_search`` call, which no answer counts.
 """
 
 from __future__ import annotations

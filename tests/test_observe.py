@@ -811,6 +811,41 @@ def test_a_streamed_commentary_is_taken_out_whole_however_its_pieces_were_joined
     assert obs.answers() == [answer_text + "".join(f"c{i}" for i in range(3 * LOOSE_PIECES))]
 
 
+def test_a_streamed_web_search_call_counts_as_a_search_unless_its_done_item_tells_another_action() -> None:
+    """Only a search action is a billed web search (OpenAI's web search guide); a call's action
+    is told when its item is done. Begun and never done (a stream cut), a call counts as a
+    search: the bound. Done without having begun, it counts by its action."""
+
+    def item(index: int, action: str | None) -> dict[str, Any]:
+        found: dict[str, Any] = {"type": "web_search_call", "id": f"ws_{index}", "status": "completed"}
+        return found if action is None else {**found, "action": {"type": action}}
+
+    def added(index: int) -> dict[str, Any]:
+        return {"type": "response.output_item.added", "output_index": index, "item": item(index, None)}
+
+    def done(index: int, action: str | None) -> dict[str, Any]:
+        return {"type": "response.output_item.done", "output_index": index, "item": item(index, action)}
+
+    obs = Observation()
+    for event in (
+        added(0),
+        done(0, "search"),
+        added(1),
+        done(1, "open_page"),
+        added(2),
+        done(2, "find_in_page"),
+        added(3),
+        done(3, "a_new_action"),  # not known: a search
+        added(4),
+        done(4, None),  # no action told: a search
+        done(5, "open_page"),  # never begun: nothing to take back
+        done(6, "search"),  # never begun: counted when done
+        added(7),  # begun, never done: the bound
+    ):
+        responses_event(obs, event)
+    assert obs.tool_uses == {"web_search": 5}
+
+
 def test_counting_a_streams_text_does_not_copy_it_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream without usage is billed on a count of its text: ``content_of`` joined its escaped
     pieces and quoted that join, two copies alive when it was decoded (2.0x the text); quoted

@@ -377,6 +377,51 @@ async def test_responses_hosted_tool_calls_are_billed_once_each(
     assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + 2 * SEARCH_MICROS + 2_500
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_web_search_calls_that_open_or_read_a_page_are_not_billed_as_searches(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """OpenAI's web search guide: a ``web_search_call``'s ``action`` is ``search``, ``open_page``
+    or ``find_in_page`` (reasoning models); "Search actions incur a tool call cost". A reasoning
+    model that searches once, opens a result and finds a word in it made one billable search.
+    Was: three, one per ``web_search_call`` item. An action the proxy does not know, or none, is
+    billed as a search."""
+    proxy = await _proxy(make_proxy, script, tool_prices={"web_search": "10"})
+    output = [
+        SEARCH_ITEM,
+        {**SEARCH_ITEM, "id": "ws_2", "action": {"type": "open_page", "url": "https://example.com/a"}},
+        {
+            **SEARCH_ITEM,
+            "id": "ws_3",
+            "action": {"type": "find_in_page", "url": "https://example.com/a", "pattern": "price"},
+        },
+        {**SEARCH_ITEM, "id": "ws_4", "action": {"type": "scroll_page"}},  # not known: a search
+        {key: value for key, value in SEARCH_ITEM.items() if key != "action"} | {"id": "ws_5"},
+        ANSWER,
+    ]
+    final = _response(output)
+    if stream:
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": {**final, "status": "in_progress", "output": []}})
+        ]
+        for index, item in enumerate(output):
+            # As OpenAI streams them: the action is told once the item is done.
+            begun = {key: value for key, value in item.items() if key != "action"}
+            events.append(("response.output_item.added", {"output_index": index, "item": begun}))
+            events.append(("response.output_item.done", {"output_index": index, "item": item}))
+        events.append(("response.completed", {"response": final}))
+        chunks = [_sse(kind, {"type": kind, **obj}) for kind, obj in events]
+        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    else:
+        script.plan = Plan(chunks=[json.dumps(final).encode()])
+    body = {"model": "gpt-x", "input": "news?", "tools": [{"type": "web_search"}], "stream": stream}
+    status, _ = await _post(proxy.url, "/v1/responses", body, "pages")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["tool_calls"] == "web_search=3", entry
+    assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + 3 * SEARCH_MICROS, entry
+
+
 async def test_responses_reserve_max_tool_calls_once_at_the_dearest_tool(
     make_proxy: Factory, script: ScriptedUpstream
 ) -> None:
