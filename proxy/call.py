@@ -95,6 +95,9 @@ class Call:
     # is reserved at within it, the dearest of the same tiers (None: not reserved at them). A
     # quick bound's exact count within it puts them in ``reserve_rates`` (``refine.take_count``).
     reserve_rates_short: dict[str, int] | None = None
+    # Not reserved at them, the long-context prices of the same tiers (None: the model has none,
+    # or reserved at them): a context it continues, added to its input, may pass the threshold.
+    reserve_rates_long: dict[str, int] | None = None
     # The model's prices of hosted tools per 1,000 calls, in micro-units (``ModelConfig.tool_rates``;
     # empty: none priced, nearly every model). The calls reserved are the estimate's.
     tool_rates: Mapping[str, int] = field(default_factory=dict)

@@ -216,6 +216,11 @@ def plan_call(
     reserve_rates_short = None
     if rates is not None and priced is long_tiers:
         reserve_rates_short = dearest(tiers[name] for name in reserved_tiers)
+    # Within it by its own input, the prices it takes should a context the provider adds to it
+    # (``reserve._add_prior_context``) pass the threshold.
+    reserve_rates_long = None
+    if rates is not None and long_tiers and priced is not long_tiers:
+        reserve_rates_long = dearest(long_tiers[name] for name in reserved_tiers)
     tool_rates = model_config.tool_rates if rates is not None else {}
     if tool_rates:
         tool_calls = reserved_tool_calls(view, tool_rates, config.limits.default_max_tool_calls)
@@ -253,6 +258,7 @@ def plan_call(
         tier_rates=tiers,
         reserve_rates=reserve_rates,
         reserve_rates_short=reserve_rates_short,
+        reserve_rates_long=reserve_rates_long,
         long_context_above=long_above if long_tiers else None,
         long_tier_rates=long_tiers,
         tool_rates=tool_rates,

@@ -372,6 +372,14 @@ async def _add_prior_context(store: Store, call: Call) -> str | None:
             input_tokens=est.input_tokens + added,
             prompt_overhead_tokens=est.prompt_overhead_tokens + added,
         )
+        above = call.long_context_above
+        if call.reserve_rates_long is not None and above is not None and call.estimate.input_tokens > above:
+            # The provider bills the whole input, the context with it, at the long-context prices:
+            # reserved at them, the worst case (within the threshold by a count, the model's own:
+            # ``refine.take_count``).
+            call.reserve_rates_short = call.rates_reserved
+            call.reserve_rates = call.reserve_rates_long
+            call.reserve_rates_long = None
     return found
 
 

@@ -1505,3 +1505,31 @@ async def test_a_call_continuing_an_anthropic_thread_reserves_its_context(
     used = [int(f["input_tokens"]) for _i, f in await redis_client.xrange(LEDGER)]
     assert sum(used) <= 2000, f"run billed {used} input tokens past its ceiling of 2000"
     await c.close()
+
+
+async def test_a_context_that_takes_the_input_past_the_long_context_threshold_is_reserved_at_its_prices(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The request alone within the threshold, the context it continues past it: the provider
+    bills the whole input at the long-context prices, which the reserve must hold. Reserved at
+    the model's own, a call fitted under a cost ceiling the provider's bill then passed."""
+    model = {
+        "upstream": "openai",
+        "max_output_tokens": 1000,
+        "price_per_million": {"input": "1", "output": "10"},
+        "long_context": {"above_input_tokens": 500, "price_per_million": {"input": "2", "output": "15"}},
+    }
+    # The first call: 1,000 input tokens and 8 output at the long-context prices (2,120). The
+    # second with its context (1,008 and a few) fits at the model's prices (at most 3,308 in
+    # all), not at the long-context ones (at least 4,378).
+    proxy = await make_proxy(
+        models={"gpt-4o-mini": model}, tiers={"standard": {"run": {"cost_usd": "0.0038"}}}
+    )
+    await first(proxy, max_output_tokens=8)
+    assert int(await redis_client.hget(RUN, "used:cost_micros") or 0) == 2120
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client(proxy).responses.create(
+            model="gpt-4o-mini", input="hi", previous_response_id="resp_1", max_output_tokens=16
+        )
+    assert "cost" in str(refused.value)
+    assert len(fake.bill) == 1
