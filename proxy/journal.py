@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -144,12 +145,10 @@ class Journal:
         return self._sync_thread
 
     def _write(self, pending: PendingSettlement) -> BinaryIO:
-        # One whole line, written and flushed on the loop: a replay, also on the loop, never
-        # reads half of it.
+        # One whole line, written on the loop: a replay, also on the loop, never reads half of it.
         handle = self._open()
-        handle.write(json.dumps(asdict(pending), separators=(",", ":")).encode() + b"\n")
-        handle.flush()
-        self._syncs.written += 1  # once flushed: a sync that sees it covers the line
+        _append_whole(handle.fileno(), json.dumps(asdict(pending), separators=(",", ":")).encode() + b"\n")
+        self._syncs.written += 1  # once written: a sync that sees it covers the line
         self._pending_lines += 1
         return handle
 
@@ -284,6 +283,28 @@ class Journal:
             if empty:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
+
+
+def _append_whole(fd: int, line: bytes) -> None:
+    """``line`` at the end of the file (opened to append), whole or not at all. Through the file
+    object, a full disk left part of a refused line in the file and the rest in its buffer: every
+    later seek tried to flush it and failed, so no replay ran while the disk stayed full (the
+    lines journaled before it billed at their reserve by a reaper), and a torn line would have
+    swallowed the next one written."""
+    size = os.fstat(fd).st_size  # ours alone to append to (locked), on the loop
+    try:
+        written = 0
+        while written < len(line):
+            wrote = os.write(fd, line[written:])  # a full disk: short, then ENOSPC
+            if not wrote:
+                raise OSError(errno.ENOSPC, "the journal line was not written")
+            written += wrote
+    except OSError:
+        try:
+            os.ftruncate(fd, size)  # the part written goes: the next line starts a line
+        except OSError as err:
+            log.critical("a torn journal line could not be cut off", extra={"error": str(err)})
+        raise
 
 
 def _keep_told(told: set[str], left: list[str]) -> None:

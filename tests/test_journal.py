@@ -644,3 +644,72 @@ async def test_a_new_journal_file_has_its_name_synced_before_its_first_line_is_t
     assert synced[-2:] == ["directory", "file"]  # after the new file (its lines copied, synced)
     monkeypatch.undo()
     journal.close()
+
+
+REFUSED_THEN_REPLAYED = """
+import asyncio, json, resource, signal, sys
+from pathlib import Path
+from proxy.journal import Journal
+from proxy.journal_lines import PendingSettlement
+from proxy.redis_store import RedisStore
+from tests.test_store_faults import _settlement_line
+
+async def main(url: str, directory: str, refused: str) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(2), as ENOSPC would be
+    store = RedisStore.from_url(url)
+    await store.load_scripts()
+    journal = Journal(Path(directory))
+    # A dead process's journal, waiting for this one to adopt it.
+    orphan = Path(directory) / "journal-99999-deadbeef.jsonl"
+    orphan.write_text(json.dumps(_settlement_line("orphaned")) + "\\n")
+    # Redis down: a call's settle journaled, durable.
+    journal.append(PendingSettlement(**_settlement_line("first")))
+    # The disk fills up (an outage's journal, logs): the next call's line does not fit.
+    room = journal.path.stat().st_size + 40
+    resource.setrlimit(resource.RLIMIT_FSIZE, (room, resource.RLIM_INFINITY))
+    if refused == "yes":
+        try:
+            journal.append(PendingSettlement(**_settlement_line("second")))
+        except OSError as err:  # settle_or_journal: "a reaper will bill the reserve"
+            print("not journaled:", err)
+    # Redis is back; the disk is still full. app.py's replay loop, a few rounds.
+    for _ in range(3):
+        try:
+            print("applied", await journal.replay(store))
+        except OSError as err:
+            print("replay failed:", err)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    await store.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("refused", ["no", "yes"])
+async def test_a_line_the_full_disk_refused_stops_no_replay_of_the_lines_journaled_before_it(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path, refused: str
+) -> None:
+    """A line journaled during an outage, then the disk fills and the next settle's line is
+    refused (its call left to a reaper, as logged). Redis comes back while the disk is still
+    full. With no refused line ("no"), the replay applies the first line (its rewrite fails,
+    the line is in Redis: billed at its real figures). With one ("yes"), the refused line's
+    bytes wait in the file object's buffer; every round's seek(0) tries to flush them and
+    raises, so no line of the journal is applied for as long as the disk is full, and a reaper
+    bills every such call at its reserve once reap_grace_s is up. Nor is a dead process's
+    journal adopted: the round raises before it gets there."""
+    journal_dir = tmp_path / "journal"
+    await held_reservations(redis_client, "first", "second", "orphaned")
+    journal_dir.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", REFUSED_THEN_REPLAYED, redis_server.url, str(journal_dir), refused],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr
+    applied = [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)]
+    assert sorted(applied) == ["first", "orphaned"], done.stdout
