@@ -191,8 +191,14 @@ def build_app(
         task = asyncio.create_task(loop())
         yield
         await _stopped(task)
-        with contextlib.suppress(StoreError):  # a last try before the process goes
+        try:  # a last try before the process goes
             await state.journal.replay(store, on_applied, state.metrics.journal_parked.inc)
+        except StoreError:
+            pass
+        except OSError:
+            # A full disk refused the file's rewrite: its lines stay for the next process. The
+            # journal is closed all the same (its queued syncs done, a removed file written again).
+            log.exception("the last journal replay failed")
         state.journal.close()
 
     async def settling_ctx(app: web.Application) -> AsyncIterator[None]:

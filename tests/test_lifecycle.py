@@ -296,3 +296,31 @@ async def test_a_reserve_cut_by_shutdown_is_released_not_reaped(
     # Its reserve did run (a release finding no reservation writes no entry), and was released.
     outcomes = [entry["outcome"] for _, entry in await redis_client.xrange(LEDGER)]
     assert outcomes[1:] == ["not_forwarded"]
+
+
+async def test_a_last_journal_replay_the_full_disk_fails_still_closes_the_journal(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shutdown's last replay let only a StoreError by: an OSError (a full disk refusing the
+    file's rewrite) escaped it and the journal was never closed (its queued syncs not waited
+    for, a removed file's pending lines not written again)."""
+    raw = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+    app = build_app(config, tokenizer=Tokenizer({}))
+    runner = web.AppRunner(app, shutdown_timeout=0.3, **server_options(config))
+    await runner.setup()
+    journal = app[STATE].journal
+    closed: list[bool] = []
+    close = journal.close
+
+    async def full(*args: object, **kwargs: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    def closing() -> None:
+        closed.append(True)
+        close()
+
+    monkeypatch.setattr(journal, "replay", full)
+    monkeypatch.setattr(journal, "close", closing)
+    await runner.cleanup()
+    assert closed == [True]
