@@ -83,6 +83,9 @@ class Journal:
         # lines stayed, the file not rewritten without them (a full disk). Applied again, the
         # store answers a call's own settle with its entry: counted once, not at every round.
         self._told: dict[Path, set[str]] = {}
+        # Dead processes' files, locked, whose lines we counted and could not remove: kept
+        # locked by us until those lines go (``_replay_orphan``).
+        self._held: dict[Path, BinaryIO] = {}
         self._sync_thread: ThreadPoolExecutor | None = None  # started by the first off-loop sync
         # One replay at a time: a shutdown's last replay may start while a round's still runs.
         self._replaying = asyncio.Lock()
@@ -223,9 +226,8 @@ class Journal:
 
     async def _adopt(self, store: Store, on_applied: OnApplied, on_parked: OnParked) -> int:
         applied = 0
-        if not self.directory.exists():
-            return 0
-        for path in sorted(self.directory.glob("journal-*.jsonl")):
+        listed = self.directory.glob("journal-*.jsonl") if self.directory.exists() else []
+        for path in sorted({*listed, *self._held}):
             if path == self.path:
                 continue
             tagged = _TAGGED.fullmatch(path.name)
@@ -237,37 +239,58 @@ class Journal:
                         extra={"journal": str(path)},
                     )
                 continue
-            # Bytes that are not UTF-8 (a torn tail) are kept as they are: that line is parked,
-            # the others are applied, and the file is not left failing every round.
-            try:
-                handle = path.open("r+", encoding="utf-8", errors="surrogateescape")
-            except FileNotFoundError:
-                continue  # replayed and removed by another process since we listed it
-            with handle:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # its writer is alive and replays it itself
-                if not _still_at(handle, path):
-                    continue  # replayed meanwhile by another process, and removed or rewritten
-                lines = handle.read().splitlines()
-                told = self._told.setdefault(path, set())
-                done, left, cut = await self._apply(store, lines, on_applied, on_parked, told)
-                applied += done
-                if not left:
-                    path.unlink()
-                    self._told.pop(path, None)
-                    log.info("orphaned journal replayed", extra={"journal": str(path), "lines": done})
-                elif done:
-                    # Stopped part-way: the lines applied go (see ``replay``), atomically.
-                    rest = "".join(line + "\n" for line in left)
-                    _locked_beside(path, rest.encode("utf-8", "surrogateescape")).close()
-                    _keep_told(told, left)
-                if cut is not None:
-                    raise cut
+            handle = self._held.pop(path, None) or _lock_orphan(path)
+            if handle is None:
+                continue
+            if not _still_at(handle, path):
+                # Replayed meanwhile by another process, and removed or rewritten; or, one we
+                # held, removed by hand.
+                handle.close()
+                self._told.pop(path, None)
+                continue
+            applied += await self._replay_orphan(path, handle, store, on_applied, on_parked)
         return applied
 
+    async def _replay_orphan(
+        self, path: Path, handle: BinaryIO, store: Store, on_applied: OnApplied, on_parked: OnParked
+    ) -> int:
+        """Apply a dead process's file, locked by ``handle``; removed once every line went."""
+        told = self._told.setdefault(path, set())
+        try:
+            handle.seek(0)
+            # Bytes that are not UTF-8 (a torn tail) are kept as they are: that line is parked,
+            # the others are applied, and the file is not left failing every round.
+            lines = handle.read().decode("utf-8", "surrogateescape").splitlines()
+            done, left, cut = await self._apply(store, lines, on_applied, on_parked, told)
+            if not left:
+                path.unlink()
+                told.clear()
+                log.info("orphaned journal replayed", extra={"journal": str(path), "lines": done})
+            elif done:
+                # Stopped part-way: the lines applied go (see ``replay``), atomically.
+                rest = "".join(line + "\n" for line in left)
+                written = _locked_beside(path, rest.encode("utf-8", "surrogateescape"))
+                handle.close()
+                handle = written
+                _keep_told(told, left)
+            if cut is not None:
+                raise cut
+            return done
+        finally:
+            if told:
+                # Lines we counted are still in the file (its rewrite or removal failed: a full
+                # disk): its lock stays ours, until they go. Let go, another process would
+                # adopt it, the store answer each call's own settle with its entry again, and
+                # that process count it again: summed over them, the metrics said two calls.
+                self._held[path] = handle
+            else:
+                handle.close()
+                self._told.pop(path, None)
+
     def close(self) -> None:
+        for held in self._held.values():
+            held.close()  # for the next process to adopt
+        self._held.clear()
         if self._sync_thread is not None:
             self._sync_thread.shutdown(wait=True)  # every sync queued is done before we go
             self._sync_thread = None
@@ -305,6 +328,21 @@ def _append_whole(fd: int, line: bytes) -> None:
         except OSError as err:
             log.critical("a torn journal line could not be cut off", extra={"error": str(err)})
         raise
+
+
+def _lock_orphan(path: Path) -> BinaryIO | None:
+    """``path`` open and locked by us, or None: removed meanwhile (by another process that
+    replayed it), or locked by its writer, alive, who replays it, or by another adopter."""
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return None
+    return handle
 
 
 def _keep_told(told: set[str], left: list[str]) -> None:

@@ -713,3 +713,51 @@ async def test_a_line_the_full_disk_refused_stops_no_replay_of_the_lines_journal
     assert done.returncode == 0, done.stderr
     applied = [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)]
     assert sorted(applied) == ["first", "orphaned"], done.stdout
+
+
+@pytest.mark.parametrize("refused", ["its rewrite", "its removal"])
+async def test_an_orphan_whose_rewrite_the_full_disk_refused_is_counted_once_over_the_processes(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    refused: str,
+) -> None:
+    """Two processes (``serve --workers 2``) share the journal directory; a dead worker's
+    journal holds a good line and a torn one, the dead letters cannot be written and the disk
+    is full. Worker A adopts it, applies and counts the good line, cannot rewrite the file
+    without it, and lets go of its lock; worker B adopts it next, the store answers the call's
+    own settle with its entry, and B counts it again: the spend metrics summed over the
+    instances say two calls where the ledger holds one (A's ``told`` is its own). The same
+    with a file of the good line alone whose removal failed."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    (journal_dir / DEAD_LETTERS).mkdir()  # cannot be appended to (a full disk)
+    await held_reservations(redis_client, "first")
+    orphan = journal_dir / "journal-99999-deadbeef.jsonl"
+    torn = '{"tenant":"team-a","reserv\n' if refused == "its rewrite" else ""
+    orphan.write_text(json.dumps(_settlement_line("first")) + "\n" + torn)
+    unlink = Path.unlink
+
+    def full(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if refused == "its removal" and path != orphan:
+            return unlink(path, *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    counted: list[Any] = []
+    async with replaying(redis_server.url, journal_dir) as (store, worker_a):
+        worker_b = Journal(journal_dir)
+        try:
+            with monkeypatch.context() as disk:
+                disk.setattr("proxy.journal._locked_beside" if torn else "pathlib.Path.unlink", full)
+                for journal in (worker_a, worker_b, worker_a, worker_b):  # their replay loops
+                    with contextlib.suppress(OSError):
+                        await journal.replay(store, counted.append)
+            for journal in (worker_a, worker_b, worker_a):  # room again
+                await journal.replay(store, counted.append)
+        finally:
+            worker_b.close()
+    assert [e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)] == ["first"]
+    assert [c["reservation_id"] for c in counted] == ["first"]  # once over both workers
+    # The good line gone from the file (the torn one waits for the dead letters), its lock let go.
+    assert (orphan.read_text() == torn) if torn else not orphan.exists()
