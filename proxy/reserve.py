@@ -366,10 +366,11 @@ async def _add_prior_context(store: Store, call: Call) -> str | None:
     if added:
         est = call.estimate
         # As overhead: a count of the request's text (``counted``, a settle without provider
-        # usage) keeps it.
+        # usage) keeps it. Read as often as the request's input (a compacting call's summarizing
+        # step reads the whole input, the context with it, before the answer does).
         call.estimate = replace(
             est,
-            input_tokens=est.input_tokens + added,
+            input_tokens=est.input_tokens + added * est.input_reads,
             prompt_overhead_tokens=est.prompt_overhead_tokens + added,
         )
         above = call.long_context_above

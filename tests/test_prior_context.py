@@ -39,6 +39,7 @@ from tests.conftest import (
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 from tests.test_bad_input import Plan, dumps
+from tests.test_budgets import meters
 from tests.test_dialects import both_with
 from tests.test_estimate import TEXT, QuarterEncoding, until_quick
 from tests.test_sdk_anthropic import Queue, claude_proxy, ev
@@ -1533,3 +1534,83 @@ async def test_a_context_that_takes_the_input_past_the_long_context_threshold_is
         )
     assert "cost" in str(refused.value)
     assert len(fake.bill) == 1
+
+
+LONG_THREAD_INPUT = 60_000  # the thread's first call, as the provider billed it (its history)
+LONG_THREAD_CONTEXT = LONG_THREAD_INPUT + 5  # kept: its input and output
+COMPACT_EDITS = {"edits": [{"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 50000}}]}
+
+
+def _thread_answer(msg_id: str, usage: dict[str, Any]) -> bytes:
+    return json.dumps(
+        {
+            "id": msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-sonnet-4-5",
+            "content": [{"type": "text", "text": "noted"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": usage,
+        }
+    ).encode()
+
+
+async def test_a_compacting_call_continuing_a_thread_reserves_the_thread_for_both_reads(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """A Messages call with threshold compaction is reserved at its input twice (its summarizing
+    step reads the whole input, then the answer at most as much), and the thread it continues is
+    input too: read by both. Reserved once, a run input ceiling the reserve fitted was overspent
+    by the summarizing step's read of the thread (the overshoot hunt)."""
+    queue = Queue()
+    await queue.start()
+    try:
+        proxy = await claude_proxy(
+            make_proxy, queue, tiers={"standard": {"run": {"input_tokens": LONG_THREAD_CONTEXT + 1000}}}
+        )
+
+        async def post(run: str, body: dict[str, Any]) -> int:
+            headers = {
+                "x-api-key": KEY_A, "X-Run-Id": run, "anthropic-version": "2023-06-01",
+                "anthropic-beta": "compact-2026-01-12",
+            }  # fmt: skip
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(proxy.url + "/v1/messages", json=body, headers=headers) as resp,
+            ):
+                await resp.read()
+                return resp.status
+
+        told = {"input_tokens": LONG_THREAD_INPUT, "output_tokens": 5}
+        queue.plans = [Plan(chunks=[_thread_answer("msg_01", told)])]
+        first = {
+            "model": "claude-sonnet-4-5", "max_tokens": 100, "thread": {"type": "create"},
+            "messages": [{"role": "user", "content": "the long history"}],
+        }  # fmt: skip
+        assert await post("thread-first", first) == 200
+        assert int(await redis_client.get("lbp:{team-a}:ctx:msg_01") or 0) == LONG_THREAD_CONTEXT
+        # The summarizing step reads the whole input (thread and "hi"), writes a 3,500-token
+        # summary; the answer reads the summary and the last turn (Anthropic's documented shape).
+        read = LONG_THREAD_CONTEXT + 15
+        usage = {
+            "input_tokens": 3600, "output_tokens": 200,
+            "iterations": [
+                {"type": "compaction", "input_tokens": read, "output_tokens": 3500},
+                {"type": "message", "input_tokens": 3600, "output_tokens": 200},
+            ],
+        }  # fmt: skip
+        queue.plans = [Plan(chunks=[_thread_answer("msg_02", usage)])]
+        second = {
+            "model": "claude-sonnet-4-5", "max_tokens": 4096, "context_management": COMPACT_EDITS,
+            "thread": {"type": "continue", "previous_message_id": "msg_01"},
+            "messages": [{"role": "user", "content": "hi"}],
+        }  # fmt: skip
+        status = await post("thread-second", second)
+        assert status == 429  # its reserve: the thread twice, past the ceiling
+        state = (await meters(proxy, "thread-second"))["meters"]["input_tokens"]
+        entries = [dict(f) for _, f in await redis_client.xrange(LEDGER) if f["run_id"] == "thread-second"]
+        seen = {k: v for e in entries for k, v in e.items() if "input" in k}
+        assert state["used"] <= state["ceiling"], (status, state, seen)
+    finally:
+        await queue.close()
