@@ -379,7 +379,9 @@ def budget_headers(call: Call, settlement: Settlement) -> dict[str, str]:
         if not whole or room * whole < part * ceiling:
             tight, part, whole = meter, room, ceiling
     least = min(room for meter, room, _ in left if meter == tight)
-    return {f"x-budget-remaining-{tight.replace('_', '-')}": str(least)}
+    # Past its ceiling (an overshoot, billed in full): none left, as a rate limit's remaining is
+    # never below 0; the views tell by how much it was passed (used above the ceiling).
+    return {f"x-budget-remaining-{tight.replace('_', '-')}": str(max(least, 0))}
 
 
 def billing_headers(call: Call, settlement: Settlement) -> dict[str, str]:

@@ -945,6 +945,18 @@ async def test_budget_remaining_is_the_least_room_of_that_meter_whatever_the_sco
     assert served.headers["x-billing-outcome"] == "ok"
 
 
+async def test_budget_remaining_after_an_overshoot_is_never_negative(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A call reserved at 19 tokens and billed 158 (an overshoot, charged in full) passes a day
+    window of 100: the header said -58, which a client reading an unsigned count, or capping its
+    next call's output by it, cannot use (the windows hunt). None left: 0."""
+    proxy = await make_proxy(tiers={"standard": {"windows": [{"period": "day", "total_tokens": 100}]}})
+    response = await call(proxy, "over", extra_body={"fake": {"usage": {"prompt_tokens": 150}}})
+    assert response.headers["x-billing-outcome"] == "ok"
+    assert response.headers["x-budget-remaining-total-tokens"] == "0"
+
+
 def _budget_headers(response: Any) -> dict[str, str]:
     return {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("x-budget")}
 
