@@ -8,6 +8,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import Coroutine
 from contextvars import ContextVar
@@ -217,6 +218,28 @@ def provider_headers(upstream: aiohttp.ClientResponse, secrets: tuple[bytes, ...
             if text in value:
                 out[name] = value.replace(text, "[REDACTED]")
     return out
+
+
+# The provider's account a response names when the operator's credentials went: dropped from the
+# headers passed on (``PASSED_HEADERS``), and so replaced in the bodies the proxy relays from it
+# (OpenAI's 429 reads "Rate limit reached for gpt-4o-mini in organization org-... on tokens per
+# min"; a fine-tuned model's ``owned_by``). OpenAI's ids also where it sends no header.
+ACCOUNT_HEADERS = ("openai-organization", "openai-project", "anthropic-organization-id")
+ACCOUNT_IDS = re.compile(rb"\b(?:org-|proj_)[A-Za-z0-9]{16,}\b")
+
+
+def account_scrubbed(
+    raw: bytes, upstream: aiohttp.ClientResponse, upstream_config: UpstreamConfig, identity: Identity
+) -> bytes:
+    """``raw`` without the operator's account at the provider, named in ``upstream``'s headers or
+    as OpenAI writes its ids; as it came when the caller's own key went (its own account)."""
+    if caller_key_sent(upstream_config, identity):
+        return raw
+    for name in ACCOUNT_HEADERS:
+        value = upstream.headers.get(name, "").strip()
+        if len(value) >= 4 and raw.find(named := value.encode("utf-8", "surrogateescape")) >= 0:
+            raw = raw.replace(named, REDACTED)
+    return ACCOUNT_IDS.sub(REDACTED, raw)
 
 
 def scrubbed(raw: bytes, secrets: tuple[bytes, ...]) -> bytes:

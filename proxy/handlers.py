@@ -38,6 +38,7 @@ from proxy.errors import (
 )
 from proxy.estimate import Estimate, counted
 from proxy.forward import (
+    account_scrubbed,
     caller_key_sent,
     feature_headers,
     header_list,
@@ -283,7 +284,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
     secrets = operator_secrets(upstream, identity)
-    body = scrubbed(body, secrets)
+    body = account_scrubbed(scrubbed(body, secrets), resp, upstream, identity)
     passed = provider_headers(resp, secrets)
     if 300 <= resp.status < 400:
         return error_response(

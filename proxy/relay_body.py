@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.events import EventFilter
-from proxy.forward import BodyTooLarge, caller_key_sent, read_limited
+from proxy.forward import BodyTooLarge, account_scrubbed, caller_key_sent, read_limited
 from proxy.observe import Observation, parse_json, parse_usage
 from proxy.outcome import ZERO_USAGE, BilledUsage, Outcome, OutcomeTag, classify_answer, provider_usage
 
@@ -229,7 +229,7 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
         # Cut or stalled: what came is passed on only as a whole error object (a page cut short
         # could end inside the operator's key, which the scrub, matching it whole, would miss).
         raw, parsed = b"", None
-    raw = ex.scrub(raw)
+    raw = account_scrubbed(ex.scrub(raw), upstream, ex.call.upstream, ex.call.identity)
     usage = provider_usage_of(parsed)
     if usage is None:
         # The provider refused the request (4xx) or said in its own format that it failed:

@@ -96,6 +96,45 @@ async def test_the_sdk_follows_the_providers_advice_not_to_retry(
     assert raised.value.response.headers["x-should-retry"] == "false"
 
 
+ORG = "org-Operators0wnOrg42x"
+ORG_LIMITED = dumps(
+    {"error": {"message": f"Rate limit reached for gpt-4o-mini in organization {ORG} on tokens per min "
+               "(TPM): Limit 200000, Used 199000, Requested 5000.", "type": "tokens", "param": None,
+               "code": "rate_limit_exceeded"}}
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("header", [True, False], ids=["named-in-a-header", "no-header"])
+async def test_the_operators_organization_named_in_an_error_body_does_not_reach_a_tenant(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, header: bool
+) -> None:
+    """The provider's organization header is dropped (the operator's account, with the proxy's
+    key); OpenAI's 429 names it in its message too, which went out as it came (the secrets
+    hunt). Replaced there, and in a model list's error as well."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    extra = {"openai-organization": ORG} if header else {}
+    script.plan = Plan(status=429, chunks=[ORG_LIMITED], extra_headers={"retry-after": "2", **extra})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=AUTH) as resp:
+            assert resp.status == 429
+            told = await resp.json()
+        assert ORG not in str(told) and "in organization [REDACTED] on tokens" in told["error"]["message"]
+        async with session.get(proxy.url + "/v1/models", headers=AUTH) as resp:
+            assert resp.status == 429
+            assert ORG not in await resp.text()
+
+
+async def test_a_pass_through_callers_own_organization_is_its_own_to_read(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(passthrough=True, upstreams=passthrough_upstreams(script.base_url))
+    script.plan = Plan(status=429, chunks=[ORG_LIMITED], extra_headers={"openai-organization": ORG})
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-callers-own", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as raised:
+        await client.chat.completions.create(**CHAT)
+    assert ORG in str(raised.value)
+
+
 # -- GET /v1/models --------------------------------------------------------------------------
 
 BAD_KEY = dumps(
