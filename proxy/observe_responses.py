@@ -82,7 +82,7 @@ _SEARCH_CALL = "web_search_call"
 # A web search call's actions that are no search (OpenAI's web search guide: "Search actions
 # incur a tool call cost"): opening a page of its results, finding a pattern in one. Any other
 # action, or none told, is billed as a search: an action not known here is never left unbilled.
-_PAGE_ACTIONS = frozenset({"open_page", "find_in_page"})
+_PAGE_ACTIONS = frozenset({"open_page", "find_in_page", "find"})  # "find": the API's older name
 
 
 def _billed_call(item: dict[str, Any]) -> bool:
@@ -111,6 +111,9 @@ def _search_done(obs: Observation, index: int, item: dict[str, Any]) -> None:
     counted = searches.get(index, False)
     if counted and not billed and obs.tool_uses:
         obs.tool_uses["web_search"] -= 1
+        if not obs.tool_uses["web_search"]:  # none left: no tool ran (``settle._rates`` reads so)
+            del obs.tool_uses["web_search"]
+            obs.tool_uses = obs.tool_uses or None
     elif billed and not counted:
         obs.saw_tool_use("web_search")
     searches[index] = billed

@@ -860,3 +860,18 @@ def test_counting_a_streams_text_does_not_copy_it_twice(monkeypatch: pytest.Monk
     text, alive = alive_when_called(monkeypatch, observe_module, "parse_json", lambda: obs.content_of(0))
     assert text == ("x" * 4095 + "\n") * 1024
     assert alive < 1.5 * n, f"{alive / MB:.1f} MB alive for {n / MB:.1f} MB of text when it is decoded"
+
+
+def test_a_stream_whose_only_web_search_call_read_a_page_saw_no_tool_run() -> None:
+    """Begun, a web search call counts as a search (the bound); done with a page action (either
+    of its names, ``find`` and ``find_in_page``), it is taken back. None left: no tool ran, as a
+    stream with none says (``tool_uses`` None: ``settle._rates`` reads an empty count as a tool
+    that ran, the review of 9027be3)."""
+    for action in ("find", "find_in_page", "open_page"):
+        obs = Observation()
+        item: dict[str, Any] = {"type": "web_search_call", "id": "ws_1"}
+        responses_event(obs, {"type": "response.output_item.added", "output_index": 0, "item": item})
+        assert obs.tool_uses == {"web_search": 1}
+        done = {**item, "action": {"type": action}}
+        responses_event(obs, {"type": "response.output_item.done", "output_index": 0, "item": done})
+        assert obs.tool_uses is None, (action, obs.tool_uses)

@@ -395,6 +395,12 @@ async def test_web_search_calls_that_open_or_read_a_page_are_not_billed_as_searc
             "id": "ws_3",
             "action": {"type": "find_in_page", "url": "https://example.com/a", "pattern": "price"},
         },
+        # "find": the same action, as the API's spec named it before (the review of 9027be3)
+        {
+            **SEARCH_ITEM,
+            "id": "ws_6",
+            "action": {"type": "find", "url": "https://example.com/a", "pattern": "x"},
+        },
         {**SEARCH_ITEM, "id": "ws_4", "action": {"type": "scroll_page"}},  # not known: a search
         {key: value for key, value in SEARCH_ITEM.items() if key != "action"} | {"id": "ws_5"},
         ANSWER,
