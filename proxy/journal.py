@@ -179,6 +179,7 @@ class Journal:
 
     async def _replay(self, store: Store, on_applied: OnApplied, on_parked: OnParked) -> int:
         applied = 0
+        disk: OSError | None = None
         if self._file is not None:
             self._file.seek(0)
             text = self._file.read()
@@ -192,11 +193,21 @@ class Journal:
                 # applying (settles failing meanwhile), stay. No await in between: no race.
                 self._file.seek(len(text))
                 rest = "".join(line + "\n" for line in left).encode() + self._file.read()
-                self._replace_file(rest)
-                _keep_told(told, left)  # the lines counted went with the rewrite
+                try:
+                    self._replace_file(rest)
+                except OSError as err:
+                    # A full disk: the lines applied stay in the file, told (counted once). The
+                    # dead processes' files are still adopted: raised first, their calls would
+                    # wait for as long as the disk stays full, and a reaper bill them at their
+                    # reserve.
+                    disk = err
+                else:
+                    _keep_told(told, left)  # the lines counted went with the rewrite
             if cut is not None:
                 raise cut
         applied += await self._adopt(store, on_applied, on_parked)
+        if disk is not None:
+            raise disk
         return applied
 
     async def _apply(

@@ -761,3 +761,37 @@ async def test_an_orphan_whose_rewrite_the_full_disk_refused_is_counted_once_ove
     assert [c["reservation_id"] for c in counted] == ["first"]  # once over both workers
     # The good line gone from the file (the torn one waits for the dead letters), its lock let go.
     assert (orphan.read_text() == torn) if torn else not orphan.exists()
+
+
+async def test_an_own_file_whose_rewrite_the_full_disk_refuses_stops_no_adoption_of_an_orphan(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This process's own file rewritten with lines left in it (a line the dead letters cannot
+    take on a full disk, beside one the store took): the rewrite's OSError left the replay before
+    it adopted a dead process's journal, round after round for as long as the disk stayed full,
+    and a reaper billed the orphan's calls at their reserve (the review of a710aab)."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    (journal_dir / DEAD_LETTERS).mkdir()  # cannot be appended to (a full disk)
+    await held_reservations(redis_client, "first", "orphaned")
+    orphan = journal_dir / "journal-99999-deadbeef.jsonl"
+    orphan.write_text(json.dumps(_settlement_line("orphaned")) + "\n")
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
+        journal.append(PendingSettlement(**_settlement_line("first")))
+        fd = os.open(journal.path, os.O_WRONLY | os.O_APPEND)
+        os.write(fd, b'{"tenant":"team-a","reserv\n')  # a torn line, for the dead letters
+        os.close(fd)
+        with monkeypatch.context() as disk:
+            disk.setattr("proxy.journal._locked_beside", full)
+            for _ in range(3):  # app.py's replay loop, the disk still full
+                with contextlib.suppress(OSError):
+                    await journal.replay(store)
+            applied = sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER))
+    assert applied == ["first", "orphaned"]
