@@ -201,10 +201,14 @@ async def apply_lines(
 
 
 def marks_line(*, tenant: str, reservation_id: str, run_id: str, ids: list[str]) -> PendingSettlement:
-    """A line making only the marks ``ids`` of a call whose settle has landed."""
+    """A line making only the marks ``ids`` of a call whose settle has landed. Under an id of its
+    own, no reservation's: a version before marks lines (a rollback) reads one as the call's
+    settle, and under the call's id found its marker and logged a settle it did not make (a
+    traceback counting an empty entry); under this one it finds nothing, settles nothing, and
+    makes the marks."""
     return PendingSettlement(
         tenant=tenant,
-        reservation_id=reservation_id,
+        reservation_id=f"{reservation_id}:marks",
         run_id=run_id,
         scope_keys=[],
         actual={},

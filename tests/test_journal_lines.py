@@ -225,3 +225,21 @@ async def test_a_marks_line_makes_the_marks_and_settles_nothing(
     assert counted == [] and await redis_client.xlen(LEDGER) == 0
     assert await redis_client.exists("lbp:{team-a}:resv:marked") == 1
     assert len((tmp_path / DEAD_LETTERS).read_text().splitlines()) == 1
+
+
+async def test_a_marks_line_read_as_a_settle_by_an_older_version_settles_nothing(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A version before marks lines (a rollback) reads one as the call's own settle. Under the
+    call's id it found the call's settled marker, got its entry back and logged a settle it did
+    not make, counting an empty entry (a traceback; the upgrade hunt). A marks line's id is its
+    own: read so, it finds neither reservation nor marker and settles nothing."""
+    await held_reservations(redis_client, "called")
+    async with replaying(redis_server.url, tmp_path) as (store, _):
+        assert await PendingSettlement(**_settlement_line("called")).apply(store) is not None
+        line = marks_line(tenant="team-a", reservation_id="called", run_id="r1", ids=["resp:resp_1"])
+        assert line.reservation_id != "called"
+        as_an_older_version_reads_it = asdict(line)
+        del as_an_older_version_reads_it["marks_only"]
+        assert await PendingSettlement(**as_an_older_version_reads_it).apply(store) is None
+    assert await redis_client.xlen(LEDGER) == 1
