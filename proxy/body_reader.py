@@ -44,10 +44,6 @@ class BodyReader:
 
     __slots__ = ("_content", "read", "read_nowait")
 
-    def at_eof(self) -> bool:
-        """The body's end came and every byte of it was read."""
-        return self._content.at_eof()
-
     def __init__(self, content: StreamReader, *, fast: bool = FAST) -> None:
         self._content = content
         # Only aiohttp's own reader: the body of a 204 (EMPTY_PAYLOAD, a subclass) has none of
@@ -56,6 +52,10 @@ class BodyReader:
         self.read = self._read_fast if fast else content.readany
         # What is buffered now, ``b""`` when nothing is.
         self.read_nowait = self._read_nowait_fast if fast else content.read_nowait
+
+    def at_eof(self) -> bool:
+        """The body's end came and every byte of it was read."""
+        return self._content.at_eof()
 
     def _read_nowait_fast(self) -> bytes:
         content = self._content

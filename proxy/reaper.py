@@ -23,25 +23,31 @@ log = logging.getLogger("proxy.reaper")
 BATCH = 100
 
 
+def _record(lease: ExpiredLease) -> dict[str, Any]:
+    """What the call's reserve kept for a reaper (``reserve``'s record): {} when unreadable."""
+    try:
+        record = json.loads(lease.record)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _seconds(value: Any) -> int:
+    """A record's count of seconds; 0 for none, or one that is no positive integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def marker_ttl_s(lease: ExpiredLease) -> int:
     """The settled marker's life the serving instance counted on (its record's; 0 when an older
     version's record says none): a journaled settle of the call may come up to 90% of it after
     the lease was confirmed, and must then find the reaper's marker."""
-    try:
-        record = json.loads(lease.record)
-    except ValueError:
-        return 0
-    ttl_s = record.get("marker_ttl_s", 0) if isinstance(record, dict) else 0
-    return ttl_s if isinstance(ttl_s, int) and not isinstance(ttl_s, bool) and ttl_s > 0 else 0
+    return _seconds(_record(lease).get("marker_ttl_s"))
 
 
 def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], str, int]:
     """Actual figures, ledger entry, run id and the run's TTL (0: none) for a lease settled at
     its reserve."""
-    try:
-        record = json.loads(lease.record)
-    except ValueError:
-        record = {}
+    record = _record(lease)
     amounts = lease.amounts
     actual = {
         "requests": amounts.get("requests", 1),
@@ -87,8 +93,7 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
         entry["service_tier"] = record["service_tier"]
     if isinstance(record.get("tool_calls"), str) and record["tool_calls"]:
         entry["tool_calls"] = record["tool_calls"]  # the hosted tools' calls its cost holds
-    run_ttl_s = record.get("run_ttl_s", 0)
-    return actual, entry, run_id, run_ttl_s if isinstance(run_ttl_s, int) and run_ttl_s > 0 else 0
+    return actual, entry, run_id, _seconds(record.get("run_ttl_s"))
 
 
 @dataclass(frozen=True, slots=True)
