@@ -128,16 +128,18 @@ def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[byte
     return tuple(secrets)
 
 
+# A credential shorter than this is not looked for: a key such as vLLM's placeholder "EMPTY" or
+# Ollama's "ollama", or a URL's user name such as "api", is no secret, and would be replaced in
+# answers that name it (a completion's text) or happen to hold it (an embedding's base64, a short
+# basic auth token in an image's).
+_MIN_SECRET = 8
+
+
 @functools.cache
 def key_forms(key: str) -> tuple[bytes, ...]:
     """The operator's ``key`` as it reads and as an echo of it in JSON reads (a '/' of a key
     escaped, as some encoders write it)."""
-    return tuple(_as_echoed(key)) if key else ()
-
-
-# A form of the URL's credentials shorter than this is not looked for (a user name such as "api"
-# would be replaced in every answer, a short basic auth token in an image's base64).
-_MIN_URL_SECRET = 8
+    return tuple(_as_echoed(key)) if len(key) >= _MIN_SECRET else ()
 
 
 @functools.cache
@@ -166,10 +168,10 @@ def url_credentials(base_url: str) -> tuple[bytes, ...]:
     user, password = unquote(parts.username or ""), unquote(parts.password or "")
     out: list[bytes] = []
     token = basic_token(base_url)
-    if token is not None and len(token) >= _MIN_URL_SECRET:
+    if token is not None and len(token) >= _MIN_SECRET:
         out.extend(_as_echoed(token.decode()))
     part = password or user
-    if len(part) >= _MIN_URL_SECRET:
+    if len(part) >= _MIN_SECRET:
         out.extend(_as_echoed(part))
         with contextlib.suppress(UnicodeEncodeError):  # its bytes as the basic auth token carries them
             if (sent := part.encode("latin1")) not in out:

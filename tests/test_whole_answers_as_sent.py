@@ -21,7 +21,8 @@ from proxy.config import UpstreamConfig
 from proxy.forward import operator_secrets, scrubbed, url_credentials
 from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory
 from tests.memory import MB, split
-from tests.test_bad_input import Plan, Reply, ScriptedUpstream, send
+from tests.outcome_helpers import run_headers, the_entry
+from tests.test_bad_input import Plan, Reply, ScriptedUpstream, scripted_upstreams, send
 from tests.test_pricing_kinds import _entry, _post
 from tests.test_tool_fees import SEARCH_ITEM, _proxy, _response
 from tests.test_upstream_bodies import CHAT, chat_body, dumps, proxy_before, send_to_raw
@@ -149,7 +150,7 @@ def test_a_user_name_that_is_a_token_of_its_own_is_scrubbed() -> None:
 
 
 def test_a_password_of_eight_characters_is_sought_in_answers() -> None:
-    # The shortest sought (``_MIN_URL_SECRET``): one of 8 passed on as the gateway echoed it.
+    # The shortest sought (``_MIN_SECRET``): one of 8 passed on as the gateway echoed it.
     assert b"pw-12345" in url_credentials("https://gw-user:pw-12345@gw.example/v1")
 
 
@@ -383,3 +384,80 @@ async def test_a_client_that_keeps_reading_a_whole_answer_slower_than_the_write_
     assert got.endswith(body)
     entry = await _entry(redis_client)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+
+
+# A placeholder key (vLLM's documented "EMPTY", Ollama's "ollama") is no secret: scrubbed, it was
+# replaced in answers that name it or happen to hold it (the legacy endpoints hunt).
+# A float32 vector whose base64 holds the five letters of the key (any 5 letters of base64's
+# alphabet turn up in about 1 in 10^9 positions: a 2,048 batch of 3,072-dimension vectors holds
+# 33 million positions, so a few per cent of such batches).
+VECTOR_B64 = "AAAEMPTY" + "A" * 24
+
+
+async def test_an_embeddings_base64_answer_reaches_the_client_as_the_provider_sent_it(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url), upstream_key="EMPTY")
+    answer = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": VECTOR_B64}],
+        "model": "text-embedding-3-small",
+        "usage": {"prompt_tokens": 2, "total_tokens": 2},
+    }
+    script.plan = Plan(chunks=[dumps(answer)])
+    async with proxy.client() as client:
+        raw = await client.embeddings.with_raw_response.create(
+            model="text-embedding-3-small", input="hello world", extra_headers=run_headers("b64")
+        )
+    sent = raw.http_response.json()["data"][0]["embedding"]
+    assert sent == VECTOR_B64, sent  # was "AAA[REDACTED]AAAA...": the SDK could not decode it
+
+
+async def test_a_completion_text_naming_the_upstream_key_reaches_the_client_as_sent(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url), upstream_key="ollama")
+    text = " Run `ollama pull llama3` first."
+    answer = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "llama3",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14},
+    }
+    script.plan = Plan(chunks=[dumps(answer)])
+    async with proxy.client() as client:
+        reply = await client.completions.create(
+            model="llama3", prompt="How do I get llama3?", max_tokens=20, extra_headers=run_headers("t")
+        )
+    assert reply.choices[0].text == text, reply.choices[0].text  # was "Run `[REDACTED] pull ...`"
+
+
+async def test_a_streamed_completion_naming_the_upstream_key_reaches_the_client_as_sent(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url), upstream_key="ollama")
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "llama3"}
+    pieces = [" Run", " `ollama", " pull", " llama3`."]
+    events = [
+        {**head, "choices": [{"index": 0, "text": p, "logprobs": None, "finish_reason": None}]}
+        for p in pieces
+    ]
+    events.append({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]})
+    events.append(
+        {**head, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}
+    )
+    chunks = [b"data: " + dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+    async with proxy.client() as client:
+        stream = await client.completions.create(
+            model="llama3",
+            prompt="How do I get llama3?",
+            max_tokens=20,
+            stream=True,
+            extra_headers=run_headers("s"),
+        )
+        text = "".join([c.choices[0].text async for c in stream if c.choices])
+    entry = await the_entry(proxy, "s")
+    assert (entry["usage_source"], entry["output_tokens"]) == ("provider", "4"), entry
+    assert text == "".join(pieces), text  # was " Run `[REDACTED] pull llama3`."
