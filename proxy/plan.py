@@ -55,7 +55,8 @@ def least_cap_accepted(endpoint: Endpoint, body: dict[str, Any], *, anthropic_be
     clamp, a model's own cap) would have the call refused upstream instead of here."""
     if endpoint == "responses":
         return RESPONSES_LEAST_CAP
-    thinking = body.get("thinking") if endpoint == "messages" else None
+    # On chat too: Anthropic's OpenAI-compatible endpoint takes it there, with the same rule.
+    thinking = body.get("thinking") if endpoint in ("messages", "chat.completions") else None
     # With interleaved thinking the budget covers every thinking block of the turn and may pass
     # max_tokens (Anthropic's extended thinking docs).
     if (
@@ -401,11 +402,14 @@ def _predicts(prediction: Any) -> bool:
 def _reasons(endpoint: Endpoint, body: dict[str, Any]) -> bool:
     """Whether the request asks the model to reason: OpenAI's reasoning tokens are never
     streamed, and Claude 4's thinking is streamed as a summary while it bills the whole (every
-    type but disabled thinks: enabled, adaptive, between_tools)."""
+    type but disabled thinks: enabled, adaptive, between_tools), on chat too through Anthropic's
+    OpenAI-compatible endpoint, which never returns it."""
+    thinking = body.get("thinking") if endpoint in ("messages", "chat.completions") else None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if isinstance(kind, str) and kind != "disabled":
+        return True
     if endpoint == "messages":
-        thinking = body.get("thinking")
-        kind = thinking.get("type") if isinstance(thinking, dict) else None
-        return isinstance(kind, str) and kind != "disabled"
+        return False
     if _gemini_thinks(body):
         return True
     effort = body.get("reasoning_effort")

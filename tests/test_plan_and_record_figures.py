@@ -107,7 +107,10 @@ def test_max_tokens_must_pass_the_thinking_budget_unless_thinking_is_interleaved
     assert least_cap_accepted("messages", {"thinking": {"type": "enabled", "budget_tokens": 0}}) == 1
     adaptive = {"thinking": {"type": "adaptive", "budget_tokens": THINKING_BUDGET}}
     assert least_cap_accepted("messages", adaptive) == 1
-    assert least_cap_accepted("chat.completions", thinking) == 1
+    # Anthropic's OpenAI-compatible endpoint takes thinking on chat, with the same rule (the
+    # routing hunt): a clamp below the budget was a 400 from the provider, not the proxy's refusal.
+    assert least_cap_accepted("chat.completions", thinking) == THINKING_BUDGET + 1
+    assert least_cap_accepted("completions", thinking) == 1
     assert least_cap_accepted("responses", {}) == 16
 
 

@@ -549,6 +549,8 @@ async def test_streamed_chat_reasoning_is_counted_when_the_client_leaves(
         "openrouter-off",
         "gemini-budget",
         "gemini-off",
+        "anthropic-thinking",
+        "anthropic-thinking-off",
     ],
 )
 async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_client_leaves(
@@ -583,10 +585,15 @@ async def test_a_chat_stream_that_reasons_unseen_is_billed_its_reserve_when_the_
         # are billed, never streamed): a budget of 0 turns thinking off.
         budget = 0 if how == "gemini-off" else 2000
         body["extra_body"] = {"google": {"thinking_config": {"thinking_budget": budget}}}
+    if how.startswith("anthropic"):
+        # Anthropic's OpenAI-compatible endpoint, as the openai SDK sends its extra_body: Claude
+        # thinks, billed, and that endpoint never returns the thinking (the routing hunt).
+        kind = "disabled" if how.endswith("-off") else "enabled"
+        body["thinking"] = {"type": kind, "budget_tokens": 2000} if kind == "enabled" else {"type": kind}
     await read_until_then_leave(proxy, "/v1/chat/completions", body, b"Hello")
     entry = await only_entry(redis_client)
     assert entry["outcome"] == "client_disconnected", entry
-    if how in ("neither", "openrouter-off", "gemini-off"):
+    if how in ("neither", "openrouter-off", "gemini-off", "anthropic-thinking-off"):
         assert entry["usage_source"] != "reserve" and int(entry["output_tokens"]) < 10, entry
     else:
         assert (entry["usage_source"], entry["output_tokens"]) == ("reserve", "4000"), entry
