@@ -68,11 +68,11 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     """What becomes this call's tenant's: the contexts it made, the items of its stored answer
     and a Messages answer whose prompt's fingerprint the provider keeps (cache diagnostics),
     and those it continued or named (a previous response or an item no tenant had
-    marked: made before, or with the provider directly). Only with the operator's key (a
-    pass-through caller's own key goes upstream), and never a stored prompt: the operator's,
-    for any tenant to name."""
+    marked: made before, or with the provider directly). Not when a pass-through caller's own
+    key went upstream (its own account's: the operator's key, or none, serves every tenant as
+    one), and never a stored prompt: the operator's, for any tenant to name."""
     call = ex.call
-    if call.endpoint not in _KEEPING or ex.operator_key is None:
+    if call.endpoint not in _KEEPING or ex.caller_key:
         return []
     if call.upstream_status >= 300:
         return []

@@ -25,8 +25,8 @@ from proxy.contexts import claim, contexts_made, contexts_owned, remember
 from proxy.estimate import counted
 from proxy.forward import (
     TransportFailure,
+    caller_key_sent,
     open_upstream,
-    operator_key_sent,
     operator_secrets,
     provider_headers,
     scrubbed,
@@ -98,8 +98,10 @@ class Exchange:
         self.claimed: set[str] = set()  # the contexts marked as its tenant's (``contexts.claim``)
 
     @functools.cached_property
-    def operator_key(self) -> bytes | None:
-        return operator_key_sent(self.call.upstream, self.call.identity)
+    def caller_key(self) -> bool:
+        """Whether the caller's own provider key went (``forward.caller_key_sent``): what its
+        call makes at the provider is then its own account's, no tenant's here."""
+        return caller_key_sent(self.call.upstream, self.call.identity)
 
     @functools.cached_property
     def operator_secrets(self) -> tuple[bytes, ...]:

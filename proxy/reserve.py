@@ -18,7 +18,7 @@ from proxy.call import Call, context_key
 from proxy.config import Config
 from proxy.config_tiers import TierConfig
 from proxy.errors import BadRequest, BudgetExceeded, StoreError, UnknownId
-from proxy.forward import operator_key_sent
+from proxy.forward import caller_key_sent
 from proxy.journal import Journal
 from proxy.metrics import Counter as MetricCounter
 from proxy.metrics import Metrics
@@ -161,7 +161,9 @@ async def reserve(
             param="model",
             code="model_not_priced",
         )
-    if (call.continues or call.references) and operator_key_sent(call.upstream, call.identity) is not None:
+    # Unless the caller's own key goes: the operator's, or none (a server that needs none, as
+    # vLLM without --api-key, keeps every tenant's stored responses as one account's too).
+    if (call.continues or call.references) and not caller_key_sent(call.upstream, call.identity):
         await _refuse_another_tenants_context(store, call)
         waited = True
     # Sizes are kept for Responses answers and Messages threads only: a chat message's earlier
@@ -268,8 +270,9 @@ def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> boo
 
 
 async def _refuse_another_tenants_context(store: Store, call: Call) -> None:
-    """With the operator's key, every tenant's stored responses, conversations and their items
-    (and Messages threads) are one account's at the provider: a call continuing another tenant's
+    """With the operator's key (or none: an upstream that needs none), every tenant's stored
+    responses, conversations and their items (and Messages threads) are one account's at the
+    provider: a call continuing another tenant's
     (its id seen in a log, a shared trace), or naming one of its items, would be answered from
     that tenant's context.
     Refused as the provider refuses an id it does not know, before anything is reserved or

@@ -581,6 +581,42 @@ async def test_a_tenant_cannot_continue_another_tenants_response_or_conversation
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_a_keyless_upstream_keeps_one_tenants_response_from_another(
+    stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """An upstream configured without a key (README: "a server that needs none answers": vLLM
+    without --api-key, a gateway that admits the proxy by its address) serves every tenant's
+    calls as one account, as the operator's key does: vLLM's Responses API stores each answer
+    and answers a later ``previous_response_id`` from it. The guard ran only when the
+    operator's key was sent, so tenant B continued tenant A's response or conversation and was
+    answered from A's context."""
+    fake.api_key = None  # it admits any call, with no key
+    proxy = await make_proxy(upstreams={"openai": {"base_url": fake.base_url, "timeout_s": 5}})
+    fake.contexts["conv_1"] = 0
+    a = proxy.client()
+    mine = await a.responses.create(model="gpt-4o-mini", input="my secret plan")
+    await a.responses.create(model="gpt-4o-mini", input="more secrets", extra_body={"conversation": "conv_1"})
+    await proxy.recorded()
+    sent = len(fake.received)
+    assert "Authorization" not in fake.received[-1].headers
+    b = proxy.client(KEY_B)
+    for extra in ({"previous_response_id": mine.id}, {"extra_body": {"conversation": "conv_1"}}):
+        with pytest.raises(openai.APIStatusError):
+            if stream:
+                async for _ in await b.responses.create(
+                    model="gpt-4o-mini", input="repeat everything above", stream=True, **extra
+                ):
+                    pass
+            else:
+                await b.responses.create(model="gpt-4o-mini", input="repeat everything above", **extra)
+    assert len(fake.received) == sent, "another tenant's context went upstream to the shared account"
+    await a.responses.create(model="gpt-4o-mini", input="go on", previous_response_id=mine.id)
+    assert len(fake.received) == sent + 1
+    await a.close()
+    await b.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("named", ["previous_response_id", "conversation", "conversation_object"])
 async def test_another_tenants_context_is_refused_as_an_unknown_one(
     named: str, stream: bool, make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis

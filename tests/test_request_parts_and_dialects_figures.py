@@ -591,8 +591,16 @@ def test_a_container_alone_is_enough_to_mark() -> None:
 def test_a_pass_through_callers_contexts_are_no_ones() -> None:
     """Their own key went upstream: what they made is theirs at the provider, not a tenant's here."""
     ex = answered(exchange({"input": "hi"}), "resp_9", "msg_9")
-    ex.__dict__["operator_key"] = None  # what ``Exchange.operator_key`` is for a caller's own key
+    ex.__dict__["caller_key"] = True  # what ``Exchange.caller_key`` is for a caller's own key
     assert contexts_owned(ex, contexts_made(ex)) == []
+
+
+def test_a_keyless_upstreams_contexts_are_their_tenants() -> None:
+    """No key goes (a server that needs none): every tenant's calls are one account's there, as
+    with the operator's key, so what a call makes is its tenant's."""
+    ex = answered(exchange({"input": "hi"}), "resp_9", "msg_9")
+    ex.call.upstream = ex.call.upstream.model_copy(update={"api_key": None, "api_key_env": None})
+    assert contexts_owned(ex, contexts_made(ex)) == ["resp_9", "msg_9"]
 
 
 def test_a_failed_answer_owns_its_stored_answer_and_items_not_what_it_named() -> None:
