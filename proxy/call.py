@@ -123,8 +123,9 @@ class Call:
     # reads as input ("item": a Responses ``item_reference``, a reasoning item without its
     # content; "audio": a chat message's earlier audio answer), a code execution container
     # ("container": with the files earlier calls left in it; "input_container": one a call item
-    # sent back names) and a message whose prompt a Messages call's is compared with (cache
-    # diagnostics' "diagnostics"). Ids as given.
+    # sent back names), a message whose prompt a Messages call's is compared with (cache
+    # diagnostics' "diagnostics") and a Files API file a Messages call puts in its container or
+    # reads ("file": one a tenant's code execution wrote is its). Ids as given.
     references: tuple[Reference, ...] = ()
     # Of ``continues`` and ``references`` (keyed), those the reserve found marked as this call's
     # tenant's already: not marked again (``contexts.contexts_owned``).

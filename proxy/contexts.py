@@ -70,7 +70,8 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     and those it continued or named (a previous response or an item no tenant had
     marked: made before, or with the provider directly). Not when a pass-through caller's own
     key went upstream (its own account's: the operator's key, or none, serves every tenant as
-    one), and never a stored prompt: the operator's, for any tenant to name."""
+    one), and never a stored prompt nor a file it named that no call here wrote: the
+    operator's (uploaded to the Files API), for any tenant to name."""
     call = ex.call
     if call.endpoint not in _KEEPING or ex.caller_key:
         return []
@@ -80,7 +81,8 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
     # The answer the provider keeps under its id (a stored response; a message in a thread, or
     # its prompt's fingerprint for cache diagnostics).
     answer = obs.response_id if call.stores_answer or call.fingerprinted else None
-    if not (made or call.continues or call.references or obs.item_ids or obs.container_ids or answer):
+    told = obs.item_ids or obs.container_ids or obs.file_ids
+    if not (made or call.continues or call.references or told or answer):
         return []  # nearly every chat and Messages call: nothing to mark, nothing built
     # Not one the reserve found this tenant's already: owner.lua again, a round trip (before
     # a stream's last event) for nothing.
@@ -92,7 +94,8 @@ def contexts_owned(ex: Exchange, made: list[str]) -> list[str]:
         # files, and its items may be kept. Still this tenant's; what it continued or named
         # becomes no one's by a failed call.
         return _kept_for_good(ex, [c for c in dict.fromkeys([*own, *answer_items(ex)]) if c not in skip])
-    named = [*own, *call.continues, *answer_items(ex), *(context_key(ref) for _, ref in call.references)]
+    refs = (context_key(ref) for what, ref in call.references if what != "file")
+    named = [*own, *call.continues, *answer_items(ex), *refs]
     owned = [c for c in made if c != call.stored_prompt] + [c for c in dict.fromkeys(named) if c not in skip]
     return _kept_for_good(ex, owned)
 
@@ -102,21 +105,25 @@ def _kept_for_good(ex: Exchange, owned: list[str]) -> list[str]:
     the provider keeps them with no expiry, so their marks are kept for good (a mark gone after
     30 days left an idle conversation, or its first answer's items, anyone's to continue). Not
     its container (the provider drops it once idle) nor an item it named (kept as long as the
-    answer that made it; for good when that was within a conversation)."""
+    answer that made it; for good when that was within a conversation). The files its code
+    wrote, in any call: the Files API keeps them until they are deleted."""
     call = ex.call
-    if call.conversation is None:
+    lasting = {context_key(f) for f in ex.obs.file_ids}
+    if call.conversation is not None:
+        lasting.update((call.conversation, *contexts_made(ex), *(context_key(i) for i in ex.obs.item_ids)))
+    if not lasting:
         return owned
-    lasting = {call.conversation, *contexts_made(ex), *(context_key(i) for i in ex.obs.item_ids)}
     return [KEPT_FOR_GOOD + c if c in lasting else c for c in owned]
 
 
 def answer_items(ex: Exchange) -> list[str]:
     """Where the provider keeps what this answer made for a later call to name: a stored
     Responses answer's output items, a chat answer's audio (kept for later turns whatever
-    ``store`` says), and the container its code ran in (with the files it left there)."""
+    ``store`` says), the container its code ran in (with the files it left there) and the files
+    its code wrote that the Files API keeps (Anthropic's code execution)."""
     call = ex.call
     items = ex.obs.item_ids if call.stores_answer or call.endpoint == "chat.completions" else []
-    return [context_key(i) for i in (*items, *ex.obs.container_ids)]
+    return [context_key(i) for i in (*items, *ex.obs.container_ids, *ex.obs.file_ids)]
 
 
 def contexts_made(ex: Exchange) -> list[str]:

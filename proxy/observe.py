@@ -273,6 +273,9 @@ class Observation:
     item_ids: list[str] = field(default_factory=list)
     # The code execution containers it ran in (Responses, Messages): a later call may name them.
     container_ids: list[str] = field(default_factory=list)
+    # The files its code execution wrote (Anthropic's ``*code_execution_output``), kept by the
+    # provider's Files API under the key's workspace: a later call may name them.
+    file_ids: list[str] = field(default_factory=list)
     # Responses messages that are not the final answer (a ``phase`` of ``commentary``), by
     # output index and item id: their text is output, never the structured answer.
     side_messages: set[int | str] = field(default_factory=set)

@@ -102,6 +102,8 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.saw_tool_use(block.get("name"))
         elif isinstance(block, dict) and block.get("type") == "compaction":
             obs.add_text(0, block.get("content"), content=False)  # a summary may come whole here
+        elif isinstance(block, dict):
+            _files_written(obs, block)  # a server tool's result comes whole in its start
     elif kind == "message_start":
         message = obj.get("message")
         if isinstance(message, dict):
@@ -214,6 +216,21 @@ def _container(obs: Observation, container: Any) -> None:
     add_id(obs.container_ids, container.get("id") if isinstance(container, dict) else None)
 
 
+def _files_written(obs: Observation, block: dict[str, Any]) -> None:
+    """The files a code execution wrote, told by their Files API ids in its result
+    (``code_execution_tool_result`` / ``bash_code_execution_tool_result``: a
+    ``*code_execution_result`` whose ``content`` lists ``*code_execution_output`` blocks, each a
+    ``file_id``). The provider keeps them in the key's workspace, apart from the container,
+    until deleted: a later call names them (``container_upload``, a document's source)."""
+    kind = block.get("type")
+    ran = isinstance(kind, str) and kind.endswith("code_execution_tool_result")
+    result = block.get("content") if ran else None
+    outputs = result.get("content") if isinstance(result, dict) else None
+    for output in outputs if isinstance(outputs, list) else ():
+        if isinstance(output, dict) and str(output.get("type")).endswith("code_execution_output"):
+            add_id(obs.file_ids, output.get("file_id"))
+
+
 def _answer_id(obs: Observation, message: dict[str, Any]) -> None:
     """The answer's id: a thread's state (or a cache diagnostics fingerprint) is kept under it."""
     found = message.get("id")
@@ -248,6 +265,8 @@ def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.add_text(0, block.get("thinking"), content=False)
             elif block.get("type") == "compaction":  # the summary compaction wrote: billed output
                 obs.add_text(0, block.get("content"), content=False)
+            else:
+                _files_written(obs, block)
     _anthropic_tier(obs, obj.get("usage"))
     obs.tool_calls_told = _server_tool_use(obs, obj.get("usage"))
     obs.usage = anthropic_usage(obj.get("usage"))

@@ -312,7 +312,8 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
     their result and typed items of their id alone (read from the store by id); a
     chat message's earlier audio answer, sent back by its id; the container a code execution
     tool runs in (a Responses tool's ``container`` or ``environment``, a Messages call's
-    ``container``); the message a Messages call's cache diagnostics compare its prompt with."""
+    ``container``); the message a Messages call's cache diagnostics compare its prompt with; a
+    file of the Files API a Messages call puts in its container or reads (``_files_named``)."""
     found: list[Reference] = []
     if isinstance(view, ChatBody):
         for message in view.messages:
@@ -326,6 +327,10 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
         diagnostics = extra.get("diagnostics")
         compared = diagnostics.get("previous_message_id") if isinstance(diagnostics, dict) else None
         _add_reference(found, "diagnostics", compared)
+        for message in view.messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                _files_named(found, content)
     elif isinstance(view, ResponsesBody):
         for item in view.input if isinstance(view.input, list) else ():
             kind = item.get("type")
@@ -351,6 +356,25 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
                 _add_reference(found, "container", environment.get("container_id"))
             _add_reference(found, "container", tool.get("container"))  # an id, or {"type": "auto"}
     return tuple(dict.fromkeys(found))
+
+
+def _files_named(found: list[Reference], blocks: list[Any]) -> None:
+    """The Files API ids a Messages call's content names: a ``container_upload`` (the file put in
+    the code execution container), a document or an image whose source is ``{"type": "file"}``,
+    also in a tool result's content. A file another tenant's code wrote is kept in the same
+    workspace (the key's), for any call to name."""
+    for block in blocks:
+        if not isinstance(block, dict):
+            continue
+        kind = block.get("type")
+        if kind == "container_upload":
+            _add_reference(found, "file", block.get("file_id"))
+        elif kind == "tool_result" and isinstance(block.get("content"), list):
+            _files_named(found, block["content"])
+        else:
+            source = block.get("source")  # a document's or an image's
+            if isinstance(source, dict) and source.get("type") == "file":
+                _add_reference(found, "file", source.get("file_id"))
 
 
 def _fingerprinted(view: MessagesBody, anthropic_beta: str) -> bool:

@@ -339,6 +339,9 @@ _NOT_FOUND = {
     # (The provider tells one it has no fingerprint of in the answer's ``diagnostics``,
     # ``previous_message_not_found``: another tenant's is refused, its prompt never compared.)
     "diagnostics": ("Message with id '{}' not found.", "diagnostics.previous_message_id"),
+    # A Files API id a Messages call names (Anthropic's Files API answers one it does not hold
+    # with a 404 of these words).
+    "file": ("File not found: {}", "messages"),
 }
 
 

@@ -68,6 +68,57 @@ def search_block(index: int) -> dict[str, Any]:
 # -- billed_usage -------------------------------------------------------------------------------
 
 
+def code_result(kind: str, *file_ids: str) -> dict[str, Any]:
+    """A code execution tool's result block (``kind``: ``bash_code_execution`` or, older,
+    ``code_execution``) telling the files its code wrote."""
+    outputs = [{"type": f"{kind}_output", "file_id": f} for f in file_ids]
+    result = {"type": f"{kind}_result", "stdout": "", "stderr": "", "return_code": 0, "content": outputs}
+    return {"type": f"{kind}_tool_result", "tool_use_id": "srvtoolu_1", "content": result}
+
+
+FILE_RESULTS = [
+    code_result("bash_code_execution", "file_1", "file_2"),
+    code_result("code_execution", "file_3"),
+    # PFC with web search: stdout encrypted, the files told as ever.
+    {
+        "type": "code_execution_tool_result",
+        "tool_use_id": "srvtoolu_2",
+        "content": {
+            "type": "encrypted_code_execution_result",
+            "encrypted_stdout": "AAAA",
+            "stderr": "",
+            "return_code": 0,
+            "content": [{"type": "code_execution_output", "file_id": "file_4"}],
+        },
+    },
+    # An error tells none; a text editor's result names no file id.
+    {
+        "type": "bash_code_execution_tool_result",
+        "tool_use_id": "srvtoolu_3",
+        "content": {"type": "bash_code_execution_tool_result_error", "error_code": "unavailable"},
+    },
+    {
+        "type": "text_editor_code_execution_tool_result",
+        "tool_use_id": "srvtoolu_4",
+        "content": {"type": "text_editor_code_execution_create_result", "is_file_update": False},
+    },
+]
+
+
+def test_the_files_anthropic_s_code_execution_wrote_are_told_whole_and_streamed() -> None:
+    """Kept by the Files API in the key's workspace, for a later call to name: its tenant's."""
+    whole = Observation()
+    message = {"id": "msg_1", "type": "message", "content": FILE_RESULTS, "usage": {"input_tokens": 1}}
+    anthropic_body(whole, message)
+    streamed = events(
+        *(
+            {"type": "content_block_start", "index": k, "content_block": block}
+            for k, block in enumerate(FILE_RESULTS)
+        )
+    )
+    assert whole.file_ids == streamed.file_ids == ["file_1", "file_2", "file_3", "file_4"]
+
+
 def test_searches_seen_above_a_partial_count_are_billed_when_the_stream_is_cut() -> None:
     """message_start told one search; two ran before the cut: the two are billed."""
     usage = {"input_tokens": 12, "output_tokens": 1, "server_tool_use": {"web_search_requests": 1}}

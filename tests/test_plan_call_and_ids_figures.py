@@ -298,6 +298,29 @@ def test_the_ids_a_chat_or_messages_call_names_for_the_provider_to_look_up() -> 
     assert named.references == (("container", "cntr_1"),)
 
 
+def test_the_files_a_messages_call_puts_in_its_container_or_reads_are_named() -> None:
+    """A Files API id reaches the provider in a ``container_upload`` and as a document's or an
+    image's ``{"type": "file"}`` source, in a tool result too; not a base64 or a URL source."""
+    content: list[dict[str, Any]] = [
+        {"type": "text", "text": "print the files"},
+        {"type": "container_upload", "file_id": "file_1"},
+        {"type": "document", "source": {"type": "file", "file_id": "file_2"}},
+        {"type": "image", "source": {"type": "file", "file_id": "file_3"}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}},
+        {"type": "container_upload", "file_id": ""},
+    ]
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [{"type": "image", "source": {"type": "file", "file_id": "file_4"}}],
+    }
+    messages = [{"role": "user", "content": content}, {"role": "user", "content": [result]}]
+    claude_models = {"claude-x": claude_model()}
+    named = planned(claude(messages=messages), "messages", config=config_of(models=claude_models))
+    assert named.references == tuple(("file", f"file_{n}") for n in range(1, 5))
+
+
 def test_the_ids_a_responses_call_names_for_the_provider_to_look_up() -> None:
     items = [
         {"type": "item_reference", "id": "msg_1"},

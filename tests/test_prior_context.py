@@ -1246,6 +1246,129 @@ async def test_a_tenant_cannot_run_in_another_tenants_anthropic_container(
     assert len(fake.received) == sent + 1
 
 
+CODE_FILE = "file_011CodeExecSecretOfTeamA"
+CODE_TOOLS = [{"type": "code_execution_20250825", "name": "code_execution"}]
+
+
+def code_answer(stream: bool) -> Plan:
+    """A Messages answer whose code wrote a file, told by its Files API id (a
+    ``bash_code_execution_output``), in container ``container_a``; whole or streamed (a server
+    tool's result comes whole in its ``content_block_start``, the container with the stop)."""
+    blocks: list[dict[str, Any]] = [
+        {
+            "type": "server_tool_use",
+            "id": "srvtoolu_1",
+            "name": "bash_code_execution",
+            "input": {"command": "echo secret > /tmp/outputs/a.txt"},
+        },
+        {
+            "type": "bash_code_execution_tool_result",
+            "tool_use_id": "srvtoolu_1",
+            "content": {
+                "type": "bash_code_execution_result",
+                "stdout": "",
+                "stderr": "",
+                "return_code": 0,
+                "content": [{"type": "bash_code_execution_output", "file_id": CODE_FILE}],
+            },
+        },
+    ]
+    container = {"id": "container_a", "expires_at": "2099-01-01T00:00:00Z"}
+    whole = sdk_message([*blocks, {"type": "text", "text": "saved"}], container=container)
+    if not stream:
+        return Plan(chunks=[dumps(whole)])
+    start = {**whole, "content": [], "stop_reason": None, "usage": {"input_tokens": 10, "output_tokens": 1}}
+    del start["container"]
+    chunks = [ev("message_start", {"message": start})]
+    for k, block in enumerate(blocks):
+        chunks.append(ev("content_block_start", {"index": k, "content_block": block}))
+        chunks.append(ev("content_block_stop", {"index": k}))
+    chunks += [
+        ev("content_block_start", {"index": 2, "content_block": {"type": "text", "text": ""}}),
+        ev("content_block_delta", {"index": 2, "delta": {"type": "text_delta", "text": "saved"}}),
+        ev("content_block_stop", {"index": 2}),
+        ev(
+            "message_delta",
+            {
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None, "container": container},
+                "usage": {"output_tokens": 5},
+            },
+        ),
+        ev("message_stop", {}),
+    ]
+    return Plan(content_type="text/event-stream", chunks=chunks)
+
+
+async def messages_call(proxy: Proxy, key: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """A Messages call's status and its body (a stream's read whole, as text)."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url + "/v1/messages",
+            json={"model": "claude-sonnet-4-5", "max_tokens": 50, "tools": CODE_TOOLS, **body},
+            headers={"x-api-key": key, "anthropic-version": "2023-06-01"},
+        ) as resp,
+    ):
+        if resp.content_type == "text/event-stream":
+            return resp.status, await resp.text()
+        return resp.status, await resp.json()
+
+
+def naming_file(file_id: str, how: str) -> dict[str, Any]:
+    """A user message putting ``file_id`` in its container, or reading it as a document."""
+    if how == "container_upload":
+        block: dict[str, Any] = {"type": "container_upload", "file_id": file_id}
+    else:
+        block = {"type": "document", "source": {"type": "file", "file_id": file_id}}
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "print the file"}, block]}]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("how", ["container_upload", "document"])
+async def test_a_tenant_cannot_read_the_files_another_tenants_code_execution_wrote(
+    how: str, stream: bool, make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
+) -> None:
+    """Anthropic's code execution tells each file its code wrote by a Files API id
+    (``bash_code_execution_output.file_id``), kept in the workspace of the operator's key until
+    deleted; a later call names it in a ``container_upload`` (put in its container) or a
+    ``document`` whose source is ``{"type": "file"}``. A's container was refused to tenant B,
+    but B naming A's file went upstream with the operator's key: B's code read A's file. It is
+    now refused as the Files API answers a file it does not hold, nothing forwarded; its owner
+    names it as before, and a file no call here wrote (the operator's upload) is anyone's."""
+    proxy = await claude_proxy(make_proxy, queue)
+    queue.plans = [code_answer(stream)]
+    status, answer = await messages_call(
+        proxy,
+        KEY_A,
+        {"messages": [{"role": "user", "content": "save my secret to a file"}], "stream": stream},
+    )
+    assert status == 200, answer
+    assert CODE_FILE in str(answer)
+    await proxy.recorded()
+    # The mark lasts as long as the Files API keeps the file: until it is deleted.
+    assert await redis_client.get(f"lbp:ctxowner:{CODE_FILE}") == "team-a"
+    assert await redis_client.ttl(f"lbp:ctxowner:{CODE_FILE}") == -1
+    queue.plans = [answer_of("msg_02", stream=False)]
+    status, refused = await messages_call(proxy, KEY_B, {"container": "container_a", **naming_file("x", how)})
+    assert status == 404, refused  # the container itself, as before ...
+    sent = len(queue.received)
+    status, refused = await messages_call(proxy, KEY_B, naming_file(CODE_FILE, how))
+    assert len(queue.received) == sent, "another tenant's code execution file went upstream"
+    assert (status, refused) == (
+        404,
+        {"type": "error", "error": {"type": "not_found_error", "message": f"File not found: {CODE_FILE}"}},
+    )
+    status, _ = await messages_call(proxy, KEY_A, naming_file(CODE_FILE, how))
+    assert status == 200 and len(queue.received) == sent + 1
+    # A file no call here wrote: uploaded by the operator, named by any tenant, first or not.
+    for key in (KEY_B, KEY_A, KEY_B):
+        status, _ = await messages_call(proxy, key, naming_file("file_011OperatorsOwn", how))
+        assert status == 200
+        await proxy.recorded()
+    assert len(queue.received) == sent + 4
+    assert await redis_client.get("lbp:ctxowner:file_011OperatorsOwn") is None
+
+
 async def containers_of(client: openai.AsyncOpenAI, **asked: Any) -> set[str]:
     """The containers a Responses stream's items told, as they came (the SDK's events)."""
     found: set[str] = set()

@@ -28,6 +28,7 @@ from proxy.payload import (
 )
 from proxy.prompt_parts import items_parts, media_parts, prompt_texts, variable_texts
 from proxy.relay import Exchange
+from proxy.store import KEPT_FOR_GOOD
 from tests.conftest import KEY_A, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.test_observed_answers_figures import planned
@@ -586,6 +587,24 @@ def test_a_container_alone_is_enough_to_mark() -> None:
     ex = exchange({"messages": [USER], "max_tokens": 5}, "messages")
     ex.obs.container_ids.append("cntr_9")
     assert contexts_owned(ex, []) == ["cntr_9"]
+
+
+def test_the_files_a_tenants_code_wrote_are_its_for_good_not_a_file_it_named() -> None:
+    """The Files API keeps a file until it is deleted: its mark is kept for good, in a call on no
+    conversation too. A file a call names that no call here wrote was uploaded to the Files API
+    by the operator (the proxy serves no upload), for any tenant to name: not marked."""
+    content = [{"type": "container_upload", "file_id": "file_operators"}]
+    ex = exchange({"messages": [{"role": "user", "content": content}], "max_tokens": 5}, "messages")
+    ex.obs.container_ids.append("cntr_9")
+    ex.obs.file_ids.append("file_9")
+    assert answer_items(ex) == ["cntr_9", "file_9"]
+    assert contexts_owned(ex, []) == ["cntr_9", KEPT_FOR_GOOD + "file_9"]
+    ex.obs.error = True  # a failed answer's files stay its tenant's
+    assert contexts_owned(ex, []) == ["cntr_9", KEPT_FOR_GOOD + "file_9"]
+    ex.obs.file_ids.clear()
+    ex.obs.container_ids.clear()
+    ex.obs.error = False
+    assert contexts_owned(ex, []) == []
 
 
 def test_a_pass_through_callers_contexts_are_no_ones() -> None:
