@@ -24,6 +24,8 @@ log = logging.getLogger("proxy.refine")
 
 # Counts a quick estimate's input exactly (tiktoken, off the event loop).
 Counter = Callable[[Call], Awaitable[Estimate]]
+# Tries of a shrink whose reply is lost (each bounded by the store's socket timeout).
+SHRINK_TRIES = 5
 
 
 def take_count(call: Call, exact: Estimate) -> None:
@@ -74,23 +76,33 @@ async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> 
     after = reserve_amounts(exact, call.rates_reserved)
     if after == before:
         return
-    shrinking = asyncio.ensure_future(
-        store.shrink(
-            tenant=reservation.tenant,
-            reservation_id=reservation.id,
-            scope_keys=[s.key for s in reservation.scopes],
-            amounts=after,
+    for tries in range(1, SHRINK_TRIES + 1):
+        shrinking = asyncio.ensure_future(
+            store.shrink(
+                tenant=reservation.tenant,
+                reservation_id=reservation.id,
+                scope_keys=[s.key for s in reservation.scopes],
+                amounts=after,
+            )
         )
-    )
-    try:
-        if not await _landed(shrinking):
-            return  # settled already
-    except StoreError as err:
-        metrics.quick_estimates.labels("failed").inc()
-        log.warning(
-            "could not lower a quick reserve", extra={"request_id": call.request_id, "error": str(err)}
-        )
-        return
+        try:
+            if not await _landed(shrinking):
+                return  # settled already
+        except StoreError as err:
+            # Its reply lost (Redis busy past the socket timeout), the shrink may have landed all
+            # the same: sent again, it lowers the reserve to the same amounts, or finds it there,
+            # and says so. Not known, the settle's ledger entry would name the bound as the
+            # reserve and a call a reaper billed would be told the bound's figures, where Redis
+            # held the count. Not while the settle waits for this (it cancelled it).
+            task = asyncio.current_task()
+            if err.maybe_applied and tries < SHRINK_TRIES and not (task and task.cancelling()):
+                continue
+            metrics.quick_estimates.labels("failed").inc()
+            log.warning(
+                "could not lower a quick reserve", extra={"request_id": call.request_id, "error": str(err)}
+            )
+            return
+        break
     metrics.quick_estimates.labels("lowered").inc()
     call.reservation = replace(reservation, amounts=after)
 

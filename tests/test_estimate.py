@@ -901,3 +901,109 @@ async def test_a_call_without_usage_is_billed_its_chat_templates_tokens_as_input
     assert framed["usage_source"] == plain["usage_source"] == "chars", framed
     assert int(framed["input_tokens"]) == int(plain["input_tokens"]) + 25 + 5 * 3
     assert int(framed["reserved_input_tokens"]) == int(plain["reserved_input_tokens"]) + 25 + 5 * 3
+
+
+async def test_a_shrink_whose_reply_was_lost_but_landed_is_the_reserve_the_ledger_names(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """The ledger's ``reserved_input_tokens`` is the reserve as it stood at the settle. A shrink
+    whose reply timed out (Redis busy past the socket timeout) ran once Redis was free: Redis held
+    the exact count until the settle, the ledger said the byte bound (the refine hunt). Its reply
+    lost, the shrink is sent again (the same amounts: lowered now, or found so)."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 0.5}, tokenizer=Tokenizer({"o200k_base": enc})
+    )
+    call = asyncio.ensure_future(slow_call(proxy, "lost-reply"))
+    await until_upstream_received(fake, 1)
+    blocker = aioredis.Redis.from_url(own_redis.url)
+    busy = asyncio.ensure_future(blocker.eval(busy_script(1.5), 0))
+    try:
+        assert own_redis.port is not None
+        await until_redis_busy(own_redis.port)
+        gate.set()  # the count lands; its shrink waits behind the busy script, its reply times out
+        await until_quick(proxy, "lowered")  # sent again until Redis answers
+    finally:
+        await busy
+        await blocker.aclose()
+    # Redis ran the shrink once free: it holds the exact count.
+    for _ in range(200):
+        if await reserved_input(proxy, "lost-reply") == EXACT_INPUT:
+            break
+        await asyncio.sleep(0.02)
+    assert await reserved_input(proxy, "lost-reply") == EXACT_INPUT
+    fake.release()
+    await call
+    [entry] = await ledger_entries(proxy, "lost-reply")
+    assert entry["usage_source"] == "provider"
+    # What Redis held (and released) at the settle: the exact count, not the bound.
+    assert int(entry["reserved_input_tokens"]) == EXACT_INPUT, (entry["reserved_input_tokens"], QUICK_INPUT)
+
+
+async def test_a_reaped_call_whose_shrink_reply_was_lost_is_told_what_the_reaper_billed(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """The shrink landed (its reply lost), then the lease ran out and a reaper billed the record:
+    the exact count. The call's settle finds it billed and tells the client what the ledger
+    holds: it told the byte bound and its cost, figures no ledger entry held (the refine hunt)."""
+    gate = threading.Event()
+    enc = QuarterEncoding(gate)
+    timeout_s, margin_s = 5, 0.1
+    proxy = await make_proxy(
+        redis={"url": own_redis.url, "socket_timeout_s": 0.5},
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        upstreams=upstream_timing_out(fake.base_url, timeout_s),
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": margin_s},
+        models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
+    )
+    leases = "lbp:{team-a}:leases"
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "lost-reaped"}
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": TEXT}],
+        "max_tokens": 10,
+        "fake": {"hold": True},
+    }
+    async with aiohttp.ClientSession() as session:
+        answer = asyncio.ensure_future(
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        )
+        assert await asyncio.to_thread(enc.entered.wait, 5)  # reserved at the bound, being counted
+        leased_at = time.monotonic()
+        blocker = aioredis.Redis.from_url(own_redis.url)
+        busy = asyncio.ensure_future(blocker.eval(busy_script(1.5), 0))
+        try:
+            assert own_redis.port is not None
+            await until_redis_busy(own_redis.port)
+            gate.set()
+            await until_quick(proxy, "lowered")  # its first reply timed out: sent again
+        finally:
+            await busy
+            await blocker.aclose()
+        for _ in range(200):
+            if await reserved_input(proxy, "lost-reaped") == EXACT_INPUT:
+                break
+            await asyncio.sleep(0.02)
+        assert await reserved_input(proxy, "lost-reaped") == EXACT_INPUT  # the shrink landed
+        (reservation,) = await own_client.zrange(leases, 0, -1)
+        await own_client.zadd(leases, {reservation: 0})  # its lease ran out
+        for _ in range(200):
+            if await own_client.xlen("lbp:{team-a}:ledger"):
+                break
+            await asyncio.sleep(0.02)
+        # Past half the lease: the answer waits for the settle's reply (not told early).
+        await until_monotonic(leased_at + (timeout_s + margin_s) / 2 + 0.2)
+        fake.release()
+        resp = await answer
+        assert resp.status == 200
+        await resp.read()
+    ((_, raw),) = await own_client.xrange("lbp:{team-a}:ledger")
+    entry: dict[str, str] = dict(raw)
+    assert entry["outcome"] == "lease_expired" and int(entry["input_tokens"]) == EXACT_INPUT, entry
+    assert resp.headers["x-billing-outcome"] == "lease_expired"
+    assert (quick_estimates(proxy, "failed"), quick_estimates(proxy, "lowered")) == (0, 1)
+    assert (resp.headers["x-billing-input-tokens"], resp.headers["x-billing-cost-micros"]) == (
+        entry["input_tokens"],
+        entry["cost_micros"],
+    )
