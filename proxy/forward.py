@@ -87,19 +87,6 @@ def feature_headers(request_headers: CIMultiDictProxy[str], upstream: UpstreamCo
     return out
 
 
-def operator_key_sent(upstream: UpstreamConfig, identity: Identity) -> bytes | None:
-    """The operator's credential when it is what authorizes a request of ``identity`` to
-    ``upstream`` (None: the caller's own key goes out, or none): its key, else the credentials
-    of its ``base_url`` (a gateway's basic auth). Its refusal is the operator's problem, not the
-    caller's, and every tenant's call then goes out as one account's. What an echo of it would
-    show is ``operator_secrets``."""
-    if caller_key_sent(upstream, identity):
-        return None
-    if upstream.api_key is not None and (key := upstream.api_key.get_secret_value().encode()):
-        return key
-    return basic_token(upstream.base_url)
-
-
 def operator_key_unset(upstream: UpstreamConfig, identity: Identity) -> bool:
     """Whether the operator's key would authorize a request of ``identity`` to ``upstream`` and
     its variable (``api_key_env``) is unset or empty: such a call is not forwarded."""
@@ -223,18 +210,20 @@ def provider_headers(upstream: aiohttp.ClientResponse, secrets: tuple[bytes, ...
 
 
 # The provider's account a response names when the operator's credentials went: dropped from the
-# headers passed on (``PASSED_HEADERS``), and so replaced in the bodies the proxy relays from it
+# headers passed on (``PASSED_HEADERS``), and so replaced in the error bodies the proxy relays
 # (OpenAI's 429 reads "Rate limit reached for gpt-4o-mini in organization org-... on tokens per
-# min"; a fine-tuned model's ``owned_by``). OpenAI's ids also where it sends no header.
+# min"). OpenAI's ids (24 letters and digits after the prefix) also where it sends no header.
+# Never in an answer: the organization's name is part of its fine-tuned models' ids.
 ACCOUNT_HEADERS = ("openai-organization", "openai-project", "anthropic-organization-id")
-ACCOUNT_IDS = re.compile(rb"\b(?:org-|proj_)[A-Za-z0-9]{16,}\b")
+ACCOUNT_IDS = re.compile(rb"(?<![A-Za-z0-9_-])(?:org-|proj_)[A-Za-z0-9]{24}(?![A-Za-z0-9])")
 
 
 def account_scrubbed(
     raw: bytes, upstream: aiohttp.ClientResponse, upstream_config: UpstreamConfig, identity: Identity
 ) -> bytes:
-    """``raw`` without the operator's account at the provider, named in ``upstream``'s headers or
-    as OpenAI writes its ids; as it came when the caller's own key went (its own account)."""
+    """``raw`` (an error body) without the operator's account at the provider, named in
+    ``upstream``'s headers or as OpenAI writes its ids; as it came when the caller's own key went
+    (its own account)."""
     if caller_key_sent(upstream_config, identity):
         return raw
     for name in ACCOUNT_HEADERS:

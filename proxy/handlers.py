@@ -284,7 +284,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
     secrets = operator_secrets(upstream, identity)
-    body = account_scrubbed(scrubbed(body, secrets), resp, upstream, identity)
+    body = scrubbed(body, secrets)
     passed = provider_headers(resp, secrets)
     if 300 <= resp.status < 400:
         return error_response(
@@ -308,6 +308,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         )
     if 400 <= resp.status < 500 and _is_error_object(body):
         # The caller's own key refused, a rate limit: the provider's answer, as for a billed call.
+        body = account_scrubbed(body, resp, upstream, identity)
         return web.Response(status=resp.status, body=body, content_type="application/json", headers=passed)
     if resp.status != 200 or not body.lstrip().startswith(b"{"):
         # With the provider's retry advice (a 503's retry-after, its x-should-retry), as a billed

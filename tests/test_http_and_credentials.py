@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from proxy.auth import Identity
 from proxy.config import UpstreamConfig
-from proxy.forward import operator_key_sent, operator_secrets, url_credentials
+from proxy.forward import caller_key_sent, operator_secrets, url_credentials
 from tests.conftest import KEY_A, KEY_B, UPSTREAM_KEY, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries, the_entry
@@ -438,7 +438,7 @@ def test_short_base_url_credentials_are_the_operators_and_leave_answers_alone() 
     sought in answers: their basic auth token (``eDp5``) would be cut out of an image's base64."""
     upstream = UpstreamConfig(base_url="https://x:y@gw.example/v1")
     caller = Identity(tenant="team-a", tier="standard", key_name="a")
-    assert operator_key_sent(upstream, caller) == base64.b64encode(b"x:y")
+    assert not caller_key_sent(upstream, caller)  # the operator's account: every tenant's
     assert operator_secrets(upstream, caller) == ()
     assert url_credentials("https://gw-user:s3cret-gateway@gw.example/v1")  # long ones are sought
 

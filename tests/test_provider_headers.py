@@ -96,7 +96,7 @@ async def test_the_sdk_follows_the_providers_advice_not_to_retry(
     assert raised.value.response.headers["x-should-retry"] == "false"
 
 
-ORG = "org-Operators0wnOrg42x"
+ORG = "org-0peratorsOwnOrg42xYz1234"  # as OpenAI writes them: 24 letters and digits
 ORG_LIMITED = dumps(
     {"error": {"message": f"Rate limit reached for gpt-4o-mini in organization {ORG} on tokens per min "
                "(TPM): Limit 200000, Used 199000, Requested 5000.", "type": "tokens", "param": None,
@@ -133,6 +133,34 @@ async def test_a_pass_through_callers_own_organization_is_its_own_to_read(
     with pytest.raises(openai.RateLimitError) as raised:
         await client.chat.completions.create(**CHAT)
     assert ORG in str(raised.value)
+
+
+ORG_NAME = "acme-robotics"
+FT_MODEL = f"ft:gpt-4o-mini-2024-07-18:{ORG_NAME}::9xYzAbCd"
+MODELS = dumps(
+    {
+        "object": "list",
+        "data": [
+            {"id": "gpt-4o-mini", "object": "model", "created": 1, "owned_by": "system"},
+            {"id": FT_MODEL, "object": "model", "created": 2, "owned_by": ORG_NAME},
+        ],
+    }
+)
+
+
+async def test_a_fine_tuned_models_id_reaches_the_client_as_listed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream
+) -> None:
+    """The organization's name (what openai-organization may say) is the middle of its fine-tuned
+    models' ids: replaced in a model list, those were not the ids a client must send (the second
+    review of 1dbccb7). A model list, as any answer, goes out as it came."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    script.plan = Plan(chunks=[MODELS], extra_headers={"openai-organization": ORG_NAME})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.url + "/v1/models", headers=AUTH) as resp:
+            assert resp.status == 200
+            ids = [m["id"] for m in (await resp.json())["data"]]
+    assert FT_MODEL in ids, ids
 
 
 # -- GET /v1/models --------------------------------------------------------------------------
@@ -346,3 +374,15 @@ async def test_models_goes_with_the_client_s_query_as_a_billed_call_does(
     )
     await client.models.list()
     assert (fake.received[-1].path, fake.received[-1].query) == ("/v1/models", "api-version=2024-06-01")
+
+
+def test_only_openais_own_account_ids_are_sought_in_an_error_body() -> None:
+    """Its organization and project ids, 24 letters and digits after the prefix, on their own:
+    not a model name that holds such a run (a served vLLM model, an id of another length)."""
+    from proxy.forward import ACCOUNT_IDS
+
+    found = ACCOUNT_IDS.findall(
+        b"in organization org-0peratorsOwnOrg42xYz1234 (project proj_AbCdEfGhIjKlMnOpQrStUvWx): "
+        b"model my-org-Llama3FineTunedInstructV2Abc or org-TooShort or org-0peratorsOwnOrg42xYz12345"
+    )
+    assert found == [b"org-0peratorsOwnOrg42xYz1234", b"proj_AbCdEfGhIjKlMnOpQrStUvWx"]
