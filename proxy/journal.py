@@ -237,6 +237,7 @@ class Journal:
 
     async def _adopt(self, store: Store, on_applied: OnApplied, on_parked: OnParked) -> int:
         applied = 0
+        disk: OSError | None = None
         listed = self.directory.glob("journal-*.jsonl") if self.directory.exists() else []
         for path in sorted({*listed, *self._held}):
             if path == self.path:
@@ -259,7 +260,15 @@ class Journal:
                 handle.close()
                 self._told.pop(path, None)
                 continue
-            applied += await self._replay_orphan(path, handle, store, on_applied, on_parked)
+            try:
+                applied += await self._replay_orphan(path, handle, store, on_applied, on_parked)
+            except OSError as err:
+                # A full disk refused this file's rewrite (its lines stay, held and told): the
+                # files after it are adopted all the same, or their calls would wait for as long
+                # as the disk stays full, and a reaper bill them at their reserve.
+                disk = err
+        if disk is not None:
+            raise disk
         return applied
 
     async def _replay_orphan(

@@ -795,3 +795,35 @@ async def test_an_own_file_whose_rewrite_the_full_disk_refuses_stops_no_adoption
                     await journal.replay(store)
             applied = sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER))
     assert applied == ["first", "orphaned"]
+
+
+async def test_an_orphan_whose_rewrite_the_full_disk_refuses_stops_no_adoption_of_another(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a full disk, a dead process's file whose rewrite failed (a line the store took beside
+    one the dead letters could not take) raised out of the adoption, so the files sorted after it
+    were never adopted while the disk stayed full (the second review of 750ccb0)."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    (journal_dir / DEAD_LETTERS).mkdir()  # cannot be appended to (a full disk)
+    await held_reservations(redis_client, "first", "second")
+    # Sorted first: a line the store takes, and a torn one for the dead letters.
+    (journal_dir / "journal-11111-aaaaaaaa.jsonl").write_text(
+        json.dumps(_settlement_line("first")) + "\n" + '{"tenant":"team-a","reserv\n'
+    )
+    (journal_dir / "journal-99999-deadbeef.jsonl").write_text(json.dumps(_settlement_line("second")) + "\n")
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
+        with monkeypatch.context() as disk:
+            disk.setattr("proxy.journal._locked_beside", full)
+            for _ in range(3):  # app.py's replay loop, the disk still full
+                with contextlib.suppress(OSError):
+                    await journal.replay(store)
+            applied = sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER))
+    assert applied == ["first", "second"]
