@@ -198,8 +198,14 @@ class EventFilter:
 
     @property
     def incomplete(self) -> bool:
-        """Whether the body so far ends inside an event."""
-        return bool(self._held.strip() or self._head)
+        """Whether the body so far ends inside an event: not in a block of comments alone (a
+        keep-alive whose blank line never came), which dispatches nothing to the SDK."""
+        if self._head:
+            return True
+        held = self._held.strip()
+        return bool(held) and not all(
+            line.rstrip(b"\r").startswith(_NO_DATA_LINES) for line in held.split(b"\n") if line.strip()
+        )
 
     def held(self) -> bytes:
         """What came after the last event, no blank line ending it (at the body's end: all of a
@@ -487,6 +493,11 @@ def _data_of(framed: bytes) -> bytes | memoryview | None:
     if len(found) == 1:
         return found[0]
     return b"\n".join(found) if found else None
+
+
+# Lines that start no event: a comment, a reconnection delay. An ``event:`` or ``id:`` line may
+# be the head of an event whose data was cut off (Anthropic's and Responses' events begin so).
+_NO_DATA_LINES = (b":", b"retry:")
 
 
 def _data_whole(event: bytes) -> bool:

@@ -276,6 +276,26 @@ async def test_the_billing_comment_is_no_event_to_an_sdk_that_saw_an_event_id(
     assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "2")
 
 
+@pytest.mark.parametrize("tail", [b": keep-alive\n", b": keep-alive", b": ping\nretry: 3000"])
+async def test_a_stream_without_done_ending_in_a_block_without_data_is_a_whole_answer(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, tail: bytes
+) -> None:
+    """A server that sends no [DONE] ends its body in a keep-alive comment (or a retry field)
+    whose blank line never came: a block with no data dispatches nothing (the SSE spec),
+    the SDK has the whole answer. It was billed upstream_error, with an error event the SDK
+    raised on (the SSE framing hunt)."""
+    proxy = await proxy_for(make_proxy, script)
+    finished = [
+        chat_event({"role": "assistant", "content": "Hel"}),
+        chat_event({"content": "lo"}),
+        chat_event({}, "stop", usage=CHAT_USAGE),
+    ]
+    script.plan = Plan(content_type="text/event-stream", chunks=[*finished, tail])
+    assert await read_with_sdk(proxy.url + "/v1") == ("Hello", None)
+    entry = await only_entry(redis_client)
+    assert (entry["outcome"], entry["usage_source"], entry["output_tokens"]) == ("ok", "provider", "2")
+
+
 async def test_a_stream_without_done_reaches_the_sdk_as_directly(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
