@@ -165,6 +165,10 @@ def parse_config(raw: Any, environ: Mapping[str, str], *, key_secrets: bool = Tr
             raise ConfigError(f"keys.{key_config.name}: the same secret as keys.{named[digest]}")
         named[digest] = key_config.name
     admin = tuple(_digest("admin_keys", key, environ) for key in config.admin_keys)
+    for digest, admin_key in zip(admin, config.admin_keys, strict=True):
+        if digest in named:
+            # The tenant holding it would read /metrics: every tenant's spend.
+            raise ConfigError(f"admin_keys.{admin_key.name}: the same secret as keys.{named[digest]}")
     return config.model_copy(
         update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests), "admin_digests": admin}
     )

@@ -59,6 +59,16 @@ def test_one_secret_for_two_keys_is_refused() -> None:
     assert "keys.b: the same secret as keys.a" in error_of({**UP, "keys": keys}, {"B_KEY": "sk-shared"})
 
 
+def test_an_admin_key_that_is_a_tenants_key_is_refused() -> None:
+    """The tenant holding it would read /metrics, every tenant's spend (the authorization hunt)."""
+    digest = hashlib.sha256(b"sk-shared").hexdigest()
+    keys = [{"name": "a", "sha256": digest, "tenant": "t1"}]
+    admin = [{"name": "ops", "key_env": "OPS_KEY"}]
+    raw = {**UP, "keys": keys, "admin_keys": admin}
+    assert "admin_keys.ops: the same secret as keys.a" in error_of(raw, {"OPS_KEY": "sk-shared"})
+    assert parse_config(raw, {"OPS_KEY": "sk-ops-own"}).admin_digests
+
+
 def test_a_key_is_found_among_many() -> None:
     keys = [
         {"name": f"k{i}", "sha256": hashlib.sha256(f"sk-{i}".encode()).hexdigest(), "tenant": "t"}
