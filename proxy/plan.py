@@ -116,6 +116,7 @@ def plan_call(
         template_call_tokens=model_config.prompt_overhead_tokens,
         template_message_tokens=model_config.message_overhead_tokens,
     )
+    lowered = True  # an enforced cap is the config's (``estimate``: set only below what was asked)
     if isinstance(view, ChatBody) and upstream.chat_output_cap_field == "max_tokens":
         # An upstream that reads only max_tokens: the cap goes there, always (it may have none
         # of its own), and the field it ignores or refuses does not go at all (not even null).
@@ -123,6 +124,8 @@ def plan_call(
         # Both of the client's caps bound what it wants: the lower one goes, and is reserved.
         caps = [c for c in (view.max_completion_tokens, view.max_tokens) if c is not None]
         cap = min([est.output_cap, *caps])
+        # The config's cap (the model's, the default) only when it is below the client's own.
+        lowered = not caps or cap < min(caps)
         est = replace(
             est,
             output_cap_field="max_tokens",
@@ -139,12 +142,17 @@ def plan_call(
         # OpenAI refuses max_completion_tokens beside a Predicted Output (and takes max_tokens):
         # the cap a request without one is given goes where the provider takes it.
         est = replace(est, output_cap_field="max_tokens")
-    least = least_cap_accepted(endpoint, body, anthropic_beta=anthropic_beta)
-    if est.enforce_cap is not None and est.enforce_cap < least:
+    # The client's beta reaches an Anthropic upstream only (``forward.FEATURE_HEADERS``): through
+    # another (Anthropic's OpenAI-compatible endpoint), interleaved thinking is not on, and the
+    # cap must pass the thinking budget, as the clamp reads it (``call.feature_headers``).
+    beta = anthropic_beta if upstream.kind == "anthropic" else ""
+    least = least_cap_accepted(endpoint, body, anthropic_beta=beta)
+    if est.enforce_cap is not None and est.enforce_cap < least and lowered:
         # The model's cap in the config would make the request one the provider refuses.
         # Anthropic's thinking budget must stay below the cap; vLLM's min_tokens within it.
-        param = "thinking.budget_tokens" if endpoint == "messages" else None
-        if endpoint in ("chat.completions", "completions") and least > 1:
+        thinking = body.get("thinking")
+        param = "thinking.budget_tokens" if isinstance(thinking, dict) and least > 1 else None
+        if param is None and endpoint in ("chat.completions", "completions") and least > 1:
             param = "min_tokens"
         raise BadRequest(
             f"This proxy caps the model '{view.model}' at {est.enforce_cap} output tokens, below the "

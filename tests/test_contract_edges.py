@@ -1361,3 +1361,65 @@ async def test_a_functions_field_on_a_messages_call_is_passed_through_not_a_500(
     reply = await send(proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body))
     assert reply.status != 500, reply.describe()  # was 500, "Internal proxy error"
     assert (reply.status, reply.upstream_calls, reply.ledger_growth) == (200, 1, 1), reply.describe()
+
+
+CHAT_MSGS: list[Any] = [{"role": "user", "content": "hi"}]
+INTERLEAVED_BETA = "interleaved-thinking-2025-05-14"
+
+
+async def _post_chat(
+    proxy: Any, body: dict[str, Any], run: str, **headers: str
+) -> tuple[int, dict[str, Any]]:
+    auth = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run, **headers}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/chat/completions", json=body, headers=auth) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+async def test_an_anthropic_beta_header_the_upstream_never_gets_does_not_let_a_model_cap_pass_the_budget(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Claude through Anthropic's OpenAI-compatible endpoint (an upstream of kind openai): the
+    client's anthropic-beta header is not forwarded there, so the provider wants max_tokens above
+    thinking.budget_tokens. The clamp read the header as forwarded and kept the cap above the
+    budget; the cap check read it as the client sent it and let the model's cap (1000, budget
+    2048) go out to be refused (the clamp hunt)."""
+    proxy = await make_proxy(
+        models={
+            "claude-compat": {"upstream": "openai", "max_output_tokens": 1000},
+            "*": {"upstream": "openai"},
+        },
+    )
+    body = {
+        "model": "claude-compat",
+        "messages": CHAT_MSGS,
+        "max_completion_tokens": 4096,
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+    }
+    status, error = await _post_chat(proxy, body, "no-beta")
+    assert status == 400 and error["error"]["code"] == "output_cap_too_low"  # as it stands: right
+    assert fake.received == []
+    status, error = await _post_chat(proxy, body, "beta", **{"anthropic-beta": INTERLEAVED_BETA})
+    assert status == 400 and error["error"]["code"] == "output_cap_too_low"
+    assert error["error"]["param"] == "thinking.budget_tokens"
+    assert fake.received == []
+
+
+async def test_output_cap_too_low_never_blames_a_proxy_cap_that_does_not_exist(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """An upstream that reads only max_tokens (chat_output_cap_field: max_tokens) is sent the
+    client's own cap there, which the cap check judged as the config's: a model with none was
+    said to be capped at the client's 10 (the clamp hunt). Forwarded as to any upstream."""
+    upstream = {
+        "base_url": fake.base_url,
+        "api_key_env": "TEST_UPSTREAM_KEY",
+        "chat_output_cap_field": "max_tokens",
+    }
+    proxy = await make_proxy(upstreams={"openai": upstream}, models={"*": {"upstream": "openai"}})
+    body = {"model": "qwen", "messages": CHAT_MSGS, "max_tokens": 10, "min_tokens": 50}
+    status, error = await _post_chat(proxy, body, "mine")
+    assert status == 200, error
+    assert fake.received[-1].body["max_tokens"] == 10
