@@ -104,6 +104,7 @@ def anthropic_event(obs: Observation, obj: dict[str, Any]) -> None:
             obs.add_text(0, block.get("content"), content=False)  # a summary may come whole here
         elif isinstance(block, dict):
             _files_written(obs, block)  # a server tool's result comes whole in its start
+            _tool_failed(obs, block)
     elif kind == "message_start":
         message = obj.get("message")
         if isinstance(message, dict):
@@ -216,6 +217,27 @@ def _container(obs: Observation, container: Any) -> None:
     add_id(obs.container_ids, container.get("id") if isinstance(container, dict) else None)
 
 
+def _tool_failed(obs: Observation, block: dict[str, Any]) -> None:
+    """A server tool's call the answer showed whose result is an error (``<tool>_tool_result``
+    holding a ``<tool>_tool_result_error``: past the request's ``max_uses``, a search that
+    failed): not billed by the provider, so not counted as a call its usage did not count."""
+    kind = block.get("type")
+    content = block.get("content")
+    if not (isinstance(kind, str) and kind.endswith(_TOOL_RESULT) and isinstance(content, dict)):
+        return
+    if content.get("type") != kind + "_error" or not obs.tool_uses:
+        return
+    tool = kind[: -len(_TOOL_RESULT)]
+    if obs.tool_uses.get(tool, 0) > 0:
+        obs.tool_uses[tool] -= 1
+        if not obs.tool_uses[tool]:  # none left: no tool ran (``settle._rates`` reads so)
+            del obs.tool_uses[tool]
+            obs.tool_uses = obs.tool_uses or None
+
+
+_TOOL_RESULT = "_tool_result"
+
+
 def _files_written(obs: Observation, block: dict[str, Any]) -> None:
     """The files a code execution wrote, told by their Files API ids in its result
     (``code_execution_tool_result`` / ``bash_code_execution_tool_result``: a
@@ -267,6 +289,7 @@ def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
                 obs.add_text(0, block.get("content"), content=False)
             else:
                 _files_written(obs, block)
+                _tool_failed(obs, block)
     _anthropic_tier(obs, obj.get("usage"))
     obs.tool_calls_told = _server_tool_use(obs, obj.get("usage"))
     obs.usage = anthropic_usage(obj.get("usage"))

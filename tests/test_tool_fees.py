@@ -643,3 +643,61 @@ async def test_a_chat_search_call_the_provider_refused_is_billed_no_search(
     assert status == 400
     entry = await _entry(redis_client)
     assert (entry.get("tool_calls"), entry["cost_micros"]) == (None, "0"), entry
+
+
+def _event(kind: str, obj: dict[str, Any]) -> bytes:
+    return _sse(kind, {"type": kind, **obj})
+
+
+ONE_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 1}
+
+
+def _use(n: int) -> dict[str, Any]:
+    return {"type": "server_tool_use", "id": f"srvtoolu_{n}", "name": "web_search", "input": {"query": "q"}}
+
+
+def _result(n: int, *, error: str | None = None) -> dict[str, Any]:
+    content: Any = [{"type": "web_search_result", "url": "https://example.com", "title": "x"}]
+    if error is not None:
+        content = {"type": "web_search_tool_result_error", "error_code": error}
+    return {"type": "web_search_tool_result", "tool_use_id": f"srvtoolu_{n}", "content": content}
+
+
+# One search ran; the model asked for two more, refused by max_uses (not billed by Anthropic).
+BLOCKS = [
+    _use(1), _result(1),
+    _use(2), _result(2, error="max_uses_exceeded"),
+    _use(3), _result(3, error="max_uses_exceeded"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_searches_refused_past_max_uses_are_not_billed_without_a_final_count(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """max_uses 1: Anthropic runs (and bills) one search at most in the call; the model's further
+    calls get ``max_uses_exceeded`` error results, unbilled, as a search that fails is. Without
+    a final count (a stream that ends in an ``error`` event; a gateway's usage without
+    ``server_tool_use``) every server_tool_use block shown was billed: 3 searches (the server
+    tools hunt)."""
+    proxy = await _proxy(make_proxy, script)
+    if stream:
+        start = {**_claude_message({}), "content": [], "stop_reason": None}
+        told = {"web_search_requests": 0}
+        start["usage"] = {"input_tokens": 20, "output_tokens": 1, "server_tool_use": told}
+        parts = [_event("message_start", {"message": start})]
+        for index, block in enumerate(BLOCKS):
+            parts.append(_event("content_block_start", {"index": index, "content_block": block}))
+            parts.append(_event("content_block_stop", {"index": index}))
+        parts.append(_event("error", {"error": {"type": "overloaded_error", "message": "Overloaded"}}))
+        script.plan = Plan(content_type="text/event-stream", chunks=parts)
+    else:
+        answer = _claude_message({"input_tokens": 10, "output_tokens": 5})  # no server_tool_use
+        answer["content"] = [*BLOCKS, {"type": "text", "text": "Found it."}]
+        script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    status, _ = await _post(proxy.url, "/v1/messages", _claude(stream=stream, tools=[ONE_SEARCH]), "maxuses")
+    assert status == 200
+    entry = await _entry(redis_client)
+    tokens = int(entry["input_tokens"]) * 3 + int(entry["output_tokens"]) * 15
+    assert entry.get("tool_calls") == "web_search=1", entry
+    assert int(entry["cost_micros"]) == tokens + SEARCH_MICROS, entry
