@@ -7,9 +7,13 @@ redacted on the way out, whatever path logged it.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
+import os
 import re
+import select
+import stat
 import sys
 import time
 from typing import Any
@@ -113,6 +117,55 @@ class TextFormatter(logging.Formatter):
         return redact(line)
 
 
+class _WholeLinesWriter(io.RawIOBase):
+    """stderr as a pipe or a stream socket, which every worker of ``--workers N`` shares: a
+    write of more than PIPE_BUF bytes is not atomic there, and when the reader lags another
+    writer's bytes land inside it (lines no log shipper can parse). What the buffer hands over
+    goes out in writes of whole lines of at most PIPE_BUF bytes (a longer line alone, whole)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, b: Any) -> int | None:
+        # Called by the buffer once per flush (64 KiB at most), not per line.
+        view = memoryview(b).cast("B")
+        data = view.tobytes()  # to search (``find``); written from ``view``, uncopied
+        total = len(data)
+        done = 0
+        while done < total:
+            end = done + select.PIPE_BUF
+            if end < total:
+                cut = data.rfind(b"\n", done, end)
+                if cut < 0:  # one line longer than PIPE_BUF: alone, whole
+                    cut = data.find(b"\n", end)
+                end = total if cut < 0 else cut + 1
+            else:
+                end = total
+            while done < end:
+                try:
+                    done += os.write(self._fd, view[done:end])
+                except BlockingIOError:
+                    # The buffer keeps what was not written (``None``: nothing was).
+                    return done or None
+        return total
+
+
+def _stderr_stream() -> Any:
+    fd = sys.stderr.fileno()
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        return io.TextIOWrapper(io.BufferedWriter(_WholeLinesWriter(fd), 1 << 16), encoding="utf-8")
+    # A regular file or a tty: one write is not interleaved with another writer's, whatever its size.
+    return open(fd, "w", buffering=1 << 16, closefd=False, encoding="utf-8")
+
+
 class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Per-call lines go out in batches, not one write each: flushed when the buffer fills, when
     a line finds the last flush older than ``interval_s``, by ``flush_now`` (a timer in the app)
@@ -121,7 +174,7 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def __init__(self, interval_s: float = 0.25) -> None:
         stream: Any
         try:
-            stream = open(sys.stderr.fileno(), "w", buffering=1 << 16, closefd=False, encoding="utf-8")  # noqa: SIM115
+            stream = _stderr_stream()
         except (AttributeError, OSError, ValueError):  # stderr replaced (captured): write to it as is
             stream = sys.stderr
         super().__init__(stream)

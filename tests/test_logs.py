@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
+import os
 import random
+import select
 import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.logs import CALL_LOGGER, TRUSTED_FIELDS, BufferedStderrHandler, JsonFormatter, TextFormatter
+from proxy.logs import (
+    CALL_LOGGER,
+    TRUSTED_FIELDS,
+    BufferedStderrHandler,
+    JsonFormatter,
+    TextFormatter,
+    _WholeLinesWriter,
+)
 from proxy.redis_server import RedisServerProcess
 from tests.conftest import KEY_A, ProxyFactory, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
 FIELDS = {"request_id": "r-1", "tenant": "t", "outcome": "ok", "input_tokens": 3, "settled": True}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_direct_line_is_what_the_formatter_writes() -> None:
@@ -147,3 +162,73 @@ def test_redacting_skips_the_scan_only_for_a_text_the_pattern_cannot_match() -> 
     # Non-ASCII letters the pattern matches case-insensitively are still scanned.
     assert redact("\u017fk-abcdefgh") == "[REDACTED]"
     assert redact("api_\u212aey=abc") == "[REDACTED]"
+
+
+# What each worker of ``serve --workers N`` does with its log: ``run_worker`` calls
+# ``setup_logging`` (a BufferedStderrHandler on the stderr every worker inherits), and
+# ``record_call`` writes each call's line with ``log_call``.
+_WORKER = r"""
+import sys
+from proxy.logs import flush_logs, log_call, setup_logging
+
+setup_logging("info", "json")
+worker = sys.argv[1]
+for i in range(3000):
+    log_call({
+        "request_id": f"req_{worker}_{i}", "tenant": "team-a", "key_name": "a-ci",
+        "run_id": "run_" + "0" * 32, "endpoint": "chat.completions", "model": "gpt-4o-mini",
+        "stream": False, "outcome": "ok", "input_tokens": i, "output_tokens": 8, "settled": True,
+    })
+flush_logs()
+"""
+
+
+def test_workers_sharing_a_stderr_pipe_write_whole_lines() -> None:
+    """Under Docker, Kubernetes or systemd a process's stderr is a pipe (or a stream socket) that
+    every worker of ``--workers N`` inherits. A write of more than PIPE_BUF (4 KiB) bytes to a
+    pipe is not atomic: when the pipe is full (its reader a moment behind), another writer's
+    bytes land in the middle. The buffered handler wrote up to 64 KiB at a time, so lines of
+    two workers interleaved mid-line: JSON lines a log shipper cannot parse."""
+    read_end, write_end = os.pipe()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(n)],
+            stderr=write_end,
+            stdin=subprocess.DEVNULL,
+            cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        for n in range(4)
+    ]
+    os.close(write_end)
+    data = bytearray()
+    while chunk := os.read(read_end, 4096):  # a reader a little behind, as a log shipper may be
+        data += chunk
+        time.sleep(0.0005)
+    os.close(read_end)
+    assert [w.wait() for w in workers] == [0] * 4
+    lines = bytes(data).splitlines()
+    broken = []
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            broken.append(line)
+    assert broken == [], f"{len(broken)} of {len(lines)} lines are not JSON, e.g. {broken[0][:300]!r}"
+    assert len(lines) == 4 * 3000
+
+
+def test_a_pipe_is_written_whole_lines_of_at_most_pipe_buf_bytes_a_longer_line_alone() -> None:
+    """Each write as the reader sees it (a packet socket keeps their bounds): whole lines, as
+    many as fit in PIPE_BUF; a line longer than that alone, whole; a flush's worth in all."""
+    lines = [b"a" * 1000 + b"\n"] * 5 + [b"b" * (select.PIPE_BUF + 10) + b"\n"] + [b"c" * 100 + b"\n"] * 3
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        writer = _WholeLinesWriter(ours.fileno())
+        assert writer.write(memoryview(b"".join(lines))) == sum(map(len, lines))
+        theirs.setblocking(False)
+        writes = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                writes.append(theirs.recv(1 << 16))
+    assert writes == [b"".join(lines[:4]), lines[4], lines[5], b"".join(lines[6:])]
