@@ -31,6 +31,7 @@ from proxy.errors import (
     BudgetExceeded,
     NotFound,
     StoreError,
+    StoreRejected,
     StoreUnavailable,
     Unauthorized,
     UpstreamKeyUnset,
@@ -103,10 +104,25 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         if isinstance(err, BudgetExceeded):
             record_refusal(state.metrics, config, identity.tenant, err)
         return _refused(DIALECTS[endpoint], request_id, err)
-    except StoreError:
+    except StoreError as err:
         state.metrics.store_errors.labels("reserve").inc()
+        refused_reserve(state, err)
         return _refused(DIALECTS[endpoint], request_id, StoreUnavailable())
     return await Exchange(request, call, state.services_for(config)).run()
+
+
+def refused_reserve(state: State, err: StoreError) -> None:
+    """Say why calls are answered 503: the store's own words (an OOM, a connection refused), at
+    once and then every few seconds with how many were refused since; a script that refused its
+    input (a bug of ours or a store not ours) at error level."""
+    rejected = isinstance(err, StoreRejected)
+    refused = (state.reserve_rejections if rejected else state.reserve_failures).tell()
+    if refused:
+        log.log(
+            logging.ERROR if rejected else logging.WARNING,
+            "the store refused a reserve: calls answered 503",
+            extra={"operation": "reserve", "error": str(err)[:500], "refused": refused},
+        )
 
 
 def authenticate_again(request: web.Request, config: Config, raw: bytes, *, passthrough: bool) -> Identity:

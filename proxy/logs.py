@@ -16,6 +16,7 @@ import select
 import stat
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -216,6 +217,29 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def close(self) -> None:
         self.flush_now()
         super().close()
+
+
+class Throttle:
+    """How often a failure that repeats is told in the log: the first at once, then at most once
+    every ``every_s`` seconds, the line counting those not told since (a store refusing every
+    call is one line every few seconds, not one a call). One per app, not per module: each
+    process, and each app a test builds, counts its own."""
+
+    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._told_at: float | None = None
+        self._untold = 0
+
+    def tell(self) -> int:
+        """One more failure: how many to tell now, this one included (0: not yet)."""
+        self._untold += 1
+        now = self._clock()
+        if self._told_at is not None and now - self._told_at < self.every_s:
+            return 0
+        self._told_at = now
+        told, self._untold = self._untold, 0
+        return told
 
 
 CALL_LOGGER = "proxy.call"

@@ -12,6 +12,7 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.ids import IdSource
 from proxy.journal import Journal
+from proxy.logs import Throttle
 from proxy.metrics import Metrics
 from proxy.relay import Services
 from proxy.settle import Settlement
@@ -44,6 +45,10 @@ class State:
     services: Services | None = None
     # Serving processes sharing the port: each keeps its own metrics (``handlers.metrics``).
     workers: int = 1
+    # Reserves the store failed (unreachable, out of memory) and refused (a script's error), told
+    # in the log at once and then every few seconds (``handlers.refused_reserve``).
+    reserve_failures: Throttle = field(default_factory=Throttle)
+    reserve_rejections: Throttle = field(default_factory=Throttle)
 
     def services_for(self, config: Config) -> Services:
         services = self.services

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import PASSTHROUGH_ID_DIGITS
+from proxy.errors import StoreRejected
 from proxy.reaper import registration_s
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
@@ -210,6 +213,82 @@ async def test_a_store_down_on_messages_is_an_anthropic_overloaded_error_with_re
     registry = proxy.app[STATE].metrics.registry
     assert registry.get_sample_value("llm_proxy_store_errors_total", {"operation": "reserve"}) == 1
     assert fake.received == []
+
+
+def reserve_lines(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    return [r for r in records if r.name == "proxy.handlers" and getattr(r, "operation", None) == "reserve"]
+
+
+async def test_a_store_that_refuses_every_reserve_says_why_in_the_log(
+    make_proxy: ProxyFactory,
+    own_redis: RedisServerProcess,
+    own_client: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis full under ``noeviction`` (the policy the README asks for, the embedded server's):
+    every reserve is refused (OOM), every call answered 503 ``store_unavailable``, /readyz says
+    ready (PING passes). The README's log has "structured lines for ... store errors", yet
+    nothing was logged, neither per call nor once: the reserve's StoreError (its text names the
+    OOM) was dropped, counted only in a metric. An operator paged for 503s found an empty log
+    and a ready store. 100 such calls are told in a line or two, not 100."""
+    proxy = await make_proxy(redis={"url": own_redis.url}, limits={"reaper_interval_s": 0.5})
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + CHAT, json=CHAT_BODY, headers=auth) as resp:
+            assert resp.status == 200  # the tenant registered, the scripts loaded
+        await asyncio.sleep(0.3)
+        caplog.set_level(logging.INFO)
+        caplog.clear()
+        await own_client.config_set("maxmemory", "1")  # full: every write refused
+        try:
+            statuses = []
+            for _ in range(100):
+                async with session.post(proxy.url + CHAT, json=CHAT_BODY, headers=auth) as resp:
+                    statuses.append((resp.status, (await resp.json())["error"]["code"]))
+            async with session.get(proxy.url + "/readyz") as resp:
+                ready = resp.status
+            await asyncio.sleep(2)  # several reaper rounds
+        finally:
+            await own_client.config_set("maxmemory", "0")
+    assert statuses == [(503, "store_unavailable")] * 100
+    assert ready == 200
+    told = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "OOM" in json.dumps(r.__dict__, default=str)
+    ]
+    assert told, "100 calls refused for a full store, and no log line says so: " + repr(
+        [(r.levelname, r.name, r.getMessage()) for r in caplog.records if r.name != "aiohttp.access"]
+    )
+    lines = reserve_lines(caplog.records)
+    assert 1 <= len(lines) <= 2, [r.__dict__ for r in lines]
+    assert lines[0].levelno == logging.WARNING and lines[0].__dict__["refused"] == 1  # the first at once
+    assert "OOM" in lines[0].__dict__["error"]
+    registry = proxy.app[STATE].metrics.registry
+    assert registry.get_sample_value("llm_proxy_store_errors_total", {"operation": "reserve"}) == 100
+
+
+async def test_a_reserve_the_store_rejects_is_logged_at_error_level_every_few_seconds(
+    make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script refusing its input will refuse it again (a bug of ours, or a store that is not
+    ours): each call is answered 503 as a store down is, and the log tells it at error level."""
+
+    async def rejected(*args: Any, **kwargs: Any) -> None:
+        raise StoreRejected("reserve: ERR user_script:1: bad argument")
+
+    monkeypatch.setattr("proxy.handlers.reserve", rejected)
+    proxy = await make_proxy()
+    caplog.set_level(logging.INFO)
+    for _ in range(5):
+        reply = await call(proxy, CHAT, body=CHAT_BODY)
+        assert reply.status == 503, reply.describe()
+    (line,) = reserve_lines(caplog.records)
+    assert line.levelno == logging.ERROR and "bad argument" in line.__dict__["error"]
+    # Then the next line, a few seconds on, counts those not told since.
+    proxy.app[STATE].reserve_rejections.every_s = 0
+    assert (await call(proxy, CHAT, body=CHAT_BODY)).status == 503
+    assert [r.__dict__["refused"] for r in reserve_lines(caplog.records)] == [1, 5]
 
 
 async def test_a_passthrough_callers_tenant_is_registered_with_the_store_by_its_call(

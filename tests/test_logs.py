@@ -27,6 +27,7 @@ from proxy.logs import (
     BufferedStderrHandler,
     JsonFormatter,
     TextFormatter,
+    Throttle,
     _WholeLinesWriter,
 )
 from proxy.redis_server import RedisServerProcess
@@ -232,3 +233,13 @@ def test_a_pipe_is_written_whole_lines_of_at_most_pipe_buf_bytes_a_longer_line_a
             while True:
                 writes.append(theirs.recv(1 << 16))
     assert writes == [b"".join(lines[:4]), lines[4], lines[5], b"".join(lines[6:])]
+
+
+def test_a_failure_that_repeats_is_told_at_once_then_every_few_seconds_with_the_count() -> None:
+    now = [100.0]
+    throttle = Throttle(every_s=10.0, clock=lambda: now[0])
+    told = []
+    for step_s in (0, 1, 1, 3, 5, 0.5, 30):  # at 100, 101, 102, 105, 110, 110.5, 140.5
+        now[0] += step_s
+        told.append(throttle.tell())
+    assert told == [1, 0, 0, 0, 4, 0, 2]
