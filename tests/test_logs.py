@@ -126,6 +126,52 @@ async def test_a_key_in_an_id_the_client_chose_is_redacted_in_the_call_line(
     assert secret not in line and json.loads(line)["run_id"] == "[REDACTED]", line
 
 
+async def test_an_id_with_task_in_it_is_logged_as_the_ledger_holds_it(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The per-call line is how an operator finds a call of the ledger (its run id, request id).
+    ``redact`` took "sk-" plus 6 characters anywhere, mid-word too: a run id such as
+    "nightly-task-000123" ("...ta" + "sk-000123") was logged "nightly-ta[REDACTED]", and so was
+    a request id "task-4f2a9c", though neither holds a key (a key the client put in an id starts
+    it or follows a separator, as in the test above). The ledger holds the ids as sent."""
+    caplog.set_level(logging.INFO)
+    proxy = await make_proxy()
+    run_id, request_id = "nightly-task-000123", "task-4f2a9c"
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run_id, "X-Request-Id": request_id}
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp,
+    ):
+        assert resp.status == 200 and resp.headers["x-request-id"] == request_id
+    for _ in range(100):
+        calls = [r for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+        if calls:
+            break
+        await asyncio.sleep(0.02)
+    (record,) = calls
+    line = json.loads(JsonFormatter().format(record))
+    ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
+    assert (entry["run_id"], entry["request_id"]) == (run_id, request_id)
+    assert (line["run_id"], line["request_id"]) == (run_id, request_id)
+
+
+def test_a_key_is_redacted_where_a_word_starts_not_inside_one() -> None:
+    from proxy.logs import redact
+
+    for kept in ("risk-analytics", "nightly-task-000123", "mask-abcdefgh", "DISK-000123"):
+        assert redact(kept) == kept
+    for text, redacted in (
+        ("sk-proj-AbCdEf0123456789", "[REDACTED]"),
+        ("run-sk-abcdef12", "run-[REDACTED]"),
+        ("run_sk-abcdef12", "run_[REDACTED]"),
+        ("key=sk-abcdef12", "key=[REDACTED]"),
+        ("(sk-abcdef12)", "([REDACTED])"),
+        ("SK-ABCDEF12", "[REDACTED]"),
+    ):
+        assert redact(text) == redacted, text
+
+
 def test_redacting_skips_the_scan_only_for_a_text_the_pattern_cannot_match() -> None:
     from proxy.logs import _SECRET, redact
 
