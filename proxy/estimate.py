@@ -140,12 +140,12 @@ def _anthropic_schema(view: MessagesBody) -> Any:
 
 def media_of(view: RequestView) -> int:
     """Image, audio and file parts of the prompt."""
-    if isinstance(view, ChatBody):
+    if type(view) is ChatBody:
         return media_parts(view.messages)
-    if isinstance(view, ResponsesBody):
+    if type(view) is ResponsesBody:
         variables = view.prompt.get("variables") if view.prompt else None
         return media_parts(view.input, list(variables.values()) if isinstance(variables, dict) else None)
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         return media_parts(view.messages, view.system)
     return 0
 
@@ -158,14 +158,14 @@ def tools_overhead(view: RequestView, tools_input_tokens: int) -> int:
     # the validated fields only: elsewhere a field of that name is passed through unread (an
     # extra of any type, which ``getattr`` would return all the same).
     tools: list[dict[str, Any]] | None = None
-    if isinstance(view, ChatBody):
+    if type(view) is ChatBody:
         tools = view.tools or view.functions
-    elif isinstance(view, ResponsesBody | MessagesBody):
+    elif type(view) is ResponsesBody or type(view) is MessagesBody:
         tools = view.tools
     if not tools and not _mcp_servers(view):
         return 0
     tokens = tools_input_tokens + ENUM_ITEM_TOKENS * _enum_items(tools)
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         for tool in tools or ():
             kind = tool.get("type")
             if isinstance(kind, str):
@@ -191,7 +191,7 @@ def _enum_items(value: Any) -> int:
 def _mcp_servers(view: RequestView) -> bool:
     """Anthropic's MCP connector (``mcp_servers``, no ``tools`` needed): the servers' tools,
     which Anthropic fetches, are tools to the model, with the same tool-use system prompt."""
-    servers = (view.model_extra or {}).get("mcp_servers") if isinstance(view, MessagesBody) else None
+    servers = (view.model_extra or {}).get("mcp_servers") if type(view) is MessagesBody else None
     return isinstance(servers, list) and bool(servers)
 
 
@@ -200,11 +200,11 @@ def chat_messages(view: RequestView) -> int:
     Responses call's input items and an Anthropic call's messages, each with one more for the
     system prompt (its instructions, its system) whether sent or not; none for the endpoints
     that take plain text (legacy completions, embeddings)."""
-    if isinstance(view, ChatBody):
+    if type(view) is ChatBody:
         return len(view.messages)
-    if isinstance(view, ResponsesBody):
+    if type(view) is ResponsesBody:
         return (1 if isinstance(view.input, str) else len(view.input or ())) + 1
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         return len(view.messages) + 1
     return 0
 
@@ -212,7 +212,7 @@ def chat_messages(view: RequestView) -> int:
 def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, int]:
     """Texts to count (their prompt is them joined by line breaks), fixed overhead in tokens,
     and tokens given directly as token ids."""
-    if isinstance(view, ChatBody):
+    if type(view) is ChatBody:
         # vLLM's RAG documents and chat template arguments: written into the prompt by the
         # templates that read them (Command R writes each document's keys and values).
         extra = view.model_extra or {}
@@ -225,21 +225,21 @@ def prompt_of(endpoint: Endpoint, view: RequestView) -> tuple[list[str], int, in
             extra.get("chat_template_kwargs"),
         )
         return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
-    if isinstance(view, ResponsesBody):
+    if type(view) is ResponsesBody:
         text_format = view.text.get("format") if view.text else None
         variables = variable_texts(view.prompt.get("variables")) if view.prompt else []
         parts = _with_json(
             items_parts(view.input or [], view.instructions) + variables, view.tools, _schema(text_format)
         )
         return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         # A compaction's own summarizing prompt is read too (reserved with the input it reads).
         texts = items_parts(view.messages, view.system) + compaction_instructions(view)
         parts = _with_json(texts, view.tools, _anthropic_schema(view))
         return parts, TOKENS_PER_MESSAGE * chat_messages(view) + TOKENS_PER_REPLY, 0
-    source = (view.prompt if isinstance(view, CompletionBody) else view.input) or ""
+    source = (view.prompt if type(view) is CompletionBody else view.input) or ""
     # Insert mode: each prompt of a list is sent with the suffix.
-    suffix = [view.suffix] * prompts(view) if isinstance(view, CompletionBody) and view.suffix else []
+    suffix = [view.suffix] * prompts(view) if type(view) is CompletionBody and view.suffix else []
     if isinstance(source, str):
         return [source, *suffix], 0, 0
     texts = [s for s in source if isinstance(s, str)] + suffix
@@ -268,13 +268,13 @@ def estimate(
     ``prompt_overhead_tokens`` and ``message_overhead_tokens``)."""
     parts, overhead, id_tokens = prompt_of(endpoint, view)
     overhead += tools_overhead(view, tools_input_tokens)
-    if not isinstance(view, EmbeddingBody | CompletionBody):
+    if not (type(view) is EmbeddingBody or type(view) is CompletionBody):
         # A fixed part of the input, as the per-message tokens are: kept when the text is
         # counted after a quick reserve, and charged when the provider gives no usage (it bills
         # the template's tokens as input too). Legacy completions and embeddings are sent no
         # chat template: the special tokens their server adds are SPECIAL_TOKENS_PER_INPUT's.
         overhead += template_call_tokens + template_message_tokens * chat_messages(view)
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         overhead += search_result_bytes(view.messages)
     if media_part_input_tokens:
         # A fixed part of the input, as the per-message tokens are: kept when the text is
@@ -283,11 +283,11 @@ def estimate(
     text = "\n".join(parts)
     bound, exact = tokenizer.quick_bound_of_parts(parts, encoding, quick_chars=quick_chars, scope=cache_scope)
     reads = 2 if compacts(view) else 1
-    separate = tuple(parts) if isinstance(view, EmbeddingBody | CompletionBody) else ()
+    separate = tuple(parts) if (type(view) is EmbeddingBody or type(view) is CompletionBody) else ()
     specials = SPECIAL_TOKENS_PER_INPUT * len(separate)
     input_tokens = (bound + overhead) * reads + id_tokens + specials
     later = () if exact else tuple(parts)
-    if isinstance(view, EmbeddingBody):
+    if type(view) is EmbeddingBody:
         return Estimate(
             prompt_text=text,
             prompt_overhead_tokens=overhead + id_tokens,
@@ -301,17 +301,17 @@ def estimate(
         )
     cap_field: str | None = None
     cap: int | None = None
-    if isinstance(view, ChatBody) and view.max_completion_tokens is not None:
+    if type(view) is ChatBody and view.max_completion_tokens is not None:
         # Both sent (OpenAI refuses that; another upstream may honour either): the larger.
         cap_field, cap = "max_completion_tokens", max(view.max_completion_tokens, view.max_tokens or 0)
-    elif isinstance(view, ResponsesBody):
+    elif type(view) is ResponsesBody:
         if view.max_output_tokens is not None:
             cap_field, cap = "max_output_tokens", view.max_output_tokens
     elif view.max_tokens is not None:
         cap_field, cap = "max_tokens", view.max_tokens
     asked = cap
     if cap is None:
-        if isinstance(view, CompletionBody):
+        if type(view) is CompletionBody:
             cap = min(LEGACY_DEFAULT_MAX_TOKENS, model_max_output_tokens or LEGACY_DEFAULT_MAX_TOKENS)
         else:
             cap = model_max_output_tokens or default_max_output_tokens
@@ -319,7 +319,7 @@ def estimate(
         cap = min(cap, model_max_output_tokens)
     # A legacy completion scoring its prompt (max_tokens 0, echo): vLLM runs it as max_tokens 1
     # and bills that token for each answer, though it returns the prompt alone.
-    reserved = max(cap, 1) if isinstance(view, CompletionBody) else cap
+    reserved = max(cap, 1) if type(view) is CompletionBody else cap
     return Estimate(
         prompt_text=text,
         prompt_overhead_tokens=overhead + id_tokens,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, final, get_args, get_origin
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,6 +30,10 @@ _LEAST_EXACT_INT, _MOST_EXACT_INT = -(2**63), 2**64 - 1
 _TokenCount = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
+# A view's kind is told by ``type(view) is ChatBody``, not ``isinstance``: pydantic's model
+# classes are ABCs, and every isinstance of a view that is not of the class asked (most of them:
+# a call asks of each kind in turn) runs ABCMeta's check, some thousand instructions each, some
+# twenty times a call. The body classes are final, so mypy narrows on ``type(view) is`` both ways.
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, frozen=True)
 
@@ -45,6 +49,7 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+@final
 class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
     # Priority or flex processing is priced apart (``service_tiers.rates_for``).
@@ -60,6 +65,7 @@ class ChatBody(_Body):
     functions: list[dict[str, Any]] | None = None
 
 
+@final
 class CompletionBody(_Body):
     # Null is the API's "<|endoftext|>": named, but empty.
     prompt: str | list[str] | list[int] | list[list[int]] | None
@@ -77,7 +83,7 @@ class CompletionBody(_Body):
 def prompts(view: object) -> int:
     """How many prompts one request sends: legacy completions take a list of them (strings, or
     token id lists), each answered n times; a flat list of ids is one prompt."""
-    if isinstance(view, CompletionBody) and isinstance(view.prompt, list) and view.prompt:
+    if type(view) is CompletionBody and isinstance(view.prompt, list) and view.prompt:
         return 1 if isinstance(view.prompt[0], int) else len(view.prompt)
     return 1
 
@@ -85,7 +91,7 @@ def prompts(view: object) -> int:
 def _n(view: object) -> int:
     """``n`` where the API has it (validated there); elsewhere a field of that name is only
     passed through (an extra field of any type), and one answer is what comes back."""
-    if isinstance(view, ChatBody | CompletionBody) and view.n is not None:
+    if (type(view) is ChatBody or type(view) is CompletionBody) and view.n is not None:
         return view.n
     return 1
 
@@ -98,7 +104,7 @@ def answers(view: object) -> int:
 def generations(view: object) -> int:
     """How many answers the provider writes (and bills) for one request: n, or best_of, for
     every prompt; a compacting Messages request's summary besides its answer (``compacts``)."""
-    if isinstance(view, CompletionBody):
+    if type(view) is CompletionBody:
         return max(_n(view), view.best_of or 1) * prompts(view)
     if compacts(view):
         return 2
@@ -110,7 +116,7 @@ def compacts(view: object) -> bool:
     ``context_management``): once its input reaches the trigger, a summarizing step reads the
     whole input and writes a summary before the answer, billed beside it (``usage.iterations``).
     Reserved as a second reading of the input and a second answer of up to ``max_tokens``."""
-    if not isinstance(view, MessagesBody):
+    if type(view) is not MessagesBody:
         return False
     management = (view.model_extra or {}).get("context_management")
     edits = management.get("edits") if isinstance(management, dict) else None
@@ -125,7 +131,7 @@ def compaction_instructions(view: object) -> list[str]:
     it replaces Anthropic's own), which the summarizing step reads beside the input."""
     if not compacts(view):
         return []
-    assert isinstance(view, MessagesBody)
+    assert type(view) is MessagesBody
     edits = (view.model_extra or {})["context_management"]["edits"]
     return [
         edit["instructions"]
@@ -134,10 +140,12 @@ def compaction_instructions(view: object) -> list[str]:
     ]
 
 
+@final
 class EmbeddingBody(_Body):
     input: str | list[str] | list[int] | list[list[int]]
 
 
+@final
 class ResponsesBody(_Body):
     """OpenAI Responses API."""
 
@@ -188,6 +196,7 @@ class Thinking(BaseModel):
     budget_tokens: int | None = None
 
 
+@final
 class MessagesBody(_Body):
     """Anthropic Messages API: ``max_tokens`` is required there."""
 
@@ -283,7 +292,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], RequestV
 def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
     """The field of a request the proxy cannot bill that it carries, and why, if it carries one:
     refused (``unsupported_parameter``) before anything is reserved or forwarded."""
-    if isinstance(view, ResponsesBody) and view.background:
+    if type(view) is ResponsesBody and view.background:
         # Queued: answered (and billed by the provider) later, to a request this proxy never sees.
         return (
             "background",
@@ -291,7 +300,7 @@ def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
             "answer, and a background response's answer comes later, outside it. Send it without "
             "'background'.",
         )
-    template_param = _own_chat_template(data) if isinstance(view, ChatBody) else None
+    template_param = _own_chat_template(data) if type(view) is ChatBody else None
     if template_param is not None:
         # vLLM's own Jinja template for this request: what it writes is no function of the
         # request's text (a loop writes any number of tokens from a few bytes), so no reserve
@@ -302,7 +311,7 @@ def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
             "call's input before forwarding it, and cannot bound what a template writes. Send "
             f"the request without '{template_param}' (the model's own template applies).",
         )
-    if isinstance(view, (ChatBody, CompletionBody)) and data.get("n_predict") is not None:
+    if (type(view) is ChatBody or type(view) is CompletionBody) and data.get("n_predict") is not None:
         # llama.cpp's server reads its output cap from n_predict before max_tokens (-1: until the
         # context is full), so the cap the proxy reserves and writes would not be the one it
         # honours. Refused, not bounded: writing a field only one server reads into every path
@@ -325,7 +334,7 @@ def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
             "prices the one model a call names. Send the request without 'models' (name the model "
             "in 'model'; send a second request for another).",
         )
-    if isinstance(view, MessagesBody) and data.get("fallbacks") not in (None, []):
+    if type(view) is MessagesBody and data.get("fallbacks") not in (None, []):
         # Anthropic's server-side fallback, the same hole: a model that declines hands the call to
         # an entry's model (or "default": the model's own chain), billed at its own price and
         # writing up to the entry's own max_tokens, where the reserve holds the call's model and
@@ -337,7 +346,7 @@ def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
             "own 'max_tokens'. Send the request without 'fallbacks' (retry a declined call with "
             "another 'model').",
         )
-    advisor_param = _advisor_tool(view) if isinstance(view, MessagesBody) else None
+    advisor_param = _advisor_tool(view) if type(view) is MessagesBody else None
     if advisor_param is not None:
         # Anthropic's advisor tool: mid-answer the model consults another (the tool's ``model``),
         # which reads the whole transcript and writes its advice up to a cap the request may leave
@@ -349,7 +358,7 @@ def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
             "model a call names, and the advisor is another model, consulted mid-answer at its own "
             "price. Send the request without the 'advisor_*' tool.",
         )
-    if isinstance(view, CompletionBody) and data.get("prompt_embeds"):
+    if type(view) is CompletionBody and data.get("prompt_embeds"):
         # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
         # times, its rows billed as input; no count of them can be read from base64 before the call.
         return (

@@ -117,7 +117,7 @@ def plan_call(
         template_message_tokens=model_config.message_overhead_tokens,
     )
     lowered = True  # an enforced cap is the config's (``estimate``: set only below what was asked)
-    if isinstance(view, ChatBody) and upstream.chat_output_cap_field == "max_tokens":
+    if type(view) is ChatBody and upstream.chat_output_cap_field == "max_tokens":
         # An upstream that reads only max_tokens: the cap goes there, always (it may have none
         # of its own), and the field it ignores or refuses does not go at all (not even null).
         body.pop("max_completion_tokens", None)
@@ -134,7 +134,7 @@ def plan_call(
             output_tokens=cap * generations(view),
         )
     elif (
-        isinstance(view, ChatBody)
+        type(view) is ChatBody
         and view.max_completion_tokens is None
         and est.output_cap_field == "max_completion_tokens"
         and _predicts(body.get("prediction"))
@@ -164,7 +164,7 @@ def plan_call(
         set_output_cap(body, est.output_cap_field, est.enforce_cap)
     # The validated field: embeddings have none, and a "stream" there is passed through unread
     # (an extra of any type, "no" included, which ``getattr`` would return all the same).
-    stream = not isinstance(view, EmbeddingBody) and view.stream is True
+    stream = type(view) is not EmbeddingBody and view.stream is True
     client_wants_usage = False
     if stream and dialect.injects_usage:
         options = body.get("stream_options")
@@ -174,13 +174,13 @@ def plan_call(
             # refuses the field is sent the client's own, as it came).
             body["stream_options"] = {**(options or {}), "include_usage": True}
     json_mode = False
-    if isinstance(view, ChatBody) and view.response_format is not None:
+    if type(view) is ChatBody and view.response_format is not None:
         json_mode = view.response_format.get("type") in ("json_object", "json_schema")
-    elif isinstance(view, ResponsesBody):
+    elif type(view) is ResponsesBody:
         text = body.get("text")
         form = text.get("format") if isinstance(text, dict) else None
         json_mode = isinstance(form, dict) and form.get("type") in ("json_object", "json_schema")
-    elif isinstance(view, MessagesBody):
+    elif type(view) is MessagesBody:
         # Anthropic structured outputs: output_config.format (the SDK's messages.parse), or the
         # beta's top-level output_format.
         config_ = body.get("output_config")
@@ -198,13 +198,13 @@ def plan_call(
         # Not fast mode's: it serves only the calls that ask for it.
         # Nor US-only inference's, for a Messages call naming another geography (``global``).
         unasked = FAST_TIERS
-        if isinstance(view, MessagesBody) and view.inference_geo is not None:
+        if type(view) is MessagesBody and view.inference_geo is not None:
             unasked = _OUTSIDE_THE_US
         reserved_tiers = [name for name in tiers if name not in unasked]
     elif (
         rates is not None
         and service_tier == FAST_TIER
-        and isinstance(view, MessagesBody)
+        and type(view) is MessagesBody
         and view.inference_geo is None
         and FAST_US_TIER in tiers
     ):
@@ -275,14 +275,14 @@ def plan_call(
         body=body,
         choices=answers(view),
         generations=generations(view),
-        media_output=isinstance(view, ChatBody) and _asks_media(body.get("modalities")),
-        predicted_output=isinstance(view, ChatBody) and _predicts(body.get("prediction")),
+        media_output=type(view) is ChatBody and _asks_media(body.get("modalities")),
+        predicted_output=type(view) is ChatBody and _predicts(body.get("prediction")),
         hidden_reasoning=model_config.hidden_reasoning or _reasons(endpoint, body),
-        echo=isinstance(view, CompletionBody) and body.get("echo") is True,
+        echo=type(view) is CompletionBody and body.get("echo") is True,
         continues=continues,
         conversation=conversation,
         stores_answer=stores_answer,
-        fingerprinted=isinstance(view, MessagesBody) and _fingerprinted(view, anthropic_beta),
+        fingerprinted=type(view) is MessagesBody and _fingerprinted(view, anthropic_beta),
         stored_prompt=stored_prompt,
         references=_references(view),
     )
@@ -298,14 +298,14 @@ def _chaining(view: RequestView) -> tuple[tuple[str, ...], str | None, bool]:
     """What a Responses call continues, its conversation, whether its answer is stored; what a
     Messages call's thread continues, and whether it has one (its answer is then kept, under its
     id, for the next turn to continue)."""
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         thread = (view.model_extra or {}).get("thread")
         if not isinstance(thread, dict):
             return (), None, False
         continued = thread.get("previous_message_id") if thread.get("type") == "continue" else None
         previous = _context_id(continued)
         return (() if previous is None else (previous,)), None, True
-    if not isinstance(view, ResponsesBody):
+    if type(view) is not ResponsesBody:
         return (), None, False
     previous = _context_id(view.previous_response_id)
     conversation = _context_id(view.conversation)
@@ -323,12 +323,12 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
     ``container``); the message a Messages call's cache diagnostics compare its prompt with; a
     file of the Files API a Messages call puts in its container or reads (``_files_named``)."""
     found: list[Reference] = []
-    if isinstance(view, ChatBody):
+    if type(view) is ChatBody:
         for message in view.messages:
             audio = message.get("audio")  # None in nearly every message: one lookup
             if isinstance(audio, dict) and message.get("role") == "assistant":
                 _add_reference(found, "audio", audio.get("id"))
-    elif isinstance(view, MessagesBody):
+    elif type(view) is MessagesBody:
         extra = view.model_extra or {}
         container = extra.get("container")
         _add_reference(found, "container", container.get("id") if isinstance(container, dict) else container)
@@ -339,7 +339,7 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
             content = message.get("content")
             if isinstance(content, list):
                 _files_named(found, content)
-    elif isinstance(view, ResponsesBody):
+    elif type(view) is ResponsesBody:
         for item in view.input if isinstance(view.input, list) else ():
             kind = item.get("type")
             if (
@@ -407,7 +407,7 @@ def _add_reference(found: list[Reference], what: str, ref: Any) -> None:
 def _stored_prompt(view: RequestView) -> str | None:
     """Where the size of a Responses call's stored prompt is kept: its id and version (none
     named: the current one, under a key of its own), apart from any response id."""
-    prompt = view.prompt if isinstance(view, ResponsesBody) else None
+    prompt = view.prompt if type(view) is ResponsesBody else None
     found = prompt.get("id") if isinstance(prompt, dict) else None
     if not isinstance(found, str) or not found:
         return None

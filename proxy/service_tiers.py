@@ -24,9 +24,9 @@ DEFAULT_SERVICE_TIERS = frozenset({"auto", "default"})
 def asked_tier(view: RequestView) -> str | None:
     """The processing tier a request asks for: OpenAI's service_tier, Anthropic's fast mode and
     US-only inference."""
-    if isinstance(view, ChatBody | ResponsesBody):
+    if type(view) is ChatBody or type(view) is ResponsesBody:
         return view.service_tier
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         return messages_tier(fast=view.speed == FAST_TIER, us=view.inference_geo == US_GEO)
     return None
 
@@ -44,7 +44,7 @@ def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[s
     tier_price = model.service_tiers.get(asked)
     if tier_price is None:
         field = "service_tier"
-        if isinstance(view, MessagesBody):
+        if type(view) is MessagesBody:
             field = "speed" if asked == FAST_TIER else "inference_geo"
         raise BadRequest(
             f"The service tier '{asked[:64]}' has no price for the model '{view.model}' in this proxy's "

@@ -47,13 +47,13 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
     ``max_tool_calls``, which bounds every hosted tool call together, all at the dearest priced
     tool it enables, else ``default_calls`` for each. Empty when it enables none (nearly every
     call: ``prices`` is empty, or the request has no tools)."""
-    if isinstance(view, ChatBody):
+    if type(view) is ChatBody:
         return (("web_search", 1),) if "web_search" in prices and chat_searches(view) else ()
-    tools = view.tools if isinstance(view, MessagesBody | ResponsesBody) else None
+    tools = view.tools if (type(view) is MessagesBody or type(view) is ResponsesBody) else None
     if not prices or not tools:
         return ()
     found: dict[str, int] = {}
-    if isinstance(view, MessagesBody):
+    if type(view) is MessagesBody:
         for tool in tools:
             name = _anthropic_tool(tool.get("type"), prices)
             if name is not None:
@@ -80,7 +80,7 @@ def pools_tool_calls(view: RequestView) -> bool:
     """Whether one bound holds every hosted tool call of the request together (a Responses
     call's ``max_tool_calls``): its calls are reserved as one pool at the dearest tool, and a
     settle at the reserve bills what the pool leaves, not each tool's own reserve."""
-    return isinstance(view, ResponsesBody) and _pool_bound(view) is not None
+    return type(view) is ResponsesBody and _pool_bound(view) is not None
 
 
 def chat_searches(view: ChatBody) -> bool:
@@ -107,7 +107,7 @@ def counted_as(view: RequestView, prices: Mapping[str, int]) -> tuple[tuple[str,
     """The names a request's counted calls are billed under, where not their own: a Responses
     request enabling web_search_preview priced apart bills its web_search_call items at the
     preview's price (at the dearer, beside web_search: an item does not say which made it)."""
-    tools = view.tools if isinstance(view, ResponsesBody) else None
+    tools = view.tools if type(view) is ResponsesBody else None
     if WEB_SEARCH_PREVIEW not in prices or not tools:
         return ()
     enabled = {_responses_tool(tool.get("type"), prices) for tool in tools}
