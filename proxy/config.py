@@ -17,7 +17,7 @@ import re
 import socket
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import (
@@ -35,6 +35,9 @@ from proxy.config_models import ModelConfig
 from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
 from proxy.config_tiers import TierConfig
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
+
+if TYPE_CHECKING:
+    from proxy.forward import UpstreamSending
 
 USERINFO_CUT = (
     "its user name or password holds '/', '?', '#' or '@' (percent-encode them: %2F, %3F, %23, %40)"
@@ -231,6 +234,14 @@ class UpstreamConfig(Frozen):
                 "passthrough_auth) cannot go together"
             )
         return self
+
+    @cached_property
+    def sending(self) -> UpstreamSending:
+        """What every call to this upstream sends alike (its headers, timeouts, the operator's
+        secrets), worked out once per config."""
+        from proxy.forward import UpstreamSending  # forward reads this module: imported when first used
+
+        return UpstreamSending.of(self)
 
 
 _ANYWHERE = frozenset({"0.0.0.0", "::", ""})

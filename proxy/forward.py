@@ -51,11 +51,60 @@ class TransportFailure:
         return self.kind not in ("connect", "connect_timeout")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpstreamSending:
+    """What every call to one upstream sends alike, worked out once per config
+    (``UpstreamConfig.sending``): read on every call, a pydantic config's fields are slow reads."""
+
+    base_url: str
+    kind: Literal["openai", "anthropic"]
+    passthrough_auth: bool
+    # The headers of a call the caller's own key does not go with (the operator's key, or none);
+    # copied per call (a call adds its own).
+    operator_headers: dict[str, str]
+    # ``operator_secrets`` of such a call, and of one the caller's own key goes with.
+    operator_secrets: tuple[bytes, ...]
+    url_secrets: tuple[bytes, ...]
+    operator_key_unset: bool  # see ``operator_key_unset``
+    whole_timeout: aiohttp.ClientTimeout
+    stream_timeout: aiohttp.ClientTimeout
+    headers_within_s: float  # a stream's headers, from the start of its connection
+
+    @classmethod
+    def of(cls, upstream: UpstreamConfig) -> UpstreamSending:
+        key = upstream.api_key.get_secret_value() if upstream.api_key is not None else None
+        url_secrets = url_credentials(upstream.base_url)
+        return cls(
+            base_url=upstream.base_url,
+            kind=upstream.kind,
+            passthrough_auth=upstream.passthrough_auth,
+            operator_headers=_headers(upstream, key, ()),
+            operator_secrets=(*(key_forms(key) if key is not None else ()), *url_secrets),
+            url_secrets=url_secrets,
+            operator_key_unset=bool(upstream.api_key_env) and key is None,
+            # A stream may legitimately run long; what must not happen is silence.
+            whole_timeout=aiohttp.ClientTimeout(total=upstream.timeout_s, connect=upstream.connect_timeout_s),
+            stream_timeout=aiohttp.ClientTimeout(
+                total=None, connect=upstream.connect_timeout_s, sock_read=upstream.timeout_s
+            ),
+            headers_within_s=upstream.connect_timeout_s + upstream.timeout_s,
+        )
+
+
 def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-    key = identity.upstream_key if upstream.passthrough_auth else None
+    sending = upstream.sending
+    if not sending.passthrough_auth:
+        return dict(sending.operator_headers)
+    key = identity.upstream_key
     if key is None and upstream.api_key is not None:
         key = upstream.api_key.get_secret_value()
+    return _headers(upstream, key, identity.upstream_scope)
+
+
+def _headers(upstream: UpstreamConfig, key: str | None, scope: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """A call's headers with ``key`` (None: none) and, beside a pass-through upstream's bearer
+    key, the caller's ``scope``."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
     if upstream.kind == "anthropic":
         headers["anthropic-version"] = upstream.anthropic_version
         if key:
@@ -63,7 +112,7 @@ def upstream_headers(upstream: UpstreamConfig, identity: Identity) -> dict[str, 
     elif key:
         headers["Authorization"] = f"Bearer {key}"
         if upstream.passthrough_auth:
-            headers.update(identity.upstream_scope)
+            headers.update(scope)
     return headers
 
 
@@ -80,7 +129,7 @@ def header_list(request_headers: CIMultiDictProxy[str], name: str) -> str:
 
 def feature_headers(request_headers: CIMultiDictProxy[str], upstream: UpstreamConfig) -> dict[str, str]:
     out = {}
-    for name in FEATURE_HEADERS.get(upstream.kind, ()):
+    for name in FEATURE_HEADERS.get(upstream.sending.kind, ()):
         value = header_list(request_headers, name)  # each beta of every line counts
         if value:
             out[name] = value
@@ -90,9 +139,10 @@ def feature_headers(request_headers: CIMultiDictProxy[str], upstream: UpstreamCo
 def operator_key_unset(upstream: UpstreamConfig, identity: Identity) -> bool:
     """Whether the operator's key would authorize a request of ``identity`` to ``upstream`` and
     its variable (``api_key_env``) is unset or empty: such a call is not forwarded."""
-    if caller_key_sent(upstream, identity):
+    sending = upstream.sending
+    if sending.passthrough_auth and identity.upstream_key is not None:  # ``caller_key_sent``
         return False
-    return bool(upstream.api_key_env) and upstream.api_key is None
+    return sending.operator_key_unset
 
 
 def caller_key_sent(upstream: UpstreamConfig, identity: Identity) -> bool:
@@ -100,7 +150,7 @@ def caller_key_sent(upstream: UpstreamConfig, identity: Identity) -> bool:
     case where the upstream refusing its credentials is the caller's to hear. Otherwise the
     operator's credentials went, or none did (an upstream configured without a key, a
     pass-through upstream called with a proxy key): a refusal is the operator's to mend."""
-    return upstream.passthrough_auth and identity.upstream_key is not None
+    return upstream.sending.passthrough_auth and identity.upstream_key is not None
 
 
 def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[bytes, ...]:
@@ -108,11 +158,10 @@ def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[byte
     an upstream echoing it would show it: its key (unless the caller's own goes instead) and the
     credentials of its ``base_url`` (sent as basic auth, beside a pass-through caller's key too).
     An upstream must never pass one on."""
-    secrets: list[bytes] = []
-    if upstream.api_key is not None and not (upstream.passthrough_auth and identity.upstream_key is not None):
-        secrets.extend(key_forms(upstream.api_key.get_secret_value()))
-    secrets.extend(url_credentials(upstream.base_url))
-    return tuple(secrets)
+    sending = upstream.sending
+    if sending.passthrough_auth and identity.upstream_key is not None:  # ``caller_key_sent``
+        return sending.url_secrets
+    return sending.operator_secrets
 
 
 # A credential shorter than this is not looked for: a key such as vLLM's placeholder "EMPTY" or
@@ -242,16 +291,13 @@ def scrubbed(raw: bytes, secrets: tuple[bytes, ...]) -> bytes:
 
 
 def timeout_for(call: Call) -> aiohttp.ClientTimeout:
-    up = call.upstream
-    if call.stream:
-        # A stream may legitimately run long; what must not happen is silence.
-        return aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s, sock_read=up.timeout_s)
-    return aiohttp.ClientTimeout(total=up.timeout_s, connect=up.connect_timeout_s)
+    sending = call.upstream.sending
+    return sending.stream_timeout if call.stream else sending.whole_timeout
 
 
 def upstream_url(upstream: UpstreamConfig, path: str, query: str) -> str | URL:
     """``path`` at ``upstream`` with the client's ``query`` (``raw_query_string``)."""
-    url = upstream.base_url + path
+    url = upstream.sending.base_url + path
     if not query:
         return url
     # Its escapes as they came: a parse of the whole URL would decode some (%2F, %3F, %7E),
@@ -327,8 +373,7 @@ async def _post(
         )
         if not call.stream:  # bounded by its own ClientTimeout; a timeout of None costs 2 us
             return await posting
-        up = call.upstream
-        async with asyncio.timeout(up.connect_timeout_s + up.timeout_s):
+        async with asyncio.timeout(call.upstream.sending.headers_within_s):
             return await posting
     except aiohttp.ClientConnectorError as err:
         return TransportFailure("connect", f"cannot connect to upstream: {err.os_error.strerror or err}")
