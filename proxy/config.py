@@ -479,9 +479,11 @@ class Config(Frozen):
 
     def route(self, model: str) -> tuple[str, ModelConfig] | None:
         """The config entry for a model: an exact name first, then globs in file order."""
-        if model in self.models:
-            return model, self.models[model]
-        for pattern, entry in self.models.items():
+        models = self.models
+        entry = models.get(model)
+        if entry is not None:
+            return model, entry
+        for pattern, entry in models.items():
             if fnmatch.fnmatchcase(model, pattern):
                 return pattern, entry
         return None

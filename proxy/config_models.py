@@ -158,6 +158,25 @@ class ModelConfig(Frozen):
     long_context: LongContextPrices | None = None
 
     @cached_property
+    def priced_tiers(self) -> Mapping[str, dict[str, int]]:
+        """Micro-units per million tokens by processing tier ("default": the model's own),
+        computed once per config (``service_tiers.tier_rates``; empty: the model is unpriced)."""
+        price = self.price_per_million
+        if price is None:
+            return {}
+        return {"default": price.rates, **{name: tier.rates for name, tier in self.service_tiers.items()}}
+
+    @cached_property
+    def long_priced_tiers(self) -> Mapping[str, dict[str, int]]:
+        """``priced_tiers`` past the long-context threshold (``service_tiers.long_tier_rates``;
+        empty: no such prices)."""
+        long = self.long_context
+        if long is None or self.price_per_million is None:
+            return {}
+        tiers = {name: tier.rates for name, tier in long.service_tiers.items()}
+        return {"default": long.price_per_million.rates, **tiers}
+
+    @cached_property
     def tool_rates(self) -> dict[str, int]:
         """Micro-units per 1,000 calls by tool, computed once per config (empty: none priced)."""
         return micros_per_thousand_calls(self.price_per_thousand_calls)

@@ -75,7 +75,8 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     try:
         identity = authenticate(request, config, passthrough=state.passthrough)
         run_id = run_id_for(request, state.ids)
-        raw = await read_body(request, config.limits.max_body_bytes, config.limits.body_timeout_s)
+        limits = config.limits
+        raw = await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
         told = Told()  # one call's metrics, whatever number of plans it takes
         while True:
             if state.config is not config:

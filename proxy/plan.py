@@ -87,22 +87,25 @@ def plan_call(
     anthropic_beta: str = "",
 ) -> Call:
     """Route the model and estimate the worst case; set the fields the proxy must set."""
-    routed = config.route(view.model)
+    # Each read once: a view's and a config's fields are slow reads (pydantic's __getattr__).
+    model = view.model
+    routed = config.route(model)
     if routed is None:
         raise NotFound(
-            f"The model '{view.model}' is not served by this proxy.", param="model", code="model_not_found"
+            f"The model '{model}' is not served by this proxy.", param="model", code="model_not_found"
         )
     pattern, model_config = routed
-    upstream = config.upstreams[model_config.upstream]
+    upstream_name = model_config.upstream
+    upstream = config.upstreams[upstream_name]
     dialect = DIALECTS[endpoint]
     if upstream.kind != dialect.upstream_kind:
         raise BadRequest(
-            f"The model '{view.model}' is served by an upstream of kind '{upstream.kind}', which does not "
+            f"The model '{model}' is served by an upstream of kind '{upstream.kind}', which does not "
             f"speak this endpoint ({endpoint}).",
             param="model",
             code="wrong_endpoint_for_model",
         )
-    encoding = tokenizer.resolve(encoding_for_model(view.model, model_config.encoding))
+    encoding = tokenizer.resolve(encoding_for_model(model, model_config.encoding))
     est = estimate(
         endpoint,
         view,
@@ -155,7 +158,7 @@ def plan_call(
         if param is None and endpoint in ("chat.completions", "completions") and least > 1:
             param = "min_tokens"
         raise BadRequest(
-            f"This proxy caps the model '{view.model}' at {est.enforce_cap} output tokens, below the "
+            f"This proxy caps the model '{model}' at {est.enforce_cap} output tokens, below the "
             f"{least} this request needs" + (f": keep {param} below that cap." if param else "."),
             param=param,
             code="output_cap_too_low",
@@ -212,7 +215,8 @@ def plan_call(
         # US, billed at fast-us (``observe_anthropic._anthropic_tier``). Reserved at the dearer.
         reserved_tiers = [FAST_TIER, FAST_US_TIER]
     long_tiers = long_tier_rates(model_config)
-    long_above = model_config.long_context.above_input_tokens if model_config.long_context else None
+    long_context = model_config.long_context
+    long_above = long_context.above_input_tokens if long_context else None
     # Past the threshold by its estimate, at the long-context prices (an input estimated below it
     # that passes it is billed at them all the same: overshoot, as any input past its estimate).
     # A quick estimate's byte bound chooses them until its exact count does (``refine.take_count``).
@@ -253,9 +257,9 @@ def plan_call(
         run_id=run_id,
         endpoint=endpoint,
         dialect=dialect,
-        model=view.model,
+        model=model,
         model_pattern=pattern,
-        upstream_name=model_config.upstream,
+        upstream_name=upstream_name,
         upstream=upstream,
         encoding=encoding,
         stream=stream,

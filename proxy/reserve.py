@@ -136,7 +136,8 @@ async def reserve(
     is kept by the caller across the plans of one call."""
     told = told if told is not None else Told()
     tier = config.tiers.get(call.identity.tier)
-    run_ttl_s = config.limits.run_ttl_s
+    limits = config.limits  # read once: a config's fields are slow reads (pydantic's __getattr__)
+    run_ttl_s = limits.run_ttl_s
 
     def windows_at(now_s: float) -> list[Scope]:
         # The window by the store's clock, which every instance shares (a host's own may be off).
@@ -169,7 +170,7 @@ async def reserve(
     # Sizes are kept for Responses answers and Messages threads only: a chat message's earlier
     # audio answer is reserved as a media part (``estimate``), and what else a Messages call names
     # (a container, a message for cache diagnostics) is read as no input.
-    if config.limits.prior_context_ttl_s and (
+    if limits.prior_context_ttl_s and (
         (call.endpoint == "responses" and (call.continues or call.references))
         or (call.endpoint == "messages" and call.continues)
     ):
@@ -191,7 +192,7 @@ async def reserve(
         # The marker life this instance's window to bill a lost reservation counts on (its
         # settle, journaled, may come that long after): a reaper of an instance set shorter
         # leaves its marker at least this long, or the late settle bills the call again.
-        "marker_ttl_s": config.limits.settled_marker_ttl_s,
+        "marker_ttl_s": limits.settled_marker_ttl_s,
     }
     if call.estimate.tool_calls:  # the reserve's cost holds their fees: a reaper's entry names them
         kept["tool_calls"] = tool_calls_field(
@@ -201,7 +202,7 @@ async def reserve(
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
     in_flight = False  # a reserve sent, its answer not read yet
     try:
-        if not call.estimate.input_exact and not config.limits.quick_estimates:
+        if not call.estimate.input_exact and not limits.quick_estimates:
             if not await count_first(call, count_later):  # one count at a time, as configured
                 told.once(metrics.quick_estimates, "failed")
             asked = time.monotonic()

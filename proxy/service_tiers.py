@@ -55,19 +55,15 @@ def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[s
     return asked, tier_price.rates
 
 
-def tier_rates(model: ModelConfig) -> dict[str, dict[str, int]]:
-    price = model.price_per_million
-    if price is None:
-        return {}
-    return {"default": price.rates, **{name: tier.rates for name, tier in model.service_tiers.items()}}
+def tier_rates(model: ModelConfig) -> Mapping[str, dict[str, int]]:
+    """The model's prices by processing tier ("default": its own; empty: unpriced), shared by
+    every call of the config: not to be changed."""
+    return model.priced_tiers
 
 
-def long_tier_rates(model: ModelConfig) -> dict[str, dict[str, int]]:
+def long_tier_rates(model: ModelConfig) -> Mapping[str, dict[str, int]]:
     """``tier_rates`` past the model's long-context threshold (empty: no such prices)."""
-    long = model.long_context
-    if long is None or model.price_per_million is None:
-        return {}
-    return {"default": long.price_per_million.rates, **{n: t.rates for n, t in long.service_tiers.items()}}
+    return model.long_priced_tiers
 
 
 def dearest(rates: Iterable[Mapping[str, int]]) -> dict[str, int]:
