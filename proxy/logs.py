@@ -23,10 +23,12 @@ import orjson
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 # Keys of any shape after a header or field that carries one (a parser error quotes the raw
-# header line), bearer tokens in any case, and OpenAI-style keys where a word starts: not the
-# "sk-" inside one, as in an id "task-4f2a9c" or a tenant "risk-analytics".
+# header line), bearer tokens in any case, and OpenAI-style keys where a word starts, after an
+# escape too (a repr's "\n", a URL's "%20"): not the "sk-" inside one, as in an id "task-4f2a9c"
+# or a tenant "risk-analytics".
 _SECRET = re.compile(
-    r"(?i)((?<![A-Za-z0-9])sk-[A-Za-z0-9_-]{6,}"
+    r"(?i)((?:(?<![A-Za-z0-9])|(?<=\\[a-z])|(?<=\\x[0-9a-f]{2})|(?<=\\u[0-9a-f]{4})|(?<=%[0-9a-f]{2}))"
+    r"sk-[A-Za-z0-9_-]{6,}"
     r"|(?:x-api-key|api[-_]key|authorization)[\"']?\s*[:=]\s*[\"']?(?:[a-z]+\s+)?[^\s\"',]+"
     r"|bearer\s+[^\s\"',]+)"
 )
