@@ -153,8 +153,10 @@ def plan_call(
     if est.enforce_cap is not None and est.enforce_cap < least and lowered:
         # The model's cap in the config would make the request one the provider refuses.
         # Anthropic's thinking budget must stay below the cap; vLLM's min_tokens within it.
+        # The rule that set the least (``least_cap_accepted``): a thinking budget, or min_tokens.
         thinking = body.get("thinking")
-        param = "thinking.budget_tokens" if isinstance(thinking, dict) and least > 1 else None
+        budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+        param = "thinking.budget_tokens" if least > 1 and budget == least - 1 else None
         if param is None and endpoint in ("chat.completions", "completions") and least > 1:
             param = "min_tokens"
         raise BadRequest(

@@ -1423,3 +1423,29 @@ async def test_output_cap_too_low_never_blames_a_proxy_cap_that_does_not_exist(
     status, error = await _post_chat(proxy, body, "mine")
     assert status == 200, error
     assert fake.received[-1].body["max_tokens"] == 10
+
+
+async def test_a_cap_below_min_tokens_names_min_tokens_beside_a_thinking_without_budget(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """A chat call to a model served by vLLM or a GLM-style API (``thinking`` without a budget)
+    with ``min_tokens`` 50 and a model cap of 10: the least cap is min_tokens, yet the refusal
+    named thinking.budget_tokens, a field the client never sent (the third review)."""
+    proxy = await make_proxy(models={"glm": {"upstream": "openai", "max_output_tokens": 10}})
+    for thinking in ({"type": "disabled"}, {"type": "enabled"}):
+        body: dict[str, Any] = {
+            "model": "glm",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100,
+            "min_tokens": 50,
+            "thinking": thinking,
+        }
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp,
+        ):
+            status, error = resp.status, await resp.json()
+        assert status == 400 and error["error"]["code"] == "output_cap_too_low", error
+        assert error["error"]["param"] == "min_tokens", (thinking, error["error"])
+    assert fake.received == []
