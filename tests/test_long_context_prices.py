@@ -297,6 +297,28 @@ async def test_a_byte_bound_past_the_threshold_does_not_price_the_exact_count_at
     assert script.received == []
 
 
+# A stream of m-long cut after its first piece, no usage told: billed at its reserve.
+CUT_CHUNK = (
+    b"data: "
+    + json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m-long",
+            "choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": None}],
+        }
+    ).encode()
+    + b"\n\n"
+)
+CUT_REQUEST = {
+    "model": "m-long",
+    "stream": True,
+    "messages": [{"role": "user", "content": COUNTED_TEXT}],
+    "max_tokens": 100,
+}
+
+
 async def test_a_byte_bound_past_the_threshold_does_not_bill_a_reserve_billed_call_at_long_context_prices(
     make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
 ) -> None:
@@ -308,23 +330,8 @@ async def test_a_byte_bound_past_the_threshold_does_not_bill_a_reserve_billed_ca
         upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
         models={"m-long": _counted_model(True)},
     )
-    chunk = {
-        "id": "c",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "m-long",
-        "choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": None}],
-    }
-    script.plan = Plan(
-        content_type="text/event-stream", chunks=[b"data: " + json.dumps(chunk).encode() + b"\n\n"]
-    )
-    request = {
-        "model": "m-long",
-        "stream": True,
-        "messages": [{"role": "user", "content": COUNTED_TEXT}],
-        "max_tokens": 100,
-    }
-    status, _ = await _post(proxy.url, "/v1/chat/completions", request, "cut")
+    script.plan = Plan(content_type="text/event-stream", chunks=[CUT_CHUNK])
+    status, _ = await _post(proxy.url, "/v1/chat/completions", CUT_REQUEST, "cut")
     assert status == 200
     entry = await _entry(redis_client)
     assert entry["usage_source"] == "reserve", entry
@@ -364,26 +371,10 @@ async def test_a_reserve_billed_call_counted_at_its_settle_is_billed_at_the_pric
         upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
         models={"m-long": _counted_model(True)},
     )
-    chunk = {
-        "id": "c",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "m-long",
-        "choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": None}],
-    }
-    script.plan = Plan(
-        content_type="text/event-stream",
-        chunks=[b"data: " + json.dumps(chunk).encode() + b"\n\n"],
-        delay_s=0.2,  # the refinement's count begins (and is held) first
-    )
-    request = {
-        "model": "m-long",
-        "stream": True,
-        "messages": [{"role": "user", "content": COUNTED_TEXT}],
-        "max_tokens": 100,
-    }
+    # The refinement's count begins (and is held) first.
+    script.plan = Plan(content_type="text/event-stream", chunks=[CUT_CHUNK], delay_s=0.2)
     try:
-        status, _ = await _post(proxy.url, "/v1/chat/completions", request, "cut-counted-at-settle")
+        status, _ = await _post(proxy.url, "/v1/chat/completions", CUT_REQUEST, "cut-counted-at-settle")
     finally:
         enc.gate.set()
     assert status == 200
