@@ -26,7 +26,14 @@ from proxy.payload import (
     generations,
     prompts,
 )
-from proxy.prompt_parts import items_parts, media_parts, message_parts, search_result_bytes, variable_texts
+from proxy.prompt_parts import (
+    encrypted_input_bytes,
+    items_parts,
+    media_parts,
+    message_parts,
+    search_result_bytes,
+    variable_texts,
+)
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
 from proxy.values import value_class
 
@@ -275,7 +282,9 @@ def estimate(
         # chat template: the special tokens their server adds are SPECIAL_TOKENS_PER_INPUT's.
         overhead += template_call_tokens + template_message_tokens * chat_messages(view)
     if type(view) is MessagesBody:
-        overhead += search_result_bytes(view.messages)
+        overhead += search_result_bytes(view.messages) + encrypted_input_bytes(view.messages)
+    elif type(view) is ResponsesBody:
+        overhead += encrypted_input_bytes(view.input)
     if media_part_input_tokens:
         # A fixed part of the input, as the per-message tokens are: kept when the text is
         # counted after a quick reserve, and charged when the provider gives no usage.

@@ -59,6 +59,29 @@ def search_result_bytes(*sources: Any) -> int:
     return sum(len(blob) for blob in blobs if isinstance(blob, str))
 
 
+# Input items whose content goes back encrypted and is read as input again: a Responses
+# compaction item (the earlier conversation, compacted) and reasoning item, an Anthropic
+# redacted thinking block (within a tool-use turn), each by the field holding it.
+_ENCRYPTED_INPUT = {
+    "compaction": "encrypted_content",
+    "reasoning": "encrypted_content",
+    "redacted_thinking": "data",
+}
+
+
+def encrypted_input_bytes(*sources: Any) -> int:
+    """The length of what a request sends back encrypted that the provider reads as input:
+    counted in bytes, as no tokenizer can read it (an upper bound where the provider drops some,
+    as OpenAI may earlier turns' reasoning)."""
+    total = 0
+    for part in _parts(*sources):
+        field = _ENCRYPTED_INPUT.get(part.get("type"))  # type: ignore[arg-type]
+        blob = part.get(field) if field else None
+        if isinstance(blob, str):
+            total += len(blob)
+    return total
+
+
 def media_parts(*sources: Any) -> int:
     """How many image, audio and file parts the messages, items or variables of ``sources``
     hold, a tool result's included, and earlier audio answers sent back by id."""

@@ -158,7 +158,6 @@ def test_media_payloads_ids_and_signatures_are_not_counted_as_text() -> None:
                 ],
             },
             {"type": "image_generation_call", "id": "ig", "status": "completed", "result": IMAGE[22:]},
-            {"type": "reasoning", "id": "r", "summary": [], "encrypted_content": IMAGE[22:]},
             {"type": "function_call_output", "call_id": "c" * 5000, "output": "ok"},
         ]
     }
@@ -169,10 +168,19 @@ def test_media_payloads_ids_and_signatures_are_not_counted_as_text() -> None:
                 "role": "user",
                 "content": [{"type": "image", "source": {"type": "base64", "data": IMAGE[22:]}}],
             },
-            {"role": "assistant", "content": [{"type": "redacted_thinking", "data": IMAGE[22:]}]},
         ]
     }
     assert _estimate_input_tokens("/v1/messages", anthropic) < 200
+
+
+def test_encrypted_input_the_provider_reads_again_is_reserved_at_its_bytes() -> None:
+    # A reasoning item's encrypted_content, a redacted thinking block's data: read as input by the
+    # provider (within a tool-use turn), by no tokenizer here (the Responses hunt).
+    blob = IMAGE[22:]
+    body = {"input": [{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": blob}]}
+    assert _estimate_input_tokens("/v1/responses", body) >= len(blob)
+    redacted = {"role": "assistant", "content": [{"type": "redacted_thinking", "data": blob}]}
+    assert _estimate_input_tokens("/v1/messages", {"messages": [redacted]}) >= len(blob)
 
 
 def test_a_tool_calls_json_input_is_counted_with_its_keys() -> None:

@@ -471,3 +471,41 @@ async def test_a_list_of_fallback_models_is_refused_not_routed_as_its_first(
     same = {"model": "m", "models": ["m"], **body}
     await send(proxy, lambda: script.received, redis_client, path, dumps(same))
     assert json.loads(script.received[-1])["models"] == ["m"]
+
+
+ENCRYPTED = "gAAAAB" + "Qk" * 4000  # 8,006 bytes of context no tokenizer reads
+SENT_BACK: dict[str, list[dict[str, Any]]] = {
+    # Server-side compaction's item, sent back by a stateless client: the earlier conversation.
+    "compaction": [{"id": "cmp_1", "type": "compaction", "encrypted_content": ENCRYPTED}],
+    # A function-calling turn of a reasoning model, store false: reasoning, call, its output.
+    "reasoning": [
+        {"id": "rs_1", "type": "reasoning", "summary": [], "encrypted_content": ENCRYPTED},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SENT_BACK))
+async def test_encrypted_context_sent_back_is_reserved_at_its_bytes(
+    make_proxy: ProxyFactory, fake: FakeUpstream, kind: str
+) -> None:
+    """What a Responses input sends back encrypted (a compaction item, a reasoning item's
+    encrypted_content) the provider reads, and bills, as input; reserved as no text, a call
+    fitted a run's input ceiling of 1,500 and was billed 2,000 (the Responses hunt). Reserved at
+    its bytes, as Anthropic's encrypted search results are: refused, nothing forwarded."""
+    import openai
+
+    proxy = await make_proxy(tiers={"standard": {"run": {"input_tokens": 1500}}})
+    client = proxy.client(default_headers={"X-Run-Id": f"enc-{kind}"})
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.responses.create(
+            model="gpt-4o-mini",
+            input=[*SENT_BACK[kind], {"role": "user", "content": "go on"}],  # type: ignore[arg-type]
+            store=False,
+            include=["reasoning.encrypted_content"],
+            max_output_tokens=16,
+            extra_body={"fake": {"usage": {"input_tokens": 2000}}},
+        )
+    assert "input_tokens" in str(refused.value)
+    assert fake.received == []
