@@ -27,7 +27,7 @@ from proxy.plan import least_cap_accepted
 from proxy.pricing import MAX_AMOUNT, reserve_amounts, worst_rates
 from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
-from proxy.settle import release_unforwarded, release_unforwarded_off_loop
+from proxy.settle import release_now, release_unforwarded, release_unforwarded_off_loop
 from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative
 from proxy.tool_fees import billed_tool_calls, tool_calls_field
 
@@ -233,6 +233,14 @@ async def reserve(
             release_unforwarded(call, journal, [sc.key for sc in scopes], run_ttl_s)
         raise
     assert not isinstance(result, Tentative), "a final reserve is never tentative"
+    if in_force() is not config:
+        # Reloaded while the script waited for the store after the last check (a connection
+        # made again, its AUTH and SELECT; a pool's free connection): it ran under the config it
+        # replaced, a key since revoked, a price since raised. Released, nothing forwarded, and
+        # the call planned again under the config in force (as ``_still_in_force``).
+        if isinstance(result, Reservation):
+            await release_now(call, store, journal, [sc.key for sc in scopes], run_ttl_s)
+        raise Reloaded
     if isinstance(result, Refusal):
         raise _refusal_error(result, now_s=store.now(), fits_nowhere=_never_fits(call, tier, scopes))
     if result.clamped_output_per_choice:

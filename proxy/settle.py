@@ -339,6 +339,16 @@ async def release_unforwarded_off_loop(
         _release_lost(call, disk)
 
 
+async def release_now(call: Call, store: Store, journal: Journal, scopes: list[str], run_ttl_s: int) -> None:
+    """Release a reserve that ran for a call that will not go out as reserved: at once, with a
+    ``not_forwarded`` entry at zero; journaled (``release_unforwarded_off_loop``) should the
+    store fail it."""
+    try:
+        await _release(call, scopes, run_ttl_s).apply(store)
+    except StoreError:
+        await release_unforwarded_off_loop(call, journal, scopes, run_ttl_s)
+
+
 def _release(call: Call, scopes: list[str], run_ttl_s: int) -> PendingSettlement:
     return PendingSettlement(
         tenant=call.identity.tenant,

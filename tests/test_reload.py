@@ -344,3 +344,119 @@ async def test_a_call_planned_again_after_a_reload_is_counted_once_in_the_metric
         assert quick.get("counted_first", 0) == (1 if waits == "bound does not fit" else 0), quick
     finally:
         await waiting.close()
+
+
+async def _serve_file(raw: dict[str, Any], path: Path) -> Proxy:
+    path.write_text(yaml.safe_dump(raw))
+    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return Proxy(
+        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
+    )
+
+
+async def _reload_file(proxy: Proxy, raw: dict[str, Any], path: Path) -> None:
+    before = proxy.app[STATE].config
+    path.write_text(yaml.safe_dump(raw))
+    os.kill(os.getpid(), signal.SIGHUP)
+    for _ in range(250):
+        if proxy.app[STATE].config is not before:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("not reloaded")
+
+
+async def _call_while_the_store_reconnects(
+    proxy: Proxy, raw: dict[str, Any], path: Path, redis_client: aioredis.Redis, run: str
+) -> tuple[int, str]:
+    """A call whose reserve waits for the store's connection to be made again (Redis restarted,
+    then slow to answer the new connection's SELECT: loading, a failover), and a reload of
+    ``raw`` (changed by the caller) while it waits. Its status and body."""
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    async with aiohttp.ClientSession() as session:
+        warm = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "warm"}
+        async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=warm) as r:
+            assert r.status == 200, await r.text()
+        pipe = proxy.app[STATE].store._pipe  # type: ignore[union-attr]
+        assert pipe is not None and pipe._protocol is not None
+        assert pipe._protocol.transport is not None
+        pipe._protocol.transport.close()  # the connection lost
+        for _ in range(100):
+            if pipe._protocol is None or pipe._protocol.closed:
+                break
+            await asyncio.sleep(0.01)
+        await redis_client.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+        calling = asyncio.ensure_future(
+            session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        )
+        await asyncio.sleep(0.3)
+        assert not calling.done()
+        assert pipe._attempt is not None  # its reserve waits for the connection: not sent yet
+        await _reload_file(proxy, raw, path)
+        r = await calling
+        status, text = r.status, await r.text()
+        r.release()
+    return status, text
+
+
+def _on_db_1(url: str) -> str:
+    """The store's URL with database 1: its connection then sends SELECT as it is made."""
+    return url[:-2] + "/1" if url.endswith("/0") else url.replace("db=0", "db=1")
+
+
+async def test_a_key_revoked_while_its_call_waits_on_the_store_connection_is_refused(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call is judged by the config in force when its reserve script is sent. One whose script
+    waited for the store's connection to be made again had passed the config check, and its
+    script, sent after a reload, ran under the config it replaced: a revoked key's call was
+    reserved, forwarded and answered (the reload hunt). Released and planned again: a 401."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
+    path = tmp_path / "c.yaml"
+    proxy = await _serve_file(raw, path)
+    try:
+        raw["keys"] = [k for k in raw["keys"] if k["name"] != "a-ci"]  # revoked
+        status, text = await _call_while_the_store_reconnects(proxy, raw, path, redis_client, "revoked")
+        assert status == 401, (status, text[:300])
+        assert fake.calls == 1, fake.calls  # the revoked key's call never went out
+    finally:
+        await proxy.runner.cleanup()
+
+
+async def test_a_price_raised_while_a_call_waits_on_the_store_connection_bills_it(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same wait, a price raised: the call was billed at the price it replaced. Its reserve
+    under the old config is released (a not_forwarded entry at zero), the call billed at the new."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
+    raw["models"] = {
+        "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "1"}}
+    }
+    path = tmp_path / "c.yaml"
+    proxy = await _serve_file(raw, path)
+    try:
+        raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "100", "output": "100"}
+        status, text = await _call_while_the_store_reconnects(proxy, raw, path, redis_client, "repriced")
+        assert status == 200, text[:300]
+        entries = await ledger_entries(proxy, "repriced")
+        released = [e for e in entries if e["outcome"] == "not_forwarded"]
+        (entry,) = [e for e in entries if e["outcome"] != "not_forwarded"]
+        assert [(e["input_tokens"], e["cost_micros"]) for e in released] == [("0", "0")], entries
+        tokens = int(entry["input_tokens"]) + int(entry["output_tokens"])
+        assert int(entry["cost_micros"]) == 100 * tokens, entry
+        assert fake.calls == 2  # the warm call and this one, once
+    finally:
+        await proxy.runner.cleanup()
