@@ -75,7 +75,8 @@ def encrypted_input_bytes(*sources: Any) -> int:
     as OpenAI may earlier turns' reasoning)."""
     total = 0
     for part in _parts(*sources):
-        field = _ENCRYPTED_INPUT.get(part.get("type"))  # type: ignore[arg-type]
+        kind = part.get("type")  # may be anything a client sent: a list
+        field = _ENCRYPTED_INPUT.get(kind) if isinstance(kind, str) else None
         blob = part.get(field) if field else None
         if isinstance(blob, str):
             total += len(blob)
