@@ -239,7 +239,14 @@ async def reserve(
         # replaced, a key since revoked, a price since raised. Released, nothing forwarded, and
         # the call planned again under the config in force (as ``_still_in_force``).
         if isinstance(result, Reservation):
-            await release_now(call, store, journal, [sc.key for sc in scopes], run_ttl_s)
+            keys = [sc.key for sc in scopes]
+            try:
+                await release_now(call, store, journal, keys, run_ttl_s)
+            except asyncio.CancelledError:
+                # Shutdown past its grace while the store took the release: journaled (synced,
+                # no await), not left held for a reaper to bill a call that never went out.
+                release_unforwarded(call, journal, keys, run_ttl_s)
+                raise
         raise Reloaded
     if isinstance(result, Refusal):
         raise _refusal_error(result, now_s=store.now(), fits_nowhere=_never_fits(call, tier, scopes))

@@ -17,6 +17,7 @@ import tiktoken
 import yaml
 from aiohttp import web
 
+import proxy.handlers as handlers
 from proxy.app import build_app
 from proxy.config_load import load_config
 from proxy.redis_server import RedisServerProcess
@@ -458,5 +459,71 @@ async def test_a_price_raised_while_a_call_waits_on_the_store_connection_bills_i
         tokens = int(entry["input_tokens"]) + int(entry["output_tokens"])
         assert int(entry["cost_micros"]) == 100 * tokens, entry
         assert fake.calls == 2  # the warm call and this one, once
+    finally:
+        await proxy.runner.cleanup()
+
+
+async def test_a_handler_cancelled_while_a_reloaded_reserve_is_released_leaves_no_reserve_held(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reserve that ran under a replaced config is released; a handler cancelled while the
+    store takes that release (shutdown past its grace) left the reservation held, no release
+    journaled, for a reaper to bill a call that never went out (the fourth review of ad04bbd)."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    raw = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "j"))
+    path = tmp_path / "c.yaml"
+    proxy = await _serve_file(raw, path)
+    state = proxy.app[STATE]
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    try:
+        async with aiohttp.ClientSession() as session:
+            headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "warm"}
+            async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+            store = state.store
+            assert store is not None
+            real_reserve = store.reserve
+
+            async def reserve_then_reload(**kw: Any) -> Any:
+                result = await real_reserve(**kw)
+                state.config = load_config(path)  # a reload while the script ran
+                return result
+
+            settling = asyncio.Event()
+
+            async def settle_slowly(**kw: Any) -> Any:  # the store slow to take the release
+                settling.set()
+                await asyncio.Event().wait()
+
+            real_settle = store.settle
+            monkeypatch.setattr(store, "reserve", reserve_then_reload)
+            monkeypatch.setattr(store, "settle", settle_slowly)
+            tasks: list[asyncio.Task[Any]] = []
+            real = handlers.reserve
+
+            async def tracked(*a: Any, **kw: Any) -> Any:
+                task = asyncio.ensure_future(real(*a, **kw))
+                tasks.append(task)
+                return await task
+
+            monkeypatch.setattr(handlers, "reserve", tracked)
+            headers["X-Run-Id"] = "cut"
+            calling = asyncio.ensure_future(
+                session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+            )
+            await asyncio.wait_for(settling.wait(), 5)
+            held = await redis_client.zcard("lbp:{team-a}:leases")
+            tasks[0].cancel()  # shutdown past its grace, while the release waits on the store
+            await asyncio.sleep(0.2)
+            calling.cancel()
+            monkeypatch.setattr(store, "settle", real_settle)  # the store answers again
+        assert held == 1
+        assert await redis_client.zcard("lbp:{team-a}:leases") == 0 or state.journal.pending_lines >= 1, (
+            "reservation held, no release journaled"
+        )
     finally:
         await proxy.runner.cleanup()
