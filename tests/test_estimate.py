@@ -283,6 +283,30 @@ async def test_the_ledger_shows_the_reserve_redis_held_when_the_count_came_after
     assert all(m["reserved"] == 0 for m in state.values()), state
 
 
+REAP_MARGIN_S = 0.1
+# A call of a quick estimate's size (TEXT) the fake upstream holds until released.
+HELD_QUICK_CALL = {
+    "model": "gpt-4o-mini",
+    "messages": [{"role": "user", "content": TEXT}],
+    "max_tokens": 10,
+    "fake": {"hold": True},
+}
+
+
+async def reaped_quick_proxy(
+    make_proxy: ProxyFactory, fake: FakeUpstream, enc: QuarterEncoding, timeout_s: float, **overrides: Any
+) -> Proxy:
+    """A proxy whose reaper bills a lease at once it runs out, counting with ``enc``, pricing
+    gpt-4o-mini at 1 and 10 micro-units a token, its upstream timing out after ``timeout_s``."""
+    return await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}),
+        upstreams=upstream_timing_out(fake.base_url, timeout_s),
+        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": REAP_MARGIN_S},
+        models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
+        **overrides,
+    )
+
+
 async def until_quick(proxy: Proxy, result: str, count: int = 1) -> None:
     for _ in range(500):
         if quick_estimates(proxy, result) >= count:
@@ -679,23 +703,13 @@ async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
     out with the settle on its way."""
     gate = threading.Event()
     enc = QuarterEncoding(gate)
-    timeout_s, margin_s = 4, 0.1
-    proxy = await make_proxy(
-        tokenizer=Tokenizer({"o200k_base": enc}),
-        upstreams=upstream_timing_out(fake.base_url, timeout_s),
-        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": margin_s},
-        models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
-    )
+    timeout_s, margin_s = 4, REAP_MARGIN_S
+    proxy = await reaped_quick_proxy(make_proxy, fake, enc, timeout_s)
     leases = "lbp:{team-a}:leases"
     headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "quick-reaped"}
-    body = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": TEXT}],
-        "max_tokens": 10,
-        # Answered once the count landed and past half the lease, well within the upstream's
-        # timeout: a fixed delay raced both on a loaded machine.
-        "fake": {"hold": True},
-    }
+    # Answered once the count landed and past half the lease, well within the upstream's
+    # timeout: a fixed delay raced both on a loaded machine.
+    body = HELD_QUICK_CALL
     async with aiohttp.ClientSession() as session:
         answer = asyncio.ensure_future(
             session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
@@ -949,22 +963,13 @@ async def test_a_reaped_call_whose_shrink_reply_was_lost_is_told_what_the_reaper
     holds: it told the byte bound and its cost, figures no ledger entry held (the refine hunt)."""
     gate = threading.Event()
     enc = QuarterEncoding(gate)
-    timeout_s, margin_s = 5, 0.1
-    proxy = await make_proxy(
-        redis={"url": own_redis.url, "socket_timeout_s": 0.5},
-        tokenizer=Tokenizer({"o200k_base": enc}),
-        upstreams=upstream_timing_out(fake.base_url, timeout_s),
-        limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": margin_s},
-        models={"gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "10"}}},
+    timeout_s, margin_s = 5, REAP_MARGIN_S
+    proxy = await reaped_quick_proxy(
+        make_proxy, fake, enc, timeout_s, redis={"url": own_redis.url, "socket_timeout_s": 0.5}
     )
     leases = "lbp:{team-a}:leases"
     headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "lost-reaped"}
-    body = {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": TEXT}],
-        "max_tokens": 10,
-        "fake": {"hold": True},
-    }
+    body = HELD_QUICK_CALL
     async with aiohttp.ClientSession() as session:
         answer = asyncio.ensure_future(
             session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)

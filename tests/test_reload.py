@@ -27,6 +27,7 @@ from proxy.tokenizer import Tokenizer
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
+from tests.test_budgets import _proxy_from_file, _reload_to
 from tests.test_estimate import TEXT, QuarterEncoding
 
 
@@ -347,28 +348,6 @@ async def test_a_call_planned_again_after_a_reload_is_counted_once_in_the_metric
         await waiting.close()
 
 
-async def _serve_file(raw: dict[str, Any], path: Path) -> Proxy:
-    path.write_text(yaml.safe_dump(raw))
-    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return Proxy(
-        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
-    )
-
-
-async def _reload_file(proxy: Proxy, raw: dict[str, Any], path: Path) -> None:
-    before = proxy.app[STATE].config
-    path.write_text(yaml.safe_dump(raw))
-    os.kill(os.getpid(), signal.SIGHUP)
-    for _ in range(250):
-        if proxy.app[STATE].config is not before:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("not reloaded")
-
-
 async def _call_while_the_store_reconnects(
     proxy: Proxy, raw: dict[str, Any], path: Path, redis_client: aioredis.Redis, run: str
 ) -> tuple[int, str]:
@@ -396,7 +375,7 @@ async def _call_while_the_store_reconnects(
         await asyncio.sleep(0.3)
         assert not calling.done()
         assert pipe._attempt is not None  # its reserve waits for the connection: not sent yet
-        await _reload_file(proxy, raw, path)
+        await _reload_to(proxy, raw, path)
         r = await calling
         status, text = r.status, await r.text()
         r.release()
@@ -422,7 +401,7 @@ async def test_a_key_revoked_while_its_call_waits_on_the_store_connection_is_ref
     monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
     path = tmp_path / "c.yaml"
-    proxy = await _serve_file(raw, path)
+    proxy = await _proxy_from_file(raw, path)
     try:
         raw["keys"] = [k for k in raw["keys"] if k["name"] != "a-ci"]  # revoked
         status, text = await _call_while_the_store_reconnects(proxy, raw, path, redis_client, "revoked")
@@ -447,7 +426,7 @@ async def test_a_price_raised_while_a_call_waits_on_the_store_connection_bills_i
         "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "1"}}
     }
     path = tmp_path / "c.yaml"
-    proxy = await _serve_file(raw, path)
+    proxy = await _proxy_from_file(raw, path)
     try:
         raw["models"]["gpt-4o-mini"]["price_per_million"] = {"input": "100", "output": "100"}
         status, text = await _call_while_the_store_reconnects(proxy, raw, path, redis_client, "repriced")
@@ -476,7 +455,7 @@ async def test_a_handler_cancelled_while_a_reloaded_reserve_is_released_leaves_n
     monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     raw = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "j"))
     path = tmp_path / "c.yaml"
-    proxy = await _serve_file(raw, path)
+    proxy = await _proxy_from_file(raw, path)
     state = proxy.app[STATE]
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     try:
