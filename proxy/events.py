@@ -204,7 +204,7 @@ class EventFilter:
             return True
         held = self._held.strip()
         return bool(held) and not all(
-            line.rstrip(b"\r").startswith(_NO_DATA_LINES) for line in held.split(b"\n") if line.strip()
+            line.startswith(_NO_DATA_LINES) for line in held.split(b"\n") if line.strip()
         )
 
     def held(self) -> bytes:

@@ -140,7 +140,7 @@ class _WholeLinesWriter(io.RawIOBase):
     def write(self, b: Any) -> int | None:
         # Called by the buffer once per flush (64 KiB at most), not per line.
         view = memoryview(b).cast("B")
-        data = view.tobytes()  # to search (``find``); written from ``view``, uncopied
+        data = view.tobytes()  # to search (``find``): one copy a flush, not a line
         total = len(data)
         done = 0
         while done < total:
