@@ -124,8 +124,9 @@ class Call:
     # content; "audio": a chat message's earlier audio answer), a code execution container
     # ("container": with the files earlier calls left in it; "input_container": one a call item
     # sent back names), a message whose prompt a Messages call's is compared with (cache
-    # diagnostics' "diagnostics") and a Files API file a Messages call puts in its container or
-    # reads ("file": one a tenant's code execution wrote is its). Ids as given.
+    # diagnostics' "diagnostics"), a response a Responses call's is ("comparison") and a Files
+    # API file a Messages call puts in its container or reads ("file": one a tenant's code
+    # execution wrote is its). Ids as given.
     references: tuple[Reference, ...] = ()
     # Of ``continues`` and ``references`` (keyed), those the reserve found marked as this call's
     # tenant's already: not marked again (``contexts.contexts_owned``).

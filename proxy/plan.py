@@ -326,7 +326,8 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
     their result and typed items of their id alone (read from the store by id); a
     chat message's earlier audio answer, sent back by its id; the container a code execution
     tool runs in (a Responses tool's ``container`` or ``environment``, a Messages call's
-    ``container``); the message a Messages call's cache diagnostics compare its prompt with; a
+    ``container``); the message a Messages call's cache diagnostics compare its prompt with, and
+    the response a Responses call's (``prompt_cache_options.comparison_response_id``) do; a
     file of the Files API a Messages call puts in its container or reads (``_files_named``)."""
     found: list[Reference] = []
     if type(view) is ChatBody:
@@ -369,6 +370,9 @@ def _references(view: RequestView) -> tuple[Reference, ...]:
             if isinstance(environment, dict) and environment.get("type") == "container_reference":
                 _add_reference(found, "container", environment.get("container_id"))
             _add_reference(found, "container", tool.get("container"))  # an id, or {"type": "auto"}
+        options = (view.model_extra or {}).get("prompt_cache_options")
+        compared = options.get("comparison_response_id") if isinstance(options, dict) else None
+        _add_reference(found, "comparison", compared)
     return tuple(dict.fromkeys(found))
 
 

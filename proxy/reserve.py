@@ -355,6 +355,9 @@ _NOT_FOUND = {
     # (The provider tells one it has no fingerprint of in the answer's ``diagnostics``,
     # ``previous_message_not_found``: another tenant's is refused, its prompt never compared.)
     "diagnostics": ("Message with id '{}' not found.", "diagnostics.previous_message_id"),
+    # A response a Responses call's prompt cache diagnostics compare its prompt with (the provider
+    # tells one it does not know in the answer, ``comparison_response_not_found``: likewise).
+    "comparison": ("Response with id '{}' not found.", "prompt_cache_options.comparison_response_id"),
     # A Files API id a Messages call names (Anthropic's Files API answers one it does not hold
     # with a 404 of these words).
     "file": ("File not found: {}", "messages"),

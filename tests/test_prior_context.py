@@ -1620,6 +1620,44 @@ async def test_another_tenants_message_id_is_not_sent_for_cache_diagnostics(
     assert len(queue.received) == sent + 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_another_tenants_response_id_is_not_sent_for_prompt_cache_diagnostics(
+    stream: bool, proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """Prompt cache diagnostics (``prompt_cache_options.comparison_response_id``): the provider
+    compares the request's prompt with the one of the response named and tells why the cache
+    missed (the input, the instructions, the tools changed) with the tokens after the first
+    divergence and the compared response's reusable prefix. With the operator's key tenant B
+    naming tenant A's response got an oracle on A's prompt, as with Anthropic's
+    ``diagnostics.previous_message_id``. Refused (a 404, nothing forwarded); A names its own as
+    before, and an id no tenant used here passes."""
+    async with proxy.client() as a, proxy.client(KEY_B) as b:
+        mine = await a.responses.create(
+            model="gpt-4o-mini", instructions="A's confidential system prompt", input="my secret plan"
+        )
+        await proxy.recorded()
+        sent = len(fake.received)
+
+        async def compared(client: openai.AsyncOpenAI, response_id: str) -> None:
+            options: Any = {"comparison_response_id": response_id}
+            if stream:
+                async for _ in await client.responses.create(
+                    model="gpt-4o-mini", input="hi", prompt_cache_options=options, stream=True
+                ):
+                    pass
+            else:
+                await client.responses.create(model="gpt-4o-mini", input="hi", prompt_cache_options=options)
+
+        with pytest.raises(openai.NotFoundError) as refused:
+            await compared(b, mine.id)
+        assert len(fake.received) == sent, "tenant A's response id went upstream for tenant B"
+        param = "prompt_cache_options.comparison_response_id"
+        assert_not_found(refused.value, f"Response with id '{mine.id}' not found.", param)
+        await compared(a, mine.id)
+        await compared(b, "resp_0Elsewhere")
+    assert len(fake.received) == sent + 2
+
+
 async def test_a_message_the_provider_keeps_nothing_of_is_not_marked(
     make_proxy: ProxyFactory, queue: Queue, redis_client: aioredis.Redis
 ) -> None:
