@@ -154,8 +154,13 @@ class Call:
 
     @property
     def writes_nothing(self) -> bool:
-        """A legacy completion with ``max_tokens: 0``: the prompt scored (echo, logprobs), no
-        output asked for; its answers end with "length" by construction, not cut short."""
+        """No output asked for: a legacy completion with ``max_tokens: 0``, the prompt scored
+        (echo, logprobs), its answers ending with "length" by construction, not cut short; a
+        Responses call with ``prompt_cache_options.prewarm``, the prompt cached, its answer's
+        output empty whatever format it names."""
+        if self.endpoint == "responses":
+            options = self.body.get("prompt_cache_options")
+            return isinstance(options, dict) and options.get("prewarm") is True
         return self.endpoint == "completions" and self.body.get("max_tokens") == 0
 
     @property

@@ -35,6 +35,7 @@ from tests.outcome_helpers import (
     upstream_override,
 )
 from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams
+from tests.test_responses_phases import Weather, response_object
 
 REJECT_ALL = {"on_truncate": "reject", "on_invalid_json": "reject"}
 JSON_FORMAT: Any = {"type": "json_object"}
@@ -685,3 +686,61 @@ async def test_scoring_a_prompt_is_not_a_truncated_answer(
     [entry] = await ledger_entries(proxy, "score")
     assert entry["outcome"] == "ok", entry
     assert entry["usage_source"] == "provider" and entry["output_tokens"] == "0", entry
+
+
+# A prewarm's answer: no output, its input (the cache written) billed.
+PREWARM_USAGE = {
+    "input_tokens": 1200,
+    "input_tokens_details": {"cached_tokens": 0},
+    "output_tokens": 0,
+    "output_tokens_details": {"reasoning_tokens": 0},
+    "total_tokens": 1200,
+}
+
+
+def _prewarmed(stream: bool) -> Plan:
+    whole = response_object("completed", [], PREWARM_USAGE)
+    if not stream:
+        return Plan(chunks=[dumps(whole)])
+    events = [
+        {"type": "response.created", "response": response_object("in_progress", [], None)},
+        {"type": "response.completed", "response": whole},
+    ]
+    chunks = [
+        b"event: " + e["type"].encode() + b"\ndata: " + dumps({**e, "sequence_number": n}) + b"\n\n"
+        for n, e in enumerate(events)
+    ]
+    return Plan(content_type="text/event-stream", chunks=chunks)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+async def test_a_prewarm_with_a_structured_output_is_not_held_to_json(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, stream: bool
+) -> None:
+    """``prompt_cache_options.prewarm: true`` prepares the prompt cache and writes nothing (the
+    SDK: it overrides ``generate`` to false): a completed response with no output, billed its
+    input. A client prewarming a structured-output conversation sends the ``text.format`` of its
+    later calls (a changed format misses the cache). Under ``on_invalid_json: reject`` its empty
+    output was held to JSON, a 422 ``rejected:parse-json`` for an answer that asked for none; it
+    is judged as a legacy ``max_tokens: 0`` is, whole with nothing written."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url), policy=REJECT_ALL)
+    script.plan = _prewarmed(stream)
+    asked: Any = {
+        "model": MODEL,
+        "input": "a long shared prefix",
+        "text_format": Weather,
+        "extra_body": {"prompt_cache_options": {"prewarm": True}},
+        "extra_headers": run_headers("prewarm"),
+    }
+    async with proxy.client() as client:
+        if stream:
+            async with client.responses.stream(**asked) as events:
+                async for _ in events:
+                    pass
+                reply = await events.get_final_response()
+        else:
+            reply = await client.responses.parse(**asked)  # was: 422 rejected:parse-json
+    assert reply.output == [] and reply.output_parsed is None
+    entry = await the_entry(proxy, "prewarm")
+    assert entry["outcome"] == "ok", entry
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("1200", "0"), entry
