@@ -72,13 +72,31 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
                     obs.add_text(0, part.get("refusal"), content=False)
             elif part.get("type") == "output_text" and texts:
                 obs.add_text(0, part.get("text"), content=final)
+    searches = _billable_searches(response.get("tool_usage"))
+    if searches is not None:
+        # The provider's own count stands over the items (a search of several queries, a
+        # discounted one) and over the calls the stream showed, as Anthropic's does.
+        tool_calls.pop(_WEB_SEARCH, None)
+        if searches:
+            tool_calls[_WEB_SEARCH] = searches
+        if obs.tool_uses and _WEB_SEARCH in obs.tool_uses:
+            del obs.tool_uses[_WEB_SEARCH]
+            obs.tool_uses = obs.tool_uses or None  # none left: no tool seen (``settle._rates``)
     # The final response object holds every item: counted once (a stream's events are not). A
     # failed one may list none of those the stream showed (``with_tool_calls`` bills the more).
     obs.tool_calls = tool_calls
 
 
+def _billable_searches(tool_usage: Any) -> int | None:
+    """The web searches OpenAI bills, as the answer counts them (``tool_usage.web_search``'s
+    ``num_requests``: discounted searches and page actions left out); None when it does not."""
+    search = tool_usage.get("web_search") if isinstance(tool_usage, dict) else None
+    return token_count(search.get("num_requests")) if isinstance(search, dict) else None
+
+
 _CALL = "_call"
 _SEARCH_CALL = "web_search_call"
+_WEB_SEARCH = "web_search"  # its tool, as priced
 # A web search call's actions that are no search (OpenAI's web search guide: "Search actions
 # incur a tool call cost"): opening a page of its results, finding a pattern in one. Any other
 # action, or none told, is billed as a search: an action not known here is never left unbilled.

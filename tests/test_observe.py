@@ -9,10 +9,11 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.billed_usage import with_tool_calls
 from proxy.config import PolicyConfig
 from proxy.observe import LOOSE_PIECES, Observation, parse_usage, string_end
 from proxy.observe_responses import responses_event
-from proxy.outcome import classify_answer
+from proxy.outcome import classify_answer, reserve_usage
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.memory import MB, alive_when_called
@@ -875,3 +876,28 @@ def test_a_stream_whose_only_web_search_call_read_a_page_saw_no_tool_run() -> No
         done = {**item, "action": {"type": action}}
         responses_event(obs, {"type": "response.output_item.done", "output_index": 0, "item": done})
         assert obs.tool_uses is None, (action, obs.tool_uses)
+
+
+@pytest.mark.parametrize("told", [0, 1, 3])
+def test_a_streams_final_count_of_web_searches_stands_over_its_items(told: int) -> None:
+    """A web search call begun counts as a search (the bound, should the stream be cut); the
+    final response's ``tool_usage.web_search.num_requests``, the searches OpenAI bills, stands
+    over it, above (a search of several queries) or below (a discounted one). Cut before it, the
+    item stays counted."""
+    item: dict[str, Any] = {"type": "web_search_call", "id": "ws_1"}
+    done = {**item, "action": {"type": "search", "queries": ["a", "b", "c"]}}
+    final = {
+        "id": "resp_1",
+        "status": "completed",
+        "output": [done],
+        "usage": {"input_tokens": 10, "output_tokens": 2, "total_tokens": 12},
+        "tool_usage": {"web_search": {"num_requests": told}},
+    }
+    obs, cut = Observation(), Observation()
+    for seen in (obs, cut):
+        responses_event(seen, {"type": "response.output_item.added", "output_index": 0, "item": item})
+        responses_event(seen, {"type": "response.output_item.done", "output_index": 0, "item": done})
+    responses_event(obs, {"type": "response.completed", "response": final})
+    billed = with_tool_calls(reserve_usage(10, 2), obs)
+    assert billed.tool_calls == ((("web_search", told),) if told else ()), billed
+    assert with_tool_calls(reserve_usage(10, 2), cut).tool_calls == (("web_search", 1),)

@@ -428,6 +428,61 @@ async def test_web_search_calls_that_open_or_read_a_page_are_not_billed_as_searc
     assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + 3 * SEARCH_MICROS, entry
 
 
+def _responded(script: ScriptedUpstream, final: dict[str, Any], *, stream: bool) -> None:
+    """The scripted upstream answers ``final``, whole or as OpenAI streams it (each item's
+    action told once the item is done)."""
+    if not stream:
+        script.plan = Plan(chunks=[json.dumps(final).encode()])
+        return
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": {**final, "status": "in_progress", "output": []}})
+    ]
+    for index, item in enumerate(final["output"]):
+        begun = {key: value for key, value in item.items() if key != "action"}
+        events.append(("response.output_item.added", {"output_index": index, "item": begun}))
+        events.append(("response.output_item.done", {"output_index": index, "item": item}))
+    events.append(("response.completed", {"response": final}))
+    chunks = [_sse(kind, {"type": kind, **obj}) for kind, obj in events]
+    script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+
+
+@pytest.mark.parametrize("told", [3, 0], ids=["three-queries", "discounted"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_web_searches_are_billed_as_the_provider_counts_them(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool, told: int
+) -> None:
+    """A Responses answer tells its billable web searches, ``tool_usage.web_search.num_requests``
+    (the SDK's ``Response.tool_usage``: "counts billable searches. Discounted searches and
+    actions such as opening a page are excluded"), as Anthropic's ``usage.server_tool_use`` does.
+    The proxy counted ``web_search_call`` items: one item whose search issued three queries, told
+    as three billable requests, was billed one search; a discounted one, told as none, one all
+    the same. Its count stands, streamed or not; an answer without it is counted by its items."""
+    proxy = await _proxy(make_proxy, script, tool_prices={"web_search": "10"})
+    searched = {**SEARCH_ITEM, "action": {"type": "search", "queries": ["gold", "gold today", "gold news"]}}
+    tool_usage = {
+        "image_gen": {
+            "input_tokens": 0,
+            "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+            "output_tokens": 0,
+            "total_tokens": 0,
+        },
+        "web_search": {"num_requests": told},
+    }
+    _responded(script, {**_response([searched, ANSWER]), "tool_usage": tool_usage}, stream=stream)
+    body = {"model": "gpt-x", "input": "gold?", "tools": [{"type": "web_search"}], "stream": stream}
+    status, _ = await _post(proxy.url, "/v1/responses", body, "told")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry.get("tool_calls") == (f"web_search={told}" if told else None), entry
+    assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + told * SEARCH_MICROS, entry
+    # Without the provider's count (an older answer, another upstream's): one per search item.
+    await redis_client.delete("lbp:{team-a}:ledger")
+    _responded(script, _response([searched, ANSWER]), stream=stream)
+    status, _ = await _post(proxy.url, "/v1/responses", body, "items")
+    assert status == 200
+    assert (await _entry(redis_client))["tool_calls"] == "web_search=1"
+
+
 async def test_responses_reserve_max_tool_calls_once_at_the_dearest_tool(
     make_proxy: Factory, script: ScriptedUpstream
 ) -> None:
