@@ -283,7 +283,8 @@ class Observation:
     # in choice 0's content.
     message_starts: dict[Any, int] = field(default_factory=dict)
     # Calls of the provider's hosted tools, by tool (``tool_fees``): Anthropic's
-    # ``usage.server_tool_use``, a Responses answer's ``*_call`` items.
+    # ``usage.server_tool_use``, a Responses answer's ``*_call`` items (its web searches by
+    # ``tool_usage.web_search.num_requests`` where that is more).
     tool_calls: dict[str, int] = field(default_factory=dict)
     # Calls of hosted tools the answer showed as it went (Anthropic's server_tool_use blocks, a
     # Responses ``*_call`` item as it starts), by tool: billed where no final usage told them (a
@@ -296,7 +297,8 @@ class Observation:
     # The provider counted those calls itself with its last usage (Anthropic's
     # ``usage.server_tool_use``, 0 for a search that failed): its count stands over the calls
     # shown. A usage without it counts no calls; nor does a Responses usage, ever: its count is
-    # of the items the final response lists, which a failed one's empty output leaves out.
+    # of the items the final response lists (which a failed one's empty output leaves out), or
+    # its ``tool_usage``'s searches where more: the calls shown may still be more.
     tool_calls_told: bool = False
 
     def saw_tool_use(self, tool: Any) -> None:

@@ -73,15 +73,12 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
             elif part.get("type") == "output_text" and texts:
                 obs.add_text(0, part.get("text"), content=final)
     searches = _billable_searches(response.get("tool_usage"))
-    if searches is not None:
-        # The provider's own count stands over the items (a search of several queries, a
-        # discounted one) and over the calls the stream showed, as Anthropic's does.
-        tool_calls.pop(_WEB_SEARCH, None)
-        if searches:
-            tool_calls[_WEB_SEARCH] = searches
-        if obs.tool_uses and _WEB_SEARCH in obs.tool_uses:
-            del obs.tool_uses[_WEB_SEARCH]
-            obs.tool_uses = obs.tool_uses or None  # none left: no tool seen (``settle._rates``)
+    if searches is not None and searches > tool_calls.get(_WEB_SEARCH, 0):
+        # More searches told than items (a search of several queries): the provider's count.
+        # Fewer is no proof that a search the answer shows went unbilled (a discounted one, or
+        # one whose usage was not recorded: "tool families with no recorded usage have zero
+        # counts"): the items stand there, as an unsure reading bills the more.
+        tool_calls[_WEB_SEARCH] = searches
     # The final response object holds every item: counted once (a stream's events are not). A
     # failed one may list none of those the stream showed (``with_tool_calls`` bills the more).
     obs.tool_calls = tool_calls
@@ -89,7 +86,7 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
 
 def _billable_searches(tool_usage: Any) -> int | None:
     """The web searches OpenAI bills, as the answer counts them (``tool_usage.web_search``'s
-    ``num_requests``: discounted searches and page actions left out); None when it does not."""
+    ``num_requests``: discounted searches and page actions left out); None where not told."""
     search = tool_usage.get("web_search") if isinstance(tool_usage, dict) else None
     return token_count(search.get("num_requests")) if isinstance(search, dict) else None
 

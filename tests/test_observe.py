@@ -882,8 +882,8 @@ def test_a_stream_whose_only_web_search_call_read_a_page_saw_no_tool_run() -> No
 def test_a_streams_final_count_of_web_searches_stands_over_its_items(told: int) -> None:
     """A web search call begun counts as a search (the bound, should the stream be cut); the
     final response's ``tool_usage.web_search.num_requests``, the searches OpenAI bills, stands
-    over it, above (a search of several queries) or below (a discounted one). Cut before it, the
-    item stays counted."""
+    over it when above (a search of several queries); below (a discounted search, or one whose
+    usage was not recorded) the item stays counted, as it does in a stream cut before it."""
     item: dict[str, Any] = {"type": "web_search_call", "id": "ws_1"}
     done = {**item, "action": {"type": "search", "queries": ["a", "b", "c"]}}
     final = {
@@ -899,5 +899,5 @@ def test_a_streams_final_count_of_web_searches_stands_over_its_items(told: int) 
         responses_event(seen, {"type": "response.output_item.done", "output_index": 0, "item": done})
     responses_event(obs, {"type": "response.completed", "response": final})
     billed = with_tool_calls(reserve_usage(10, 2), obs)
-    assert billed.tool_calls == ((("web_search", told),) if told else ()), billed
+    assert billed.tool_calls == (("web_search", max(told, 1)),), billed
     assert with_tool_calls(reserve_usage(10, 2), cut).tool_calls == (("web_search", 1),)
