@@ -82,6 +82,22 @@ async def check_eviction(store: Store, metrics: Metrics, known: Eviction | None)
     return found
 
 
+async def check_persistence(store: Store) -> bool:
+    """Warn when the store keeps nothing on disk (the ledger lives there), never a refusal to
+    start; False while it cannot be read (a store down at start: read again once it answers)."""
+    try:
+        warning = await store.persistence_warning()
+    except StoreError:
+        return False
+    except Exception:
+        # A reply read wrong must not end the loop that keeps the budget windows' clock.
+        log.warning("could not read the store's persistence settings", exc_info=True)
+        return True
+    if warning:
+        log.warning(warning)
+    return True
+
+
 def encodings_in(config: Config) -> set[str]:
     names = {encoding_for_model(pattern, model.encoding) for pattern, model in config.models.items()}
     return names | {"o200k_base", "cl100k_base"}
@@ -137,20 +153,19 @@ def build_app(
         store = store_factory(config)
         state.store = store
         eviction: Eviction | None = None
+        persistence_read = False
         try:
             await store.ping()
             await store.load_scripts()
             with contextlib.suppress(StoreError):  # measured again by the loop below
                 await store.sync_clock()
-            warning = await store.persistence_warning()
-            if warning:
-                log.warning(warning)
+            persistence_read = await check_persistence(store)
             eviction = await check_eviction(store, state.metrics, None)
         except StoreError as err:  # the readiness probe reports it; calls get 503
             log.error("store unreachable at start", extra={"error": str(err)})
 
         async def clock() -> None:
-            nonlocal eviction
+            nonlocal eviction, persistence_read
             # Budget windows follow the store's clock; a host's clock is stepped or drifts.
             while True:
                 await asyncio.sleep(CLOCK_SYNC_S)
@@ -158,6 +173,8 @@ def build_app(
                     await store.sync_clock()
                 # Read again: a store down at start, a policy changed on a live server.
                 eviction = await check_eviction(store, state.metrics, eviction)
+                if not persistence_read:  # a store down at start; once read, warned of once
+                    persistence_read = await check_persistence(store)
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     return  # a cancel a store client swallowed

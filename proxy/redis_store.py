@@ -204,15 +204,20 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
 
     async def persistence_warning(self) -> str | None:
         """Say so when the server keeps nothing on disk: the ledger lives there. On a Cluster,
-        any primary that keeps nothing (each holds some tenants' ledgers), named."""
+        any primary that keeps nothing (each holds some tenants' ledgers), named. StoreError
+        when it cannot be read now (read again later); a server that refuses CONFIG is said so."""
         cluster = isinstance(self._client, RedisCluster)
         nodes: dict[str, Any] = {"target_nodes": RedisCluster.PRIMARIES} if cluster else {}
         try:
             # One setting a command: CONFIG GET takes several only from Redis 7.
             aof: Any = await self._client.execute_command("CONFIG GET", "appendonly", **nodes)
             rdb: Any = await self._client.execute_command("CONFIG GET", "save", **nodes)
-        except STORE_FAILURES as err:
+        except ResponseError as err:
+            if not refused(err):  # a Cluster down, LOADING: read again later
+                raise StoreError(f"persistence settings: {err}") from err
             return f"could not read the persistence settings ({err})"
+        except STORE_FAILURES as err:
+            raise StoreError(f"persistence settings: {err}") from err
         # A Cluster's answer is one per node (unless only one node answered).
         aofs = aof if cluster and "appendonly" not in aof else {"": aof}
         rdbs = rdb if cluster and "save" not in rdb else {"": rdb}

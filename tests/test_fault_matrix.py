@@ -381,6 +381,37 @@ async def test_a_redis_down_at_start_is_read_once_it_answers(
     assert record.__dict__["policy"] == "allkeys-random"
 
 
+async def test_a_redis_down_at_start_that_keeps_nothing_on_disk_is_warned_of_once_it_answers(
+    make_proxy: ProxyFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A proxy started before its Redis (a container started first, a Redis restarting) read the
+    persistence settings once, after a ping that failed, never again (the store faults hunt):
+    a Redis with neither AOF nor RDB then served calls, its ledger lost on its next restart,
+    unwarned. Read once it answers (as the eviction policy is), and warned of once."""
+    monkeypatch.setattr(app_module, "CLOCK_SYNC_S", 0.05)
+    volatile = RedisServerProcess(tmp_path / "volatile", port=free_port(), appendonly=False)
+
+    def warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "keeps nothing on disk" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="proxy.app"):
+        await make_proxy(redis={"url": volatile.url, "socket_timeout_s": 0.5})
+        assert any("store unreachable at start" in r.getMessage() for r in caplog.records)
+        volatile.start()
+        try:
+            for _ in range(100):
+                if warnings():
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # ten more turns of the loop that read it
+        finally:
+            volatile.stop()
+    assert len(warnings()) == 1, [r.getMessage() for r in caplog.records]
+
+
 async def test_client_gone_right_after_the_last_chunk_is_billed_once(
     proxy: Any, fake: FakeUpstream, redis_client: aioredis.Redis
 ) -> None:
