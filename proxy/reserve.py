@@ -25,6 +25,7 @@ from proxy.metrics import Metrics
 from proxy.payload import set_output_cap
 from proxy.plan import least_cap_accepted
 from proxy.pricing import MAX_AMOUNT, reserve_amounts, worst_rates
+from proxy.record import record_entry
 from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
 from proxy.settle import release_now, release_unforwarded, release_unforwarded_off_loop
@@ -241,7 +242,14 @@ async def reserve(
         if isinstance(result, Reservation):
             keys = [sc.key for sc in scopes]
             try:
-                await release_now(call, store, journal, keys, run_ttl_s)
+                await release_now(
+                    call,
+                    store,
+                    journal,
+                    keys,
+                    run_ttl_s,
+                    lambda entry: record_entry(metrics, in_force(), entry),
+                )
             except asyncio.CancelledError:
                 # Shutdown past its grace while the store took the release: journaled (synced,
                 # no await), not left held for a reaper to bill a call that never went out.

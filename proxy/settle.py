@@ -15,7 +15,7 @@ import orjson
 from proxy.call import Call
 from proxy.errors import StoreError
 from proxy.journal import Journal
-from proxy.journal_lines import PendingSettlement
+from proxy.journal_lines import OnApplied, PendingSettlement
 from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, tool_fees_exact, worst_rates
 from proxy.service_tiers import dearest
@@ -339,14 +339,21 @@ async def release_unforwarded_off_loop(
         _release_lost(call, disk)
 
 
-async def release_now(call: Call, store: Store, journal: Journal, scopes: list[str], run_ttl_s: int) -> None:
+async def release_now(
+    call: Call, store: Store, journal: Journal, scopes: list[str], run_ttl_s: int, on_applied: OnApplied
+) -> None:
     """Release a reserve that ran for a call that will not go out as reserved: at once, with a
     ``not_forwarded`` entry at zero; journaled (``release_unforwarded_off_loop``) should the
-    store fail it."""
+    store fail it. ``on_applied`` counts the entry written, as a journal's replay counts the
+    same release (which counts it instead when the store failed this one)."""
+    pending = _release(call, scopes, run_ttl_s)
     try:
-        await _release(call, scopes, run_ttl_s).apply(store)
+        entry_id = await pending.apply(store)
     except StoreError:
         await release_unforwarded_off_loop(call, journal, scopes, run_ttl_s)
+        return
+    if entry_id is not None:
+        on_applied(pending.entry)
 
 
 def _release(call: Call, scopes: list[str], run_ttl_s: int) -> PendingSettlement:

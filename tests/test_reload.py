@@ -442,6 +442,37 @@ async def test_a_price_raised_while_a_call_waits_on_the_store_connection_bills_i
         await proxy.runner.cleanup()
 
 
+async def test_a_reserve_released_after_a_reload_is_counted_as_the_ledger_entry_it_wrote(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same wait: the release's not_forwarded entry, written at once, was never counted
+    (llm_proxy_requests_total), where the same release journaled is counted when its replay
+    lands: the ledger held two entries for the call, the metrics one (the store faults hunt)."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
+    path = tmp_path / "c.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    try:
+        raw["tiers"] = {"standard": {"run": {"requests": 10}}}
+        status, text = await _call_while_the_store_reconnects(proxy, raw, path, redis_client, "released")
+        assert status == 200, text[:300]
+        await proxy.recorded()
+        entries = await ledger_entries(proxy, "released")
+        assert sorted(e["outcome"] for e in entries) == ["not_forwarded", "truncated"], entries
+        metrics = proxy.app[STATE].metrics
+        counted = {
+            dict(zip(metrics.requests.labelnames, names, strict=True))["outcome"]: value.value
+            for names, value in metrics.requests.items()
+        }
+        assert counted == {"truncated": 2, "not_forwarded": 1}, counted  # the warm call, this one's two
+    finally:
+        await proxy.runner.cleanup()
+
+
 async def test_a_handler_cancelled_while_a_reloaded_reserve_is_released_leaves_no_reserve_held(
     fake: FakeUpstream,
     tmp_path: Path,
