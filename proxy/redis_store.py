@@ -39,6 +39,7 @@ from proxy.store import (
     Reservation,
     Scope,
     Tentative,
+    WindowEnded,
     key_prefix,
 )
 
@@ -273,7 +274,7 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         record: str,
         clamp: Clamp | None = None,
         tentative: bool = False,
-    ) -> Reservation | Refusal | Tentative:
+    ) -> Reservation | Refusal | Tentative | WindowEnded:
         prefix = key_prefix(tenant)
         run_scope = _run_scope(prefix, run_id, [s.key for s in scopes])
         # reserve.lua's keys (the record, the leases, the scopes, the run's ledger index) and
@@ -287,6 +288,9 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         else:
             middle += [clamp.min_output_tokens, clamp.choices, clamp.input_cost_exact, clamp.output_rate]
         middle.append(1 if tentative else 0)
+        # The windows were picked by this process's measure of the store's clock: the script
+        # writes nothing should it run after the first of them has ended.
+        middle.append(min((s.resets_at_s for s in scopes if s.resets_at_s is not None), default=0))
         result = await self._script_parts(
             "reserve",
             2 + len(scopes) + (1 if run_scope else 0),
@@ -300,6 +304,8 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         )
         if int(result[0]) == 2:
             return Tentative()
+        if int(result[0]) == 3:
+            return WindowEnded(now_s=int(result[1]))
         if int(result[0]) == 1:
             _, per_choice, flat = result
             rooms = tuple(

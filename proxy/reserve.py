@@ -29,8 +29,13 @@ from proxy.record import record_entry
 from proxy.refine import Counter, count_first, refine
 from proxy.scopes import scopes_for
 from proxy.settle import release_now, release_unforwarded, release_unforwarded_off_loop
-from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative
+from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative, WindowEnded
 from proxy.tool_fees import billed_tool_calls, tool_calls_field
+
+# How many times a reserve script is sent, its windows picked again each time it ran after one of
+# them ended: picked again by the store's clock as it ran, a window ends before the next send only
+# if the store is that slow again, for as long as the shortest window (a minute).
+WINDOW_PICKS = 3
 
 
 class Reloaded(Exception):
@@ -202,6 +207,24 @@ async def reserve(
     record = orjson.dumps(kept).decode()
     asked = time.monotonic()  # the lease runs from the script's run, a little after this
     in_flight = False  # a reserve sent, its answer not read yet
+
+    async def send() -> Reservation | Refusal | Tentative:
+        """The reserve script, sent again with its windows picked again when it ran after one of
+        them ended by the store's clock: the store was slow to run it (a stall, a pause; a wait
+        here is ``waited``'s). Picked at the store's clock as the script ran, which this
+        process's measure of it may not have reached yet."""
+        nonlocal scopes, in_flight, asked
+        for _ in range(WINDOW_PICKS):
+            in_flight = True
+            result = await _reserve(store, call, config, tier, scopes, record)
+            in_flight = False
+            if not isinstance(result, WindowEnded):
+                return result
+            _still_in_force(config, in_force)  # the script wrote nothing
+            scopes = windows_at(max(store.now(), result.now_s))
+            asked = time.monotonic()
+        raise StoreError(f"reserve: the store ran it past its windows' end {WINDOW_PICKS} times")
+
     try:
         if not call.estimate.input_exact and not limits.quick_estimates:
             if not await count_first(call, count_later):  # one count at a time, as configured
@@ -211,9 +234,7 @@ async def reserve(
         _still_in_force(config, in_force)
         if waited:
             scopes = windows_at(store.now())
-        in_flight = True
-        result = await _reserve(store, call, config, tier, scopes, record)
-        in_flight = False
+        result = await send()
         if isinstance(result, Tentative):
             told.once(metrics.quick_estimates, "counted_first")
             if not await count_first(call, count_now):
@@ -221,8 +242,7 @@ async def reserve(
             asked = time.monotonic()
             _still_in_force(config, in_force)  # the tentative reserve wrote nothing
             scopes = windows_at(store.now())
-            in_flight = True
-            result = await _reserve(store, call, config, tier, scopes, record)
+            result = await send()
     except StoreError as err:
         if err.maybe_applied:
             await release_unforwarded_off_loop(call, journal, [sc.key for sc in scopes], run_ttl_s)
@@ -424,7 +444,7 @@ async def _reserve(
     tier: TierConfig | None,
     scopes: list[Scope],
     record: str,
-) -> Reservation | Refusal | Tentative:
+) -> Reservation | Refusal | Tentative | WindowEnded:
     amounts = reserve_amounts(call.estimate, call.rates_reserved)
     if max(amounts.values()) > MAX_AMOUNT:
         # Thousands of prompts x best_of x max_tokens, say: refused before anything is written.

@@ -133,6 +133,15 @@ class Tentative:
     reserve again (the refusal, if any, is the final reserve's)."""
 
 
+@dataclass(frozen=True, slots=True)
+class WindowEnded:
+    """The reserve ran after one of its windows had ended by the store's clock (a store slow to
+    run it: a stall, a pause): nothing was written; pick the windows again at ``now_s``, the
+    store's clock as it ran, and reserve again."""
+
+    now_s: int
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExpiredLease:
     id: str
@@ -215,7 +224,7 @@ class Store(Protocol):
         record: str,
         clamp: Clamp | None = None,
         tentative: bool = False,
-    ) -> Reservation | Refusal | Tentative: ...
+    ) -> Reservation | Refusal | Tentative | WindowEnded: ...
 
     async def shrink(
         self, *, tenant: str, reservation_id: str, scope_keys: Sequence[str], amounts: Mapping[str, int]

@@ -1351,3 +1351,60 @@ async def test_a_call_that_waited_on_its_count_across_a_minute_is_held_to_the_mi
     }
     new_minute = f"{datetime.fromtimestamp(boundary_s, UTC):%Y%m%dT%H%M}"
     assert used == {new_minute: "1"}, used
+
+
+async def test_a_reserve_the_store_ran_after_its_minute_ended_is_held_to_the_next_minute(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The windows are picked by the proxy's measure of the store's clock before the reserve
+    script is sent. A store slow to run it (stopped for less than the socket timeout: a stalled
+    fsync, a pause) ran it once the minute had ended, and the call was held to that minute:
+    refused by its full ceiling with x-should-retry: false, the window having reset, or, had it
+    fitted, counted in it (the store faults hunt). The script writes nothing then, and the call
+    is held to the minute it ran in by the store's clock. Here the measure of the clock, set back
+    across the minute's start, stands in for the stall."""
+    from datetime import UTC
+
+    from proxy.scopes import window_key
+
+    while (await _redis_now(redis_client)) % 60 > 50:  # the call within the store's minute
+        await asyncio.sleep(0.5)
+    proxy = await make_proxy(tiers=MINUTE_TIERS)
+    store = proxy.app[STATE].store
+    assert isinstance(store, RedisStore) and store._clock_offset_s is not None
+    now_s = store.now()
+    minute_s = int(now_s) // 60 * 60
+    ended, current = (
+        window_key("team-a", "key:a-ci", "minute", datetime.fromtimestamp(start_s, UTC))
+        for start_s in (minute_s - 60, minute_s)
+    )
+    await redis_client.hset(ended, "used:requests", "1")  # the minute that ended had its request
+    store._clock_offset_s -= now_s - minute_s + 1  # the minute before, by the proxy's measure
+    await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+    assert await redis_client.hget(ended, "used:requests") == "1"
+    assert await redis_client.hget(current, "used:requests") == "1"
+
+
+async def test_a_reserve_whose_windows_end_each_time_it_runs_is_sent_a_bounded_number_of_times(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that runs every reserve after its windows ended (slow for a minute each time, or
+    a clock gone wrong) is not sent it for ever: a 503, nothing forwarded."""
+    from proxy.reserve import WINDOW_PICKS
+    from proxy.store import WindowEnded
+
+    proxy = await make_proxy(tiers=MINUTE_TIERS)
+    store = proxy.app[STATE].store
+    assert store is not None
+    sent: list[list[str]] = []
+
+    async def each_time_too_late(**kw: Any) -> WindowEnded:
+        sent.append([s.key for s in kw["scopes"]])
+        return WindowEnded(now_s=int(store.now()) + 60 * len(sent))
+
+    monkeypatch.setattr(store, "reserve", each_time_too_late)
+    with pytest.raises(openai.APIStatusError) as caught:
+        await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=10)
+    assert caught.value.status_code == 503 and fake.received == []
+    assert len(sent) == WINDOW_PICKS
+    assert len({tuple(keys) for keys in sent}) == len(sent)  # each sent with its windows picked again

@@ -22,7 +22,7 @@ from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
-from proxy.store import ACTUAL_METERS, Clamp, Eviction, Refusal, Reservation, Scope, Tentative
+from proxy.store import ACTUAL_METERS, Clamp, Eviction, Refusal, Reservation, Scope, Tentative, WindowEnded
 from tests.cluster import RedisClusterProcesses
 from tests.conftest import KEY_A, ProxyFactory, busy_script, until_redis_busy, until_upstream_received
 from tests.fake_upstream import FakeUpstream
@@ -53,6 +53,10 @@ TIER = TierConfig.model_validate(
     }
 )
 
+# When the scripts' windows are picked: a window that has ended by the store's clock is never
+# reserved in (reserve.lua), so one no test outlives, the same keys every run.
+WHEN = datetime(2099, 11, 30, 12, 0, 30, tzinfo=UTC)
+
 
 @pytest.fixture(params=["single", "cluster"])
 async def store(
@@ -78,7 +82,7 @@ async def reserve(
     record: str = "{}",
     amounts: dict[str, int] | None = None,
     **kw: object,
-) -> Reservation | Refusal | Tentative:
+) -> Reservation | Refusal | Tentative | WindowEnded:
     return await store.reserve(
         tenant="team-a",
         reservation_id=rid,
@@ -107,8 +111,7 @@ async def settle(
 
 
 async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
-    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-    scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
+    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
     assert [s.name for s in scopes] == [
         "run",
         "key",
@@ -146,8 +149,7 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
 
 
 async def test_a_scopes_arguments_are_packed_once_for_all_its_reserves(store: RedisStore) -> None:
-    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-    scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)  # the key's: the last test's too
+    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)  # the key's: the last test's too
     first = await reserve(store, "r1", scopes)
     packed = [s.packed for s in scopes]
     assert all(p is not None for p in packed)
@@ -165,8 +167,7 @@ async def test_a_settle_writes_each_scope_once(redis_server: RedisServerProcess,
     released or counted, 62 of the 88 commands of this settle over seven scopes (35 now)."""
     store = RedisStore.from_url(redis_server.url)
     try:
-        now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-        scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
+        scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
         res = await reserve(store, "r1", scopes)
         assert isinstance(res, Reservation)
         await redis_client.config_resetstat()
@@ -191,8 +192,7 @@ async def test_a_reserve_writes_each_holding_scope_once(
     meters: one HINCRBY per meter held made 20 of the 45 commands of this reserve (25 now)."""
     store = RedisStore.from_url(redis_server.url)
     try:
-        now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-        scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
+        scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
         await redis_client.config_resetstat()
         res = await reserve(store, "r1", scopes)
         assert isinstance(res, Reservation)
@@ -237,8 +237,7 @@ async def test_a_reserve_adds_exactly_past_what_a_double_holds(store: RedisStore
 
 async def test_a_settle_adds_exactly_past_what_a_double_holds(store: RedisStore) -> None:
     """Sums are worked out in Lua's doubles, exact below 2**53; past it HINCRBY adds."""
-    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-    scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
+    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
     res = await reserve(store, "r1", scopes)
     assert isinstance(res, Reservation)
     big = 2**53 + 1  # not a double
@@ -359,8 +358,7 @@ async def test_overlapping_calls_keep_the_first_reserves_life_and_release_everyt
 
 
 async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store: RedisStore) -> None:
-    now = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
-    scopes = scopes_for(IDENTITY, "run1", TIER, now, run_ttl_s=0)
+    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
     for rid in ("a", "b"):
         assert isinstance(await reserve(store, rid, scopes), Reservation)
     refused = await reserve(store, "c", scopes)
@@ -377,7 +375,7 @@ async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store:
 
 
 async def test_a_new_window_needs_no_reset(store: RedisStore) -> None:
-    minute = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
+    minute = WHEN
     first = scopes_for(IDENTITY, "run1", TIER, minute, run_ttl_s=0)
     for rid in ("a", "b"):
         await reserve(store, rid, first)
@@ -548,6 +546,26 @@ async def test_a_retried_reserve_reserves_once(store: RedisStore) -> None:
     assert (await store.meters(scope.key))["total_tokens"].reserved == 0
 
 
+async def test_a_reserve_run_after_one_of_its_windows_ended_writes_nothing(store: RedisStore) -> None:
+    """Its windows are picked by the caller's measure of the store's clock before it is sent;
+    run once one of them has ended (a store slow to run it: a stall, a pause), the call was held
+    to it: refused by a ceiling that had reset, or counted in a window that was over (the store
+    faults hunt). Nothing is written, and the store's clock is said, to pick them again; a retry
+    of a reserve that ran is one still (its reply lost, it is sent again as it was)."""
+    now_s = await store.synced_now()
+    kept = await reserve(store, "kept", scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0))
+    ended = scopes_for(IDENTITY, "run1", TIER, datetime.fromtimestamp(now_s - 60, UTC), run_ttl_s=0)
+    assert isinstance(kept, Reservation) and isinstance(await reserve(store, "kept", ended), Reservation)
+    windows = [s for s in ended if s.resets_at_s is not None]
+    found = await reserve(store, "late", ended)
+    assert isinstance(found, WindowEnded) and found.now_s >= min(s.resets_at_s or 0 for s in windows)
+    assert not any([await store.client.exists(s.key) for s in windows])
+    assert not await store.client.exists("lbp:{team-a}:resv:late")
+    assert await store.client.zcard("lbp:{team-a}:leases") == 1
+    picked = scopes_for(IDENTITY, "run1", TIER, datetime.fromtimestamp(found.now_s, UTC), run_ttl_s=0)
+    assert isinstance(await reserve(store, "late", picked), Reservation)
+
+
 async def test_a_tentative_reserve_that_does_not_fit_writes_nothing(store: RedisStore) -> None:
     """A quick (byte-length) input bound that does not fit leaves no trace: no reserve, no
     record, no refusal counted; the final reserve with the exact count decides."""
@@ -667,7 +685,7 @@ async def test_scripts_run_the_same_without_the_pipelined_connection(
 async def test_a_settled_reservation_leaves_a_marker_and_a_second_settle_changes_nothing(
     store: RedisStore,
 ) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC), run_ttl_s=0)
+    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
     res = await reserve(store, "m", scopes)
     assert isinstance(res, Reservation)
     assert await settle(store, res) is not None
@@ -685,7 +703,7 @@ async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: R
     """A Redis failover can lose a reserve the old master acknowledged but had not replicated:
     the call went out, so its live settle bills it without a reservation to release. A journal
     replay does not: it may come long after the reaper settled the call and its marker expired."""
-    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC), run_ttl_s=0)
+    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
     lost = Reservation(
         id="lost",
         tenant="team-a",
@@ -712,7 +730,7 @@ async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: R
 
 
 async def test_releasing_a_reserve_that_never_happened_writes_nothing(store: RedisStore) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC), run_ttl_s=0)
+    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
     released = await store.settle(
         tenant="team-a",
         reservation_id="never",

@@ -17,6 +17,10 @@ ARGV[13]     clamp: micro-units per million output tokens (an integer, read the 
 ARGV[14]     1: tentative (the input amount is a quick upper bound the caller can refine): amounts
              that do not fit on a token or cost meter write nothing, not even the refusal
              count, and return {2}; the caller counts exactly and reserves again. 0: final
+ARGV[15]     when the first of the scopes' windows ends (seconds since 1970; 0 = no window): the
+             caller picked them by its measure of this server's clock (TIME) before it sent the
+             script; one that runs at or after that end (a server slow to run it: a stall, a
+             pause) writes nothing and returns {3, TIME's seconds}: the caller picks them again
 then per scope (KEYS[3+i]):  ttl_s (0 = none: the key is made persistent), hold (1: the scope holds
              the reserve, see below; the run's always does), then 6 ceilings in METERS order
              (-1 = unlimited)
@@ -42,12 +46,17 @@ reserved, this call's reserve aside) and its ceiling, flat}; on refusal
 of every scope would fit once the calls in flight end: their reserves gone, save requests, which
 all count when they settle; under a clamp, at the least output it keeps; the client may try again
 soon), the indices of the scopes that would still refuse then (space-separated)}; {2} as ARGV[14]
-says.
+says; {3, seconds} as ARGV[15] says.
 ]]
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {1, tonumber(redis.call('HGET', KEYS[1], 'clamped')) or 0, {}}
 end
+-- Held to a window that has ended, the call would be refused by a ceiling that has reset, or
+-- counted in a window that is over (the next one's ceiling passed by it).
+local t = redis.call('TIME')
+local ends = tonumber(ARGV[15])
+if ends > 0 and tonumber(t[1]) >= ends then return {3, t[1]} end
 
 -- The TTL this call's config gives a scope key, which an operator's reload may have changed:
 -- 0 is none (runs kept for ever, a key's all-time scope), so a TTL an earlier setting gave the
@@ -84,7 +93,7 @@ local function index_follows_run()
     redis.call('PEXPIRE', KEYS[#KEYS], left)
   end
 end
-local base = 15
+local base = 16
 local stride = 2 + NM
 
 local amounts = {}
@@ -307,7 +316,6 @@ for s = 1, nscopes do
   end
 end
 
-local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local scopes, ttls = {}, {}
 for s = 1, nscopes do
