@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy.config import Config
-from proxy.config_load import cross_checked, load_config, passthrough_config, with_flags
+from proxy.config_load import cross_checked, load_config, log_warnings, passthrough_config, with_flags
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
 from proxy.redis_server import EmbeddedKeeper, RedisServerProcess, StartCancelled
@@ -68,10 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_for(args: argparse.Namespace) -> tuple[Config, Config | None]:
+def _config_for(args: argparse.Namespace, warnings: list[str] | None = None) -> tuple[Config, Config | None]:
     """The config to serve, and the file as read (None: zero-config), before its flags: the
     reloader compares start-only settings with that file, not with a save made while the proxy
-    started."""
+    started. The file's warnings go to ``warnings`` when given (``parse_config``)."""
     if getattr(args, "upstream", None):
         if args.config:
             raise ConfigError("give either --config or --upstream, not both")
@@ -84,7 +84,7 @@ def _config_for(args: argparse.Namespace) -> tuple[Config, Config | None]:
         return zero, None
     if not args.config:
         raise ConfigError("give --config FILE (or --upstream URL for a zero-config start)")
-    read = load_config(args.config)
+    read = load_config(args.config, warnings=warnings)
     flagged = with_flags(
         read,
         host=getattr(args, "host", None) or None,
@@ -145,8 +145,12 @@ def store_url(
 def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until a worker's reloader takes it
     early = EarlyStop()  # until the serving process (or the supervisor) takes the stop signals
-    config, started_from = _config_for(args)
+    # Logged once the file has said how: before, Python's last resort wrote them as bare text,
+    # not the JSON lines ``log.format: json`` promises.
+    warnings: list[str] = []
+    config, started_from = _config_for(args, warnings)
     setup_logging(config.log.level, config.log.format)
+    log_warnings(warnings)
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
     metrics = config.metrics.listen

@@ -127,10 +127,14 @@ def _format_validation_error(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def parse_config(raw: Any, environ: Mapping[str, str], *, key_secrets: bool = True) -> Config:
+def parse_config(
+    raw: Any, environ: Mapping[str, str], *, key_secrets: bool = True, warnings: list[str] | None = None
+) -> Config:
     """Validate a parsed YAML document and resolve the secrets it names from ``environ``.
     Without ``key_secrets`` (the ledger and report commands, which read only the store) the
-    proxy keys' and admin keys' secrets are not read: no call is authenticated with it."""
+    proxy keys' and admin keys' secrets are not read: no call is authenticated with it.
+    ``warnings``: where the load's warnings go, for a caller whose logging is not set up yet to
+    log them once it is (``log_warnings``); None: logged at once."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -153,7 +157,11 @@ def parse_config(raw: Any, environ: Mapping[str, str], *, key_secrets: bool = Tr
             # Not refused (a variable set later for a reload), but every call to the upstream is
             # answered a 502 upstream_auth, not forwarded (``forward.operator_key_unset``).
             variable = f"upstreams.{name}.api_key_env: {upstream.api_key_env}"
-            log.warning(f"{variable} is not set: its calls are refused (502 upstream_auth)")
+            said = f"{variable} is not set: its calls are refused (502 upstream_auth)"
+            if warnings is None:
+                log.warning(said)
+            else:
+                warnings.append(said)
         upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
     if not key_secrets:
         return config.model_copy(update={"redis": redis, "upstreams": upstreams})
@@ -172,6 +180,12 @@ def parse_config(raw: Any, environ: Mapping[str, str], *, key_secrets: bool = Tr
     return config.model_copy(
         update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests), "admin_digests": admin}
     )
+
+
+def log_warnings(warnings: list[str]) -> None:
+    """The warnings a load collected (``parse_config``), logged as its own would have been."""
+    for said in warnings:
+        log.warning(said)
 
 
 def with_flags(
@@ -230,7 +244,13 @@ def _secret(field: str, name: str | None, environ: Mapping[str, str]) -> str | N
     return value
 
 
-def load_config(path: Path, environ: Mapping[str, str] | None = None, *, key_secrets: bool = True) -> Config:
+def load_config(
+    path: Path,
+    environ: Mapping[str, str] | None = None,
+    *,
+    key_secrets: bool = True,
+    warnings: list[str] | None = None,
+) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
@@ -255,7 +275,9 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None, *, key_sec
         # their code ran into: a date that does not exist (2001-02-30), a tag on what it does
         # not fit (!!int 0x, !!int '', !!bool maybe, !!timestamp x).
         raise ConfigError(f"{path}: invalid YAML value: {err}") from None
-    return parse_config(raw, os.environ if environ is None else environ, key_secrets=key_secrets)
+    return parse_config(
+        raw, os.environ if environ is None else environ, key_secrets=key_secrets, warnings=warnings
+    )
 
 
 def passthrough_config(upstream_url: str, *, host: str, port: int, redis_url: str | None) -> Config:

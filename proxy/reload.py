@@ -57,7 +57,9 @@ class ConfigReloader:
         # ``started_from``: the file as ``serve`` read it (before its flags); else the file as it
         # is now, which a save while the proxy started (seconds) may already have changed.
         try:
-            now: Config | None = load_config(path, os.environ)
+            # Its warnings unsaid: whoever read the config in force (``serve``, once for all its
+            # workers) said them.
+            now: Config | None = load_config(path, os.environ, warnings=[])
         except ConfigError:
             now = None
         self._started_from = started_from if started_from is not None else now

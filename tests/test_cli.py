@@ -829,3 +829,31 @@ def test_serve_with_a_journal_dir_it_cannot_write_exits_2_naming_it(tmp_path: Pa
     result = run_cli("serve", "--config", str(path))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "journal_dir" in result.stderr and "cannot be written" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_with_json_logs_warns_of_an_unset_upstream_key_once_as_a_json_line(
+    workers: str, fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """``log.format: json`` is one object per line, and an ``api_key_env`` named but unset is a
+    warning at load (README). The warning was logged while ``serve`` read the file, before its
+    logging was set up: Python's last-resort handler wrote it as plain text, and each worker's
+    reloader, reading the file again, logged it once more in JSON (the docs hunt)."""
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["upstreams"]["openai"]["api_key_env"] = "HUNT_DOCS_UNSET_UPSTREAM_KEY"
+    proc = ProxyProcess(raw, tmp_path, args=("--workers", workers)).start()
+    try:
+        log = proc.log()
+    finally:
+        proc.stop()
+    lines = [line for line in log.splitlines() if line.strip()]
+    not_json = []
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            not_json.append(line)
+    assert not_json == [], not_json
+    warned = [line for line in lines if "HUNT_DOCS_UNSET_UPSTREAM_KEY is not set" in line]
+    assert len(warned) == 1, warned
+    assert json.loads(warned[0])["level"] == "warning"
