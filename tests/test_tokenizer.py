@@ -232,3 +232,45 @@ def test_an_encoding_never_tried_is_loaded_once_a_model_names_it(monkeypatch: An
     assert loads == ["p50k_base"]  # once
     given = Tokenizer({})  # its encodings given (tests, tools): nothing more is loaded
     assert given.resolve("r50k_base") == "r50k_base" and loads == ["p50k_base"]
+
+
+async def test_an_encoding_a_call_names_is_fetched_off_the_loop_once_its_calls_answered_meanwhile(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: Any
+) -> None:
+    """README (Usage sources): an encoding only a call's model implies (``text-davinci-003`` by
+    ``*``: p50k_base) is loaded, downloaded where TIKTOKEN_CACHE_DIR does not hold it, when the
+    first such call comes: off the event loop, the calls answered meanwhile, and a fetch that
+    fails is not tried again call after call (the README said encodings were never downloaded
+    at request time: the docs hunt)."""
+    import tiktoken
+
+    asked: list[str] = []
+    held = threading.Event()
+
+    def get_encoding(name: str) -> Any:
+        asked.append(name)
+        if name == "p50k_base":
+            held.wait(30)  # a download that hangs, past the load's time bound
+        raise OSError("no network here")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", get_encoding)
+    tokenizer = Tokenizer.load(["o200k_base"], timeout_s=1.0)
+    proxy = await make_proxy(tokenizer=tokenizer)
+    try:
+        for run in ("first", "second"):
+            call = proxy.client().chat.completions.create(
+                model="text-davinci-003",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers=run_headers(run),
+            )
+            # Loaded on the loop, the call would wait out the load's bound (5 s).
+            await asyncio.wait_for(call, 4.0)
+        for _ in range(200):
+            if "p50k_base" in asked:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        held.set()
+    assert asked == ["o200k_base", "p50k_base"]
+    tokenizer.resolve("p50k_base")
+    assert asked == ["o200k_base", "p50k_base"]
