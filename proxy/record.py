@@ -18,8 +18,11 @@ call_log = logging.getLogger(CALL_LOGGER)
 
 
 def record_call(
-    metrics: Metrics, config: Config, call: Call, settlement: Settlement, overhead_s: float
+    metrics: Metrics, config: Config, call: Call, settlement: Settlement, overhead_s: float, status: int
 ) -> None:
+    """``status``: what the client is answered (0: nothing, a shutdown cut the call), which the
+    upstream's (``call.upstream_status``, 0: it never answered) need not be: a rejected answer
+    is a 422, a connection refused a 502."""
     tenant = tenant_label(call.identity.tenant, config)
     model = model_label(call.model, config)
     usage = settlement.usage
@@ -63,7 +66,8 @@ def record_call(
                 "reasoning_tokens": usage.reasoning_tokens,
                 "usage_source": usage.source,
                 "cost_micros": settlement.cost_micros,
-                "status": call.upstream_status,
+                "status": status,
+                "upstream_status": call.upstream_status,
                 "latency_ms": int(elapsed * 1000),
                 "settled": settlement.entry_id is not None,
             }

@@ -96,6 +96,9 @@ class Exchange:
         self.context_kept = False  # see ``contexts.keep_context``
         self.keeping: asyncio.Future[None] | None = None  # its write, once started
         self.claimed: set[str] = set()  # the contexts marked as its tenant's (``contexts.claim``)
+        # The status the client is answered, for the call's log line (``record_call``): set
+        # before the settle, which records it (0: none, a shutdown cut the call).
+        self.answer_status = 0
 
     @functools.cached_property
     def caller_key(self) -> bool:
@@ -206,7 +209,9 @@ class Exchange:
         # (unless its write must wait for the client: recorded then, all the same).
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        record_call(self.services.metrics, self.services.config, self.call, settlement, overhead)
+        record_call(
+            self.services.metrics, self.services.config, self.call, settlement, overhead, self.answer_status
+        )
         return settlement
 
     async def _settle(
@@ -388,6 +393,7 @@ class Exchange:
             inflight.dec()
             if self._settling is None:
                 # An unexpected error after the call went out: charged, never dropped.
+                self.answer_status = 500  # the error middleware's answer to it
                 await self.settle(Outcome("upstream_error"), self._cut_usage())
 
     async def _forward(self, renewal: LeaseRenewal | None) -> web.StreamResponse:
@@ -443,6 +449,7 @@ class Exchange:
     ) -> web.Response:
         """Settle a call the upstream failed (at ``usage``, else what was seen or the reserve)
         and answer the client with the API's error, the bill in its headers."""
+        self.answer_status = status
         settlement = await self.settle(
             Outcome(tag), usage if usage is not None else self.usage(complete=False)
         )

@@ -90,6 +90,7 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
         outcome = classify_answer(
             ex.obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing
         )
+    ex.answer_status = 422 if outcome.tag == "rejected" else upstream.status
     settlement = await ex.settle_early(outcome, ex.usage(complete=not failed))
     headers = ex.headers(settlement)
     if outcome.tag == "rejected":
@@ -237,6 +238,7 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
         usage = ZERO_USAGE if status < 500 or explicit_error else ex.reserve_usage()
     if status < 400:
         # A redirect: the provider did no work here (a base_url to fix), nothing to bill.
+        ex.answer_status = 502
         settlement = await ex.settle(Outcome("upstream_error"), ZERO_USAGE)
         return ex.error(
             502,
@@ -246,9 +248,11 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
             code="upstream_redirect",
             headers={**ex.headers(settlement), "x-should-retry": "false"},
         )
+    operator_refused = status in (401, 403) and not caller_key_sent(ex.call.upstream, ex.call.identity)
+    ex.answer_status = 502 if operator_refused else status
     settlement = await ex.settle(Outcome(tag), usage)
     headers = ex.headers(settlement)
-    if status in (401, 403) and not caller_key_sent(ex.call.upstream, ex.call.identity):
+    if operator_refused:
         # The upstream refused the proxy's own credentials, or the call it sent with none (an
         # upstream configured without a key): not the caller's fault, and not one a retry mends
         # (the SDK retries a 502 unless told not to: each retry a billed call).

@@ -67,6 +67,7 @@ async def relay_stream(
             **call.dialect.id_headers(call.request_id),
         },
     )
+    ex.answer_status = response.status
     if ex.request.version < HttpVersion11:
         # No chunked framing before HTTP/1.1: the stream ends with the connection, which aiohttp
         # would keep open for a client that asked to keep it alive (its body never ending).

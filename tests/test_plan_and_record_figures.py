@@ -311,7 +311,7 @@ def test_a_settled_call_is_counted_and_logged_with_the_settlements_figures(
     call.upstream_status = 201
     call.clamped = True
     caplog.set_level(logging.INFO)
-    record_call(metrics, config, call, _settled(call, entry_id="1-0"), overhead_s=0.25)
+    record_call(metrics, config, call, _settled(call, entry_id="1-0"), overhead_s=0.25, status=422)
     assert [names for names, _ in metrics.requests.items()] == [
         ["team-a", "gpt-4o-mini", "chat.completions", "rejected"]
     ]
@@ -341,7 +341,8 @@ def test_a_settled_call_is_counted_and_logged_with_the_settlements_figures(
         "reasoning_tokens": 12,
         "usage_source": "tokenizer",
         "cost_micros": 1,
-        "status": 201,
+        "status": 422,  # the client's: a rejected answer
+        "upstream_status": 201,
         "settled": True,
     }
 
@@ -353,7 +354,7 @@ def test_a_call_whose_entry_this_process_did_not_write_is_logged_unsettled_and_n
     metrics = Metrics(CollectorRegistry())
     call = planned({"model": "gpt-4o-mini", "messages": MSGS}, config=config)
     caplog.set_level(logging.INFO)
-    record_call(metrics, config, call, _settled(call, entry_id=None), overhead_s=0.0)
+    record_call(metrics, config, call, _settled(call, entry_id=None), overhead_s=0.0, status=200)
     assert metrics.requests.items() == [] and metrics.tokens.items() == []
     assert metrics.ttft.items() == []
     line = _call_line(caplog)

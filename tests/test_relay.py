@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -11,11 +12,13 @@ from collections.abc import Awaitable
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+import aiohttp
 import orjson
 import pytest
 import redis.asyncio as aioredis
 
 from proxy import billed_usage, relay
+from proxy.logs import TRUSTED_FIELDS
 from proxy.outcome import Outcome
 from proxy.redis_scripts import read_scripts
 from proxy.redis_server import RedisServerProcess
@@ -25,12 +28,13 @@ from tests.conftest import (
     KEY_A,
     Proxy,
     ProxyFactory,
+    refused_port,
     until_redis_busy,
     until_upstream_received,
     upstream_timing_out,
 )
 from tests.fake_upstream import FakeUpstream
-from tests.outcome_helpers import MODEL, PROMPT, run_headers, the_entry
+from tests.outcome_helpers import MODEL, PROMPT, run_headers, the_entry, upstream_override
 
 T = TypeVar("T")
 
@@ -597,3 +601,53 @@ async def test_a_count_that_fails_in_the_settle_bills_the_reserve_at_once(
     assert await redis_client.zcard("lbp:{team-a}:leases") == 0, "left reserved for a reaper"
     entry = await the_entry(proxy, "failing", wait_s=5)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "reserve")
+
+
+@pytest.mark.parametrize(
+    ("case", "answered", "upstream_status"),
+    [
+        ("rejected", 422, 200),  # on_invalid_json: reject
+        ("refused", 502, 0),  # the connection to the upstream refused: no answer from it
+        ("operator_key_refused", 502, 401),
+        ("passed_on", 429, 429),
+        ("stream", 200, 200),
+    ],
+)
+async def test_the_call_lines_status_is_the_clients_and_the_upstreams_is_beside_it(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    answered: int,
+    upstream_status: int,
+) -> None:
+    """README, Logs: the call's line carries its status. It was the upstream's (the ledger's
+    ``upstream_status``), not the answer's: a rejected answer, answered 422, was logged 200 and a
+    connection refused, answered 502, was logged 0 (the docs hunt). Now ``status`` is the
+    client's, ``upstream_status`` the upstream's."""
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    overrides: dict[str, Any] = {}
+    if case == "rejected":
+        overrides["policy"] = {"on_invalid_json": "reject"}
+        body.update(response_format={"type": "json_object"}, fake={"content": "not json"})
+    elif case == "refused":
+        overrides["upstreams"] = upstream_override(f"http://127.0.0.1:{refused_port()}/v1")
+    elif case == "operator_key_refused":
+        body["fake"] = {"mode": "error", "status": 401}
+    elif case == "passed_on":
+        body["fake"] = {"mode": "error", "status": 429}
+    else:
+        body["stream"] = True
+    proxy = await make_proxy(**overrides)
+    caplog.set_level(logging.INFO)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp,
+    ):
+        await resp.read()
+    await proxy.recorded()
+    (line,) = [r.__dict__[TRUSTED_FIELDS] for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+    assert resp.status == answered
+    assert (line["status"], line.get("upstream_status")) == (answered, upstream_status), line
