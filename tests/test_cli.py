@@ -857,3 +857,39 @@ def test_serve_with_json_logs_warns_of_an_unset_upstream_key_once_as_a_json_line
     warned = [line for line in lines if "HUNT_DOCS_UNSET_UPSTREAM_KEY is not set" in line]
     assert len(warned) == 1, warned
     assert json.loads(warned[0])["level"] == "warning"
+
+
+def _readme_config_commands() -> list[str]:
+    """The README's commands for a config file (the sh block after "With a config file"),
+    ``serve`` left out: it would run until stopped."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("With a config file", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and " serve " not in f" {line} "]
+
+
+@pytest.mark.parametrize("where", ["README", "config/example.yaml"])
+def test_the_documented_check_of_the_example_config_passes_on_a_fresh_machine(where: str) -> None:
+    """README and config/example.yaml told a new operator to run ``check-config
+    config/example.yaml``, which exits 2 where DEV_PROXY_KEY is not set (a key whose secret
+    cannot be read is refused: test_operator_figures): the command as documented, with the
+    variables it sets, passes, nothing else in the environment (the docs hunt)."""
+    if where == "README":
+        commands = _readme_config_commands()
+    else:
+        (comment,) = [
+            line
+            for line in (ROOT / "config" / "example.yaml").read_text().splitlines()
+            if "check-config" in line
+        ]
+        commands = [comment.removeprefix("#").strip()]
+    assert any("check-config config/example.yaml" in line for line in commands), commands
+    done = subprocess.run(
+        ["bash", "-euc", "\n".join(commands)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "config/example.yaml: ok" in done.stdout and done.stderr == "", done
