@@ -425,6 +425,16 @@ class Config(Frozen):
         names = [key.name for key in self.keys]
         if len(names) != len(set(names)):
             raise ValueError("keys: names must be unique")
+        for key in self.keys:
+            if key.tier not in self.tiers:
+                # Else every call of the key is refused (403 unknown_tier), found only by its
+                # callers: a file with tiers of its own drops the default ``standard`` that a key
+                # without ``tier`` names.
+                defined = ", ".join(self.tiers) or "none"
+                raise ValueError(
+                    f"keys.{key.name}.tier: no tier {key.tier!r} in tiers ({defined}): name one of them, "
+                    "or define it"
+                )
         run_ttl_s = self.limits.run_ttl_s
         for name, upstream in self.upstreams.items():
             # A non-streaming call does not renew its reservation (a stream does): the run's keys

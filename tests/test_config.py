@@ -992,3 +992,23 @@ def test_an_upstream_may_be_sent_no_stream_options() -> None:
     unsure = {"base_url": "https://api.mistral.ai/v1", "stream_usage_option": "sometimes"}
     error = error_of({"upstreams": {"openai": unsure}})
     assert "upstreams.openai.stream_usage_option" in error, error
+
+
+def test_a_key_naming_a_tier_the_file_does_not_define_is_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tiers`` defaults to ``{standard: {}}`` and a key's ``tier`` to ``standard``: a file that
+    defines tiers of its own and a key without ``tier`` passed check-config, and its key was
+    then refused on every call (403 unknown_tier) (the docs hunt)."""
+    from proxy.cli import main
+
+    key = {"name": "k", "sha256": "0" * 64, "tenant": "t"}
+    said = "keys.k.tier: no tier 'standard' in tiers (gold): name one of them, or define it"
+    assert said in error_of({**UP, "tiers": {"gold": {}}, "keys": [key]})
+    assert "keys.k.tier: no tier 'silver'" in error_of({**UP, "keys": [{**key, "tier": "silver"}]})
+    parse_config({**UP, "tiers": {"gold": {}}, "keys": [{**key, "tier": "gold"}]}, {})
+    parse_config({**UP, "keys": [key]}, {})  # the default tier
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({**UP, "tiers": {"gold": {}}, "keys": [key]}))
+    assert main(["check-config", str(path)]) == 2
+    assert said in capsys.readouterr().err

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.config_tiers import TierConfig
 from proxy.errors import BadRequest
 from proxy.payload import MAX_TOKENS_LIMIT, Endpoint, parse_body, set_output_cap
 from proxy.state import STATE
@@ -203,8 +204,12 @@ async def test_a_key_of_a_tier_not_configured_is_a_403_permission_denied_unknown
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
     """The operator's mistake, not the caller's: told apart from a wrong key (401) by its type and
-    code, which an SDK maps to PermissionDeniedError and an operator greps for."""
-    proxy = await make_proxy(tiers={"gold": {}})
+    code, which an SDK maps to PermissionDeniedError and an operator greps for. No file gives
+    such a config now (refused at load: test_config); one that skipped the load's checks still
+    refuses the key's calls rather than serve them with no tier's ceilings."""
+    proxy = await make_proxy()
+    state = proxy.app[STATE]
+    state.config = state.config.model_copy(update={"tiers": {"gold": TierConfig()}})
     async with (
         aiohttp.ClientSession() as session,
         session.post(proxy.url + CHAT, json=CHAT_BODY, headers={"Authorization": f"Bearer {KEY_A}"}) as resp,
