@@ -30,7 +30,8 @@ log = logging.getLogger("proxy.redis_server")
 BINARIES = ("redis-server", "valkey-server")
 INSTALL_HINT = (
     "no redis-server or valkey-server binary found on PATH; install one "
-    "(Debian/Ubuntu: apt-get install redis-server) or set redis.url in the config"
+    "(Debian/Ubuntu: apt-get install redis-server), or give a Redis URL: --redis-url, or redis.url "
+    "in the config"
 )
 
 
@@ -63,7 +64,7 @@ def socket_path_for(data_dir: Path) -> Path:
         short = Path(base) / f"llm-billing-proxy-{os.getuid()}" / f"redis-{digest}.sock"
         if len(os.fsencode(short)) <= SOCKET_PATH_MAX_BYTES:
             return short
-    raise ConfigError(f"no unix socket path short enough for {data_dir}; set redis.url")
+    raise ConfigError(f"no unix socket path short enough for {data_dir}; set redis.url (or --redis-url)")
 
 
 def _private_dir(path: Path) -> None:
@@ -73,7 +74,9 @@ def _private_dir(path: Path) -> None:
         path.mkdir(mode=0o700)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise ConfigError(f"{path} is not a private directory of this user; remove it or set redis.url")
+        raise ConfigError(
+            f"{path} is not a private directory of this user; remove it or set redis.url (or --redis-url)"
+        )
 
 
 def free_port() -> int:

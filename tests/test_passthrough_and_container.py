@@ -80,6 +80,8 @@ async def test_zero_config_start_with_the_embedded_redis(fake: FakeUpstream, tmp
 
 
 def test_serve_without_a_redis_binary_exits_with_an_install_hint(tmp_path: Path) -> None:
+    """Zero-config has no file: the hint named only redis.url "in the config" (the docs hunt);
+    it names the flag too."""
     result = subprocess.run(
         [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9/v1", "--port", "0"],
         cwd=tmp_path,
@@ -90,6 +92,7 @@ def test_serve_without_a_redis_binary_exits_with_an_install_hint(tmp_path: Path)
     )
     assert result.returncode == 2
     assert "apt-get install redis-server" in result.stderr and "Traceback" not in result.stderr
+    assert "--redis-url" in result.stderr, result.stderr
 
 
 def test_the_dockerfile_recipe() -> None:
