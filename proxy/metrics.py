@@ -179,7 +179,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, *, currency: str = "USD") -> None:
         self.registry = registry
         self.requests = Counter(
-            "llm_proxy_requests", "Forwarded calls by outcome.", ["tenant", "model", "endpoint", "outcome"]
+            "llm_proxy_requests",
+            "Calls settled in the ledger, by outcome, those that never went out among them "
+            "(not_forwarded; a client gone, or the upstream's connection refused, first).",
+            ["tenant", "model", "endpoint", "outcome"],
         )
         self.tokens = Counter(
             "llm_proxy_tokens",

@@ -14,10 +14,12 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.config_load import parse_config
 from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, Metrics
+from proxy.record import record_entry
 from proxy.redis_server import free_port
 from proxy.state import STATE
-from tests.conftest import KEY_A, ProxyFactory, digest
+from tests.conftest import KEY_A, ProxyFactory, base_config, digest
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, dumps, scripted_upstreams, send
 
@@ -28,6 +30,10 @@ PRICED_MODELS = {
 }
 LEDGER = "lbp:{team-a}:ledger"
 MSGS: list[Any] = [{"role": "user", "content": "hello metrics"}]
+REQUESTS_HELP = (
+    "Calls settled in the ledger, by outcome, those that never went out among them "
+    "(not_forwarded; a client gone, or the upstream's connection refused, first)."
+)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -204,7 +210,7 @@ def test_exposition_matches_prometheus_client() -> None:
     metrics = Metrics(ours)
     requests = prometheus_client.Counter(
         "llm_proxy_requests",
-        "Forwarded calls by outcome.",
+        REQUESTS_HELP,
         ["tenant", "model", "endpoint", "outcome"],
         registry=reference,
     )
@@ -406,3 +412,23 @@ async def test_a_slow_upstream_body_is_not_proxy_overhead(
     # Counted as the proxy's, the upstream's body is 2 s at least; a second is far more than the
     # proxy's own time, even on a loaded machine.
     assert overhead.sum < 1.0, overhead.sum
+
+
+def test_the_requests_counter_counts_calls_that_never_went_out_and_its_help_says_so() -> None:
+    """``llm_proxy_requests_total`` counts the ledger's entries, a ``not_forwarded`` one (a
+    reserve whose reply was lost, released: nothing went out) among them, where its help said
+    "Forwarded calls by outcome." (the docs hunt)."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    config = parse_config(base_config("http://127.0.0.1:9/v1", "redis://127.0.0.1:1"), {}, key_secrets=False)
+    entry = {
+        "tenant": "team-a",
+        "model": "gpt-4o-mini",
+        "endpoint": "chat.completions",
+        "outcome": "not_forwarded",
+        "usage_source": "none",
+    }
+    record_entry(metrics, config, entry)
+    text = generate_latest(registry).decode()
+    assert total(samples(text), "llm_proxy_requests_total", outcome="not_forwarded") == 1
+    assert f"# HELP llm_proxy_requests_total {REQUESTS_HELP}\n" in text
