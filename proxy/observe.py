@@ -521,6 +521,20 @@ def parse_json(data: bytes) -> Any:
             raise ValueError("JSON nested too deep") from None
 
 
+def json_text(value: Any) -> str:
+    """``value`` written as JSON, to count it: what ``parse_json`` read with Python's ``json``
+    (a lone surrogate escape, an integer past 64 bits), which orjson will not write, is written
+    by ``json`` too (escaped: text a tokenizer takes); "" past its nesting (counted as nothing,
+    as text no answer shows: the provider's usage tells it)."""
+    try:
+        return orjson.dumps(value).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError, RecursionError):
+            return ""
+
+
 def parse_event_data(data: bytes | memoryview) -> tuple[Any, bool]:
     """An event's data as JSON, as the client's SDK reads a stream's chunk: its lines decoded
     as strict UTF-8 (a byte order mark kept, which JSON then refuses, and bytes that are not

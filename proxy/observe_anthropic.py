@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from proxy.observe import Observation, ProviderUsage, add_id, token_count
+from proxy.observe import Observation, ProviderUsage, add_id, json_text, token_count
 from proxy.payload import FAST_TIER, US_GEO, messages_tier
 
 # The iterations ``usage.iterations`` tells apart from its top-level counts.
@@ -280,7 +278,7 @@ def anthropic_body(obs: Observation, obj: dict[str, Any]) -> None:
             elif block.get("type") in _ANTHROPIC_CALLS:
                 obs.calls.add(0)
                 obs.add_text(0, block.get("name"), content=False)
-                obs.add_text(0, orjson.dumps(block.get("input")).decode(), content=False)
+                obs.add_text(0, json_text(block.get("input")), content=False)
                 if block.get("type") == "server_tool_use":
                     obs.saw_tool_use(block.get("name"))
             elif block.get("type") == "thinking":

@@ -7,9 +7,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import orjson
-
-from proxy.observe import Observation, ProviderUsage, add_id, parse_usage, pieces_of, token_count
+from proxy.observe import (
+    Observation,
+    ProviderUsage,
+    add_id,
+    json_text,
+    parse_usage,
+    pieces_of,
+    token_count,
+)
 
 
 def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool) -> None:
@@ -178,7 +184,7 @@ def _call_texts(item: dict[str, Any], fields: tuple[str, ...] = _CALL_TEXTS) -> 
             drop = ("sources", "query") if "queries" in value else ("sources",)
             value = {k: v for k, v in value.items() if k not in drop}
         if isinstance(value, dict | list) and value:
-            texts.append(orjson.dumps(value).decode())
+            texts.append(json_text(value))
     return texts
 
 

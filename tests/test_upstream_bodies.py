@@ -306,6 +306,82 @@ async def test_json_the_sdk_reads_is_json_to_the_proxy(
     assert (entry["usage_source"], entry["input_tokens"], entry["output_tokens"]) == ("provider", "3", "1")
 
 
+def _sse(kind: str, obj: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + dumps({"type": kind, **obj}) + b"\n\n"
+
+
+_SEARCH = {"type": "web_search_call", "id": "ws_1", "status": "completed"}
+_SEARCHED = {**_SEARCH, "action": {"type": "search", "query": "cut mid-emoji \ud83d"}}
+_FOUND = {
+    "type": "message",
+    "id": "msg_1",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "output_text", "text": "Found it.", "annotations": []}],
+}
+_RESPONSE = {
+    "id": "resp_1",
+    "object": "response",
+    "status": "completed",
+    "output": [_SEARCHED, _FOUND],
+    "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4},
+}
+
+
+def _tool_use(tool_input: Any) -> dict[str, Any]:
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": tool_input}],
+        "stop_reason": "tool_use",
+        "usage": {"input_tokens": 3, "output_tokens": 1},
+    }
+
+
+@pytest.mark.parametrize(
+    ("request_", "answer", "content_type"),
+    [
+        (MESSAGES, dumps(_tool_use({"q": "cut mid-emoji \ud83d"})), "application/json"),
+        (MESSAGES, b"\xef\xbb\xbf" + dumps(_tool_use({"n": 2**70})), "application/json"),
+        (RESPONSES, dumps(_RESPONSE), "application/json"),
+        (
+            (RESPONSES[0], {**RESPONSES[1], "stream": True}),
+            b"".join(
+                [
+                    _sse("response.output_item.added", {"output_index": 0, "item": _SEARCH}),
+                    _sse("response.output_item.done", {"output_index": 0, "item": _SEARCHED}),
+                    _sse("response.completed", {"response": _RESPONSE}),
+                ]
+            ),
+            "text/event-stream",
+        ),
+    ],
+    ids=["tool input, lone surrogate", "tool input past 64 bits", "search action", "streamed search action"],
+)
+async def test_a_calls_structured_output_the_sdk_reads_is_a_whole_answer(
+    request_: tuple[str, Any],
+    answer: bytes,
+    content_type: str,
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+) -> None:
+    """A tool's input or a hosted call's action holding what only Python's json reads (as the
+    SDK does: a lone surrogate escape, an integer past 64 bits behind a byte order mark) is
+    counted as JSON all the same: orjson, which would not write it again, made the answer a 502
+    billed at the reserve (whole) or an upstream_error (streamed; the text hunt)."""
+    proxy = await proxy_before(make_proxy, script.base_url)
+    path, body = request_
+    script.plan = Plan(content_type=content_type, chunks=[answer])
+    headers = {"anthropic-version": "2023-06-01"} if path == "/v1/messages" else {}
+    reply = await send(proxy, lambda: script.received, redis_client, path, dumps(body), headers=headers)
+    (entry,) = reply.new_entries
+    assert reply.status == 200, reply.describe()
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("3", "1"), entry
+
+
 @pytest.mark.parametrize("dialect", ["openai", "anthropic"])
 async def test_a_detail_count_that_is_not_a_count_voids_the_usage_in_both_dialects(
     dialect: str, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
