@@ -67,6 +67,16 @@ def held_tokens(call: Call) -> tuple[int, int]:
     return held.get("input_tokens", 0), held.get("output_tokens", 0)
 
 
+def utf8_text(text: str) -> str:
+    """``text`` as UTF-8 holds it. An answer's strings are read as the client's SDK reads them
+    (``observe.parse_json``, ``parse_event_data``: Python's json), a lone surrogate escape too
+    (a string cut inside an emoji), which neither orjson (the ledger entry, the journal line)
+    nor Redis writes: it is made U+FFFD, as a UTF-8 decoder makes a broken sequence."""
+    if text.isascii():  # the finish reasons and tiers providers name: no copy
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def entry_fields(
     call: Call,
     outcome: Outcome,
@@ -91,7 +101,7 @@ def entry_fields(
         "upstream": call.upstream_name,
         "stream": "1" if call.stream else "0",
         "outcome": outcome.label,
-        "finish_reasons": finish_reasons,
+        "finish_reasons": utf8_text(finish_reasons),
         "input_tokens": str(usage.input_tokens),
         "cached_input_tokens": str(usage.cached_input_tokens),
         "cache_creation_input_tokens": str(usage.cache_creation_input_tokens),
@@ -112,7 +122,7 @@ def entry_fields(
     # prices when the operator set them (``Call.rates_served``).
     tier = call.served_tier or call.service_tier
     if tier is not None and tier != "default":
-        entry["service_tier"] = tier
+        entry["service_tier"] = utf8_text(tier)
     # Kinds most calls have none of: only when there are some (an entry is kept for good).
     for kind, count in usage.by_kind():
         if count and f"{kind}_tokens" not in entry:
@@ -164,7 +174,7 @@ async def settle(
         usage=usage,
         cost_micros=cost,
         entry_id=None,
-        finish_reasons=reasons,
+        finish_reasons=entry["finish_reasons"],
         actual=actual,
         overshoot_tokens=int(entry["overshoot_tokens"]),
     )
@@ -193,7 +203,7 @@ async def settle(
         usage=usage,
         cost_micros=cost,
         entry_id=entry_id,
-        finish_reasons=reasons,
+        finish_reasons=entry["finish_reasons"],
         actual=actual,
         overshoot_tokens=asked.overshoot_tokens,
         stored=stored,

@@ -1,5 +1,5 @@
 """Non-streaming answers a provider (or a gateway before it) can send that the proxy billed or
-passed on wrongly: found by a hunt, each fixed in relay, observe or dialects."""
+passed on wrongly: found by a hunt, each fixed in relay, observe, dialects or settle."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import generate_latest
 
+from proxy.state import STATE
 from tests.conftest import UPSTREAM_KEY, ProxyFactory
 from tests.outcome_helpers import MODEL, raw_post, the_entry
 from tests.test_bad_input import Plan, Reply, ScriptedUpstream, scripted_upstreams, send
@@ -380,6 +383,55 @@ async def test_a_calls_structured_output_the_sdk_reads_is_a_whole_answer(
     assert reply.status == 200, reply.describe()
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
     assert (entry["input_tokens"], entry["output_tokens"]) == ("3", "1"), entry
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("field", ["finish_reason", "service_tier"])
+async def test_an_answers_tag_holding_a_lone_surrogate_escape_is_settled_as_text(
+    field: str, stream: bool, make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The finish reasons and the tier an answer names go into its ledger entry, which the store
+    writes with orjson: one read by Python's json (as the SDK reads it) holding a lone surrogate
+    escape raised TypeError there, no store failure (journaled) nor one handled. Whole: a 500
+    saying the call "was not forwarded or was settled", though it went out unsettled; streamed:
+    the client's stream never ended. No entry, the reserve held for a reaper (the text hunt).
+    Now written as text, the half emoji U+FFFD."""
+    proxy = await proxy_before(make_proxy, script.base_url)
+    reason = "stop\ud83d" if field == "finish_reason" else "stop"
+    tier = {"service_tier": "default\ud83d"} if field == "service_tier" else {}
+    path, request = CHAT
+    if stream:
+        chunk = {"id": "c", "object": "chat.completion.chunk", "model": MODEL, **tier}
+        events = [
+            {**chunk, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
+            {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]},
+            {**chunk, "choices": [], "usage": USAGE},
+        ]
+        sse = b"".join(b"data: " + dumps(event) + b"\n\n" for event in events) + b"data: [DONE]\n\n"
+        script.plan = Plan(content_type="text/event-stream", chunks=[sse])
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": reason}
+        script.plan = Plan(chunks=[dumps({**chat_body(choices=[choice]), **tier})])
+    reply = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        path,
+        dumps({**request, "stream": stream}),
+        headers={"X-Run-Id": "tagged"},
+        timeout=aiohttp.ClientTimeout(total=8),  # a stream that never ends fails, not hangs
+    )
+    assert reply.status == 200, reply.describe()
+    assert not stream or reply.body.endswith(b"data: [DONE]\n\n"), reply.describe()
+    entry = await the_entry(proxy, "tagged")  # nothing left reserved
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("3", "1"), entry
+    if field == "finish_reason":
+        assert entry["finish_reasons"] == "stop\ufffd", entry
+    else:
+        assert (entry["finish_reasons"], entry["service_tier"]) == ("stop", "default\ufffd"), entry
+    # The call's figures are in the metrics, whose exposition takes no string of the answer.
+    assert b"llm_proxy_requests_total" in generate_latest(proxy.app[STATE].metrics.registry)
 
 
 @pytest.mark.parametrize("dialect", ["openai", "anthropic"])
