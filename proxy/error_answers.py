@@ -144,6 +144,11 @@ async def error_middleware(
             for name, value in _dialect(request).id_headers(request[REQUEST_ID]).items():
                 response.headers.setdefault(name, value)
     except Exception as err:
+        if request.writer.output_size > 0:
+            # An answer had started (a stream's headers, its events): no other can follow it.
+            # Raised on, aiohttp drops the connection ("Response is sent already"): the client's
+            # read fails, where a 500 written into the stream left it waiting for an end.
+            raise
         return undecoded_after(request, _answer_to(request, err))
     return undecoded_after(request, response)
 

@@ -172,6 +172,27 @@ async def relay_stream(
         # the answer's tag: only the billing comment is lost.
         client_gone = True
 
+    try:
+        await _settle_and_end(ex, response, events, failure, client_gone=client_gone)
+    except Exception:
+        # The proxy's own fault once the stream had started (a settle that failed twice:
+        # ``Exchange.settle``): no other answer can follow its headers, only its end.
+        log.exception("stream end failed", extra={"request_id": call.request_id})
+        await _end_on_error(ex, response, client_gone=client_gone)
+    return response
+
+
+async def _settle_and_end(
+    ex: Exchange,
+    response: web.StreamResponse,
+    events: EventFilter,
+    failure: Outcome | None,
+    *,
+    client_gone: bool,
+) -> None:
+    """Settle the stream as it ended and end it: the billing comment, then [DONE] as it came or
+    an error event."""
+    call, obs = ex.call, ex.obs
     # A body that ended cleanly once every choice had finished is a whole answer even without
     # [DONE]: OpenAI-compatible servers that never send it (Perplexity) are served as directly.
     whole = obs.done or (
@@ -187,7 +208,7 @@ async def relay_stream(
         healthy = not obs.error and not obs.malformed  # it had not failed first
         complete = healthy and (cancelled or whole)
         await ex.settle(Outcome("client_disconnected"), ex.usage(complete=complete))
-        return response
+        return
     if failure is None and (obs.malformed or obs.error or not whole):
         failure = Outcome("upstream_error")
     if failure is not None:
@@ -205,7 +226,7 @@ async def relay_stream(
         elif obs.done and call.dialect.done_marker:
             tail += call.dialect.done_marker
         await _to_client(ex, response.write_eof, tail)  # one write: the tail and the body's end
-        return response
+        return
 
     outcome = classify_answer(obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing)
     settlement = await ex.settle(outcome, ex.usage(complete=True))
@@ -217,7 +238,24 @@ async def relay_stream(
     elif obs.done and call.dialect.done_marker:
         tail += call.dialect.done_marker  # as it came: not when the upstream sent none
     await _to_client(ex, response.write_eof, tail)
-    return response
+
+
+async def _end_on_error(ex: Exchange, response: web.StreamResponse, *, client_gone: bool) -> None:
+    """End a started stream the proxy failed: with an error event (the client's SDK raises it),
+    or, when that cannot be written, by dropping its connection. Never left open, its client
+    waiting for an end. The call is billed all the same: settled, or its reservation reaped."""
+    if not client_gone and response.prepared:
+        error = ex.call.dialect.error_event(
+            "The proxy failed while ending the stream; the call is billed.", "server_error", "internal_error"
+        )
+        try:
+            if await _to_client(ex, response.write_eof, error):
+                return
+        except Exception:
+            log.exception("could not end a stream", extra={"request_id": ex.call.request_id})
+    transport = ex.request.transport
+    if transport is not None:
+        transport.abort()
 
 
 def _end_sent(ex: Exchange, client_gone: bool) -> bool:

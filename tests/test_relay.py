@@ -121,6 +121,7 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
         settling=set(), store=None, journal=None, config=SimpleNamespace(limits=limits)
     )
     ex._settling = ex._settlement = ex.keeping = None
+    ex._settle_failed = False
     ex.upstream_s = 0.0
     handler = asyncio.ensure_future(ex.settle(Outcome("ok"), SimpleNamespace(source="provider")))  # type: ignore[arg-type]
     await asyncio.sleep(0.01)
@@ -651,3 +652,105 @@ async def test_the_call_lines_status_is_the_clients_and_the_upstreams_is_beside_
     (line,) = [r.__dict__[TRUSTED_FIELDS] for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
     assert resp.status == answered
     assert (line["status"], line.get("upstream_status")) == (answered, upstream_status), line
+
+
+async def _chat(proxy: Proxy, stream: bool, run: str) -> tuple[int, Any, bytes, str]:
+    """One chat call: its status, headers, what came, and how it ended: "whole", "dropped" (its
+    connection closed before its end) or "open" (still, at the client's timeout)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    got = b""
+    async with (
+        # Generous for one local call; a stream left open fails the test, not hangs it.
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=8)) as session,
+        session.post(
+            proxy.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY_A}", **run_headers(run)},
+        ) as resp,
+    ):
+        try:
+            async for piece in resp.content.iter_any():
+                got += piece
+        except aiohttp.ClientPayloadError:
+            return resp.status, resp.headers, got, "dropped"
+        except TimeoutError:
+            return resp.status, resp.headers, got, "open"
+        return resp.status, resp.headers, got, "whole"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_settle_that_fails_once_is_tried_again_and_the_call_answered(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """A settle that raised (not the store's failure, which is journaled: a bug, a string it
+    could not write, as a finish reason holding a lone surrogate was: the text hunt) left the
+    call reserved for a reaper: a whole answer was a 500 saying the call "was not forwarded or
+    was settled", a stream never ended. Now tried once more at once: settled, and answered."""
+    settle = relay.settle
+    failed: list[str] = []
+
+    async def once(*args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append("once")
+            raise RuntimeError("a settle step failed")
+        return await settle(*args, **kwargs)
+
+    monkeypatch.setattr("proxy.relay.settle", once)
+    proxy = await make_proxy()
+    status, headers, body, ended = await _chat(proxy, stream, "again")
+    assert failed and (status, ended) == (200, "whole"), body[-300:]
+    if stream:
+        assert b": billing " in body and body.endswith(b"data: [DONE]\n\n"), body[-300:]
+    else:
+        assert headers["x-billing-outcome"] == "ok"
+    await proxy.recorded()
+    entry = await the_entry(proxy, "again")  # nothing left reserved
+    assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+
+
+@pytest.mark.parametrize("fails", ["after_its_settle", "every_settle", "its_relay"])
+async def test_a_stream_the_proxy_fails_once_started_still_ends_and_is_billed(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """A failure of the proxy's own once a stream's headers went out: the error middleware
+    wrote a 500 of its own into the stream, and its client waited for an end that never came.
+    Now the stream ends: with an error event (a failure after its settle, or of every settle),
+    or, when the relay itself failed, its connection dropped; and the call is billed: settled
+    before, by the handler's end (``Exchange.run``), or at its reserve by a reaper."""
+    if fails == "after_its_settle":
+
+        def broken_comment(*args: Any) -> bytes:
+            raise RuntimeError("the billing comment failed")
+
+        monkeypatch.setattr("proxy.relay_stream.billing_comment", broken_comment)
+    elif fails == "every_settle":
+
+        async def broken_settle(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("every settle fails")
+
+        monkeypatch.setattr("proxy.relay.settle", broken_settle)
+    else:
+
+        async def broken_relay(ex: Any, upstream: Any, renewal: Any) -> Any:
+            response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(ex.request)
+            await response.write(b"data: {}\n\n")
+            raise RuntimeError("the relay failed")
+
+        monkeypatch.setattr("proxy.relay.relay_stream", broken_relay)
+    # A short lease: a call no settle billed is reaped within the test.
+    limits = {"lease_margin_s": 0.2, "reaper_interval_s": 0.1}
+    proxy = await make_proxy(upstreams=upstream_override(fake.base_url, timeout_s=1), limits=limits)
+    status, _, body, ended = await _chat(proxy, True, "failed")
+    assert (status, ended) == (200, "dropped" if fails == "its_relay" else "whole"), body[-300:]
+    if fails != "its_relay":
+        assert body.endswith(b'"code":"internal_error"}}\n\n'), body[-300:]  # an error event
+    assert b"HTTP/1.1 500" not in body
+    await proxy.recorded()
+    entry = await the_entry(proxy, "failed", wait_s=10)  # nothing left reserved
+    billed = {
+        "after_its_settle": ("ok", "provider"),
+        "every_settle": ("lease_expired", "reserve"),
+        "its_relay": ("upstream_error", "reserve"),
+    }
+    assert (entry["outcome"], entry["usage_source"]) == billed[fails], entry
