@@ -154,14 +154,18 @@ class Call:
 
     @property
     def writes_nothing(self) -> bool:
-        """No output asked for: a legacy completion with ``max_tokens: 0``, the prompt scored
-        (echo, logprobs), its answers ending with "length" by construction, not cut short; a
-        Responses call with ``prompt_cache_options.prewarm``, the prompt cached, its answer's
-        output empty whatever format it names."""
-        if self.endpoint == "responses":
-            options = self.body.get("prompt_cache_options")
-            return isinstance(options, dict) and options.get("prewarm") is True
+        """A legacy completion with ``max_tokens: 0``: the prompt scored (echo, logprobs), no
+        output asked for; its answers end with "length" by construction, not cut short."""
         return self.endpoint == "completions" and self.body.get("max_tokens") == 0
+
+    @property
+    def prewarms(self) -> bool:
+        """A Responses call with ``prompt_cache_options.prewarm``: the prompt cached, no output
+        asked for (an upstream or model that does not know the option writes one all the same)."""
+        if self.endpoint != "responses":
+            return False
+        options = self.body.get("prompt_cache_options")
+        return isinstance(options, dict) and options.get("prewarm") is True
 
     @property
     def reserved_input_tokens(self) -> int:

@@ -106,16 +106,23 @@ def _json_problem(text: str) -> str | None:
 
 
 def classify_answer(
-    obs: Observation, policy: PolicyConfig, *, json_mode: bool, writes_nothing: bool = False
+    obs: Observation,
+    policy: PolicyConfig,
+    *,
+    json_mode: bool,
+    writes_nothing: bool = False,
+    prewarm: bool = False,
 ) -> Outcome:
     """The outcome of an answer that arrived in full (``writes_nothing``: no output was asked
-    for, so an answer ending at its cap is whole, and one naming a structured output holds no
-    JSON to judge)."""
+    for, so an answer ending at its cap is whole; ``prewarm``: none was asked for, so an answer
+    that wrote none holds no JSON to judge, whatever format the call names; one that wrote some,
+    the option not known upstream, is judged as any)."""
     reasons = obs.finish_reasons.values()
     truncated = not writes_nothing and any(r in TRUNCATION_REASONS for r in reasons)
     if obs.refused or any(r in REFUSAL_REASONS for r in reasons):
         return Outcome("refused")
-    if json_mode and policy.on_invalid_json == "reject" and not writes_nothing:
+    wrote_none = prewarm and not obs.contents and not obs.calls
+    if json_mode and policy.on_invalid_json == "reject" and not writes_nothing and not wrote_none:
         # Every answer, those whose finish reason never came (or came empty) too: n > 1.
         for index in sorted(set(obs.finish_reasons) | obs.calls | set(obs.contents)) or [0]:
             if obs.finish_reasons.get(index) in NOT_THE_ANSWER_REASONS:

@@ -88,7 +88,11 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
         outcome = Outcome("upstream_error")  # passed on as it came, billed as a stream's is
     else:
         outcome = classify_answer(
-            ex.obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing
+            ex.obs,
+            call.policy,
+            json_mode=call.json_mode,
+            writes_nothing=call.writes_nothing,
+            prewarm=call.prewarms,
         )
     ex.answer_status = 422 if outcome.tag == "rejected" else upstream.status
     settlement = await ex.settle_early(outcome, ex.usage(complete=not failed))

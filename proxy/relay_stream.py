@@ -228,7 +228,9 @@ async def _settle_and_end(
         await _to_client(ex, response.write_eof, tail)  # one write: the tail and the body's end
         return
 
-    outcome = classify_answer(obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing)
+    outcome = classify_answer(
+        obs, call.policy, json_mode=call.json_mode, writes_nothing=call.writes_nothing, prewarm=call.prewarms
+    )
     settlement = await ex.settle(outcome, ex.usage(complete=True))
     tail = billing_comment(call, settlement)
     if outcome.tag == "rejected":

@@ -223,10 +223,15 @@ def test_an_answer_asked_to_write_nothing_is_whole_at_its_cap() -> None:
     assert classify_answer(obs, reject, json_mode=False).label == "rejected:output-truncated"
 
 
-def test_an_answer_asked_to_write_nothing_holds_no_json_to_judge() -> None:
+def test_a_prewarm_that_wrote_nothing_holds_no_json_to_judge() -> None:
     obs = Observation(finish_reasons={0: "completed"})  # a Responses prewarm: no output
-    assert classify_answer(obs, REJECT_JSON, json_mode=True, writes_nothing=True).tag == "ok"
+    assert classify_answer(obs, REJECT_JSON, json_mode=True, prewarm=True).tag == "ok"
     assert classify_answer(obs, REJECT_JSON, json_mode=True).label.startswith("rejected:parse-json")
+    # An upstream that does not know the option wrote an answer: judged as any (the review).
+    wrote = Observation(finish_reasons={0: "completed"}, contents={0: ["not json"]})
+    assert classify_answer(wrote, REJECT_JSON, json_mode=True, prewarm=True).label.startswith(
+        "rejected:parse-json"
+    )
 
 
 # -- observe_anthropic ----------------------------------------------------------------------------

@@ -744,3 +744,48 @@ async def test_a_prewarm_with_a_structured_output_is_not_held_to_json(
     entry = await the_entry(proxy, "prewarm")
     assert entry["outcome"] == "ok", entry
     assert (entry["input_tokens"], entry["output_tokens"]) == ("1200", "0"), entry
+
+
+def _written(text: str, status: str) -> Plan:
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "status": "completed" if status == "completed" else "incomplete",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+    usage = {**PREWARM_USAGE, "input_tokens": 30, "output_tokens": 25, "total_tokens": 55}
+    whole = response_object(status, [message], usage)
+    if status == "incomplete":
+        whole["incomplete_details"] = {"reason": "max_output_tokens"}
+    return Plan(chunks=[dumps(whole)])
+
+
+@pytest.mark.parametrize(
+    ("text", "status", "label"),
+    [
+        ("this is not json", "completed", "rejected:parse-json"),
+        ('{"city": "Par', "incomplete", "rejected:parse-json-truncated"),
+    ],
+    ids=["invalid-json", "truncated"],
+)
+async def test_a_prewarm_an_upstream_answered_all_the_same_is_judged_as_its_answer(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, text: str, status: str, label: str
+) -> None:
+    """An upstream or model that does not know ``prewarm`` writes an answer: held to the
+    policy as any (the prewarm flag let a client past ``on_invalid_json`` and ``on_truncate``,
+    a cut answer logged ok: the review)."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url), policy=REJECT_ALL)
+    script.plan = _written(text, status)
+    async with proxy.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.responses.create(
+                model=MODEL,
+                input="hi",
+                text={"format": {"type": "json_object"}},
+                extra_body={"prompt_cache_options": {"prewarm": True}},
+                extra_headers=run_headers("prewarm-ignored"),
+            )
+    assert caught.value.status_code == 422
+    entry = await the_entry(proxy, "prewarm-ignored")
+    assert entry["outcome"].startswith(label), entry
