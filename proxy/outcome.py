@@ -38,6 +38,10 @@ TRUNCATION_REASONS = frozenset({"length", "max_output_tokens", "max_tokens", "mo
 # continued by the next call.
 NOT_THE_ANSWER_REASONS = frozenset({"tool_calls", "function_call", "tool_use", "pause_turn", "compaction"})
 
+# The status a call whose client left before it was answered is logged with (nginx's word for
+# it; the call's log line, ``record_call``).
+CLIENT_CLOSED = 499
+
 
 @value_class()
 class Outcome:

@@ -38,6 +38,7 @@ from proxy.lease import LeaseRenewal
 from proxy.metrics import Metrics, tenant_label
 from proxy.observe import Observation
 from proxy.outcome import (
+    CLIENT_CLOSED,
     NOTHING_BILLED,
     BilledUsage,
     Outcome,
@@ -391,7 +392,7 @@ class Exchange:
                 # same. Nothing goes out, and nothing is billed.
                 return await self.failed(
                     "client_disconnected",
-                    499,
+                    CLIENT_CLOSED,
                     "The client closed the connection before the call went out.",
                     NOTHING_BILLED,
                 )
@@ -463,7 +464,8 @@ class Exchange:
             # tagged as its stream's or body's would be once answered, the bill the same.
             tag = "client_disconnected"
         usage = self.reserve_usage() if failure.went_out else NOTHING_BILLED
-        return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage)
+        status = CLIENT_CLOSED if tag == "client_disconnected" else 504 if timed_out else 502
+        return await self.failed(tag, status, failure.detail, usage)
 
     async def failed(
         self,

@@ -17,7 +17,15 @@ from aiohttp import web
 from proxy.events import EventFilter
 from proxy.forward import BodyTooLarge, account_scrubbed, caller_key_sent, read_limited
 from proxy.observe import Observation, parse_json, parse_usage
-from proxy.outcome import ZERO_USAGE, BilledUsage, Outcome, OutcomeTag, classify_answer, provider_usage
+from proxy.outcome import (
+    CLIENT_CLOSED,
+    ZERO_USAGE,
+    BilledUsage,
+    Outcome,
+    OutcomeTag,
+    classify_answer,
+    provider_usage,
+)
 
 if TYPE_CHECKING:
     from proxy.relay import Exchange
@@ -94,7 +102,10 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
             writes_nothing=call.writes_nothing,
             prewarm=call.prewarms,
         )
-    ex.answer_status = 422 if outcome.tag == "rejected" else upstream.status
+    if outcome.tag == "client_disconnected":
+        ex.answer_status = CLIENT_CLOSED  # nobody was answered
+    else:
+        ex.answer_status = 422 if outcome.tag == "rejected" else upstream.status
     settlement = await ex.settle_early(outcome, ex.usage(complete=not failed))
     headers = ex.headers(settlement)
     if outcome.tag == "rejected":

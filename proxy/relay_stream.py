@@ -23,7 +23,7 @@ from proxy.events import EventFilter
 from proxy.forward import StallGuard, scrubbed
 from proxy.lease import LeaseRenewal
 from proxy.observe import Observation, parse_json
-from proxy.outcome import Outcome, classify_answer
+from proxy.outcome import CLIENT_CLOSED, Outcome, classify_answer
 from proxy.settle import billing_comment
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ async def relay_stream(
         # would keep open for a client that asked to keep it alive (its body never ending).
         response.force_close()
     client_gone = False
+    headers_out = False  # a write of ours went out: the client was answered 200
     writer = None
     try:
         writer = await response.prepare(ex.request)
@@ -107,6 +108,7 @@ async def relay_stream(
                 if writer is not None and not client_gone:
                     try:
                         writer.send_headers()  # nothing once they went out
+                        headers_out = True
                     except CLIENT_GONE:
                         client_gone = True
                 guard.waiting_since = waited = monotonic()
@@ -132,10 +134,12 @@ async def relay_stream(
             elif _has_room(request, len(out)):
                 try:
                     await write(out)  # no wait: ``_to_client``'s first case, without its frame
+                    headers_out = True
                 except CLIENT_GONE:
                     client_gone = True
             else:
                 client_gone = not await _to_client(ex, write, out)
+                headers_out = headers_out or not client_gone
             if client_gone and call.policy.on_client_disconnect == "cancel":
                 break
             if obs.done:
@@ -171,6 +175,8 @@ async def relay_stream(
         # Messages or Responses answer's last event (while the body's end was waited for) keeps
         # the answer's tag: only the billing comment is lost.
         client_gone = True
+    if client_gone and not headers_out:
+        ex.answer_status = CLIENT_CLOSED  # gone before any of its answer went out
 
     try:
         await _settle_and_end(ex, response, events, failure, client_gone=client_gone)

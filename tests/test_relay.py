@@ -654,6 +654,30 @@ async def test_the_call_lines_status_is_the_clients_and_the_upstreams_is_beside_
     assert (line["status"], line.get("upstream_status")) == (answered, upstream_status), line
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_call_whose_client_left_before_its_answer_is_logged_499(
+    make_proxy: ProxyFactory, fake: FakeUpstream, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """A client gone while its answer was on its way was answered nothing: logged 499, as one
+    gone before the call went out is, where a whole answer's was logged the upstream's 200 (the
+    review). A stream's headers wait for the upstream's: its client, gone before them, was
+    answered nothing either."""
+    proxy = await make_proxy()
+    caplog.set_level(logging.INFO)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    body["fake"] = {"delay_s": 0.6}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            async with session.post(
+                proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+            ) as resp:
+                await resp.read()
+    await asyncio.sleep(1.0)
+    await proxy.recorded()
+    (line,) = [r.__dict__[TRUSTED_FIELDS] for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+    assert (line["outcome"], line["upstream_status"], line["status"]) == ("client_disconnected", 200, 499)
+
+
 async def _chat(proxy: Proxy, stream: bool, run: str) -> tuple[int, Any, bytes, str]:
     """One chat call: its status, headers, what came, and how it ended: "whole", "dropped" (its
     connection closed before its end) or "open" (still, at the client's timeout)."""
