@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from proxy.call import Call
 from proxy.observe import Observation
 from proxy.outcome import BilledUsage, estimated_usage, provider_usage, reserve_usage
+from proxy.payload import asks_hour_cache_writes
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
 
 # A count of the prompt and answers (no usage came) of more characters than this runs in a
@@ -84,7 +85,7 @@ def with_tool_calls(usage: BilledUsage, obs: Observation) -> BilledUsage:
 
 
 def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:
-    found = provider_usage(obs)
+    found = _untold_writes_priced(call, obs, provider_usage(obs))
     final = _final(call, obs)
     # Output no count of the answer sees: audio and image tokens (its text is only a
     # transcript, or words beside the image), reasoning tokens (never streamed, or streamed
@@ -117,6 +118,17 @@ def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, comple
     if complete:
         return _estimated_usage(call, obs, tokenizer)
     return reserve_usage(call.reserved_input_tokens, call.reserved_output_tokens)
+
+
+def _untold_writes_priced(call: Call, obs: Observation, found: BilledUsage | None) -> BilledUsage | None:
+    """``found`` with the cache writes no TTL split tells (``cache_creation_untold_input_tokens``)
+    kept an hour when the request keeps any an hour (``asks_hour_cache_writes``): written at the
+    dearest price it could have been, as an unsure reading bills; else at the five minutes'."""
+    untold = obs.usage.cache_creation_untold_input_tokens if obs.usage is not None else 0
+    if found is None or not untold or not asks_hour_cache_writes(call.body):
+        return found
+    hour = min(found.cache_creation_1h_input_tokens + untold, found.cache_creation_input_tokens)
+    return replace(found, cache_creation_1h_input_tokens=hour)
 
 
 def _final(call: Call, obs: Observation) -> bool:

@@ -33,6 +33,10 @@ class ProviderUsage:
     audio_input_tokens: int = 0
     audio_output_tokens: int = 0
     cache_creation_1h_input_tokens: int = 0
+    # Of cache_creation_input_tokens, the writes no TTL split tells (Anthropic's: a stream's
+    # cumulative count grown past message_start's split, a gateway's usage with no split): kept
+    # as long as the request asked, which only the call knows (``billed_usage``).
+    cache_creation_untold_input_tokens: int = 0
     # False when the report gave no output count (only prompt tokens): the output is then
     # counted from the text, never taken as 0.
     output_known: bool = True

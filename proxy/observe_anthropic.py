@@ -28,22 +28,35 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
     thinking = token_count((details.get("thinking_tokens") if isinstance(details, dict) else None) or 0)
     if counts is None or thinking is None or (iterations is not None and not isinstance(iterations, list)):
         return None
-    input_tokens, output_tokens, cache_read, cache_creation, hour = counts
+    input_tokens, output_tokens, cache_read, cache_creation, hour, split = counts
     # Context compaction (a beta the client turns on): the summarizing step is billed too, and
     # is left out of the top-level figures, as the advisor tool's consultations are (refused up
     # front: another model's, at its prices; counted at the call's should one come all the same);
-    # every other iteration is in them.
+    # every other iteration is in them. Those tell their own writes' TTL split, which the
+    # top-level one may not: a stream's message_delta tells no split, and the writes of the
+    # turns after message_start's (a server tool's results) come in its cumulative count alone.
+    beside: list[tuple[int, int | None, int, int, int, int]] = []
+    within_hour = within_split = 0
     for iteration in iterations or ():
-        if isinstance(iteration, dict) and iteration.get("type") in _BESIDE_TOP_LEVEL:
-            more = _anthropic_counts(iteration)
+        if not isinstance(iteration, dict):
+            continue
+        more = _anthropic_counts(iteration)
+        if iteration.get("type") in _BESIDE_TOP_LEVEL:
             if more is None or more[1] is None:
                 return None
-            input_tokens += more[0]
-            if output_tokens is not None:  # else the final figures are still to come
-                output_tokens += more[1]
-            cache_read += more[2]
-            cache_creation += more[3]
-            hour += more[4]
+            beside.append(more)
+        elif more is not None:
+            within_hour += more[4]
+            within_split += more[5]
+    hour, split = max(hour, within_hour), max(split, within_split)
+    for more in beside:
+        input_tokens += more[0]
+        if output_tokens is not None:  # else the final figures are still to come
+            output_tokens += more[1] or 0
+        cache_read += more[2]
+        cache_creation += more[3]
+        hour += more[4]
+        split += more[5]
     return ProviderUsage(
         input_tokens=input_tokens + cache_read + cache_creation,
         output_tokens=output_tokens or 0,
@@ -51,13 +64,15 @@ def anthropic_usage(raw: Any) -> ProviderUsage | None:
         reasoning_tokens=min(thinking, output_tokens or 0),
         cache_creation_input_tokens=cache_creation,
         cache_creation_1h_input_tokens=min(hour, cache_creation),
+        cache_creation_untold_input_tokens=max(0, cache_creation - split),
         output_known=output_tokens is not None,
     )
 
 
-def _anthropic_counts(raw: dict[str, Any]) -> tuple[int, int | None, int, int, int] | None:
-    """Input, output (None: not given yet), cache reads, cache writes, and the writes kept an
-    hour; None when a count is not one."""
+def _anthropic_counts(raw: dict[str, Any]) -> tuple[int, int | None, int, int, int, int] | None:
+    """Input, output (None: not given yet), cache reads, cache writes, the writes kept an hour
+    and the writes its TTL split tells (kept five minutes or an hour); None when a count is not
+    one."""
     input_tokens = token_count(raw.get("input_tokens"))
     given = raw.get("output_tokens")
     output_tokens = None if given is None else token_count(given)
@@ -66,12 +81,14 @@ def _anthropic_counts(raw: dict[str, Any]) -> tuple[int, int | None, int, int, i
     cache_creation = token_count(raw.get("cache_creation_input_tokens") or 0)
     # Writes kept an hour cost more than those kept five minutes: their share of the writes.
     split = raw.get("cache_creation")
-    hour = token_count((split.get("ephemeral_1h_input_tokens") if isinstance(split, dict) else None) or 0)
+    split = split if isinstance(split, dict) else {}
+    hour = token_count(split.get("ephemeral_1h_input_tokens") or 0)
+    minutes = token_count(split.get("ephemeral_5m_input_tokens") or 0)
     if input_tokens is None or cache_read is None or cache_creation is None or hour is None:
         return None
-    if given is not None and output_tokens is None:
+    if minutes is None or (given is not None and output_tokens is None):
         return None
-    return input_tokens, output_tokens, cache_read, cache_creation, hour
+    return input_tokens, output_tokens, cache_read, cache_creation, hour, hour + minutes
 
 
 # Blocks that are calls of a tool (the client's, or one Anthropic runs), not text.

@@ -7,6 +7,7 @@ every other field passes through to the upstream unchanged.
 from __future__ import annotations
 
 import json
+import re
 import types
 from typing import Any, Literal, Union, final, get_args, get_origin
 
@@ -186,6 +187,17 @@ def messages_tier(*, fast: bool, us: bool) -> str | None:
     if fast:
         return FAST_US_TIER if us else FAST_TIER
     return US_TIER if us else None
+
+
+# A cache breakpoint whose writes are kept an hour (Anthropic's ``cache_control``, whose ``ttl``
+# is "5m" unless told), as orjson writes it: compact, and no object inside one.
+_HOUR_BREAKPOINT = re.compile(rb'"cache_control":\{[^{}]*"ttl":"1h"')
+
+
+def asks_hour_cache_writes(body: dict[str, Any]) -> bool:
+    """Whether a Messages request may keep cache writes an hour: a ``cache_control`` naming
+    ``ttl: "1h"`` anywhere in it (at the top, on a system block, a tool, a message's block)."""
+    return _HOUR_BREAKPOINT.search(orjson.dumps(body)) is not None
 
 
 class Thinking(BaseModel):

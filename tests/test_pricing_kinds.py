@@ -171,6 +171,130 @@ async def test_cache_writes_kept_an_hour_are_billed_at_their_price(
         assert billed["cache_creation_1h_input_tokens"] == 60_000
 
 
+def _claude_stream(usage: dict[str, Any], delta_usage: dict[str, Any] | None, *, end: bool = True) -> Plan:
+    """A streamed answer "hi": ``usage`` in its message_start (its output a placeholder 1),
+    ``delta_usage`` in its message_delta; ``end``: False cuts it after the text."""
+    start = {**_claude_message(usage), "content": [], "stop_reason": None}
+    start["usage"] = {**usage, "output_tokens": 1}
+    chunks = [
+        _sse("message_start", {"type": "message_start", "message": start}),
+        _sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        ),
+        _sse(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+        ),
+    ]
+    if end:
+        delta: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+        if delta_usage is not None:
+            delta["usage"] = delta_usage
+        chunks += [
+            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _sse("message_delta", delta),
+            _sse("message_stop", {"type": "message_stop"}),
+        ]
+    return Plan(content_type="text/event-stream", chunks=chunks)
+
+
+def _hour(tokens: int) -> dict[str, int]:
+    return {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": tokens}
+
+
+# message_start's writes, all kept an hour; message_delta's cumulative count (the SDK's
+# MessageDeltaUsage has no ``cache_creation`` split) grown past them by a server tool's results.
+HOUR_START = {
+    "input_tokens": 50,
+    "cache_read_input_tokens": 0,
+    "cache_creation_input_tokens": 60_000,
+    "cache_creation": _hour(60_000),
+    "output_tokens": 1,
+}
+GROWN_DELTA = {"input_tokens": 50, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 100_000}
+# 50 input, 100,000 writes kept an hour, 20 output.
+HOUR_COST = 50 * 3 + 100_000 * 6 + 20 * 15
+
+
+@pytest.mark.parametrize("ttl", ["1h", None])
+async def test_cache_writes_grown_in_message_delta_are_billed_at_the_ttl_the_request_asked(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, ttl: str | None
+) -> None:
+    """The 40,000 writes message_delta's count grew by carry no split: they were billed at
+    message_start's, the 5-minute price (3.75) for writes a request keeping every breakpoint an
+    hour (top-level ``cache_control``, ``ttl: 1h``) had kept an hour (6): 90,000 micro-units
+    under the provider's bill (the usage hunt). Written at the dearest TTL the request names; one
+    naming none keeps them five minutes."""
+    proxy = await _claude_proxy(make_proxy, script)
+    script.plan = _claude_stream(HOUR_START, {**GROWN_DELTA, "output_tokens": 20})
+    request: dict[str, Any] = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 100,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    if ttl is not None:
+        request["cache_control"] = {"type": "ephemeral", "ttl": ttl}
+    status, _ = await _post(proxy.url, "/v1/messages", request, "grow")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["cache_creation_input_tokens"] == "100000"
+    if ttl is None:
+        assert int(entry["cost_micros"]) == HOUR_COST - 40_000 * (6 - 3.75), entry
+    else:  # was 510,000
+        assert int(entry["cost_micros"]) == HOUR_COST, entry
+
+
+async def test_cache_writes_a_message_delta_s_iterations_split_are_billed_at_their_ttl(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The same stream, its message_delta carrying ``usage.iterations`` (the beta's sampling
+    iterations, each ``message`` entry with its own ``cache_creation`` split): all 100,000
+    writes kept an hour, 60,000 in the first turn and 40,000 after the search. Iterations were
+    read only for compaction's step: 40,000 billed at the 5-minute price (the usage hunt)."""
+    proxy = await _claude_proxy(make_proxy, script)
+    iterations = [
+        {"type": "message", "input_tokens": 20, "output_tokens": 8, "cache_read_input_tokens": 0,
+         "cache_creation_input_tokens": 60_000, "cache_creation": _hour(60_000)},
+        {"type": "message", "input_tokens": 30, "output_tokens": 12, "cache_read_input_tokens": 0,
+         "cache_creation_input_tokens": 40_000, "cache_creation": _hour(40_000)},
+    ]  # fmt: skip
+    script.plan = _claude_stream(HOUR_START, {**GROWN_DELTA, "output_tokens": 20, "iterations": iterations})
+    request = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 100,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    status, _ = await _post(proxy.url, "/v1/messages", request, "iterations")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["cache_creation_1h_input_tokens"] == "100000", entry  # was 60,000
+    assert int(entry["cost_micros"]) == HOUR_COST, entry
+
+
+async def test_cache_writes_a_whole_answer_tells_no_split_of_are_kept_as_the_request_asked(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A usage with writes and no ``cache_creation`` split (a gateway's): kept an hour when a
+    breakpoint of the request (here a message's block) asks for an hour."""
+    proxy = await _claude_proxy(make_proxy, script)
+    usage = {"input_tokens": 50, "cache_creation_input_tokens": 100_000, "output_tokens": 20}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    block = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    request = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": [block]}],
+    }
+    status, _ = await _post(proxy.url, "/v1/messages", request, "unsplit")
+    assert status == 200
+    entry = await _entry(redis_client)
+    assert entry["cache_creation_1h_input_tokens"] == "100000", entry
+    assert int(entry["cost_micros"]) == HOUR_COST, entry
+
+
 async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
     make_proxy: ProxyFactory, script: ScriptedUpstream
 ) -> None:

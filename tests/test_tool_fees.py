@@ -18,7 +18,7 @@ from proxy.errors import ConfigError
 from tests.conftest import UPSTREAM_KEY, base_config
 from tests.conftest import ProxyFactory as Factory
 from tests.test_bad_input import Plan, ScriptedUpstream
-from tests.test_pricing_kinds import _claude_message, _entry, _post, _sse
+from tests.test_pricing_kinds import _claude_message, _claude_stream, _entry, _post, _sse
 from tests.test_upstream_bodies import chat_body
 
 # Claude's list prices per million (input 3, output 15) and web search's $10 per 1,000 searches:
@@ -57,32 +57,6 @@ async def _proxy(
 
 def _claude(**extra: Any) -> dict[str, Any]:
     return {"model": "claude-x", "max_tokens": 100, "messages": MESSAGES, **extra}
-
-
-def _claude_stream(usage: dict[str, Any], delta_usage: dict[str, Any] | None, *, end: bool = True) -> Plan:
-    start = {**_claude_message(usage), "content": [], "stop_reason": None}
-    start["usage"] = {**usage, "output_tokens": 1}
-    chunks = [
-        _sse("message_start", {"type": "message_start", "message": start}),
-        _sse(
-            "content_block_start",
-            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        ),
-        _sse(
-            "content_block_delta",
-            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
-        ),
-    ]
-    if end:
-        delta: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
-        if delta_usage is not None:
-            delta["usage"] = delta_usage
-        chunks += [
-            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            _sse("message_delta", delta),
-            _sse("message_stop", {"type": "message_stop"}),
-        ]
-    return Plan(content_type="text/event-stream", chunks=chunks)
 
 
 def _needs(body: bytes) -> int:
