@@ -213,18 +213,22 @@ def _server_tool_use(obs: Observation, usage: Any) -> bool:
 
 
 def _anthropic_tier(obs: Observation, usage: Any) -> None:
-    """The tier Anthropic says served the call (its "standard" is the default's prices); fast
-    mode (``usage.speed``) and US-only inference (``usage.inference_geo``, which a workspace may
-    default to) are priced as tiers of their own (``payload.messages_tier``)."""
+    """The tier Anthropic says served the call: fast mode (``usage.speed``) and US-only inference
+    (``usage.inference_geo``, which a workspace may default to) are priced as tiers of their own
+    (``payload.messages_tier``). ``usage.service_tier`` tells the capacity (priority, standard),
+    not those: its "standard" is the default's prices only where the answer tells the speed and
+    the geography too; else the tier the call asked for stands (a fast call whose answer, a
+    gateway's, passes ``service_tier`` on and not ``speed``)."""
     if not isinstance(usage, dict):
         return
-    tier = usage.get("service_tier")
-    fast, us = usage.get("speed") == FAST_TIER, usage.get("inference_geo") == US_GEO
-    priced_apart = messages_tier(fast=fast, us=us)
+    tier, speed, geo = usage.get("service_tier"), usage.get("speed"), usage.get("inference_geo")
+    priced_apart = messages_tier(fast=speed == FAST_TIER, us=geo == US_GEO)
     if priced_apart is not None:
         obs.service_tier = priced_apart
-    elif isinstance(tier, str) and tier:
-        obs.service_tier = "default" if tier == "standard" else tier
+    elif isinstance(tier, str) and tier and tier != "standard":
+        obs.service_tier = tier
+    elif isinstance(speed, str) and isinstance(geo, str):
+        obs.service_tier = "default"
 
 
 def _container(obs: Observation, container: Any) -> None:

@@ -171,12 +171,25 @@ US = {"input": "3.3", "output": "16.5"}
         # Was 5 * 3 + 100 * 22.5: half at the model's own prices, half at the long-context ones.
         ({}, {"service_tier": "standard"}, 5 * 3 + 100 * 15),
         # Reserved at the dearer of the default and US-only inference: the output at it, the
-        # input too when the answer names no tier (1,666.5 rounded up).
+        # input too when the answer names no tier (1,666.5 rounded up); Anthropic's "standard"
+        # capacity names none (it tells no geography: a workspace may default to the US).
         ({"us": US}, {}, 1667),
-        ({"us": US}, {"service_tier": "standard"}, 5 * 3 + 100 * 16.5),
+        ({"us": US}, {"service_tier": "standard"}, 1667),
+        (
+            {"us": US},
+            {"service_tier": "standard", "speed": "standard", "inference_geo": "global"},
+            5 * 3 + 100 * 16.5,
+        ),
         ({"us": US}, {"inference_geo": "us"}, 1667),
     ],
-    ids=["told-nothing", "told-standard", "tiers-told-nothing", "tiers-told-standard", "tiers-told-us"],
+    ids=[
+        "told-nothing",
+        "told-standard",
+        "tiers-told-nothing",
+        "tiers-told-standard",
+        "tiers-told-global",
+        "tiers-told-us",
+    ],
 )
 async def test_a_stream_cut_after_its_input_was_told_within_the_threshold_is_billed_at_the_models_prices(
     make_proxy: ProxyFactory,

@@ -235,16 +235,20 @@ def test_a_computer_call_s_lone_action_told_beside_its_batch_is_counted_once(str
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_anthropic_s_standard_tier_is_recorded_as_the_default(stream: bool) -> None:
-    """Anthropic's "standard" is the default tier: no service_tier of its own in the ledger."""
-    obs = Observation()
-    usage = {"input_tokens": 10, "output_tokens": 2, "service_tier": "standard"}
-    if stream:
-        message = {"id": "m", "type": "message", "role": "assistant", "content": [], "usage": usage}
-        DIALECTS["messages"].observe_event(obs, {"type": "message_start", "message": message})
-    else:
-        body = {"type": "message", "stop_reason": "end_turn", "content": [], "usage": usage}
-        DIALECTS["messages"].observe_body(obs, body)
-    assert obs.service_tier == "default"
+    """Anthropic's "standard" is the default tier: no service_tier of its own in the ledger.
+    It tells the capacity, not the speed or the geography: alone, it leaves the tier the call
+    asked for (fast mode, say) standing (None); beside a speed and a geography that are neither
+    fast nor the US, it is the default."""
+    for told, tier in (({}, None), ({"speed": "standard", "inference_geo": "global"}, "default")):
+        obs = Observation()
+        usage = {"input_tokens": 10, "output_tokens": 2, "service_tier": "standard", **told}
+        if stream:
+            message = {"id": "m", "type": "message", "role": "assistant", "content": [], "usage": usage}
+            DIALECTS["messages"].observe_event(obs, {"type": "message_start", "message": message})
+        else:
+            body = {"type": "message", "stop_reason": "end_turn", "content": [], "usage": usage}
+            DIALECTS["messages"].observe_body(obs, body)
+        assert obs.service_tier == tier
 
 
 def test_a_compaction_turn_s_top_level_counts_replace_message_start_s_zero_included() -> None:

@@ -304,6 +304,36 @@ async def test_a_fast_call_naming_no_geography_is_reserved_at_fast_us(
     assert (entry["service_tier"], entry["cost_micros"]) == ("fast-us", str(10 * 33 + 2 * 165))
 
 
+@pytest.mark.parametrize(
+    ("told", "tier", "cost"),
+    [
+        ({}, "fast", 10 * 30 + 2 * 150),
+        ({"speed": "standard", "inference_geo": "global"}, None, 10 * 3 + 2 * 15),
+    ],
+)
+async def test_a_fast_call_whose_answer_tells_its_capacity_and_not_its_speed_is_billed_fast(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    told: dict[str, str],
+    tier: str | None,
+    cost: int,
+) -> None:
+    """``usage.service_tier`` tells the capacity that served a call (standard, priority), not its
+    speed: a fast call whose answer said "standard" and no ``speed`` (a gateway's) was billed at
+    the standard prices, a tenth of what it asked for and was reserved at (the usage hunt). The
+    asked tier stands; an answer that tells the speed and the geography is billed as it says."""
+    proxy = await _tiered(make_proxy, script, TIERS_US)
+    usage = {"input_tokens": 10, "output_tokens": 2, "service_tier": "standard", **told}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, answer = await _post(
+        proxy.url, "/v1/messages", _claude(speed="fast", inference_geo="global"), "f"
+    )
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert (entry.get("service_tier"), int(entry["cost_micros"])) == (tier, cost), entry  # was: 60, no tier
+
+
 # -- hosted tools: web_search_preview is priced apart from web_search ---------------------------
 
 PREVIEW_MICROS = 25_000  # $25 per 1,000 calls: web_search_preview on gpt-4o, gpt-4.1
