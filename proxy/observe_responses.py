@@ -35,7 +35,8 @@ def _responses_output(obs: Observation, response: dict[str, Any], *, texts: bool
         obs.service_tier = tier
     usage = parse_usage(response.get("usage"))
     if usage is not None:
-        obs.take_usage(_with_image_tokens(usage, response.get("tool_usage")))
+        usage = _with_image_tokens(usage, response.get("tool_usage"))
+        obs.take_usage(_with_svg_authoring(usage, response.get("output")))
     else:
         obs.take_output_alone(response.get("usage"))
     tool_calls: dict[str, int] = {}
@@ -204,6 +205,29 @@ def _with_image_tokens(usage: ProviderUsage, tool_usage: Any) -> ProviderUsage:
         usage,
         input_tokens=usage.input_tokens + (image_in or 0),
         output_tokens=usage.output_tokens + (image_out or 0),
+    )
+
+
+def _with_svg_authoring(usage: ProviderUsage, output: Any) -> ProviderUsage:
+    """``usage`` with the tokens the image generation tool's SVG author (``output_format:
+    "svg"``) read and wrote, which each call item tells in its ``svg_usage``, apart from both
+    ``usage`` and ``tool_usage.image_gen``, and OpenAI bills all the same; priced at the model's
+    rates, as the image tokens are (an author of another model named is refused up front:
+    ``payload``)."""
+    read = wrote = reasoned = 0
+    for item in output if isinstance(output, list) else ():
+        svg = item.get("svg_usage") if isinstance(item, dict) else None
+        if isinstance(svg, dict):
+            read += token_count(svg.get("input_tokens")) or 0
+            wrote += token_count(svg.get("output_tokens")) or 0
+            reasoned += token_count(svg.get("reasoning_tokens")) or 0
+    if not (read or wrote):
+        return usage
+    return replace(
+        usage,
+        input_tokens=usage.input_tokens + read,
+        output_tokens=usage.output_tokens + wrote,
+        reasoning_tokens=usage.reasoning_tokens + min(reasoned, wrote),
     )
 
 

@@ -370,6 +370,15 @@ def _unsupported(data: dict[str, Any], view: Any) -> tuple[str, str] | None:
             "model a call names, and the advisor is another model, consulted mid-answer at its own "
             "price. Send the request without the 'advisor_*' tool.",
         )
+    if type(view) is ResponsesBody and _other_svg_author(view):
+        # The image generation tool's SVG author: another model named (``svg.model``) reads the
+        # prompt and writes the SVG at its own prices, told only in the call item's ``svg_usage``.
+        return (
+            "tools",
+            "An SVG author of another model is not supported through this proxy: it prices the one "
+            "model a call names, and the image generation tool's 'svg.model' writes the SVG at its "
+            "own price. Send the tool without 'svg.model', or naming the call's model.",
+        )
     if type(view) is CompletionBody and data.get("prompt_embeds"):
         # vLLM's prompt embeddings: each tensor one more prompt beside ``prompt``'s, answered n
         # times, its rows billed as input; no count of them can be read from base64 before the call.
@@ -402,6 +411,17 @@ def _advisor_tool(view: MessagesBody) -> str | None:
                     if isinstance(tool, dict) and _is_advisor(tool.get("definition")):
                         return "messages"
     return None
+
+
+def _other_svg_author(view: ResponsesBody) -> bool:
+    """Whether a Responses request's image generation tool names an SVG author (``svg.model``)
+    other than the call's model."""
+    for tool in view.tools or ():
+        svg = tool.get("svg") if tool.get("type") == "image_generation" else None
+        author = svg.get("model") if isinstance(svg, dict) else None
+        if author is not None and author != view.model:
+            return True
+    return False
 
 
 def _is_advisor(tool: Any) -> bool:

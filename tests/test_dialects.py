@@ -771,14 +771,15 @@ TOOL_USAGE = {
 }
 
 
-async def _draw_a_cat(proxy: Proxy, *, stream: bool, **options: Any) -> Any:
-    """A Responses call with the image generation tool, through the openai SDK; the final
-    response (a stream's, from its last event)."""
+async def _draw_a_cat(proxy: Proxy, *, stream: bool, svg: bool = False, **options: Any) -> Any:
+    """A Responses call with the image generation tool (``svg``: drawing an SVG), through the
+    openai SDK; the final response (a stream's, from its last event)."""
+    tool: Any = {"type": "image_generation", **({"output_format": "svg"} if svg else {})}
     async with proxy.client() as client:
         reply: Any = await client.responses.create(
             model="gpt-4o",
             input="draw a cat",
-            tools=[{"type": "image_generation"}],
+            tools=[tool],
             stream=stream,
             extra_headers={"X-Run-Id": "img"},
             **options,
@@ -810,6 +811,39 @@ async def test_the_image_generation_tools_tokens_are_billed(
     entry = await the_entry(redis_client)
     assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
     assert (entry["input_tokens"], entry["output_tokens"]) == ("70", "1086"), entry
+
+
+SVG_CALL = {
+    **IMAGE_CALL,
+    "output_format": "svg",
+    "svg_usage": {
+        "model": "gpt-4o", "input_tokens": 2000, "output_tokens": 6000, "reasoning_tokens": 3000,
+        "total_tokens": 8000,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_svg_s_authoring_tokens_are_billed(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """With ``output_format: "svg"`` a model authors the SVG: the call item's ``svg_usage`` tells
+    its tokens, "separate from image rendering usage", in neither ``usage`` nor
+    ``tool_usage.image_gen``. They went unbilled (2,000 in, 6,000 out: the usage hunt); added to
+    the input and output at the model's prices, as the image's tokens are, its reasoning too."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    usage = {"input_tokens": 20, "output_tokens": 30, "total_tokens": 50}
+    final = {**_reasoned("completed", [SVG_CALL], usage), "model": "gpt-4o", "tool_usage": TOOL_USAGE}
+    if stream:
+        done = _sse_ev("response.completed", {"sequence_number": 0, "response": final})
+        script.plan = Plan(content_type="text/event-stream", chunks=[done])
+    else:
+        script.plan = Plan(chunks=[dumps(final)])
+    reply = await _draw_a_cat(proxy, stream=stream, svg=True)
+    assert reply.output[0].svg_usage.output_tokens == 6000
+    entry = await the_entry(redis_client)
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("2070", "7086"), entry  # was 70, 1,086
+    assert entry["reasoning_tokens"] == "3000", entry
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -319,6 +319,22 @@ def test_anthropic_s_advisor_tool_is_refused(extra: dict[str, Any], param: str) 
     assert (refused.value.param, refused.value.code) == (param, "unsupported_parameter")
 
 
+@pytest.mark.parametrize(("author", "refused"), [("gpt-5.6", True), ("gpt-5.5", False), (None, False)])
+def test_an_svg_author_of_another_model_is_refused(author: str | None, refused: bool) -> None:
+    """The image generation tool's ``svg.model`` names the model that writes an SVG, at its own
+    prices, told in the call item's ``svg_usage`` (billed at the call's model's, as the image's
+    tokens are): another model's would be billed at the wrong prices (the usage hunt)."""
+    svg = {} if author is None else {"model": author}
+    tool = {"type": "image_generation", "output_format": "svg", "svg": svg}
+    raw = orjson.dumps({"model": "gpt-5.5", "input": "draw a cat", "tools": [tool]})
+    if not refused:
+        assert parse_body(raw, "responses")[0]["tools"] == [tool]
+        return
+    with pytest.raises(BadRequest) as caught:
+        parse_body(raw, "responses")
+    assert (caught.value.param, caught.value.code) == ("tools", "unsupported_parameter")
+
+
 def test_tools_that_run_no_other_model_are_forwarded_as_they_came() -> None:
     """An earlier advisor's result in the history is text the call reads, the tool not enabled;
     a server tool of another type, an inline definition of one, go as they came."""
