@@ -100,6 +100,10 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     litellm_written = _detail(prompt_details, "cache_creation_tokens")
     split = prompt_details.get("cache_creation_token_details") if isinstance(prompt_details, dict) else None
     hour = _detail(split, "ephemeral_1h_input_tokens")
+    # OpenAI's writes kept 12 hours (``prompt_cache_options.ttl``), at the operator's price for
+    # writes kept longer, as the hour's are.
+    ttls = prompt_details.get("cache_write_tokens_details") if isinstance(prompt_details, dict) else None
+    half_day = _detail(ttls, "ttl_12h_tokens")
     # Anthropic's own names, at the top of a gateway's OpenAI-format usage (LiteLLM, Portkey).
     read_top = _detail(raw, "cache_read_input_tokens")
     written_top = _detail(raw, "cache_creation_input_tokens")
@@ -118,6 +122,7 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         or written is None
         or litellm_written is None
         or hour is None
+        or half_day is None
         or read_top is None
         or written_top is None
         or reasoning is None
@@ -175,7 +180,7 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         cached,
         reasoning,
         cache_creation_input_tokens=written,
-        cache_creation_1h_input_tokens=min(hour, written),
+        cache_creation_1h_input_tokens=min(max(hour, half_day), written),
         audio_input_tokens=audio_in,
         audio_output_tokens=audio_out,
         output_known=given is not None,

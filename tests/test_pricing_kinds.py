@@ -295,6 +295,46 @@ async def test_cache_writes_a_whole_answer_tells_no_split_of_are_kept_as_the_req
     assert int(entry["cost_micros"]) == HOUR_COST, entry
 
 
+@pytest.mark.parametrize("longer", ["5", None])
+async def test_openai_cache_writes_kept_twelve_hours_are_billed_at_the_price_of_writes_kept_longer(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, longer: str | None
+) -> None:
+    """A Responses usage tells its cache writes by TTL (``input_tokens_details.
+    cache_write_tokens_details``: ``ttl_30m_tokens``, ``ttl_12h_tokens``, the latter asked with
+    ``prompt_cache_options.ttl: "12h"``): every write was billed at the 30 minutes' price (the
+    usage hunt). The 12 hours' are at ``cache_creation_input_1h``, the operator's price for
+    writes kept longer, where it is set; else at the write price, as before."""
+    price = {"input": "2.5", "output": "15", "cache_creation_input": "3.125"}
+    if longer is not None:
+        price["cache_creation_input_1h"] = longer
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-x": {"upstream": "openai", "price_per_million": price}},
+    )
+    usage = {
+        "input_tokens": 100_000,
+        "input_tokens_details": {
+            "cached_tokens": 0,
+            "cache_write_tokens": 90_000,
+            "cache_write_tokens_details": {"ttl_30m_tokens": 0, "ttl_12h_tokens": 90_000},
+        },
+        "output_tokens": 20,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 100_020,
+    }
+    answer = {
+        "id": "resp_1", "object": "response", "created_at": 1, "status": "completed", "model": "gpt-x",
+        "output": [], "usage": usage,
+    }  # fmt: skip
+    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    body = {"model": "gpt-x", "input": "hi", "max_output_tokens": 100, "prompt_cache_options": {"ttl": "12h"}}
+    status, raw = await _post(proxy.url, "/v1/responses", body, "half-day")
+    assert status == 200, raw
+    entry = await _entry(redis_client)
+    written = 90_000 * float(longer or "3.125")  # was 90,000 * 3.125 either way
+    assert int(entry["cost_micros"]) == 10_000 * 2.5 + written + 20 * 15, entry
+
+
 async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
     make_proxy: ProxyFactory, script: ScriptedUpstream
 ) -> None:
