@@ -34,7 +34,7 @@ from proxy.payload import (
 from proxy.pricing import tool_fees_exact
 from proxy.service_tiers import asked_tier, dearest, long_tier_rates, rates_for, tier_rates
 from proxy.tokenizer import Tokenizer, encoding_for_model
-from proxy.tool_fees import counted_as, pools_tool_calls, reserved_tool_calls
+from proxy.tool_fees import counted_as, pools_tool_calls, refuse_unpriced_containers, reserved_tool_calls
 
 # The tiers a Messages call naming a geography other than the US is never served at.
 _OUTSIDE_THE_US = FAST_TIERS | {US_TIER}
@@ -238,6 +238,7 @@ def plan_call(
         reserve_rates_long = dearest(long_tiers[name] for name in reserved_tiers)
     tool_rates = model_config.tool_rates if rates is not None else {}
     if tool_rates:
+        refuse_unpriced_containers(view, tool_rates)
         tool_calls = reserved_tool_calls(view, tool_rates, config.limits.default_max_tool_calls)
         aliases = counted_as(view, tool_rates)
         if tool_calls or aliases:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.config_models import RESPONSES_COUNTED_AS
+from proxy.errors import BadRequest
 from proxy.payload import ChatBody, MessagesBody, RequestView, ResponsesBody
 
 # Every Responses tool type's calls are ``<type>_call`` items (``code_interpreter_call``,
@@ -32,6 +33,12 @@ _SEARCH_MODEL = re.compile(r"(?:^|[-_./:])search(?:$|[-_./:])")
 _DATED = re.compile(r"(.+?)_\d{4}_\d{2}_\d{2}")
 
 ToolCalls = tuple[tuple[str, int], ...]
+
+# The Responses tools that run in a container the request may size (``memory_limit``: 1g, 4g,
+# 16g, 64g), which OpenAI prices by its memory (64g at 64 times 1g's): a size above 1g is priced
+# as ``<tool>_<size>`` (``code_interpreter_4g``, ``shell_64g``), and refused where it is not.
+_SIZED_CONTAINERS = frozenset({"code_interpreter", "shell"})
+_LEAST_MEMORY = "1g"
 
 
 def _count(value: Any) -> int | None:
@@ -60,7 +67,7 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
                 uses = _count(tool.get("max_uses"))
                 found[name] = found.get(name, 0) + (uses if uses else default_calls)
         return tuple(found.items())
-    enabled = [_responses_tool(tool.get("type"), prices) for tool in tools]
+    enabled = [_responses_tool(tool, prices) for tool in tools]
     priced = [name for name in dict.fromkeys(enabled) if name is not None and name in prices]
     if not priced:
         return ()
@@ -93,7 +100,16 @@ def chat_searches(view: ChatBody) -> bool:
     )
 
 
-def _responses_tool(kind: Any, prices: Mapping[str, int]) -> str | None:
+def _responses_tool(tool: dict[str, Any], prices: Mapping[str, int]) -> str | None:
+    """The name a Responses tool's calls are priced under: its type's (undated), the name its
+    calls are counted under, at its container's size (``_container_size``)."""
+    name = _counted_tool(tool, prices)
+    size = None if name is None else _container_size(name, tool)
+    return name if size is None else f"{name}_{size}"
+
+
+def _counted_tool(tool: dict[str, Any], prices: Mapping[str, int]) -> str | None:
+    kind = tool.get("type")
     if not isinstance(kind, str):
         return None
     dated = _DATED.fullmatch(kind)
@@ -103,19 +119,58 @@ def _responses_tool(kind: Any, prices: Mapping[str, int]) -> str | None:
     return RESPONSES_COUNTED_AS.get(name, name)
 
 
+def _container_size(name: str, tool: dict[str, Any]) -> str | None:
+    """The memory a code interpreter's or hosted shell's new container asks for (``auto`` /
+    ``container_auto``), when above the least; None for the least, or a container named by id."""
+    if name not in _SIZED_CONTAINERS:
+        return None
+    container = tool.get("container") if name == "code_interpreter" else tool.get("environment")
+    size = container.get("memory_limit") if isinstance(container, dict) else None
+    return None if size is None or size == _LEAST_MEMORY else str(size)
+
+
+def refuse_unpriced_containers(view: RequestView, prices: Mapping[str, int]) -> None:
+    """Refuse a Responses request whose code interpreter or hosted shell asks a container larger
+    than the least when the operator prices the tool and not that size: billed at the tool's one
+    price, a 64g container would cost a 64th of what it is charged."""
+    tools = view.tools if type(view) is ResponsesBody else None
+    for tool in tools or ():
+        name = _counted_tool(tool, prices)
+        size = None if name is None or name not in prices else _container_size(name, tool)
+        if name is not None and size is not None and f"{name}_{size}" not in prices:
+            raise BadRequest(
+                f"The {name} container's memory_limit '{size[:16]}' has no price for the model "
+                f"'{view.model}' in this proxy's config: leave it at {_LEAST_MEMORY}, or ask the "
+                f"operator to price '{name}_{size[:16]}'.",
+                param="tools",
+                code="unsupported_parameter",
+            )
+
+
 def counted_as(view: RequestView, prices: Mapping[str, int]) -> tuple[tuple[str, str], ...]:
     """The names a request's counted calls are billed under, where not their own: a Responses
     request enabling web_search_preview priced apart bills its web_search_call items at the
-    preview's price (at the dearer, beside web_search: an item does not say which made it)."""
+    preview's price (at the dearer, beside web_search: an item does not say which made it); one
+    asking a larger container for a code interpreter or hosted shell, its calls at that size's
+    (at the dearest size it asks)."""
     tools = view.tools if type(view) is ResponsesBody else None
-    if WEB_SEARCH_PREVIEW not in prices or not tools:
+    if not tools:
         return ()
-    enabled = {_responses_tool(tool.get("type"), prices) for tool in tools}
-    if WEB_SEARCH_PREVIEW not in enabled:
-        return ()
-    if "web_search" in enabled and prices.get("web_search", 0) > prices[WEB_SEARCH_PREVIEW]:
-        return ()
-    return (("web_search", WEB_SEARCH_PREVIEW),)
+    enabled = {_responses_tool(tool, prices) for tool in tools}
+    found: list[tuple[str, str]] = []
+    if (
+        WEB_SEARCH_PREVIEW in prices
+        and WEB_SEARCH_PREVIEW in enabled
+        and not ("web_search" in enabled and prices.get("web_search", 0) > prices[WEB_SEARCH_PREVIEW])
+    ):
+        found.append(("web_search", WEB_SEARCH_PREVIEW))
+    for base in sorted(_SIZED_CONTAINERS):
+        sized = sorted(name for name in enabled if name and name.startswith(base + "_") and name in prices)
+        if sized:
+            dearest = max([*sized, *([base] if base in enabled else [])], key=lambda n: prices.get(n, 0))
+            if dearest != base:
+                found.append((base, dearest))
+    return tuple(found)
 
 
 def _anthropic_tool(kind: Any, prices: Mapping[str, int]) -> str | None:

@@ -579,6 +579,67 @@ async def test_a_cost_ceiling_holds_a_priced_code_interpreter_call(
     assert await redis_client.xlen("lbp:{team-a}:ledger") == 0
 
 
+SHELL_ITEM: dict[str, Any] = {
+    "type": "shell_call",
+    "id": "sh_1",
+    "call_id": "call_1",
+    "status": "completed",
+    "action": {"commands": ["ls"]},
+}
+
+
+@pytest.mark.parametrize(
+    ("tool", "item", "name"),
+    [
+        ({"type": "code_interpreter", "container": {"type": "auto", "memory_limit": "64g"}}, CODE_ITEM,
+         "code_interpreter"),
+        ({"type": "shell", "environment": {"type": "container_auto", "memory_limit": "64g"}}, SHELL_ITEM,
+         "shell"),
+    ],
+)  # fmt: skip
+async def test_a_container_larger_than_the_least_is_billed_at_its_size_s_price_or_refused(
+    make_proxy: Factory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    tool: dict[str, Any],
+    item: dict[str, Any],
+    name: str,
+) -> None:
+    """OpenAI prices a code interpreter's (or hosted shell's) container by its memory
+    (``memory_limit``: 1g, 4g, 16g, 64g at $0.03, $0.12, $0.48, $1.92): a request asking 64g was
+    reserved and billed at the tool's one price, 1g's, a 64th of the provider's bill (the usage
+    hunt). Refused as an unpriced service tier is, unless the operator prices that size
+    (``<tool>_64g``): then reserved and billed at it."""
+    body = {"model": "gpt-x", "input": "compute", "max_output_tokens": 100, "tools": [tool]}
+    proxy = await _proxy(make_proxy, script, tool_prices={name: "30"})
+    status, answer = await _post(proxy.url, "/v1/responses", body, "unpriced")
+    assert status == 400, answer
+    assert json.loads(answer)["error"]["param"] == "tools"
+    assert f"'{name}_64g'".encode() in answer
+    assert script.received == []
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 0
+    prices = {name: "30", f"{name}_64g": "1920"}
+    unpriced = await _needed(make_proxy, script, "/v1/responses", body, tool_prices={"other": "1"})
+    reserved = await _needed(make_proxy, script, "/v1/responses", body, tool_prices=prices)
+    assert reserved == unpriced + 10 * 1_920_000  # limits.default_max_tool_calls at 64g's price
+    proxy = await _proxy(make_proxy, script, tool_prices=prices)
+    script.plan = Plan(chunks=[json.dumps(_response([item, ANSWER])).encode()])
+    status, answer = await _post(proxy.url, "/v1/responses", body, "priced")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry.get("tool_calls") == f"{name}_64g=1", entry
+    assert int(entry["cost_micros"]) == 100 * 3 + 20 * 15 + 1_920_000, entry
+    # The least size, named, is the tool's own price.
+    least = {**tool}
+    for key in ("container", "environment"):
+        if key in least:
+            least[key] = {**least[key], "memory_limit": "1g"}
+    body = {**body, "tools": [least]}
+    unpriced = await _needed(make_proxy, script, "/v1/responses", body, tool_prices={"other": "1"})
+    reserved = await _needed(make_proxy, script, "/v1/responses", body, tool_prices=prices)
+    assert reserved == unpriced + 10 * 30_000
+
+
 @pytest.mark.parametrize(
     ("tool", "counted"), [("computer_use_preview", "computer"), ("custom", "custom_tool")]
 )
