@@ -151,7 +151,6 @@ async def main_async(args: argparse.Namespace) -> None:
                     "floor: 2 x EVALSHA(2 HINCRBY)", server, pipe, args.calls, args.concurrency, floor
                 )
             )
-            now = datetime.now(UTC)
             # One tenant, as in bench/run.py's config: the budget tier's tenant window is held by
             # the open tier's calls too.
             named = frozenset(w.period for t in tiers().values() if t for w in t.tenant)
@@ -162,8 +161,15 @@ async def main_async(args: argparse.Namespace) -> None:
                 async def billed(
                     i: int, identity: Identity = identity, tier: TierConfig | None = tier, name: str = name
                 ) -> None:
+                    # Windows picked at each call, as the proxy does: a run crosses a minute's end
+                    # (the reserve script writes nothing in a window that has ended).
                     scopes = scopes_for(
-                        identity, f"run-{i % 64}", tier, now, run_ttl_s=86400, tenant_periods=periods
+                        identity,
+                        f"run-{i % 64}",
+                        tier,
+                        datetime.now(UTC),
+                        run_ttl_s=86400,
+                        tenant_periods=periods,
                     )
                     amounts = {
                         "requests": 1,
@@ -201,7 +207,9 @@ async def main_async(args: argparse.Namespace) -> None:
                         runlog_ttl_s=86400,
                     )
 
-                shown = scopes_for(identity, "run-0", tier, now, run_ttl_s=86400, tenant_periods=periods)
+                shown = scopes_for(
+                    identity, "run-0", tier, datetime.now(UTC), run_ttl_s=86400, tenant_periods=periods
+                )
                 held = sum(1 for s in shown if s.holds or s.name == "run")
                 label = f"reserve + settle, tier {name} ({len(shown)} scopes, {held} holding the reserve)"
                 rows.append(await measure(label, server, pipe, args.calls, args.concurrency, billed))
