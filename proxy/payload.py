@@ -113,32 +113,39 @@ def generations(view: object) -> int:
 
 
 def compacts(view: object) -> bool:
-    """A Messages request with Anthropic's threshold compaction on (a ``compact_*`` edit in
-    ``context_management``): once its input reaches the trigger, a summarizing step reads the
-    whole input and writes a summary before the answer, billed beside it (``usage.iterations``).
-    Reserved as a second reading of the input and a second answer of up to ``max_tokens``."""
-    if type(view) is not MessagesBody:
-        return False
-    management = (view.model_extra or {}).get("context_management")
+    """A Messages request with Anthropic's compaction on: threshold compaction (a ``compact_*``
+    edit in ``context_management``: once its input reaches the trigger, a summarizing step reads
+    the whole input and writes a summary before the answer, billed beside it,
+    ``usage.iterations``), or the beta's compaction request (a top-level ``compaction``: the
+    conversation summarized). Reserved as a second reading of the input and a second answer of
+    up to ``max_tokens``."""
+    return type(view) is MessagesBody and bool(_compactions(view))
+
+
+def _compactions(view: MessagesBody) -> list[dict[str, Any]]:
+    """The compaction settings of a Messages request: its ``compact_*`` edits and its top-level
+    ``compaction`` (which Anthropic refuses beside ``context_management``: read all the same)."""
+    extra = view.model_extra or {}
+    management = extra.get("context_management")
     edits = management.get("edits") if isinstance(management, dict) else None
-    return isinstance(edits, list) and any(
-        isinstance(edit, dict) and isinstance(edit.get("type"), str) and edit["type"].startswith("compact_")
-        for edit in edits
-    )
+    found = [
+        edit
+        for edit in (edits if isinstance(edits, list) else ())
+        if isinstance(edit, dict) and str(edit.get("type")).startswith("compact_")
+    ]
+    request = extra.get("compaction")
+    if isinstance(request, dict):
+        found.append(request)
+    return found
 
 
 def compaction_instructions(view: object) -> list[str]:
-    """The summarizing prompts a Messages request's compaction edits give (``instructions``:
-    it replaces Anthropic's own), which the summarizing step reads beside the input."""
-    if not compacts(view):
+    """The summarizing prompts a Messages request's compaction gives (``instructions``: it
+    replaces Anthropic's own), which the summarizing step reads beside the input."""
+    if type(view) is not MessagesBody:
         return []
-    assert type(view) is MessagesBody
-    edits = (view.model_extra or {})["context_management"]["edits"]
-    return [
-        edit["instructions"]
-        for edit in edits
-        if isinstance(edit, dict) and isinstance(edit.get("instructions"), str)
-    ]
+    prompts = (found.get("instructions") for found in _compactions(view))
+    return [prompt for prompt in prompts if isinstance(prompt, str)]
 
 
 @final

@@ -28,6 +28,8 @@ from proxy.payload import (
     MessagesBody,
     RequestView,
     ResponsesBody,
+    compacts,
+    generations,
 )
 from proxy.plan import tools_input_tokens
 from proxy.pricing import INPUT_RATES, OUTPUT_RATES, reserve_amounts
@@ -646,3 +648,26 @@ def test_a_compactions_own_instructions_are_reserved() -> None:
     told = reserved({"type": "compact_20260112", "instructions": instructions})
     # Both readings of the input are reserved (the step's and the answer's), the prompt in them.
     assert told - plain >= len(instructions.encode())
+
+
+@pytest.mark.parametrize("instructions", [None, "Keep every path verbatim. " * 40])
+def test_a_compaction_request_is_reserved_as_a_compacting_edit_is(instructions: str | None) -> None:
+    """The beta's compaction request (a top-level ``compaction``): the conversation summarized,
+    its ``instructions`` the summarizing step's prompt. Read by no estimate, its instructions
+    passed a ceiling by their whole count (the params hunt); reserved as a ``compact_*`` edit
+    giving the same instructions is: the input twice with them, the output twice."""
+    told = {} if instructions is None else {"instructions": instructions}
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "word " * 200}]}
+    edit = MessagesBody.model_validate(
+        {**body, "context_management": {"edits": [{"type": "compact_20260112", **told}]}}
+    )
+    request = MessagesBody.model_validate({**body, "compaction": {"type": "summarize", **told}})
+    plain = byte_estimate("messages", MessagesBody.model_validate(body))
+    assert compacts(request) and generations(request) == 2
+    est = byte_estimate("messages", request)
+    assert (est.input_tokens, est.output_tokens) == (
+        byte_estimate("messages", edit).input_tokens,
+        byte_estimate("messages", edit).output_tokens,
+    )
+    assert est.input_tokens >= 2 * (plain.input_tokens + len(instructions or ""))
+    assert est.output_tokens == 2 * plain.output_tokens

@@ -7,9 +7,14 @@ from typing import Any
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from proxy.errors import BadRequest
 from proxy.payload import Endpoint, answers, generations, parse_body
+from tests.conftest import ProxyFactory
+from tests.test_bad_input import Plan, ScriptedUpstream, dumps, send
+from tests.test_budgets import tiers
+from tests.test_stream_dialects import proxy_for
 
 
 def view_of(endpoint: Endpoint, body: dict[str, Any]) -> object:
@@ -251,6 +256,47 @@ def test_anthropic_search_results_in_the_history_are_reserved_at_their_encrypted
         {"role": "user", "content": "more?"},
     ]
     assert _estimate_input_tokens("/v1/messages", {"messages": messages}) >= 5 * 8000
+
+
+# -- compaction: the summarizing step's own prompt, and the step itself -------------------------
+
+# The beta's compaction request (anthropic 2.17, top-level ``compaction``, BetaCompactionConfigParam:
+# ``{"type": "summarize", "instructions": ...}``): the conversation is summarized, ``instructions``
+# replacing the server's summarization prompt, text the summarizing model reads as input, as a
+# ``compact_*`` edit's ``instructions`` are.
+SUMMARIZE_INSTRUCTIONS = "word " * 8000  # 40,000 bytes, about 8,000 tokens
+
+
+async def test_a_compaction_requests_own_instructions_are_reserved(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A run ceiling of 5,000 tokens: the request alone reads 8,000 (its instructions), so it is
+    refused (its reserve does not fit) or reserved at them. It was reserved at the message and
+    max_tokens (1,021), forwarded, and billed 8,521 under that ceiling (the params hunt)."""
+    proxy = await proxy_for(make_proxy, script, tiers=tiers(run={"total_tokens": 5000}))
+    body = {
+        "model": "claude-x",
+        "max_tokens": 1000,
+        "messages": [{"role": "user", "content": "Summarize."}],
+        "compaction": {"type": "summarize", "instructions": SUMMARIZE_INSTRUCTIONS},
+    }
+    # What the provider reads: the message (no tokenizer here: its bytes and 11 tokens of
+    # framing) and the instructions' 8,000 tokens.
+    usage = {
+        "input_tokens": len("Summarize.") + 11 + 8000, "output_tokens": 500,
+        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+    }  # fmt: skip
+    message = {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+        "stop_reason": "compaction", "stop_sequence": None, "usage": usage,
+        "content": [{"type": "compaction", "content": "Summary of the conversation."}],
+    }  # fmt: skip
+    script.plan = Plan(chunks=[dumps(message)])
+    headers = {"anthropic-beta": "compact-2026-01-12", "X-Run-Id": "summarize"}
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body), headers=headers
+    )
+    assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()
 
 
 # -- Messages features that run another model, refused ----------------------------------------
