@@ -35,6 +35,7 @@ from proxy.prompt_parts import (
     variable_texts,
 )
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
+from proxy.tool_fees import model_passes
 from proxy.values import value_class
 
 # Chat formats add a few tokens per message and for priming the reply.
@@ -77,6 +78,10 @@ class Estimate:
     enforce_cap: int | None = None
     # The output reserved per choice (what the cap field holds once forwarded).
     output_cap: int = 0
+    # The model passes each answer may take, each written up to ``output_cap`` (an Anthropic
+    # server-tool loop's: ``tool_fees.model_passes``), all in ``output_tokens``: a clamp lowers
+    # the cap of every pass.
+    output_passes: int = 1
     # Texts input_tokens bounds by their UTF-8 bytes (a quick estimate), to be counted exactly
     # (``counted``) once the reserve is made; empty: the bound is final (the count, or the byte
     # length where no count can be had).
@@ -269,10 +274,12 @@ def estimate(
     cache_scope: str = "",
     template_call_tokens: int = 0,
     template_message_tokens: int = 0,
+    default_tool_calls: int = 0,
 ) -> Estimate:
     """``template_call_tokens`` and ``template_message_tokens``: what the model's chat template
     adds beyond OpenAI's chat format, per call and per message (``ModelConfig``'s
-    ``prompt_overhead_tokens`` and ``message_overhead_tokens``)."""
+    ``prompt_overhead_tokens`` and ``message_overhead_tokens``). ``default_tool_calls``: the
+    calls a server tool with no bound of its own may make (``limits.default_max_tool_calls``)."""
     parts, overhead, id_tokens = prompt_of(endpoint, view)
     overhead += tools_overhead(view, tools_input_tokens)
     if not (type(view) is EmbeddingBody or type(view) is CompletionBody):
@@ -329,14 +336,16 @@ def estimate(
     # A legacy completion scoring its prompt (max_tokens 0, echo): vLLM runs it as max_tokens 1
     # and bills that token for each answer, though it returns the prompt alone.
     reserved = max(cap, 1) if type(view) is CompletionBody else cap
+    passes = model_passes(view, default_tool_calls)
     return Estimate(
         prompt_text=text,
         prompt_overhead_tokens=overhead + id_tokens,
         input_tokens=input_tokens,
-        output_tokens=reserved * generations(view),
+        output_tokens=reserved * generations(view) * passes,
         output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
         enforce_cap=cap if asked != cap else None,
         output_cap=cap,
+        output_passes=passes,
         uncounted=later,
         cache_scope=cache_scope,
         input_reads=reads,

@@ -118,6 +118,7 @@ def plan_call(
         cache_scope=identity.tenant,
         template_call_tokens=model_config.prompt_overhead_tokens,
         template_message_tokens=model_config.message_overhead_tokens,
+        default_tool_calls=config.limits.default_max_tool_calls,
     )
     lowered = True  # an enforced cap is the config's (``estimate``: set only below what was asked)
     if type(view) is ChatBody and upstream.chat_output_cap_field == "max_tokens":
@@ -134,7 +135,7 @@ def plan_call(
             output_cap_field="max_tokens",
             enforce_cap=cap,
             output_cap=cap,
-            output_tokens=cap * generations(view),
+            output_tokens=cap * generations(view) * est.output_passes,
         )
     elif (
         type(view) is ChatBody

@@ -99,7 +99,8 @@ def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
                 call.endpoint, call.body, anthropic_beta=call.feature_headers.get("anthropic-beta", "")
             ),
         ),
-        choices=call.generations,  # the cap holds for every answer written, returned or not
+        # The cap holds for every answer written, returned or not, in each of its passes.
+        choices=call.generations * call.estimate.output_passes,
         # The fixed part of the cost: the input, and the hosted tools' calls reserved.
         input_cost_exact=call.estimate.input_tokens * rates["input"] + call.estimate.tool_fees_exact,
         output_rate=rates["output"],

@@ -79,6 +79,40 @@ def reserved_tool_calls(view: RequestView, prices: Mapping[str, int], default_ca
     return ((dearest, bound),)
 
 
+# Anthropic's own tools that the client runs (the model stops for their results, as for a
+# function's): every other typed tool runs on Anthropic's side, in the loop. An MCP toolset's
+# calls are its server's (``mcp_servers``).
+_CLIENT_RUN_TOOLS = frozenset({"custom", "bash", "text_editor", "computer", "memory", "mcp_toolset"})
+
+
+def model_passes(view: RequestView, default_calls: int) -> int:
+    """How many times a Messages request's server-tool loop may sample the model, each up to
+    ``max_tokens`` (Anthropic: "The limit applies to each call to the requested model"): once
+    after each call of a tool Anthropic runs, priced or not (its ``max_uses``, else
+    ``default_calls``; ``default_calls`` for each MCP server), and the last. 1 for any other
+    request: a Responses call's ``max_output_tokens`` bounds its whole response."""
+    if type(view) is not MessagesBody:
+        return 1
+    calls = 0
+    for tool in view.tools or ():
+        if _server_tool(tool.get("type")):
+            calls += _count(tool.get("max_uses")) or default_calls
+    servers = (view.model_extra or {}).get("mcp_servers")
+    if isinstance(servers, list):
+        calls += len(servers) * default_calls
+    return calls + 1
+
+
+def _server_tool(kind: Any) -> bool:
+    """Whether an Anthropic tool ``type`` is one Anthropic runs (``web_search_20250305``,
+    ``code_execution_20250825``, ``tool_search_tool_regex``): any but a function (no type) and
+    the tools the client runs, whatever their version. A tool type not known yet counts."""
+    if not isinstance(kind, str):
+        return False
+    name, _, version = kind.rpartition("_")
+    return (name if version.isdigit() else kind) not in _CLIENT_RUN_TOOLS
+
+
 def _pool_bound(view: RequestView) -> int | None:
     return _count((view.model_extra or {}).get("max_tool_calls"))
 

@@ -349,6 +349,61 @@ def test_anthropic_mcp_servers_add_the_tool_use_system_prompt_and_an_empty_list_
     assert overhead(mcp_servers=[server]) == overhead() + 600
 
 
+@pytest.mark.parametrize(
+    ("fields", "passes"),
+    [
+        ({}, 1),  # no tools: one pass
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 1),  # the client runs it
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, 1),  # Anthropic's, the client runs it
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]}, 4),
+        # Priced or not, bounded or not (the default's 7): every server tool's calls, and the last.
+        ({"tools": [{"type": "web_fetch_20250910", "name": "web_fetch"}]}, 8),
+        ({"tools": [{"type": "code_execution_20250825", "name": "code_execution", "max_uses": 2}]}, 3),
+        ({"tools": [{"type": "tool_search_tool_regex", "name": "tool_search_tool_regex"}]}, 8),
+        # A max_uses that is no count is the default's (Anthropic refuses it: billed nothing).
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": "3"}]}, 8),
+        (
+            {
+                "tools": [
+                    {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+                    {"type": "web_fetch_20250910", "name": "web_fetch", "max_uses": 2},
+                ]
+            },
+            6,
+        ),
+        ({"mcp_servers": [{"type": "url", "url": "https://example.com/mcp", "name": "s"}] * 2}, 15),
+        ({"mcp_servers": "not a list"}, 1),
+    ],
+)
+def test_a_server_tool_loops_every_pass_is_reserved_its_output_cap(
+    fields: dict[str, Any], passes: int
+) -> None:
+    """Anthropic: "The limit applies to each call to the requested model. A request that uses
+    server tools can call the model more than once, so usage.output_tokens can exceed max_tokens"
+    (the SDK's max_tokens). Reserved at one max_tokens, a loop of searches wrote past it (the
+    params hunt): each pass is reserved its cap, one after each server tool call it may make
+    (``max_uses``, else the default) and the last; the cap forwarded stays the one of a pass."""
+    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+    view = MessagesBody.model_validate({**body, **fields})
+    est = byte_estimate("messages", view, default_tool_calls=7)
+    assert (est.output_tokens, est.output_cap, est.output_passes) == (100 * passes, 100, passes)
+    assert est.enforce_cap is None  # the client's own cap goes as it came
+    # A compacting call's summary is written up to the cap in every pass as well.
+    compacting = MessagesBody.model_validate({**body, **fields, "compaction": {"type": "summarize"}})
+    assert byte_estimate("messages", compacting, default_tool_calls=7).output_tokens == 2 * 100 * passes
+
+
+def test_a_server_tool_loop_of_another_endpoint_is_one_pass() -> None:
+    """A Responses call's max_output_tokens bounds the whole response, every pass of its hosted
+    tools' loop together: its output is reserved once."""
+    tools = [{"type": "web_search", "max_uses": 3}]
+    view = ResponsesBody.model_validate(
+        {"model": "m", "input": "hi", "max_output_tokens": 100, "tools": tools}
+    )
+    est = byte_estimate("responses", view, default_tool_calls=7)
+    assert (est.output_tokens, est.output_passes) == (100, 1)
+
+
 # -- the tokenizer ------------------------------------------------------------------------------
 
 

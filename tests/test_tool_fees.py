@@ -17,7 +17,7 @@ from proxy.config_load import parse_config
 from proxy.errors import ConfigError
 from tests.conftest import UPSTREAM_KEY, base_config
 from tests.conftest import ProxyFactory as Factory
-from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_bad_input import Plan, ScriptedUpstream, dumps, send
 from tests.test_pricing_kinds import _claude_message, _claude_stream, _entry, _post, _sse
 from tests.test_upstream_bodies import chat_body
 
@@ -211,9 +211,13 @@ async def test_the_reserve_holds_max_uses_searches(make_proxy: Factory, script: 
         tokens = await _needed(make_proxy, script, "/v1/messages", body, tool_prices={"other": "1"})
         priced = await _needed(make_proxy, script, "/v1/messages", body)
         assert priced == tokens + searches * SEARCH_MICROS
-    three = await _needed(
-        make_proxy, script, "/v1/messages", _claude(tools=[unbounded]), limits={"default_max_tool_calls": 3}
+    # Fewer calls by default, fewer model passes too (each reserved its output cap).
+    limits = {"default_max_tool_calls": 3}
+    body = _claude(tools=[unbounded])
+    tokens = await _needed(
+        make_proxy, script, "/v1/messages", body, tool_prices={"other": "1"}, limits=limits
     )
+    three = await _needed(make_proxy, script, "/v1/messages", body, limits=limits)
     assert three == tokens + 3 * SEARCH_MICROS
 
 
@@ -480,8 +484,9 @@ async def test_a_clamp_tier_leaves_room_for_the_searches(
 ) -> None:
     body = _claude(tools=[WEB_SEARCH])  # max_tokens 100, 5 searches
     needed = await _needed(make_proxy, script, "/v1/messages", body)
-    # Room for the input, the 5 searches and 60 output tokens: the cap forwarded is 60.
-    ceiling = f"{(needed - 40 * 15) / 1_000_000:.6f}"
+    # Room for the input, the 5 searches and 60 output tokens in each of the loop's 6 passes (one
+    # after each search, and the last): the cap forwarded is 60, the one each pass is held to.
+    ceiling = f"{(needed - 6 * 40 * 15) / 1_000_000:.6f}"
     tier = {"standard": {"run": {"cost_usd": ceiling}, "on_budget_short": "clamp"}}
     proxy = await _proxy(make_proxy, script, tiers=tier)
     usage = {"input_tokens": 10, "output_tokens": 1, "server_tool_use": {"web_search_requests": 5}}
@@ -489,6 +494,42 @@ async def test_a_clamp_tier_leaves_room_for_the_searches(
     status, answer = await _post(proxy.url, "/v1/messages", body, "clamp")
     assert status == 200, answer
     assert json.loads(script.received[-1])["max_tokens"] == 60
+
+
+def _iteration(output: int) -> dict[str, Any]:
+    return {"type": "message", "input_tokens": 20, "output_tokens": output,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool_prices", [TOOLS, None], ids=["priced", "unpriced"])
+async def test_a_server_tool_loops_output_past_max_tokens_is_reserved(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, tool_prices: Any
+) -> None:
+    """Anthropic's max_tokens "applies to each call to the requested model": a web search with
+    max_uses 3 samples the model up to four times (after each search, and the answer), each up
+    to max_tokens. Reserved at one max_tokens, the loop's 3,400 output tokens passed a reserve of
+    1,000 (the params hunt); each pass is reserved its cap now, whether the tool is priced or not.
+    The input the loop reads again is the documented overshoot; here it stays within the reserve."""
+    proxy = await _proxy(make_proxy, script, tool_prices=tool_prices)
+    usage = {
+        "input_tokens": 80, "output_tokens": 3400, "server_tool_use": {"web_search_requests": 3},
+        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+        "iterations": [_iteration(800), _iteration(800), _iteration(800), _iteration(1000)],
+    }  # fmt: skip
+    answer = {**_claude_message(usage), "model": "claude-x"}
+    script.plan = Plan(chunks=[dumps(answer)])
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    body = {**_claude(tools=[search]), "max_tokens": 1000}
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body),
+        headers={"X-Run-Id": "searching"},
+    )  # fmt: skip
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    assert (entry["output_tokens"], entry["reserved_output_tokens"]) == ("3400", "4000")
+    assert entry.get("overshoot_tokens", "0") == "0", entry
+    # The cap forwarded is the one each pass is held to, as the client sent it.
+    assert json.loads(script.received[-1])["max_tokens"] == 1000
 
 
 async def test_a_lease_the_reaper_settles_names_the_searches_its_cost_holds(
