@@ -88,9 +88,13 @@ class Estimate:
     uncounted: tuple[str, ...] = ()
     # Whose remembered counts the texts are looked up in and added to (the caller's tenant).
     cache_scope: str = ""
-    # How many times the provider reads (and bills) the prompt: 2 for a compacting Messages
-    # request (its summarizing step reads it all, then the answer at most as much).
+    # How many times the provider reads (and bills) the prompt: 2 for a compacting request (its
+    # summarizing step reads it all, then the answer at most as much).
     input_reads: int = 1
+    # Output a compacting Responses request reads again as input (OpenAI's pass comes mid-answer:
+    # it reads what was written before it, and the answer goes on from the summary it writes):
+    # its whole output reserve, kept when the text is counted, as a clamp of the output leaves it.
+    output_read_tokens: int = 0
     # The texts a provider counts one by one, not as one prompt (an embeddings batch's inputs, a
     # legacy completion's prompts and suffixes): counted each on its own when no usage comes.
     separate_texts: tuple[str, ...] = ()
@@ -116,10 +120,9 @@ def counted(est: Estimate, tokenizer: Tokenizer, encoding: str) -> Estimate:
     """``est`` with its input counted exactly: tiktoken's work, run off the event loop."""
     if est.input_exact:
         return est
-    exact = (
-        tokenizer.upper_bound_of_parts(est.uncounted, encoding, scope=est.cache_scope)
-        + est.prompt_overhead_tokens
-    ) * est.input_reads + est.special_tokens
+    read = tokenizer.upper_bound_of_parts(est.uncounted, encoding, scope=est.cache_scope)
+    read += est.prompt_overhead_tokens
+    exact = read * est.input_reads + est.special_tokens + est.output_read_tokens
     return replace(est, input_tokens=min(exact, est.input_tokens), uncounted=())
 
 
@@ -337,11 +340,14 @@ def estimate(
     # and bills that token for each answer, though it returns the prompt alone.
     reserved = max(cap, 1) if type(view) is CompletionBody else cap
     passes = model_passes(view, default_tool_calls)
+    output_tokens = reserved * generations(view) * passes
+    # Anthropic's summarizing step comes before the answer, which reads no output again.
+    output_read = output_tokens if type(view) is ResponsesBody and reads > 1 else 0
     return Estimate(
         prompt_text=text,
         prompt_overhead_tokens=overhead + id_tokens,
-        input_tokens=input_tokens,
-        output_tokens=reserved * generations(view) * passes,
+        input_tokens=input_tokens + output_read,
+        output_tokens=output_tokens,
         output_cap_field=cap_field or DEFAULT_CAP_FIELD[endpoint],
         enforce_cap=cap if asked != cap else None,
         output_cap=cap,
@@ -349,6 +355,7 @@ def estimate(
         uncounted=later,
         cache_scope=cache_scope,
         input_reads=reads,
+        output_read_tokens=output_read,
         separate_texts=separate,
         special_tokens=specials,
     )

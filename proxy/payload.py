@@ -104,7 +104,7 @@ def answers(view: object) -> int:
 
 def generations(view: object) -> int:
     """How many answers the provider writes (and bills) for one request: n, or best_of, for
-    every prompt; a compacting Messages request's summary besides its answer (``compacts``)."""
+    every prompt; a compacting request's summary besides its answer (``compacts``)."""
     if type(view) is CompletionBody:
         return max(_n(view), view.best_of or 1) * prompts(view)
     if compacts(view):
@@ -117,8 +117,16 @@ def compacts(view: object) -> bool:
     edit in ``context_management``: once its input reaches the trigger, a summarizing step reads
     the whole input and writes a summary before the answer, billed beside it,
     ``usage.iterations``), or the beta's compaction request (a top-level ``compaction``: the
-    conversation summarized). Reserved as a second reading of the input and a second answer of
-    up to ``max_tokens``."""
+    conversation summarized); a Responses request with OpenAI's server-side compaction on (a
+    ``compaction`` entry in the list ``context_management`` is: once the context crosses its
+    ``compact_threshold``, a pass mid-answer reads it again and writes a summary the answer goes
+    on from). Reserved as a second reading of the input and a second answer of up to the cap
+    (and, for OpenAI's, the output read again: ``estimate``)."""
+    if type(view) is ResponsesBody:
+        management = (view.model_extra or {}).get("context_management")
+        return isinstance(management, list) and any(
+            isinstance(entry, dict) and entry.get("type") == "compaction" for entry in management
+        )
     return type(view) is MessagesBody and bool(_compactions(view))
 
 

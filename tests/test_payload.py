@@ -3,6 +3,7 @@ them; anywhere else a field of that name passes through, whatever its type."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -297,6 +298,68 @@ async def test_a_compaction_requests_own_instructions_are_reserved(
         proxy, lambda: script.received, redis_client, "/v1/messages", dumps(body), headers=headers
     )
     assert (reply.status, reply.upstream_calls) == (429, 0), reply.describe()
+
+
+# OpenAI's server-side compaction (openai 3.63, ResponseCreateParams.context_management:
+# ``[{"type": "compaction", "compact_threshold": N}]``): "if the context size crosses the threshold,
+# the server triggers a compaction pass ... and prunes context before continuing inference" (its
+# guide). The pass reads the whole context again, the input and what was written before it, and
+# the inference goes on from its summary.
+COMPACT_TEXT = "word " * 12000
+
+
+def _responses_answer(usage: dict[str, Any]) -> bytes:
+    compaction = {"id": "cmp_1", "type": "compaction", "encrypted_content": "gAAAAB" + "x" * 200}
+    answer = {
+        "id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+        "content": [{"type": "output_text", "text": "Done.", "annotations": [], "logprobs": []}],
+    }  # fmt: skip
+    response = {
+        "id": "resp_1", "object": "response", "created_at": 1, "status": "completed",
+        "model": "gpt-5-codex", "output": [compaction, answer], "usage": usage, "error": None,
+        "incomplete_details": None, "tools": [], "parallel_tool_calls": True,
+    }  # fmt: skip
+    return dumps(response)
+
+
+async def test_a_responses_call_with_server_side_compaction_reserves_the_compaction_pass(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The same request without compaction first, to read the input its reserve holds (N); then
+    with ``compact_threshold`` below N: the first sampling reads N and writes 500 tokens, the pass
+    reads those N + 500 and writes a 1,500-token summary, the inference goes on from it (1,500
+    read) and writes 2,000: input 2N + 2,000, output 4,000. It was reserved at N, as a call
+    reading its input once (the params hunt)."""
+    proxy = await proxy_for(make_proxy, script)
+    body = {"model": "gpt-5-codex", "input": COMPACT_TEXT, "max_output_tokens": 4000}
+    script.plan = Plan(
+        chunks=[_responses_answer({"input_tokens": 10, "output_tokens": 10, "total_tokens": 20})]
+    )
+    probe = await send(
+        proxy,
+        lambda: script.received,
+        redis_client,
+        "/v1/responses",
+        dumps(body),
+        headers={"X-Run-Id": "probe"},
+    )
+    assert probe.status == 200, probe.describe()
+    read = int(probe.new_entries[0]["reserved_input_tokens"])
+    usage = {"input_tokens": 2 * read + 2000, "output_tokens": 4000, "total_tokens": 2 * read + 6000}
+    script.plan = Plan(chunks=[_responses_answer(usage)])
+    management = [{"type": "compaction", "compact_threshold": read // 2}]
+    reply = await send(
+        proxy, lambda: script.received, redis_client, "/v1/responses",
+        dumps({**body, "context_management": management}), headers={"X-Run-Id": "compacting"},
+    )  # fmt: skip
+    assert reply.status == 200, reply.describe()
+    (entry,) = reply.new_entries
+    billed = (int(entry["input_tokens"]), int(entry["output_tokens"]))
+    reserved = (int(entry["reserved_input_tokens"]), int(entry["reserved_output_tokens"]))
+    assert billed[0] <= reserved[0] and billed[1] <= reserved[1], entry
+    assert entry.get("overshoot_tokens", "0") == "0", entry
+    # Each sampling is held to the client's cap, as it came.
+    assert json.loads(script.received[-1])["max_output_tokens"] == 4000
 
 
 # -- Messages features that run another model, refused ----------------------------------------

@@ -162,13 +162,31 @@ def test_a_thinking_budget_that_is_no_integer_is_refused(budget: Any) -> None:
     assert refused.value.param == "thinking.budget_tokens"
 
 
-def test_only_a_messages_call_compacts() -> None:
-    """Anthropic's edits on a Responses call are a field passed through unread (OpenAI's own
-    compaction is a list of another shape): no second answer is reserved for them."""
-    edits = {"edits": [COMPACT]}
-    view = view_of("responses", {"model": "m", "input": "hi", "context_management": edits})
-    assert not compacts(view)
-    assert generations(view) == 1
+@pytest.mark.parametrize(
+    ("management", "compacting"),
+    [
+        # Anthropic's edits on a Responses call: a field of another API, passed through unread.
+        ({"edits": [COMPACT]}, False),
+        ([COMPACT], False),
+        # OpenAI's own: a compaction entry, its threshold given or not (the server's default).
+        ([{"type": "compaction", "compact_threshold": 200000}], True),
+        ([{"type": "compaction"}], True),
+        ([{"type": "other"}, {"type": "compaction", "compact_threshold": 1000}], True),
+        # Any JSON there: no compaction entry read, nothing refused (OpenAI refuses it).
+        ([{"type": ["compaction"]}, "compaction", 5], False),
+        ("compaction", False),
+        (None, False),
+    ],
+)
+def test_a_responses_call_compacts_by_openai_s_own_compaction_entry(
+    management: Any, compacting: bool
+) -> None:
+    """OpenAI's server-side compaction (``context_management: [{"type": "compaction", ...}]``): a
+    pass mid-answer reads the context again and writes a summary, billed beside the answer, as
+    Anthropic's compaction is: a second answer is reserved for it."""
+    view = view_of("responses", {"model": "m", "input": "hi", "context_management": management})
+    assert compacts(view) is compacting
+    assert generations(view) == (2 if compacting else 1)
 
 
 # -- payload: the cap forwarded ------------------------------------------------------------------
