@@ -85,8 +85,6 @@ class Exchange:
         self.services = services
         self.obs = Observation()
         self._settling: asyncio.Future[Settlement] | None = None
-        # A settle failed on the proxy's side once: it is not tried a third time (``settle``).
-        self._settle_failed = False
         # The settle's result, known before the task records it (see ``_settle_and_record``).
         self._settlement: asyncio.Future[Settlement] | None = None
         lease_s = call.reservation.lease_ms / 1000 if call.reservation else call.upstream.timeout_s
@@ -136,18 +134,11 @@ class Exchange:
         (``Services.settling``) before it closes the journal and the store. A count of much
         text (``Uncounted``) runs in that task too: a cancelled handler's call is billed at it.
 
-        A settle that fails on the proxy's side (a bug, a figure it cannot write; a store that
-        fails journals it instead) is tried once more at once: settling is idempotent by
-        reservation id (one that reached the store gets its first entry), and a failure that
-        does not come again bills the call and answers the client, not a 500 its SDK retries
-        (each retry billed). Failed twice, it raises: its reservation waits for a reaper.
+        A settle that fails on the proxy's side (a bug; a store that fails journals it instead)
+        is not tried again: a first try's write may still be on its way, or journaled, and each
+        would be counted (the second review). Its reservation waits for a reaper.
         """
-        try:
-            return await asyncio.shield(self._start_settle(outcome, usage))
-        except Exception:
-            if self._settling is not None:  # failed twice, or the first try is still failing
-                raise
-            return await asyncio.shield(self._start_settle(outcome, usage))
+        return await asyncio.shield(self._start_settle(outcome, usage))
 
     async def settle_early(self, outcome: Outcome, usage: Usage) -> Settlement:
         """``settle`` for an answer the client gets whole, with the settlement in its headers
@@ -168,12 +159,7 @@ class Exchange:
         await asyncio.wait((early, settled), return_when=asyncio.FIRST_COMPLETED)
         if early.done() and not settled.done():
             return early.result()
-        try:
-            return await asyncio.shield(settled)
-        except Exception:
-            if self._settling is not None:  # failed twice: see ``settle``
-                raise
-            return await asyncio.shield(self._start_settle(outcome, usage))
+        return await asyncio.shield(settled)
 
     def _start_settle(
         self, outcome: Outcome, usage: Usage, early: asyncio.Future[Settlement] | None = None
@@ -202,14 +188,9 @@ class Exchange:
                 # Read here: a handler cancelled while it waited (shutdown past its grace period)
                 # no longer reads it, and asyncio would report it a second time, as unread.
                 settlement.exception()
-                if not self._settle_failed:
-                    # The call's next settle tries it once more (``settle``; the handler's end,
-                    # ``run``, when nothing else does).
-                    self._settle_failed = True
-                    self._settling = None
         if not task.cancelled() and task.exception() is not None:
-            # Neither settled nor journaled (a store failure journals): unless a try again
-            # settles it, its reservation waits for a reaper, which settles it at its reserve.
+            # Neither settled nor journaled (a store failure journals): its reservation waits
+            # for a reaper, which settles it at its reserve.
             log.error(
                 "settle or its record failed",
                 exc_info=task.exception(),
