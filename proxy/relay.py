@@ -445,8 +445,7 @@ class Exchange:
             # tagged as its stream's or body's would be once answered, the bill the same.
             tag = "client_disconnected"
         usage = self.reserve_usage() if failure.went_out else NOTHING_BILLED
-        status = CLIENT_CLOSED if tag == "client_disconnected" else 504 if timed_out else 502
-        return await self.failed(tag, status, failure.detail, usage)
+        return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage)
 
     async def failed(
         self,
@@ -459,7 +458,7 @@ class Exchange:
     ) -> web.Response:
         """Settle a call the upstream failed (at ``usage``, else what was seen or the reserve)
         and answer the client with the API's error, the bill in its headers."""
-        self.answer_status = status
+        self.answering(status)
         settlement = await self.settle(
             Outcome(tag), usage if usage is not None else self.usage(complete=False)
         )
@@ -467,6 +466,12 @@ class Exchange:
         if retry is not None:
             headers["x-should-retry"] = "true" if retry else "false"
         return self.error(status, message, "upstream_error", code=tag, headers=headers)
+
+    def answering(self, status: int) -> None:
+        """The status the client is answered, for the call's log line: none (``CLIENT_CLOSED``)
+        when it has left already."""
+        client = self.request.transport
+        self.answer_status = CLIENT_CLOSED if client is None or client.is_closing() else status
 
     def scrub(self, raw: bytes) -> bytes:
         """An upstream that echoes the proxy's key (in an error, a 200 error object, a stream's

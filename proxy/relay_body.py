@@ -18,7 +18,6 @@ from proxy.events import EventFilter
 from proxy.forward import BodyTooLarge, account_scrubbed, caller_key_sent, read_limited
 from proxy.observe import Observation, parse_json, parse_usage
 from proxy.outcome import (
-    CLIENT_CLOSED,
     ZERO_USAGE,
     BilledUsage,
     Outcome,
@@ -102,10 +101,7 @@ async def relay_body(ex: Exchange, upstream: aiohttp.ClientResponse) -> web.Resp
             writes_nothing=call.writes_nothing,
             prewarm=call.prewarms,
         )
-    if outcome.tag == "client_disconnected":
-        ex.answer_status = CLIENT_CLOSED  # nobody was answered
-    else:
-        ex.answer_status = 422 if outcome.tag == "rejected" else upstream.status
+    ex.answering(422 if outcome.tag == "rejected" else upstream.status)
     settlement = await ex.settle_early(outcome, ex.usage(complete=not failed))
     headers = ex.headers(settlement)
     if outcome.tag == "rejected":
@@ -253,7 +249,7 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
         usage = ZERO_USAGE if status < 500 or explicit_error else ex.reserve_usage()
     if status < 400:
         # A redirect: the provider did no work here (a base_url to fix), nothing to bill.
-        ex.answer_status = 502
+        ex.answering(502)
         settlement = await ex.settle(Outcome("upstream_error"), ZERO_USAGE)
         return ex.error(
             502,
@@ -264,7 +260,7 @@ async def relay_upstream_error(ex: Exchange, upstream: aiohttp.ClientResponse) -
             headers={**ex.headers(settlement), "x-should-retry": "false"},
         )
     operator_refused = status in (401, 403) and not caller_key_sent(ex.call.upstream, ex.call.identity)
-    ex.answer_status = 502 if operator_refused else status
+    ex.answering(502 if operator_refused else status)
     settlement = await ex.settle(Outcome(tag), usage)
     headers = ex.headers(settlement)
     if operator_refused:

@@ -678,6 +678,30 @@ async def test_a_call_whose_client_left_before_its_answer_is_logged_499(
     assert (line["outcome"], line["upstream_status"], line["status"]) == ("client_disconnected", 200, 499)
 
 
+@pytest.mark.parametrize("status", [500, 429])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_call_whose_client_left_before_the_upstreams_error_is_logged_499(
+    make_proxy: ProxyFactory, fake: FakeUpstream, caplog: pytest.LogCaptureFixture, stream: bool, status: int
+) -> None:
+    """As a call whose client left before its answer, the upstream answering an error
+    (``relay_upstream_error``): the client, gone before it, was answered nothing, where the line
+    said the upstream's status (the second review)."""
+    proxy = await make_proxy()
+    caplog.set_level(logging.INFO)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    body["fake"] = {"delay_s": 0.6, "mode": "error", "status": status}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            async with session.post(
+                proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+            ) as resp:
+                await resp.read()
+    await asyncio.sleep(1.0)
+    await proxy.recorded()
+    (line,) = [r.__dict__[TRUSTED_FIELDS] for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+    assert (line["upstream_status"], line["status"]) == (status, 499), line
+
+
 async def _chat(proxy: Proxy, stream: bool, run: str) -> tuple[int, Any, bytes, str]:
     """One chat call: its status, headers, what came, and how it ended: "whole", "dropped" (its
     connection closed before its end) or "open" (still, at the client's timeout)."""
