@@ -216,7 +216,7 @@ def _anthropic_tier(obs: Observation, usage: Any) -> None:
     """The tier Anthropic says served the call: fast mode (``usage.speed``) and US-only inference
     (``usage.inference_geo``, which a workspace may default to) are priced as tiers of their own
     (``payload.messages_tier``). ``usage.service_tier`` tells the capacity (priority, standard),
-    not those: its "standard" is the default's prices only where the answer tells the speed and
+    not those: its "standard" is the default's prices only where the answer tells the speed or
     the geography too; else the tier the call asked for stands (a fast call whose answer, a
     gateway's, passes ``service_tier`` on and not ``speed``)."""
     if not isinstance(usage, dict):
@@ -227,7 +227,10 @@ def _anthropic_tier(obs: Observation, usage: Any) -> None:
         obs.service_tier = priced_apart
     elif isinstance(tier, str) and tier and tier != "standard":
         obs.service_tier = tier
-    elif isinstance(speed, str) and isinstance(geo, str):
+    elif isinstance(speed, str) or isinstance(geo, str):
+        # It tells the speed or the geography it ran at, neither fast nor the US's: the default
+        # prices (the geography a request names is its own; one it does not may be the US, a
+        # workspace's default, which the answer tells when so).
         obs.service_tier = "default"
 
 

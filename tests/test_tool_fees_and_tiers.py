@@ -470,3 +470,24 @@ async def test_a_worst_case_past_the_store_by_its_searches_names_them(
     assert status == 400, answer
     assert b"max_uses" in answer, answer
     assert script.received == []
+
+
+@pytest.mark.parametrize(
+    "told",
+    [{"service_tier": "standard", "speed": "standard"}, {"speed": "standard"}],
+    ids=["capacity-and-speed", "speed-alone"],
+)
+async def test_a_fast_call_whose_answer_says_it_ran_at_standard_speed_is_billed_standard(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis, told: dict[str, str]
+) -> None:
+    """The call asked fast mode, its geography named ("global"); its answer says it ran at
+    ``speed: "standard"`` and tells no ``inference_geo``: the standard prices, not fast (billed
+    fast, ten times over, once "standard" needed a geography beside it: the second review)."""
+    proxy = await _tiered(make_proxy, script, TIERS_US)
+    usage = {"input_tokens": 10, "output_tokens": 2, **told}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    asked = _claude(speed="fast", inference_geo="global")
+    status, answer = await _post(proxy.url, "/v1/messages", asked, "f")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert (entry.get("service_tier"), int(entry["cost_micros"])) == (None, 10 * 3 + 2 * 15), entry
