@@ -100,10 +100,12 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     litellm_written = _detail(prompt_details, "cache_creation_tokens")
     split = prompt_details.get("cache_creation_token_details") if isinstance(prompt_details, dict) else None
     hour = _detail(split, "ephemeral_1h_input_tokens")
+    minutes = _detail(split, "ephemeral_5m_input_tokens")
     # OpenAI's writes kept 12 hours (``prompt_cache_options.ttl``), at the operator's price for
     # writes kept longer, as the hour's are.
     ttls = prompt_details.get("cache_write_tokens_details") if isinstance(prompt_details, dict) else None
     half_day = _detail(ttls, "ttl_12h_tokens")
+    half_hour = _detail(ttls, "ttl_30m_tokens")
     # Anthropic's own names, at the top of a gateway's OpenAI-format usage (LiteLLM, Portkey).
     read_top = _detail(raw, "cache_read_input_tokens")
     written_top = _detail(raw, "cache_creation_input_tokens")
@@ -123,6 +125,8 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         or litellm_written is None
         or hour is None
         or half_day is None
+        or minutes is None
+        or half_hour is None
         or read_top is None
         or written_top is None
         or reasoning is None
@@ -181,6 +185,9 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         reasoning,
         cache_creation_input_tokens=written,
         cache_creation_1h_input_tokens=min(max(hour, half_day), written),
+        # Writes no split tells (a gateway's Anthropic writes, told at its usage's top alone):
+        # kept an hour where the request's cache_control asks it (``billed_usage``).
+        cache_creation_untold_input_tokens=max(0, written - hour - minutes - half_day - half_hour),
         audio_input_tokens=audio_in,
         audio_output_tokens=audio_out,
         output_known=given is not None,

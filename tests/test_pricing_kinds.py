@@ -709,3 +709,34 @@ async def test_gemini_thoughts_told_only_in_total_tokens_are_billed(
     )
     assert (entry["input_tokens"], entry["output_tokens"], entry["reasoning_tokens"]) == ("9", "96", "93")
     assert int(entry["cost_micros"]) == 9 * 1 + 96 * 10
+
+
+async def test_a_gateways_chat_usage_telling_no_split_is_kept_as_the_request_asked(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Claude through an OpenAI-format gateway (LiteLLM, OpenRouter: chat content blocks carrying
+    Anthropic's ``cache_control``), whose usage names Anthropic's writes at its top
+    (``cache_creation_input_tokens``, read by ``parse_usage``) and no TTL split. The README's
+    ``cache_creation_input_1h`` row: "writes no split tells when a cache_control of the request
+    names ttl: "1h"" are billed at the hour's price; only a Messages usage told its untold
+    writes, and these were billed at five minutes (the second review)."""
+    upstream = {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}
+    proxy = await make_proxy(
+        upstreams={"gateway": upstream},
+        models={"claude-sonnet-4-5": {"upstream": "gateway", "price_per_million": CLAUDE_PRICE}},
+    )
+    usage = {
+        "prompt_tokens": 1100,
+        "completion_tokens": 10,
+        "total_tokens": 1110,
+        "prompt_tokens_details": {"cached_tokens": 0, "cache_creation_tokens": 1000},
+        "cache_creation_input_tokens": 1000,  # LiteLLM's: its writes told both ways, within the prompt
+    }
+    script.plan = _chat_answer("claude-sonnet-4-5", usage)
+    block = {"type": "text", "text": "a long prefix", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    body = {"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": [block]}]}
+    status, answer = await _post(proxy.url, "/v1/chat/completions", body, "gw")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry["cache_creation_input_tokens"] == "1000", entry
+    assert int(entry["cost_micros"]) == 100 * 3 + 1000 * 6 + 10 * 15, entry  # at 5 minutes: 4,200
