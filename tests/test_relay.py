@@ -654,6 +654,25 @@ async def test_the_call_lines_status_is_the_clients_and_the_upstreams_is_beside_
     assert (line["status"], line.get("upstream_status")) == (answered, upstream_status), line
 
 
+async def _logged_once_its_client_left(
+    proxy: Proxy, body: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> dict[str, Any]:
+    """The call's log line, its client gone (a timeout of 0.2 s) before the upstream answered."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            async with session.post(
+                proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+            ) as resp:
+                await resp.read()
+    await asyncio.sleep(1.0)
+    await proxy.recorded()
+    lines: list[dict[str, Any]] = [
+        r.__dict__[TRUSTED_FIELDS] for r in caplog.records if TRUSTED_FIELDS in r.__dict__
+    ]
+    (line,) = lines
+    return line
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_call_whose_client_left_before_its_answer_is_logged_499(
     make_proxy: ProxyFactory, fake: FakeUpstream, caplog: pytest.LogCaptureFixture, stream: bool
@@ -666,15 +685,7 @@ async def test_a_call_whose_client_left_before_its_answer_is_logged_499(
     caplog.set_level(logging.INFO)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     body["fake"] = {"delay_s": 0.6}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
-        with pytest.raises(asyncio.TimeoutError):
-            async with session.post(
-                proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
-            ) as resp:
-                await resp.read()
-    await asyncio.sleep(1.0)
-    await proxy.recorded()
-    (line,) = [r.__dict__[TRUSTED_FIELDS] for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+    line = await _logged_once_its_client_left(proxy, body, caplog)
     assert (line["outcome"], line["upstream_status"], line["status"]) == ("client_disconnected", 200, 499)
 
 
@@ -690,15 +701,7 @@ async def test_a_call_whose_client_left_before_the_upstreams_error_is_logged_499
     caplog.set_level(logging.INFO)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     body["fake"] = {"delay_s": 0.6, "mode": "error", "status": status}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as session:
-        with pytest.raises(asyncio.TimeoutError):
-            async with session.post(
-                proxy.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
-            ) as resp:
-                await resp.read()
-    await asyncio.sleep(1.0)
-    await proxy.recorded()
-    (line,) = [r.__dict__[TRUSTED_FIELDS] for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+    line = await _logged_once_its_client_left(proxy, body, caplog)
     assert (line["upstream_status"], line["status"]) == (status, 499), line
 
 
