@@ -104,10 +104,11 @@ def answers(view: object) -> int:
 
 def generations(view: object) -> int:
     """How many answers the provider writes (and bills) for one request: n, or best_of, for
-    every prompt; a compacting request's summary besides its answer (``compacts``)."""
+    every prompt; a compacting Messages request's summary besides its answer (``compacts``: a
+    Responses request's ``max_output_tokens`` bounds its whole response, summary and all)."""
     if type(view) is CompletionBody:
         return max(_n(view), view.best_of or 1) * prompts(view)
-    if compacts(view):
+    if type(view) is MessagesBody and compacts(view):
         return 2
     return _n(view)
 
@@ -120,8 +121,9 @@ def compacts(view: object) -> bool:
     conversation summarized); a Responses request with OpenAI's server-side compaction on (a
     ``compaction`` entry in the list ``context_management`` is: once the context crosses its
     ``compact_threshold``, a pass mid-answer reads it again and writes a summary the answer goes
-    on from). Reserved as a second reading of the input and a second answer of up to the cap
-    (and, for OpenAI's, the output read again: ``estimate``)."""
+    on from). Reserved as a second reading of the input and, for Anthropic's, a second answer of
+    up to the cap; for OpenAI's, whose ``max_output_tokens`` bounds the whole response, the output
+    read again as input (``estimate``)."""
     if type(view) is ResponsesBody:
         management = (view.model_extra or {}).get("context_management")
         return isinstance(management, list) and any(

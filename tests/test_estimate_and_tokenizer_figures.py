@@ -233,8 +233,8 @@ def test_a_compacting_call_counted_after_a_quick_reserve_keeps_both_readings() -
 def test_a_responses_compaction_pass_reserves_the_input_again_and_the_output_it_reads() -> None:
     """OpenAI's compaction pass comes mid-answer: it reads the input and what was written before
     it, writes a summary, and the inference after it reads that summary. Reserved: the input
-    twice, the output twice (the answer's and the summary's caps), and that output again as
-    input, kept when a quick estimate is counted (the params hunt)."""
+    twice, the output once (``max_output_tokens`` bounds the whole response, summary and all),
+    and that output again as input, kept when a quick estimate is counted (the params hunt)."""
     text = "word " * (QUICK_BOUND_CHARS // 4)  # a quick estimate
     body = {"model": "m", "input": text, "max_output_tokens": 500}
     management = [{"type": "compaction", "compact_threshold": 1000}]
@@ -249,10 +249,10 @@ def test_a_responses_compaction_pass_reserves_the_input_again_and_the_output_it_
     quick = estimate(
         "responses", ResponsesBody.model_validate({**body, "context_management": management}), **options
     )
-    assert quick.output_tokens == 2 * 500 and quick.output_cap == 500 and quick.enforce_cap is None
-    assert quick.input_tokens == 2 * plain.input_tokens + 2 * 500
+    assert quick.output_tokens == 500 and quick.output_cap == 500 and quick.enforce_cap is None
+    assert quick.input_tokens == 2 * plain.input_tokens + 500
     exact = counted(plain, tokenizer, ENC).input_tokens
-    assert counted(quick, tokenizer, ENC).input_tokens == 2 * exact + 2 * 500
+    assert counted(quick, tokenizer, ENC).input_tokens == 2 * exact + 500
 
 
 def test_a_count_above_the_quick_bound_never_raises_the_reserve() -> None:
