@@ -273,6 +273,9 @@ class Observation:
     done: bool = False
     # The processing tier the provider says it served (OpenAI's service_tier; priced apart).
     service_tier: str | None = None
+    # Anthropic's answer told its speed or its geography (whether fast, whether the US's; None:
+    # not told), not the two: the tier is the call's asked one with these in it (``served_tier``).
+    tier_told: tuple[bool | None, bool | None] | None = None
     # Usage that arrives in parts (Anthropic: message_start, then message_delta).
     partial_usage: dict[str, Any] = field(default_factory=dict)
     usage_final: bool = True

@@ -216,22 +216,22 @@ def _anthropic_tier(obs: Observation, usage: Any) -> None:
     """The tier Anthropic says served the call: fast mode (``usage.speed``) and US-only inference
     (``usage.inference_geo``, which a workspace may default to) are priced as tiers of their own
     (``payload.messages_tier``). ``usage.service_tier`` tells the capacity (priority, standard),
-    not those: its "standard" is the default's prices only where the answer tells the speed or
-    the geography too; else the tier the call asked for stands (a fast call whose answer, a
-    gateway's, passes ``service_tier`` on and not ``speed``)."""
+    not those. An answer telling both is its tier; one telling one of them (a gateway's, passing
+    some on) is the call's asked tier with it (``served_tier``: a fast call told its standard
+    speed is the default, or ``us`` where it asked the US); one telling neither keeps the asked
+    tier, or the capacity's where that is not "standard"."""
     if not isinstance(usage, dict):
         return
     tier, speed, geo = usage.get("service_tier"), usage.get("speed"), usage.get("inference_geo")
-    priced_apart = messages_tier(fast=speed == FAST_TIER, us=geo == US_GEO)
-    if priced_apart is not None:
-        obs.service_tier = priced_apart
-    elif isinstance(tier, str) and tier and tier != "standard":
-        obs.service_tier = tier
-    elif isinstance(speed, str) or isinstance(geo, str):
-        # It tells the speed or the geography it ran at, neither fast nor the US's: the default
-        # prices (the geography a request names is its own; one it does not may be the US, a
-        # workspace's default, which the answer tells when so).
-        obs.service_tier = "default"
+    told_fast = speed == FAST_TIER if isinstance(speed, str) else None
+    told_us = geo == US_GEO if isinstance(geo, str) else None
+    capacity = tier if isinstance(tier, str) and tier and tier != "standard" else None
+    if told_fast is not None and told_us is not None:
+        obs.service_tier = messages_tier(fast=told_fast, us=told_us) or capacity or "default"
+    elif told_fast or told_us or (capacity is None and (told_fast is not None or told_us is not None)):
+        obs.tier_told = (told_fast, told_us)
+    elif capacity is not None:
+        obs.service_tier = capacity
 
 
 def _container(obs: Observation, container: Any) -> None:

@@ -206,6 +206,17 @@ def messages_tier(*, fast: bool, us: bool) -> str | None:
     return US_TIER if us else None
 
 
+def messages_tier_served(asked: str | None, told: tuple[bool | None, bool | None]) -> str:
+    """The tier that served a Messages call whose answer told whether it ran fast, or in the US,
+    not both (``told``: None where not told): the asked tier (``messages_tier``) with what was."""
+    fast, us = told
+    if fast is None:
+        fast = asked in FAST_TIERS
+    if us is None:
+        us = asked in (US_TIER, FAST_US_TIER)
+    return messages_tier(fast=fast, us=us) or "default"
+
+
 # A cache breakpoint whose writes are kept an hour (Anthropic's ``cache_control``, whose ``ttl``
 # is "5m" unless told), as orjson writes it: compact, and no object inside one.
 _HOUR_BREAKPOINT = re.compile(rb'"cache_control":\{[^{}]*"ttl":"1h"')

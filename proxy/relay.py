@@ -45,6 +45,7 @@ from proxy.outcome import (
     OutcomeTag,
     reserve_usage,
 )
+from proxy.payload import messages_tier_served
 from proxy.record import record_call
 from proxy.refine import take_count
 from proxy.relay_body import relay_body, relay_upstream_error
@@ -166,7 +167,10 @@ class Exchange:
     ) -> asyncio.Future[Settlement]:
         if self._settling is None:
             self.call.first_token_at = self.obs.first_token_at
-            self.call.served_tier = self.obs.service_tier
+            served = self.obs.service_tier
+            if served is None and self.obs.tier_told is not None:  # told in part (Anthropic)
+                served = messages_tier_served(self.call.service_tier, self.obs.tier_told)
+            self.call.served_tier = served
             self._settlement = asyncio.get_running_loop().create_future()
             task = asyncio.ensure_future(self._settle_and_record(outcome, usage, self._settlement, early))
             self.services.settling.add(task)

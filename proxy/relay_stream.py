@@ -318,6 +318,7 @@ def _observe_usage_of_json(ex: Exchange, held: bytes) -> None:
         obs.tool_calls, obs.tool_uses = scratch.tool_calls, scratch.tool_uses
         obs.tool_calls_told = scratch.tool_calls_told
         obs.service_tier = scratch.service_tier or obs.service_tier
+        obs.tier_told = scratch.tier_told or obs.tier_told
         obs.hidden_output = obs.hidden_output or scratch.hidden_output
 
 

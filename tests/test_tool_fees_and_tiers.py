@@ -491,3 +491,31 @@ async def test_a_fast_call_whose_answer_says_it_ran_at_standard_speed_is_billed_
     assert status == 200, answer
     entry = await _entry(redis_client)
     assert (entry.get("service_tier"), int(entry["cost_micros"])) == (None, 10 * 3 + 2 * 15), entry
+
+
+@pytest.mark.parametrize(
+    ("asked", "told", "billed"),
+    [
+        ({"inference_geo": "us"}, {"speed": "standard"}, "us"),
+        ({"speed": "fast", "inference_geo": "us"}, {"speed": "standard"}, "us"),
+        ({"speed": "fast", "inference_geo": "global"}, {"inference_geo": "us"}, "fast-us"),
+    ],
+    ids=["us-told-its-speed", "fast-us-told-its-speed", "fast-told-its-geography"],
+)
+async def test_an_answer_telling_its_speed_or_its_geography_alone_keeps_the_asked_other(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    asked: dict[str, str],
+    told: dict[str, str],
+    billed: str,
+) -> None:
+    """An answer telling one of speed and geography (a gateway passing some on) is the asked
+    tier with it: a US call told its standard speed stays ``us`` (was the default, under-billed:
+    the third review), a fast call told the US is ``fast-us`` (was ``us``, fast mode dropped)."""
+    proxy = await _tiered(make_proxy, script, {**TIERS_US, "fast-us": {"input": "33", "output": "165"}})
+    usage = {"input_tokens": 10, "output_tokens": 2, "service_tier": "standard", **told}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, answer = await _post(proxy.url, "/v1/messages", _claude(**asked), "u")
+    assert status == 200, answer
+    assert (await _entry(redis_client)).get("service_tier") == billed
