@@ -168,10 +168,13 @@ def _estimated_usage(call: Call, obs: Observation, tokenizer: Tokenizer) -> Bill
 
 
 def _answer_cap(call: Call) -> int:
-    """The output cap each answer went with (its request's, the model's, a clamp's)."""
+    """The output each answer may hold: the cap it went with (its request's, the model's, a
+    clamp's) for each pass of a server-tool loop (``Estimate.output_passes``: each pass is held
+    to the cap, the answer is all of them)."""
     cap = call.estimate.output_cap
     clamped = call.reservation.clamped_output_per_choice if call.reservation is not None else 0
-    return min(cap, clamped) if cap and clamped else cap or clamped
+    per_pass = min(cap, clamped) if cap and clamped else cap or clamped
+    return per_pass * call.estimate.output_passes
 
 
 def _echoes(call: Call) -> list[str]:

@@ -450,7 +450,7 @@ async def _reserve(
     if max(amounts.values()) > MAX_AMOUNT:
         # Thousands of prompts x best_of x max_tokens, say: refused before anything is written.
         lower = "max_tokens, n, best_of or the number of prompts"
-        if call.estimate.tool_calls:  # or the hosted tool calls it allows (``tool_fees``)
+        if call.estimate.tool_calls or call.estimate.output_passes > 1:  # ``tool_fees``
             lower = "max_tokens, or the hosted tool calls it allows (max_uses, max_tool_calls)"
         raise BadRequest(
             f"This request's worst case ({amounts['output_tokens']} output tokens, "

@@ -835,3 +835,72 @@ async def test_searches_refused_past_max_uses_are_not_billed_without_a_final_cou
     tokens = int(entry["input_tokens"]) * 3 + int(entry["output_tokens"]) * 15
     assert entry.get("tool_calls") == "web_search=1", entry
     assert int(entry["cost_micros"]) == tokens + SEARCH_MICROS, entry
+
+
+async def test_a_huge_max_uses_of_an_unpriced_server_tool_is_refused_naming_max_uses(
+    make_proxy: Factory, script: ScriptedUpstream
+) -> None:
+    """Unpriced (no price_per_thousand_calls), its max_uses multiplies the output reserve (a pass
+    each): the 400 named only 'max_tokens, n, best_of or the number of prompts' (the third
+    review)."""
+    proxy = await _proxy(make_proxy, script, tool_prices=None)
+    tool = {"type": "code_execution_20250825", "name": "code_execution", "max_uses": 10**15}
+    status, answer = await _post(proxy.url, "/v1/messages", _claude(tools=[tool]), "huge")
+    assert status == 400, answer
+    assert script.received == []
+    assert b"max_uses" in answer, answer
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": 5, "name": "x"}]},
+        {"tools": [{"type": ["web_search_20250305"], "name": "x"}]},
+        {"tools": [{"type": "web_search_20250305", "name": "w", "max_uses": "3"}]},
+        {"tools": [{"type": "web_search_20250305", "name": "w", "max_uses": 3.5}]},
+        {"tools": [{"type": "web_search_20250305", "name": "w", "max_uses": -1}]},
+        {"tools": [{"type": "web_search_20250305", "name": "w", "max_uses": None}]},
+        {"tools": [{"type": "_", "name": "w"}]},
+        {"mcp_servers": "x"},
+        {"mcp_servers": {"a": 1}},
+        {"mcp_servers": [1, None, "x"]},
+        {"compaction": []},
+        {"compaction": {"type": "summarize", "instructions": 5}},
+        {"compaction": {"type": "summarize", "instructions": ["x"]}},
+        {"context_management": {"edits": [{"type": None}, 3, {"type": "compact_1", "instructions": {}}]}},
+    ],
+)
+async def test_odd_json_in_server_tools_and_compaction_is_no_500(
+    make_proxy: Factory, script: ScriptedUpstream, extra: dict[str, Any]
+) -> None:
+    proxy = await _proxy(make_proxy, script)
+    status, answer = await _post(proxy.url, "/v1/messages", _claude(**extra), "odd")
+    assert status != 500, answer
+    if status >= 400:
+        assert json.loads(answer)["error"]["message"], answer
+
+
+async def test_a_whole_server_tool_answer_with_no_usage_is_counted_past_one_passes_cap(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """An Anthropic-format answer with no usage (a gateway's) after a search loop: its text,
+    written over several passes (each up to max_tokens 100, the reserve 4 x 100), was counted and
+    held to one pass's cap, 300 tokens written billed 100 (the third review): held to all of them."""
+    proxy = await _proxy(make_proxy, script)
+    text = " ".join(f"w{i}" for i in range(300))
+    answer = {
+        "id": "m", "type": "message", "role": "assistant", "model": "claude-x",
+        "content": [
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "a"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+            {"type": "text", "text": text},
+        ],
+        "stop_reason": "end_turn", "stop_sequence": None,
+    }  # fmt: skip
+    script.plan = Plan(chunks=[json.dumps(answer).encode()])
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    status, body = await _post(proxy.url, "/v1/messages", _claude(tools=[search]), "nousage")
+    assert status == 200, body
+    entry = await _entry(redis_client)
+    assert int(entry["reserved_output_tokens"]) == 400, entry
+    assert int(entry["output_tokens"]) > 100, entry
