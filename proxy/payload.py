@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import types
+from collections.abc import Container
 from typing import Any, Literal, Union, final, get_args, get_origin
 
 import orjson
@@ -206,14 +207,20 @@ def messages_tier(*, fast: bool, us: bool) -> str | None:
     return US_TIER if us else None
 
 
-def messages_tier_served(asked: str | None, told: tuple[bool | None, bool | None]) -> str:
+def messages_tier_served(
+    asked: str | None, told: tuple[bool | None, bool | None], *, geo_named: bool, priced: Container[str]
+) -> str:
     """The tier that served a Messages call whose answer told whether it ran fast, or in the US,
-    not both (``told``: None where not told): the asked tier (``messages_tier``) with what was."""
+    not both (``told``: None where not told): the asked tier (``messages_tier``) with what was.
+    A geography neither told nor named (``geo_named``) may be the US, a workspace's default, as
+    the reserve took it: the US's tier where ``priced``, as an unsure reading bills the more."""
     fast, us = told
     if fast is None:
         fast = asked in FAST_TIERS
     if us is None:
-        us = asked in (US_TIER, FAST_US_TIER)
+        us = asked in (US_TIER, FAST_US_TIER) or (
+            not geo_named and messages_tier(fast=fast, us=True) in priced
+        )
     return messages_tier(fast=fast, us=us) or "default"
 
 

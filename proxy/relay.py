@@ -169,7 +169,12 @@ class Exchange:
             self.call.first_token_at = self.obs.first_token_at
             served = self.obs.service_tier
             if served is None and self.obs.tier_told is not None:  # told in part (Anthropic)
-                served = messages_tier_served(self.call.service_tier, self.obs.tier_told)
+                served = messages_tier_served(
+                    self.call.service_tier,
+                    self.obs.tier_told,
+                    geo_named=self.call.body.get("inference_geo") is not None,
+                    priced=self.call.tier_rates,
+                )
             self.call.served_tier = served
             self._settlement = asyncio.get_running_loop().create_future()
             task = asyncio.ensure_future(self._settle_and_record(outcome, usage, self._settlement, early))

@@ -519,3 +519,36 @@ async def test_an_answer_telling_its_speed_or_its_geography_alone_keeps_the_aske
     status, answer = await _post(proxy.url, "/v1/messages", _claude(**asked), "u")
     assert status == 200, answer
     assert (await _entry(redis_client)).get("service_tier") == billed
+
+
+_COSTS = {"us": 10 * 3.3 + 2 * 16.5, "fast-us": 10 * 33 + 2 * 165}  # 10 input, 2 output
+
+
+@pytest.mark.parametrize(
+    ("asked", "told", "tiers", "least"),
+    [
+        ({}, {"speed": "standard"}, TIERS_US, "us"),
+        ({"speed": "fast"}, {"speed": "fast"}, TIERS, "fast-us"),
+        ({"speed": "fast"}, {"speed": "standard"}, TIERS_US, "us"),
+    ],
+    ids=["no-tier-told-standard-speed", "fast-told-fast-speed", "fast-told-standard-speed"],
+)
+async def test_a_call_naming_no_geography_told_its_speed_alone_is_not_billed_below_the_us(
+    make_proxy: ProxyFactory,
+    script: ScriptedUpstream,
+    redis_client: aioredis.Redis,
+    asked: dict[str, str],
+    told: dict[str, str],
+    tiers: Any,
+    least: str,
+) -> None:
+    """A call naming no inference_geo may run in the US (a workspace's default_inference_geo),
+    as its reserve took it; an answer telling its speed and not its geography does not say: the
+    US's tier where priced, as an unsure reading bills the more (billed outside it: the fourth
+    review)."""
+    proxy = await _tiered(make_proxy, script, tiers)
+    usage = {"input_tokens": 10, "output_tokens": 2, "service_tier": "standard", **told}
+    script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
+    status, answer = await _post(proxy.url, "/v1/messages", _claude(**asked), "u")
+    assert status == 200, answer
+    assert int((await _entry(redis_client))["cost_micros"]) >= _COSTS[least]
