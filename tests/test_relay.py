@@ -116,7 +116,7 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
         refining=None,
         endpoint="embeddings",  # no context the provider keeps
     )
-    ex.obs = SimpleNamespace(first_token_at=None, service_tier=None, finish_reasons={})  # type: ignore[assignment]
+    ex.obs = SimpleNamespace(first_token_at=None, service_tier=None, tier_told=None, finish_reasons={})  # type: ignore[assignment]
     limits = SimpleNamespace(settled_marker_ttl_s=60)
     ex.services = SimpleNamespace(  # type: ignore[assignment]
         settling=set(), store=None, journal=None, config=SimpleNamespace(limits=limits)
