@@ -103,6 +103,17 @@ def test_an_authorization_value_of_any_scheme_is_redacted() -> None:
         assert redact(line) == "[REDACTED]", line
 
 
+async def _the_call_record(caplog: pytest.LogCaptureFixture) -> logging.LogRecord:
+    """The one per-call log record, once the call's settle has written it."""
+    for _ in range(100):
+        calls = [r for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
+        if calls:
+            break
+        await asyncio.sleep(0.02)
+    (record,) = calls
+    return record
+
+
 async def test_a_key_in_an_id_the_client_chose_is_redacted_in_the_call_line(
     make_proxy: ProxyFactory, fake: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -117,12 +128,7 @@ async def test_a_key_in_an_id_the_client_chose_is_redacted_in_the_call_line(
         session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp,
     ):
         assert resp.status == 200
-    for _ in range(100):
-        calls = [r for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
-        if calls:
-            break
-        await asyncio.sleep(0.02)
-    (record,) = calls
+    record = await _the_call_record(caplog)
     line = JsonFormatter().format(record)
     assert secret not in line and json.loads(line)["run_id"] == "[REDACTED]", line
 
@@ -145,12 +151,7 @@ async def test_an_id_with_task_in_it_is_logged_as_the_ledger_holds_it(
         session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp,
     ):
         assert resp.status == 200 and resp.headers["x-request-id"] == request_id
-    for _ in range(100):
-        calls = [r for r in caplog.records if TRUSTED_FIELDS in r.__dict__]
-        if calls:
-            break
-        await asyncio.sleep(0.02)
-    (record,) = calls
+    record = await _the_call_record(caplog)
     line = json.loads(JsonFormatter().format(record))
     ((_, entry),) = await redis_client.xrange("lbp:{team-a}:ledger")
     assert (entry["run_id"], entry["request_id"]) == (run_id, request_id)

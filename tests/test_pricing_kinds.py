@@ -123,33 +123,10 @@ async def test_cache_writes_kept_an_hour_are_billed_at_their_price(
         "cache_creation": {"ephemeral_5m_input_tokens": 40_000, "ephemeral_1h_input_tokens": 60_000},
         "output_tokens": 20,
     }
-    message = _claude_message(usage)
     if stream:
-        start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
-        chunks = [
-            _sse("message_start", {"type": "message_start", "message": start}),
-            _sse(
-                "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-            ),
-            _sse(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
-            ),
-            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            _sse(
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": "end_turn"},
-                    "usage": {"output_tokens": 20},
-                },
-            ),
-            _sse("message_stop", {"type": "message_stop"}),
-        ]
-        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
+        script.plan = _claude_stream(usage, {"output_tokens": 20})
     else:
-        script.plan = Plan(chunks=[json.dumps(message).encode()])
+        script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
     request = {
         "model": "claude-sonnet-4-5",
         "max_tokens": 100,

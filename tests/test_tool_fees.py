@@ -383,21 +383,7 @@ async def test_web_search_calls_that_open_or_read_a_page_are_not_billed_as_searc
         {key: value for key, value in SEARCH_ITEM.items() if key != "action"} | {"id": "ws_5"},
         ANSWER,
     ]
-    final = _response(output)
-    if stream:
-        events: list[tuple[str, dict[str, Any]]] = [
-            ("response.created", {"response": {**final, "status": "in_progress", "output": []}})
-        ]
-        for index, item in enumerate(output):
-            # As OpenAI streams them: the action is told once the item is done.
-            begun = {key: value for key, value in item.items() if key != "action"}
-            events.append(("response.output_item.added", {"output_index": index, "item": begun}))
-            events.append(("response.output_item.done", {"output_index": index, "item": item}))
-        events.append(("response.completed", {"response": final}))
-        chunks = [_sse(kind, {"type": kind, **obj}) for kind, obj in events]
-        script.plan = Plan(content_type="text/event-stream", chunks=chunks)
-    else:
-        script.plan = Plan(chunks=[json.dumps(final).encode()])
+    _responded(script, _response(output), stream=stream)
     body = {"model": "gpt-x", "input": "news?", "tools": [{"type": "web_search"}], "stream": stream}
     status, _ = await _post(proxy.url, "/v1/responses", body, "pages")
     assert status == 200
