@@ -57,6 +57,8 @@ class Call:
     choices: int = 1  # answers the client gets back (n, for every prompt)
     # A chat call asking for audio or images: their tokens cannot be counted from the answer.
     media_output: bool = False
+    # Of those, a chat call asking for images (``modalities``): reserved at the image rates too.
+    asks_images: bool = False
     # It reasons in tokens billed and not shown (``ModelConfig.hidden_reasoning``, ``plan._reasons``).
     hidden_reasoning: bool = False
     # A chat call with a Predicted Output (``prediction``): the prediction's tokens the answer

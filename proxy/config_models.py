@@ -29,6 +29,11 @@ class PricePerMillion(Frozen):
     # Audio tokens (OpenAI audio models), parts of input and output: as text unless given.
     audio_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
     audio_output: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    # Image tokens, parts of input and output: as text unless given. An image model prices its
+    # image tokens above its text (gpt-image-1: text in 5, image in 10, image out 40), and the
+    # Responses image generation tool's are told apart from the model's (``tool_usage.image_gen``).
+    image_input: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
+    image_output: Decimal | None = Field(default=None, ge=0, le=MAX_UNITS)
 
     @cached_property
     def rates(self) -> dict[str, int]:
@@ -49,9 +54,11 @@ class PricePerMillion(Frozen):
             "cache_creation_input": micros(creation),
             "cache_creation_input_1h": micros(given(self.cache_creation_input_1h, creation)),
             "audio_input": micros(given(self.audio_input, self.input)),
+            "image_input": micros(given(self.image_input, self.input)),
             "output": micros(self.output),
             "reasoning": micros(given(self.reasoning, self.output)),
             "audio_output": micros(given(self.audio_output, self.output)),
+            "image_output": micros(given(self.image_output, self.output)),
         }
 
     @model_validator(mode="after")

@@ -37,6 +37,10 @@ class ProviderUsage:
     # cumulative count grown past message_start's split, a gateway's usage with no split): kept
     # as long as the request asked, which only the call knows (``billed_usage``).
     cache_creation_untold_input_tokens: int = 0
+    # Image tokens priced apart: an image model's output, the Responses image generation tool's
+    # input images and output.
+    image_input_tokens: int = 0
+    image_output_tokens: int = 0
     # False when the report gave no output count (only prompt tokens): the output is then
     # counted from the text, never taken as 0.
     output_known: bool = True
@@ -112,6 +116,9 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
     reasoning = _detail(completion_details, "reasoning_tokens")
     audio_in = _detail(prompt_details, "audio_tokens")
     audio_out = _detail(completion_details, "audio_tokens")
+    # Images an image model wrote (OpenRouter's; Gemini's image models price them 12 times their
+    # text). Not a prompt's image tokens: OpenAI's models read images at the text price.
+    image_out = _detail(completion_details, "image_tokens")
     # Perplexity's, at the top of its usage and in none of its other counts (total_tokens is
     # prompt + completion): the search results its model read (citation_tokens, input at the input
     # price) and its research step's thinking (reasoning_tokens, priced apart).
@@ -132,6 +139,7 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         or reasoning is None
         or audio_in is None
         or audio_out is None
+        or image_out is None
         or citations is None
         or reasoning_beside is None
     ):
@@ -190,6 +198,7 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         cache_creation_untold_input_tokens=max(0, written - hour - minutes - half_day - half_hour),
         audio_input_tokens=audio_in,
         audio_output_tokens=audio_out,
+        image_output_tokens=image_out,
         output_known=given is not None,
     )
 

@@ -195,17 +195,39 @@ def _is_call(kind: Any) -> bool:
 
 def _with_image_tokens(usage: ProviderUsage, tool_usage: Any) -> ProviderUsage:
     """``usage`` with the image generation tool's tokens, which OpenAI reports apart from it
-    (``tool_usage.image_gen``) and bills all the same; priced at the model's rates."""
+    (``tool_usage.image_gen``) and bills all the same, at the image model's prices: its image
+    tokens at the model's image rates (``image_input``, ``image_output``: as text unless the
+    operator priced them), its text at the model's text rates. Output not split into image and
+    text (``output_tokens_details`` "can be omitted") is all image tokens, as an unsure reading
+    bills the more; so is an input split that does not add up."""
     image = tool_usage.get("image_gen") if isinstance(tool_usage, dict) else None
     if not isinstance(image, dict):
         return usage
-    image_in = token_count(image.get("input_tokens"))
-    image_out = token_count(image.get("output_tokens"))
+    read = token_count(image.get("input_tokens")) or 0
+    wrote = token_count(image.get("output_tokens")) or 0
+    if not (read or wrote):
+        return usage
+    images_read = _image_part(image.get("input_tokens_details"), read)
+    images_wrote = _image_part(image.get("output_tokens_details"), wrote)
     return replace(
         usage,
-        input_tokens=usage.input_tokens + (image_in or 0),
-        output_tokens=usage.output_tokens + (image_out or 0),
+        input_tokens=usage.input_tokens + read,
+        output_tokens=usage.output_tokens + wrote,
+        image_input_tokens=usage.image_input_tokens + images_read,
+        image_output_tokens=usage.image_output_tokens + images_wrote,
     )
+
+
+def _image_part(details: Any, whole: int) -> int:
+    """Of ``whole`` image generation tokens, the image tokens ``details`` tells: those of a split
+    whose text tokens are told and leave that many (else all of them)."""
+    if not isinstance(details, dict):
+        return whole
+    text = token_count(details.get("text_tokens"))
+    told = token_count(details.get("image_tokens"))
+    if text is None or told is None or text + told < whole:
+        return whole
+    return min(told, whole)
 
 
 def _with_svg_authoring(usage: ProviderUsage, output: Any) -> ProviderUsage:

@@ -64,6 +64,8 @@ class BilledUsage:
     cache_creation_1h_input_tokens: int = 0
     audio_input_tokens: int = 0
     audio_output_tokens: int = 0
+    image_input_tokens: int = 0
+    image_output_tokens: int = 0
     # Source "reserve" with the provider's input (a stream cut after Anthropic's message_start):
     # only the output is the reserve's, and only it is priced at its dearest rate.
     input_known: bool = False
@@ -83,9 +85,11 @@ class BilledUsage:
             ("cache_creation_input", self.cache_creation_input_tokens),
             ("cache_creation_1h_input", self.cache_creation_1h_input_tokens),
             ("audio_input", self.audio_input_tokens),
+            ("image_input", self.image_input_tokens),
             ("output", self.output_tokens),
             ("reasoning", self.reasoning_tokens),
             ("audio_output", self.audio_output_tokens),
+            ("image_output", self.image_output_tokens),
         )
 
 
@@ -94,7 +98,7 @@ NOTHING_BILLED = BilledUsage(
     input_tokens=0, cached_input_tokens=0, output_tokens=0, reasoning_tokens=0, source="none"
 )
 # Token kinds a bill names: input and output, and the parts of them priced apart (cache reads
-# and writes, writes kept an hour, audio, reasoning).
+# and writes, writes kept an hour, audio, images, reasoning).
 TOKEN_KINDS = tuple(kind for kind, _ in NOTHING_BILLED.by_kind())
 
 
@@ -199,6 +203,8 @@ def provider_usage(obs: Observation) -> BilledUsage | None:
         cache_creation_1h_input_tokens=u.cache_creation_1h_input_tokens,
         audio_input_tokens=u.audio_input_tokens,
         audio_output_tokens=u.audio_output_tokens,
+        image_input_tokens=u.image_input_tokens,
+        image_output_tokens=u.image_output_tokens,
     )
 
 

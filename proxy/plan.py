@@ -284,6 +284,7 @@ def plan_call(
         choices=answers(view),
         generations=generations(view),
         media_output=type(view) is ChatBody and _asks_media(body.get("modalities")),
+        asks_images=type(view) is ChatBody and _asks_images(body.get("modalities")),
         predicted_output=type(view) is ChatBody and _predicts(body.get("prediction")),
         hidden_reasoning=model_config.hidden_reasoning or _reasons(endpoint, body),
         echo=type(view) is CompletionBody and body.get("echo") is True,
@@ -434,6 +435,10 @@ def _asks_media(modalities: Any) -> bool:
     """Audio (OpenAI's audio models) or images (OpenRouter's image models): output tokens
     billed that no text shows (a transcript, if any, is a fraction of them)."""
     return isinstance(modalities, list) and ("audio" in modalities or "image" in modalities)
+
+
+def _asks_images(modalities: Any) -> bool:
+    return isinstance(modalities, list) and "image" in modalities
 
 
 def _predicts(prediction: Any) -> bool:

@@ -31,6 +31,8 @@ def cost_micros(
     cache_creation_1h_input_tokens: int = 0,
     audio_input_tokens: int = 0,
     audio_output_tokens: int = 0,
+    image_input_tokens: int = 0,
+    image_output_tokens: int = 0,
     tool_fees_exact: int = 0,
 ) -> int:
     """``rates`` are micro-units per million tokens (``PricePerMillion.micros_per_million``).
@@ -43,17 +45,21 @@ def cost_micros(
     creation = min(cache_creation_input_tokens, input_tokens - cached)
     creation_1h = min(cache_creation_1h_input_tokens, creation)
     audio_in = min(audio_input_tokens, input_tokens - cached - creation)
+    image_in = min(image_input_tokens, input_tokens - cached - creation - audio_in)
     reasoning = min(reasoning_tokens, output_tokens)
     audio_out = min(audio_output_tokens, output_tokens - reasoning)
+    image_out = min(image_output_tokens, output_tokens - reasoning - audio_out)
     exact = (
-        (input_tokens - cached - creation - audio_in) * rates["input"]
+        (input_tokens - cached - creation - audio_in - image_in) * rates["input"]
         + cached * rates["cached_input"]
         + (creation - creation_1h) * rates["cache_creation_input"]
         + creation_1h * rates["cache_creation_input_1h"]
         + audio_in * rates["audio_input"]
-        + (output_tokens - reasoning - audio_out) * rates["output"]
+        + image_in * rates["image_input"]
+        + (output_tokens - reasoning - audio_out - image_out) * rates["output"]
         + reasoning * rates["reasoning"]
         + audio_out * rates["audio_output"]
+        + image_out * rates["image_output"]
         + tool_fees_exact
     )
     return -(-exact // TOKENS_PER_MILLION)
@@ -69,26 +75,34 @@ def tool_fees_exact(calls: Iterable[tuple[str, int]], micros_per_thousand: Mappi
 
 INPUT_RATES = ("input", "cached_input", "cache_creation_input", "cache_creation_input_1h", "audio_input")
 OUTPUT_RATES = ("output", "reasoning", "audio_output")
+IMAGE_RATES = ("image_input", "image_output")
 
 
-def worst_rates(rates: dict[str, int] | None) -> dict[str, int] | None:
+def worst_rates(rates: dict[str, int] | None, *, images: bool = False) -> dict[str, int] | None:
     """For the reserve, every input token at the dearest input rate (a cache write or audio can
-    cost more than plain text) and every output token at the dearest output rate."""
+    cost more than plain text) and every output token at the dearest output rate. Image tokens'
+    rates join them for a call that asks for images (``Call.asks_images``): an image model's image
+    output is dearer than its text, and no other call's answer is written in images (the Responses
+    image generation tool's, told apart, are never reserved: overshoot)."""
     if rates is None:
         return None
-    top_in = max(rates[kind] for kind in INPUT_RATES)
-    top_out = max(rates[kind] for kind in OUTPUT_RATES)
-    return {**dict.fromkeys(INPUT_RATES, top_in), **dict.fromkeys(OUTPUT_RATES, top_out)}
+    input_kinds = (*INPUT_RATES, "image_input") if images else INPUT_RATES
+    output_kinds = (*OUTPUT_RATES, "image_output") if images else OUTPUT_RATES
+    top_in = max(rates[kind] for kind in input_kinds)
+    top_out = max(rates[kind] for kind in output_kinds)
+    return {**dict.fromkeys(input_kinds, top_in), **dict.fromkeys(output_kinds, top_out)} | {
+        kind: rates[kind] for kind in IMAGE_RATES if not images
+    }
 
 
-def reserve_amounts(est: Estimate, rates: dict[str, int] | None) -> dict[str, int]:
+def reserve_amounts(est: Estimate, rates: dict[str, int] | None, *, images: bool = False) -> dict[str, int]:
     return {
         "requests": 1,
         "input_tokens": est.input_tokens,
         "output_tokens": est.output_tokens,
         "total_tokens": est.input_tokens + est.output_tokens,
         "cost_micros": cost_micros(
-            worst_rates(rates),
+            worst_rates(rates, images=images),
             input_tokens=est.input_tokens,
             output_tokens=est.output_tokens,
             tool_fees_exact=est.tool_fees_exact,

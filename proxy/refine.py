@@ -73,7 +73,7 @@ async def refine(store: Store, call: Call, count: Counter, metrics: Metrics) -> 
     # Billed at its reserve (no usage came back), the call is billed at the exact count, at the
     # prices it chooses; a reaper bills the reserve as lowered to them.
     take_count(call, exact)
-    after = reserve_amounts(exact, call.rates_reserved)
+    after = reserve_amounts(exact, call.rates_reserved, images=call.asks_images)
     if after == before:
         return
     for tries in range(1, SHRINK_TRIES + 1):

@@ -91,7 +91,7 @@ def _refusal_error(refusal: Refusal, *, now_s: float, fits_nowhere: bool = False
 def _clamp_for(call: Call, tier: TierConfig | None) -> Clamp | None:
     if tier is None or tier.on_budget_short != "clamp" or call.endpoint == "embeddings":
         return None
-    rates = worst_rates(call.rates_reserved) or {"input": 0, "output": 0}
+    rates = worst_rates(call.rates_reserved, images=call.asks_images) or {"input": 0, "output": 0}
     return Clamp(
         min_output_tokens=max(
             tier.min_output_tokens,
@@ -306,7 +306,7 @@ def _never_fits(call: Call, tier: TierConfig | None, scopes: list[Scope]) -> boo
     clamp = _clamp_for(call, tier)
     if clamp is not None:
         est = replace(est, output_tokens=min(est.output_tokens, clamp.min_output_tokens * clamp.choices))
-    least = reserve_amounts(est, call.rates_reserved)
+    least = reserve_amounts(est, call.rates_reserved, images=call.asks_images)
     return any(
         least.get(meter, 0) > 0 and ceiling < least[meter]
         for scope in scopes
@@ -446,7 +446,7 @@ async def _reserve(
     scopes: list[Scope],
     record: str,
 ) -> Reservation | Refusal | Tentative | WindowEnded:
-    amounts = reserve_amounts(call.estimate, call.rates_reserved)
+    amounts = reserve_amounts(call.estimate, call.rates_reserved, images=call.asks_images)
     if max(amounts.values()) > MAX_AMOUNT:
         # Thousands of prompts x best_of x max_tokens, say: refused before anything is written.
         lower = "max_tokens, n, best_of or the number of prompts"

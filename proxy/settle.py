@@ -234,7 +234,7 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     if not usage.input_known:
         # At the reserve, nobody knows which kinds its tokens were: priced as the reserve was
         # (and as a reaper bills it), every token at its dearest rate.
-        return worst_rates(reserved)
+        return worst_rates(reserved, images=call.asks_images)
     # The provider's input (its kinds known), the reserve's output: only the output is unknown.
     # The input at the prices of the tier the answer names, else the reserve's (the dearest
     # tier that may have served it); past the long-context threshold by the provider's count,
@@ -250,9 +250,9 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     billed = call.rates_billed(usage.input_tokens) or reserved
     either = dearest((reserved, billed))
     known = billed if call.served_tier else either
-    worst = worst_rates(either if long else reserved)
+    worst = worst_rates(either if long else reserved, images=call.asks_images)
     assert worst is not None
-    return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}}
+    return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}, "image_output": worst["image_output"]}
 
 
 def _tool_calls(call: Call, usage: BilledUsage) -> ToolCalls:
@@ -286,6 +286,8 @@ def _cost(call: Call, usage: BilledUsage, tool_calls: ToolCalls = ()) -> int:
         cache_creation_1h_input_tokens=usage.cache_creation_1h_input_tokens,
         audio_input_tokens=usage.audio_input_tokens,
         audio_output_tokens=usage.audio_output_tokens,
+        image_input_tokens=usage.image_input_tokens,
+        image_output_tokens=usage.image_output_tokens,
         tool_fees_exact=tool_fees_exact(tool_calls, call.tool_rates) if tool_calls else 0,
     )
     if cost > MAX_AMOUNT:

@@ -42,6 +42,8 @@ RATES = {
     "output": 10_000_000,
     "reasoning": 10_000_000,
     "audio_output": 40_000_000,
+    "image_input": 1_000_000,
+    "image_output": 10_000_000,
 }
 
 

@@ -158,6 +158,8 @@ def test_prices_are_exact_integers_per_million() -> None:
         "cache_creation_input_1h": 150_000,  # as cache_creation_input, as text unless given
         "audio_input": 150_000,
         "audio_output": 600_000,
+        "image_input": 150_000,
+        "image_output": 600_000,
     }
 
 

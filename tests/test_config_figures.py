@@ -196,6 +196,8 @@ def test_each_price_falls_back_to_the_one_the_readme_names() -> None:
         "output": 2_000_000,
         "reasoning": 2_000_000,  # = output
         "audio_output": 2_000_000,  # = output
+        "image_input": 1_000_000,  # = input
+        "image_output": 2_000_000,  # = output
     }
 
 
@@ -209,6 +211,8 @@ def test_every_price_given_is_read_as_exact_micro_units() -> None:
         "cache_creation_input_1h": "2.5",
         "audio_input": "40",
         "audio_output": "80.000001",
+        "image_input": "10",
+        "image_output": "40.5",
     }
     rates = taken(priced(**prices)).models["*"].price_per_million.rates  # type: ignore[union-attr]
     assert rates == {name: int(Decimal(price) * 1_000_000) for name, price in prices.items()}
@@ -225,6 +229,8 @@ def test_every_price_given_is_read_as_exact_micro_units() -> None:
         "cache_creation_input_1h",
         "audio_input",
         "audio_output",
+        "image_input",
+        "image_output",
     ],
 )
 @pytest.mark.parametrize("price", ["-0.000001", "1000000000", "0.0000001"])

@@ -19,6 +19,7 @@ from proxy.errors import BadRequest
 from proxy.estimate import Estimate
 from proxy.payload import ChatBody, MessagesBody, ResponsesBody
 from proxy.pricing import (
+    IMAGE_RATES,
     INPUT_RATES,
     OUTPUT_RATES,
     cost_micros,
@@ -46,6 +47,8 @@ RATES = {
     "output": 13 * M,
     "reasoning": 17 * M,
     "audio_output": 19 * M,
+    "image_input": 23 * M,
+    "image_output": 29 * M,
 }
 
 
@@ -57,18 +60,21 @@ def test_every_part_is_billed_at_its_own_price() -> None:
         cache_creation_input_tokens=20,
         cache_creation_1h_input_tokens=5,
         audio_input_tokens=30,
+        image_input_tokens=4,
         output_tokens=50,
         reasoning_tokens=20,
         audio_output_tokens=10,
+        image_output_tokens=6,
     )
-    plain_in = (100 - 10 - 20 - 30) * 2
-    plain_out = (50 - 20 - 10) * 13
-    assert cost == plain_in + 10 * 3 + 15 * 5 + 5 * 7 + 30 * 11 + plain_out + 20 * 17 + 10 * 19
+    plain_in = (100 - 10 - 20 - 30 - 4) * 2
+    plain_out = (50 - 20 - 10 - 6) * 13
+    parts = 10 * 3 + 15 * 5 + 5 * 7 + 30 * 11 + 4 * 23 + 20 * 17 + 10 * 19 + 6 * 29
+    assert cost == plain_in + plain_out + parts
 
 
 def test_parts_past_their_whole_take_only_what_is_left() -> None:
-    """Input 10: 8 cached leave 2 for cache writes (of which 2 kept an hour), none for audio;
-    output 10: all reasoning, none left for audio."""
+    """Input 10: 8 cached leave 2 for cache writes (of which 2 kept an hour), none for audio nor
+    images; output 10: all reasoning, none left for audio nor images."""
     cost = cost_micros(
         RATES,
         input_tokens=10,
@@ -76,9 +82,11 @@ def test_parts_past_their_whole_take_only_what_is_left() -> None:
         cache_creation_input_tokens=5,
         cache_creation_1h_input_tokens=4,
         audio_input_tokens=3,
+        image_input_tokens=3,
         output_tokens=10,
         reasoning_tokens=12,
         audio_output_tokens=4,
+        image_output_tokens=4,
     )
     assert cost == 8 * 3 + 2 * 7 + 10 * 17
 
@@ -121,7 +129,7 @@ def test_tool_fees_are_the_calls_times_the_price_per_thousand() -> None:
 
 @pytest.mark.parametrize("dearest_kind", INPUT_RATES + OUTPUT_RATES)
 def test_the_reserve_prices_each_side_at_its_dearest_kind(dearest_kind: str) -> None:
-    rates = {kind: 1 for kind in INPUT_RATES + OUTPUT_RATES}
+    rates = {kind: 1 for kind in INPUT_RATES + OUTPUT_RATES + IMAGE_RATES}
     rates[dearest_kind] = 100
     worst = worst_rates(rates)
     assert worst is not None
@@ -131,6 +139,23 @@ def test_the_reserve_prices_each_side_at_its_dearest_kind(dearest_kind: str) -> 
     assert {kind: worst[kind] for kind in dear_side} == dict.fromkeys(dear_side, 100)
     assert {kind: worst[kind] for kind in cheap_side} == dict.fromkeys(cheap_side, 1)
     assert worst_rates(None) is None
+
+
+@pytest.mark.parametrize("image_kind", IMAGE_RATES)
+def test_image_prices_join_the_reserve_of_a_call_asking_for_images_alone(image_kind: str) -> None:
+    """gpt-5 priced for its image tool's images (40 per million out) reserves its text answers
+    at 10, not 40: no answer of its is written in images but the tool's, never reserved. A chat
+    call asking for images (``modalities``) may be all images: reserved at their price."""
+    rates = {kind: 1 for kind in INPUT_RATES + OUTPUT_RATES + IMAGE_RATES}
+    rates[image_kind] = 100
+    side = INPUT_RATES if image_kind == "image_input" else OUTPUT_RATES
+    text = worst_rates(rates)
+    assert text is not None
+    assert {kind: text[kind] for kind in side} == dict.fromkeys(side, 1)
+    assert text[image_kind] == 100  # its own price, for the tokens a settle bills as images
+    images = worst_rates(rates, images=True)
+    assert images is not None
+    assert {kind: images[kind] for kind in (*side, image_kind)} == dict.fromkeys((*side, image_kind), 100)
 
 
 def _estimate(input_tokens: int, output_tokens: int, fees: int = 0) -> Estimate:

@@ -5,6 +5,7 @@ alike in the ledger, the stream's billing comment, the token counters and the re
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -12,6 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
+from proxy.observe import Observation, parse_usage
+from proxy.observe_responses import _with_image_tokens
 from proxy.report import TOKEN_FIELDS
 from proxy.state import STATE
 from tests.conftest import KEY_A, Proxy, ProxyFactory
@@ -109,6 +112,73 @@ async def test_audio_tokens_are_billed_at_their_own_prices(
     entry = await _entry(redis_client)
     assert int(entry["cost_micros"]) == 20 * 2.5 + 80 * 40 + 100 * 10 + 400 * 80  # 36,250, not 5,250
     assert (entry["audio_input_tokens"], entry["audio_output_tokens"]) == ("80", "400")
+
+
+def test_the_image_tool_s_output_told_without_its_split_is_all_images() -> None:
+    """``output_tokens_details`` "can be omitted" (the SDK's ``ToolUsage``): the tool's output is
+    then all images (gpt-image-1 writes nothing else), as an unsure reading bills the more; a
+    split told is taken, and one that does not add up is not."""
+    usage = {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15}
+
+    def image_usage(image_gen: dict[str, Any]) -> tuple[int, int]:
+        obs = Observation()
+        parsed = parse_usage(usage)
+        assert parsed is not None
+        obs.take_usage(_with_image_tokens(parsed, {"image_gen": image_gen}))
+        assert obs.usage is not None
+        return obs.usage.image_input_tokens, obs.usage.image_output_tokens
+
+    assert image_usage({"input_tokens": 40, "output_tokens": 1000}) == (40, 1000)
+    told = {"image_tokens": 900, "text_tokens": 100}
+    split = {"input_tokens": 40, "output_tokens": 1000, "output_tokens_details": told}
+    assert image_usage(split) == (40, 900)
+    short = {"image_tokens": 10, "text_tokens": 20}
+    assert image_usage({"input_tokens": 40, "input_tokens_details": short, "output_tokens": 0}) == (40, 0)
+
+
+async def test_an_image_model_s_images_are_billed_and_reserved_at_the_image_prices(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """An image model behind a chat endpoint (OpenRouter's Gemini image models: text out at 2.50,
+    images at 30 per million) tells the images it wrote in ``completion_tokens_details``; a call
+    asking for them (``modalities``) reserves its output at the image price."""
+    price = {"input": "0.3", "output": "2.5", "image_output": "30"}
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gemini-image": {"upstream": "openai", "price_per_million": price}},
+        tiers={"standard": {"run": {"cost_usd": "0.000001"}}},
+    )
+    request = {
+        "model": "gemini-image",
+        "modalities": ["image", "text"],
+        "messages": [{"role": "user", "content": "a cat"}],
+        "max_completion_tokens": 2000,
+    }
+    status, answer = await _post(proxy.url, "/v1/chat/completions", request, "reserve")
+    assert status == 429, answer
+    needs = int(re.search(rb"this request needs (\d+)", answer).group(1))  # type: ignore[union-attr]
+    assert needs >= 2000 * 30, answer  # 2,000 output tokens at 30 per million, not 2.5
+    text_only = {**request, "modalities": ["text"]}
+    status, answer = await _post(proxy.url, "/v1/chat/completions", text_only, "text")
+    assert status == 429, answer
+    assert int(re.search(rb"this request needs (\d+)", answer).group(1)) < 2000 * 30  # type: ignore[union-attr]
+
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gemini-image": {"upstream": "openai", "price_per_million": price}},
+    )
+    usage = {
+        "prompt_tokens": 10,
+        "completion_tokens": 1300,
+        "total_tokens": 1310,
+        "completion_tokens_details": {"reasoning_tokens": 0, "image_tokens": 1290},
+    }
+    script.plan = _chat_answer("gemini-image", usage)
+    status, answer = await _post(proxy.url, "/v1/chat/completions", request, "image")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry["image_output_tokens"] == "1290"
+    assert int(entry["cost_micros"]) == -(-(10 * 300_000 + 10 * 2_500_000 + 1290 * 30_000_000) // 1_000_000)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -317,7 +387,14 @@ async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
 ) -> None:
     # An operator rebuilds a bill from the report or the token counters: the cache writes and
     # the audio tokens were missing from both.
-    for kind in ("cache_creation_input", "cache_creation_1h_input", "audio_input", "audio_output"):
+    for kind in (
+        "cache_creation_input",
+        "cache_creation_1h_input",
+        "audio_input",
+        "audio_output",
+        "image_input",
+        "image_output",
+    ):
         assert f"{kind}_tokens" in TOKEN_FIELDS
     proxy = await _claude_proxy(make_proxy, script)
     usage = {"input_tokens": 5, "cache_creation_input_tokens": 700, "output_tokens": 2}
