@@ -252,7 +252,7 @@ def _rates(call: Call, usage: BilledUsage) -> dict[str, int] | None:
     known = billed if call.served_tier else either
     worst = worst_rates(either if long else reserved, images=call.asks_images)
     assert worst is not None
-    return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}, "image_output": worst["image_output"]}
+    return {**known, **{kind: worst[kind] for kind in OUTPUT_RATES}}
 
 
 def _tool_calls(call: Call, usage: BilledUsage) -> ToolCalls:
