@@ -10,6 +10,7 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import field, fields
@@ -53,6 +54,8 @@ class PendingSettlement:
         """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
         the call's own settle, tried live or replayed from a journal: applied again after a try
         whose reply was lost, it gets that try's entry (settle.lua), which is then counted."""
+        # The store's clock: the journal may be replayed by an instance on another host.
+        window_left_ms = self.bill_if_lost_until_ms - await store.synced_now() * 1000
         return await store.settle(
             tenant=self.tenant,
             reservation_id=self.reservation_id,
@@ -60,12 +63,16 @@ class PendingSettlement:
             scope_keys=self.scope_keys,
             actual=self.actual,
             entry=self.entry,
-            # The store's clock: the journal may be replayed by an instance on another host.
-            bill_if_lost=await store.synced_now() * 1000 < self.bill_if_lost_until_ms,
+            bill_if_lost=window_left_ms > 0,
             scope_ttls_s=self.scope_ttls_s,
             runlog_ttl_s=self.runlog_ttl_s,
             own=True,
             on_sent=on_sent,
+            # Its window was counted on the marker of the instance that served the call, which a
+            # replay (restarted with a shorter one, or adopting its file) may not keep: this
+            # settle's reply lost, the next replay, inside the window, must find its marker. A
+            # second over, for the clocks' offsets measured apart.
+            marker_ttl_s=math.ceil(window_left_ms / 1000) + 1 if window_left_ms > 0 else 0,
         )
 
 

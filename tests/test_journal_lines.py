@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -242,4 +243,31 @@ async def test_a_marks_line_read_as_a_settle_by_an_older_version_settles_nothing
         as_an_older_version_reads_it = asdict(line)
         del as_an_older_version_reads_it["marks_only"]
         assert await PendingSettlement(**as_an_older_version_reads_it).apply(store) is None
+    assert await redis_client.xlen(LEDGER) == 1
+
+
+async def test_a_replay_by_a_process_set_to_a_shorter_marker_keeps_it_for_the_line_s_window(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A line journaled by a process set to ``settled_marker_ttl_s: 3600`` bills a lost
+    reservation for 3,240 s; replayed by one set to 60 s (restarted, or adopting the file), its
+    marker lived 60 s. That replay's reply lost (the line stays), the next one a minute on found
+    neither reservation nor marker, inside the line's window, and billed the call again (the
+    TTL hunt). The marker outlives the line's window."""
+    await held_reservations(redis_client, "adopted")
+    window_ms = 3_240_000
+    line = PendingSettlement(
+        **{**_settlement_line("adopted"), "bill_if_lost_until_ms": int(time.time() * 1000) + window_ms}
+    )
+    marker = "lbp:{team-a}:resv:adopted"
+    store = RedisStore.from_url(redis_server.url, settled_marker_ttl_s=60)
+    try:
+        assert await line.apply(store) is not None  # its reply lost: the line stays journaled
+        left_ms = await redis_client.pttl(marker)
+        assert left_ms >= window_ms - 1_000, left_ms
+        # A minute on, as Redis counts it (a marker kept 60 s is gone: a TTL at or below 0 deletes).
+        await redis_client.pexpire(marker, left_ms - 61_000)
+        assert await line.apply(store) is not None  # the next replay gets the first one's entry
+    finally:
+        await store.close()
     assert await redis_client.xlen(LEDGER) == 1
