@@ -34,7 +34,7 @@ from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
 from proxy.config_tiers import TierConfig
-from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S
+from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MAX_SETTLED_MARKER_TTL_S
 
 if TYPE_CHECKING:
     from proxy.forward import UpstreamSending
@@ -301,7 +301,9 @@ class LimitsConfig(Frozen):
     # nothing, and within most of it a settle still bills a call whose reservation was lost.
     # At most ten years: settle.lua's EXPIRE of a marker past what Redis takes failed every
     # settle after its writes (each journaled, its marker kept for good).
-    settled_marker_ttl_s: int = Field(default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60, le=10 * 366 * 24 * 3600)
+    settled_marker_ttl_s: int = Field(
+        default=DEFAULT_SETTLED_MARKER_TTL_S, ge=60, le=MAX_SETTLED_MARKER_TTL_S
+    )
     # How long the size of a stored Responses context (an answer, a conversation) is kept for
     # the reserve of a call that continues it (0: not kept, such calls reserve their request).
     prior_context_ttl_s: int = Field(default=3600, ge=0, le=30 * 24 * 3600)

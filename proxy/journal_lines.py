@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.errors import StoreError, StoreRejected
-from proxy.store import Store
+from proxy.store import MAX_SETTLED_MARKER_TTL_S, Store
 from proxy.values import value_class
 
 log = logging.getLogger("proxy.journal")
@@ -71,8 +71,12 @@ class PendingSettlement:
             # Its window was counted on the marker of the instance that served the call, which a
             # replay (restarted with a shorter one, or adopting its file) may not keep: this
             # settle's reply lost, the next replay, inside the window, must find its marker. A
-            # second over, for the clocks' offsets measured apart.
-            marker_ttl_s=math.ceil(window_left_ms / 1000) + 1 if window_left_ms > 0 else 0,
+            # second over, for the clocks' offsets measured apart. A damaged line's window of
+            # centuries is held to the longest marker the config takes (an EXPIRE Redis refused
+            # would fail the script after it wrote the settle).
+            marker_ttl_s=min(math.ceil(window_left_ms / 1000) + 1, MAX_SETTLED_MARKER_TTL_S)
+            if window_left_ms > 0
+            else 0,
         )
 
 

@@ -14,6 +14,8 @@ from proxy.values import value_class
 
 # How long a settled reservation's marker is kept (see settle.bill_if_lost_until_ms).
 DEFAULT_SETTLED_MARKER_TTL_S = 3600
+# The longest a settled marker is kept (config bounds the setting by it; Redis takes far more).
+MAX_SETTLED_MARKER_TTL_S = 10 * 366 * 24 * 3600
 
 # Meters a reservation holds, in the order the Lua scripts expect them.
 RESERVED_METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")

@@ -20,6 +20,7 @@ from proxy.journal import Journal
 from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement, marks_line
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
+from proxy.store import MAX_SETTLED_MARKER_TTL_S
 from tests.test_journal import _line
 from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
 
@@ -271,3 +272,22 @@ async def test_a_replay_by_a_process_set_to_a_shorter_marker_keeps_it_for_the_li
     finally:
         await store.close()
     assert await redis_client.xlen(LEDGER) == 1
+
+
+async def test_a_damaged_line_s_window_of_centuries_keeps_its_marker_no_longer_than_the_config_may(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A line whose ``bill_if_lost_until_ms`` is damaged (ages on) asked for a marker Redis's
+    EXPIRE refuses ("invalid expire time"): the script failed after its writes, the settle
+    refused and the line parked with the dead letters though it had billed the call. Held to the
+    longest marker the config takes."""
+    await held_reservations(redis_client, "damaged")
+    line = PendingSettlement(**{**_settlement_line("damaged"), "bill_if_lost_until_ms": 10**19})
+    store = RedisStore.from_url(redis_server.url)
+    try:
+        assert await line.apply(store) is not None
+        assert await line.apply(store) is not None
+    finally:
+        await store.close()
+    assert await redis_client.xlen(LEDGER) == 1
+    assert 0 < await redis_client.ttl("lbp:{team-a}:resv:damaged") <= MAX_SETTLED_MARKER_TTL_S
