@@ -7,6 +7,9 @@ the connection (before, a stalled upload or a chunked body whose framing broke, 
 never fails the read for, held its handler until the client left). A compressed body refused
 before it is read whole is not decoded after its answer (before, aiohttp's read of an unread body's
 rest, its lingering, decoded a few KiB of Brotli to GiBs in one run, the worker's loop frozen).
+Every answer to a request whose body came chunked closes its connection (before, aiohttp's C parser
+filed the body's last trailer field among the next request's headers: its key paid for the next
+call, or refused it as a second key; its ``X-Run-Id`` picked the next call's run).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import brotli
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import KEY_A, Proxy, ProxyFactory
+from tests.conftest import KEY_A, KEY_B, Proxy, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import CHAT, assert_refused, send
 
@@ -217,3 +220,131 @@ async def test_a_compressed_body_sent_despite_its_refused_expectation_is_not_dec
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
     assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:300]
     assert stall < 0.5, f"the event loop froze {stall:.2f} s for one {len(body)}-byte request"
+
+
+# -- a chunked body's trailer and the connection's next request ----------------------------------
+
+
+Call = tuple[bytes, bytes]
+
+
+def chat(*, key: str | None = KEY_A, run: str | None = None, stream: bool = False, path: str = CHAT) -> Call:
+    """A chat call's head, short of its framing and its end, and its body."""
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Authorization: Bearer {key}\r\n" if key is not None else ""
+    head += f"X-Run-Id: {run}\r\n" if run is not None else ""
+    return head.encode(), json.dumps({**body, "stream": stream}).encode()
+
+
+def framed(call: Call, *, chunked: bool = False, trailer: str = "") -> bytes:
+    """``call`` framed by its length, or in 7-byte chunks ending in ``trailer``."""
+    head, body = call
+    if not chunked:
+        return head + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    pieces = [body[at : at + 7] for at in range(0, len(body), 7)]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces)
+    return head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks + f"0\r\n{trailer}\r\n".encode()
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """An answer's head (lowercased) and body, read by its length or chunked framing."""
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).lower()
+    lengths = [int(line[15:]) for line in head.split(b"\r\n") if line.startswith(b"content-length:")]
+    if lengths:
+        return head, await asyncio.wait_for(reader.readexactly(lengths[0]), 10)
+    body = b""
+    while size := int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).split(b";")[0], 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    await reader.readuntil(b"\r\n")
+    return head, body
+
+
+async def answers_in_turn(proxy: Proxy, first: bytes, second: bytes) -> tuple[bytes, bytes]:
+    """The answers' heads to ``first`` then ``second``, sent once the first is answered: on the
+    same connection, or on a new one when the first answer closed it (as a client does)."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(first)
+        first_head, _ = await read_answer(reader)
+        if b"\r\nconnection: close\r\n" in first_head:
+            writer.close()
+            reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(second)
+        second_head, _ = await read_answer(reader)
+        return first_head, second_head
+    finally:
+        writer.close()
+
+
+async def test_a_trailer_of_one_request_does_not_authenticate_the_next_one(
+    proxy: Proxy, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """aiohttp's C parser added a chunked body's last trailer field to the next request's headers
+    on the connection: a call with no key at all was served and billed under the key the trailer
+    named (another tenant's). Through a gateway pooling its clients' calls on kept-alive
+    connections, one client's trailer picks who pays for the next client's call."""
+    first = framed(chat(), chunked=True, trailer=f"Authorization: Bearer {KEY_B}\r\n")
+    first_head, second_head = await answers_in_turn(proxy, first, framed(chat(key=None)))
+    assert first_head.startswith(b"http/1.1 200"), first_head
+    assert second_head.startswith(b"http/1.1 401"), second_head
+    await proxy.recorded()
+    assert await redis_client.xrange("lbp:{team-b}:ledger") == []
+    assert len(fake.received) == 1
+
+
+async def test_a_trailer_of_one_request_does_not_make_the_next_one_refused(proxy: Proxy) -> None:
+    """Its own key and the trailer's were read as two keys: a good call refused."""
+    first = framed(chat(), chunked=True, trailer=f"Authorization: Bearer {KEY_B}\r\n")
+    _, second_head = await answers_in_turn(proxy, first, framed(chat()))
+    assert second_head.startswith(b"http/1.1 200"), second_head
+
+
+async def test_a_trailer_of_one_request_does_not_pick_the_next_calls_run(proxy: Proxy) -> None:
+    """A call sent without X-Run-Id is a run of its own; the trailer put it in the run it named."""
+    first = framed(chat(run="first"), chunked=True, trailer="X-Run-Id: smuggled\r\n")
+    _, second_head = await answers_in_turn(proxy, first, framed(chat()))
+    assert second_head.startswith(b"http/1.1 200"), second_head
+    assert b"\r\nx-billing-run-id: smuggled\r\n" not in second_head, second_head
+
+
+async def test_a_request_pipelined_behind_a_chunked_one_is_not_answered(
+    proxy: Proxy, fake: FakeUpstream
+) -> None:
+    """Sent before the first is answered, the next request is parsed with the trailer already:
+    the connection ends after the first answer, the next one unanswered (the client sends it
+    again on a new connection)."""
+    first = framed(chat(), chunked=True, trailer=f"Authorization: Bearer {KEY_B}\r\n")
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(first + framed(chat(key=None)))
+        head, _ = await read_answer(reader)
+        rest = await asyncio.wait_for(reader.read(300), 10)  # b"": the connection's end
+    finally:
+        writer.close()
+    assert head.startswith(b"http/1.1 200"), head
+    assert rest == b"", rest[:300]
+    assert len(fake.received) == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "status"),
+    [
+        (chat(), 200),
+        (chat(stream=True), 200),
+        (chat(key="sk-proxy-nobody"), 401),
+        (chat(path="/v1/nothing"), 404),
+    ],
+    ids=["answer", "stream", "refusal", "router-404"],
+)
+async def test_every_answer_to_a_chunked_body_closes_its_connection(
+    proxy: Proxy, call: Call, status: int
+) -> None:
+    chunked_head, length_head = await answers_in_turn(proxy, framed(call, chunked=True), framed(call))
+    assert chunked_head.startswith(b"http/1.1 %d" % status), chunked_head
+    assert b"\r\nconnection: close\r\n" in chunked_head, chunked_head
+    # A body sent with its length (as SDKs send theirs) keeps the connection.
+    assert length_head.startswith(b"http/1.1 %d" % status), length_head
+    assert b"\r\nconnection: close\r\n" not in length_head, length_head
