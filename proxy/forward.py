@@ -333,11 +333,32 @@ class UpstreamConnector(aiohttp.TCPConnector):
         sending = _SENDING.get()
         call = None if sending is None else sending.call
         if call is None:
-            return await super().connect(req, traces, timeout)
+            return await self._clean_connection(req, traces, timeout)
         call.connecting = True
-        connection = await super().connect(req, traces, timeout)
+        connection = await self._clean_connection(req, traces, timeout)
         call.connecting = False  # not on a failure: a cancel then reaches the call's handler with it set
         return connection
+
+    async def _clean_connection(
+        self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
+    ) -> Connection:
+        # aiohttp hands out a pooled connection that is open and within its keep-alive, whatever
+        # came in on it while it sat idle: an answer the upstream sent unasked (a duplicate, a
+        # gateway's answer to bytes it took for a request) is parsed and queued, and the next
+        # call sent on it reads that as its own, its real answer going to the call after it.
+        # Checked on the public ``connect`` every connection comes through, not in the private
+        # ``_get`` that takes one from the pool (its signature has changed between releases): the
+        # connection handed out has its request written at once.
+        while True:
+            connection = await super().connect(req, traces, timeout)
+            protocol = connection.protocol
+            if protocol is None or not protocol.should_close:  # nothing came in on it unasked
+                return connection
+            log.warning(
+                "an idle upstream connection was sent bytes unasked: closed",
+                extra={"host": req.host},
+            )
+            connection.close()
 
 
 async def open_upstream(

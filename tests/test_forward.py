@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, base_config, unreachable_port
 from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import raw_post, the_entry, upstream_override
 
 MSGS: list[Any] = [{"role": "user", "content": "hi"}]
 
@@ -238,3 +240,82 @@ async def test_a_call_does_not_outlive_itself_in_the_upstream_connection_it_open
     gc.collect()
     alive = [(c.request_id == first, len(json.dumps(c.body))) for c in gc.get_objects() if type(c) is Call]
     assert not alive, f"calls alive once ended ((the first?, body bytes)): {alive}"
+
+
+def http_answer(status: bytes, body: bytes) -> bytes:
+    head = b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    return head % (status, len(body)) + body
+
+
+class KeepAliveUpstream:
+    """A raw HTTP/1.1 upstream that keeps its connections open: its n-th request (over all its
+    connections) is answered ``answer n``, with 10 + n input tokens. ``stray`` is written once
+    after the first answer, while the proxy holds that connection idle in its pool."""
+
+    def __init__(self, stray: bytes = b"") -> None:
+        self.stray = stray
+        self.requests = 0
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> dict[str, Any]:
+        """The ``upstreams`` of a proxy sending to it."""
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return upstream_override(f"http://127.0.0.1:{port}/v1", timeout_s=3)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                await reader.readexactly(int(length[1]) if length else 0)
+                n, self.requests = self.requests, self.requests + 1
+                usage = {"prompt_tokens": 10 + n, "completion_tokens": 1, "total_tokens": 11 + n}
+                message = {"role": "assistant", "content": f"answer {n}"}
+                choice = {"index": 0, "message": message, "finish_reason": "stop"}
+                body = {"id": "c", "object": "chat.completion", "model": "gpt-4o-mini", "usage": usage}
+                writer.write(http_answer(b"200 OK", json.dumps({**body, "choices": [choice]}).encode()))
+                await writer.drain()
+                if n == 0 and self.stray:
+                    await asyncio.sleep(0.05)  # the proxy has read the answer and pooled the connection
+                    writer.write(self.stray)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+CHAT = {"model": "gpt-4o-mini", "messages": MSGS, "max_tokens": 50}
+
+
+async def test_an_answer_the_upstream_sent_on_an_idle_pooled_connection_is_no_call_s_answer(
+    make_proxy: ProxyFactory,
+) -> None:
+    """An upstream (a gateway) that writes one answer too many on a keep-alive connection (a
+    duplicate, or its answer to bytes it took for a request) while the proxy holds it idle:
+    aiohttp read and queued it, and the next call sent on that connection took it for its own.
+    That call was billed on the stray answer (a 400: nothing) though the upstream ran it, and its
+    own answer, text and usage, went to the call after it (another tenant's, as likely): answers
+    crossed between callers. Such a connection is closed, not reused."""
+    error = {"error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}}
+    upstream = KeepAliveUpstream(stray=http_answer(b"400 Bad Request", json.dumps(error).encode()))
+    try:
+        proxy = await make_proxy(upstreams=await upstream.start())
+        first = await raw_post(proxy, CHAT, "one")
+        assert (first.status, b"answer 0" in first.body) == (200, True), first
+        await asyncio.sleep(0.2)  # the stray answer has come in
+        second = await raw_post(proxy, CHAT, "two")
+        third = await raw_post(proxy, CHAT, "three")
+    finally:
+        upstream.close()
+    assert (second.status, b"answer 1" in second.body) == (200, True), second
+    assert (third.status, b"answer 2" in third.body) == (200, True), third
+    entry = await the_entry(proxy, "two")
+    assert (entry["outcome"], entry["input_tokens"]) == ("ok", "11"), entry
+    assert upstream.connections == 2  # the second on a new one, the third reusing it
