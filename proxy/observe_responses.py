@@ -234,7 +234,7 @@ def _with_svg_authoring(usage: ProviderUsage, output: Any) -> ProviderUsage:
     """``usage`` with the tokens the image generation tool's SVG author (``output_format:
     "svg"``) read and wrote, which each call item tells in its ``svg_usage``, apart from both
     ``usage`` and ``tool_usage.image_gen``, and OpenAI bills all the same; priced at the model's
-    rates, as the image tokens are (an author of another model named is refused up front:
+    text rates, as the image tool's text is (an author of another model named is refused up front:
     ``payload``)."""
     read = wrote = reasoned = 0
     for item in output if isinstance(output, list) else ():
