@@ -82,6 +82,58 @@ async def test_a_clamp_the_budget_did_not_need_leaves_the_amounts_as_asked(
     assert (await held(redis_client, scope.key))["output_tokens"] == 20
 
 
+# 900,000 input tokens at 999,999,999.999999 per million (the dearest price the config takes):
+# the input's cost in millionths of a micro-unit is near 9 * 10^20, where a double is off by
+# tens of thousands.
+DEAREST_INPUT = 900_000 * 999_999_999_999_999
+
+
+@pytest.mark.parametrize(
+    ("input_cost_exact", "output_rate", "ceiling", "choices", "asked", "per_choice"),
+    [
+        # 900,000 output tokens at 0.000001 per million fit; in doubles the room came out 17,504
+        # tokens larger and every trial below it passed the ceiling: refused, told to retry.
+        (DEAREST_INPUT, 1, 900_000_000_000_000, 1, 1_000_000, 900_000),
+        (DEAREST_INPUT, 1, 900_000_000_000_000, 2, 1_000_000, 450_000),
+        # One token short of the cap asked: 25 + 19 * 3 = 82 micro-units fit, 85 do not.
+        (25_000_000, 3_000_000, 82, 1, 20, 19),
+        # The same past 2^53 millionths of a micro-unit, where the script's estimate starts one
+        # above the quotient: there at the cap asked, which left no lower output to try.
+        (0, 1_000_000_000, 10_000_000_000, 1, 10_000_001, 10_000_000),
+    ],
+    ids=["dearest-input", "dearest-input-two-choices", "one-token-short", "one-token-short-past-2-53"],
+)
+async def test_a_clamp_lowers_the_output_to_the_most_that_fits_exactly(
+    store: RedisStore,
+    redis_client: aioredis.Redis,
+    input_cost_exact: int,
+    output_rate: int,
+    ceiling: int,
+    choices: int,
+    asked: int,
+    per_choice: int,
+) -> None:
+    def cost_micros(output_tokens: int) -> int:
+        return -(-(input_cost_exact + output_tokens * output_rate) // 10**6)
+
+    assert cost_micros(per_choice * choices) <= ceiling < cost_micros((per_choice + 1) * choices)
+    scope = Scope(name="run", key="lbp:{team-a}:run:clamp-exact", ceilings={"cost_micros": ceiling})
+    clamp = Clamp(
+        min_output_tokens=1, choices=choices, input_cost_exact=input_cost_exact, output_rate=output_rate
+    )
+    asked_amounts = {
+        **AMOUNTS,
+        "output_tokens": asked,
+        "total_tokens": 10 + asked,
+        "cost_micros": cost_micros(asked),
+    }
+    res = await reserve(store, "ce1", [scope], amounts=asked_amounts, clamp=clamp)
+    assert isinstance(res, Reservation), res
+    assert res.clamped_output_per_choice == per_choice
+    assert res.amounts["cost_micros"] == cost_micros(per_choice * choices)
+    assert (await held(redis_client, scope.key))["cost_micros"] == res.amounts["cost_micros"]
+
+
 # ---- settings the store is built with ----
 
 

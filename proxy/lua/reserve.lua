@@ -157,7 +157,6 @@ if refusal and ARGV[14] == '1' and refusal[3] ~= 'requests' and refusal[3] ~= 'c
 end
 local clamp_min = tonumber(ARGV[10])
 local n = tonumber(ARGV[11])
-local input_cost = tonumber(ARGV[12])
 local out_rate = tonumber(ARGV[13])
 -- Costs in millionths of a micro-unit pass 2^53 (a double's exact integers) with a large room
 -- and a large price: a clamped output's cost is worked out in parts that stay exact.
@@ -184,20 +183,29 @@ local function with_output(output)  -- the amounts with this output: its total a
 end
 if refusal and clamp_min > 0 and (refusal[3] == 'output_tokens' or refusal[3] == 'total_tokens'
     or refusal[3] == 'cost_micros') then
-  -- The largest output the tightest scope can still pay for.
-  local k = amounts[OUTPUT]
+  -- The largest output the tightest scope can still pay for, below the output refused (a k at
+  -- or above it would try nothing).
+  local k = amounts[OUTPUT] - 1
+  local in_q, in_r = millions(ARGV[12])
   for s = 1, nscopes do
     local st = state[s]
     if st[OUTPUT] then k = math.min(k, st[OUTPUT][1] - st[OUTPUT][2] - st[OUTPUT][3]) end
     if st[TOTAL] then k = math.min(k, st[TOTAL][1] - st[TOTAL][2] - st[TOTAL][3] - amounts[INPUT]) end
     if st[COST] and out_rate > 0 then
-      local room = (st[COST][1] - st[COST][2] - st[COST][3]) * 1000000 - input_cost
-      k = math.min(k, math.floor(room / out_rate))
+      -- The input's cost taken from the room in whole micro-units first: room * 10^6 less the
+      -- input's cost, two doubles near 10^21 at the dearest prices, was off by tens of thousands
+      -- of tokens. What is left, in millionths of a micro-unit, is exact below 2^53; past it the
+      -- quotient is off by less than one (each figure below 2^53, three roundings): k starts
+      -- one above it.
+      local left = (st[COST][1] - st[COST][2] - st[COST][3] - in_q) * 1000000 - in_r
+      local fits = math.floor(left / out_rate)
+      if left >= 9007199254740992 then fits = fits + 1 end
+      k = math.min(k, fits)
     end
   end
   local per_choice = math.floor(k / n)
-  -- k came through doubles: it may be a token or two above what fits. Each trial is checked
-  -- exactly against every ceiling, one step lower at a time, a few steps at most.
+  -- Each trial is checked exactly against every ceiling, one step lower at a time: the cost's
+  -- k is at most two above what fits.
   local steps = 3
   local blocked = nil  -- what refused the clamped output, when a clamp was tried
   while steps > 0 and per_choice >= clamp_min and per_choice * n < amounts[OUTPUT] do
