@@ -226,17 +226,23 @@ def plan_call(
     priced = long_tiers if long_above is not None and est.input_tokens > long_above else tiers
     reserve_rates = rates
     if rates is not None and (priced is long_tiers or len(reserved_tiers) > 1):
-        reserve_rates = dearest(priced[name] for name in reserved_tiers)
+        reserve_rates = dearest(tiers[name] for name in reserved_tiers)
     # Reserved at the long-context prices, a call whose provider tells an input within the
     # threshold is billed at the model's own: the dearest of the same tiers (``settle._rates``).
     reserve_rates_short = None
-    if rates is not None and priced is long_tiers:
-        reserve_rates_short = dearest(tiers[name] for name in reserved_tiers)
+    if reserve_rates is not None and priced is long_tiers:
+        reserve_rates_short = reserve_rates
     # Within it by its own input, the prices it takes should a context the provider adds to it
     # (``reserve._add_prior_context``) pass the threshold.
     reserve_rates_long = None
-    if rates is not None and long_tiers and priced is not long_tiers:
-        reserve_rates_long = dearest(long_tiers[name] for name in reserved_tiers)
+    if reserve_rates is not None and long_tiers:
+        # Each at the dearer of the two: long-context prices the config sets below the model's
+        # own (not refused) bill the call at its own should its told input be within the threshold.
+        long_rates = dearest([reserve_rates, *(long_tiers[name] for name in reserved_tiers)])
+        if priced is long_tiers:
+            reserve_rates = long_rates
+        else:
+            reserve_rates_long = long_rates
     tool_rates = model_config.tool_rates if rates is not None else {}
     if tool_rates:
         refuse_unpriced_containers(view, tool_rates)

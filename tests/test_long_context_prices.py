@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from proxy.tokenizer import Tokenizer
 from tests.conftest import ProxyFactory
 from tests.test_bad_input import Plan, ScriptedUpstream
+from tests.test_billed_usage import planned
 from tests.test_config import UP, error_of
 from tests.test_estimate import QuarterEncoding
 from tests.test_pricing_kinds import _chat_answer, _claude_message, _entry, _post
@@ -110,6 +111,86 @@ async def test_a_call_whose_estimate_passes_the_threshold_is_reserved_at_the_lon
     assert needs["m-past"] == estimated * 2 + 1000 * 15
     assert needs["m-below"] == needs["m-flat"]
     assert script.received == []
+
+
+async def test_long_context_prices_below_the_models_own_still_reserve_the_dearest(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Long-context prices the config sets below the model's own (its input, its output, or
+    both): a call whose estimate passes the threshold and whose told input is within it is billed
+    at the model's own, so the reserve holds each price at the dearer of the two. Was: reserved at
+    the long-context prices alone, a call the cost ceiling admitted billed 7 times past it."""
+    own = {"input": "2", "output": "15"}
+    models: dict[str, dict[str, str] | None] = {
+        "m-flat": None,
+        "m-cheap": {"input": "1", "output": "10"},
+        "m-cheap-input": {"input": "1", "output": "20"},
+    }
+
+    def model(long: dict[str, str] | None) -> dict[str, Any]:
+        extra = {"long_context": {"above_input_tokens": 10, "price_per_million": long}} if long else {}
+        return {"upstream": "openai", "price_per_million": own, **extra}
+
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={name: model(long) for name, long in models.items()},
+        tiers={"standard": {"run": {"cost_usd": "0.000001"}}},
+    )
+    needs = {}
+    for name in models:
+        request = {"model": name, "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 1000}
+        status, raw = await _post(proxy.url, "/v1/chat/completions", request, name)
+        assert status == 429, raw
+        needs[name] = int(json.loads(raw)["error"]["message"].rsplit(" ", 1)[1].rstrip("."))
+    estimated = (needs["m-flat"] - 1000 * 15) // 2
+    assert estimated > 10
+    assert needs["m-cheap"] == needs["m-flat"]  # the model's own prices, not 1 and 10
+    assert needs["m-cheap-input"] == estimated * 2 + 1000 * 20  # each at its dearer
+    assert script.received == []
+
+    # Admitted under a ceiling its reserve fits, told an input within the threshold: billed at
+    # the model's own prices, within the ceiling.
+    ceiling_micros = needs["m-cheap"]
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"m-cheap": model(models["m-cheap"])},
+        tiers={"standard": {"run": {"cost_usd": f"0.{ceiling_micros:06d}"}}},
+    )
+    told = {"prompt_tokens": 7, "completion_tokens": 1000, "total_tokens": 1007}
+    script.plan = _chat_answer("m-cheap", told, None)
+    request = {"model": "m-cheap", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 1000}
+    status, raw = await _post(proxy.url, "/v1/chat/completions", request, "admitted")
+    assert status == 200, raw
+    entry = await _entry(redis_client)
+    assert int(entry["cost_micros"]) == 7 * 2 + 1000 * 15 <= ceiling_micros, entry
+
+
+def test_long_context_prices_below_the_models_own_are_reserved_at_the_dearer_of_each_tier() -> None:
+    """The dearest of the tiers that may serve the call, each price at the dearer of its own and
+    its long-context one: as reserved past the threshold by the estimate, and as taken up when a
+    context the call continues takes its input past it (``reserve_rates_long``)."""
+    tiered = {
+        "upstream": "openai",
+        "price_per_million": {"input": "2", "output": "15"},
+        "service_tiers": {"priority": {"input": "4", "output": "30"}},
+        "long_context": {
+            "price_per_million": {"input": "3", "output": "10"},
+            "service_tiers": {"priority": {"input": "5", "output": "20"}},
+        },
+    }
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}]}
+    dearer = {"input": 5_000_000, "output": 30_000_000}
+
+    def above(tokens: int) -> dict[str, Any]:
+        return {**tiered, "long_context": {**tiered["long_context"], "above_input_tokens": tokens}}
+
+    past = planned(body, m=above(10))
+    reserved = past.rates_reserved
+    assert reserved is not None and {kind: reserved[kind] for kind in dearer} == dearer
+    assert past.reserve_rates_short is not None and past.reserve_rates_short["output"] == 30_000_000
+    within = planned(body, m=above(10**6))
+    assert within.reserve_rates_long is not None
+    assert {kind: within.reserve_rates_long[kind] for kind in dearer} == dearer
 
 
 def test_long_context_prices_are_checked_against_the_models_prices() -> None:
