@@ -292,8 +292,10 @@ class LimitsConfig(Frozen):
     # All request header names and values together; larger requests get 431.
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=60 * 1024)
     max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    # Reserved for output when neither the request nor the model config caps it.
-    default_max_output_tokens: int = Field(default=4096, ge=1)
+    # Reserved for output when neither the request nor the model config caps it. At most a
+    # count a provider may tell (``observe.MAX_SANE_TOKENS``): past the store's counts, every call
+    # without a cap of its own was refused for the reserve of a cap the config set.
+    default_max_output_tokens: int = Field(default=4096, ge=1, le=10**12)
     # Calls reserved for each priced hosted tool a request enables without a bound of its own
     # (Anthropic's max_uses, the Responses API's max_tool_calls): see ``tool_fees``.
     default_max_tool_calls: int = Field(default=10, ge=0, le=1_000_000)

@@ -135,7 +135,8 @@ def _counted_name(tool: str) -> None:
 class ModelConfig(Frozen):
     upstream: str
     encoding: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    # At most a count a provider may tell, as ``limits.default_max_output_tokens``.
+    max_output_tokens: int | None = Field(default=None, ge=1, le=10**12)
     # Input tokens reserved for each image, audio or file part of a prompt: their count depends
     # on the model, the size and the detail, which the proxy cannot know (0: not reserved).
     media_part_input_tokens: int = Field(default=0, ge=0, le=10_000_000)

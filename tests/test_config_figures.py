@@ -303,6 +303,15 @@ def test_a_models_token_count_below_its_bound_is_refused(field: str, value: Any)
     assert f"models.*.{field}" in error_of({**UP, "models": {"*": {"upstream": "openai", field: value}}})
 
 
+def test_a_models_output_cap_is_at_most_a_count_an_answer_may_tell() -> None:
+    """At 10^15 check-config passed it, and every call without a cap of its own was then
+    refused (400) for a reserve past what the store holds."""
+    most = taken({**UP, "models": {"*": {"upstream": "openai", "max_output_tokens": 10**12}}})
+    assert most.models["*"].max_output_tokens == 10**12
+    past = {**UP, "models": {"*": {"upstream": "openai", "max_output_tokens": 10**12 + 1}}}
+    assert "models.*.max_output_tokens" in error_of(past)
+
+
 def test_a_model_with_bytes_for_an_encoding_is_taken() -> None:
     raw = {**UP, "models": {"*": {"upstream": "openai", "encoding": "bytes"}}}
     assert taken(raw).models["*"].encoding == "bytes"
@@ -476,7 +485,9 @@ def test_the_settled_marker_lives_at_least_a_minute() -> None:
     [
         ("max_body_bytes", 1024, None),
         ("max_upstream_body_bytes", 1024, None),
-        ("default_max_output_tokens", 1, None),
+        # A provider's count past 10^12 is no count (``observe.MAX_SANE_TOKENS``): a default
+        # past it refused every call without a cap of its own (400, blaming its max_tokens or n).
+        ("default_max_output_tokens", 1, 10**12),
         ("reap_grace_s", 0, 3600),
         ("run_ttl_s", 0, 10 * 366 * 24 * 3600),
         ("reaper_interval_s", None, None),
