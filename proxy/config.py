@@ -34,7 +34,7 @@ from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
 from proxy.config_tiers import TierConfig
-from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MAX_SETTLED_MARKER_TTL_S
+from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MARKER_TRUST, MAX_SETTLED_MARKER_TTL_S
 
 if TYPE_CHECKING:
     from proxy.forward import UpstreamSending
@@ -450,7 +450,33 @@ class Config(Frozen):
                     f"upstreams.{name}.timeout_s plus limits.lease_margin_s ({lease_s:g} s): a run's "
                     "meters would expire under a call still in flight"
                 )
+        too_short = self.settled_marker_too_short(self.limits.settled_marker_ttl_s)
+        if too_short is not None:
+            raise ValueError(too_short)
         return self
+
+    def settled_marker_too_short(self, settled_marker_ttl_s: int) -> str | None:
+        """Why settled markers kept ``settled_marker_ttl_s`` leave calls of this config unbilled
+        (None: they do not). A settle bills a call whose reservation the store lost (a failover)
+        only within ``MARKER_TRUST`` of the marker's life after Redis last confirmed its lease
+        (``settle.bill_if_lost_until_ms``): a whole answer's call confirms it once, at its
+        reserve, and settles at most its lease later; a stream renews it every third of that."""
+        slowest = max(self.upstreams.items(), key=lambda named: named[1].timeout_s, default=None)
+        if slowest is None:
+            return None
+        name, upstream = slowest
+        lease_s = upstream.timeout_s + self.limits.lease_margin_s
+        if settled_marker_ttl_s * MARKER_TRUST >= lease_s:
+            return None
+        least_s = math.ceil(lease_s / MARKER_TRUST)
+        while least_s * MARKER_TRUST < lease_s:  # the quotient rounded below what it must be
+            least_s += 1
+        return (
+            f"limits.settled_marker_ttl_s ({settled_marker_ttl_s}) must be at least {least_s} s: a "
+            f"call may take upstreams.{name}.timeout_s plus limits.lease_margin_s ({lease_s:g} s), "
+            f"and one taking longer than {MARKER_TRUST:.0%} of the marker's life, its reservation "
+            "lost in a store failover, goes unbilled; raise it, or lower those"
+        )
 
     @cached_property
     def longest_lease_s(self) -> float:

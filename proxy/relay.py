@@ -50,8 +50,8 @@ from proxy.record import record_call
 from proxy.refine import take_count
 from proxy.relay_body import relay_body, relay_upstream_error
 from proxy.relay_stream import relay_stream
-from proxy.settle import MARKER_TRUST, Settlement, billing_headers, settle
-from proxy.store import Store
+from proxy.settle import Settlement, billing_headers, settle
+from proxy.store import MARKER_TRUST, Store
 from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger("proxy.relay")

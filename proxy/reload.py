@@ -85,6 +85,19 @@ class ConfigReloader:
             )
             self._counted("refused")
             return False
+        # Timeouts reload, the marker's TTL does not: the running one must outlast the new leases.
+        running_ttl_s = old.limits.settled_marker_ttl_s
+        too_short = new.settled_marker_too_short(running_ttl_s)
+        if too_short is not None:
+            log.error(
+                "config reload refused; the old config stays in force",
+                extra={
+                    "reason": reason,
+                    "error": f"{too_short} (the running {running_ttl_s} s changes only on restart)",
+                },
+            )
+            self._counted("refused")
+            return False
         baseline = self._started_from or old
         running = _start_only(baseline)
         changed = sorted(name for name, value in _start_only(new).items() if value != running[name])

@@ -19,7 +19,7 @@ from proxy.journal_lines import OnApplied, PendingSettlement
 from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, tool_fees_exact, worst_rates
 from proxy.service_tiers import dearest
-from proxy.store import ACTUAL_METERS, Store
+from proxy.store import ACTUAL_METERS, MARKER_TRUST, Store
 from proxy.tool_fees import ToolCalls, billed_tool_calls, tool_calls_field
 from proxy.values import value_class
 
@@ -39,10 +39,6 @@ class Settlement:
     actual: dict[str, int]
     overshoot_tokens: int
     stored: bool = True
-
-
-# The part of the settled marker's life the proxy counts on (clocks and delays differ).
-MARKER_TRUST = 0.9
 
 
 def bill_if_lost_until_ms(call: Call, marker_ttl_s: int, *, now_s: float) -> int:

@@ -16,6 +16,8 @@ from proxy.values import value_class
 DEFAULT_SETTLED_MARKER_TTL_S = 3600
 # The longest a settled marker is kept (config bounds the setting by it; Redis takes far more).
 MAX_SETTLED_MARKER_TTL_S = 10 * 366 * 24 * 3600
+# The part of the settled marker's life the proxy counts on (clocks and delays differ).
+MARKER_TRUST = 0.9
 
 # Meters a reservation holds, in the order the Lua scripts expect them.
 RESERVED_METERS = ("requests", "input_tokens", "output_tokens", "total_tokens", "cost_micros", "concurrent")

@@ -229,6 +229,34 @@ def test_a_reload_keeps_the_settled_marker_ttl_the_store_started_with(tmp_path: 
     assert new.limits.settled_marker_ttl_s == started.limits.settled_marker_ttl_s == 3600
 
 
+def test_a_reload_raising_a_timeout_past_the_running_settled_markers_bound_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The marker's TTL changes only on restart, a timeout on reload: a file raising both is
+    valid alone, and in force with the running marker of 3600 s a call the store lost whose
+    lease (3,530 s) passes 90% of it (3,240 s) would go unbilled. Refused, naming both; a timeout
+    within the running marker's bound is taken."""
+    raw, path, env, started = _started_from_file(tmp_path)
+    assert started.limits.settled_marker_ttl_s == 3600
+    applied: list[Config] = []
+    raw["upstreams"]["openai"]["timeout_s"] = 3500
+    raw["limits"] = {**raw.get("limits", {}), "settled_marker_ttl_s": 7200, "lease_margin_s": 30}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        reloader = ConfigReloader(path, lambda: started, applied.append)
+        assert not reloader.reload("test")
+        assert applied == []
+        (refusal,) = [r for r in caplog.records if "reload refused" in r.getMessage()]
+        for named in ("limits.settled_marker_ttl_s (3600)", "upstreams.openai.timeout_s", "restart"):
+            assert named in refusal.error, refusal.error  # type: ignore[attr-defined]
+        raw["upstreams"]["openai"]["timeout_s"] = 3210  # a lease of 3,240 s
+        path.write_text(yaml.safe_dump(raw))
+        assert reloader.reload("test")
+    assert applied[0].upstreams["openai"].timeout_s == 3210
+    assert applied[0].limits.settled_marker_ttl_s == 3600
+
+
 def test_a_reload_that_drops_redis_url_says_the_store_does_not_change(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -279,10 +307,14 @@ def test_a_run_ttl_outlives_its_calls() -> None:
     assert "limits.run_ttl_s" in error_of({**UP, "limits": {"run_ttl_s": 60}})
     assert parse_config({**UP, "limits": {"run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
     # A non-streaming call renews nothing: a run's keys must outlive the longest call's lease.
-    slow = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1", "timeout_s": 7200}}}
-    assert "upstreams.openai.timeout_s" in error_of({**slow, "limits": {"run_ttl_s": 3600}})
-    assert parse_config({**slow, "limits": {"run_ttl_s": 7231}}, {}).limits.run_ttl_s == 7231
-    assert parse_config({**slow, "limits": {"run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
+    slow = {
+        "upstreams": {"openai": {"base_url": "https://api.example.com/v1", "timeout_s": 7200}},
+        "limits": {"settled_marker_ttl_s": 8100},  # 90% of it outlasts the lease (7,230 s)
+    }
+    marker = slow["limits"]
+    assert "upstreams.openai.timeout_s" in error_of({**slow, "limits": {**marker, "run_ttl_s": 3600}})
+    assert parse_config({**slow, "limits": {**marker, "run_ttl_s": 7231}}, {}).limits.run_ttl_s == 7231
+    assert parse_config({**slow, "limits": {**marker, "run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
 
 
 def test_secrets_from_the_environment_lose_their_trailing_line_break() -> None:

@@ -440,7 +440,8 @@ def test_run_ttl_must_outlast_every_upstreams_timeout_plus_the_lease_margin() ->
         return {
             "upstreams": upstreams,
             "models": {},
-            "limits": {"run_ttl_s": run_ttl_s, "lease_margin_s": 30},
+            # A settled marker 90% of which outlasts the slowest lease (3,630 s).
+            "limits": {"run_ttl_s": run_ttl_s, "lease_margin_s": 30, "settled_marker_ttl_s": 4034},
         }
 
     assert "upstreams.slow.timeout_s" in error_of(raw(3630))  # equal to the lease: refused
@@ -476,8 +477,32 @@ def test_default_max_tool_calls_is_at_most_a_million() -> None:
 
 def test_the_settled_marker_lives_at_least_a_minute() -> None:
     # Shorter, a second settle of one call (a replayed journal line) could find no marker and bill it twice.
-    assert taken(with_limits(settled_marker_ttl_s=60)).limits.settled_marker_ttl_s == 60
-    assert "limits.settled_marker_ttl_s" in error_of(with_limits(settled_marker_ttl_s=59))
+    quick = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1", "timeout_s": 24}}}
+    assert taken({**quick, "limits": {"settled_marker_ttl_s": 60}}).limits.settled_marker_ttl_s == 60
+    assert "limits.settled_marker_ttl_s" in error_of({**quick, "limits": {"settled_marker_ttl_s": 59}})
+
+
+def test_90_percent_of_the_settled_marker_outlasts_every_whole_answers_lease() -> None:
+    """A settle bills a call whose reservation the store lost (a failover) only within 90% of the
+    marker's life after Redis last confirmed its lease, which a whole answer's call does once, at
+    its reserve: a marker of 60 s beside the default 600 s timeout left such a call unbilled once
+    it ran past 54 s. The slowest upstream's timeout plus the margin (630 s here): at least 700 s."""
+    upstreams = {
+        "fast": {"base_url": "https://a.example/v1", "timeout_s": 60},
+        "slow": {"base_url": "https://b.example/v1", "timeout_s": 600},
+    }
+
+    def raw(settled_marker_ttl_s: int) -> dict[str, Any]:
+        limits = {"settled_marker_ttl_s": settled_marker_ttl_s, "lease_margin_s": 30}
+        return {"upstreams": upstreams, "models": {}, "limits": limits}
+
+    refusal = error_of(raw(699))
+    for named in ("limits.settled_marker_ttl_s (699)", "upstreams.slow.timeout_s", "limits.lease_margin_s"):
+        assert named in refusal
+    assert "at least 700" in refusal
+    assert taken(raw(700)).limits.settled_marker_ttl_s == 700
+    # Beside the default timeout (600 s).
+    assert "limits.settled_marker_ttl_s" in error_of(with_limits(settled_marker_ttl_s=60))
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,7 @@ async def test_a_reload_shortening_run_ttl_keeps_a_run_alive_under_a_call_in_fli
     raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
     raw["upstreams"]["openai"]["timeout_s"] = 5000
     raw["limits"]["run_ttl_s"] = 7200
+    raw["limits"]["settled_marker_ttl_s"] = 6000  # 90% of it outlasts the lease (5,030 s)
     raw["tiers"] = {"standard": {"run": {"requests": 10}}}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
