@@ -615,8 +615,8 @@ async def reserved_call(
 def per_token(input_micros: int, output_micros: int) -> dict[str, int]:
     """Rates (micro-units per million tokens) of every input kind and every output kind."""
     return {
-        **dict.fromkeys(INPUT_RATES, input_micros * 1_000_000),
-        **dict.fromkeys(OUTPUT_RATES, output_micros * 1_000_000),
+        **dict.fromkeys((*INPUT_RATES, "image_input"), input_micros * 1_000_000),
+        **dict.fromkeys((*OUTPUT_RATES, "image_output"), output_micros * 1_000_000),
     }
 
 
@@ -630,6 +630,7 @@ class RefinedCall:
     reserve_rates: dict[str, int] | None = None
     reserve_rates_short: dict[str, int] | None = None
     long_context_above: int | None = None
+    asks_images: bool = False
 
     @property
     def rates_reserved(self) -> dict[str, int] | None:
