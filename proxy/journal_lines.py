@@ -10,7 +10,6 @@ import contextlib
 import enum
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import field, fields
@@ -54,8 +53,12 @@ class PendingSettlement:
         """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
         the call's own settle, tried live or replayed from a journal: applied again after a try
         whose reply was lost, it gets that try's entry (settle.lua), which is then counted."""
-        # The store's clock: the journal may be replayed by an instance on another host.
-        window_left_ms = self.bill_if_lost_until_ms - await store.synced_now() * 1000
+        # The store's clock: the journal may be replayed by an instance on another host. A
+        # damaged line's window of ages (digits past a float's, Infinity) is held to the longest
+        # marker the config takes before any arithmetic: an EXPIRE Redis refused would fail the
+        # script after it wrote the settle, and an OverflowError kept the line for good.
+        now_ms = int(await store.synced_now() * 1000)
+        window_left_ms = min(now_ms + MAX_SETTLED_MARKER_TTL_S * 1000, self.bill_if_lost_until_ms) - now_ms
         return await store.settle(
             tenant=self.tenant,
             reservation_id=self.reservation_id,
@@ -71,10 +74,8 @@ class PendingSettlement:
             # Its window was counted on the marker of the instance that served the call, which a
             # replay (restarted with a shorter one, or adopting its file) may not keep: this
             # settle's reply lost, the next replay, inside the window, must find its marker. A
-            # second over, for the clocks' offsets measured apart. A damaged line's window of
-            # centuries is held to the longest marker the config takes (an EXPIRE Redis refused
-            # would fail the script after it wrote the settle).
-            marker_ttl_s=min(math.ceil(window_left_ms / 1000) + 1, MAX_SETTLED_MARKER_TTL_S)
+            # second over, for the clocks' offsets measured apart.
+            marker_ttl_s=min(-(-int(window_left_ms) // 1000) + 1, MAX_SETTLED_MARKER_TTL_S)
             if window_left_ms > 0
             else 0,
         )
@@ -273,9 +274,9 @@ async def _apply_line(
                 await store.claim_contexts(tenant=pending.tenant, ids=list(pending.owned_contexts))
             except StoreRejected as err:  # the settle is in: not a line to park
                 log.error("could not mark a journaled call's contexts", extra={"error": str(err)})
-    except (TypeError, AttributeError, ValueError) as err:
-        # JSON of the wrong shape (a null where a list goes): it would stop every round here,
-        # holding back every line after it. Parked, as a line the store rejects.
+    except (TypeError, AttributeError, ValueError, ArithmeticError) as err:
+        # JSON of the wrong shape (a null where a list goes, a number past a float's): it would
+        # stop every round here, holding back every line after it. Parked, as a line the store rejects.
         log.error(
             "journal line of the wrong shape parked",
             extra={"reservation_id": str(pending.reservation_id)[:100], "error": repr(err)[:200]},

@@ -291,3 +291,28 @@ async def test_a_damaged_line_s_window_of_centuries_keeps_its_marker_no_longer_t
         await store.close()
     assert await redis_client.xlen(LEDGER) == 1
     assert 0 < await redis_client.ttl("lbp:{team-a}:resv:damaged") <= MAX_SETTLED_MARKER_TTL_S
+
+
+@pytest.mark.parametrize("window", ["400-digits", "Infinity"])
+async def test_a_damaged_line_s_window_past_a_float_neither_sticks_nor_holds_back_the_lines_after_it(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path, window: str
+) -> None:
+    """A window past what a float holds (a 400-digit int, JSON's ``Infinity``) raised an
+    OverflowError where 295a083 worked out its time left in floats, not one of the wrong-shape
+    errors a line is parked for: kept every round, never billed nor parked, its file never
+    removed, each round stopping after its window (the first review of the day). Before, the same
+    line was compared, not divided, and applied; it is again."""
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    await held_reservations(redis_client, "damaged")
+    bad = _settlement_line("damaged")
+    bad["bill_if_lost_until_ms"] = 10**400 if window == "400-digits" else float("inf")
+    good = [_settlement_line(f"good-{i}") for i in range(REPLAY_WINDOW + 5)]
+    orphan = journal_dir / "journal-99999-deadbeef.jsonl"  # a dead process's
+    orphan.write_text("".join(json.dumps(line) + "\n" for line in [bad, *good]))
+    async with replaying(redis_server.url, journal_dir) as (store, journal):
+        await journal.replay(store)
+        await journal.replay(store)
+    billed = {e["reservation_id"] for _, e in await redis_client.xrange(LEDGER, count=1000)}
+    assert billed == {"damaged", *(f"good-{i}" for i in range(REPLAY_WINDOW + 5))}
+    assert not orphan.exists()
