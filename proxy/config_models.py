@@ -172,7 +172,8 @@ class ModelConfig(Frozen):
         price = self.price_per_million
         if price is None:
             return {}
-        return {"default": price.rates, **{name: tier.rates for name, tier in self.service_tiers.items()}}
+        tiers = {name: self._own_images(tier) for name, tier in self.service_tiers.items()}
+        return {"default": price.rates, **tiers}
 
     @cached_property
     def long_priced_tiers(self) -> Mapping[str, dict[str, int]]:
@@ -181,8 +182,24 @@ class ModelConfig(Frozen):
         long = self.long_context
         if long is None or self.price_per_million is None:
             return {}
-        tiers = {name: tier.rates for name, tier in long.service_tiers.items()}
-        return {"default": long.price_per_million.rates, **tiers}
+        tiers = {name: self._own_images(tier) for name, tier in long.service_tiers.items()}
+        return {"default": self._own_images(long.price_per_million), **tiers}
+
+    def _own_images(self, table: PricePerMillion) -> dict[str, int]:
+        """``table``'s rates, its image prices the model's own where it names none: the image
+        tool's tokens are the image model's, priced alike whatever tier or context the calling
+        model ran at; taken as ``table``'s text, a flex table billed gpt-image-1's pictures at
+        gpt-5's flex output price."""
+        own = self.price_per_million
+        rates = table.rates
+        if own is None:
+            return rates
+        kept = {
+            kind: own.rates[kind]
+            for kind, given in (("image_input", own.image_input), ("image_output", own.image_output))
+            if given is not None and getattr(table, kind) is None
+        }
+        return {**rates, **kept} if kept else rates
 
     @cached_property
     def tool_rates(self) -> dict[str, int]:

@@ -80,19 +80,21 @@ IMAGE_RATES = ("image_input", "image_output")
 
 def worst_rates(rates: dict[str, int] | None, *, images: bool = False) -> dict[str, int] | None:
     """For the reserve, every input token at the dearest input rate (a cache write or audio can
-    cost more than plain text) and every output token at the dearest output rate. Image tokens'
-    rates join them for a call that asks for images (``Call.asks_images``): an image model's image
-    output is dearer than its text, and no other call's answer is written in images (the Responses
-    image generation tool's, told apart, are never reserved: overshoot)."""
+    cost more than plain text) and every output token at the dearest output rate. The image
+    output rate joins them for a call that asks for images (``Call.asks_images``): an image
+    model's image output is dearer than its text, and no other call's answer is written in
+    images (the Responses image generation tool's, told apart, are never reserved: overshoot).
+    No answer's input is billed as images but that tool's: its rate stays its own."""
     if rates is None:
         return None
-    input_kinds = (*INPUT_RATES, "image_input") if images else INPUT_RATES
     output_kinds = (*OUTPUT_RATES, "image_output") if images else OUTPUT_RATES
-    top_in = max(rates[kind] for kind in input_kinds)
+    top_in = max(rates[kind] for kind in INPUT_RATES)
     top_out = max(rates[kind] for kind in output_kinds)
-    return {**dict.fromkeys(input_kinds, top_in), **dict.fromkeys(output_kinds, top_out)} | {
-        kind: rates[kind] for kind in IMAGE_RATES if not images
-    }
+    worst = {**dict.fromkeys(INPUT_RATES, top_in), **dict.fromkeys(output_kinds, top_out)}
+    worst["image_input"] = rates["image_input"]
+    if not images:
+        worst["image_output"] = rates["image_output"]
+    return worst
 
 
 def reserve_amounts(est: Estimate, rates: dict[str, int] | None, *, images: bool = False) -> dict[str, int]:

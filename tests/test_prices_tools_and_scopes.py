@@ -141,21 +141,23 @@ def test_the_reserve_prices_each_side_at_its_dearest_kind(dearest_kind: str) -> 
     assert worst_rates(None) is None
 
 
-@pytest.mark.parametrize("image_kind", IMAGE_RATES)
-def test_image_prices_join_the_reserve_of_a_call_asking_for_images_alone(image_kind: str) -> None:
-    """gpt-5 priced for its image tool's images (40 per million out) reserves its text answers
-    at 10, not 40: no answer of its is written in images but the tool's, never reserved. A chat
-    call asking for images (``modalities``) may be all images: reserved at their price."""
+@pytest.mark.parametrize("asks_images", [False, True])
+def test_the_image_output_price_joins_the_reserve_of_a_call_asking_for_images_alone(
+    asks_images: bool,
+) -> None:
+    """gpt-5 priced for its image tool's images (10 in, 40 out per million) reserves its text
+    answers at 10, not 40: no answer of its is written in images but the tool's, never reserved.
+    A chat call asking for images (``modalities``) may be all images: its output reserved at
+    their price. No chat input is billed as images: its input stays at the text's."""
     rates = {kind: 1 for kind in INPUT_RATES + OUTPUT_RATES + IMAGE_RATES}
-    rates[image_kind] = 100
-    side = INPUT_RATES if image_kind == "image_input" else OUTPUT_RATES
-    text = worst_rates(rates)
-    assert text is not None
-    assert {kind: text[kind] for kind in side} == dict.fromkeys(side, 1)
-    assert text[image_kind] == 100  # its own price, for the tokens a settle bills as images
-    images = worst_rates(rates, images=True)
-    assert images is not None
-    assert {kind: images[kind] for kind in (*side, image_kind)} == dict.fromkeys((*side, image_kind), 100)
+    rates["image_input"], rates["image_output"] = 50, 100
+    worst = worst_rates(rates, images=asks_images)
+    assert worst is not None
+    assert {kind: worst[kind] for kind in INPUT_RATES} == dict.fromkeys(INPUT_RATES, 1)
+    top_out = 100 if asks_images else 1
+    assert {kind: worst[kind] for kind in OUTPUT_RATES} == dict.fromkeys(OUTPUT_RATES, top_out)
+    # Their own prices, for the tokens a settle bills as images.
+    assert (worst["image_input"], worst["image_output"]) == (50, 100)
 
 
 def _estimate(input_tokens: int, output_tokens: int, fees: int = 0) -> Estimate:

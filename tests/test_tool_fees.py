@@ -497,6 +497,66 @@ async def test_the_image_tool_s_images_are_billed_at_the_image_prices(
     assert int(entry["cost_micros"]) == -(-exact // 1_000_000) == 169_788  # 41,788 at the text price
 
 
+# gpt-5's flex prices (half of its standard ones); its long-context ones (OpenAI's past 272K:
+# input twice, output one and a half times). Neither names image prices, as the README's
+# service_tiers / long_context rows never say they must.
+FLEX = {"input": "0.625", "output": "5"}
+LONG = {"above_input_tokens": 400, "price_per_million": {"input": "2.5", "output": "15"}}
+IMAGES_WRITTEN = 4160
+
+
+def _image_final(tier: str | None) -> dict[str, Any]:
+    final = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": "completed",
+        "model": "gpt-5",
+        "output": [IMAGE_ITEM],
+        "usage": {"input_tokens": 100, "output_tokens": 20, "total_tokens": 120},
+        "tool_usage": {
+            "image_gen": {
+                "input_tokens": 350,
+                "input_tokens_details": {"image_tokens": 300, "text_tokens": 50},
+                "output_tokens": IMAGES_WRITTEN,
+                "total_tokens": 350 + IMAGES_WRITTEN,
+            }
+        },
+    }
+    if tier is not None:
+        final["service_tier"] = tier
+    return final
+
+
+@pytest.mark.parametrize("case", ["flex-tier", "long-context"])
+async def test_the_image_tool_s_images_keep_the_image_price_on_a_tier_or_past_the_long_context_threshold(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, case: str
+) -> None:
+    """A tier's or a long-context table that does not repeat the image prices billed the image
+    tool's pictures at that table's text prices: a flex call's at 5 per million where OpenAI
+    bills 40 (the first review of the day). The model's own image prices hold there."""
+    model: dict[str, Any] = {"upstream": "openai", "price_per_million": IMAGE_TOOL_PRICE}
+    body: dict[str, Any] = {"model": "gpt-5", "input": "a cat", "tools": [{"type": "image_generation"}]}
+    if case == "flex-tier":
+        model["service_tiers"] = {"flex": FLEX}
+        body["service_tier"] = "flex"
+    else:
+        model["long_context"] = LONG  # the call's input (450, the tool's included) passes 400
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": model},
+    )
+    _responded(script, _image_final("flex" if case == "flex-tier" else None), stream=False)
+    status, answer = await _post(proxy.url, "/v1/responses", body, case)
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry["image_output_tokens"] == str(IMAGES_WRITTEN)
+    # Whatever the text costs at that tier or length, the 4,160 image tokens cost what OpenAI
+    # bills them: gpt-image-1's 40 per million (166,400 micro-units), not the table's 5 or 15.
+    images_at_their_price = IMAGES_WRITTEN * 40
+    assert int(entry["cost_micros"]) >= images_at_their_price, entry["cost_micros"]
+
+
 async def test_responses_reserve_max_tool_calls_once_at_the_dearest_tool(
     make_proxy: Factory, script: ScriptedUpstream
 ) -> None:
