@@ -41,6 +41,9 @@ class ProviderUsage:
     # input images and output.
     image_input_tokens: int = 0
     image_output_tokens: int = 0
+    # Whether the report split its output into images and text (``image_tokens`` told): a call
+    # asking for images whose report does not is billed as though all were images (``billed_usage``).
+    image_output_told: bool = False
     # False when the report gave no output count (only prompt tokens): the output is then
     # counted from the text, never taken as 0.
     output_known: bool = True
@@ -199,6 +202,8 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         audio_input_tokens=audio_in,
         audio_output_tokens=audio_out,
         image_output_tokens=image_out,
+        image_output_told=isinstance(completion_details, dict)
+        and completion_details.get("image_tokens") is not None,
         output_known=given is not None,
     )
 

@@ -180,6 +180,25 @@ async def test_an_image_model_s_images_are_billed_and_reserved_at_the_image_pric
     assert entry["image_output_tokens"] == "1290"
     assert int(entry["cost_micros"]) == -(-(10 * 300_000 + 10 * 2_500_000 + 1290 * 30_000_000) // 1_000_000)
 
+    # A usage that does not say how many it wrote (OpenRouter's per-image models, Gemini's own):
+    # all of the output is images, as an unsure reading bills the more (the first review of the
+    # day: billed at the text price).
+    await redis_client.delete("lbp:{team-a}:ledger")
+    untold = {"prompt_tokens": 10, "completion_tokens": 1300, "total_tokens": 1310}
+    script.plan = _chat_answer("gemini-image", untold)
+    status, answer = await _post(proxy.url, "/v1/chat/completions", request, "untold")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert entry["image_output_tokens"] == "1300"
+    assert int(entry["cost_micros"]) == -(-(10 * 300_000 + 1300 * 30_000_000) // 1_000_000)
+    # A call not asking for images is billed at the text price.
+    await redis_client.delete("lbp:{team-a}:ledger")
+    status, answer = await _post(proxy.url, "/v1/chat/completions", text_only, "text")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert "image_output_tokens" not in entry
+    assert int(entry["cost_micros"]) == -(-(10 * 300_000 + 1300 * 2_500_000) // 1_000_000)
+
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_cache_writes_kept_an_hour_are_billed_at_their_price(
