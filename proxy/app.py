@@ -204,7 +204,10 @@ def build_app(
         store = state.store
 
         def on_applied(entry: Mapping[str, str]) -> None:
-            record_entry(state.metrics, state.config, entry)
+            # A reaper's settle journaled when its reply was lost (``reaper_line``): a lease
+            # reaped, as its reaper would have counted it. No call's own settle writes that tag.
+            record = record_reaped if entry.get("outcome") == "lease_expired" else record_entry
+            record(state.metrics, state.config, entry)
 
         async def loop() -> None:
             pending = state.metrics.journal_pending.labels()
@@ -297,6 +300,7 @@ def build_app(
                 known=lambda: known_tenants(state.registered_tenants, state.config, store.now()),
                 grace_s=config.limits.reap_grace_s,
                 kept_s=registration_s(config),
+                journal=state.journal,
             )
         )
         yield

@@ -48,11 +48,31 @@ class PendingSettlement:
     # The marks alone (``marks_line``): the call's settle landed, the command marking its contexts
     # failed (on a Cluster, another master than its tenant's). Applying it makes the marks only.
     marks_only: bool = False
+    # A reaper's settle at the reserve (``reaper_line``): the lease's reservation id, the try's
+    # token and the marker's life it asks for. Empty (the call's own settle): none.
+    reaped: str = ""
+    reaper_try: str = ""
+    marker_ttl_s: int = 0
 
     async def apply(self, store: Store, on_sent: Callable[[], None] | None = None) -> str | None:
         """Settle it; idempotent by reservation id, so applying it again changes nothing. It is
         the call's own settle, tried live or replayed from a journal: applied again after a try
-        whose reply was lost, it gets that try's entry (settle.lua), which is then counted."""
+        whose reply was lost, it gets that try's entry (settle.lua), which is then counted. A
+        reaper's line is that reaper's settle, sent again as it was, with its token."""
+        if self.reaper_try:
+            return await store.settle(
+                tenant=self.tenant,
+                reservation_id=self.reaped,
+                run_id=self.run_id,
+                scope_keys=self.scope_keys,
+                actual=self.actual,
+                entry=self.entry,
+                scope_ttls_s=self.scope_ttls_s,
+                runlog_ttl_s=self.runlog_ttl_s,
+                on_sent=on_sent,
+                reaper_try=self.reaper_try,
+                marker_ttl_s=self.marker_ttl_s,
+            )
         # The store's clock: the journal may be replayed by an instance on another host. A
         # damaged line's window of ages (digits past a float's, Infinity) is held to the longest
         # marker the config takes before any arithmetic: an EXPIRE Redis refused would fail the
@@ -227,6 +247,41 @@ def marks_line(*, tenant: str, reservation_id: str, run_id: str, ids: list[str])
         entry={},
         owned_contexts=ids,
         marks_only=True,
+    )
+
+
+def reaper_line(
+    *,
+    tenant: str,
+    reservation_id: str,
+    run_id: str,
+    scope_keys: list[str],
+    actual: dict[str, int],
+    entry: dict[str, str],
+    scope_ttls_s: list[int],
+    runlog_ttl_s: int,
+    marker_ttl_s: int,
+) -> PendingSettlement:
+    """A reaper's settle of an expired lease at its reserve, with a token of its own: the reaper
+    sends it, and journals it when its reply is lost (the lease has left the index with it: no
+    other reaper, nor a restart, finds it), so whoever replays it gets the entry that try wrote
+    (settle.lua) and counts it. Under an id of its own, as ``marks_line``: a version before
+    reaper lines (a rollback) reads one as the call's own settle, which, the try not run, billed
+    the call at its reserve as the call's (its real settle, replayed later, then counted figures
+    the ledger never got) and kept the marker only the store's own time; under this one it finds
+    nothing and settles nothing (the entry goes uncounted, as it did before these lines)."""
+    return PendingSettlement(
+        tenant=tenant,
+        reservation_id=f"{reservation_id}:reaped",
+        run_id=run_id,
+        scope_keys=scope_keys,
+        actual=actual,
+        entry=entry,
+        scope_ttls_s=scope_ttls_s,
+        runlog_ttl_s=runlog_ttl_s,
+        reaped=reservation_id,
+        reaper_try=f"r{os.urandom(12).hex()}",
+        marker_ttl_s=marker_ttl_s,
     )
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.config import Config
 from proxy.errors import StoreError, StoreRejected
+from proxy.journal import Journal
+from proxy.journal_lines import PendingSettlement, reaper_line
 from proxy.store import REGISTRATION_S, ExpiredLease, Store
 
 log = logging.getLogger("proxy.reaper")
@@ -96,19 +97,71 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
     return actual, entry, run_id, _seconds(record.get("run_ttl_s"))
 
 
-@dataclass(frozen=True, slots=True)
-class UnsureSettle:
-    """A reaper's settle the store may have run though its reply never came (a timeout, a
-    connection lost): the lease has left the index with it, so only this try, sent again with
-    its token, can learn the entry it wrote (settle.lua) and have it counted."""
-
-    token: str
-    settle: dict[str, Any]  # ``Store.settle``'s arguments
-    entry: dict[str, str]
+# Per reaper (``run_reaper``): reservation id -> its settle (``reaper_line``) whose reply was
+# lost and that no journal took (none given, or its disk refused the line): tried again first
+# in each of its tenant's rounds, and once more when the reaper stops.
+Unsure = dict[str, PendingSettlement]
 
 
-# Per reaper (``run_reaper``): reservation id -> its unsure settle, retried first each round.
-Unsure = dict[str, UnsureSettle]
+@dataclass(slots=True)
+class _Tries:
+    """A reaper's settles, each sent with its try's token. One whose reply was lost, which the
+    store may have run (the lease has left the index with it), is journaled: whoever replays it
+    (this process, a restart, an instance adopting the file) sends that try again and counts
+    the entry it wrote. Kept in memory alone, it went with the process: an entry the ledger
+    holds that no instance's metrics counted."""
+
+    store: Store
+    unsure: Unsure
+    journal: Journal | None
+    on_settled: Callable[[Mapping[str, str]], None]
+    settled: list[dict[str, str]] = field(default_factory=list)
+
+    async def send(self, attempt: PendingSettlement) -> str | None:
+        reservation_id = attempt.reaped
+        try:
+            entry_id = await attempt.apply(self.store)
+        except StoreRejected:
+            self.unsure.pop(reservation_id, None)
+            raise
+        except StoreError as err:
+            if err.maybe_applied or reservation_id in self.unsure:
+                await self._keep(attempt)  # it may have run: its entry is asked for again
+            raise
+        except asyncio.CancelledError:
+            # Stopped mid-settle: it may run all the same. (The line is written before the
+            # journal's first await: a second cancel does not cut it.)
+            await self._keep(attempt)
+            raise
+        self.unsure.pop(reservation_id, None)
+        if entry_id is not None:
+            self.settled.append(attempt.entry)
+            self.on_settled(attempt.entry)
+            log.warning("lease expired, settled at reserve", extra={"entry": attempt.entry})
+        return entry_id
+
+    async def _keep(self, attempt: PendingSettlement) -> None:
+        if self.journal is not None:
+            try:
+                await self.journal.append_off_loop(attempt)
+            except OSError as err:
+                log.error("a reaper's unsure settle could not be journaled", extra={"error": str(err)})
+            else:
+                self.unsure.pop(attempt.reaped, None)
+                return
+        self.unsure[attempt.reaped] = attempt
+
+    async def again(self, tenant: str) -> None:
+        """Send again the unsure settles of ``tenant``; a store error raises."""
+        for reservation_id, attempt in list(self.unsure.items()):
+            if attempt.tenant == tenant:
+                try:
+                    await self.send(attempt)
+                except StoreRejected as err:
+                    log.error(
+                        "expired lease could not be settled",
+                        extra={"reservation_id": reservation_id, "error": str(err)},
+                    )
 
 
 async def reap_tenant(
@@ -118,46 +171,22 @@ async def reap_tenant(
     grace_s: float = 0.0,
     on_settled: Callable[[Mapping[str, str]], None] = lambda entry: None,
     unsure: Unsure | None = None,
+    journal: Journal | None = None,
 ) -> list[dict[str, str]]:
     """Settle every lease of one tenant that ran out ``grace_s`` ago or more; returns the ledger
     entries this call wrote, each given to ``on_settled`` as soon as it is written: a store error
     later in the round raises, and the entries written before it would go uncounted. A lease
     that cannot be settled is logged and skipped: it never blocks the others.
 
-    ``unsure``: the settles of earlier rounds whose reply was lost (kept across rounds by the
-    caller): tried again first, each with its token, so the entry one of them wrote is counted
-    once, as a lease settled now is.
+    A settle whose reply was lost (the store may have run it) goes to ``journal``, whose replay
+    counts the entry it wrote; without one, or should its disk refuse the line, to ``unsure``
+    (kept across rounds by the caller), tried again first, with its token, so the entry is
+    counted once, as a lease settled now is.
 
     A batch's leases are settled at once: their settles share round trips (one at a time, the
     leases a dead instance left held their budgets' room a round trip each longer)."""
-    settled: list[dict[str, str]] = []
-    unsure = {} if unsure is None else unsure
-
-    async def settle(reservation_id: str, attempt: UnsureSettle) -> str | None:
-        try:
-            entry_id = await store.settle(**attempt.settle, reaper_try=attempt.token)
-        except StoreRejected:
-            unsure.pop(reservation_id, None)
-            raise
-        except StoreError:
-            unsure[reservation_id] = attempt  # it may have run: its entry is asked for again
-            raise
-        unsure.pop(reservation_id, None)
-        if entry_id is not None:
-            settled.append(attempt.entry)
-            on_settled(attempt.entry)
-            log.warning("lease expired, settled at reserve", extra={"entry": attempt.entry})
-        return entry_id
-
-    for reservation_id, attempt in list(unsure.items()):
-        if attempt.settle["tenant"] == tenant:
-            try:
-                await settle(reservation_id, attempt)
-            except StoreRejected as err:
-                log.error(
-                    "expired lease could not be settled",
-                    extra={"reservation_id": reservation_id, "error": str(err)},
-                )
+    tries = _Tries(store, {} if unsure is None else unsure, journal, on_settled)
+    await tries.again(tenant)
 
     async def reap(lease: ExpiredLease) -> bool:
         """Settle one lease at its reserve; False when it stays in the index: its record cannot
@@ -168,19 +197,19 @@ async def reap_tenant(
             )
             return False
         actual, entry, run_id, run_ttl_s = lease_entry(lease)
-        arguments: dict[str, Any] = {
-            "tenant": tenant,
-            "reservation_id": lease.id,
-            "run_id": run_id,
-            "scope_keys": lease.scope_keys,
-            "actual": actual,
-            "entry": entry,
-            "scope_ttls_s": lease.scope_ttls_s,  # a scope key written anew still expires
-            "runlog_ttl_s": run_ttl_s,
-            "marker_ttl_s": marker_ttl_s(lease),  # the store keeps its own when that is longer
-        }
+        attempt = reaper_line(
+            tenant=tenant,
+            reservation_id=lease.id,
+            run_id=run_id,
+            scope_keys=list(lease.scope_keys),
+            actual=actual,
+            entry=entry,
+            scope_ttls_s=list(lease.scope_ttls_s),  # a scope key written anew still expires
+            runlog_ttl_s=run_ttl_s,
+            marker_ttl_s=marker_ttl_s(lease),  # the store keeps its own when that is longer
+        )
         try:
-            await settle(lease.id, UnsureSettle(f"r{os.urandom(12).hex()}", arguments, entry))
+            await tries.send(attempt)
         except StoreRejected as err:
             log.error(
                 "expired lease could not be settled", extra={"reservation_id": lease.id, "error": str(err)}
@@ -202,7 +231,7 @@ async def reap_tenant(
             raise failed
         left += outcomes.count(False)
         if len(leases) < BATCH:
-            return settled
+            return tries.settled
 
 
 def registration_s(config: Config) -> float:
@@ -231,6 +260,7 @@ async def run_reaper(
     *,
     grace_s: float = 0.0,
     kept_s: float = REGISTRATION_S,
+    journal: Journal | None = None,
 ) -> None:
     """Loop until cancelled; a store outage only delays reaping.
 
@@ -248,7 +278,27 @@ async def run_reaper(
     for that long, a key sprayed at the proxy and refused upstream) is read until it holds no
     lease, then dropped: a round reads the tenants that may hold one, not every tenant ever
     seen. The registry as written before is moved in first (``Store.adopt_old_tenants``).
-    ``on_settled`` gets each ledger entry this process wrote."""
+    ``on_settled`` gets each ledger entry this process wrote; ``journal`` takes its settles whose
+    reply was lost (``reap_tenant``): those it cannot take are sent once more as the reaper
+    stops, the store back by then maybe."""
+    unsure: Unsure = {}  # settles whose reply was lost no journal took, retried first each round
+    try:
+        await _rounds(store, interval_s, on_settled, known, grace_s, kept_s, journal, unsure)
+    finally:
+        if unsure:
+            await _last_tries(store, unsure, on_settled, journal)
+
+
+async def _rounds(
+    store: Store,
+    interval_s: float,
+    on_settled: Callable[[Mapping[str, str]], None],
+    known: Callable[[], Iterable[str]],
+    grace_s: float,
+    kept_s: float,
+    journal: Journal | None,
+    unsure: Unsure,
+) -> None:
     loop = asyncio.get_running_loop()
     # Since when each tenant's keys have answered without a break. Per tenant, not per store: on
     # a Redis Cluster each tenant's keys live on one master, which may be down while the others
@@ -256,7 +306,6 @@ async def run_reaper(
     # round (every tenant after it went unreaped, for as long as it was down), and its grace is
     # its own master's: the registry answering says nothing of whether its journals could land.
     answering: dict[str, float] = {}
-    unsure: Unsure = {}  # settles whose reply was lost, retried first each round
     # The registry's tenants as last read: on a Cluster the registry is one key on one master,
     # and that master down must not stop the reaping of the tenants on the others (each
     # tenant's own reads say whether its master answers, and restart its grace when not).
@@ -303,13 +352,15 @@ async def run_reaper(
                 if since is None:
                     answering[tenant] = since = loop.time()
                 if loop.time() - since >= grace_s:
-                    await reap_tenant(store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure)
+                    await reap_tenant(
+                        store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure, journal=journal
+                    )
                 until_ms = registered.get(tenant)
                 if (
                     until_ms is not None
                     and until_ms <= store.now() * 1000
                     and tenant not in mine
-                    and not any(attempt.settle["tenant"] == tenant for attempt in unsure.values())
+                    and not any(attempt.tenant == tenant for attempt in unsure.values())
                     and not await store.leases_held(tenant=tenant)
                 ):
                     idle[tenant] = until_ms
@@ -324,6 +375,25 @@ async def run_reaper(
         if current is not None and current.cancelling():
             return  # cancelled inside a store client that swallowed it (redis-py may, mid-command)
         await asyncio.sleep(interval_s)
+
+
+async def _last_tries(
+    store: Store, unsure: Unsure, on_settled: Callable[[Mapping[str, str]], None], journal: Journal | None
+) -> None:
+    """The settles whose reply was lost that no journal took, sent once more as the reaper stops:
+    kept in memory alone, they go with the process."""
+    tries = _Tries(store, unsure, journal, on_settled)
+    for tenant in sorted({attempt.tenant for attempt in unsure.values()}):
+        try:
+            await tries.again(tenant)
+        except StoreError as err:
+            log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
+    if unsure:
+        log.error(
+            "a reaper stopped with settles whose reply was lost: the entries they wrote, if any, "
+            "are in the ledger and no instance's metrics",
+            extra={"reservation_ids": sorted(unsure)},
+        )
 
 
 async def _adopt_old_tenants(store: Store, registered: dict[str, int], kept_s: float) -> None:

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.journal import Journal
-from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement, marks_line
+from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement, marks_line, reaper_line
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.store import MAX_SETTLED_MARKER_TTL_S
@@ -244,6 +244,41 @@ async def test_a_marks_line_read_as_a_settle_by_an_older_version_settles_nothing
         as_an_older_version_reads_it = asdict(line)
         del as_an_older_version_reads_it["marks_only"]
         assert await PendingSettlement(**as_an_older_version_reads_it).apply(store) is None
+    assert await redis_client.xlen(LEDGER) == 1
+
+
+async def test_a_reaper_line_read_as_a_settle_by_an_older_version_settles_nothing(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A version before reaper lines (a rollback) reads one as the call's own settle: under the
+    lease's id, its try not run, it would bill the call at its reserve as the call's own, which
+    the call's real settle, replayed later, takes for its own (counting figures the ledger never
+    got). Under its own id it finds nothing and settles nothing; this version sends the
+    reaper's try, and again gets that try's entry."""
+    await held_reservations(redis_client, "reaped")
+    line = reaper_line(
+        tenant="team-a",
+        reservation_id="reaped",
+        run_id="r1",
+        scope_keys=["lbp:{team-a}:run:r1"],
+        actual={"requests": 1, "input_tokens": 3, "output_tokens": 4, "total_tokens": 7},
+        entry={"reservation_id": "reaped", "outcome": "lease_expired", "tenant": "team-a"},
+        scope_ttls_s=[3600],
+        runlog_ttl_s=3600,
+        marker_ttl_s=0,
+    )
+    as_an_older_version_reads_it = {
+        name: value
+        for name, value in asdict(line).items()
+        if name not in ("reaped", "reaper_try", "marker_ttl_s")
+    }
+    async with replaying(redis_server.url, tmp_path) as (store, _):
+        assert await PendingSettlement(**as_an_older_version_reads_it).apply(store) is None
+        assert await redis_client.hget("lbp:{team-a}:resv:reaped", "amounts") is not None
+        first = await line.apply(store)
+        assert first is not None
+        assert await line.apply(store) == first  # its reply lost, the try sent again
+        assert await PendingSettlement(**_settlement_line("reaped")).apply(store) is None  # the call's
     assert await redis_client.xlen(LEDGER) == 1
 
 

@@ -12,8 +12,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
+from proxy.errors import StoreError
 from proxy.reaper import BATCH, reap_tenant, run_reaper
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
@@ -392,6 +394,106 @@ async def test_a_lease_whose_reaped_settle_reply_was_lost_is_counted_once(
     entries = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert [e["outcome"] for e in entries] == ["lease_expired"]
     assert [e["reservation_id"] for e in counted] == ["dead-instance"]
+
+
+def spend(proxy: Proxy) -> dict[str, float]:
+    """What ``proxy``'s reaped and spend counters hold, over every label; tokens by type."""
+    metrics = proxy.app[STATE].metrics
+    out = {
+        name: float(sum(value.value for _, value in getattr(metrics, name).items()))
+        for name in ("leases_expired", "requests", "cost_micros")
+    }
+    for labels, value in metrics.tokens.items():
+        kind = dict(zip(metrics.tokens.labelnames, labels, strict=True))["type"]
+        out[kind] = out.get(kind, 0) + value.value
+    return out
+
+
+class LostThenDown:
+    """A store's reaper tries (``reaper_try``): the first runs and its reply is lost, the next
+    fail unsent while ``down`` (an outage); what each try sent is kept."""
+
+    def __init__(self, settle: Callable[..., Awaitable[str | None]]) -> None:
+        self.settle = settle
+        self.tries: list[dict[str, Any]] = []
+        self.down = True
+
+    async def __call__(self, **how: Any) -> str | None:
+        if not how.get("reaper_try"):
+            return await self.settle(**how)
+        self.tries.append(how)
+        if len(self.tries) == 1:
+            await self.settle(**how)  # it ran
+            raise StoreError("settle: connection lost", maybe_applied=True)
+        if self.down:
+            raise StoreError("settle: connection refused")
+        return await self.settle(**how)
+
+
+async def test_a_reapers_settle_whose_reply_was_lost_is_counted_after_its_instance_stopped(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper's settle ran, its reply was lost and the store stayed away until the instance
+    stopped. The try was kept in memory alone (the lease has left the index with it: no other
+    reaper, nor a restart, finds it), so the ``lease_expired`` entry the ledger holds was in no
+    instance's metrics (the metrics hunt). It is journaled: the instance started next adopts
+    the file, sends that try again and counts its entry, once."""
+    first = await make_proxy(limits={"reaper_interval_s": 0.05, "journal_replay_s": 0.05})
+    store = first.app[STATE].store
+    assert store is not None
+    lost = LostThenDown(store.settle)
+    monkeypatch.setattr(store, "settle", lost)
+    await run_lease(store, "team-a", "dead-instance", "r-dead")
+    for _ in range(100):
+        if len(lost.tries) >= 3:  # sent again by the journal's replay, the store still away
+            break
+        await asyncio.sleep(0.05)
+    assert len(lost.tries) >= 3
+    await first.runner.cleanup()  # stopped during the outage
+    second = await make_proxy(limits={"journal_replay_s": 0.05})
+    for _ in range(100):
+        if spend(second)["leases_expired"]:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # a few more replays: none counts it again
+    entries = [fields for _, fields in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert [e["outcome"] for e in entries] == ["lease_expired"]
+    assert spend(first) == {"leases_expired": 0, "requests": 0, "cost_micros": 0}
+    counted = spend(second)
+    assert [counted.get(name) for name in ("leases_expired", "requests", "input", "output")] == [1, 1, 5, 7]
+    # Every try was the reaper's first, as it sent it: the replay's got the entry that one wrote.
+    assert all(how == lost.tries[0] for how in lost.tries)
+    assert lost.tries[0]["marker_ttl_s"] == 0 and "bill_if_lost" not in lost.tries[0]
+    assert await redis_client.hget("lbp:{team-a}:resv:dead-instance", "try") == lost.tries[0]["reaper_try"]
+
+
+async def test_a_reaper_without_a_journal_sends_its_unsure_settles_once_more_as_it_stops(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A reaper given no journal (or whose disk refuses the line) keeps its settle whose reply
+    was lost in memory: one more try as it stops, the store back by then, counts the entry."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    store.settle = lost  # type: ignore[method-assign]
+    counted: list[Mapping[str, str]] = []
+    reaper = asyncio.create_task(run_reaper(store, 0.05, counted.append, known=lambda: ["team-a"]))
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        for _ in range(100):
+            if len(lost.tries) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert counted == []
+        lost.down = False
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+    finally:
+        reaper.cancel()
+        await store.close()
+    assert [e["reservation_id"] for e in counted] == ["dead-instance"]
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
 
 
 async def test_a_reapers_try_sent_again_gets_its_entry_and_no_other_settle_does(

@@ -13,8 +13,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.journal_lines import reaper_line
 from proxy.outcome import NOTHING_BILLED, Outcome, reserve_usage
-from proxy.reaper import UnsureSettle, lease_entry, reap_tenant
+from proxy.reaper import lease_entry, reap_tenant
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.reserve import _refusal_error
@@ -441,15 +442,17 @@ async def test_a_reapers_unsure_settle_is_tried_again_in_its_own_tenants_round_o
         )
         assert isinstance(reserved, Reservation)
         entry = {"outcome": "lease_expired", "reservation_id": "unsure"}
-        arguments = {
-            "tenant": "team-a",
-            "reservation_id": "unsure",
-            "run_id": "r",
-            "scope_keys": [scope.key],
-            "actual": figures,
-            "entry": entry,
-        }
-        attempt = UnsureSettle("r0123", arguments, entry)
+        attempt = reaper_line(
+            tenant="team-a",
+            reservation_id="unsure",
+            run_id="r",
+            scope_keys=[scope.key],
+            actual=figures,
+            entry=entry,
+            scope_ttls_s=[],
+            runlog_ttl_s=0,
+            marker_ttl_s=0,
+        )
         unsure = {"unsure": attempt}
         assert await reap_tenant(store, "team-b", unsure=unsure) == []
         assert unsure == {"unsure": attempt}
