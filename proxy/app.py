@@ -17,7 +17,7 @@ from aiohttp import hdrs, web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.error_answers import answer_parser_errors_as_json, error_middleware
+from proxy.error_answers import answer_parser_errors_as_json, bound_request_heads, error_middleware
 from proxy.errors import StoreError
 from proxy.forward import UpstreamConnector
 from proxy.handlers import add_routes, metrics_handler
@@ -106,7 +106,9 @@ def encodings_in(config: Config) -> set[str]:
 def server_options(config: Config) -> dict[str, Any]:
     """HTTP parser limits, set above ours so that the header limit is ours to enforce (and to
     refuse in the format of the API called); past these the parser refuses, in JSON both APIs'
-    clients read (``answer_parser_errors_as_json``)."""
+    clients read (``answer_parser_errors_as_json``). A head is refused as it comes once past a
+    request line and one field's limit of fields (``bound_request_heads``): 1,024 fields of
+    64 KiB are 64 MiB."""
     return {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024, "max_headers": 1024}
 
 
@@ -147,6 +149,7 @@ def build_app(
     started_from: Config | None = None,
 ) -> web.Application:
     answer_parser_errors_as_json()
+    bound_request_heads()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     app.on_response_prepare.append(close_after_chunked_body)
     state = State(

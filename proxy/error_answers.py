@@ -3,13 +3,17 @@ and those of requests aiohttp's HTTP parser refuses before any middleware."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
-from aiohttp import hdrs, http_exceptions, web, web_protocol
+from aiohttp import hdrs, http_exceptions, http_parser, web, web_protocol
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.streams import StreamReader
 
 from proxy.dialects import Dialect, dialect_of_path
 from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable, error_object
@@ -33,6 +37,75 @@ _PARSER_REFUSALS: tuple[tuple[type[Exception], str], ...] = (
     (http_exceptions.ContentLengthError, "the body's length is not valid"),
     (http_exceptions.ContentEncodingError, _DOES_NOT_DECODE),
 )
+
+
+# What a head holds beside its request line and fields: the method, version and line ends
+# (a generous bound), and each field's ": " and line end.
+_HEAD_LINE_FRAMING_BYTES = 1024
+_FIELD_FRAMING_BYTES = len(b": \r\n")
+
+
+class HeadTooLarge(http_exceptions.BadHttpMessage):
+    """A request head past what the parser may hold of one (``_HeadBoundParser``)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"The request line and headers exceed {limit_bytes} bytes.")
+
+
+class _HeadBoundParser(http_parser.HttpRequestParser):
+    """aiohttp's request parser (its C one, else Python's), refusing a head whose bytes pass what
+    one the proxy takes may hold: a request line and one field's limit of names and values
+    (``app.server_options``: 64 KiB each, above the 60 KiB the most ``limits.max_header_bytes``
+    takes, which the middleware counts exactly once the head has ended), with their framing.
+    aiohttp's own limits are per field, 1,024 of them: a head of 64 MiB, no key needed, was held
+    (as bytes and as strings) until it ended, or for the keep-alive timeout when it never did.
+    Counted: the reads that end no head while no body is pending, so that what is held of a head
+    is at most this bound and one read. It does not follow the setting (a reload may change
+    that): it lies above all the setting takes."""
+
+    def __init__(
+        self,
+        protocol: BaseProtocol,
+        loop: asyncio.AbstractEventLoop,
+        limit: int,
+        *,
+        max_line_size: int,
+        max_field_size: int,
+        max_headers: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            protocol,
+            loop,
+            limit,
+            max_line_size=max_line_size,
+            max_field_size=max_field_size,
+            max_headers=max_headers,
+            **kwargs,
+        )
+        self.head_limit_bytes = (
+            _HEAD_LINE_FRAMING_BYTES + max_line_size + max_field_size + max_headers * _FIELD_FRAMING_BYTES
+        )
+        self.head_bytes = 0
+        # The body of the last head, while it has not ended: what is read meanwhile is its.
+        self.pending_body: StreamReader | None = None
+
+    def feed_data(
+        self, data: bytes, *args: Any, **kwargs: Any
+    ) -> tuple[list[tuple[http_parser.RawRequestMessage, StreamReader]], bool, bytes]:
+        if self.head_bytes > self.head_limit_bytes:
+            raise HeadTooLarge(self.head_limit_bytes)  # refused: the head is not fed on
+        if self.pending_body is not None and self.pending_body.is_eof():
+            self.pending_body = None
+        in_head = self.pending_body is None
+        fed = super().feed_data(data, *args, **kwargs)
+        if fed[0]:
+            self.pending_body, self.head_bytes = fed[0][-1][1], 0
+        elif in_head:
+            self.head_bytes += len(data)
+            if self.head_bytes > self.head_limit_bytes:
+                raise HeadTooLarge(self.head_limit_bytes)
+        return fed
 
 
 def parser_refusal(exc: BaseException | None) -> str:
@@ -75,13 +148,17 @@ def _handle_parser_error(
         return _PLAIN_HANDLE_ERROR(self, request, status, exc, message)  # not the parser's
     if request.writer.output_size > 0:  # as aiohttp's: a response started cannot be replaced
         raise ConnectionError("Response is sent already, cannot send another response with the error message")
-    reason = parser_refusal(exc)
+    if isinstance(exc, HeadTooLarge):  # aiohttp says 400 for every refusal of its parser
+        status, reason = 431, "the request line and headers are too large"
+        error = error_object(exc.message, "invalid_request_error", code="headers_too_large")
+    else:
+        reason = parser_refusal(exc)
+        error = error_object(
+            f"The request is not valid HTTP: {reason}.", "invalid_request_error", code="bad_http_request"
+        )
     log.info(
         "request refused by the HTTP parser",
         extra={"status": status, "reason": reason, "error": type(exc).__name__, "remote": request.remote},
-    )
-    error = error_object(
-        f"The request is not valid HTTP: {reason}.", "invalid_request_error", code="bad_http_request"
     )
     response = web.Response(
         status=status,
@@ -101,6 +178,13 @@ def answer_parser_errors_as_json() -> None:
     replaced, for the process (every server in it, as it must: the runner is aiohttp's).
     Idempotent; ``app.build_app`` calls it."""
     web_protocol.RequestHandler.handle_error = _handle_parser_error  # type: ignore[method-assign]
+
+
+def bound_request_heads() -> None:
+    """Make aiohttp's servers parse requests with ``_HeadBoundParser``, for the process (as
+    ``answer_parser_errors_as_json``: aiohttp builds its parser itself, naming the class from its
+    module). Idempotent; ``app.build_app`` calls it."""
+    web_protocol.HttpRequestParser = _HeadBoundParser  # type: ignore[attr-defined,assignment]
 
 
 def undecoded_after(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:

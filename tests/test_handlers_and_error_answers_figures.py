@@ -6,6 +6,7 @@ answer is passed on, and which keys and headers name a caller."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import subprocess
@@ -48,7 +49,11 @@ ERROR_OBJECT = dumps(
 async def raw_exchange(proxy: Proxy, request: bytes) -> tuple[bytes, dict[str, str], bytes]:
     """The proxy's answer to ``request`` sent as it is: its status line, headers (lower-cased
     names) and body, read until the proxy closes the connection."""
-    whole = await _raw(proxy.url, request)
+    return answer_parts(await _raw(proxy.url, request))
+
+
+def answer_parts(whole: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """An answer's status line, headers (lower-cased names) and body."""
     head, _, body = whole.partition(b"\r\n\r\n")
     status_line, *lines = head.decode("latin-1").split("\r\n")
     headers = {
@@ -482,6 +487,67 @@ async def test_the_header_limit_counts_names_and_values_and_takes_headers_at_the
         "code": "headers_too_large",
     }
     assert "x-request-id" in headers
+
+
+async def test_a_head_at_the_largest_header_limit_beside_the_longest_line_is_taken(
+    make_proxy: ProxyFactory,
+) -> None:
+    """What aiohttp's parser may hold of a head (the next test) lies above every head the
+    config takes: 60 KiB of names and values, the most ``limits.max_header_bytes`` takes, in 1,000
+    headers, behind a request line near the parser's 64 KiB."""
+    largest = 60 * 1024
+    proxy = await make_proxy(limits={"max_header_bytes": largest})
+    fixed = [("Host", "x"), ("Connection", "close")]
+    room = largest - sum(len(n) + len(v) for n, v in fixed)
+    names = [f"X-{i:03}" for i in range(1000)]
+    value_bytes, extra_bytes = divmod(room - sum(map(len, names)), len(names))
+    lines = [*fixed, *((n, "v" * (value_bytes + (i < extra_bytes))) for i, n in enumerate(names))]
+    assert sum(len(n) + len(v) for n, v in lines) == largest
+    target = "/healthz?" + "q" * (64 * 1024 - 100)
+    head = f"GET {target} HTTP/1.1\r\n" + "".join(f"{n}: {v}\r\n" for n, v in lines) + "\r\n"
+    status, _, body = await raw_exchange(proxy, head.encode())
+    assert status.startswith(b"HTTP/1.1 200"), (status, body)
+
+
+async def test_a_head_past_what_the_parser_may_hold_is_refused_as_it_arrives(
+    make_proxy: ProxyFactory,
+) -> None:
+    """``limits.max_header_bytes`` is counted once aiohttp's parser has the whole head, which its
+    own limits (1,024 fields of 64 KiB each) let reach 64 MiB: held, no key needed, until it
+    ended, or for the keep-alive timeout when it never did (4 connections sending 60 MB each grew
+    the process by 470 MB). A head past a request line and 64 KiB of fields is refused as it
+    comes: 431 in the parser refusals' JSON, the connection closed, its end never sent."""
+    proxy = await make_proxy()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    field = b"X-Filler: " + b"v" * 8 * 1024 + b"\r\n"
+    sent_bytes, answer, closed = 0, b"", False
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        while not answer and sent_bytes < 512 * 1024:
+            writer.write(field)
+            await writer.drain()
+            sent_bytes += len(field)
+            with contextlib.suppress(TimeoutError):
+                answer = await asyncio.wait_for(reader.read(65536), 0.01)
+    except ConnectionError:
+        closed = True  # while sending: its answer is read below
+    assert answer or closed, f"a head of {sent_bytes} bytes, not ended, is still being read and held"
+    try:  # to the connection's end (an HTTP/1.0 answer, as every parser refusal's: no keep-alive)
+        while chunk := await asyncio.wait_for(reader.read(65536), 10):
+            answer += chunk
+    except ConnectionResetError:
+        pass  # the head's rest, sent after the answer, reset the closed connection
+    finally:
+        writer.close()
+    assert answer, f"a head of {sent_bytes} bytes, not ended, closed unanswered"
+    status, headers, body = answer_parts(answer)
+    assert status.split(b" ")[1] == b"431", answer
+    assert headers["content-type"].startswith("application/json"), headers
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "headers_too_large"), error
+    assert error["message"] == "The request line and headers exceed 136192 bytes.", error  # 133 KiB
+    assert headers["x-request-id"].startswith("req_"), headers
 
 
 async def test_an_unknown_url_is_a_404_unknown_url_in_the_apis_format(
