@@ -30,6 +30,7 @@ from proxy.redis_store import RedisStore
 from proxy.reload import ConfigReloader
 from proxy.state import STATE, State
 from proxy.store import Eviction, Store
+from proxy.thread_pools import TenantPool
 from proxy.tokenizer import Tokenizer, encoding_for_model
 
 STOP_LOOP_S = 5.0
@@ -37,6 +38,9 @@ log = logging.getLogger("proxy.app")
 RELOAD_POLL_S = 2.0
 # How often the store's clock is measured again (budget windows follow it: ``Store.now``).
 CLOCK_SYNC_S = 30.0
+# Large bodies waiting to be parsed and planned off the loop (each already read and held) past
+# which another is refused 503: a flood of them, from as many tenants as pass-through makes keys.
+PLANS_HELD_MOST = 256
 
 StoreFactory = Callable[[Config], Store]
 
@@ -274,8 +278,12 @@ def build_app(
 
     async def estimator_ctx(app: web.Application) -> AsyncIterator[None]:
         state.estimator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="estimate")
+        # One thread: the walks are Python's, holding the GIL, and the loop takes it back every
+        # switch interval (5 ms) from one thread, not from several.
+        state.planner = TenantPool("plan", threads=1, per_tenant=1, most=PLANS_HELD_MOST)
         yield
         state.estimator.shutdown(wait=False, cancel_futures=True)
+        state.planner.shutdown()
 
     async def log_flush_ctx(app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:

@@ -148,6 +148,21 @@ class StoreUnavailable(ApiError):
         )
 
 
+class Busy(ApiError):
+    """More long work (large bodies to parse, prompts to count) waits for the process's threads
+    than it takes (``thread_pools.TenantPool``): a retry, a moment later, is served."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "proxy_busy"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The proxy is busy with other calls' large requests; the call was not forwarded.",
+            headers={"x-should-retry": "true", "retry-after": "1"},
+        )
+
+
 def error_object(
     message: str, error_type: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, str | None]:

@@ -17,6 +17,7 @@ from proxy.metrics import Metrics
 from proxy.relay import Services
 from proxy.settle import Settlement
 from proxy.store import Store
+from proxy.thread_pools import TenantPool
 from proxy.tokenizer import Tokenizer
 
 
@@ -35,6 +36,8 @@ class State:
     # Large prompts are counted here, one at a time: off the event loop, and never more than one
     # core spent tokenizing (several at once on few cores only fight over them and the GIL).
     estimator: ThreadPoolExecutor | None = None
+    # Bodies whose walks are long are parsed and planned here (``handlers.planned``).
+    planner: TenantPool | None = None
     # Tenants this process has registered for the reapers, each until when (ms, the registry's
     # clock): registered again once half of it is gone (``handlers.registered``), dropped once
     # it ran out (``reaper.known_tenants``).

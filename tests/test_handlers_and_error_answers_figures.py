@@ -11,6 +11,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +21,31 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import proxy.app as app_module
+import proxy.handlers as handlers
 from proxy.auth import PASSTHROUGH_ID_DIGITS
+from proxy.config_load import parse_config
 from proxy.errors import StoreRejected
+from proxy.payload import parse_body
+from proxy.plan import plan_call
 from proxy.reaper import registration_s
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
 from proxy.store import TENANTS_KEY
-from tests.conftest import KEY_A, Proxy, ProxyFactory, base_config, digest, refused_port
+from tests.conftest import (
+    KEY_A,
+    KEY_B,
+    UPSTREAM_KEY,
+    Proxy,
+    ProxyFactory,
+    base_config,
+    digest,
+    refused_port,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
-from tests.test_security import assert_openai_error, call, serve_everything_with
+from tests.test_security import Reply, assert_openai_error, call, serve_everything_with
 
 JsonDict = dict[str, Any]
 CHAT = "/v1/chat/completions"
@@ -345,6 +360,144 @@ async def test_a_tenant_whose_registration_is_half_gone_is_registered_again_by_i
     again = await redis_client.zscore(TENANTS_KEY, tenant)
     assert again is not None and again > now_ms + kept_ms - 5000
     assert registered[tenant] == again
+
+
+# -- the parse and the plan of a large body, off the event loop ----------------------------------
+
+
+def _deep_lists(depth: int) -> list[Any]:
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return deep
+
+
+# Bodies whose walks (the parse, the estimate's) are long: many small values (40,000 ``{}``, a
+# JSON value each: 0.5 µs of walking apiece), deep ones (orjson reads deep nesting slowly), or
+# many bytes. And one as nearly every call's.
+PLANNED_BODIES: dict[str, tuple[str, JsonDict]] = {
+    "items": ("/v1/responses", {"model": "gpt-4o-mini", "input": [{}] * 20_000, "max_output_tokens": 16}),
+    "deep": (
+        CHAT,
+        {**CHAT_BODY, "messages": [{"role": "user", "content": [_deep_lists(240)] * 60}]},
+    ),
+    "long": (CHAT, {**CHAT_BODY, "messages": [{"role": "user", "content": "word " * 60_000}]}),
+    "short": (CHAT, CHAT_BODY),
+}
+
+
+def planned_on(monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None = None) -> list[str]:
+    """The threads ``handlers`` parses and plans bodies on, in order; with ``gate``, a plan off
+    the event loop's thread waits for it."""
+    threads: list[str] = []
+    loop_thread = threading.current_thread()
+
+    def recording(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            thread = threading.current_thread()
+            threads.append("loop" if thread is loop_thread else thread.name)
+            if gate is not None and thread is not loop_thread and fn is plan_call:
+                assert gate.wait(10), "the plan was never let go"
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(handlers, "parse_body", recording(parse_body))
+    monkeypatch.setattr(handlers, "plan_call", recording(plan_call))
+    return threads
+
+
+@pytest.mark.parametrize("shape", list(PLANNED_BODIES))
+async def test_a_body_of_many_values_or_bytes_is_parsed_and_planned_off_the_event_loop(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """The parse and the estimate walk a body value by value on whatever thread runs them: 4 MiB
+    of ``{}`` (1.3 million values, under ``limits.max_body_bytes``) held the event loop 2 s, every
+    other tenant's call waiting as long (the DoS hunt). A body of many values or bytes is parsed
+    and planned on the plan thread; a small one, nearly every call's, on the loop (no thread's
+    hop to pay)."""
+    threads = planned_on(monkeypatch)
+    proxy = await make_proxy()
+    path, body = PLANNED_BODIES[shape]
+    reply = await call(proxy, path, body=body)
+    assert reply.status == 200, reply.describe()
+    expected = "loop" if shape == "short" else "plan_0"
+    assert threads == [expected, expected]
+
+
+async def test_a_call_planned_off_the_loop_is_judged_by_a_config_reloaded_meanwhile(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_server: RedisServerProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """A call is judged by the config in force when it is decided: one whose plan, off the loop,
+    refused it under a config a reload replaced meanwhile (its model unknown there, routed now)
+    is planned again under the new one."""
+    gate = threading.Event()
+    threads = planned_on(monkeypatch, gate)
+    only = {"gpt-4o-mini": {"upstream": "openai", "max_output_tokens": 1000}}
+    proxy = await make_proxy(models=only)
+    path, body = PLANNED_BODIES["long"]
+    answer = asyncio.ensure_future(call(proxy, path, body={**body, "model": "gpt-new"}))
+    try:
+        for _ in range(500):
+            if "plan_0" in threads:
+                break
+            await asyncio.sleep(0.01)
+        raw = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+        proxy.app[STATE].config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})  # routes "*"
+    finally:
+        gate.set()
+    reply = await answer
+    assert reply.status == 200, reply.describe()
+    assert threads == ["plan_0", "plan_0", "plan_0", "plan_0"]  # planned twice
+    assert len(fake.received) == 1
+
+
+async def test_a_tenants_large_bodies_wait_their_turn_behind_no_other_tenants(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan thread takes one body of a tenant's at a time: a tenant sending many large
+    bodies has its next planned after another tenant's, not all of its own first; past
+    ``PLANS_HELD_MOST`` waiting, another is refused, 503 with retry advice."""
+    gate = threading.Event()
+    planned: list[str] = []
+
+    def gated(**kwargs: Any) -> Any:
+        planned.append(kwargs["identity"].tenant)
+        if len(planned) == 1:
+            assert gate.wait(10), "the plan was never let go"
+        return plan_call(**kwargs)
+
+    monkeypatch.setattr(handlers, "plan_call", gated)
+    monkeypatch.setattr(app_module, "PLANS_HELD_MOST", 4)
+    proxy = await make_proxy()
+    state = proxy.app[STATE]
+    assert state.planner is not None
+    path, body = PLANNED_BODIES["long"]
+    answers: list[asyncio.Future[Reply]] = []
+    try:
+        # The first holds the thread; the second waits for team-a's turn, the third for the thread.
+        for key in (KEY_A, KEY_A, KEY_B, KEY_A):
+            answers.append(asyncio.ensure_future(call(proxy, path, body=body, key=key)))
+            for _ in range(500):
+                if state.planner.held == len(answers):
+                    break
+                await asyncio.sleep(0.01)
+            assert state.planner.held == len(answers)
+        refused = await call(proxy, path, body=body, key=KEY_B)
+        error = assert_openai_error(refused, 503)
+        assert error["code"] == "proxy_busy"
+        assert refused.headers["retry-after"] == "1" and refused.headers["x-should-retry"] == "true"
+    finally:
+        gate.set()
+    assert [reply.status for reply in await asyncio.gather(*answers)] == [200] * 4
+    assert planned == ["team-a", "team-b", "team-a", "team-a"]
+    assert state.planner.held == 0
 
 
 # -- /metrics on the main port -------------------------------------------------------------------
