@@ -41,6 +41,8 @@ CLOCK_SYNC_S = 30.0
 # Large bodies waiting to be parsed and planned off the loop (each already read and held) past
 # which another is refused 503: a flood of them, from as many tenants as pass-through makes keys.
 PLANS_HELD_MOST = 256
+# Likewise reserve counts (a prompt a budget near its ceiling waits on): past these, a 503.
+RESERVE_COUNTS_HELD_MOST = 64
 
 StoreFactory = Callable[[Config], Store]
 
@@ -281,9 +283,15 @@ def build_app(
         # One thread: the walks are Python's, holding the GIL, and the loop takes it back every
         # switch interval (5 ms) from one thread, not from several.
         state.planner = TenantPool("plan", threads=1, per_tenant=1, most=PLANS_HELD_MOST)
+        # tiktoken counts without the GIL: two at once take both cores of a small machine.
+        state.reserve_counts = TenantPool(
+            "reserve-count", threads=2, per_tenant=1, most=RESERVE_COUNTS_HELD_MOST
+        )
+        state.settle_counts = TenantPool("settle-count", threads=2, per_tenant=1)  # never refused
         yield
         state.estimator.shutdown(wait=False, cancel_futures=True)
-        state.planner.shutdown()
+        for pool in (state.planner, state.reserve_counts, state.settle_counts):
+            pool.shutdown()
 
     async def log_flush_ctx(app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:

@@ -4,13 +4,14 @@ else 4 characters a token); else the reserve, which the call may have spent.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from dataclasses import dataclass, replace
 
 from proxy.call import Call
 from proxy.observe import Observation
 from proxy.outcome import BilledUsage, estimated_usage, provider_usage, reserve_usage
 from proxy.payload import asks_hour_cache_writes
+from proxy.thread_pools import TenantPool
 from proxy.tokenizer import QUICK_BOUND_CHARS, Tokenizer
 
 # A count of the prompt and answers (no usage came) of more characters than this runs in a
@@ -42,12 +43,16 @@ def usage_now(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: b
     return billed_usage(call, obs, tokenizer, complete=complete)
 
 
-async def usage_counted(call: Call, obs: Observation, tokenizer: Tokenizer, usage: Uncounted) -> BilledUsage:
-    """``billed_usage`` in a thread of its own: not queued behind the estimate thread's counts
-    of other calls' prompts, which a settle (and the client waiting on it) need not wait for.
-    The observation is whole by now (its answer has ended, or its relay was cut): the thread
-    reads what no one writes."""
-    return await asyncio.to_thread(billed_usage, call, obs, tokenizer, complete=usage.complete)
+async def usage_counted(
+    call: Call, obs: Observation, tokenizer: Tokenizer, usage: Uncounted, counts: TenantPool
+) -> BilledUsage:
+    """``billed_usage`` on the settle count threads (``counts``): not queued behind the estimate
+    thread's counts of other calls' prompts, nor behind reserves' counts, which a settle (and the
+    client waiting on it) need not wait for; one of a tenant's at a time. The observation is
+    whole by now (its answer has ended, or its relay was cut): the thread reads what no one
+    writes."""
+    count = functools.partial(billed_usage, call, obs, tokenizer, complete=usage.complete)
+    return await counts.run(call.identity.tenant, count)
 
 
 def _chars_to_count(call: Call, obs: Observation) -> int:

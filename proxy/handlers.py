@@ -103,7 +103,7 @@ async def billed_call(request: web.Request, endpoint: Endpoint) -> web.StreamRes
                     call,
                     config,
                     metrics=state.metrics,
-                    count_now=functools.partial(count_now, tokenizer=state.tokenizer),
+                    count_now=functools.partial(count_now, state=state),
                     count_later=functools.partial(count_later, state),
                     in_force=lambda: state.config,
                     told=told,
@@ -263,10 +263,14 @@ async def count_later(state: State, call: Call) -> Estimate:
     return await loop.run_in_executor(state.estimator, counted, call.estimate, state.tokenizer, call.encoding)
 
 
-async def count_now(call: Call, *, tokenizer: Tokenizer) -> Estimate:
-    """The same count for a reserve that waits on it (rare: a budget near its ceiling): in a
-    thread of its own, not queued behind the estimate thread's counts."""
-    return await asyncio.to_thread(counted, call.estimate, tokenizer, call.encoding)
+async def count_now(call: Call, *, state: State) -> Estimate:
+    """The same count for a reserve that waits on it (rare: a budget near its ceiling): on the
+    reserve count threads, not queued behind the estimate thread's counts; one of a tenant's at a
+    time, so that a tenant's many long prompts hold another's count behind one of theirs at most
+    (each refused after its count would cost that tenant nothing)."""
+    assert state.reserve_counts is not None
+    count = functools.partial(counted, call.estimate, state.tokenizer, call.encoding)
+    return await state.reserve_counts.run(call.identity.tenant, count)
 
 
 async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) -> bytes:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from proxy.call import Call
-from proxy.errors import StoreError
+from proxy.errors import Busy, StoreError
 from proxy.estimate import Estimate
 from proxy.metrics import Metrics
 from proxy.pricing import reserve_amounts
@@ -46,6 +46,8 @@ async def count_first(call: Call, count: Counter) -> bool:
     upper bound) is reserved as final."""
     try:
         take_count(call, await count(call))
+    except Busy:
+        raise  # refused, not judged on its bound: the count may well fit
     except Exception as err:
         log.warning("could not count a reserve", extra={"request_id": call.request_id, "error": repr(err)})
         call.estimate = replace(call.estimate, uncounted=())

@@ -52,6 +52,7 @@ from proxy.relay_body import relay_body, relay_upstream_error
 from proxy.relay_stream import relay_stream
 from proxy.settle import Settlement, billing_headers, settle
 from proxy.store import MARKER_TRUST, Store
+from proxy.thread_pools import TenantPool
 from proxy.tokenizer import Tokenizer
 
 log = logging.getLogger("proxy.relay")
@@ -70,6 +71,8 @@ class Services:
     journal: Journal
     # Settle tasks still running (see ``Exchange.settle``); shutdown waits for them.
     settling: set[asyncio.Future[Settlement]]
+    # Where a settle counts a call (``billed_usage.usage_counted``, ``Exchange.count_input``).
+    settle_counts: TenantPool
 
 
 def _tell(early: asyncio.Future[Settlement], settlement: Settlement) -> None:
@@ -123,7 +126,9 @@ class Exchange:
 
     async def billed(self, usage: Usage) -> BilledUsage:
         if isinstance(usage, Uncounted):
-            return await usage_counted(self.call, self.obs, self.services.tokenizer, usage)
+            return await usage_counted(
+                self.call, self.obs, self.services.tokenizer, usage, self.services.settle_counts
+            )
         return usage
 
     async def settle(self, outcome: Outcome, usage: Usage) -> Settlement:
@@ -235,7 +240,9 @@ class Exchange:
         # call at the count, and the count is the first settle's alone.
         if isinstance(usage, Uncounted):  # not ``billed``: a coroutine more on every settle
             try:
-                usage = await usage_counted(self.call, self.obs, self.services.tokenizer, usage)
+                usage = await usage_counted(
+                    self.call, self.obs, self.services.tokenizer, usage, self.services.settle_counts
+                )
             except Exception as err:
                 # Raised here, it failed the settle: the call stayed reserved for a reaper, a
                 # lease and a grace later. Billed at its reserve now, as a count that cannot be
@@ -333,15 +340,15 @@ class Exchange:
 
     async def count_input(self) -> None:
         """Count a quick bound for a call billed at its reserve, if the background count has not
-        landed: here, not behind other calls' counts on the estimate thread."""
+        landed: on the settle count threads, not behind other calls' counts on the estimate
+        thread or reserves' counts."""
         if self.call.estimate.input_exact:
             return
         try:
             est = self.call.estimate
             # At the prices the count chooses (``refine.take_count``), as the settle bills it.
-            take_count(
-                self.call, await asyncio.to_thread(counted, est, self.services.tokenizer, self.call.encoding)
-            )
+            count = functools.partial(counted, est, self.services.tokenizer, self.call.encoding)
+            take_count(self.call, await self.services.settle_counts.run(self.call.identity.tenant, count))
         except Exception as err:  # the quick bound is an upper bound: billed at it
             self.services.metrics.quick_estimates.labels("failed").inc()
             log.warning(

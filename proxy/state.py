@@ -38,6 +38,10 @@ class State:
     estimator: ThreadPoolExecutor | None = None
     # Bodies whose walks are long are parsed and planned here (``handlers.planned``).
     planner: TenantPool | None = None
+    # Counts a reserve waits on (``handlers.count_now``), and a settle's (``Services``): apart,
+    # so that no tenant's prompts, refused after their count at no cost to it, hold a settle.
+    reserve_counts: TenantPool | None = None
+    settle_counts: TenantPool | None = None
     # Tenants this process has registered for the reapers, each until when (ms, the registry's
     # clock): registered again once half of it is gone (``handlers.registered``), dropped once
     # it ran out (``reaper.known_tenants``).
@@ -56,7 +60,7 @@ class State:
     def services_for(self, config: Config) -> Services:
         services = self.services
         if services is None or services.config is not config:
-            assert self.store is not None and self.session is not None
+            assert self.store is not None and self.session is not None and self.settle_counts is not None
             services = self.services = Services(
                 store=self.store,
                 session=self.session,
@@ -65,6 +69,7 @@ class State:
                 metrics=self.metrics,
                 journal=self.journal,
                 settling=self.settling,
+                settle_counts=self.settle_counts,
             )
         return services
 

@@ -4,11 +4,13 @@ server. The paths through the proxy that lead here are in the outcome and dialec
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import orjson
 import pytest
 
+import proxy.billed_usage as billed_usage_module
 from proxy.auth import Identity
 from proxy.billed_usage import INLINE_COUNT_CHARS, Uncounted, billed_usage, usage_counted, usage_now
 from proxy.call import Call
@@ -16,8 +18,10 @@ from proxy.config import Config
 from proxy.config_load import parse_config
 from proxy.ids import IdSource
 from proxy.observe import Observation, ProviderUsage
+from proxy.outcome import BilledUsage
 from proxy.payload import Endpoint, parse_body
 from proxy.plan import plan_call
+from proxy.thread_pools import TenantPool
 from proxy.tokenizer import CACHED_TEXT_CHARS, Tokenizer
 from tests.conftest import base_config
 from tests.test_tokenizer import CountingEncoding
@@ -148,10 +152,21 @@ def test_an_embeddings_report_is_final_without_an_output_count() -> None:
 LARGE = "word " * (INLINE_COUNT_CHARS // 5 + 1)  # past INLINE_COUNT_CHARS
 
 
-async def test_much_text_to_count_is_left_to_a_thread_and_counted_the_same() -> None:
-    """Issue 6: a settle's count of much text runs off the event loop (``usage_counted``, in a
-    thread): the same figures as counted on it. A small count, and a large answer the provider's
-    final usage bills (nothing to count), are worked out at once."""
+async def test_much_text_to_count_is_left_to_a_thread_and_counted_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 6: a settle's count of much text runs off the event loop (``usage_counted``, on the
+    settle count threads, apart from reserves' counts: the DoS hunt): the same figures as counted
+    on it. A small count, and a large answer the provider's final usage bills (nothing to count),
+    are worked out at once."""
+    threads: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> BilledUsage:
+        threads.append(threading.current_thread().name)
+        return billed_usage(*args, **kwargs)
+
+    monkeypatch.setattr(billed_usage_module, "billed_usage", recording)
+    counts = TenantPool("settle-count", threads=1, per_tenant=1)
     call = planned(chat(max_tokens=1000))
     assert usage_now(call, answered("four"), TOKENIZER, complete=True) == billed_usage(
         call, answered("four"), TOKENIZER, complete=True
@@ -161,14 +176,16 @@ async def test_much_text_to_count_is_left_to_a_thread_and_counted_the_same() -> 
     for complete in (True, False):
         later = usage_now(call, answered(LARGE), TOKENIZER, complete=complete)
         assert later == Uncounted(complete)
-        counted = await usage_counted(call, answered(LARGE), TOKENIZER, later)
+        counted = await usage_counted(call, answered(LARGE), TOKENIZER, later, counts)
         assert counted == billed_usage(call, answered(LARGE), TOKENIZER, complete=complete)
     # A large prompt of texts counted one by one (an embeddings batch): the prompt's characters.
     batch = planned({"model": "gpt-4o-mini", "input": [LARGE[:INLINE_COUNT_CHARS], "one more"]}, "embeddings")
     assert usage_now(batch, Observation(), TOKENIZER, complete=True) == Uncounted(True)
-    counted = await usage_counted(batch, Observation(), TOKENIZER, Uncounted(True))
+    counted = await usage_counted(batch, Observation(), TOKENIZER, Uncounted(True), counts)
     assert counted == billed_usage(batch, Observation(), TOKENIZER, complete=True)
     assert counted.input_tokens == INLINE_COUNT_CHARS // 4 + 2  # each input on its own
+    assert threads.count("settle-count_0") == 3
+    counts.shutdown()
 
 
 def _planned_with(tokenizer: Tokenizer, body: dict[str, Any], endpoint: Endpoint) -> Call:

@@ -16,6 +16,8 @@ import pytest
 import redis.asyncio as aioredis
 import tiktoken
 
+import proxy.app as app_module
+import proxy.billed_usage as billed_usage_module
 from proxy.estimate import SPECIAL_TOKENS_PER_INPUT, counted, estimate
 from proxy.payload import (
     ChatBody,
@@ -28,9 +30,11 @@ from proxy.payload import (
 )
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
+from proxy.thread_pools import TenantPool
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import (
     KEY_A,
+    KEY_B,
     Proxy,
     ProxyFactory,
     busy_script,
@@ -240,14 +244,17 @@ async def test_a_call_billed_at_its_reserve_is_billed_at_the_exact_count(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
     gate = threading.Event()
-    enc = QuarterEncoding(gate)
+    enc = TenantGated(gate)
+    enc.gate = gate
     proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
     call = asyncio.ensure_future(failing_call(proxy, "lost"))
     await until_counts_begun(enc, 1)
     fake.release()
-    # The background count holds the estimate thread; the settle counts for itself, not behind it.
+    # The background count holds the estimate thread; the settle counts for itself, not behind
+    # it, nor behind other calls' reserve counts.
     await until_counts_begun(enc, 2)
     assert enc.entries == 2
+    assert [thread for _, thread in enc.threads] == ["estimate_0", "settle-count_0"]
     gate.set()
     with pytest.raises(openai.InternalServerError):
         await call
@@ -519,6 +526,114 @@ async def test_without_quick_estimates_the_call_waits_for_its_count_on_the_estim
     assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
     assert threads == ["estimate_0"]
     assert quick_estimates(proxy, "lowered") == 0 and quick_estimates(proxy, "counted_first") == 0
+
+
+class TenantGated(QuarterEncoding):
+    """``QuarterEncoding`` whose long texts of tenant A's (``"A ..."``) wait for ``a_gate``; the
+    thread of each long count is recorded, with the tenant whose text it is."""
+
+    def __init__(self, a_gate: threading.Event) -> None:
+        super().__init__()
+        self.a_gate = a_gate
+        self.threads: list[tuple[str, str]] = []
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        if len(text) >= CACHED_TEXT_CHARS:
+            self.threads.append((text[0], threading.current_thread().name))
+            if text.startswith("A "):
+                assert self.a_gate.wait(10), "the count was never released"
+        return super().encode_ordinary(text)
+
+
+def tenants_call(proxy: Proxy, tenant: str, run: str, **extra: Any) -> Any:
+    """A call of TEXT by tenant A's key or B's, its text starting with the tenant's letter (and
+    its run's name: a text of its own, counted, not remembered)."""
+    return asyncio.ensure_future(
+        proxy.client(KEY_A if tenant == "A" else KEY_B).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"{tenant} {run} {TEXT}"}],
+            max_tokens=10,
+            extra_headers=run_headers(run),
+            **extra,
+        )
+    )
+
+
+async def until_held(pool: TenantPool | None, held: int) -> None:
+    assert pool is not None
+    for _ in range(500):
+        if pool.held == held:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{pool.held} jobs held, not {held}")
+
+
+async def test_a_tenants_reserve_counts_hold_neither_another_tenants_count_nor_a_settle(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reserve whose bound does not fit counts first; a settle without usage counts its call:
+    both went to asyncio's default executor, one queue for every tenant (the DoS hunt: tenant A's
+    4 MB prompts under a tight ceiling, each refused after 2 s of counting, costing A nothing,
+    held tenant B's settle 17.9 s). Reserve counts run on threads of their own, one of a tenant's
+    at a time (its next waits its turn, behind no other tenant's); settle counts on others."""
+    gate = threading.Event()
+    enc = TenantGated(gate)
+    settled_on: list[str] = []
+    billed_usage = billed_usage_module.billed_usage
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        settled_on.append(threading.current_thread().name)
+        return billed_usage(*args, **kwargs)
+
+    monkeypatch.setattr(billed_usage_module, "billed_usage", recording)
+    # The exact count (about 10,000) fits, the byte bound (40,000) does not: each counts first.
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"input_tokens": 20_000})
+    )
+    state = proxy.app[STATE]
+    a_calls = [tenants_call(proxy, "A", f"a-{i}") for i in range(3)]
+    try:
+        await until_held(state.reserve_counts, 3)  # one counting, held by the gate; two waiting
+        # Counted beside A's, and its settle (no usage: its call counted) not behind them.
+        await tenants_call(proxy, "B", "b", extra_body={"fake": {"no_usage": True}})
+        assert enc.threads == [("A", "reserve-count_0"), ("B", "reserve-count_1")]
+        assert "settle-count_0" in settled_on
+        await until_held(state.reserve_counts, 3)
+    finally:
+        gate.set()
+    await asyncio.gather(*a_calls)
+    assert [tenant for tenant, _ in enc.threads] == ["A", "B", "A", "A"]
+    assert all(thread.startswith("reserve-count_") for _, thread in enc.threads)
+    await proxy.recorded()
+    [entry] = await ledger_entries(proxy, "b", KEY_B)
+    assert entry["usage_source"] == "tokenizer"
+    await until_held(state.reserve_counts, 0)
+
+
+async def test_reserve_counts_past_the_most_waiting_are_refused_as_busy_not_by_their_bound(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reserve counts waiting or running are bounded: past ``RESERVE_COUNTS_HELD_MOST`` (every
+    key a tenant of its own in pass-through), a call is refused 503 with retry advice, before
+    anything is reserved; not 429 on its byte bound, which its budget may well hold once
+    counted."""
+    monkeypatch.setattr(app_module, "RESERVE_COUNTS_HELD_MOST", 2)
+    gate = threading.Event()
+    proxy = await make_proxy(
+        tokenizer=Tokenizer({"o200k_base": TenantGated(gate)}), tiers=tiers(run={"input_tokens": 20_000})
+    )
+    a_calls = [tenants_call(proxy, "A", f"a-{i}") for i in range(2)]
+    try:
+        await until_held(proxy.app[STATE].reserve_counts, 2)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await tenants_call(proxy, "B", "b")
+        assert caught.value.status_code == 503
+        assert caught.value.response.json()["error"]["code"] == "proxy_busy"
+        assert caught.value.response.headers["retry-after"] == "1"
+    finally:
+        gate.set()
+    await asyncio.gather(*a_calls)
+    assert len(fake.received) == 2  # A's, and nothing of B's
 
 
 async def test_a_quick_reserve_is_lowered_for_the_ceilings_of_other_tiers_on_shared_counters(
