@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
@@ -118,19 +118,6 @@ def server_options(config: Config) -> dict[str, Any]:
     return {"max_line_size": 64 * 1024, "max_field_size": 64 * 1024, "max_headers": 1024}
 
 
-async def close_after_chunked_body(request: web.Request, response: web.StreamResponse) -> None:
-    """The connection ends after the answer to a request whose body came chunked. aiohttp's C HTTP
-    parser (3.14.5, ``_http_parser.pyx``: ``cb_on_message_begin`` resets the headers, not the
-    field still pending) files the body's last trailer field among the NEXT request's headers on
-    the connection: a trailer's ``Authorization`` paid for the next caller's call (or made its own
-    key a second one), its ``X-Run-Id`` picked the next call's run. Run on every answer before its
-    headers go (a stream's, a refusal's, the router's 404 too), after aiohttp wrote its
-    ``Connection`` into them. SDKs send their bodies with a length: their connections stay."""
-    if any("chunked" in coding.lower() for coding in request.headers.getall(hdrs.TRANSFER_ENCODING, ())):
-        response.force_close()
-        response.headers[hdrs.CONNECTION] = "close"
-
-
 async def _stopped(task: asyncio.Task[None]) -> None:
     """Cancel a background loop and wait for it, a bounded time: a cancel delivered inside a
     store client that swallows it (redis-py may, mid-command) must not hang shutdown."""
@@ -157,7 +144,6 @@ def build_app(
     answer_parser_errors_as_json()
     bound_request_heads()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
-    app.on_response_prepare.append(close_after_chunked_body)
     state = State(
         config=config,
         passthrough=passthrough,

@@ -99,8 +99,19 @@ class _HeadBoundParser(http_parser.HttpRequestParser):
             self.pending_body = None
         in_head = self.pending_body is None
         fed = super().feed_data(data, *args, **kwargs)
-        if fed[0]:
-            self.pending_body, self.head_bytes = fed[0][-1][1], 0
+        messages = fed[0]
+        if messages:
+            self.pending_body, self.head_bytes = messages[-1][1], 0
+            for at, (message, body) in enumerate(messages):
+                if message.chunked and not message.should_close:
+                    # The C parser (3.14.5, ``_http_parser.pyx``: ``cb_on_message_begin`` resets
+                    # the headers, not the field still pending) files a chunked body's last
+                    # trailer field among the NEXT request's headers on the connection: a
+                    # trailer's ``Authorization`` paid for the next caller's call, its
+                    # ``X-Run-Id`` picked that call's run. Its answer ends the connection
+                    # (``Connection: close``), a request pipelined behind it unanswered. SDKs
+                    # send their bodies with a length: their connections stay.
+                    messages[at] = (message._replace(should_close=True), body)
         elif in_head:
             self.head_bytes += len(data)
             if self.head_bytes > self.head_limit_bytes:
