@@ -41,8 +41,7 @@ def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[s
         return None, price.rates if price else None
     if price is None:  # an unpriced model: its cost is not counted, whatever the tier
         return asked, None
-    tier_price = model.service_tiers.get(asked)
-    if tier_price is None:
+    if asked not in model.service_tiers:
         field = "service_tier"
         if type(view) is MessagesBody:
             field = "speed" if asked == FAST_TIER else "inference_geo"
@@ -52,7 +51,9 @@ def rates_for(view: RequestView, model: ModelConfig) -> tuple[str | None, dict[s
             param=field,
             code="unsupported_service_tier",
         )
-    return asked, tier_price.rates
+    # Its table as priced (``ModelConfig.priced_tiers``): the model's own image prices where the
+    # tier names none, as for an answer that names its tier.
+    return asked, model.priced_tiers[asked]
 
 
 def tier_rates(model: ModelConfig) -> Mapping[str, dict[str, int]]:

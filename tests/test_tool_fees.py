@@ -528,16 +528,17 @@ def _image_final(tier: str | None) -> dict[str, Any]:
     return final
 
 
-@pytest.mark.parametrize("case", ["flex-tier", "long-context"])
+@pytest.mark.parametrize("case", ["flex-tier", "flex-untold", "long-context"])
 async def test_the_image_tool_s_images_keep_the_image_price_on_a_tier_or_past_the_long_context_threshold(
     make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, case: str
 ) -> None:
     """A tier's or a long-context table that does not repeat the image prices billed the image
     tool's pictures at that table's text prices: a flex call's at 5 per million where OpenAI
-    bills 40 (the first review of the day). The model's own image prices hold there."""
+    bills 40 (the first review of the day). The model's own image prices hold there, also for
+    a flex call whose answer names no tier, billed at the tier it asked (the second review)."""
     model: dict[str, Any] = {"upstream": "openai", "price_per_million": IMAGE_TOOL_PRICE}
     body: dict[str, Any] = {"model": "gpt-5", "input": "a cat", "tools": [{"type": "image_generation"}]}
-    if case == "flex-tier":
+    if case.startswith("flex"):
         model["service_tiers"] = {"flex": FLEX}
         body["service_tier"] = "flex"
     else:
