@@ -29,7 +29,7 @@ from pydantic import (
 from redis.asyncio.connection import parse_url
 from yarl import URL
 
-from proxy.config_base import OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
+from proxy.config_base import MAX_COUNT, OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
@@ -48,6 +48,10 @@ def _userinfo_cut(url: str) -> bool:
     """Whether a '@' after the address's start is not where the address ends: a password with an
     unescaped '/', '?' or '#' ends it early, and what follows reads as port, path or query."""
     return "@" in url.partition("://")[2] and "@" not in urlsplit(url).netloc
+
+
+# Every price an answer's output tokens may be billed at (``pricing.OUTPUT_RATES`` and images').
+_OUTPUT_KINDS = ("output", "reasoning", "audio_output", "image_output")
 
 
 class ListenConfig(Frozen):
@@ -453,7 +457,26 @@ class Config(Frozen):
         too_short = self.settled_marker_too_short(self.limits.settled_marker_ttl_s)
         if too_short is not None:
             raise ValueError(too_short)
+        for pattern, model in self.models.items():
+            self._output_cap_fits_the_store(pattern, model)
         return self
+
+    def _output_cap_fits_the_store(self, pattern: str, model: ModelConfig) -> None:
+        """A call sending no cap of its own is reserved at its model's (else the default) cap at
+        the dearest output price: past what the store holds, every such call was refused and
+        told to lower a max_tokens it never sent."""
+        cap = model.max_output_tokens or self.limits.default_max_output_tokens
+        tables = [*model.priced_tiers.values(), *model.long_priced_tiers.values()]
+        top_rate = max((table[kind] for table in tables for kind in _OUTPUT_KINDS), default=0)
+        if cap * top_rate > MAX_COUNT * 1_000_000:  # rates are micro-units per million tokens
+            field = "limits.default_max_output_tokens"
+            if model.max_output_tokens:
+                field = f"models.{pattern}.max_output_tokens"
+            raise ValueError(
+                f"{field} ({cap}) at models.{pattern}'s dearest output price is past the most a "
+                f"reserve holds ({MAX_COUNT} micro-units): every call without a cap of its own would "
+                "be refused; lower the cap"
+            )
 
     def settled_marker_too_short(self, settled_marker_ttl_s: int) -> str | None:
         """Why settled markers kept ``settled_marker_ttl_s`` leave calls of this config unbilled

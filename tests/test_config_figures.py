@@ -466,6 +466,25 @@ def test_a_count_of_tool_calls_or_output_tokens_is_not_true_or_false(value: bool
     assert "limits.default_max_output_tokens" in error_of(with_limits(default_max_output_tokens=value))
 
 
+def test_an_output_cap_whose_reserve_the_store_cannot_hold_is_refused_at_load() -> None:
+    """10^12 tokens at 1,000 per million (a dear model priced in yen) is 10^15 micro-units, one
+    past what the store holds: every call sending no cap of its own was refused 400 and told to
+    lower a max_tokens it never sent (the second review of the day). Refused at load, naming the
+    cap; a tier's dearer price counts too, and a cap within it loads."""
+    dear = {"upstream": "openai", "price_per_million": {"input": "1", "output": "1000"}}
+    raw = {**UP, "limits": {"default_max_output_tokens": 10**12}, "models": {"*": dear}}
+    assert "limits.default_max_output_tokens (1000000000000)" in error_of(raw)
+    capped = {**dear, "max_output_tokens": 10**12}
+    assert "models.*.max_output_tokens" in error_of({**UP, "models": {"*": capped}})
+    tiered = {
+        "upstream": "openai",
+        "price_per_million": {"input": "1", "output": "1"},
+        "service_tiers": {"priority": {"input": "1", "output": "1000"}},
+    }
+    assert "limits.default_max_output_tokens" in error_of({**raw, "models": {"*": tiered}})
+    assert taken({**raw, "limits": {"default_max_output_tokens": 10**12 - 1}}).limits
+
+
 def test_no_tool_calls_reserved_is_a_choice_the_readme_offers() -> None:
     assert taken(with_limits(default_max_tool_calls=0)).limits.default_max_tool_calls == 0
 
