@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -65,6 +66,14 @@ def store_tag(url: str) -> str:
     else:
         address = f"tcp:{str(where.get('host', '')).lower()}:{where.get('port') or 6379}/{db}"
     return hashlib.sha256(address.encode()).hexdigest()[:16]
+
+
+class Unsynced(OSError):
+    """A line written to the journal's file whose sync failed (EIO; ENOSPC on a file system that
+    allocates at sync): the file holds it, and a replay applies it, as any other line; a host
+    crash before the file's next sync may lose it. Raised by ``append`` and ``append_off_loop``
+    in place of the sync's error: the line is journaled, and a caller that kept it elsewhere too
+    would have it applied twice, its entry counted twice."""
 
 
 class Journal:
@@ -112,34 +121,37 @@ class Journal:
         """Durable before returning, without an await: for a caller being cancelled (a reserve
         cut by shutdown), which must not lose the line to a second cancel."""
         handle = self._write(pending)
-        self._syncs.name_synced()
-        os.fsync(handle.fileno())
+        with _syncing():
+            self._syncs.name_synced()
+            os.fsync(handle.fileno())
         self._journaled(pending)
 
     async def append_off_loop(self, pending: PendingSettlement) -> None:
         """``append``, its fsync on the journal's own thread: durable before returning, and a
         slow disk does not stall every other call (during an outage every settle is journaled),
-        nor take the threads that resolve names and count tokens."""
+        nor take the threads that resolve names and count tokens. The line is written before the
+        first await: a cancel finds it in the file."""
         handle = self._write(pending)
         syncs = self._syncs
         line = syncs.written
-        try:
-            # A descriptor of its own, closed by the thread once synced: ``_open`` may close the
-            # file meanwhile (after its removal).
-            fd = os.dup(handle.fileno())
-        except OSError:
-            syncs.name_synced()  # no descriptor to spare: synced here, as ``append``
-            os.fsync(handle.fileno())
-            self._journaled(pending)
-            return
-        # A plain future, not a task: a shutdown that cancels every task (and the caller with
-        # them) neither drops the sync from the thread's queue nor closes its descriptor.
-        synced = asyncio.wrap_future(self._syncer().submit(syncs.sync, fd, line))
-        try:
-            await asyncio.shield(synced)
-        except asyncio.CancelledError:
-            synced.add_done_callback(_tell_unsynced)  # no caller left to hear it
-            raise
+        with _syncing():
+            try:
+                # A descriptor of its own, closed by the thread once synced: ``_open`` may close
+                # the file meanwhile (after its removal).
+                fd = os.dup(handle.fileno())
+            except OSError:
+                syncs.name_synced()  # no descriptor to spare: synced here, as ``append``
+                os.fsync(handle.fileno())
+                self._journaled(pending)
+                return
+            # A plain future, not a task: a shutdown that cancels every task (and the caller with
+            # them) neither drops the sync from the thread's queue nor closes its descriptor.
+            synced = asyncio.wrap_future(self._syncer().submit(syncs.sync, fd, line))
+            try:
+                await asyncio.shield(synced)
+            except asyncio.CancelledError:
+                synced.add_done_callback(_tell_unsynced)  # no caller left to hear it
+                raise
         self._journaled(pending)
 
     def _syncer(self) -> ThreadPoolExecutor:
@@ -441,6 +453,15 @@ class _FileSyncs:
                 self.synced = max(self.synced, covered)
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _syncing() -> Iterator[None]:
+    """Around the sync of a line already written: its failure raised as ``Unsynced``."""
+    try:
+        yield
+    except OSError as err:
+        raise Unsynced(*err.args) from err
 
 
 def _tell_unsynced(synced: asyncio.Future[None]) -> None:

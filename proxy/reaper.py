@@ -16,7 +16,7 @@ from typing import Any
 
 from proxy.config import Config
 from proxy.errors import StoreError, StoreRejected
-from proxy.journal import Journal
+from proxy.journal import Journal, Unsynced
 from proxy.journal_lines import PendingSettlement, reaper_line
 from proxy.store import REGISTRATION_S, ExpiredLease, Store
 
@@ -98,8 +98,9 @@ def lease_entry(lease: ExpiredLease) -> tuple[dict[str, int], dict[str, str], st
 
 
 # Per reaper (``run_reaper``): reservation id -> its settle (``reaper_line``) whose reply was
-# lost and that no journal took (none given, or its disk refused the line): tried again first
-# in each of its tenant's rounds, and once more when the reaper stops.
+# lost and that no journal took (none given, or its disk refused the line; one written whose
+# sync failed is the journal's, ``Unsynced``): tried again first in each of its tenant's rounds,
+# and once more when the reaper stops.
 Unsure = dict[str, PendingSettlement]
 
 
@@ -142,12 +143,22 @@ class _Tries:
 
     async def _keep(self, attempt: PendingSettlement) -> None:
         if self.journal is not None:
+            # Out of memory as its line is written (before the journal's first await: a cancel
+            # during the sync finds it there). Kept in both, the reaper's try again and the
+            # replay's each counted the one entry its token gets.
+            self.unsure.pop(attempt.reaped, None)
             try:
                 await self.journal.append_off_loop(attempt)
-            except OSError as err:
+            except Unsynced as err:
+                log.error(
+                    "a reaper's unsure settle journaled, its sync failed: the replay counts its "
+                    "entry, unless the host fails before the file's next sync",
+                    extra={"reservation_id": attempt.reaped, "error": str(err)},
+                )
+                return
+            except OSError as err:  # nothing written
                 log.error("a reaper's unsure settle could not be journaled", extra={"error": str(err)})
             else:
-                self.unsure.pop(attempt.reaped, None)
                 return
         self.unsure[attempt.reaped] = attempt
 

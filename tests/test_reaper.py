@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
+import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,7 +20,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.errors import StoreError
-from proxy.reaper import BATCH, reap_tenant, run_reaper
+from proxy.journal import Journal
+from proxy.reaper import BATCH, Unsure, reap_tenant, run_reaper
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.state import STATE
@@ -494,6 +499,116 @@ async def test_a_reaper_without_a_journal_sends_its_unsure_settles_once_more_as_
         await store.close()
     assert [e["reservation_id"] for e in counted] == ["dead-instance"]
     assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
+
+
+@pytest.mark.parametrize("descriptor", ["spared", "none to spare"])
+async def test_a_reapers_line_written_whose_sync_failed_is_counted_by_the_replay_alone(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    descriptor: str,
+) -> None:
+    """The reaper's settle ran and its reply was lost; the journal wrote its line and the sync
+    failed (EIO; ENOSPC on a file system that allocates at sync), on the sync thread or, with no
+    descriptor to spare, on the loop. The try was taken for not journaled and kept in memory
+    too: the reaper's next round sent it again and counted the entry, then the replay, which
+    reads the line in the file, sent it again and counted the same entry again. One
+    ``lease_expired`` entry, two in the metrics (the review's
+    test_a_reaper_line_whose_sync_failed_is_not_counted_twice)."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    lost.down = False
+    store.settle = lost  # type: ignore[method-assign]
+    journal = Journal(tmp_path / "journal")
+    counted: list[Mapping[str, str]] = []
+    unsure: Unsure = {}
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    def no_descriptor(fd: int) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        await asyncio.sleep(0.01)
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        if descriptor == "none to spare":
+            monkeypatch.setattr(os, "dup", no_descriptor)
+        with pytest.raises(StoreError):
+            await reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure, journal=journal)
+        monkeypatch.undo()
+        assert (journal.pending_lines, unsure) == (1, {})  # the journal's alone
+        await reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure, journal=journal)
+        await journal.replay(store, counted.append)
+    finally:
+        monkeypatch.undo()
+        journal.close()
+        await store.close()
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
+    assert [e["reservation_id"] for e in counted] == ["dead-instance"]
+
+
+async def test_a_reapers_try_from_memory_cut_during_its_lines_sync_is_counted_by_the_replay_alone(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A try whose reply was lost that the full disk kept from the journal stays in memory. Its
+    next round fails unsent (the store away) and journals it, the disk back; the reaper is
+    cancelled (a shutdown) while the line's sync runs. The line was in the file and the try
+    left in memory all the same: sent once more as the reaper stopped, its entry counted, and
+    counted again by the replay."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    store.settle = lost  # type: ignore[method-assign]
+    journal = Journal(tmp_path / "journal")
+    counted: list[Mapping[str, str]] = []
+    unsure: Unsure = {}
+    started, go_on = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def disk_full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def held_fsync(fd: int) -> None:
+        started.set()
+        go_on.wait(5)
+        real_fsync(fd)
+
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        await asyncio.sleep(0.01)
+        monkeypatch.setattr(os, "write", disk_full)
+        with pytest.raises(StoreError):
+            await reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure, journal=journal)
+        monkeypatch.undo()
+        assert (journal.pending_lines, list(unsure)) == (0, ["dead-instance"])
+        monkeypatch.setattr(os, "fsync", held_fsync)
+        round_ = asyncio.ensure_future(
+            reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure, journal=journal)
+        )
+        assert await asyncio.to_thread(started.wait, 5)  # its line written, being synced
+        round_.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await round_
+        go_on.set()
+        monkeypatch.undo()
+        assert (journal.pending_lines, unsure) == (1, {})
+        lost.down = False
+        await reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure, journal=journal)
+        await journal.replay(store, counted.append)
+    finally:
+        go_on.set()
+        monkeypatch.undo()
+        journal.close()
+        await store.close()
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
+    assert [e["reservation_id"] for e in counted] == ["dead-instance"]
 
 
 async def test_a_reapers_try_sent_again_gets_its_entry_and_no_other_settle_does(
