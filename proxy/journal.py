@@ -81,8 +81,8 @@ class Journal:
         self.directory = directory
         # None (tests, tools): untagged, as older versions' files: adopted by and adopting any.
         self.tag = store_tag(store_url) if store_url else None
-        prefix = f"journal-{self.tag}-" if self.tag else "journal-"
-        self.path = directory / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        self._prefix = f"journal-{self.tag}-" if self.tag else "journal-"
+        self.path = self._new_path()
         self._file: BinaryIO | None = None
         self._syncs = _FileSyncs()  # of ``_file``: a new file starts its own count
         # Lines in our file the store has not taken yet (``pending_lines``).
@@ -99,6 +99,9 @@ class Journal:
         # One replay at a time: a shutdown's last replay may start while a round's still runs.
         self._replaying = asyncio.Lock()
 
+    def _new_path(self) -> Path:
+        return self.directory / f"{self._prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+
     def _open(self) -> BinaryIO:
         if self._file is not None and not _still_at(self._file, self.path):
             # Our file was removed (its directory deleted during an outage): lines appended to it
@@ -113,6 +116,12 @@ class Journal:
                 extra={"journal": str(self.path)},
             )
         if self._file is None:
+            if self.path.exists():
+                # Our file as ``close`` left it, its lines for the next process (which may be
+                # adopting it now). A line journaled after the close (a reaper or a settle still
+                # at work as the process stops) goes to a file of its own: a new one renamed
+                # over it took every line there.
+                self.path = self._new_path()
             self._file = _locked_beside(self.path, b"")
             self._syncs = _FileSyncs(self.directory)
         return self._file

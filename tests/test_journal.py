@@ -197,6 +197,26 @@ async def test_lines_journaled_after_the_journal_directory_was_removed_survive_t
     assert applied == ["after", "before"]
 
 
+async def test_a_line_journaled_after_the_close_leaves_the_lines_the_close_left(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """The store away at shutdown, the journal's close leaves its pending lines in its file for
+    the next process. A writer still at work after it (a reaper that did not stop within
+    ``app.STOP_LOOP_S``, its try's reply lost; a settle past the settling bound) opened a new,
+    empty file at the same path and renamed it over that one: every pending line gone, their
+    calls billed at their reserve by a reaper. Its line goes to a file of its own."""
+    journal_dir = tmp_path / "journal"
+    await held_reservations(redis_client, "pending", "late")
+    journal = Journal(journal_dir)
+    journal.append(_line("pending"))
+    journal.close()
+    await journal.append_off_loop(_line("late"))
+    journal.close()  # the process goes: its lock with it
+    async with replaying(redis_server.url, journal_dir) as (store, next_process):
+        assert await next_process.replay(store) == 2
+    assert sorted(e["reservation_id"] for _, e in await redis_client.xrange(LEDGER)) == ["late", "pending"]
+
+
 async def test_two_processes_replaying_one_directory_apply_and_count_each_line_once(
     redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
