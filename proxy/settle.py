@@ -14,7 +14,7 @@ import orjson
 
 from proxy.call import Call
 from proxy.errors import StoreError
-from proxy.journal import Journal
+from proxy.journal import Journal, Unsynced
 from proxy.journal_lines import OnApplied, PendingSettlement
 from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, tool_fees_exact, worst_rates
@@ -306,6 +306,18 @@ async def settle_or_journal(
         # when the store is back (exactly once: settling is idempotent by reservation id).
         try:
             await journal.append_off_loop(pending)
+        except Unsynced as disk:
+            # In the file, its sync failed: replayed as any line (a host crash before the file's
+            # next sync may lose it, to a reaper billing the reserve). Not the critical line below.
+            log.error(
+                "settle failed; journaled, its sync failed",
+                extra={
+                    "reservation_id": pending.reservation_id,
+                    "error": str(err),
+                    "journal_error": str(disk),
+                },
+            )
+            return None, False
         except OSError as disk:
             # Not lost: its reservation stays in the store, where a reaper bills it at its
             # reserve once the store is back. The answer still goes to the client: an error now

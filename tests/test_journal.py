@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -290,6 +291,32 @@ async def test_a_disk_slow_to_sync_does_not_hold_the_event_loop_while_a_settle_i
     lines = journal.path.read_text().splitlines()
     assert [json.loads(line)["reservation_id"] for line in lines] == ["journaled"]
     journal.close()
+
+
+async def test_a_settle_journaled_whose_sync_failed_is_not_logged_as_left_to_a_reaper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A settle whose line went into the file and whose sync failed (``journal.Unsynced``) is
+    replayed at its real figures: it was logged critical, "could not be journaled; a reaper will
+    bill the reserve", an operator told of a bill at the reserve that does not come (the reaper
+    fix's report)."""
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    store = RedisStore.from_url(f"redis://127.0.0.1:{refused_port()}/0")  # nothing there: it fails
+    journal = Journal(tmp_path / "journal")
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    try:
+        entry_id, stored = await settle_or_journal(store, journal, _line("unsynced"))
+    finally:
+        monkeypatch.undo()
+        await store.close()
+    assert (entry_id, stored) == (None, False)
+    assert journal.pending_lines == 1
+    journal.close()
+    said = [record.getMessage() for record in caplog.records if record.name == "proxy.settle"]
+    assert said == ["settle failed; journaled, its sync failed"]
 
 
 async def test_the_release_of_a_reserve_whose_reply_was_lost_is_synced_off_the_loop(
