@@ -24,11 +24,29 @@ log = logging.getLogger("proxy.app")
 
 
 _PLAIN_HANDLE_ERROR = web_protocol.RequestHandler.handle_error
+
+
+class HeadTooLarge(http_exceptions.BadHttpMessage):
+    """A request head past what the parser may hold of one (``_HeadBoundParser``)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"The request line and headers exceed {limit_bytes} bytes.")
+
+
+class TrailersTooLarge(http_exceptions.BadHttpMessage):
+    """A chunked body's trailer section past what the parser may hold of a head
+    (``_HeadBoundParser``)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"A chunked body's trailer fields exceed {limit_bytes} bytes.")
+
+
 # What the parser refused, in words of our own: its messages quote the raw bytes (a header
 # value: a key), on their first line too. Most specific first.
 _BROKEN_FRAMING = "the body's framing is not valid"
 _DOES_NOT_DECODE = "the body does not decode as its Content-Encoding says"
 _PARSER_REFUSALS: tuple[tuple[type[Exception], str], ...] = (
+    (TrailersTooLarge, "a chunked body's trailer fields are too large"),
     (http_exceptions.LineTooLong, "a request line or header is too long"),
     (http_exceptions.InvalidHeader, "a header is not valid"),
     (http_exceptions.BadHttpMethod, "the method is not valid"),
@@ -45,13 +63,6 @@ _HEAD_LINE_FRAMING_BYTES = 1024
 _FIELD_FRAMING_BYTES = len(b": \r\n")
 
 
-class HeadTooLarge(http_exceptions.BadHttpMessage):
-    """A request head past what the parser may hold of one (``_HeadBoundParser``)."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        super().__init__(f"The request line and headers exceed {limit_bytes} bytes.")
-
-
 class _HeadBoundParser(http_parser.HttpRequestParser):
     """aiohttp's request parser (its C one, else Python's), refusing a head whose bytes pass what
     one the proxy takes may hold: a request line and one field's limit of names and values
@@ -61,7 +72,16 @@ class _HeadBoundParser(http_parser.HttpRequestParser):
     (as bytes and as strings) until it ended, or for the keep-alive timeout when it never did.
     Counted: the reads that end no head while no body is pending, so that what is held of a head
     is at most this bound and one read. It does not follow the setting (a reload may change
-    that): it lies above all the setting takes."""
+    that): it lies above all the setting takes.
+
+    A chunked body's trailer section is header fields too, held alike (C: by the same callbacks,
+    up to the same 1,024 fields; Python: as lines), and it comes while the body is pending. No
+    data follows it: counted while a chunked body is pending are the reads that bring the body
+    no data, a run of them ended by one that does. Between two chunks' data lies a chunk size
+    line (a client's chunks of 1 byte are 5 bytes of framing each, all between data); after the
+    last one, the trailers: past the bound the body fails as it comes (``TrailersTooLarge``, its
+    handler's read refused, 400) and the parser is fed no more. What is held of trailers is the
+    bound and two reads (the one that brought the body's last data brought trailers too)."""
 
     def __init__(
         self,
@@ -86,22 +106,32 @@ class _HeadBoundParser(http_parser.HttpRequestParser):
         self.head_limit_bytes = (
             _HEAD_LINE_FRAMING_BYTES + max_line_size + max_field_size + max_headers * _FIELD_FRAMING_BYTES
         )
+        # What is read of a head; while a chunked body is pending, since it last received data.
         self.head_bytes = 0
+        # What a count past the bound is refused as, at each read after it.
+        self.refusal: type[HeadTooLarge | TrailersTooLarge] = HeadTooLarge
         # The body of the last head, while it has not ended: what is read meanwhile is its.
         self.pending_body: StreamReader | None = None
+        self.pending_chunked = False
+        # What the pending chunked body had received at the last read: its data's bytes, and
+        # its coded bytes too when it is decoded (a decoder's output may wait for more input).
+        self.body_received_bytes = 0
 
     def feed_data(
         self, data: bytes, *args: Any, **kwargs: Any
     ) -> tuple[list[tuple[http_parser.RawRequestMessage, StreamReader]], bool, bytes]:
         if self.head_bytes > self.head_limit_bytes:
-            raise HeadTooLarge(self.head_limit_bytes)  # refused: the head is not fed on
+            raise self.refusal(self.head_limit_bytes)  # refused: the head is not fed on
         if self.pending_body is not None and self.pending_body.is_eof():
             self.pending_body = None
         in_head = self.pending_body is None
         fed = super().feed_data(data, *args, **kwargs)
         messages = fed[0]
         if messages:
-            self.pending_body, self.head_bytes = messages[-1][1], 0
+            last_message, self.pending_body = messages[-1]
+            self.head_bytes, self.pending_chunked = 0, last_message.chunked
+            if last_message.chunked:
+                self.body_received_bytes = _received_bytes(self.pending_body)
             for at, (message, body) in enumerate(messages):
                 if message.chunked and not message.should_close:
                     # The C parser (3.14.5, ``_http_parser.pyx``: ``cb_on_message_begin`` resets
@@ -116,7 +146,37 @@ class _HeadBoundParser(http_parser.HttpRequestParser):
             self.head_bytes += len(data)
             if self.head_bytes > self.head_limit_bytes:
                 raise HeadTooLarge(self.head_limit_bytes)
+        elif self.pending_chunked:
+            self._count_past_data(len(data))
         return fed
+
+    def _count_past_data(self, read_bytes: int) -> None:
+        """Count a read that brought the pending chunked body no data (the count starts again at
+        one that did); past the bound, refuse the body."""
+        body = self.pending_body
+        assert body is not None
+        received_bytes = _received_bytes(body)
+        if received_bytes != self.body_received_bytes:
+            self.body_received_bytes, self.head_bytes = received_bytes, 0
+            return
+        self.head_bytes += read_bytes
+        if self.head_bytes > self.head_limit_bytes:
+            self.refusal = TrailersTooLarge
+            refused = TrailersTooLarge(self.head_limit_bytes)
+            handler = self.protocol
+            if isinstance(handler, web_protocol.RequestHandler) and handler._current_request is not None:
+                body.set_exception(refused)  # its read, waiting for the body's end, is refused
+            else:  # answered already: none reads the refusal
+                reason = parser_refusal(refused)
+                log.info("request body refused", extra={"reason": reason, "error": type(refused).__name__})
+            # Ended too: aiohttp reads a body's rest after the answer (its lingering), where a
+            # failure is an "Unhandled exception", a traceback in the log for a client to cause.
+            body.feed_eof()
+            raise refused
+
+
+def _received_bytes(body: StreamReader) -> int:
+    return body.total_bytes + body.total_raw_bytes
 
 
 def parser_refusal(exc: BaseException | None) -> str:

@@ -6,9 +6,12 @@ answer is passed on, and which keys and headers name a caller."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import gzip
 import json
 import logging
+import random
 import subprocess
 import sys
 import threading
@@ -701,6 +704,127 @@ async def test_a_head_past_what_the_parser_may_hold_is_refused_as_it_arrives(
     assert (error["type"], error["code"]) == ("invalid_request_error", "headers_too_large"), error
     assert error["message"] == "The request line and headers exceed 136192 bytes.", error  # 133 KiB
     assert headers["x-request-id"].startswith("req_"), headers
+
+
+# A chunked body's trailer section is header fields too, held by the same parser (C: as bytes and
+# as strings, up to 1,024 fields of 64 KiB; Python: as lines), and it comes while the body is
+# pending, which the head's count does not cover.
+HEAD_BOUND_BYTES = 136_192
+
+
+def chunked_call(
+    body: bytes, *, chunk_bytes: int, trailer: bytes = b"", coding: str = "", key: str = KEY_A
+) -> bytes:
+    """A chat call whose ``body`` comes in chunks of ``chunk_bytes``, ending in ``trailer``."""
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+    head += "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    head += f"Content-Encoding: {coding}\r\n" if coding else ""
+    pieces = (body[at : at + chunk_bytes] for at in range(0, len(body), chunk_bytes))
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces)
+    return head.encode() + b"\r\n" + chunks + b"0\r\n" + trailer + b"\r\n"
+
+
+async def assert_chunked_calls_are_served(url: str) -> None:
+    """Bodies in 1-byte chunks, whose framing (5 bytes a data byte) passes the head bound many
+    times over, plain or gzipped (the body's reader then counts decoded bytes), and a body with a
+    small trailer: each served."""
+    content = base64.b64encode(random.Random(7).randbytes(30 * 1024)).decode()  # gzip leaves 30 KiB
+    body = json.dumps({**CHAT_BODY, "messages": [{"role": "user", "content": content}]}).encode()
+    calls = {
+        "1-byte chunks": chunked_call(body, chunk_bytes=1),
+        "gzipped, 1-byte chunks": chunked_call(gzip.compress(body), chunk_bytes=1, coding="gzip"),
+        "a small trailer": chunked_call(dumps(CHAT_BODY), chunk_bytes=7, trailer=b"X-Checksum: 1f3a\r\n"),
+    }
+    assert len(gzip.compress(body)) * 5 > HEAD_BOUND_BYTES
+    for name, request in calls.items():
+        status, _, answer = answer_parts(await _raw(url, request))
+        assert status.startswith(b"HTTP/1.1 200"), (name, status, answer[:300])
+
+
+async def trailers_past_the_head_bound(url: str, key: str = KEY_A) -> tuple[int, bytes]:
+    """A chunked call whose body ends at once and whose trailer section then comes, 8 KiB fields,
+    never ended, until the connection closes or 1 MiB is sent: what was sent, and the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    field = b"X-Trailer: " + b"v" * 8 * 1024 + b"\r\n"
+    sent_bytes, answer = 0, b""
+    try:
+        writer.write(chunked_call(b"{}", chunk_bytes=2, key=key).removesuffix(b"\r\n"))
+        while sent_bytes < 1024 * 1024:
+            writer.write(field)
+            await writer.drain()
+            sent_bytes += len(field)
+            with contextlib.suppress(TimeoutError):
+                answer += await asyncio.wait_for(reader.read(65536), 0.01)
+        return sent_bytes, answer
+    except ConnectionError:
+        pass  # closed: what is left of its answer is read below
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), 10):
+            answer += chunk
+    except ConnectionError:
+        pass  # the trailers sent after the answer reset the closed connection
+    finally:
+        writer.close()
+    return sent_bytes, answer
+
+
+def assert_trailers_refused(sent_bytes: int, answer: bytes) -> None:
+    assert sent_bytes < 1024 * 1024, f"{sent_bytes} bytes of trailer fields read and held"
+    assert answer, f"{sent_bytes} bytes of trailer fields, not ended, closed unanswered"
+    status, headers, body = answer_parts(answer)
+    assert status.split(b" ")[1] == b"400", answer[:300]
+    assert headers["connection"] == "close", headers
+    assert json.loads(body)["error"] == {
+        "message": "The request is not valid HTTP: a chunked body's trailer fields are too large.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "bad_http_request",
+    }
+
+
+async def test_a_chunked_bodys_trailers_past_the_head_bound_are_refused_as_they_arrive(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """Past the head bound of bytes since a chunked body last had data (its trailer section: no
+    data comes after it), the body is refused as it comes: 400 in the parser refusals' words, the
+    connection closed. Measured before: two connections sending 60 MB of trailers each grew a
+    process by 230 MB, held for as long as the body may take (``limits.body_timeout_s``)."""
+    proxy = await make_proxy()
+    assert_trailers_refused(*await trailers_past_the_head_bound(proxy.url))
+    assert not fake.received
+
+
+async def test_trailers_past_the_head_bound_after_the_answer_end_the_connection_with_no_error_logged(
+    proxy: Proxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Answered before its body's end (a wrong key's 401), a chunked body is still read (aiohttp
+    reads its rest for 10 s so that the client reads the answer): its trailers are refused the
+    same, the connection closed, with no "Unhandled exception" traceback in the log."""
+    sent_bytes, answer = await trailers_past_the_head_bound(proxy.url, key="sk-wrong")
+    assert sent_bytes < 1024 * 1024, f"{sent_bytes} bytes of trailer fields read and held"
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_a_chunked_body_in_one_byte_chunks_or_with_a_small_trailer_is_served(proxy: Proxy) -> None:
+    """What is counted is what comes after the body's data, not its framing."""
+    await assert_chunked_calls_are_served(proxy.url)
+
+
+async def test_a_chunked_bodys_trailers_are_bounded_under_the_pure_python_parser(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python's parser keeps trailer lines in its payload parser, up to the fields the head left
+    of 1,024, 64 KiB each: refused the same, and the same bodies served."""
+    monkeypatch.setenv("AIOHTTP_NO_EXTENSIONS", "1")
+    proc = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path).start()
+    try:
+        assert_trailers_refused(*await trailers_past_the_head_bound(proc.url))
+        assert not fake.received
+        await assert_chunked_calls_are_served(proc.url)
+    finally:
+        proc.stop()
 
 
 async def test_an_unknown_url_is_a_404_unknown_url_in_the_apis_format(
