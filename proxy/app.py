@@ -38,11 +38,14 @@ log = logging.getLogger("proxy.app")
 RELOAD_POLL_S = 2.0
 # How often the store's clock is measured again (budget windows follow it: ``Store.now``).
 CLOCK_SYNC_S = 30.0
-# Large bodies waiting to be parsed and planned off the loop (each already read and held) past
-# which another is refused 503: a flood of them, from as many tenants as pass-through makes keys.
-PLANS_HELD_MOST = 256
-# Likewise reserve counts (a prompt a budget near its ceiling waits on): past these, a 503.
-RESERVE_COUNTS_HELD_MOST = 64
+# Large bodies waiting to be parsed and planned off the loop (each already read and held): a
+# tenant's past its own bound is refused 503, and a tenant's first past the tenants' bound (a
+# flood from as many tenants as pass-through makes keys); one tenant's never refuses another's.
+PLANS_TENANTS_MOST = 256
+PLANS_A_TENANT_HOLDS_MOST = 16
+# Likewise reserve counts (a prompt a budget near its ceiling waits on).
+RESERVE_COUNTS_TENANTS_MOST = 64
+RESERVE_COUNTS_A_TENANT_HOLDS_MOST = 16
 
 StoreFactory = Callable[[Config], Store]
 
@@ -268,10 +271,20 @@ def build_app(
         state.estimator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="estimate")
         # One thread: the walks are Python's, holding the GIL, and the loop takes it back every
         # switch interval (5 ms) from one thread, not from several.
-        state.planner = TenantPool("plan", threads=1, per_tenant=1, most=PLANS_HELD_MOST)
+        state.planner = TenantPool(
+            "plan",
+            threads=1,
+            per_tenant=1,
+            tenants_most=PLANS_TENANTS_MOST,
+            a_tenant_holds_most=PLANS_A_TENANT_HOLDS_MOST,
+        )
         # tiktoken counts without the GIL: two at once take both cores of a small machine.
         state.reserve_counts = TenantPool(
-            "reserve-count", threads=2, per_tenant=1, most=RESERVE_COUNTS_HELD_MOST
+            "reserve-count",
+            threads=2,
+            per_tenant=1,
+            tenants_most=RESERVE_COUNTS_TENANTS_MOST,
+            a_tenant_holds_most=RESERVE_COUNTS_A_TENANT_HOLDS_MOST,
         )
         state.settle_counts = TenantPool("settle-count", threads=2, per_tenant=1)  # never refused
         yield

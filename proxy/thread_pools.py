@@ -24,23 +24,41 @@ class TenantPool:
     """Threads of their own for one kind of work. At most ``per_tenant`` of a tenant's jobs are
     in the threads' queue at once: its others wait their turn apart, so one tenant's many long
     jobs hold another's behind one of theirs at most, not behind all of them (asyncio's default
-    executor is one queue for everything). With ``most``, a job past that many waiting or running
-    in all is refused (``Busy``): every new key a tenant of its own, in pass-through. Used from
-    the event loop only."""
+    executor is one queue for everything). Bounded, a job is refused (``Busy``) past
+    ``a_tenant_holds_most`` of its tenant's waiting or running, and a tenant's first past
+    ``tenants_most`` tenants holding jobs: what one tenant holds never refuses another's first,
+    and every new key a tenant of its own (pass-through) holds a tenant's place. Used from the
+    event loop only."""
 
-    def __init__(self, name: str, *, threads: int, per_tenant: int, most: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        threads: int,
+        per_tenant: int,
+        tenants_most: int | None = None,
+        a_tenant_holds_most: int | None = None,
+    ) -> None:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._per_tenant = per_tenant
-        self._most = most
+        self._tenants_most = tenants_most
+        self._a_tenant_holds_most = a_tenant_holds_most
         self._turns: dict[str, _Turns] = {}
         self.held = 0  # jobs waiting or running
 
+    @property
+    def tenants(self) -> int:
+        """Tenants holding jobs (waiting or running)."""
+        return len(self._turns)
+
     async def run(self, tenant: str, job: Callable[[], T]) -> T:
-        if self._most is not None and self.held >= self._most:
-            raise Busy()
         turns = self._turns.get(tenant)
         if turns is None:
+            if self._tenants_most is not None and len(self._turns) >= self._tenants_most:
+                raise Busy()
             turns = self._turns[tenant] = _Turns(asyncio.Semaphore(self._per_tenant))
+        elif self._a_tenant_holds_most is not None and turns.held >= self._a_tenant_holds_most:
+            raise Busy()
         turns.held += 1
         self.held += 1
         try:

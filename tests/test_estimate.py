@@ -610,30 +610,35 @@ async def test_a_tenants_reserve_counts_hold_neither_another_tenants_count_nor_a
     await until_held(state.reserve_counts, 0)
 
 
-async def test_reserve_counts_past_the_most_waiting_are_refused_as_busy_not_by_their_bound(
+async def test_a_tenants_reserve_counts_past_its_bound_are_refused_as_busy_not_by_their_bound(
     make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reserve counts waiting or running are bounded: past ``RESERVE_COUNTS_HELD_MOST`` (every
-    key a tenant of its own in pass-through), a call is refused 503 with retry advice, before
-    anything is reserved; not 429 on its byte bound, which its budget may well hold once
-    counted."""
-    monkeypatch.setattr(app_module, "RESERVE_COUNTS_HELD_MOST", 2)
+    """A tenant's reserve counts waiting or running are bounded: past
+    ``RESERVE_COUNTS_A_TENANT_HOLDS_MOST``, its call is refused 503 with retry advice, before
+    anything is reserved; not 429 on its byte bound, which its budget may well hold once counted.
+    Another tenant's count is not: the pool's one bound counted the first tenant's waiting count
+    with the rest, and refused the other's beside an idle count thread (each of the first
+    tenant's prompts, refused after its count, costs it nothing)."""
+    monkeypatch.setattr(app_module, "RESERVE_COUNTS_A_TENANT_HOLDS_MOST", 2)
     gate = threading.Event()
+    enc = TenantGated(gate)
     proxy = await make_proxy(
-        tokenizer=Tokenizer({"o200k_base": TenantGated(gate)}), tiers=tiers(run={"input_tokens": 20_000})
+        tokenizer=Tokenizer({"o200k_base": enc}), tiers=tiers(run={"input_tokens": 20_000})
     )
     a_calls = [tenants_call(proxy, "A", f"a-{i}") for i in range(2)]
     try:
-        await until_held(proxy.app[STATE].reserve_counts, 2)
+        await until_held(proxy.app[STATE].reserve_counts, 2)  # one counting, one waiting A's turn
         with pytest.raises(openai.InternalServerError) as caught:
-            await tenants_call(proxy, "B", "b")
+            await tenants_call(proxy, "A", "a-2")
         assert caught.value.status_code == 503
         assert caught.value.response.json()["error"]["code"] == "proxy_busy"
         assert caught.value.response.headers["retry-after"] == "1"
+        await tenants_call(proxy, "B", "b")
+        assert ("B", "reserve-count_1") in enc.threads
     finally:
         gate.set()
     await asyncio.gather(*a_calls)
-    assert len(fake.received) == 2  # A's, and nothing of B's
+    assert len(fake.received) == 3  # A's two and B's, nothing of A's refused one
 
 
 async def test_a_quick_reserve_is_lowered_for_the_ceilings_of_other_tiers_on_shared_counters(

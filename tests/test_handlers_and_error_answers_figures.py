@@ -48,6 +48,7 @@ from tests.conftest import (
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
+from tests.test_estimate import until_held
 from tests.test_security import Reply, assert_openai_error, call, serve_everything_with
 
 JsonDict = dict[str, Any]
@@ -466,7 +467,9 @@ async def test_a_tenants_large_bodies_wait_their_turn_behind_no_other_tenants(
 ) -> None:
     """The plan thread takes one body of a tenant's at a time: a tenant sending many large
     bodies has its next planned after another tenant's, not all of its own first; past
-    ``PLANS_HELD_MOST`` waiting, another is refused, 503 with retry advice."""
+    ``PLANS_A_TENANT_HOLDS_MOST`` of its own waiting, its next is refused, 503 with retry advice.
+    Its own waiting never refuse another tenant's body: the pool's one bound counted them with
+    the rest, and one tenant's 256 shut every other tenant's large bodies out."""
     gate = threading.Event()
     planned: list[str] = []
 
@@ -477,22 +480,18 @@ async def test_a_tenants_large_bodies_wait_their_turn_behind_no_other_tenants(
         return plan_call(**kwargs)
 
     monkeypatch.setattr(handlers, "plan_call", gated)
-    monkeypatch.setattr(app_module, "PLANS_HELD_MOST", 4)
+    monkeypatch.setattr(app_module, "PLANS_A_TENANT_HOLDS_MOST", 3)
+    monkeypatch.setattr(app_module, "PLANS_TENANTS_MOST", 2)
     proxy = await make_proxy()
     state = proxy.app[STATE]
-    assert state.planner is not None
     path, body = PLANNED_BODIES["long"]
     answers: list[asyncio.Future[Reply]] = []
     try:
-        # The first holds the thread; the second waits for team-a's turn, the third for the thread.
-        for key in (KEY_A, KEY_A, KEY_B, KEY_A):
+        # The first holds the thread; the next two wait for team-a's turn, team-b's for the thread.
+        for key in (KEY_A, KEY_A, KEY_A, KEY_B):
             answers.append(asyncio.ensure_future(call(proxy, path, body=body, key=key)))
-            for _ in range(500):
-                if state.planner.held == len(answers):
-                    break
-                await asyncio.sleep(0.01)
-            assert state.planner.held == len(answers)
-        refused = await call(proxy, path, body=body, key=KEY_B)
+            await until_held(state.planner, len(answers))
+        refused = await call(proxy, path, body=body, key=KEY_A)
         error = assert_openai_error(refused, 503)
         assert error["code"] == "proxy_busy"
         assert refused.headers["retry-after"] == "1" and refused.headers["x-should-retry"] == "true"
@@ -500,7 +499,36 @@ async def test_a_tenants_large_bodies_wait_their_turn_behind_no_other_tenants(
         gate.set()
     assert [reply.status for reply in await asyncio.gather(*answers)] == [200] * 4
     assert planned == ["team-a", "team-b", "team-a", "team-a"]
-    assert state.planner.held == 0
+    await until_held(state.planner, 0)
+
+
+async def test_large_bodies_of_as_many_tenants_as_pass_through_makes_keys_are_bounded(
+    make_proxy: ProxyFactory, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In pass-through every key is a tenant of its own: past ``PLANS_TENANTS_MOST`` of them
+    holding large bodies, a new key's is refused 503; a key holding some still has its next
+    taken, within its own bound."""
+    gate = threading.Event()
+    threads = planned_on(monkeypatch, gate)
+    monkeypatch.setattr(app_module, "PLANS_TENANTS_MOST", 2)
+    upstreams = {"openai": {"base_url": fake.base_url, "passthrough_auth": True}}
+    proxy = await make_proxy(passthrough=True, upstreams=upstreams)
+    fake.api_key = None  # any key: the caller's own
+    state = proxy.app[STATE]
+    path, body = PLANNED_BODIES["long"]
+    answers: list[asyncio.Future[Reply]] = []
+    try:
+        for key in ("sk-own-1", "sk-own-2", "sk-own-1"):
+            answers.append(asyncio.ensure_future(call(proxy, path, body=body, key=key)))
+            await until_held(state.planner, len(answers))
+        refused = await call(proxy, path, body=body, key="sk-own-3")
+        assert assert_openai_error(refused, 503)["code"] == "proxy_busy"
+    finally:
+        gate.set()
+    assert [reply.status for reply in await asyncio.gather(*answers)] == [200] * 3
+    assert threads == ["plan_0"] * 6  # each parsed and planned there
+    await until_held(state.planner, 0)
+    assert (await call(proxy, path, body=body, key="sk-own-3")).status == 200
 
 
 # -- /metrics on the main port -------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""TenantPool: one job of a tenant's at a time on the threads, and its bounds, a tenant's own and
+the tenants', so that what one tenant holds never refuses another tenant's first job."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from proxy.errors import Busy
+from proxy.thread_pools import TenantPool
+
+
+async def until_held(pool: TenantPool, held: int) -> None:
+    for _ in range(500):
+        if pool.held == held:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{pool.held} jobs held, not {held}")
+
+
+async def test_a_tenants_jobs_past_its_own_bound_are_refused_never_another_tenants_first() -> None:
+    """Tenant a at its bound (one job running, the others waiting a's turn): a's next is refused,
+    b's first is taken and runs before a's waiting ones; a third tenant's first is refused only
+    because two tenants hold jobs, and taken once one of them holds none."""
+    pool = TenantPool("test", threads=1, per_tenant=1, tenants_most=2, a_tenant_holds_most=3)
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def job(name: str) -> str:
+        if not ran:
+            assert gate.wait(10), "the first job was never let go"
+        ran.append(name)
+        return name
+
+    try:
+        a_jobs = [asyncio.ensure_future(pool.run("a", lambda i=i: job(f"a{i}"))) for i in range(3)]
+        await until_held(pool, 3)
+        with pytest.raises(Busy):
+            await pool.run("a", lambda: job("a3"))
+        b_job = asyncio.ensure_future(pool.run("b", lambda: job("b0")))
+        await until_held(pool, 4)
+        assert pool.tenants == 2
+        with pytest.raises(Busy):
+            await pool.run("c", lambda: job("c0"))
+    finally:
+        gate.set()
+    assert await asyncio.gather(*a_jobs, b_job) == ["a0", "a1", "a2", "b0"]
+    assert ran == ["a0", "b0", "a1", "a2"]  # b behind a's job under way, not behind a's others
+    assert (pool.held, pool.tenants) == (0, 0)
+    assert await pool.run("c", lambda: job("c0")) == "c0"
+    pool.shutdown()
+
+
+async def test_an_unbounded_pool_refuses_nothing() -> None:
+    """The settle counts' pool: a settle is never refused."""
+    pool = TenantPool("test", threads=1, per_tenant=1)
+    assert await asyncio.gather(*(pool.run(str(i % 3), lambda i=i: i) for i in range(50))) == list(range(50))
+    assert (pool.held, pool.tenants) == (0, 0)
+    pool.shutdown()
