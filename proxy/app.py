@@ -8,7 +8,6 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +267,8 @@ def build_app(
         await state.session.close()
 
     async def estimator_ctx(app: web.Application) -> AsyncIterator[None]:
-        state.estimator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="estimate")
+        # Never refused: a count there only lowers a reserve.
+        state.estimator = TenantPool("estimate", threads=1, per_tenant=1)
         # One thread: the walks are Python's, holding the GIL, and the loop takes it back every
         # switch interval (5 ms) from one thread, not from several.
         state.planner = TenantPool(
@@ -288,8 +288,7 @@ def build_app(
         )
         state.settle_counts = TenantPool("settle-count", threads=2, per_tenant=1)  # never refused
         yield
-        state.estimator.shutdown(wait=False, cancel_futures=True)
-        for pool in (state.planner, state.reserve_counts, state.settle_counts):
+        for pool in (state.estimator, state.planner, state.reserve_counts, state.settle_counts):
             pool.shutdown()
 
     async def log_flush_ctx(app: web.Application) -> AsyncIterator[None]:

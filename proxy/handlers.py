@@ -258,16 +258,20 @@ async def registered(state: State, identity: Identity) -> Store:
 
 async def count_later(state: State, call: Call) -> Estimate:
     """Tiktoken's count of a quick estimate while its call runs, on the one estimate thread (one
-    count at a time: several at once only fight over 2 cores and the GIL)."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(state.estimator, counted, call.estimate, state.tokenizer, call.encoding)
+    count at a time: several at once only fight over 2 cores and the GIL); one of a tenant's at a
+    time, so that a tenant's many long prompts keep another's bound up behind one of theirs at
+    most."""
+    assert state.estimator is not None
+    count = functools.partial(counted, call.estimate, state.tokenizer, call.encoding)
+    return await state.estimator.run(call.identity.tenant, count)
 
 
 async def count_now(call: Call, *, state: State) -> Estimate:
-    """The same count for a reserve that waits on it (rare: a budget near its ceiling): on the
-    reserve count threads, not queued behind the estimate thread's counts; one of a tenant's at a
-    time, so that a tenant's many long prompts hold another's count behind one of theirs at most
-    (each refused after its count would cost that tenant nothing)."""
+    """The same count for a reserve that waits on it (a budget near its ceiling; every new long
+    prompt with quick estimates off): on the reserve count threads, not queued behind the
+    estimate thread's counts; one of a tenant's at a time, so that a tenant's many long prompts
+    hold another's count behind one of theirs at most (each refused after its count would cost
+    that tenant nothing)."""
     assert state.reserve_counts is not None
     count = functools.partial(counted, call.estimate, state.tokenizer, call.encoding)
     return await state.reserve_counts.run(call.identity.tenant, count)

@@ -228,7 +228,8 @@ async def reserve(
 
     try:
         if not call.estimate.input_exact and not limits.quick_estimates:
-            if not await count_first(call, count_later):  # one count at a time, as configured
+            # As a reserve that waits on its count: not behind every other tenant's counts.
+            if not await count_first(call, count_now):
                 told.once(metrics.quick_estimates, "failed")
             asked = time.monotonic()
             waited = True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -33,9 +32,10 @@ class State:
     ids: IdSource = field(default_factory=IdSource)
     store: Store | None = None
     session: aiohttp.ClientSession | None = None
-    # Large prompts are counted here, one at a time: off the event loop, and never more than one
-    # core spent tokenizing (several at once on few cores only fight over them and the GIL).
-    estimator: ThreadPoolExecutor | None = None
+    # Large prompts are counted here while their calls run, one at a time: off the event loop,
+    # and never more than one core spent tokenizing (several at once on few cores only fight over
+    # them and the GIL).
+    estimator: TenantPool | None = None
     # Bodies whose walks are long are parsed and planned here (``handlers.planned``).
     planner: TenantPool | None = None
     # Counts a reserve waits on (``handlers.count_now``), and a settle's (``Services``): apart,

@@ -461,7 +461,9 @@ async def test_a_count_not_started_when_its_call_settles_never_runs(
     )
     gate.set()
     # The thread runs its queue in order: once this has run, so has anything queued before it.
-    await asyncio.get_running_loop().run_in_executor(proxy.app[STATE].estimator, lambda: None)
+    estimator = proxy.app[STATE].estimator
+    assert estimator is not None
+    await estimator.run("another", lambda: None)
     assert enc.counted == [len(TEXT)]
     assert quick_estimates(proxy, "dropped") == 2  # a's count had begun, b's had not
     [entry] = await ledger_entries(proxy, "b")
@@ -492,7 +494,7 @@ async def test_a_clamp_is_sized_on_the_exact_count_never_the_byte_bound(
     assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
 
 
-async def test_without_quick_estimates_the_call_waits_for_its_count_on_the_estimate_thread(
+async def test_without_quick_estimates_the_call_waits_for_its_count_on_a_reserve_count_thread(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
     gate = threading.Event()
@@ -524,7 +526,7 @@ async def test_without_quick_estimates_the_call_waits_for_its_count_on_the_estim
     await call
     [entry] = await ledger_entries(proxy, "counted")
     assert int(entry["reserved_input_tokens"]) == EXACT_INPUT
-    assert threads == ["estimate_0"]
+    assert threads == ["reserve-count_0"]
     assert quick_estimates(proxy, "lowered") == 0 and quick_estimates(proxy, "counted_first") == 0
 
 
@@ -566,6 +568,59 @@ async def until_held(pool: TenantPool | None, held: int) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{pool.held} jobs held, not {held}")
+
+
+async def test_without_quick_estimates_a_tenants_counts_hold_another_tenants_behind_one_of_theirs_at_most(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """With ``limits.quick_estimates: false`` every new long prompt is counted before its
+    reserve: on the one estimate thread, first come first served, tenant B's call waited behind
+    every one of tenant A's counts (2 s apiece for 4 MB). It is counted as a reserve that waits
+    on a count is: beside A's one count under way, while A's others wait A's turn."""
+    gate = threading.Event()
+    enc = TenantGated(gate)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}), limits={"quick_estimates": False})
+    a_calls = [tenants_call(proxy, "A", f"a-{i}") for i in range(3)]
+    try:
+        await until_held(proxy.app[STATE].reserve_counts, 3)  # one counting, held; two waiting
+        await tenants_call(proxy, "B", "b")
+        assert enc.threads == [("A", "reserve-count_0"), ("B", "reserve-count_1")]
+    finally:
+        gate.set()
+    await asyncio.gather(*a_calls)
+    assert [tenant for tenant, _ in enc.threads] == ["A", "B", "A", "A"]
+    assert len(fake.received) == 4
+
+
+async def test_a_tenants_background_counts_hold_another_tenants_behind_one_of_theirs_at_most(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The counts that lower quick reserves while their calls run share the one estimate thread,
+    one of a tenant's at a time: tenant B's reserve comes down to its count after tenant A's one
+    count under way, not after all of A's (until then B's byte bound holds its budget's room)."""
+    gate = threading.Event()
+    enc = TenantGated(gate)
+    proxy = await make_proxy(tokenizer=Tokenizer({"o200k_base": enc}))
+    held = {"fake": {"hold": True}}  # each call runs until its count is done: none dropped
+    calls = [tenants_call(proxy, "A", f"a-{i}", extra_body=held) for i in range(3)]
+    try:
+        for _ in range(500):
+            if enc.threads:  # A's first count under way, held by the gate
+                break
+            await asyncio.sleep(0.01)
+        calls.append(tenants_call(proxy, "B", "b", extra_body=held))
+        await until_upstream_received(fake, 4)  # every count queued, as each call went out
+    finally:
+        gate.set()
+    await until_counts_begun(enc, 4)
+    assert enc.threads == [("A", "estimate_0"), ("B", "estimate_0"), ("A", "estimate_0"), ("A", "estimate_0")]
+    for _ in range(500):
+        if quick_estimates(proxy, "lowered") == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert quick_estimates(proxy, "lowered") == 4  # each lowered, its call still running
+    fake.release()
+    await asyncio.gather(*calls)
 
 
 async def test_a_tenants_reserve_counts_hold_neither_another_tenants_count_nor_a_settle(
