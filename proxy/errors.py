@@ -14,7 +14,8 @@
         ├── BodyTooLarge       413 body_too_large
         ├── BudgetExceeded     429 insufficient_quota / budget_exceeded
         ├── UpstreamKeyUnset   502 upstream_error / upstream_auth (the call was not forwarded)
-        └── StoreUnavailable   503 service_unavailable (the call was not forwarded)
+        ├── StoreUnavailable   503 service_unavailable (the call was not forwarded)
+        └── Busy               503 proxy_busy (too much long work waiting for the threads)
 
 Upstream failures are not exceptions of ours: they are outcomes of a call (see ``outcome``).
 """

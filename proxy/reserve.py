@@ -238,8 +238,9 @@ async def reserve(
             scopes = windows_at(store.now())
         result = await send()
         if isinstance(result, Tentative):
+            counted = await count_first(call, count_now)  # refused Busy: not counted first
             told.once(metrics.quick_estimates, "counted_first")
-            if not await count_first(call, count_now):
+            if not counted:
                 told.once(metrics.quick_estimates, "failed")
             asked = time.monotonic()
             _still_in_force(config, in_force)  # the tentative reserve wrote nothing

@@ -4,12 +4,16 @@ shared between tenants so that none queues work ahead of another's."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 from proxy.errors import Busy
+from proxy.logs import Throttle
+
+log = logging.getLogger("proxy.thread_pools")
 
 T = TypeVar("T")
 
@@ -39,12 +43,15 @@ class TenantPool:
         tenants_most: int | None = None,
         a_tenant_holds_most: int | None = None,
     ) -> None:
+        self._name = name
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._per_tenant = per_tenant
         self._tenants_most = tenants_most
         self._a_tenant_holds_most = a_tenant_holds_most
         self._turns: dict[str, _Turns] = {}
         self.held = 0  # jobs waiting or running
+        # Refusals told at once, then every few seconds: a flood's one per job would flood the log.
+        self._refusals = Throttle()
 
     @property
     def tenants(self) -> int:
@@ -55,10 +62,10 @@ class TenantPool:
         turns = self._turns.get(tenant)
         if turns is None:
             if self._tenants_most is not None and len(self._turns) >= self._tenants_most:
-                raise Busy()
+                raise self._refused(tenant, "tenants_most")
             turns = self._turns[tenant] = _Turns(asyncio.Semaphore(self._per_tenant))
         elif self._a_tenant_holds_most is not None and turns.held >= self._a_tenant_holds_most:
-            raise Busy()
+            raise self._refused(tenant, "a_tenant_holds_most")
         turns.held += 1
         self.held += 1
         try:
@@ -70,6 +77,15 @@ class TenantPool:
             turns.held -= 1
             if not turns.held:
                 del self._turns[tenant]
+
+    def _refused(self, tenant: str, bound: str) -> Busy:
+        refused = self._refusals.tell()
+        if refused:
+            log.warning(
+                "too much long work waiting for its threads: calls answered 503 proxy_busy",
+                extra={"pool": self._name, "bound": bound, "tenant": tenant, "refused": refused},
+            )
+        return Busy()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

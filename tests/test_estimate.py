@@ -694,6 +694,7 @@ async def test_a_tenants_reserve_counts_past_its_bound_are_refused_as_busy_not_b
         gate.set()
     await asyncio.gather(*a_calls)
     assert len(fake.received) == 3  # A's two and B's, nothing of A's refused one
+    assert quick_estimates(proxy, "counted_first") == 3  # nor its count, which never came
 
 
 async def test_a_quick_reserve_is_lowered_for_the_ceilings_of_other_tiers_on_shared_counters(

@@ -4,6 +4,7 @@ the tenants', so that what one tenant holds never refuses another tenant's first
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import pytest
@@ -58,4 +59,18 @@ async def test_an_unbounded_pool_refuses_nothing() -> None:
     pool = TenantPool("test", threads=1, per_tenant=1)
     assert await asyncio.gather(*(pool.run(str(i % 3), lambda i=i: i) for i in range(50))) == list(range(50))
     assert (pool.held, pool.tenants) == (0, 0)
+    pool.shutdown()
+
+
+async def test_a_refusal_is_logged_at_once_then_every_few_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    """Each refusal its own line, a flood of them (a tenant's thousands of large bodies) would
+    flood the log: the first is told at once, with the bound it met, the others with the next."""
+    pool = TenantPool("test", threads=1, per_tenant=1, tenants_most=0)
+    with caplog.at_level(logging.WARNING, logger="proxy.thread_pools"):
+        for _ in range(3):
+            with pytest.raises(Busy):
+                await pool.run("a", lambda: None)
+    [record] = caplog.records
+    assert "503 proxy_busy" in record.getMessage()
+    assert (record.pool, record.bound, record.tenant, record.refused) == ("test", "tenants_most", "a", 1)
     pool.shutdown()
