@@ -4,6 +4,7 @@ shared between tenants so that none queues work ahead of another's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,14 +70,42 @@ class TenantPool:
         turns.held += 1
         self.held += 1
         try:
-            async with turns.semaphore:
-                # A cancel (shutdown) drops a job not started; one running ends on its own.
-                return await asyncio.wrap_future(self._executor.submit(job))
-        finally:
-            self.held -= 1
-            turns.held -= 1
-            if not turns.held:
-                del self._turns[tenant]
+            await turns.semaphore.acquire()
+        except BaseException:
+            self._left(tenant, turns)
+            raise
+        future = self._executor.submit(job)
+        try:
+            done = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel():
+                # Running, it goes on to its end on its thread (a call's count cancelled by its
+                # settle, whose figures came first): its tenant's turn is held until then, or the
+                # tenant's next job would run beside it, ahead of another tenant's.
+                loop = asyncio.get_running_loop()
+                future.add_done_callback(lambda _: self._ended_from_thread(loop, tenant, turns))
+                raise
+            self._ended(tenant, turns)
+            raise
+        except BaseException:
+            self._ended(tenant, turns)
+            raise
+        self._ended(tenant, turns)
+        return done
+
+    def _ended_from_thread(self, loop: asyncio.AbstractEventLoop, tenant: str, turns: _Turns) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown): nobody waits
+            loop.call_soon_threadsafe(self._ended, tenant, turns)
+
+    def _ended(self, tenant: str, turns: _Turns) -> None:
+        turns.semaphore.release()
+        self._left(tenant, turns)
+
+    def _left(self, tenant: str, turns: _Turns) -> None:
+        self.held -= 1
+        turns.held -= 1
+        if not turns.held:
+            del self._turns[tenant]
 
     def _refused(self, tenant: str, bound: str) -> Busy:
         refused = self._refusals.tell()

@@ -74,3 +74,44 @@ async def test_a_refusal_is_logged_at_once_then_every_few_seconds(caplog: pytest
     assert "503 proxy_busy" in record.getMessage()
     assert (record.pool, record.bound, record.tenant, record.refused) == ("test", "tenants_most", "a", 1)
     pool.shutdown()
+
+
+async def test_a_cancelled_running_job_keeps_its_tenants_turn_until_it_ends() -> None:
+    """A settle cancels its call's count while it runs (a fast upstream's figures came first):
+    the count goes on in the thread. Its tenant's turn was given back at once, so the tenant's
+    next count ran beside it, ahead of another tenant's that came first: b waited behind two of
+    a's, not one (the fourth review of the day). The turn is held until the job ends."""
+    pool = TenantPool("estimate", threads=1, per_tenant=1)
+    gate = threading.Event()
+    started = threading.Event()
+    ran: list[str] = []
+
+    def first() -> str:
+        started.set()
+        assert gate.wait(10)
+        ran.append("a1")
+        return "a1"
+
+    def job(name: str) -> str:
+        ran.append(name)
+        return name
+
+    try:
+        a1 = asyncio.ensure_future(pool.run("a", first))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        a1.cancel()  # the settle drops the count: it runs on all the same
+        await asyncio.wait((a1,))
+        assert (pool.held, pool.tenants) == (1, 1)  # still a's, on its thread
+        a2 = asyncio.ensure_future(pool.run("a", lambda: job("a2")))
+        await asyncio.sleep(0.05)
+        b1 = asyncio.ensure_future(pool.run("b", lambda: job("b1")))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(a2, b1), 10)
+        assert ran == ["a1", "b1", "a2"], ran
+        await until_held(pool, 0)
+        assert pool.tenants == 0
+    finally:
+        gate.set()
+        pool.shutdown()
