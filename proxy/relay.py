@@ -32,7 +32,7 @@ from proxy.forward import (
     scrubbed,
     unless_client_leaves,
 )
-from proxy.journal import Journal
+from proxy.journal import Journal, Unsynced
 from proxy.journal_lines import marks_line
 from proxy.lease import LeaseRenewal
 from proxy.metrics import Metrics, tenant_label
@@ -320,6 +320,11 @@ class Exchange:
         )
         try:
             await self.services.journal.append_off_loop(line)
+        except Unsynced as disk:  # in the file: replayed as any line
+            log.error(
+                "contexts' marks journaled, their sync failed",
+                extra={"request_id": self.call.request_id, "error": str(disk)},
+            )
         except OSError as disk:
             log.critical(
                 "contexts left unmarked: their marks could not be journaled",

@@ -389,6 +389,14 @@ def _release(call: Call, scopes: list[str], run_ttl_s: int) -> PendingSettlement
 
 
 def _release_lost(call: Call, disk: OSError) -> None:
+    if isinstance(disk, Unsynced):
+        # In the file, its sync failed: replayed as any line (a host crash before the file's
+        # next sync may lose it). Not the critical line below (the settle's, ``settle_or_journal``).
+        log.error(
+            "the release of an unforwarded reserve journaled, its sync failed",
+            extra={"reservation_id": call.reservation_id, "journal_error": str(disk)},
+        )
+        return
     # The client still hears that nothing went out (not a 500); should the reserve have
     # happened, a reaper bills it at its reserve, as for a process that died here.
     log.critical(

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import stat
@@ -26,7 +27,7 @@ from proxy.journal import Journal
 from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
-from proxy.settle import release_unforwarded_off_loop, settle_or_journal
+from proxy.settle import release_unforwarded, release_unforwarded_off_loop, settle_or_journal
 from tests.conftest import refused_port
 from tests.test_billed_usage import chat, planned
 from tests.test_reaper import ScriptsInFlight
@@ -317,6 +318,33 @@ async def test_a_settle_journaled_whose_sync_failed_is_not_logged_as_left_to_a_r
     journal.close()
     said = [record.getMessage() for record in caplog.records if record.name == "proxy.settle"]
     assert said == ["settle failed; journaled, its sync failed"]
+
+
+@pytest.mark.parametrize("off_loop", [False, True])
+async def test_a_release_journaled_whose_sync_failed_is_not_logged_as_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, off_loop: bool
+) -> None:
+    """As the settle's (d841c8e): the release of an unforwarded reserve whose line is in the file,
+    its sync failed, was logged critical as "could not be journaled", a reaper to bill the
+    reserve, where the replay releases it (the fourth review of the day)."""
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    call = planned(chat(max_tokens=5))
+    journal = Journal(tmp_path / "journal")
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    try:
+        if off_loop:
+            await release_unforwarded_off_loop(call, journal, ["lbp:{team-a}:run:run-1"], 60)
+        else:
+            release_unforwarded(call, journal, ["lbp:{team-a}:run:run-1"], 60)
+    finally:
+        monkeypatch.undo()
+    assert journal.pending_lines == 1  # the line is in the file: the replay releases it
+    journal.close()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "proxy.settle"]
+    assert said == [(logging.ERROR, "the release of an unforwarded reserve journaled, its sync failed")]
 
 
 async def test_the_release_of_a_reserve_whose_reply_was_lost_is_synced_off_the_loop(
