@@ -160,23 +160,23 @@ async def planned(
     where it touches the config (frozen: what it caches, either thread works out alike), the
     tokenizer (its count cache is locked) and the id source (a counter in C); the request, the
     metrics and the store stay with the loop."""
-    plan = functools.partial(
-        _parsed_and_planned,
+    # Positional: the inline call is on every call's path (keywords cost a dict each).
+    args = (
         raw,
         endpoint,
-        request_id=request[REQUEST_ID],
-        identity=identity,
-        run_id=run_id,
-        config=config,
-        tokenizer=state.tokenizer,
-        ids=state.ids,
-        anthropic_beta=header_list(request.headers, "anthropic-beta"),
+        request[REQUEST_ID],
+        identity,
+        run_id,
+        config,
+        state.tokenizer,
+        state.ids,
+        header_list(request.headers, "anthropic-beta"),
     )
     if plans_on_loop(raw):
-        call = plan()
+        call = _parsed_and_planned(*args)
     else:
         assert state.planner is not None
-        call = await state.planner.run(identity.tenant, plan)
+        call = await state.planner.run(identity.tenant, functools.partial(_parsed_and_planned, *args))
     if operator_key_unset(call.upstream, identity):
         # Sent without a key, the provider's 401 would reach the caller as its own key refused;
         # refused here, nothing is reserved, and the 502 says whose the key is.
@@ -200,7 +200,6 @@ def plans_on_loop(raw: bytes) -> bool:
 def _parsed_and_planned(
     raw: bytes,
     endpoint: Endpoint,
-    *,
     request_id: str,
     identity: Identity,
     run_id: str,
