@@ -90,7 +90,9 @@ def with_tool_calls(usage: BilledUsage, obs: Observation) -> BilledUsage:
 
 
 def _billed_tokens(call: Call, obs: Observation, tokenizer: Tokenizer, *, complete: bool) -> BilledUsage:
-    found = _untold_images_priced(call, obs, _untold_writes_priced(call, obs, provider_usage(obs)))
+    found = _untold_writes_priced(call, obs, provider_usage(obs))
+    if call.asks_images:
+        found = _untold_images_priced(obs, found)
     final = _final(call, obs)
     # Output no count of the answer sees: audio and image tokens (its text is only a
     # transcript, or words beside the image), reasoning tokens (never streamed, or streamed
@@ -136,11 +138,12 @@ def _untold_writes_priced(call: Call, obs: Observation, found: BilledUsage | Non
     return replace(found, cache_creation_1h_input_tokens=hour)
 
 
-def _untold_images_priced(call: Call, obs: Observation, found: BilledUsage | None) -> BilledUsage | None:
-    """``found`` with its output all images (but its reasoning and audio) for a chat call asking
-    for images whose usage does not say how many it wrote: an image model's pictures cost many
-    times its text (Gemini's 30 per million against 2.50), and an unsure reading bills the more."""
-    if found is None or not call.asks_images or obs.usage is None or obs.usage.image_output_told:
+def _untold_images_priced(obs: Observation, found: BilledUsage | None) -> BilledUsage | None:
+    """``found`` with its output all images (but its reasoning and audio), for a chat call asking
+    for images (``Call.asks_images``), when its usage does not say how many it wrote: an image
+    model's pictures cost many times its text (Gemini's 30 per million against 2.50), and an
+    unsure reading bills the more."""
+    if found is None or obs.usage is None or obs.usage.image_output_told:
         return found
     images = found.output_tokens - min(
         found.reasoning_tokens + found.audio_output_tokens, found.output_tokens

@@ -118,21 +118,24 @@ class _HeadBoundParser(http_parser.HttpRequestParser):
         self.body_received_bytes = 0
 
     def feed_data(
-        self, data: bytes, *args: Any, **kwargs: Any
+        self, data: bytes, *args: Any
     ) -> tuple[list[tuple[http_parser.RawRequestMessage, StreamReader]], bool, bytes]:
         if self.head_bytes > self.head_limit_bytes:
             raise self.refusal(self.head_limit_bytes)  # refused: the head is not fed on
         if self.pending_body is not None and self.pending_body.is_eof():
             self.pending_body = None
         in_head = self.pending_body is None
-        fed = super().feed_data(data, *args, **kwargs)
+        fed = super().feed_data(data, *args)
         messages = fed[0]
         if messages:
             last_message, self.pending_body = messages[-1]
             self.head_bytes, self.pending_chunked = 0, last_message.chunked
             if last_message.chunked:
                 self.body_received_bytes = _received_bytes(self.pending_body)
-            for at, (message, body) in enumerate(messages):
+            # Nearly every read holds one head, of a body with a length: nothing to walk.
+            for at, (message, body) in enumerate(
+                messages if len(messages) > 1 or last_message.chunked else ()
+            ):
                 if message.chunked and not message.should_close:
                     # The C parser (3.14.5, ``_http_parser.pyx``: ``cb_on_message_begin`` resets
                     # the headers, not the field still pending) files a chunked body's last

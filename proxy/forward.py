@@ -332,16 +332,8 @@ class UpstreamConnector(aiohttp.TCPConnector):
     ) -> Connection:
         sending = _SENDING.get()
         call = None if sending is None else sending.call
-        if call is None:
-            return await self._clean_connection(req, traces, timeout)
-        call.connecting = True
-        connection = await self._clean_connection(req, traces, timeout)
-        call.connecting = False  # not on a failure: a cancel then reaches the call's handler with it set
-        return connection
-
-    async def _clean_connection(
-        self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
-    ) -> Connection:
+        if call is not None:
+            call.connecting = True
         # aiohttp hands out a pooled connection that is open and within its keep-alive, whatever
         # came in on it while it sat idle: an answer the upstream sent unasked (a duplicate, a
         # gateway's answer to bytes it took for a request) is parsed and queued, and the next
@@ -353,12 +345,14 @@ class UpstreamConnector(aiohttp.TCPConnector):
             connection = await super().connect(req, traces, timeout)
             protocol = connection.protocol
             if protocol is None or not protocol.should_close:  # nothing came in on it unasked
-                return connection
+                break
             log.warning(
-                "an idle upstream connection was sent bytes unasked: closed",
-                extra={"host": req.host},
+                "an idle upstream connection was sent bytes unasked: closed", extra={"host": req.host}
             )
             connection.close()
+        if call is not None:
+            call.connecting = False  # not on a failure: a cancel then reaches the call's handler with it set
+        return connection
 
 
 async def open_upstream(

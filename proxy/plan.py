@@ -260,6 +260,8 @@ def plan_call(
     stored_prompt = _stored_prompt(view)
     if stored_prompt is not None:
         continues = (*continues, stored_prompt)
+    # Read once, and only a chat call's (nearly every one has none: no call of the tests below).
+    modalities = body.get("modalities") if type(view) is ChatBody else None
     return Call(
         request_id=request_id,
         reservation_id=ids.new(),
@@ -289,8 +291,8 @@ def plan_call(
         body=body,
         choices=answers(view),
         generations=generations(view),
-        media_output=type(view) is ChatBody and _asks_media(body.get("modalities")),
-        asks_images=type(view) is ChatBody and _asks_images(body.get("modalities")),
+        media_output=modalities is not None and _asks_media(modalities),
+        asks_images=modalities is not None and _asks_images(modalities),
         predicted_output=type(view) is ChatBody and _predicts(body.get("prediction")),
         hidden_reasoning=model_config.hidden_reasoning or _reasons(endpoint, body),
         echo=type(view) is CompletionBody and body.get("echo") is True,

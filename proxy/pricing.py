@@ -45,10 +45,13 @@ def cost_micros(
     creation = min(cache_creation_input_tokens, input_tokens - cached)
     creation_1h = min(cache_creation_1h_input_tokens, creation)
     audio_in = min(audio_input_tokens, input_tokens - cached - creation)
-    image_in = min(image_input_tokens, input_tokens - cached - creation - audio_in)
+    # Most calls have none: no min() to work out (three costs a call).
+    image_in = (
+        min(image_input_tokens, input_tokens - cached - creation - audio_in) if image_input_tokens else 0
+    )
     reasoning = min(reasoning_tokens, output_tokens)
     audio_out = min(audio_output_tokens, output_tokens - reasoning)
-    image_out = min(image_output_tokens, output_tokens - reasoning - audio_out)
+    image_out = min(image_output_tokens, output_tokens - reasoning - audio_out) if image_output_tokens else 0
     exact = (
         (input_tokens - cached - creation - audio_in - image_in) * rates["input"]
         + cached * rates["cached_input"]
