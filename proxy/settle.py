@@ -306,24 +306,22 @@ async def settle_or_journal(
         # when the store is back (exactly once: settling is idempotent by reservation id).
         try:
             await journal.append_off_loop(pending)
-        except Unsynced as disk:
-            # In the file, its sync failed: replayed as any line (a host crash before the file's
-            # next sync may lose it, to a reaper billing the reserve). Not the critical line below.
-            log.error(
-                "settle failed; journaled, its sync failed",
-                extra={
-                    "reservation_id": pending.reservation_id,
-                    "error": str(err),
-                    "journal_error": str(disk),
-                },
-            )
-            return None, False
         except OSError as disk:
-            # Not lost: its reservation stays in the store, where a reaper bills it at its
-            # reserve once the store is back. The answer still goes to the client: an error now
-            # would have its SDK retry, and pay, the same call again.
-            log.critical(
-                "settle failed and could not be journaled; a reaper will bill the reserve",
+            if isinstance(disk, Unsynced):
+                # In the file, its sync failed: replayed as any line (a host crash before the
+                # file's next sync may lose it, to a reaper billing the reserve).
+                level, said = logging.ERROR, "settle failed; journaled, its sync failed"
+            else:
+                # Not lost: its reservation stays in the store, where a reaper bills it at its
+                # reserve once the store is back. The answer still goes to the client: an error
+                # now would have its SDK retry, and pay, the same call again.
+                level, said = (
+                    logging.CRITICAL,
+                    "settle failed and could not be journaled; a reaper will bill the reserve",
+                )
+            log.log(
+                level,
+                said,
                 extra={
                     "reservation_id": pending.reservation_id,
                     "error": str(err),

@@ -456,47 +456,6 @@ IMAGE_TOOL_PRICE = {"input": "1.25", "output": "10", "image_input": "10", "image
 IMAGE_ITEM = {"type": "image_generation_call", "id": "ig_1", "status": "completed", "result": "aGk="}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_the_image_tool_s_images_are_billed_at_the_image_prices(
-    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
-) -> None:
-    """OpenAI bills the Responses image generation tool's tokens at the image model's prices,
-    its image output at 40 per million (gpt-image-1) where gpt-5 writes text at 10: billed at the
-    text price, a picture cost a quarter of what the provider charged."""
-    proxy = await make_proxy(
-        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
-        models={"gpt-5": {"upstream": "openai", "price_per_million": IMAGE_TOOL_PRICE}},
-    )
-    tool_usage = {
-        "image_gen": {
-            "input_tokens": 350,
-            "input_tokens_details": {"image_tokens": 300, "text_tokens": 50},
-            "output_tokens": 4160,
-            "total_tokens": 4510,
-        }
-    }
-    final = {
-        "id": "resp_1",
-        "object": "response",
-        "created_at": 1,
-        "status": "completed",
-        "model": "gpt-5",
-        "output": [IMAGE_ITEM],
-        "usage": {"input_tokens": 100, "output_tokens": 20, "total_tokens": 120},
-        "tool_usage": tool_usage,
-    }
-    _responded(script, final, stream=stream)
-    body = {"model": "gpt-5", "input": "a cat", "tools": [{"type": "image_generation"}], "stream": stream}
-    status, answer = await _post(proxy.url, "/v1/responses", body, "image")
-    assert status == 200, answer
-    entry = await _entry(redis_client)
-    assert (entry["input_tokens"], entry["output_tokens"]) == ("450", "4180")
-    assert (entry["image_input_tokens"], entry["image_output_tokens"]) == ("300", "4160")
-    # 150 text tokens in at 1.25, 300 image tokens at 10; 20 text tokens out at 10, 4,160 at 40.
-    exact = 150 * 1_250_000 + 300 * 10_000_000 + 20 * 10_000_000 + 4160 * 40_000_000
-    assert int(entry["cost_micros"]) == -(-exact // 1_000_000) == 169_788  # 41,788 at the text price
-
-
 # gpt-5's flex prices (half of its standard ones); its long-context ones (OpenAI's past 272K:
 # input twice, output one and a half times). Neither names image prices, as the README's
 # service_tiers / long_context rows never say they must.
@@ -526,6 +485,29 @@ def _image_final(tier: str | None) -> dict[str, Any]:
     if tier is not None:
         final["service_tier"] = tier
     return final
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_image_tool_s_images_are_billed_at_the_image_prices(
+    make_proxy: Factory, script: ScriptedUpstream, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """OpenAI bills the Responses image generation tool's tokens at the image model's prices,
+    its image output at 40 per million (gpt-image-1) where gpt-5 writes text at 10: billed at the
+    text price, a picture cost a quarter of what the provider charged."""
+    proxy = await make_proxy(
+        upstreams={"openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY"}},
+        models={"gpt-5": {"upstream": "openai", "price_per_million": IMAGE_TOOL_PRICE}},
+    )
+    _responded(script, _image_final(None), stream=stream)
+    body = {"model": "gpt-5", "input": "a cat", "tools": [{"type": "image_generation"}], "stream": stream}
+    status, answer = await _post(proxy.url, "/v1/responses", body, "image")
+    assert status == 200, answer
+    entry = await _entry(redis_client)
+    assert (entry["input_tokens"], entry["output_tokens"]) == ("450", "4180")
+    assert (entry["image_input_tokens"], entry["image_output_tokens"]) == ("300", "4160")
+    # 150 text tokens in at 1.25, 300 image tokens at 10; 20 text tokens out at 10, 4,160 at 40.
+    exact = 150 * 1_250_000 + 300 * 10_000_000 + 20 * 10_000_000 + 4160 * 40_000_000
+    assert int(entry["cost_micros"]) == -(-exact // 1_000_000) == 169_788  # 41,788 at the text price
 
 
 @pytest.mark.parametrize("case", ["flex-tier", "flex-untold", "long-context"])
