@@ -36,9 +36,9 @@ class State:
     # and never more than one core spent tokenizing (several at once on few cores only fight over
     # them and the GIL).
     estimator: TenantPool | None = None
-    # Bodies whose walks are long are parsed and planned here (``handlers.planned``).
+    # Bodies whose walks are long are parsed and planned here (``planning.planned``).
     planner: TenantPool | None = None
-    # Counts a reserve waits on (``handlers.count_now``), and a settle's (``Services``): apart,
+    # Counts a reserve waits on (``planning.count_now``), and a settle's (``Services``): apart,
     # so that no tenant's prompts, refused after their count at no cost to it, hold a settle.
     reserve_counts: TenantPool | None = None
     settle_counts: TenantPool | None = None

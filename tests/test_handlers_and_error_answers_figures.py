@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import proxy.app as app_module
-import proxy.handlers as handlers
+import proxy.planning as planning
 from proxy.auth import PASSTHROUGH_ID_DIGITS
 from proxy.config_load import parse_config
 from proxy.errors import StoreRejected
@@ -393,7 +393,7 @@ PLANNED_BODIES: dict[str, tuple[str, JsonDict]] = {
 
 
 def planned_on(monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None = None) -> list[str]:
-    """The threads ``handlers`` parses and plans bodies on, in order; with ``gate``, a plan off
+    """The threads ``planning`` parses and plans bodies on, in order; with ``gate``, a plan off
     the event loop's thread waits for it."""
     threads: list[str] = []
     loop_thread = threading.current_thread()
@@ -408,8 +408,8 @@ def planned_on(monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None = N
 
         return wrapper
 
-    monkeypatch.setattr(handlers, "parse_body", recording(parse_body))
-    monkeypatch.setattr(handlers, "plan_call", recording(plan_call))
+    monkeypatch.setattr(planning, "parse_body", recording(parse_body))
+    monkeypatch.setattr(planning, "plan_call", recording(plan_call))
     return threads
 
 
@@ -479,7 +479,7 @@ async def test_a_tenants_large_bodies_wait_their_turn_behind_no_other_tenants(
             assert gate.wait(10), "the plan was never let go"
         return plan_call(**kwargs)
 
-    monkeypatch.setattr(handlers, "plan_call", gated)
+    monkeypatch.setattr(planning, "plan_call", gated)
     monkeypatch.setattr(app_module, "PLANS_A_TENANT_HOLDS_MOST", 3)
     monkeypatch.setattr(app_module, "PLANS_TENANTS_MOST", 2)
     proxy = await make_proxy()
