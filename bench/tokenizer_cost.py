@@ -15,7 +15,7 @@ warm-up:
 * the whole estimate of that body as the proxy's handler runs it: ``parse_body`` (JSON and
   validation), then ``proxy.estimate.estimate``;
 * the event loop's worst stall while estimates run, inline on the loop and in a worker thread
-  (the proxy counts a quick estimate's texts on its one estimate thread: ``proxy/handlers.py``'s
+  (the proxy counts a quick estimate's texts on its one estimate thread: ``proxy/planning.py``'s
   ``count_later``): a coroutine ticks every 1 ms and records the longest gap. The offload only
   keeps the loop responsive if the encoder releases the GIL (tiktoken's Rust core does).
 

@@ -260,7 +260,7 @@ def plan_call(
     stored_prompt = _stored_prompt(view)
     if stored_prompt is not None:
         continues = (*continues, stored_prompt)
-    # Read once, and only a chat call's (nearly every one has none: no call of the tests below).
+    # Read once, and only a chat call's: nearly every one sends none, and then neither test runs.
     modalities = body.get("modalities") if type(view) is ChatBody else None
     return Call(
         request_id=request_id,

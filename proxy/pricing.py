@@ -45,7 +45,8 @@ def cost_micros(
     creation = min(cache_creation_input_tokens, input_tokens - cached)
     creation_1h = min(cache_creation_1h_input_tokens, creation)
     audio_in = min(audio_input_tokens, input_tokens - cached - creation)
-    # Most calls have none: no min() to work out (three costs a call).
+    # Most calls have none, and then the part is 0 whatever is left (never below 0): the min()
+    # is skipped on every call's costs (the reserve's, the settle's).
     image_in = (
         min(image_input_tokens, input_tokens - cached - creation - audio_in) if image_input_tokens else 0
     )

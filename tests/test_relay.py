@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from proxy import billed_usage, relay
 from proxy.errors import StoreError
+from proxy.journal import Unsynced
 from proxy.logs import TRUSTED_FIELDS
 from proxy.outcome import Outcome
 from proxy.redis_scripts import read_scripts
@@ -824,3 +825,25 @@ async def test_a_stream_the_proxy_fails_once_started_still_ends_and_is_billed(
         "its_relay": ("upstream_error", "reserve"),
     }
     assert (entry["outcome"], entry["usage_source"]) == billed[fails], entry
+
+
+async def test_marks_journaled_whose_sync_failed_are_logged_as_journaled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call's context marks whose journal line was written and whose sync failed
+    (``journal.Unsynced``) are replayed as any line: logged as journaled, not critical as
+    "contexts left unmarked" (6f52e51; the fifth review's test)."""
+
+    class SyncFailing:
+        async def append_off_loop(self, line: Any) -> None:
+            raise Unsynced(5, "Input/output error")
+
+    reservation = SimpleNamespace(tenant="t", id="r", run_id="run")
+    exchange = SimpleNamespace(
+        call=SimpleNamespace(reservation=reservation, request_id="req"),
+        services=SimpleNamespace(journal=SyncFailing()),
+    )
+    with caplog.at_level(logging.INFO):
+        await relay.Exchange._journal_marks(exchange, ["ctx1"])  # type: ignore[arg-type]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "proxy.relay"]
+    assert said == [(logging.ERROR, "contexts' marks journaled, their sync failed")]
