@@ -181,6 +181,11 @@ def parse_usage(raw: Any) -> ProviderUsage | None:
         # gateways that translate it) beside it: total_tokens then counts it on top, or it is more
         # than the completion count, which it cannot be a part of. Billed either way.
         completion += reasoning
+    if given is not None and reasoning + audio_out + image_out > completion:
+        # Parts told past their whole (1,290 images and 200 reasoning tokens in 1,000 of output):
+        # the output is at least its parts, each priced as its kind; billed at the whole, the
+        # images past what the count left were dropped from the cost and named in the ledger.
+        completion = reasoning + audio_out + image_out
     if given is not None and total is not None and total > prompt + completion:
         # Gemini's own OpenAI-compatible usage tells no reasoning count: its total_tokens holds
         # the thoughts (billed as output) that completion_tokens leaves out, and any tool-use

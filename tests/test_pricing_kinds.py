@@ -114,6 +114,27 @@ async def test_audio_tokens_are_billed_at_their_own_prices(
     assert (entry["audio_input_tokens"], entry["audio_output_tokens"]) == ("80", "400")
 
 
+def test_output_parts_told_past_their_whole_raise_the_whole() -> None:
+    """1,290 images and 200 reasoning tokens told in 1,000 of output: the cost capped the images
+    at the 800 the count left while the ledger named 1,290 (a report rebuilt from it billed
+    another figure), the provider having written at least 1,490 (the views hunt). The output is
+    at least its parts, each then priced as its kind; audio alike."""
+    told = {
+        "prompt_tokens": 10,
+        "completion_tokens": 1000,
+        "total_tokens": 1010,
+        "completion_tokens_details": {"reasoning_tokens": 200, "image_tokens": 1290},
+    }
+    usage = parse_usage(told)
+    assert usage is not None
+    assert (usage.output_tokens, usage.reasoning_tokens, usage.image_output_tokens) == (1490, 200, 1290)
+    audio = parse_usage({**told, "completion_tokens_details": {"audio_tokens": 1200}})
+    assert audio is not None and audio.output_tokens == 1200
+    details = {"reasoning_tokens": 200, "image_tokens": 700}
+    within = parse_usage({**told, "completion_tokens_details": details})
+    assert within is not None and within.output_tokens == 1000  # parts within it: as told
+
+
 def test_the_image_tool_s_output_told_without_its_split_is_all_images() -> None:
     """``output_tokens_details`` "can be omitted" (the SDK's ``ToolUsage``): the tool's output is
     then all images (gpt-image-1 writes nothing else), as an unsure reading bills the more; a
