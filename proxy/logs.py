@@ -191,6 +191,14 @@ class BufferedStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._urgent = record.levelno >= logging.WARNING or TRUSTED_FIELDS not in record.__dict__
         super().emit(record)
 
+    def handleError(self, record: logging.LogRecord) -> None:
+        # A line a background thread (an encoding's load, a count) logs after its stream closed
+        # (a replaced stderr, closed at shutdown or by a test's capture) has nowhere to go: not a
+        # "--- Logging error ---" traceback on stderr for it.
+        if getattr(self.stream, "closed", False):
+            return
+        super().handleError(record)
+
     def write_call_line(self, fields: dict[str, Any]) -> None:
         """The per-call line without a LogRecord: what ``JsonFormatter`` makes of it, byte for
         byte, at a fraction of the cost of the logging machinery."""

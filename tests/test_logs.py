@@ -54,6 +54,20 @@ def test_the_direct_line_is_what_the_formatter_writes() -> None:
     assert list(direct) == ["level", "logger", "msg", *FIELDS]
 
 
+def test_a_line_logged_after_its_stream_closed_prints_no_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A background thread (an encoding's load) logging after the handler's stream closed (a
+    replaced stderr, a test's capture, shutdown) printed logging's "--- Logging error ---"
+    traceback on stderr (seen in a clean-clone CI): such a line has nowhere to go, and goes."""
+    handler = BufferedStderrHandler()
+    handler.stream = io.StringIO()
+    handler.setFormatter(JsonFormatter())
+    handler.stream.close()
+    handler.handle(logging.LogRecord("proxy.tokenizer", logging.WARNING, __file__, 1, "late", None, None))
+    assert capsys.readouterr().err == ""
+
+
 def test_the_text_format_writes_the_call_line_flat() -> None:
     """A terminal's format names the per-call fields at the top, as the JSON format does, not
     nested under the name the formatter passes them by."""
