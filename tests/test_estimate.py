@@ -30,7 +30,6 @@ from proxy.payload import (
 )
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
-from proxy.thread_pools import TenantPool
 from proxy.tokenizer import CACHED_TEXT_CHARS, QUICK_BOUND_CHARS, Tokenizer
 from tests.conftest import (
     KEY_A,
@@ -47,6 +46,7 @@ from tests.conftest import (
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, ledger_entries, run_headers
 from tests.test_budgets import meters, tiers
+from tests.test_thread_pools import until_held
 
 TEXT = "word " * 8000  # 40,000 bytes: a quick estimate
 PROMPT_OVERHEAD = 4 + 3  # one message, and the reply's priming
@@ -559,15 +559,6 @@ def tenants_call(proxy: Proxy, tenant: str, run: str, **extra: Any) -> Any:
             **extra,
         )
     )
-
-
-async def until_held(pool: TenantPool | None, held: int) -> None:
-    assert pool is not None
-    for _ in range(500):
-        if pool.held == held:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{pool.held} jobs held, not {held}")
 
 
 async def test_without_quick_estimates_a_tenants_counts_hold_another_tenants_behind_one_of_theirs_at_most(

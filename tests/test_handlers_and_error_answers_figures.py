@@ -48,8 +48,8 @@ from tests.conftest import (
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
-from tests.test_estimate import until_held
 from tests.test_security import Reply, assert_openai_error, call, serve_everything_with
+from tests.test_thread_pools import until_held
 
 JsonDict = dict[str, Any]
 CHAT = "/v1/chat/completions"

@@ -67,6 +67,16 @@ def _claude_message(usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _claude_request(content: Any = "hi", *, max_tokens: int = 100, **extra: Any) -> dict[str, Any]:
+    """A Messages request to CLAUDE_PRICE's model: one user message of ``content``."""
+    return {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": max_tokens,
+        **extra,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
 def _chat_answer(model: str, usage: dict[str, Any], served: str | None = None) -> Plan:
     answer = {
         "id": "c",
@@ -237,12 +247,7 @@ async def test_cache_writes_kept_an_hour_are_billed_at_their_price(
         script.plan = _claude_stream(usage, {"output_tokens": 20})
     else:
         script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
-    request = {
-        "model": "claude-sonnet-4-5",
-        "max_tokens": 100,
-        "stream": stream,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
+    request = _claude_request(stream=stream)
     status, raw = await _post(proxy.url, "/v1/messages", request, "hour")
     assert status == 200
     entry = await _entry(redis_client)
@@ -315,12 +320,7 @@ async def test_cache_writes_grown_in_message_delta_are_billed_at_the_ttl_the_req
     naming none keeps them five minutes."""
     proxy = await _claude_proxy(make_proxy, script)
     script.plan = _claude_stream(HOUR_START, {**GROWN_DELTA, "output_tokens": 20})
-    request: dict[str, Any] = {
-        "model": "claude-sonnet-4-5",
-        "max_tokens": 100,
-        "stream": True,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
+    request = _claude_request(stream=True)
     if ttl is not None:
         request["cache_control"] = {"type": "ephemeral", "ttl": ttl}
     status, _ = await _post(proxy.url, "/v1/messages", request, "grow")
@@ -348,12 +348,7 @@ async def test_cache_writes_a_message_delta_s_iterations_split_are_billed_at_the
          "cache_creation_input_tokens": 40_000, "cache_creation": _hour(40_000)},
     ]  # fmt: skip
     script.plan = _claude_stream(HOUR_START, {**GROWN_DELTA, "output_tokens": 20, "iterations": iterations})
-    request = {
-        "model": "claude-sonnet-4-5",
-        "max_tokens": 100,
-        "stream": True,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
+    request = _claude_request(stream=True)
     status, _ = await _post(proxy.url, "/v1/messages", request, "iterations")
     assert status == 200
     entry = await _entry(redis_client)
@@ -370,11 +365,7 @@ async def test_cache_writes_a_whole_answer_tells_no_split_of_are_kept_as_the_req
     usage = {"input_tokens": 50, "cache_creation_input_tokens": 100_000, "output_tokens": 20}
     script.plan = Plan(chunks=[json.dumps(_claude_message(usage)).encode()])
     block = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
-    request = {
-        "model": "claude-sonnet-4-5",
-        "max_tokens": 100,
-        "messages": [{"role": "user", "content": [block]}],
-    }
+    request = _claude_request([block])
     status, _ = await _post(proxy.url, "/v1/messages", request, "unsplit")
     assert status == 200
     entry = await _entry(redis_client)
@@ -440,11 +431,7 @@ async def test_the_report_and_the_counters_name_every_kind_the_ledger_does(
     usage = {"input_tokens": 5, "cache_creation_input_tokens": 700, "output_tokens": 2}
     message = _claude_message(usage)
     script.plan = Plan(chunks=[json.dumps(message).encode()])
-    request = {
-        "model": "claude-sonnet-4-5",
-        "max_tokens": 10,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
+    request = _claude_request(max_tokens=10)
     assert (await _post(proxy.url, "/v1/messages", request, "kinds"))[0] == 200
     await proxy.recorded()
     exported = generate_latest(proxy.app[STATE].metrics.registry).decode()

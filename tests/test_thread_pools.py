@@ -13,7 +13,9 @@ from proxy.errors import Busy
 from proxy.thread_pools import TenantPool
 
 
-async def until_held(pool: TenantPool, held: int) -> None:
+async def until_held(pool: TenantPool | None, held: int) -> None:
+    """Until ``pool`` (an app's, which may not be made: None) holds ``held`` jobs."""
+    assert pool is not None
     for _ in range(500):
         if pool.held == held:
             return
