@@ -29,11 +29,12 @@ from pydantic import (
 from redis.asyncio.connection import parse_url
 from yarl import URL
 
-from proxy.config_base import MAX_COUNT, OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
+from proxy.config_base import OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
 from proxy.config_tiers import TierConfig
+from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, TOKENS_PER_MILLION
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MARKER_TRUST, MAX_SETTLED_MARKER_TTL_S
 
 if TYPE_CHECKING:
@@ -48,10 +49,6 @@ def _userinfo_cut(url: str) -> bool:
     """Whether a '@' after the address's start is not where the address ends: a password with an
     unescaped '/', '?' or '#' ends it early, and what follows reads as port, path or query."""
     return "@" in url.partition("://")[2] and "@" not in urlsplit(url).netloc
-
-
-# Every price an answer's output tokens may be billed at (``pricing.OUTPUT_RATES`` and images').
-_OUTPUT_KINDS = ("output", "reasoning", "audio_output", "image_output")
 
 
 class ListenConfig(Frozen):
@@ -467,14 +464,17 @@ class Config(Frozen):
         told to lower a max_tokens it never sent."""
         cap = model.max_output_tokens or self.limits.default_max_output_tokens
         tables = [*model.priced_tiers.values(), *model.long_priced_tiers.values()]
-        top_rate = max((table[kind] for table in tables for kind in _OUTPUT_KINDS), default=0)
-        if cap * top_rate > MAX_COUNT * 1_000_000:  # rates are micro-units per million tokens
+        # Every price an answer's output may be billed at: a chat call asking for images is
+        # reserved at the image output price too (``pricing.worst_rates``).
+        kinds = (*OUTPUT_RATES, "image_output")
+        top_rate = max((table[kind] for table in tables for kind in kinds), default=0)
+        if cap * top_rate > MAX_AMOUNT * TOKENS_PER_MILLION:
             field = "limits.default_max_output_tokens"
             if model.max_output_tokens:
                 field = f"models.{pattern}.max_output_tokens"
             raise ValueError(
                 f"{field} ({cap}) at models.{pattern}'s dearest output price is past the most a "
-                f"reserve holds ({MAX_COUNT} micro-units): every call without a cap of its own would "
+                f"reserve holds ({MAX_AMOUNT} micro-units): every call without a cap of its own would "
                 "be refused; lower the cap"
             )
 

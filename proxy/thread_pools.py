@@ -50,9 +50,13 @@ class TenantPool:
         self._tenants_most = tenants_most
         self._a_tenant_holds_most = a_tenant_holds_most
         self._turns: dict[str, _Turns] = {}
-        self.held = 0  # jobs waiting or running
         # Refusals told at once, then every few seconds: a flood's one per job would flood the log.
         self._refusals = Throttle()
+
+    @property
+    def held(self) -> int:
+        """Jobs waiting or running."""
+        return sum(turns.held for turns in self._turns.values())
 
     @property
     def tenants(self) -> int:
@@ -68,7 +72,6 @@ class TenantPool:
         elif self._a_tenant_holds_most is not None and turns.held >= self._a_tenant_holds_most:
             raise self._refused(tenant, "a_tenant_holds_most")
         turns.held += 1
-        self.held += 1
         try:
             await turns.semaphore.acquire()
         except BaseException:
@@ -102,7 +105,6 @@ class TenantPool:
         self._left(tenant, turns)
 
     def _left(self, tenant: str, turns: _Turns) -> None:
-        self.held -= 1
         turns.held -= 1
         if not turns.held:
             del self._turns[tenant]
