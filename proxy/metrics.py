@@ -267,7 +267,7 @@ class Metrics:
         )
         self.ttft = Histogram(
             "llm_proxy_upstream_ttft_seconds",
-            "Time to the first generated token from the upstream.",
+            "Time to the first generated token from the upstream, of streamed answers.",
             ["model"],
             buckets=LATENCY_BUCKETS,
         )

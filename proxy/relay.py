@@ -171,7 +171,9 @@ class Exchange:
         self, outcome: Outcome, usage: Usage, early: asyncio.Future[Settlement] | None = None
     ) -> asyncio.Future[Settlement]:
         if self._settling is None:
-            self.call.first_token_at = self.obs.first_token_at
+            # A whole answer's text is all read at once: its "first token" would be its whole
+            # duration, mixed into the streams' time to first token per model.
+            self.call.first_token_at = self.obs.first_token_at if self.call.stream else None
             served = self.obs.service_tier
             if served is None and self.obs.tier_told is not None:  # told in part (Anthropic)
                 served = messages_tier_served(

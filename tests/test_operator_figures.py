@@ -188,6 +188,23 @@ async def test_the_time_to_first_token_is_not_the_duration_which_is_labelled_by_
     assert [names for names, _ in metrics.duration.items()] == [["chat.completions"], ["embeddings"]]
 
 
+async def test_a_whole_answer_has_no_time_to_first_token(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A non-streaming answer's text is read all at once, with its body: its "first token" was
+    its whole duration, mixed into the per-model time to first token of the streams (a 30 s
+    answer read as a 30 s first token)."""
+    proxy = await make_proxy()
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini", messages=MSGS, extra_body={"fake": {"reply_tokens": 4}}
+    )
+    await proxy.recorded()
+    assert metrics_of(proxy).ttft.items() == []
+    (entry,) = await entries(redis_client)
+    assert entry["ttft_ms"] == ""
+    assert sum(metrics_of(proxy).duration.labels("chat.completions").counts) == 1
+
+
 def test_a_replayed_or_reaped_entry_is_counted_as_the_call_itself_would_be() -> None:
     """``record_entry`` (a journaled settle replayed, a lease reaped) fed the counters from the
     entry's strings: a JSON rejection's outcome with its parser message as a label value (one

@@ -112,6 +112,7 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
     ex.call = SimpleNamespace(  # type: ignore[assignment]
         first_token_at=None,
         served_tier=None,
+        stream=False,
         request_id="req-1",
         started_at=0.0,
         refining=None,
