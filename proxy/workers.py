@@ -37,6 +37,7 @@ EXIT_CANNOT_SERVE = 4
 # A worker that ended while the supervisor was not stopping, without a failure of its own.
 EXIT_WORKER_ENDED = 1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGHUP)
 # aiohttp's shutdown timeout for a grace of 0 (a timeout of 0 is none to aiohttp).
 _LEAST_SHUTDOWN_TIMEOUT_S = 0.001
 
@@ -77,6 +78,9 @@ def run_worker(
     stop = _Stop()
     for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda _signum, _frame: setattr(stop, "asked", True))
+    if hasattr(signal, "pthread_sigmask"):
+        # Held by ``_supervise`` while it started the workers: one that came meanwhile is ours now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)
     stop.asked = stop.asked or (early is not None and early.asked)  # read once ours are in place
     from proxy.app import build_app, server_options
 
@@ -306,16 +310,20 @@ def _supervise(
         _signal_all(children, signum)
 
     signal.signal(signal.SIGTERM, forward)
-    # Ignored across exec while the workers start: a SIGHUP before a worker's reloader would
-    # kill it, a Ctrl-C in its bootstrap would end it with a traceback (exit 1).
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    if early is not None and early.asked:  # read once ours are in place
-        return 0
-    for child in children:
-        child.start()
-    for sig in (signal.SIGINT, signal.SIGHUP):
+    # Held (blocked) while the workers start, and so in each worker (a signal mask passes
+    # through exec) until its handlers are in place: a SIGHUP before a worker's reloader would
+    # kill it, a Ctrl-C in its bootstrap would end it with a traceback (exit 1). Not ignored: an
+    # ignored signal is dropped, and a Ctrl-C then was lost by every process, serve serving on.
+    for sig in _HELD_SIGNALS:
         signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        if early is not None and early.asked:  # read once ours are in place
+            return 0
+        for child in children:
+            child.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)  # one held meanwhile: forwarded now
     if stopping:
         _signal_all(children, signal.SIGTERM)  # asked while some were not started yet
     failure = 0

@@ -442,3 +442,54 @@ async def test_a_grace_period_of_0_ends_inflight_calls_at_once(
     assert [e["outcome"] for e in ledger] == ["shutdown"], rest[-60:]
     assert not rest.endswith(b"data: [DONE]\n\n")
     assert code == 0
+
+
+# ``serve`` as the command line runs it, with a Ctrl-C at the terminal (SIGINT to the whole
+# process group) timed to land while the supervisor starts its workers: right after the first
+# one is started. Nothing else is changed.
+_CTRL_C_AS_THE_WORKERS_START = """
+import os, signal, sys
+import multiprocessing.context as context
+from proxy import cli
+
+start = context.SpawnProcess.start
+
+def start_then_ctrl_c(self):
+    start(self)
+    if self.name == "worker-0":
+        os.killpg(0, signal.SIGINT)
+
+context.SpawnProcess.start = start_then_ctrl_c
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_ctrl_c_while_the_supervisor_starts_its_workers_stops_serve(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """README, Shutdown: SIGTERM (or SIGINT) stops the proxy and exits 0. The supervisor set
+    SIGINT to SIG_IGN while it started its workers (so that they inherited it across exec), and
+    the workers kept it ignored until ``run_worker`` installed its handler: a Ctrl-C in that
+    window was dropped by every process of the group, and ``serve --workers 2`` served on for
+    good (the workers hunt). Held (blocked) instead, it is taken once the handlers are in place."""
+    proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
+    env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
+    with proxy.log_path.open("ab") as log:
+        proxy.process = subprocess.Popen(
+            [sys.executable, "-c", _CTRL_C_AS_THE_WORKERS_START, "serve", *proxy.args],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(ROOT),
+            start_new_session=True,  # its own group: the Ctrl-C reaches it and its workers only
+        )
+    try:
+        try:
+            code: int | None = proxy.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        serving = proxy.log().count('"msg":"listening"')
+    finally:
+        proxy.stop()
+    assert code == 0, f"serve still running 30 s after Ctrl-C, {serving} workers listening"
