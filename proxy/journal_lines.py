@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.errors import StoreError, StoreRejected
+from proxy.scopes import kept_with_runs
 from proxy.store import MAX_SETTLED_MARKER_TTL_S, Store
 from proxy.values import value_class
 
@@ -59,6 +60,7 @@ class PendingSettlement:
         the call's own settle, tried live or replayed from a journal: applied again after a try
         whose reply was lost, it gets that try's entry (settle.lua), which is then counted. A
         reaper's line is that reaper's settle, sent again as it was, with its token."""
+        ledger_ttl_s, lifetime_key = kept_with_runs(self.tenant, self.runlog_ttl_s)
         if self.reaper_try:
             return await store.settle(
                 tenant=self.tenant,
@@ -69,6 +71,8 @@ class PendingSettlement:
                 entry=self.entry,
                 scope_ttls_s=self.scope_ttls_s,
                 runlog_ttl_s=self.runlog_ttl_s,
+                ledger_ttl_s=ledger_ttl_s,
+                lifetime_key=lifetime_key,
                 on_sent=on_sent,
                 reaper_try=self.reaper_try,
                 marker_ttl_s=self.marker_ttl_s,
@@ -89,6 +93,8 @@ class PendingSettlement:
             bill_if_lost=window_left_ms > 0,
             scope_ttls_s=self.scope_ttls_s,
             runlog_ttl_s=self.runlog_ttl_s,
+            ledger_ttl_s=ledger_ttl_s,
+            lifetime_key=lifetime_key,
             own=True,
             on_sent=on_sent,
             # Its window was counted on the marker of the instance that served the call, which a

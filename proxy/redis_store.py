@@ -350,6 +350,8 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         bill_if_lost: bool = False,
         scope_ttls_s: Sequence[int] = (),
         runlog_ttl_s: int = 0,
+        ledger_ttl_s: int | None = None,
+        lifetime_key: str | None = None,
         own: bool = False,
         on_sent: Callable[[], None] | None = None,
         reaper_try: str | None = None,
@@ -376,6 +378,10 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
             # timeout; a journal replays a settle whose reply was lost), it gets the first one's
             # entry (settle.lua). A reaper's try with a token gets its entry the same way.
             1 if own else (reaper_try or 0),
+            -1 if ledger_ttl_s is None else ledger_ttl_s,
+            0
+            if lifetime_key is None or lifetime_key not in scope_keys
+            else scope_keys.index(lifetime_key) + 1,
             *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args, on_sent=on_sent)

@@ -10,7 +10,7 @@ import functools
 from datetime import UTC, datetime, timedelta
 
 from proxy.auth import Identity
-from proxy.config_base import Period
+from proxy.config_base import PASSTHROUGH_TENANT_ID, Period
 from proxy.config_tiers import TierConfig, WindowCeilings
 from proxy.ids import MADE_RUN_PREFIX
 from proxy.store import Scope, key_prefix
@@ -43,6 +43,28 @@ def window_key(tenant: str, owner: str, period: str, start: datetime) -> str:
     return f"{key_prefix(tenant)}{owner}:{period}:{start:%Y%m%dT%H%M}"
 
 
+def lifetime_key(tenant: str, key_name: str) -> str:
+    return f"{key_prefix(tenant)}key:{key_name}:all"
+
+
+def passthrough_tenant(tenant: str) -> bool:
+    """A pass-through caller's tenant (``auth``: any bearer token is one); no configured tenant
+    is named so (``config_keys``)."""
+    return PASSTHROUGH_TENANT_ID.fullmatch(tenant) is not None
+
+
+def kept_with_runs(tenant: str, run_ttl_s: int) -> tuple[int | None, str | None]:
+    """How long a settle of ``tenant``'s call keeps its ledger (None: left as it is, for ever),
+    and the scope key kept alike (its key's lifetime meters; None: none). A pass-through caller's
+    tenant's live as long as its runs (``run_ttl_s``, the call's run's): every made-up token
+    sprayed at the proxy is such a tenant, and kept for ever they grew Redis with each. Chosen
+    by every settle from the tenant, not from the line or the lease's record: those written
+    before gave the lifetime 0 (persistent). A configured tenant's are kept for ever."""
+    if not passthrough_tenant(tenant):
+        return None, None
+    return run_ttl_s, lifetime_key(tenant, tenant)  # its key is named as the tenant
+
+
 def _window_scope(
     tenant: str, owner: str, name: str, window: WindowCeilings, now: datetime, *, shared_limit: bool = False
 ) -> Scope:
@@ -65,11 +87,13 @@ def _key_scopes(
     tier: TierConfig,
     tenant_periods: tuple[frozenset[Period], frozenset[Period]],
     minute_start_s: int,
+    lifetime_ttl_s: int,
 ) -> tuple[Scope, ...]:
     """The key and tenant scopes, the same for every call of a key within one minute: computed
     once per minute (window keys and TTLs are whole minutes apart at the finest)."""
     now = datetime.fromtimestamp(minute_start_s, UTC)
-    scopes = [Scope(name="key", key=f"{key_prefix(tenant)}key:{key_name}:all", ceilings=tier.key.meters)]
+    lifetime = lifetime_key(tenant, key_name)
+    scopes = [Scope(name="key", key=lifetime, ceilings=tier.key.meters, ttl_s=lifetime_ttl_s)]
     scopes += [_window_scope(tenant, f"key:{key_name}", "key", w, now) for w in _windows(tier.windows)]
     # A tenant window counts every key of the tenant: one whose tier does not limit that period
     # still counts in it (unlimited for that key), or the others' ceiling would not see its spend.
@@ -126,4 +150,5 @@ def scopes_for(
     if tier is None:
         return [run]
     minute = int(now.timestamp()) // 60 * 60
-    return [run, *_key_scopes(tenant, identity.key_name, tier, tenant_periods, minute)]
+    lifetime_ttl_s = run_ttl_s if passthrough_tenant(tenant) else 0  # as ``kept_with_runs``
+    return [run, *_key_scopes(tenant, identity.key_name, tier, tenant_periods, minute, lifetime_ttl_s)]

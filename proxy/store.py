@@ -246,6 +246,8 @@ class Store(Protocol):
         bill_if_lost: bool = False,
         scope_ttls_s: Sequence[int] = (),
         runlog_ttl_s: int = 0,
+        ledger_ttl_s: int | None = None,
+        lifetime_key: str | None = None,
         own: bool = False,
         on_sent: Callable[[], None] | None = None,
         reaper_try: str | None = None,
@@ -258,7 +260,11 @@ class Store(Protocol):
         and hex digits); the same try sent again after its reply was lost gets its entry, as the
         call's own settle does (``own``), where any other settle finds it settled before.
         ``marker_ttl_s``: the settled marker lives at least this long (a reaper's settle: what
-        the instance that served the call counted on), and at least the store's own setting."""
+        the instance that served the call counted on), and at least the store's own setting.
+        ``ledger_ttl_s``: the tenant ledger expires that long after this settle, or later (0:
+        kept for ever; None: left as it is), and so does ``lifetime_key``, one of ``scope_keys``
+        (its own TTL in ``scope_ttls_s`` unused), even where kept for ever: only a settle writes
+        the ledger, and a lifetime a version before made persistent would stay so."""
         ...
 
     async def renew(

@@ -20,9 +20,12 @@ from proxy.journal import Journal
 from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement, marks_line, reaper_line
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
-from proxy.store import MAX_SETTLED_MARKER_TTL_S
+from proxy.store import MAX_SETTLED_MARKER_TTL_S, Reservation, Scope
 from tests.test_journal import _line
 from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
+
+# A pass-through caller's tenant (``auth``), whose key is named as it.
+PASSTHROUGH = "pt-" + "ab" * 16
 
 IDS = [f"r{i}" for i in range(9)]
 
@@ -351,3 +354,51 @@ async def test_a_damaged_line_s_window_past_a_float_neither_sticks_nor_holds_bac
     billed = {e["reservation_id"] for _, e in await redis_client.xrange(LEDGER, count=1000)}
     assert billed == {"damaged", *(f"good-{i}" for i in range(REPLAY_WINDOW + 5))}
     assert not orphan.exists()
+
+
+@pytest.mark.parametrize(
+    ("tenant", "key_name", "kept_s"), [(PASSTHROUGH, PASSTHROUGH, 3600), ("team-a", "a-ci", -1)]
+)
+async def test_a_replayed_settle_of_a_pass_through_call_expires_its_ledger_and_key_s_lifetime(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    tenant: str,
+    key_name: str,
+    kept_s: int,
+) -> None:
+    """A line as the version before wrote it: its key's lifetime at TTL 0, as then reserved
+    (persistent), and no word of the ledger. Replayed, a pass-through caller's tenant's ledger
+    and its key's lifetime meters expire with its runs (the line's run TTL), as the live settle
+    has them; a configured tenant's stay kept for ever."""
+    run, lifetime = f"lbp:{{{tenant}}}:run:r1", f"lbp:{{{tenant}}}:key:{key_name}:all"
+    async with replaying(redis_server.url, tmp_path) as (store, journal):
+        held = await store.reserve(
+            tenant=tenant,
+            reservation_id="journaled",
+            run_id="r1",
+            scopes=[Scope(name="run", key=run, ttl_s=3600), Scope(name="key", key=lifetime)],
+            amounts={"requests": 1, "input_tokens": 3, "output_tokens": 4, "total_tokens": 7},
+            lease_ms=600_000,
+            record="{}",
+        )
+        assert isinstance(held, Reservation)
+        journal.append(
+            PendingSettlement(
+                tenant=tenant,
+                reservation_id="journaled",
+                run_id="r1",
+                scope_keys=[run, lifetime],
+                actual={"requests": 1, "input_tokens": 3, "output_tokens": 4, "total_tokens": 7},
+                entry={"reservation_id": "journaled", "outcome": "ok", "tenant": tenant, "run_id": "r1"},
+                bill_if_lost_until_ms=int(time.time() * 1000) + 600_000,
+                scope_ttls_s=[3600, 0],
+                runlog_ttl_s=3600,
+            )
+        )
+        assert await journal.replay(store) == 1
+    ledger = f"lbp:{{{tenant}}}:ledger"
+    assert await redis_client.xlen(ledger) == 1
+    for key in (ledger, lifetime):
+        left = await redis_client.ttl(key)
+        assert left == -1 if kept_s < 0 else 3000 < left <= kept_s, (key, left)

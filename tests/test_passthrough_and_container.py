@@ -1,9 +1,11 @@
-"""The zero-config start (``serve --upstream URL`` with the embedded Redis) and the container
-recipe. No Docker engine runs on these machines, so the Dockerfile is checked as text."""
+"""The zero-config start (``serve --upstream URL`` with the embedded Redis), what pass-through
+callers leave in Redis, and the container recipe. No Docker engine runs on these machines, so
+the Dockerfile is checked as text."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 import signal
@@ -15,11 +17,12 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import redis.asyncio as aioredis
 
 from proxy.config import Config
 from proxy.config_load import load_config
 from proxy.redis_server import free_port
-from tests.conftest import ProxyFactory
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory
 from tests.fake_upstream import FakeUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,8 +116,6 @@ async def test_a_pass_through_tenant_is_named_by_128_bits_of_its_keys_digest(
 ) -> None:
     # The tenant id is shown (billing views, the ledger); at 48 bits a key of the same tenant,
     # with its runs and ledger, could be found in hours.
-    import hashlib
-
     proxy = await make_proxy(
         passthrough=True, upstreams={"openai": {"base_url": fake.base_url, "passthrough_auth": True}}
     )
@@ -124,7 +125,91 @@ async def test_a_pass_through_tenant_is_named_by_128_bits_of_its_keys_digest(
         session.get(proxy.url + "/v1/billing/keys/self", headers={"Authorization": f"Bearer {key}"}) as resp,
     ):
         view = await resp.json()
-    assert view["tenant"] == "pt-" + hashlib.sha256(key.encode()).hexdigest()[:32], view
+    assert view["tenant"] == _passthrough_tenant(key), view
+
+
+BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _passthrough_tenant(key: str) -> str:
+    return "pt-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+async def _post_many(url: str, headers_of: list[dict[str, str]], status: int) -> None:
+    """One chat call per headers, 32 at a time, each answered ``status``."""
+    limit = asyncio.Semaphore(32)
+    async with aiohttp.ClientSession() as session:
+
+        async def one(headers: dict[str, str]) -> None:
+            async with limit, session.post(url + "/v1/chat/completions", json=BODY, headers=headers) as resp:
+                assert resp.status == status, await resp.text()
+                await resp.read()
+
+        await asyncio.gather(*(one(h) for h in headers_of))
+
+
+async def _passthrough_proxy(make_proxy: ProxyFactory, fake: FakeUpstream, **limits: int) -> str:
+    proxy = await make_proxy(
+        passthrough=True,
+        upstreams={"openai": {"base_url": fake.base_url, "passthrough_auth": True}},
+        limits=limits,
+    )
+    return proxy.url
+
+
+async def test_keys_a_sprayer_made_up_leave_no_redis_key_kept_for_ever(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """Zero config is pass-through: any bearer token is a tenant of its own, and a call with a
+    token the provider refuses (401) is forwarded and settled at 0. Each such call left two keys
+    with no TTL in Redis: the tenant's ledger stream (one entry, about 4.7 KB: a stream's first
+    node is allocated at ``stream-node-max-bytes``) and its key's lifetime meters
+    (``key:pt-...:all``, about 330 bytes, with no ceiling to keep). Whoever reaches the proxy
+    grew its Redis by about 5 KB a request, for good: a million made-up tokens is 5 GB that
+    nothing gives back, and under ``noeviction`` (the embedded server's) a full Redis refuses
+    every reserve. Both now expire with the tenant's runs (``limits.run_ttl_s``)."""
+    url = await _passthrough_proxy(make_proxy, fake)
+    sprayed = [f"sk-made-up-{i}" for i in range(40)]
+    await _post_many(url, [{"Authorization": f"Bearer {key}"} for key in sprayed], 401)
+    tenants = {_passthrough_tenant(key) for key in sprayed}
+    kept_for_ever: dict[str, int] = {}
+    async for key in redis_client.scan_iter(match="lbp:{pt-*", count=1000):
+        tenant = key.split("{", 1)[1].split("}", 1)[0]
+        if tenant in tenants and await redis_client.ttl(key) == -1:
+            kept_for_ever[key] = await redis_client.memory_usage(key) or 0
+    kinds = sorted({key.split("}:", 1)[1].split(":", 1)[0] for key in kept_for_ever})
+    assert not kept_for_ever, (
+        f"{len(kept_for_ever)} keys with no TTL ({kinds}) for {len(sprayed)} made-up tokens, "
+        f"{sum(kept_for_ever.values())} bytes"
+    )
+
+
+async def test_a_pass_through_tenant_s_ledger_and_lifetime_meters_expire_with_its_runs_each_call_anew(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    url = await _passthrough_proxy(make_proxy, fake, run_ttl_s=3600)
+    tenant = _passthrough_tenant(UPSTREAM_KEY)  # the fake upstream's key: answered 200
+    ledger, lifetime = f"lbp:{{{tenant}}}:ledger", f"lbp:{{{tenant}}}:key:{tenant}:all"
+    caller = [{"Authorization": f"Bearer {UPSTREAM_KEY}", "X-Run-Id": "r1"}]
+    await _post_many(url, caller, 200)
+    for key in (ledger, lifetime):
+        assert 3000 < await redis_client.ttl(key) <= 3600, key
+        await redis_client.expire(key, 100)  # most of the hour gone, as Redis counts it
+    await _post_many(url, caller, 200)
+    for key in (ledger, lifetime):
+        assert 3000 < await redis_client.ttl(key) <= 3600, key  # from the later call on
+    assert await redis_client.xlen(ledger) == 2
+
+
+async def test_a_configured_tenant_s_ledger_and_lifetime_meters_are_kept_for_ever(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    proxy = await make_proxy(limits={"run_ttl_s": 3600})
+    await _post_many(proxy.url, [{"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "r1"}], 200)
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
+    assert await redis_client.ttl("lbp:{team-a}:ledger") == -1
+    assert await redis_client.ttl("lbp:{team-a}:key:a-ci:all") == -1
+    assert 3000 < await redis_client.ttl("lbp:{team-a}:run:r1") <= 3600  # its runs do expire
 
 
 def test_the_container_keeps_its_journal_on_the_volume_its_user_owns() -> None:

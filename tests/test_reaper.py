@@ -839,3 +839,35 @@ async def test_a_reaper_set_shorter_leaves_its_marker_as_long_as_the_serving_ins
     finally:
         await serving.close()
         await reaping.close()
+
+
+@pytest.mark.parametrize(
+    ("tenant", "key_name", "kept_s"), [("pt-" + "ab" * 16, "pt-" + "ab" * 16, 3600), ("team-a", "a-ci", -1)]
+)
+async def test_a_reaper_s_settle_of_a_pass_through_call_expires_its_ledger_and_key_s_lifetime(
+    store: RedisStore, redis_client: aioredis.Redis, tenant: str, key_name: str, kept_s: int
+) -> None:
+    """A lease the version before left: its key's lifetime at TTL 0 in the record (persistent).
+    Reaped, a pass-through caller's tenant's ledger and its key's lifetime meters expire with
+    its runs (the record's run TTL), as its live settle has them; a configured tenant's stay
+    kept for ever."""
+    run, lifetime = f"lbp:{{{tenant}}}:run:r1", f"lbp:{{{tenant}}}:key:{key_name}:all"
+    held = await store.reserve(
+        tenant=tenant,
+        reservation_id="dead-instance",
+        run_id="r1",
+        scopes=[Scope(name="run", key=run, ttl_s=3600), Scope(name="key", key=lifetime)],
+        amounts={"requests": 1, "input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+        lease_ms=1,
+        record='{"run_id": "r1", "run_ttl_s": 3600}',
+    )
+    assert isinstance(held, Reservation)
+    leases = f"lbp:{{{tenant}}}:leases"
+    while await redis_client.zcount(leases, "-inf", int(await store.synced_now() * 1000)) < 1:
+        await asyncio.sleep(0.01)
+    assert len(await reap_tenant(store, tenant)) == 1
+    ledger = f"lbp:{{{tenant}}}:ledger"
+    assert [entry["outcome"] for _, entry in await redis_client.xrange(ledger)] == ["lease_expired"]
+    for key in (ledger, lifetime):
+        left = await redis_client.ttl(key)
+        assert left == -1 if kept_s < 0 else 3000 < left <= kept_s, (key, left)

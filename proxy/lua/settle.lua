@@ -21,7 +21,12 @@ ARGV[15]     1: the call's own settle, from the process that served it, live or 
              journal (sent again after a reply that came late or was lost: see below); 0: the
              reaper's; any other value: the reaper's, that try's token (r and hex digits), which
              the same try sent again (its reply came late or was lost) finds in the marker
-ARGV[16..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
+ARGV[16]     seconds the tenant ledger (KEYS[3]) is kept after this settle, at least (0 = for
+             ever; -1 = left as it is: a configured tenant's, kept for ever): a pass-through
+             caller's tenant's, as long as its runs
+ARGV[17]     which of KEYS[5..] is kept as the ledger is (1-based; 0 = none), its TTL below
+             unused: a pass-through caller's key's lifetime meters
+ARGV[18..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
              sets it, set again here: a key this settle writes anew (the reservation was lost, or
              the key expired mid-call) still expires (absent: left as it is)
 
@@ -74,6 +79,12 @@ if not string.match(runlog_arg, '^%d+$') or #runlog_arg > 10 then
   return redis.error_reply('settle: the run index TTL is not a whole number of seconds: ' .. runlog_arg)
 end
 local runlog_ttl = tonumber(runlog_arg)
+local ledger_arg = ARGV[16] or '-1'
+if ledger_arg ~= '-1' and (not string.match(ledger_arg, '^%d+$') or #ledger_arg > 10) then
+  return redis.error_reply('settle: the ledger TTL is not a whole number of seconds: ' .. ledger_arg)
+end
+local ledger_ttl = tonumber(ledger_arg)
+local kept_scope = tonumber(ARGV[17]) or 0
 if not marker_ttl or marker_ttl < 1 then
   return redis.error_reply('settle: the settled marker needs a time to live in seconds: ' .. tostring(ARGV[12]))
 end
@@ -173,10 +184,10 @@ for s = 5, #KEYS do
     end
   end
   if n > 0 then redis.call('HSET', key, unpack(writes)) end
-  local ttl = tonumber(ARGV[11 + s])
+  local ttl = tonumber(ARGV[13 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
-  if ttl then extend(key, ttl, new, left) end
+  if ttl and s - 4 ~= kept_scope then extend(key, ttl, new, left) end
 end
 
 local fields, nf = {}, 0
@@ -187,6 +198,20 @@ if lost then
   fields[nf + 1], fields[nf + 2] = 'reservation', 'lost'
 end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
+-- Only a settle writes the ledger: no later reserve would set its TTL, so a ledger kept for ever
+-- gets it here (so does the scope kept alike: a version before made it persistent), and one a
+-- longer setting gave keeps it (calls reserved before a reload).
+local function keep(key)
+  if ledger_ttl == 0 then
+    redis.call('PERSIST', key)
+  elseif redis.call('PTTL', key) < ledger_ttl * 1000 then
+    redis.call('EXPIRE', key, ledger_ttl)
+  end
+end
+if ledger_ttl >= 0 then
+  keep(KEYS[3])
+  if kept_scope > 0 and KEYS[4 + kept_scope] then keep(KEYS[4 + kept_scope]) end
+end
 local first = redis.call('RPUSH', KEYS[4], id) == 1
 local run_scope = tonumber(ARGV[14]) or 0
 -- PTTL -2: no run key (a settle that wrote no meter, the key gone): the index's own TTL then.
