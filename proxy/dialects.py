@@ -169,3 +169,11 @@ def dialect_of_path(path: str) -> Dialect:
     calls under it (count_tokens, batches: the Anthropic SDK's), else OpenAI's."""
     anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
     return DIALECTS["messages" if anthropic else "chat.completions"]
+
+
+def dialect_of_request(request: web.Request) -> Dialect:
+    """``dialect_of_path``, but for ``GET /v1/models``, which both APIs have: the Anthropic
+    SDK's calls carry ``anthropic-version`` (OpenAI's never do), its own the only way to tell."""
+    if request.path == "/v1/models" and "anthropic-version" in request.headers:
+        return DIALECTS["messages"]
+    return dialect_of_path(request.path)

@@ -15,7 +15,7 @@ from aiohttp import hdrs, http_exceptions, http_parser, web, web_protocol
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.streams import StreamReader
 
-from proxy.dialects import Dialect, dialect_of_path
+from proxy.dialects import Dialect, dialect_of_request
 from proxy.errors import ApiError, BodyTooLarge, StoreError, StoreUnavailable, error_object
 from proxy.ids import REQUEST_ID, request_id_for
 from proxy.state import STATE
@@ -366,4 +366,4 @@ def _error(
 
 
 def _dialect(request: web.Request) -> Dialect:
-    return dialect_of_path(request.path)
+    return dialect_of_request(request)

@@ -22,10 +22,6 @@ Upstream failures are not exceptions of ours: they are outcomes of a call (see `
 
 from __future__ import annotations
 
-import json
-
-from aiohttp import web
-
 
 class ProxyError(Exception):
     """Base of every error raised by the proxy itself."""
@@ -169,24 +165,3 @@ def error_object(
 ) -> dict[str, str | None]:
     """OpenAI's error object, the ``error`` of its error body."""
     return {"message": message, "type": error_type, "param": param, "code": code}
-
-
-def error_body(message: str, error_type: str, *, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps({"error": error_object(message, error_type, param=param, code=code)}).encode()
-
-
-def error_response(
-    status: int,
-    message: str,
-    error_type: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.Response(
-        status=status,
-        body=error_body(message, error_type, param=param, code=code),
-        content_type="application/json",
-        headers=headers,
-    )

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing_views import key_self, run_ledger, run_meters
 from proxy.config import Config
-from proxy.dialects import DIALECTS, Dialect, dialect_of_path
+from proxy.dialects import DIALECTS, Dialect, dialect_of_path, dialect_of_request
 from proxy.error_answers import body_refusal, undecoded_after
 from proxy.errors import (
     ApiError,
@@ -34,7 +34,6 @@ from proxy.errors import (
     StoreUnavailable,
     Unauthorized,
     UpstreamKeyUnset,
-    error_response,
 )
 from proxy.forward import (
     account_scrubbed,
@@ -227,18 +226,31 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.StreamResponse:
-    """Forwarded, not billed: listing models costs no tokens."""
+    """Forwarded, not billed: listing models costs no tokens. An Anthropic caller's list is of
+    the upstream its Messages calls reach, in Anthropic's shape; an OpenAI caller's, of what any
+    model name reaches."""
     state = request.app[STATE]
-    identity = authenticate(request, state.config, passthrough=state.passthrough)
-    routed = state.config.route("*") or next(iter(state.config.models.items()), None)
-    if routed is None:  # no model routed (``models: {}``): nothing to list, nobody to ask
-        return web.json_response({"object": "list", "data": []})
-    upstream = state.config.upstreams[routed[1].upstream]
-    if operator_key_unset(upstream, identity):
-        unset = UpstreamKeyUnset()
-        return error_response(
-            unset.status, unset.message, unset.error_type, code=unset.code, headers=unset.headers
+    config = state.config
+    identity = authenticate(request, config, passthrough=state.passthrough)
+    dialect = dialect_of_request(request)
+    if dialect.anthropic_errors:
+        routed = next(
+            (
+                item
+                for item in config.models.items()
+                if config.upstreams[item[1].upstream].kind == "anthropic"
+            ),
+            None,
         )
+        if routed is None:  # no model the Messages API serves here: none to offer
+            return web.json_response({"data": [], "has_more": False, "first_id": None, "last_id": None})
+    else:
+        routed = config.route("*") or next(iter(config.models.items()), None)
+        if routed is None:  # no model routed (``models: {}``): nothing to list, nobody to ask
+            return web.json_response({"object": "list", "data": []})
+    upstream = config.upstreams[routed[1].upstream]
+    if operator_key_unset(upstream, identity):
+        raise UpstreamKeyUnset()
     assert state.session is not None
     try:
         async with state.session.get(
@@ -251,14 +263,14 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         ) as resp:
             body = await read_limited(resp, MODELS_LIST_LIMIT_BYTES)
     except (TimeoutError, ValueError, aiohttp.ClientError):
-        return error_response(
+        return dialect.error_response(
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
     secrets = operator_secrets(upstream, identity)
     body = scrubbed(body, secrets)
     passed = provider_headers(resp, secrets)
     if 300 <= resp.status < 400:
-        return error_response(
+        return dialect.error_response(
             502,
             f"The upstream redirected the model list (HTTP {resp.status}); the proxy does not follow "
             "redirects: its upstream base_url needs fixing.",
@@ -270,7 +282,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         # The upstream refused the proxy's own credentials (or none: an upstream configured
         # without a key): not the caller's fault, whatever the body (a gateway in front of the
         # provider refuses its basic auth with a page of HTML).
-        return error_response(
+        return dialect.error_response(
             502,
             f"The upstream refused the proxy's credentials (HTTP {resp.status}).",
             "upstream_error",
@@ -284,7 +296,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     if resp.status != 200 or not body.lstrip().startswith(b"{"):
         # With the provider's retry advice (a 503's retry-after, its x-should-retry), as a billed
         # call's error answer: the SDK retries a 502 when and whether the provider said to.
-        return error_response(
+        return dialect.error_response(
             502,
             f"The upstream could not list models (HTTP {resp.status}).",
             "upstream_error",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anthropic
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -206,6 +207,147 @@ async def test_models_passes_on_a_list_of_a_few_hundred_kilobytes_whole(
     reply = await call(proxy, "/v1/models", method="GET")
     assert reply.status == 200, reply.describe()
     assert len(reply.body) > 256 * 1024 and reply.json() == listed
+
+
+CLAUDE_LIST = {
+    "data": [
+        {
+            "type": "model",
+            "id": "claude-sonnet-4-5",
+            "display_name": "Claude Sonnet 4.5",
+            "created_at": "2025-09-29T00:00:00Z",
+        }
+    ],
+    "has_more": False,
+    "first_id": "claude-sonnet-4-5",
+    "last_id": "claude-sonnet-4-5",
+}
+ANTHROPIC_CALLER = {"anthropic-version": "2023-06-01"}
+
+
+def claude_upstream(base_url: str) -> JsonDict:
+    return {
+        "base_url": base_url,
+        "kind": "anthropic",
+        "api_key_env": "TEST_UPSTREAM_KEY",
+        "timeout_s": 5,
+        "connect_timeout_s": 2,
+    }
+
+
+async def test_the_anthropic_sdks_model_list_comes_from_the_anthropic_upstream(
+    make_proxy: ProxyFactory, fake: FakeUpstream, script: ScriptedUpstream
+) -> None:
+    """A proxy serving Claude models from an ``anthropic`` upstream beside an OpenAI one (``*``):
+    the Anthropic SDK's ``models.list()`` (GET /v1/models with ``anthropic-version``) was answered
+    with the OpenAI upstream's list (gpt-4o-mini...), in OpenAI's shape (no ``type``,
+    ``display_name`` nor ``created_at``), which the SDK takes without a word: a model picker
+    offers models /v1/messages cannot serve, and never the Claude models it can."""
+    script.plan = Plan(chunks=[json.dumps(CLAUDE_LIST).encode()])
+    openai_upstream = {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 5}
+    proxy = await make_proxy(
+        upstreams={"claude": claude_upstream(script.base_url), "openai": openai_upstream},
+        models={"claude-*": {"upstream": "claude"}, "*": {"upstream": "openai"}},
+    )
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=KEY_A, max_retries=0)
+    try:
+        page = await client.models.list()
+    finally:
+        await client.close()
+    assert [model.id for model in page.data] == ["claude-sonnet-4-5"], page.data
+    assert page.data[0].type == "model" and page.data[0].display_name == "Claude Sonnet 4.5"
+    assert len(script.received) == 1 and not fake.received
+
+
+async def test_an_anthropic_callers_list_is_asked_of_the_first_anthropic_route_with_its_own_headers(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """The upstream of the first route (in config order) whose upstream speaks Messages, asked
+    with its own credentials (``x-api-key``, its ``anthropic-version``), never a bearer key, and
+    with the caller's query (the SDK's ``?beta=true``)."""
+    seen: list[tuple[str, str, dict[str, str]]] = []
+
+    async def first(request: web.Request) -> web.Response:
+        seen.append((request.path, request.rel_url.raw_query_string, dict(request.headers)))
+        return web.json_response(CLAUDE_LIST)
+
+    runner = await serve_everything_with(first)
+    try:
+        first_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        upstreams = {
+            "openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY"},
+            "first": claude_upstream(first_url),
+            "second": claude_upstream(fake.base_url),
+        }
+        models = {
+            "gpt-4o-mini": {"upstream": "openai"},
+            "claude-opus-*": {"upstream": "first"},
+            "claude-*": {"upstream": "second"},
+            "*": {"upstream": "openai"},
+        }
+        proxy = await make_proxy(upstreams=upstreams, models=models)
+        reply = await call(proxy, "/v1/models?beta=true", method="GET", headers=ANTHROPIC_CALLER)
+        assert reply.status == 200, reply.describe()
+        assert reply.json() == CLAUDE_LIST
+        assert fake.received == []
+        [(path, query, headers)] = seen
+        assert (path, query) == ("/v1/models", "beta=true")
+        assert headers.get("x-api-key") == UPSTREAM_KEY and "Authorization" not in headers, headers
+        assert headers.get("anthropic-version") == "2023-06-01", headers
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_anthropic_caller_with_no_anthropic_upstream_gets_an_empty_list(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """No model here is one /v1/messages serves: the OpenAI upstream's list would offer only
+    models it cannot call. An empty page, in Anthropic's shape, and no upstream asked."""
+    client = anthropic.AsyncAnthropic(base_url=(await make_proxy()).url, api_key=KEY_A, max_retries=0)
+    try:
+        page = await client.models.list()
+    finally:
+        await client.close()
+    assert page.data == [] and page.has_more is False and page.first_id is None
+    assert fake.received == []
+
+
+MODELS_REFUSALS: dict[str, tuple[int, str]] = {
+    # What goes wrong; the status and Anthropic error type the caller reads.
+    "no-key": (401, "authentication_error"),
+    "the-operators-key-unset": (502, "api_error"),
+    "the-upstream-refuses-the-operators-key": (502, "api_error"),
+    "the-upstream-unreachable": (502, "api_error"),
+    "the-upstream-answers-a-page": (502, "api_error"),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS_REFUSALS))
+async def test_the_model_list_refuses_an_anthropic_caller_in_anthropics_format(
+    make_proxy: ProxyFactory, fake: FakeUpstream, script: ScriptedUpstream, name: str
+) -> None:
+    """The Anthropic SDK reads its own error format and ``request-id``: an OpenAI error body
+    would reach its caller as an unreadable error."""
+    base_url = {
+        # The fake upstream wants a bearer key: the anthropic upstream's x-api-key is refused.
+        "the-upstream-refuses-the-operators-key": fake.base_url,
+        "the-upstream-unreachable": f"http://127.0.0.1:{refused_port()}/v1",
+    }.get(name, script.base_url)
+    script.plan = Plan(status=503, content_type="text/html", chunks=[b"<html>down</html>"])
+    proxy = await make_proxy(
+        upstreams={"claude": claude_upstream(base_url)},
+        models={"claude-*": {"upstream": "claude"}},
+        upstream_key="" if name == "the-operators-key-unset" else UPSTREAM_KEY,
+    )
+    key = None if name == "no-key" else KEY_A
+    reply = await call(proxy, "/v1/models", method="GET", headers=ANTHROPIC_CALLER, key=key)
+    status, kind = MODELS_REFUSALS[name]
+    assert reply.status == status, reply.describe()
+    body = reply.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", reply.describe()
+    assert body["error"]["type"] == kind and body["error"]["message"], reply.describe()
+    request_id = reply.headers.get("x-request-id")
+    assert request_id and reply.headers.get("request-id") == request_id, reply.describe()
 
 
 # -- refusals before the upstream, in the API's own format --------------------------------------
