@@ -106,3 +106,101 @@ async def test_streamed_and_whole_answers_write_the_same_figures(
     for entry, bill in zip(entries, fake.bill, strict=True):
         prompt = bill.prompt_tokens + bill.cache_read_tokens + bill.cache_creation_tokens
         assert (int(entry["input_tokens"]), int(entry["output_tokens"])) == (prompt, bill.completion_tokens)
+
+
+# What the provider bills for each case of test_figures_differential, worked out by hand from
+# the fake's token rule (words + 3 per message; 6 reply tokens) and the usage each case sends,
+# not read from the proxy: (input, cached input, cache writes, of them kept 1 h, output,
+# reasoning, cost in micro-units at test_figures_differential.PRICE, rounded up once).
+#   chat:      4 x 3 + 2 x 0.3 + 3 x 15 + 3 x 20                       = 117.6 -> 118
+#   responses: "a b c" is 3 words (no role item): 1 x 3 + 0.6 + 45 + 60 = 108.6 -> 109
+#   messages:  6 + 40 read + 30 written (10 for 5 min, 20 for 1 h):
+#              6 x 3 + 40 x 0.3 + 10 x 3.75 + 20 x 6 + 6 x 15          = 277.5 -> 278
+#   messages_full_delta: the 30 written with no split, kept as the request asked (5 min):
+#              18 + 12 + 30 x 3.75 + 90                                = 232.5 -> 233
+EXPECTED: dict[str, dict[str, str]] = {
+    "chat": {
+        "input_tokens": "6",
+        "cached_input_tokens": "2",
+        "cache_creation_input_tokens": "0",
+        "cache_creation_1h_input_tokens": "0",
+        "output_tokens": "6",
+        "reasoning_tokens": "3",
+        "cost_micros": "118",
+    },
+    "responses": {
+        "input_tokens": "3",
+        "cached_input_tokens": "2",
+        "cache_creation_input_tokens": "0",
+        "cache_creation_1h_input_tokens": "0",
+        "output_tokens": "6",
+        "reasoning_tokens": "3",
+        "cost_micros": "109",
+    },
+    "messages": {
+        "input_tokens": "76",
+        "cached_input_tokens": "40",
+        "cache_creation_input_tokens": "30",
+        "cache_creation_1h_input_tokens": "20",
+        "output_tokens": "6",
+        "reasoning_tokens": "0",
+        "cost_micros": "278",
+    },
+    "messages_full_delta": {
+        "input_tokens": "76",
+        "cached_input_tokens": "40",
+        "cache_creation_input_tokens": "30",
+        "cache_creation_1h_input_tokens": "0",
+        "output_tokens": "6",
+        "reasoning_tokens": "0",
+        "cost_micros": "233",
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_streamed_and_whole_answers_write_the_providers_figures_part_by_part(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, case: str
+) -> None:
+    """The test above holds the two entries to each other and only their input and output totals
+    to the fake's bill: a proxy that read Anthropic's cache writes as cache reads
+    (observe_anthropic.py, ``cached_input_tokens=cache_creation``) wrote the same wrong split, and
+    cost, on both paths and passed it. Here each part, and the cost, is held to the provider's
+    bill worked out by hand (the vacuous-tests hunt)."""
+    proxy = await _proxy(make_proxy, fake)
+    path, body, usage = CASES[case]
+    for stream in (False, True):
+        ctl: dict[str, Any] = {"reply_tokens": 6, "usage": usage}
+        if case.endswith("full_delta"):
+            ctl["full_delta_usage"] = True
+        headers = {
+            "Authorization": f"Bearer {KEY_A}",
+            "anthropic-version": "2023-06-01",
+            "X-Run-Id": f"{case}{stream}",
+        }
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                proxy.url + path, json={**body, "stream": stream, "fake": ctl}, headers=headers
+            ) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+        await proxy.recorded()
+    # The fake's bill, pinned to the hand-worked figures (the oracle itself is checked).
+    want = EXPECTED[case]
+    assert len(fake.bill) == 2
+    for bill in fake.bill:
+        anthropic = path == "/v1/messages"
+        billed_input = bill.prompt_tokens + bill.cache_read_tokens + bill.cache_creation_tokens
+        assert str(billed_input) == want["input_tokens"], bill
+        cached = bill.cache_read_tokens if anthropic else bill.cached_tokens
+        assert str(cached) == want["cached_input_tokens"], bill
+        assert str(bill.cache_creation_tokens) == want["cache_creation_input_tokens"], bill
+        assert str(bill.completion_tokens) == want["output_tokens"], bill
+        assert str(bill.reasoning_tokens) == want["reasoning_tokens"], bill
+    entries = [dict(f) for _, f in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert len(entries) == 2
+    for entry in entries:
+        got = {k: entry.get(k, "0") for k in FIELDS}
+        assert got == {**want, "usage_source": "provider", "outcome": "ok"}, (case, entry["stream"], got)
