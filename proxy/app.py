@@ -57,6 +57,7 @@ def default_store_factory(config: Config) -> Store:
         pool_size=config.redis.pool_size,
         socket_timeout_s=config.redis.socket_timeout_s,
         settled_marker_ttl_s=config.limits.settled_marker_ttl_s,
+        ledger_retention_s=config.limits.ledger_retention_s,
     )
 
 

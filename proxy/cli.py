@@ -238,20 +238,29 @@ async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> Non
                 sys.stdout.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in entries))
             return
         columns: dict[str, None] = {}
-        count = 0
+        last: tuple[int, ...] | None = None
         async for entries in _ledger_pages(store, tenant, run):
             columns_of(entries, columns)
-            count += len(entries)
-        if not count:
+            if entries:
+                last = _entry_order(entries[-1]["id"])
+        if last is None:
             return
         writer = csv_writer(sys.stdout, columns)
-        async for entries in _ledger_pages(store, tenant, run):  # both only ever grow at the end
-            writer.writerows(csv_rows(entries[:count]))
-            count -= len(entries)
-            if count <= 0:
+        # Up to the last entry read above, by id, not by count: a settle meanwhile may have
+        # trimmed the oldest (limits.ledger_retention_s), and an entry past them, its columns
+        # not read, would fail the writer. Both grow only at the end, in id order.
+        async for entries in _ledger_pages(store, tenant, run):
+            rows = [entry for entry in entries if _entry_order(entry["id"]) <= last]
+            writer.writerows(csv_rows(rows))
+            if len(rows) < len(entries):
                 break
     finally:
         await store.close()
+
+
+def _entry_order(entry_id: str) -> tuple[int, ...]:
+    """A ledger id (``<ms>-<seq>``) as the stream orders it."""
+    return tuple(int(part) for part in entry_id.split("-"))
 
 
 def _store_config(args: argparse.Namespace) -> Config:

@@ -40,6 +40,10 @@ from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MARKER_TRUST, MAX_SETTLED_
 if TYPE_CHECKING:
     from proxy.forward import UpstreamSending
 
+# limits.ledger_retention_s, when set. At most ten years, as the other TTLs.
+MIN_LEDGER_RETENTION_S = 24 * 3600
+MAX_LEDGER_RETENTION_S = 10 * 366 * 24 * 3600
+
 USERINFO_CUT = (
     "its user name or password holds '/', '?', '#' or '@' (percent-encode them: %2F, %3F, %23, %40)"
 )
@@ -318,8 +322,12 @@ class LimitsConfig(Frozen):
     lease_margin_s: float = Field(default=30.0, gt=0)
     # A run's meters and ledger index expire this long after its last call (every reserve and
     # settle pushes it back): a call without X-Run-Id is a run of its own, and its keys must not
-    # stay for ever. 0: runs are kept for ever. The tenant ledger keeps every entry regardless.
+    # stay for ever. 0: runs are kept for ever. The tenant ledger does not expire with them (below).
     run_ttl_s: int = Field(default=7 * 24 * 3600, ge=0, le=10 * 366 * 24 * 3600)
+    # Every settle trims its tenant's ledger of entries older than this (0: every entry kept for
+    # ever): about 260 bytes of Redis a call otherwise stay for good. Read at start only (the
+    # store's), so that a reaper's or a journal's settle trims by the same setting as a call's.
+    ledger_retention_s: int = 0
 
     @field_validator("default_max_output_tokens", mode="before")
     @classmethod
@@ -339,6 +347,17 @@ class LimitsConfig(Frozen):
         # Shorter, a run's keys could expire under a call still in flight.
         if 0 < value < 3600:
             raise ValueError("0 (runs kept for ever) or at least 3600 seconds")
+        return value
+
+    @field_validator("ledger_retention_s")
+    @classmethod
+    def _a_day_of_ledger_at_least(cls, value: int) -> int:
+        # A day at least: shorter, entries could go before a day's export or report read them.
+        if value != 0 and not MIN_LEDGER_RETENTION_S <= value <= MAX_LEDGER_RETENTION_S:
+            raise ValueError(
+                f"0 (every ledger entry kept for ever) or a whole number of seconds from "
+                f"{MIN_LEDGER_RETENTION_S} (a day) to {MAX_LEDGER_RETENTION_S} (ten years)"
+            )
         return value
 
     reaper_interval_s: float = Field(default=5.0, gt=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -42,6 +43,8 @@ from proxy.store import (
     WindowEnded,
     key_prefix,
 )
+
+log = logging.getLogger("proxy.store")
 
 
 def clamped_amounts(amounts: Mapping[str, int], per_choice: int, clamp: Clamp) -> dict[str, int]:
@@ -89,9 +92,14 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         pool: aioredis.ConnectionPool | None = None,
         pipe: PipelinedConnection | None = None,
         settled_marker_ttl_s: int = DEFAULT_SETTLED_MARKER_TTL_S,
+        ledger_retention_s: int = 0,
     ) -> None:
         self._client = client
         self._settled_marker_ttl_s = settled_marker_ttl_s
+        # Every settle trims its tenant's ledger of entries older than this (0: none), whoever
+        # makes it (the call, a journal's replay, a reaper): one setting, the process's at start.
+        self._ledger_retention_s = ledger_retention_s
+        self._untrimmed_told = False
         self._pool = pool
         # Single-node only: the hot-path scripts share one pipelined connection.
         self._pipe = pipe
@@ -110,6 +118,7 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         pool_size: int = 64,
         socket_timeout_s: float = 5.0,
         settled_marker_ttl_s: int = DEFAULT_SETTLED_MARKER_TTL_S,
+        ledger_retention_s: int = 0,
     ) -> RedisStore:
         client: aioredis.Redis | RedisCluster
         if cluster:
@@ -135,8 +144,9 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
                 pool=pool,
                 pipe=pipe,
                 settled_marker_ttl_s=settled_marker_ttl_s,
+                ledger_retention_s=ledger_retention_s,
             )
-        return cls(client, settled_marker_ttl_s=settled_marker_ttl_s)
+        return cls(client, settled_marker_ttl_s=settled_marker_ttl_s, ledger_retention_s=ledger_retention_s)
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
@@ -382,9 +392,17 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
             0
             if lifetime_key is None or lifetime_key not in scope_keys
             else scope_keys.index(lifetime_key) + 1,
+            self._ledger_retention_s,
             *scope_ttls_s,
         ]
         result = await self._script("settle", keys, args, on_sent=on_sent)
+        if len(result) > 2 and not self._untrimmed_told:
+            # The entry is in; only the trim failed (a Redis before 6.2 knows no XADD MINID).
+            self._untrimmed_told = True
+            log.warning(
+                "the store refused to trim the ledger: limits.ledger_retention_s keeps every entry",
+                extra={"error": str(result[2])[:200]},
+            )
         return str(result[1]) if int(result[0]) == 1 else None
 
     async def shrink(

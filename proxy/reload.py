@@ -160,6 +160,7 @@ def _start_only(config: Config) -> dict[str, object]:
         "event_loop": config.event_loop,
         "currency": config.currency,
         "limits.settled_marker_ttl_s": limits.settled_marker_ttl_s,
+        "limits.ledger_retention_s": limits.ledger_retention_s,
         "limits.token_count_cache_chars": limits.token_count_cache_chars,
         "limits.reaper_interval_s": limits.reaper_interval_s,
         "limits.journal_replay_s": limits.journal_replay_s,
@@ -175,6 +176,7 @@ def _keep_start_only(new: Config, old: Config) -> Config:
             name: getattr(old.limits, name)
             for name in (
                 "settled_marker_ttl_s",
+                "ledger_retention_s",
                 "token_count_cache_chars",
                 "reaper_interval_s",
                 "journal_replay_s",

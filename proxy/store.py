@@ -264,7 +264,10 @@ class Store(Protocol):
         ``ledger_ttl_s``: the tenant ledger expires that long after this settle, or later (0:
         kept for ever; None: left as it is), and so does ``lifetime_key``, one of ``scope_keys``
         (its own TTL in ``scope_ttls_s`` unused), even where kept for ever: only a settle writes
-        the ledger, and a lifetime a version before made persistent would stay so."""
+        the ledger, and a lifetime a version before made persistent would stay so. The entry's
+        XADD trims the tenant ledger of entries older than the store's ledger retention (its
+        config's ``limits.ledger_retention_s`` at start; 0: none), whoever settles: an entry id
+        given before (``own``, ``reaper_try``) may name an entry trimmed since."""
         ...
 
     async def renew(

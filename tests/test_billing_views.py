@@ -19,6 +19,7 @@ from tests.conftest import KEY_A, Proxy, ProxyFactory, digest, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.test_cli import LEDGER_ENTRY
 from tests.test_metrics import ADMIN, scrape, total
+from tests.test_redis_store import _old_and_recent_entries
 
 MSGS: list[Any] = [{"role": "user", "content": "hi"}]
 
@@ -154,6 +155,29 @@ async def test_a_long_runs_ledger_view_is_the_json_it_was_with_every_entry_in_or
     assert [e["request_id"] for e in body["data"]] == [f"req_{i:032d}" for i in range(2345)]
     ids = [i for i, _ in await redis_client.xrange("lbp:{team-a}:ledger")]
     assert [e["id"] for e in body["data"]] == ids
+
+
+async def test_a_runs_ledger_view_skips_the_entries_the_retention_trimmed(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis
+) -> None:
+    """limits.ledger_retention_s trims a tenant's ledger at each settle; the run's index still
+    names the entries trimmed: the view answers 200 with the rest, in order."""
+    proxy = await make_proxy(limits={"ledger_retention_s": 86400})
+    old, recent = await _old_and_recent_entries(redis_client, "trimmed")
+    await proxy.client().chat.completions.create(
+        model="gpt-4o-mini", messages=MSGS, extra_headers={"X-Run-Id": "trimmed"}
+    )
+    ledger = [i for i, _ in await redis_client.xrange("lbp:{team-a}:ledger")]
+    assert len(set(ledger) & set(old)) < 100  # whole stream nodes trimmed
+    async with (
+        aiohttp.ClientSession() as session,
+        _ledger_view(session, proxy.url, "trimmed") as resp,
+    ):
+        assert resp.status == 200
+        body = await resp.json()
+    assert [e["id"] for e in body["data"]] == ledger
+    assert [e["id"] for e in body["data"]][-11:-1] == recent
+    assert body["data"][-1]["run_id"] == "trimmed"
 
 
 async def test_a_store_lost_while_a_long_run_is_written_cuts_the_body(

@@ -514,6 +514,50 @@ async def test_a_csv_export_writes_the_entries_its_columns_were_read_from(
     client.close()
 
 
+@pytest.mark.parametrize("run", [None, "long"])
+async def test_a_csv_export_writes_no_entry_past_its_columns_when_the_oldest_were_trimmed_between(
+    redis_server: RedisServerProcess,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    run: str | None,
+) -> None:
+    """A settle trims the oldest entries (limits.ledger_retention_s) while calls are billed:
+    counted by entries, the write pass of a CSV export went past the last entry its columns
+    were read from, and the writer failed on a column the header lacks. Written up to that
+    entry, by id: the entries left of those the columns were read from."""
+    import proxy.cli
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    client.delete("lbp:{team-x}:ledger", "lbp:{team-x}:runlog:long")
+    pipe = client.pipeline(transaction=False)
+    for i in range(1500):
+        pipe.xadd("lbp:{team-x}:ledger", {"request_id": f"r{i}", "input_tokens": "1"}, id=f"{i + 1}-0")
+    pipe.rpush("lbp:{team-x}:runlog:long", *(f"{i + 1}-0" for i in range(1500)))
+    pipe.execute()
+    read = proxy.cli._ledger_pages
+    passes = 0
+
+    def pages_with_a_trim_between(*args: Any) -> AsyncIterator[list[dict[str, str]]]:
+        nonlocal passes
+        passes += 1
+        if passes == 2:  # two calls billed, the oldest 500 trimmed, before the write pass
+            for i in range(1500, 1502):
+                added = client.xadd("lbp:{team-x}:ledger", {"request_id": f"r{i}", "audio_input_tokens": "9"})
+                client.rpush("lbp:{team-x}:runlog:long", added)
+            client.xtrim("lbp:{team-x}:ledger", minid="501-0")
+        return read(*args)
+
+    monkeypatch.setattr(proxy.cli, "_ledger_pages", pages_with_a_trim_between)
+    base = ["ledger", "--redis-url", redis_server.url, "--tenant", "team-x", "--format", "csv"]
+    assert await asyncio.to_thread(main, base if run is None else [*base, "--run", run]) == 0
+    assert passes == 2
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "id,request_id,input_tokens"
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [row["request_id"] for row in rows] == [f"r{i}" for i in range(500, 1500)]
+    client.close()
+
+
 LEDGER_ENTRY = {
     "request_id": "req_0123456789abcdef0123456789abcdef",
     "reservation_id": "0123456789abcdef0123456789abcdef",

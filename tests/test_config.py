@@ -317,6 +317,19 @@ def test_a_run_ttl_outlives_its_calls() -> None:
     assert parse_config({**slow, "limits": {**marker, "run_ttl_s": 0}}, {}).limits.run_ttl_s == 0
 
 
+def test_a_ledger_retention_is_0_or_at_least_a_day_in_whole_seconds() -> None:
+    assert parse_config(UP, {}).limits.ledger_retention_s == 0  # every entry kept, as before
+    for kept in (0, 86400, 30 * 86400):
+        limits = parse_config({**UP, "limits": {"ledger_retention_s": kept}}, {}).limits
+        assert limits.ledger_retention_s == kept
+    for refused in (3600, -1, 86400.5, True):
+        error = error_of({**UP, "limits": {"ledger_retention_s": refused}})
+        assert "limits.ledger_retention_s" in error, error
+    said = error_of({**UP, "limits": {"ledger_retention_s": 3600}})
+    assert "0 (every ledger entry kept for ever) or a whole number of seconds from 86400" in said
+    assert said == error_of({**UP, "limits": {"ledger_retention_s": -1}})
+
+
 def test_secrets_from_the_environment_lose_their_trailing_line_break() -> None:
     # A Kubernetes secret or an .env file often ends in "\n": as given, the upstream key could
     # not be sent (no header holds it: every call failed, billed at its reserve) and a proxy key
@@ -942,6 +955,8 @@ def test_an_output_token_count_is_not_true_or_false(raw: dict[str, Any]) -> None
 
 START_ONLY_LIMITS = {
     "settled_marker_ttl_s": 7200,
+    # The store trims every settle's ledger by the one it started with (a reaper's, a replay's).
+    "ledger_retention_s": 86400,
     "token_count_cache_chars": 1234,
     "reaper_interval_s": 1.5,
     "journal_replay_s": 0.5,

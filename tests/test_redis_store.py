@@ -1282,3 +1282,88 @@ async def test_an_older_calls_figure_ending_late_does_not_replace_a_cut_calls_bo
     # A later call's, which continued what the cut call continued or more, does.
     await store.remember_context(tenant=tenant, ids=["conv_late"], tokens=1300, ttl_s=60, base_tokens=1000)
     assert await store.prior_context_tokens(tenant=tenant, ids=["conv_late"]) == 1300
+
+
+DAY_S = 24 * 3600
+
+
+async def _old_and_recent_entries(client: Any, run_id: str = "run1") -> tuple[list[str], list[str]]:
+    """Team-a's ledger with 1,000 entries three days old by the store's clock, then 10 an hour
+    old, all of run ``run_id``: approximate trimming (``MINID ~``) removes whole stream nodes
+    (at most 100 entries each), so the old ones fill several."""
+    seconds, micros = await client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    written: list[list[str]] = []
+    for at_ms, count in ((now_ms - 3 * DAY_S * 1000, 1000), (now_ms - 3600 * 1000, 10)):
+        pipe = client.pipeline(transaction=False)
+        for i in range(count):
+            pipe.xadd("lbp:{team-a}:ledger", {"request_id": f"r{at_ms}-{i}"}, id=f"{at_ms}-{i}")
+        ids = list(await pipe.execute())
+        await client.rpush(f"lbp:{{team-a}}:runlog:{run_id}", *ids)
+        written.append(ids)
+    return written[0], written[1]
+
+
+@pytest.mark.parametrize("retention_s", [DAY_S, 0])
+async def test_a_settle_trims_the_ledger_of_entries_older_than_the_retention(
+    redis_server: RedisServerProcess, redis_client: Any, retention_s: int
+) -> None:
+    """Each configured tenant's ledger kept every entry for good (about 260 bytes of Redis a
+    call): with limits.ledger_retention_s, a settle's XADD trims those older than it, by the
+    store's clock, and keeps the recent ones; 0 keeps them all. The run's index still names the
+    trimmed ones: a read of the run skips them."""
+    store = RedisStore.from_url(redis_server.url, ledger_retention_s=retention_s)
+    run = Scope(name="run", key="lbp:{team-a}:run:run1")
+
+    async def own_settle(res: Reservation) -> str | None:
+        return await store.settle(
+            tenant="team-a",
+            reservation_id=res.id,
+            run_id="run1",
+            scope_keys=[run.key],
+            actual=ACTUAL,
+            entry={"request_id": res.id, "outcome": "ok"},
+            bill_if_lost=True,
+            own=True,
+        )
+
+    try:
+        old, recent = await _old_and_recent_entries(redis_client)
+        res = await reserve(store, "trim", [run])
+        assert isinstance(res, Reservation)
+        new = await own_settle(res)
+        assert new is not None
+        ids = [i for i, _ in await redis_client.xrange("lbp:{team-a}:ledger")]
+        kept_old = [i for i in ids if i in set(old)]
+        if retention_s:
+            assert len(kept_old) < 100, len(kept_old)  # at most the node the recent ones start in
+        else:
+            assert kept_old == old
+        assert ids == [*kept_old, *recent, new]
+        entries = await store.run_ledger(tenant="team-a", run_id="run1")
+        assert [entry["id"] for entry in entries] == ids
+        # The call's own settle sent again after its entry was trimmed gets that id, no error.
+        await redis_client.xtrim("lbp:{team-a}:ledger", maxlen=0)
+        assert await own_settle(res) == new
+        assert await store.run_ledger(tenant="team-a", run_id="run1") == []
+    finally:
+        await store.close()
+
+
+async def test_a_reapers_settle_trims_the_ledger_as_a_calls_does(
+    redis_server: RedisServerProcess, redis_client: Any
+) -> None:
+    """The retention is the store's, set at start: a reaper's settle (and a journal's replay,
+    which goes through the same ``Store.settle``) trims as the call's own would have."""
+    store = RedisStore.from_url(redis_server.url, ledger_retention_s=DAY_S)
+    try:
+        old, recent = await _old_and_recent_entries(redis_client, "run2")
+        run = Scope(name="run", key="lbp:{team-a}:run:run2")
+        await reserve(store, "reaped", [run], lease_ms=1, run_id="run2")
+        await store.register_tenant("team-a")
+        await asyncio.sleep(0.01)
+        assert len(await reap_tenant(store, "team-a")) == 1
+        ids = [i for i, _ in await redis_client.xrange("lbp:{team-a}:ledger")]
+        assert len(set(ids) & set(old)) < 100 and ids[-11:-1] == recent
+    finally:
+        await store.close()

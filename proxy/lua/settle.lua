@@ -26,7 +26,10 @@ ARGV[16]     seconds the tenant ledger (KEYS[3]) is kept after this settle, at l
              caller's tenant's, as long as its runs
 ARGV[17]     which of KEYS[5..] is kept as the ledger is (1-based; 0 = none), its TTL below
              unused: a pass-through caller's key's lifetime meters
-ARGV[18..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
+ARGV[18]     seconds of entries the tenant ledger (KEYS[3]) keeps (0 = every entry, for ever): this
+             settle's XADD trims those older than that by the store's clock (MINID ~: whole stream
+             nodes, so a few older ones stay; Redis 6.2 or later, an older one trims nothing)
+ARGV[19..]   per scope (KEYS[5..], same order): its key's TTL in seconds (0 = none), as reserve.lua
              sets it, set again here: a key this settle writes anew (the reservation was lost, or
              the key expired mid-call) still expires (absent: left as it is)
 
@@ -42,7 +45,8 @@ of a call (ARGV[11] = 1) that finds neither record nor marker bills it all the s
 reservation was lost (e.g. with writes a failed-over Redis master had not replicated), so the
 used meters and the ledger entry go in, with the field reservation = lost, and nothing is
 released. Any other settle without a record does nothing: past its window a reaper may have
-settled the call and its marker may have expired. Otherwise returns {1, ledger entry id}.
+settled the call and its marker may have expired. Otherwise returns {1, ledger entry id}, and
+a third element, the error, when the store refused the trim ARGV[18] asked for (the entry is in).
 'concurrent' is released here. A release is made only from the life of a scope key the reserve
 landed in (its 'born' stamp, in the record), and never below zero; a scope whose stamp is '-'
 held nothing of this call (reserve.lua) and is only counted.
@@ -85,6 +89,11 @@ if ledger_arg ~= '-1' and (not string.match(ledger_arg, '^%d+$') or #ledger_arg 
 end
 local ledger_ttl = tonumber(ledger_arg)
 local kept_scope = tonumber(ARGV[17]) or 0
+local retention_arg = ARGV[18] or '0'
+if not string.match(retention_arg, '^%d+$') or #retention_arg > 10 then
+  return redis.error_reply('settle: the ledger retention is not a whole number of seconds: ' .. retention_arg)
+end
+local retention = tonumber(retention_arg)
 if not marker_ttl or marker_ttl < 1 then
   return redis.error_reply('settle: the settled marker needs a time to live in seconds: ' .. tostring(ARGV[12]))
 end
@@ -184,7 +193,7 @@ for s = 5, #KEYS do
     end
   end
   if n > 0 then redis.call('HSET', key, unpack(writes)) end
-  local ttl = tonumber(ARGV[13 + s])
+  local ttl = tonumber(ARGV[14 + s])
   -- Every settle, not only a lost reservation's: a key that expired mid-call (a run idle longer
   -- than its TTL, a journal replayed after a long outage) is written anew here and must expire.
   if ttl and s - 4 ~= kept_scope then extend(key, ttl, new, left) end
@@ -197,7 +206,18 @@ end
 if lost then
   fields[nf + 1], fields[nf + 2] = 'reservation', 'lost'
 end
-local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
+local id, untrimmed
+if retention > 0 then
+  local t = redis.call('TIME')
+  local min_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - retention * 1000
+  if min_ms > 0 then
+    -- pcall: the meters are written, and an error now would leave the call billed without its
+    -- entry or marker (every retry billing it again); a Redis before 6.2 knows no MINID.
+    local added = redis.pcall('XADD', KEYS[3], 'MINID', '~', string.format('%d', min_ms), '*', unpack(fields))
+    if type(added) == 'table' and added.err then untrimmed = added.err else id = added end
+  end
+end
+if not id then id = redis.call('XADD', KEYS[3], '*', unpack(fields)) end
 -- Only a settle writes the ledger: no later reserve would set its TTL, so a ledger kept for ever
 -- gets it here (so does the scope kept alike: a version before made it persistent), and one a
 -- longer setting gave keeps it (calls reserved before a reload).
@@ -238,4 +258,5 @@ end
 redis.call('HDEL', KEYS[1], 'scopes', 'amounts', 'record', 'reserved_at_ms', 'clamped', 'ttls', 'born')
 redis.call('EXPIRE', KEYS[1], marker_ttl)
 redis.call('ZREM', KEYS[2], ARGV[1])
+if untrimmed then return {1, id, untrimmed} end
 return {1, id}
