@@ -178,15 +178,21 @@ def build_app(
 
         async def clock() -> None:
             nonlocal eviction, persistence_read
-            # Budget windows follow the store's clock; a host's clock is stepped or drifts.
+            loop = asyncio.get_running_loop()
+            due = loop.time() + CLOCK_SYNC_S
+            # Budget windows follow the store's clock; a host's clock is stepped or drifts, and so
+            # may the store's (measured again at once when a reserve finds it off).
             while True:
-                await asyncio.sleep(CLOCK_SYNC_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(store.clock_doubted(), max(0.0, due - loop.time()))
                 with contextlib.suppress(StoreError):
                     await store.sync_clock()
-                # Read again: a store down at start, a policy changed on a live server.
-                eviction = await check_eviction(store, state.metrics, eviction)
-                if not persistence_read:  # a store down at start; once read, warned of once
-                    persistence_read = await check_persistence(store)
+                if loop.time() >= due:
+                    due = loop.time() + CLOCK_SYNC_S
+                    # Read again: a store down at start, a policy changed on a live server.
+                    eviction = await check_eviction(store, state.metrics, eviction)
+                    if not persistence_read:  # a store down at start; once read, warned of once
+                        persistence_read = await check_persistence(store)
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     return  # a cancel a store client swallowed

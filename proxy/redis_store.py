@@ -108,6 +108,7 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         # measured: see ``now``. Monotonic: a step of the host's wall clock between two measures
         # must not move the windows.
         self._clock_offset_s: float | None = None
+        self._clock_doubted = asyncio.Event()  # see ``clock_doubted``
 
     @classmethod
     def from_url(
@@ -206,6 +207,10 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         assert best is not None
         self._clock_offset_s = best[1]
 
+    async def clock_doubted(self) -> None:
+        await self._clock_doubted.wait()
+        self._clock_doubted.clear()
+
     async def load_scripts(self) -> None:
         try:
             for source, _sha in self._scripts.values():
@@ -299,8 +304,10 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
             middle += [clamp.min_output_tokens, clamp.choices, clamp.input_cost_exact, clamp.output_rate]
         middle.append(1 if tentative else 0)
         # The windows were picked by this process's measure of the store's clock: the script
-        # writes nothing should it run after the first of them has ended.
+        # writes nothing should it run after the first of them has ended, or before the last of
+        # them has begun (the measure ahead of the store's clock: a step back, a failover).
         middle.append(min((s.resets_at_s for s in scopes if s.resets_at_s is not None), default=0))
+        middle.append(max((s.begins_at_s for s in scopes if s.begins_at_s is not None), default=0))
         result = await self._script_parts(
             "reserve",
             2 + len(scopes) + (1 if run_scope else 0),
@@ -315,6 +322,7 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         if int(result[0]) == 2:
             return Tentative()
         if int(result[0]) == 3:
+            self._clock_doubted.set()
             return WindowEnded(now_s=int(result[1]))
         if int(result[0]) == 1:
             _, per_choice, flat = result

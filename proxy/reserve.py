@@ -211,9 +211,11 @@ async def reserve(
 
     async def send() -> Reservation | Refusal | Tentative:
         """The reserve script, sent again with its windows picked again when it ran after one of
-        them ended by the store's clock: the store was slow to run it (a stall, a pause; a wait
-        here is ``waited``'s). Picked at the store's clock as the script ran, which this
-        process's measure of it may not have reached yet."""
+        them ended by the store's clock (the store slow to run it: a stall, a pause; a wait here
+        is ``waited``'s), or before one began (this process's measure of that clock ahead of it:
+        the store's clock stepped back, a failover to a replica whose clock is behind). Picked
+        at the store's clock as the script ran, which the measure may be behind or ahead of
+        until it is taken again (the store's reply has that done at once)."""
         nonlocal scopes, in_flight, asked
         for _ in range(WINDOW_PICKS):
             in_flight = True
@@ -222,9 +224,9 @@ async def reserve(
             if not isinstance(result, WindowEnded):
                 return result
             _still_in_force(config, in_force)  # the script wrote nothing
-            scopes = windows_at(max(store.now(), result.now_s))
+            scopes = windows_at(result.now_s)
             asked = time.monotonic()
-        raise StoreError(f"reserve: the store ran it past its windows' end {WINDOW_PICKS} times")
+        raise StoreError(f"reserve: the store ran it outside its windows {WINDOW_PICKS} times")
 
     try:
         if not call.estimate.input_exact and not limits.quick_estimates:

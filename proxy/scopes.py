@@ -76,6 +76,7 @@ def _window_scope(
         ceilings=window.meters,
         ttl_s=ttl,
         resets_at_s=int(end.timestamp()),
+        begins_at_s=int(start.timestamp()),
         shared_limit=shared_limit,
     )
 

@@ -67,6 +67,7 @@ class Scope:
     ceilings: Mapping[str, int] = field(default_factory=dict)
     ttl_s: int = 0
     resets_at_s: int | None = None
+    begins_at_s: int | None = None  # a window's start (seconds since 1970); None: not a window
     # A tenant window another tier limits: this call holds its reserve there (see ``holds``).
     shared_limit: bool = False
     # What ``reserve.lua`` is given of it: its TTL, whether it holds, a ceiling per reserved
@@ -140,8 +141,9 @@ class Tentative:
 @dataclass(frozen=True, slots=True)
 class WindowEnded:
     """The reserve ran after one of its windows had ended by the store's clock (a store slow to
-    run it: a stall, a pause): nothing was written; pick the windows again at ``now_s``, the
-    store's clock as it ran, and reserve again."""
+    run it: a stall, a pause), or before one had begun (the measure of that clock ahead of it: the
+    store's clock stepped back, a failover to a replica whose clock is behind): nothing was
+    written; pick the windows again at ``now_s``, the store's clock as it ran, and reserve again."""
 
     now_s: int
 
@@ -206,6 +208,13 @@ class Store(Protocol):
         ...
 
     async def sync_clock(self) -> None: ...
+
+    async def clock_doubted(self) -> None:
+        """Return once a reserve found this process's measure of the store's clock off (it ran
+        before one of its windows began, or after one ended, by the store's clock): the clock
+        loop takes the measure again then, not on its next turn, or every reserve until then
+        would be sent twice."""
+        ...
 
     async def load_scripts(self) -> None: ...
 

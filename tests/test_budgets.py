@@ -1291,17 +1291,28 @@ async def test_a_models_cap_below_the_requests_min_tokens_is_refused_naming_it(
 
 @pytest.mark.parametrize("quick_estimates", [True, False], ids=["bound-does-not-fit", "quick-estimates-off"])
 async def test_a_call_that_waited_on_its_count_across_a_minute_is_held_to_the_minute_its_reserve_ran(
-    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis, quick_estimates: bool
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    quick_estimates: bool,
 ) -> None:
     """A call's windows were picked by the store's clock when its reserve began, before it waited
     on its prompt's exact count: a minute that ended meanwhile held it, a day's spend charged to
     the day before (and the next day's ceiling passed by it), a refusal naming a window that had
-    reset (found by the races hunt). Picked again once the call has waited."""
+    reset (found by the races hunt). Picked again once the call has waited.
+
+    Here the proxy's measure of the store's clock, set 0.4 s before a minute ends, crosses it
+    during the count while the store's own clock (TIME) stays in its minute: the reserve is sent
+    for the minute picked again after the wait, which the script finds not begun by TIME; the
+    call is held to the store's minute (the calendar hunt)."""
     import threading
     from datetime import UTC
 
     from tests.test_estimate import QuarterEncoding
 
+    while (await _redis_now(redis_client)) % 60 > 50:  # the call within the store's minute
+        await asyncio.sleep(0.5)
     gate = threading.Event()
     enc = QuarterEncoding(gate)
     tier = {"run": {"total_tokens": 10000}, "windows": [{"period": "minute", "requests": 5}]}
@@ -1313,11 +1324,20 @@ async def test_a_call_that_waited_on_its_count_across_a_minute_is_held_to_the_mi
     store = proxy.app[STATE].store
     assert isinstance(store, RedisStore)
     await store.synced_now()
-    # The store's clock set 0.4 s before a minute ends (the proxy measures it again every 30 s).
+    store_minute_s = int(await _redis_now(redis_client)) // 60 * 60
+    # The measure of the store's clock set 0.4 s before a minute ends (taken again every 30 s).
     now_s = store.now()
     boundary_s = (int(now_s) // 60 + 1) * 60
     assert store._clock_offset_s is not None
     store._clock_offset_s += boundary_s - 0.4 - now_s
+    reserve = store.reserve
+    sent: list[str] = []
+
+    async def minutes_sent(**kw: Any) -> Any:
+        sent.extend(s.key.rsplit(":", 1)[1] for s in kw["scopes"] if s.name == "key:minute")
+        return await reserve(**kw)
+
+    monkeypatch.setattr(store, "reserve", minutes_sent)
     long_text = " ".join(f"w{i}" for i in range(3400))  # ~17 KB: a byte bound of ~17K tokens
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": long_text}], "max_tokens": 5}
     headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "across-a-minute"}
@@ -1342,8 +1362,12 @@ async def test_a_call_that_waited_on_its_count_across_a_minute_is_held_to_the_mi
         for key in await redis_client.keys("lbp:{team-a}:key:a-ci:minute:*")
         if (fields := await redis_client.hgetall(key))
     }
-    new_minute = f"{datetime.fromtimestamp(boundary_s, UTC):%Y%m%dT%H%M}"
-    assert used == {new_minute: "1"}, used
+    assert int(await _redis_now(redis_client)) // 60 * 60 == store_minute_s, "the test straddled a minute"
+    new_minute, store_minute = (
+        f"{datetime.fromtimestamp(start_s, UTC):%Y%m%dT%H%M}" for start_s in (boundary_s, store_minute_s)
+    )
+    assert sent[-2:] == [new_minute, store_minute], sent  # picked again after the wait, then by TIME
+    assert used == {store_minute: "1"}, used
 
 
 async def test_a_reserve_the_store_ran_after_its_minute_ended_is_held_to_the_next_minute(
@@ -1401,3 +1425,73 @@ async def test_a_reserve_whose_windows_end_each_time_it_runs_is_sent_a_bounded_n
     assert caught.value.status_code == 503 and fake.received == []
     assert len(sent) == WINDOW_PICKS
     assert len({tuple(keys) for keys in sent}) == len(sent)  # each sent with its windows picked again
+
+
+def _minute_key(start_s: int) -> str:
+    from datetime import UTC
+
+    from proxy.scopes import window_key
+
+    return window_key("team-a", "key:a-ci", "minute", datetime.fromtimestamp(start_s, UTC))
+
+
+async def _measure_moved(proxy: Proxy, by_s: float) -> RedisStore:
+    """This process's measure of the store's clock moved ``by_s`` since it was taken (the store's
+    clock stepped, a failover to a replica whose clock differs): TIME, which the reserve script
+    reads, stays the truth."""
+    store = proxy.app[STATE].store
+    assert isinstance(store, RedisStore)
+    await store.synced_now()
+    assert store._clock_offset_s is not None
+    store._clock_offset_s += by_s
+    return store
+
+
+async def test_a_reserve_run_before_its_windows_began_by_the_stores_clock_is_held_to_the_stores_window(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """README: windows are "calendar windows in UTC by the store's clock, which every instance
+    shares". reserve.lua checked only that the first window had not ended by TIME; a process
+    whose measure runs ahead of the store's clock (the store's clock stepped back, or a failover
+    to a replica whose clock is behind, since the last measure: up to 30 s of calls) picked
+    windows that had not begun yet by TIME, and the script counted the call there. A key limited
+    to 1 request a minute, whose minute (by the store's clock) was full, got a call through,
+    counted in a minute two ahead (the calendar hunt); an instance measuring right is refused
+    the same call."""
+    proxy = await make_proxy(tiers=MINUTE_TIERS)
+    minute_s = int(await _redis_now(redis_client)) // 60 * 60
+    # The store's current minute (and the next, should the test straddle one) already hold
+    # their one request.
+    for start_s in (minute_s, minute_s + 60):
+        await redis_client.hset(_minute_key(start_s), "used:requests", "1")
+    await _measure_moved(proxy, SKEW_S)  # this process's measure 2 min ahead of the store's clock
+    admitted = True
+    try:
+        await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=5)
+    except openai.RateLimitError:
+        admitted = False
+    assert int(await _redis_now(redis_client)) <= minute_s + 119, "the test took more than a minute"
+    counted = sorted(k for k in await redis_client.keys("lbp:{team-a}:key:a-ci:minute:*"))
+    future = [k for k in counted if k not in (_minute_key(minute_s), _minute_key(minute_s + 60))]
+    assert not future, f"counted in a minute the store's clock has not reached: {future}"
+    assert not admitted and fake.received == [], "a second request in one minute of the store's clock"
+
+
+async def test_a_reserve_run_outside_its_windows_has_the_stores_clock_measured_again_at_once(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A measure off the store's clock (ahead: every window picked by it not begun by TIME)
+    made every reserve go twice, picked again each time, until the clock loop's next turn, up
+    to 30 s on. The store's answer that its windows had not begun has it taken again at once,
+    without holding the call."""
+    proxy = await make_proxy(tiers=MINUTE_TIERS)
+    store = await _measure_moved(proxy, SKEW_S)
+    await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=5)
+    off_s = SKEW_S
+    for _ in range(200):  # the measure is taken in the background
+        off_s = abs(store.now() - await _redis_now(redis_client))
+        if off_s < 5:
+            break
+        await asyncio.sleep(0.05)
+    assert off_s < 5, off_s  # the clock loop's turn is 30 s away
+    assert len(fake.received) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ TIER = TierConfig.model_validate(
 # When the scripts' windows are picked: a window that has ended by the store's clock is never
 # reserved in (reserve.lua), so one no test outlives, the same keys every run.
 WHEN = datetime(2099, 11, 30, 12, 0, 30, tzinfo=UTC)
+
+
+def ahead(when: datetime) -> list[Scope]:
+    """The call's scopes at ``when``, ahead of the store's clock, sent without their windows'
+    start: reserve.lua holds a call to windows that have begun by its clock (the window tests
+    below), and these tests read its figures, not its clock."""
+    return [replace(s, begins_at_s=None) for s in scopes_for(IDENTITY, "run1", TIER, when, run_ttl_s=0)]
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -111,7 +119,7 @@ async def settle(
 
 
 async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+    scopes = ahead(WHEN)
     assert [s.name for s in scopes] == [
         "run",
         "key",
@@ -149,7 +157,7 @@ async def test_reserve_settle_across_all_scopes(store: RedisStore) -> None:
 
 
 async def test_a_scopes_arguments_are_packed_once_for_all_its_reserves(store: RedisStore) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)  # the key's: the last test's too
+    scopes = ahead(WHEN)  # the key's: the last test's too
     first = await reserve(store, "r1", scopes)
     packed = [s.packed for s in scopes]
     assert all(p is not None for p in packed)
@@ -167,7 +175,7 @@ async def test_a_settle_writes_each_scope_once(redis_server: RedisServerProcess,
     released or counted, 62 of the 88 commands of this settle over seven scopes (35 now)."""
     store = RedisStore.from_url(redis_server.url)
     try:
-        scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+        scopes = ahead(WHEN)
         res = await reserve(store, "r1", scopes)
         assert isinstance(res, Reservation)
         await redis_client.config_resetstat()
@@ -192,7 +200,7 @@ async def test_a_reserve_writes_each_holding_scope_once(
     meters: one HINCRBY per meter held made 20 of the 45 commands of this reserve (25 now)."""
     store = RedisStore.from_url(redis_server.url)
     try:
-        scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+        scopes = ahead(WHEN)
         await redis_client.config_resetstat()
         res = await reserve(store, "r1", scopes)
         assert isinstance(res, Reservation)
@@ -237,7 +245,7 @@ async def test_a_reserve_adds_exactly_past_what_a_double_holds(store: RedisStore
 
 async def test_a_settle_adds_exactly_past_what_a_double_holds(store: RedisStore) -> None:
     """Sums are worked out in Lua's doubles, exact below 2**53; past it HINCRBY adds."""
-    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+    scopes = ahead(WHEN)
     res = await reserve(store, "r1", scopes)
     assert isinstance(res, Reservation)
     big = 2**53 + 1  # not a double
@@ -358,7 +366,7 @@ async def test_overlapping_calls_keep_the_first_reserves_life_and_release_everyt
 
 
 async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store: RedisStore) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+    scopes = ahead(WHEN)
     for rid in ("a", "b"):
         assert isinstance(await reserve(store, rid, scopes), Reservation)
     refused = await reserve(store, "c", scopes)
@@ -376,11 +384,11 @@ async def test_all_or_nothing_refusal_names_the_scope_and_changes_nothing(store:
 
 async def test_a_new_window_needs_no_reset(store: RedisStore) -> None:
     minute = WHEN
-    first = scopes_for(IDENTITY, "run1", TIER, minute, run_ttl_s=0)
+    first = ahead(minute)
     for rid in ("a", "b"):
         await reserve(store, rid, first)
     assert isinstance(await reserve(store, "c", first), Refusal)
-    later = scopes_for(IDENTITY, "run1", TIER, minute + timedelta(minutes=1), run_ttl_s=0)
+    later = ahead(minute + timedelta(minutes=1))
     assert later[2].key != first[2].key and later[3].key == first[3].key
     assert isinstance(await reserve(store, "c", later), Reservation)
 
@@ -553,7 +561,7 @@ async def test_a_reserve_run_after_one_of_its_windows_ended_writes_nothing(store
     faults hunt). Nothing is written, and the store's clock is said, to pick them again; a retry
     of a reserve that ran is one still (its reply lost, it is sent again as it was)."""
     now_s = await store.synced_now()
-    kept = await reserve(store, "kept", scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0))
+    kept = await reserve(store, "kept", ahead(WHEN))
     ended = scopes_for(IDENTITY, "run1", TIER, datetime.fromtimestamp(now_s - 60, UTC), run_ttl_s=0)
     assert isinstance(kept, Reservation) and isinstance(await reserve(store, "kept", ended), Reservation)
     windows = [s for s in ended if s.resets_at_s is not None]
@@ -564,6 +572,23 @@ async def test_a_reserve_run_after_one_of_its_windows_ended_writes_nothing(store
     assert await store.client.zcard("lbp:{team-a}:leases") == 1
     picked = scopes_for(IDENTITY, "run1", TIER, datetime.fromtimestamp(found.now_s, UTC), run_ttl_s=0)
     assert isinstance(await reserve(store, "late", picked), Reservation)
+
+
+async def test_a_reserve_run_before_one_of_its_windows_began_writes_nothing(store: RedisStore) -> None:
+    """Its windows picked by a measure of the store's clock that runs ahead of it (the store's
+    clock stepped back, a failover to a replica whose clock is behind, since the measure), the
+    call was counted in a window not begun by TIME, where the current window's ceiling does not
+    see it (the calendar hunt). Nothing is written, and the store's clock is said, to pick them
+    again."""
+    now_s = await store.synced_now()
+    early = scopes_for(IDENTITY, "run1", TIER, datetime.fromtimestamp(now_s + 120, UTC), run_ttl_s=0)
+    found = await reserve(store, "early", early)
+    assert isinstance(found, WindowEnded)
+    assert found.now_s < max(s.begins_at_s or 0 for s in early)
+    assert not any([await store.client.exists(s.key) for s in early])
+    assert not await store.client.exists("lbp:{team-a}:resv:early")
+    picked = scopes_for(IDENTITY, "run1", TIER, datetime.fromtimestamp(found.now_s, UTC), run_ttl_s=0)
+    assert isinstance(await reserve(store, "early", picked), Reservation)
 
 
 async def test_a_tentative_reserve_that_does_not_fit_writes_nothing(store: RedisStore) -> None:
@@ -685,7 +710,7 @@ async def test_scripts_run_the_same_without_the_pipelined_connection(
 async def test_a_settled_reservation_leaves_a_marker_and_a_second_settle_changes_nothing(
     store: RedisStore,
 ) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+    scopes = ahead(WHEN)
     res = await reserve(store, "m", scopes)
     assert isinstance(res, Reservation)
     assert await settle(store, res) is not None
@@ -703,7 +728,7 @@ async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: R
     """A Redis failover can lose a reserve the old master acknowledged but had not replicated:
     the call went out, so its live settle bills it without a reservation to release. A journal
     replay does not: it may come long after the reaper settled the call and its marker expired."""
-    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+    scopes = ahead(WHEN)
     lost = Reservation(
         id="lost",
         tenant="team-a",
@@ -730,7 +755,7 @@ async def test_a_call_whose_reservation_was_lost_is_billed_all_the_same(store: R
 
 
 async def test_releasing_a_reserve_that_never_happened_writes_nothing(store: RedisStore) -> None:
-    scopes = scopes_for(IDENTITY, "run1", TIER, WHEN, run_ttl_s=0)
+    scopes = ahead(WHEN)
     released = await store.settle(
         tenant="team-a",
         reservation_id="never",

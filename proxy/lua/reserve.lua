@@ -21,6 +21,10 @@ ARGV[15]     when the first of the scopes' windows ends (seconds since 1970; 0 =
              caller picked them by its measure of this server's clock (TIME) before it sent the
              script; one that runs at or after that end (a server slow to run it: a stall, a
              pause) writes nothing and returns {3, TIME's seconds}: the caller picks them again
+ARGV[16]     when the last of the scopes' windows begins (seconds since 1970; 0 = no window): one
+             that runs before it (the caller's measure ahead of TIME: this server's clock stepped
+             back, a failover to a replica whose clock is behind) writes nothing and returns
+             {3, TIME's seconds} too
 then per scope (KEYS[3+i]):  ttl_s (0 = none: the key is made persistent), hold (1: the scope holds
              the reserve, see below; the run's always does), then 6 ceilings in METERS order
              (-1 = unlimited)
@@ -46,17 +50,18 @@ reserved, this call's reserve aside) and its ceiling, flat}; on refusal
 of every scope would fit once the calls in flight end: their reserves gone, save requests, which
 all count when they settle; under a clamp, at the least output it keeps; the client may try again
 soon), the indices of the scopes that would still refuse then (space-separated)}; {2} as ARGV[14]
-says; {3, seconds} as ARGV[15] says.
+says; {3, seconds} as ARGV[15] and ARGV[16] say.
 ]]
 -- Idempotent by reservation id: a client retry after a lost reply must not reserve twice.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {1, tonumber(redis.call('HGET', KEYS[1], 'clamped')) or 0, {}}
 end
 -- Held to a window that has ended, the call would be refused by a ceiling that has reset, or
--- counted in a window that is over (the next one's ceiling passed by it).
+-- counted in a window that is over (the next one's ceiling passed by it); held to one that has
+-- not begun, counted where the current window's ceiling does not see it.
 local t = redis.call('TIME')
-local ends = tonumber(ARGV[15])
-if ends > 0 and tonumber(t[1]) >= ends then return {3, t[1]} end
+local secs, ends = tonumber(t[1]), tonumber(ARGV[15])
+if (ends > 0 and secs >= ends) or secs < tonumber(ARGV[16]) then return {3, t[1]} end
 
 -- The TTL this call's config gives a scope key, which an operator's reload may have changed:
 -- 0 is none (runs kept for ever, a key's all-time scope), so a TTL an earlier setting gave the
@@ -93,7 +98,7 @@ local function index_follows_run()
     redis.call('PEXPIRE', KEYS[#KEYS], left)
   end
 end
-local base = 16
+local base = 17
 local stride = 2 + NM
 
 local amounts = {}
@@ -324,7 +329,7 @@ for s = 1, nscopes do
   end
 end
 
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_ms = secs * 1000 + math.floor(tonumber(t[2]) / 1000)
 local scopes, ttls = {}, {}
 for s = 1, nscopes do
   scopes[s] = KEYS[2 + s]
