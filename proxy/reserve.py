@@ -146,7 +146,11 @@ async def reserve(
     limits = config.limits  # read once: a config's fields are slow reads (pydantic's __getattr__)
     run_ttl_s = limits.run_ttl_s
 
+    picked_s = 0.0  # the store's time the windows were last picked at
+
     def windows_at(now_s: float) -> list[Scope]:
+        nonlocal picked_s
+        picked_s = now_s
         # The window by the store's clock, which every instance shares (a host's own may be off).
         return scopes_for(
             call.identity,
@@ -282,7 +286,9 @@ async def reserve(
                 raise
         raise Reloaded
     if isinstance(result, Refusal):
-        raise _refusal_error(result, now_s=store.now(), fits_nowhere=_never_fits(call, tier, scopes))
+        # Its reset counted from the time its windows were picked at: picked again at the store's
+        # clock from its reply, the measure (``store.now()``) may be minutes off it.
+        raise _refusal_error(result, now_s=picked_s, fits_nowhere=_never_fits(call, tier, scopes))
     if result.clamped_output_per_choice:
         _apply_clamp(call, result)
     call.reservation = result

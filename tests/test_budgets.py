@@ -1495,3 +1495,28 @@ async def test_a_reserve_run_outside_its_windows_has_the_stores_clock_measured_a
         await asyncio.sleep(0.05)
     assert off_s < 5, off_s  # the clock loop's turn is 30 s away
     assert len(fake.received) == 1
+
+
+async def test_a_refusal_after_the_windows_were_picked_again_names_the_reset_by_the_stores_clock(
+    make_proxy: ProxyFactory, fake: FakeUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A process whose measure runs behind the store's clock (its clock stepped forward, or a
+    failover to a replica whose clock is ahead, since the last measure) sends the reserve for
+    windows that have ended by TIME: the script answers {3, TIME} and the windows are picked
+    again at the store's clock as it ran. A refusal there worked out its retry-after from
+    ``store.now()``, the measure behind, not from the clock the windows were picked by: a minute
+    window that resets within 60 s was said to reset up to 2 min later (README: `retry-after`
+    "when the last window in its way resets"; the calendar hunt)."""
+    proxy = await make_proxy(tiers=MINUTE_TIERS)
+    minute_s = int(await _redis_now(redis_client)) // 60 * 60
+    for start_s in (minute_s, minute_s + 60):
+        await redis_client.hset(_minute_key(start_s), "used:requests", "1")
+    await _measure_moved(proxy, -SKEW_S)  # this process's measure 2 min behind the store's clock
+    with pytest.raises(openai.RateLimitError) as caught:
+        await proxy.client().chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=5)
+    headers = caught.value.response.headers
+    assert headers["x-billing-refused-scope"] == "key:minute"
+    assert fake.received == []
+    # The refusal came from a minute of the store's clock (its key filled above), which resets
+    # within 60 s of the refusal.
+    assert 1 <= int(headers["retry-after"]) <= 60, headers["retry-after"]
