@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,9 @@ def _supervise(
     # ignored signal is dropped, and a Ctrl-C then was lost by every process, serve serving on.
     for sig in _HELD_SIGNALS:
         signal.signal(sig, forward)
+    # Started by the first worker's start otherwise, whose own mask there (SIGINT blocked for
+    # its spawn, then unblocked) would have the workers spawned with SIGINT no longer held.
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
     try:
         if early is not None and early.asked:  # read once ours are in place

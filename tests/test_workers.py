@@ -493,3 +493,66 @@ def test_a_ctrl_c_while_the_supervisor_starts_its_workers_stops_serve(
     finally:
         proxy.stop()
     assert code == 0, f"serve still running 30 s after Ctrl-C, {serving} workers listening"
+
+
+# ``serve`` as the command line runs it, recording the signal mask each process it spawns
+# inherits (the mask of the calling thread when the spawn is made), then stopping itself once
+# both workers are started. Nothing else is changed.
+_RECORD_SPAWN_MASKS = """
+import os, signal, sys
+import multiprocessing.util as util
+import multiprocessing.context as context
+from proxy import cli
+
+spawnv = util.spawnv_passfds
+
+def recording(path, args, passfds):
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    kind = "tracker" if "resource_tracker" in repr(args) else "worker"
+    with open(os.environ["SPAWN_MASKS"], "a") as out:
+        out.write(f"{kind} {int(signal.SIGINT in blocked)} {int(signal.SIGHUP in blocked)}\\n")
+    return spawnv(path, args, passfds)
+
+util.spawnv_passfds = recording
+start = context.SpawnProcess.start
+
+def start_then_stop(self):
+    start(self)
+    if self.name == "worker-1":
+        os.kill(os.getpid(), signal.SIGTERM)  # every worker started: serve may stop now
+
+context.SpawnProcess.start = start_then_stop
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_every_worker_is_spawned_with_ctrl_c_and_sighup_held(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """The first worker's start launched multiprocessing's resource tracker, whose
+    ``ensure_running`` blocks SIGINT around its own spawn and then unblocks it in the caller:
+    every worker was spawned with SIGINT deliverable, a Ctrl-C in its bootstrap a
+    KeyboardInterrupt traceback (the review of 6d9600c)."""
+    masks = tmp_path / "spawn-masks.txt"
+    proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
+    env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
+    env["SPAWN_MASKS"] = str(masks)
+    with proxy.log_path.open("ab") as log:
+        proxy.process = subprocess.Popen(
+            [sys.executable, "-c", _RECORD_SPAWN_MASKS, "serve", *proxy.args],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(ROOT),
+            start_new_session=True,
+        )
+    try:
+        proxy.wait(60)
+    finally:
+        proxy.stop()
+    spawned = [line.split() for line in masks.read_text().splitlines()]
+    workers = [(int(sigint), int(sighup)) for kind, sigint, sighup in spawned if kind == "worker"]
+    assert len(workers) == 2, spawned
+    # (SIGINT held, SIGHUP held) in each worker as it is spawned; found: SIGINT not held in either.
+    assert workers == [(1, 1), (1, 1)], f"{spawned}: a Ctrl-C in a worker's bootstrap is not held"
