@@ -104,6 +104,7 @@ class Exchange:
         # The status the client is answered, for the call's log line (``record_call``): set
         # before the settle, which records it (0: none, a shutdown cut the call).
         self.answer_status = 0
+        self.streamed = False  # relayed as an event stream (``relay_stream``), not answered whole
 
     @functools.cached_property
     def caller_key(self) -> bool:
@@ -171,9 +172,9 @@ class Exchange:
         self, outcome: Outcome, usage: Usage, early: asyncio.Future[Settlement] | None = None
     ) -> asyncio.Future[Settlement]:
         if self._settling is None:
-            # A whole answer's text is all read at once: its "first token" would be its whole
-            # duration, mixed into the streams' time to first token per model.
-            self.call.first_token_at = self.obs.first_token_at if self.call.stream else None
+            # A whole answer's text is all read at once (a stream call's too, answered whole): its
+            # "first token" would be its whole duration, mixed into the streams' per model.
+            self.call.first_token_at = self.obs.first_token_at if self.streamed else None
             served = self.obs.service_tier
             if served is None and self.obs.tier_told is not None:  # told in part (Anthropic)
                 served = messages_tier_served(
@@ -446,6 +447,7 @@ class Exchange:
                 # A stream asked for is read as one whatever its type, as the SDK reads it
                 # (servers label theirs x-ndjson, text/plain, or nothing); JSON is a provider
                 # that ignored ``stream``, relayed whole.
+                self.streamed = True
                 return await relay_stream(self, upstream, renewal)
             if upstream.status >= 300:  # redirects are not followed: not an answer either
                 return await relay_upstream_error(self, upstream)

@@ -30,6 +30,7 @@ from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, base_config, until_upstream_received
 from tests.fake_upstream import FakeUpstream
+from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, scripted_upstreams
 from tests.test_budgets import meters
 from tests.test_cli import LEDGER_ENTRY, ROOT
 from tests.test_metrics import PRICED_MODELS
@@ -530,3 +531,29 @@ def test_only_the_per_call_lines_wait_in_the_log_buffer() -> None:
     handler.emit(logging.LogRecord("proxy.reload", logging.INFO, __file__, 1, "config reloaded", None, None))
     assert stream.flushes == 1
     assert len(stream.getvalue().splitlines()) == 3
+
+
+async def test_a_stream_the_provider_answered_whole_has_no_time_to_first_token(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """A provider that ignores ``stream`` answers a whole JSON body, relayed whole: its "first
+    token" was again its whole duration (the review of the first mend, which asked whether the
+    client wanted a stream, not whether the answer was one)."""
+    script.plan = Plan(chunks=[GOOD_BODY])  # a whole chat.completion, application/json
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.url + "/v1/chat/completions",
+            json={"model": "gpt-4o-mini", "messages": MSGS, "stream": True},
+            headers={"Authorization": f"Bearer {KEY_A}"},
+        ) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        assert resp.content_type == "application/json"  # relayed whole, as it came
+        await resp.read()
+    await proxy.recorded()
+    (entry,) = await entries(redis_client)
+    assert entry["stream"] == "1" and entry["usage_source"] == "provider", entry
+    assert entry["ttft_ms"] == "", entry
+    assert metrics_of(proxy).ttft.items() == []

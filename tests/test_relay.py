@@ -112,7 +112,6 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
     ex.call = SimpleNamespace(  # type: ignore[assignment]
         first_token_at=None,
         served_tier=None,
-        stream=False,
         request_id="req-1",
         started_at=0.0,
         refining=None,
@@ -124,6 +123,7 @@ async def test_a_settle_that_fails_after_its_handler_was_cancelled_is_reported_o
         settling=set(), store=None, journal=None, config=SimpleNamespace(limits=limits)
     )
     ex._settling = ex._settlement = ex.keeping = None
+    ex.streamed = False
     ex.upstream_s = 0.0
     handler = asyncio.ensure_future(ex.settle(Outcome("ok"), SimpleNamespace(source="provider")))  # type: ignore[arg-type]
     await asyncio.sleep(0.01)
