@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing_views import key_self, run_ledger, run_meters
 from proxy.config import Config
-from proxy.dialects import DIALECTS, Dialect, dialect_of_path, dialect_of_request
+from proxy.dialects import DIALECTS, Dialect, dialect_of_request
 from proxy.error_answers import body_refusal, undecoded_after
 from proxy.errors import (
     ApiError,
@@ -367,7 +367,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         return None
     expect = request.headers.get(hdrs.EXPECT, "")
     if expect.lower() != "100-continue":
-        dialect = dialect_of_path(request.path)
+        dialect = dialect_of_request(request)
         refused = dialect.error_response(
             417,
             f"Unknown Expect: {expect[:100]}",
@@ -394,7 +394,7 @@ async def expect_continue_once_known(request: web.Request) -> web.StreamResponse
         if length is not None and length > state.config.limits.max_body_bytes:
             raise BodyTooLarge()
     except ApiError as err:
-        refused = _refused(dialect_of_path(request.path), request_id_for(request, state.ids), err)
+        refused = _refused(dialect_of_request(request), request_id_for(request, state.ids), err)
         # The body was never asked for: a client that leaves it unsent and reuses the connection
         # would have its next request read as that body. The connection ends with this answer.
         refused.force_close()

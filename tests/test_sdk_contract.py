@@ -422,6 +422,19 @@ async def test_an_unknown_expectation_on_a_get_is_refused_in_the_apis_format(pro
     assert json.loads(body)["error"]["code"] == "expectation_failed"
 
 
+async def test_an_unknown_expectation_on_an_anthropic_callers_model_list_is_refused_in_its_format(
+    proxy: Proxy,
+) -> None:
+    """The Anthropic SDK's model list (``anthropic-version``) is answered in its API's format, its
+    refusals too: the expect handler read the dialect from the path alone (a review)."""
+    port = int(proxy.url.rsplit(":", 1)[1])
+    extra = f"x-api-key: {KEY_A}\r\nanthropic-version: 2023-06-01\r\nExpect: foo\r\n"
+    status, headers, body = await _raw_get(port, "/v1/models", extra)
+    assert b" 417 " in status and "request-id" in headers, (status, headers)
+    refusal = json.loads(body)
+    assert refusal["type"] == "error" and refusal["error"]["type"] == "invalid_request_error", refusal
+
+
 @pytest.mark.parametrize(
     ("method", "path", "allowed"),
     [
