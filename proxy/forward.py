@@ -6,7 +6,6 @@ import asyncio
 import base64
 import contextlib
 import functools
-import json
 import logging
 import re
 import time
@@ -27,8 +26,8 @@ from yarl import URL
 from proxy.auth import Identity
 from proxy.call import Call
 from proxy.config import UpstreamConfig
+from proxy.scrub import NO_SECRETS, REDACTED, Secrets, secrets_of, spelled, spelled_scrubbed
 
-REDACTED = b"[REDACTED]"
 # How often a stream call waiting for its upstream's headers looks whether its client left
 # (``cancel``: ``unless_client_leaves``): aiohttp tells a handler nothing when its client goes.
 CLIENT_WATCH_S = 0.1
@@ -63,8 +62,8 @@ class UpstreamSending:
     # copied per call (a call adds its own).
     operator_headers: dict[str, str]
     # ``operator_secrets`` of such a call, and of one the caller's own key goes with.
-    operator_secrets: tuple[bytes, ...]
-    url_secrets: tuple[bytes, ...]
+    operator_secrets: Secrets
+    url_secrets: Secrets
     operator_key_unset: bool  # see ``operator_key_unset``
     whole_timeout: aiohttp.ClientTimeout
     stream_timeout: aiohttp.ClientTimeout
@@ -73,14 +72,15 @@ class UpstreamSending:
     @classmethod
     def of(cls, upstream: UpstreamConfig) -> UpstreamSending:
         key = upstream.api_key.get_secret_value() if upstream.api_key is not None else None
-        url_secrets = url_credentials(upstream.base_url)
+        in_url = url_credentials(upstream.base_url)
+        sought = (key,) if key is not None and len(key) >= _MIN_SECRET else ()
         return cls(
             base_url=upstream.base_url,
             kind=upstream.kind,
             passthrough_auth=upstream.passthrough_auth,
             operator_headers=_headers(upstream, key, ()),
-            operator_secrets=(*(key_forms(key) if key is not None else ()), *url_secrets),
-            url_secrets=url_secrets,
+            operator_secrets=secrets_of((*sought, *in_url)),
+            url_secrets=secrets_of(in_url),
             operator_key_unset=bool(upstream.api_key_env) and key is None,
             # A stream may legitimately run long; what must not happen is silence.
             whole_timeout=aiohttp.ClientTimeout(total=upstream.timeout_s, connect=upstream.connect_timeout_s),
@@ -153,7 +153,7 @@ def caller_key_sent(upstream: UpstreamConfig, identity: Identity) -> bool:
     return upstream.sending.passthrough_auth and identity.upstream_key is not None
 
 
-def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> tuple[bytes, ...]:
+def operator_secrets(upstream: UpstreamConfig, identity: Identity) -> Secrets:
     """Every credential of the operator's a request of ``identity`` to ``upstream`` carries, as
     an upstream echoing it would show it: its key (unless the caller's own goes instead) and the
     credentials of its ``base_url`` (sent as basic auth, beside a pass-through caller's key too).
@@ -172,13 +172,6 @@ _MIN_SECRET = 8
 
 
 @functools.cache
-def key_forms(key: str) -> tuple[bytes, ...]:
-    """The operator's ``key`` as it reads and as an echo of it in JSON reads (a '/' of a key
-    escaped, as some encoders write it)."""
-    return tuple(_as_echoed(key)) if len(key) >= _MIN_SECRET else ()
-
-
-@functools.cache
 def basic_token(base_url: str) -> bytes | None:
     """The basic auth token aiohttp sends for the credentials of ``base_url`` (None: none, or
     none it can send)."""
@@ -193,35 +186,23 @@ def basic_token(base_url: str) -> bytes | None:
 
 
 @functools.cache
-def url_credentials(base_url: str) -> tuple[bytes, ...]:
-    """The credentials of ``base_url`` as aiohttp sends them (the basic auth token) and as they
-    read (the password, or a user name that is a token of its own)."""
+def url_credentials(base_url: str) -> tuple[str, ...]:
+    """The credentials of ``base_url`` sought in answers: as aiohttp sends them (the basic auth
+    token) and as they read (the password, or a user name that is a token of its own)."""
     # Not parsed by yarl: a host it cannot encode (refused when the call is sent, a 502) must
     # not fail the reserve that asks this first.
     parts = urlsplit(base_url)
     if parts.username is None and parts.password is None:
         return ()
     user, password = unquote(parts.username or ""), unquote(parts.password or "")
-    out: list[bytes] = []
+    out: list[str] = []
     token = basic_token(base_url)
     if token is not None and len(token) >= _MIN_SECRET:
-        out.extend(_as_echoed(token.decode()))
+        out.append(token.decode())
     part = password or user
     if len(part) >= _MIN_SECRET:
-        out.extend(_as_echoed(part))
-        with contextlib.suppress(UnicodeEncodeError):  # its bytes as the basic auth token carries them
-            if (sent := part.encode("latin1")) not in out:
-                out.append(sent)
+        out.append(part)
     return tuple(out)
-
-
-def _as_echoed(text: str) -> list[bytes]:
-    """``text`` as it reads, and as an echo of it in JSON (an error's message, an event) reads:
-    a quote, a backslash or a control character escaped, and any non-ASCII character too by the
-    encoders that escape it (Python's json by default); a '/' escaped by those that escape it."""
-    forms = [text, json.dumps(text)[1:-1], json.dumps(text, ensure_ascii=False)[1:-1]]
-    forms += [form.replace("/", "\\/") for form in forms if "/" in form]
-    return [form.encode() for form in dict.fromkeys(forms)]
 
 
 # What of the provider's response headers reaches the client: what its SDK acts on (when and
@@ -237,7 +218,7 @@ UPSTREAM_ID_HEADERS = frozenset({"x-request-id", "request-id"})
 QUERY_SAFE = "!$&'()*+,;=:@/?%"
 
 
-def provider_headers(upstream: aiohttp.ClientResponse, secrets: tuple[bytes, ...] = ()) -> dict[str, str]:
+def provider_headers(upstream: aiohttp.ClientResponse, secrets: Secrets = NO_SECRETS) -> dict[str, str]:
     """The provider's headers the client gets; the operator's ``secrets`` (``operator_secrets``)
     echoed in one of them are replaced, as in a body."""
     out: dict[str, str] = {}
@@ -249,7 +230,7 @@ def provider_headers(upstream: aiohttp.ClientResponse, secrets: tuple[bytes, ...
             out[low] = value
         elif low in UPSTREAM_ID_HEADERS:
             out["x-upstream-request-id"] = value
-    for secret in secrets if out else ():
+    for secret in secrets.forms if out else ():
         # aiohttp reads header values as UTF-8, other bytes as surrogate escapes.
         text = secret.decode("utf-8", "surrogateescape")
         for name, value in out.items():
@@ -265,6 +246,11 @@ def provider_headers(upstream: aiohttp.ClientResponse, secrets: tuple[bytes, ...
 # Never in an answer: the organization's name is part of its fine-tuned models' ids.
 ACCOUNT_HEADERS = ("openai-organization", "openai-project", "anthropic-organization-id")
 ACCOUNT_IDS = re.compile(rb"(?<![A-Za-z0-9_-])(?:org-|proj_)[A-Za-z0-9]{24}(?![A-Za-z0-9])")
+# The same ids however a JSON string spells them (a letter as \u0061), sought in a body holding a
+# \u escape: its client's JSON decoder reads the id back.
+_ALNUM = rb"(?:[A-Za-z0-9]|\\u00(?:3[0-9]|[46][1-9a-fA-F]|[57][0-9aA]))"
+_PREFIXES = spelled("org-") + b"|" + spelled("proj_")
+ACCOUNT_IDS_SPELLED = re.compile(rb"(?<![A-Za-z0-9_-])(?:%s)%s{24}(?!%s)" % (_PREFIXES, _ALNUM, _ALNUM))
 
 
 def account_scrubbed(
@@ -275,19 +261,15 @@ def account_scrubbed(
     (its own account)."""
     if caller_key_sent(upstream_config, identity):
         return raw
+    escaped = raw.find(b"\\u") >= 0
     for name in ACCOUNT_HEADERS:
         value = upstream.headers.get(name, "").strip()
         if len(value) >= 4 and raw.find(named := value.encode("utf-8", "surrogateescape")) >= 0:
             raw = raw.replace(named, REDACTED)
-    return ACCOUNT_IDS.sub(REDACTED, raw)
-
-
-def scrubbed(raw: bytes, secrets: tuple[bytes, ...]) -> bytes:
-    """``raw`` with every one of the operator's ``secrets`` replaced."""
-    for secret in secrets:
-        if raw.find(secret) >= 0:  # not ``in``: see chunks.LF
-            raw = raw.replace(secret, REDACTED)
-    return raw
+        if len(value) >= 4 and escaped:  # an error body: compiled (and cached by ``re``) seldom
+            with contextlib.suppress(UnicodeEncodeError):
+                raw = spelled_scrubbed(raw, re.compile(spelled(value)))
+    return spelled_scrubbed(raw, ACCOUNT_IDS_SPELLED) if escaped else ACCOUNT_IDS.sub(REDACTED, raw)
 
 
 def timeout_for(call: Call) -> aiohttp.ClientTimeout:

@@ -42,7 +42,6 @@ from proxy.forward import (
     operator_secrets,
     provider_headers,
     read_limited,
-    scrubbed,
     upstream_headers,
     upstream_url,
 )
@@ -54,6 +53,7 @@ from proxy.reaper import registration_s
 from proxy.record import record_refusal
 from proxy.relay import Exchange
 from proxy.reserve import Reloaded, Told, reserve
+from proxy.scrub import scrubbed
 from proxy.state import STATE, State
 from proxy.store import Store
 

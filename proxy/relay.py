@@ -29,7 +29,6 @@ from proxy.forward import (
     open_upstream,
     operator_secrets,
     provider_headers,
-    scrubbed,
     unless_client_leaves,
 )
 from proxy.journal import Journal, Unsynced
@@ -50,6 +49,7 @@ from proxy.record import record_call
 from proxy.refine import take_count
 from proxy.relay_body import relay_body, relay_upstream_error
 from proxy.relay_stream import relay_stream
+from proxy.scrub import Secrets, scrubbed
 from proxy.settle import Settlement, billing_headers, settle
 from proxy.store import MARKER_TRUST, Store
 from proxy.thread_pools import TenantPool
@@ -113,7 +113,7 @@ class Exchange:
         return caller_key_sent(self.call.upstream, self.call.identity)
 
     @functools.cached_property
-    def operator_secrets(self) -> tuple[bytes, ...]:
+    def operator_secrets(self) -> Secrets:
         return operator_secrets(self.call.upstream, self.call.identity)
 
     def reserve_usage(self) -> BilledUsage:

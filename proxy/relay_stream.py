@@ -20,10 +20,11 @@ from aiohttp import HttpVersion11, web
 from proxy.body_reader import BodyReader
 from proxy.contexts import keep_context
 from proxy.events import EventFilter
-from proxy.forward import StallGuard, scrubbed
+from proxy.forward import StallGuard
 from proxy.lease import LeaseRenewal
 from proxy.observe import Observation, parse_json
 from proxy.outcome import CLIENT_CLOSED, Outcome, classify_answer
+from proxy.scrub import scrubbed
 from proxy.settle import billing_comment
 
 if TYPE_CHECKING:

@@ -11,6 +11,7 @@ import json
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import brotli
@@ -82,10 +83,11 @@ class Upstream:
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
 
-    def upstreams(self, *, in_url: bool = False) -> JsonDict:
+    def upstreams(self, *, in_url: bool = False, password: str = GW_PASSWORD) -> JsonDict:
         upstream: JsonDict = {"base_url": self.base_url, "timeout_s": 5, "connect_timeout_s": 2}
         if in_url:
-            upstream["base_url"] = self.base_url.replace("http://", f"http://{GW_USER}:{GW_PASSWORD}@")
+            credentials = f"{GW_USER}:{quote(password, safe='')}"
+            upstream["base_url"] = self.base_url.replace("http://", f"http://{credentials}@")
         else:
             upstream["api_key_env"] = "TEST_UPSTREAM_KEY"
         return {"openai": upstream}
@@ -432,6 +434,105 @@ async def test_a_base_url_password_echoed_as_the_bytes_it_went_as_never_reaches_
     assert b"[REDACTED]" in body, body
 
 
+def as_read(body: bytes) -> str:
+    """What the client's JSON decoder reads of ``body``: the whole body or each SSE data line,
+    its escapes read, written again without any."""
+    out = []
+    for line in body.decode("utf-8", "replace").split("\n"):
+        data = line.removeprefix("data: ")
+        try:
+            out.append(json.dumps(json.loads(data), ensure_ascii=False))
+        except ValueError:
+            out.append(line)
+    return "\n".join(out)
+
+
+def error_json(message: str) -> bytes:
+    """An error object whose message is ``message`` as its JSON string is written, escapes and all."""
+    return (
+        '{"error": {"message": "' + message + '", "type": "invalid_request_error", "code": null}}'
+    ).encode()
+
+
+# The key with its first letter as a \u escape: a client's JSON decoder reads the key.
+ESCAPED_KEY = "\\u0073" + UPSTREAM_KEY[1:]
+
+
+@pytest.mark.parametrize("route", ["error", "answer", "stream", "models"])
+async def test_a_key_echoed_with_a_json_unicode_escape_never_reaches_the_client(
+    make_proxy: ProxyFactory, upstream: Upstream, route: str
+) -> None:
+    """A JSON echo may spell any character as \\uXXXX (an encoder escaping more than Python's,
+    a gateway's template), which the client's SDK reads back as the character: the scrub sought
+    the key as written and as Python's json writes it, and ``"\\u0073k-upstream-secret"`` went
+    out in a 400, an answer, a stream's error event and the model list (the scrub hunt)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if route == "error":
+            return web.Response(
+                body=error_json(f"bad key {ESCAPED_KEY}"), status=400, content_type="application/json"
+            )
+        if route == "stream":
+            event = b"data: " + error_json(f"bad key {ESCAPED_KEY}") + b"\n\n"
+            return web.Response(body=event, headers={"Content-Type": "text/event-stream"})
+        if route == "models":
+            models = {"object": "list", "data": [{"id": "@@", "object": "model", "owned_by": "x"}]}
+            raw = json.dumps(models).replace("@@", f"ft:gpt-4o-mini:{ESCAPED_KEY}")
+            return web.Response(body=raw.encode(), content_type="application/json")
+        raw = json.dumps(ANSWER).replace('"hello"', f'"your key: {ESCAPED_KEY}"')
+        return web.Response(body=raw.encode(), content_type="application/json")
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams())
+    if route == "models":
+        status, _headers, body = await request(proxy, "/v1/models", None, method="GET")
+    else:
+        status, _headers, body = await request(proxy, CHAT, {**BODY, "stream": route == "stream"})
+    assert status == (400 if route == "error" else 200), body
+    assert UPSTREAM_KEY not in as_read(body), body
+    assert b"[REDACTED]" in body, body
+
+
+@pytest.mark.parametrize(
+    ("password", "what", "escapes"),
+    [
+        # Go's encoding/json escapes <, > and & (HTML-safe), as \u003c, \u003e, \u0026.
+        pytest.param("gw&pass<0123456789", "password", {"&": "\\u0026", "<": "\\u003c"}, id="go"),
+        # .NET's System.Text.Json escapes +, ', ", <, >, &, ` and every non-ASCII character, in
+        # upper-case hex (\u002B, \u00E4); Python's json writes lower case (\u00e4).
+        pytest.param("gw+pass'0123456789", "password", {"+": "\\u002B", "'": "\\u0027"}, id="dotnet"),
+        pytest.param("gwp\u00e4ss-0123456789", "password", {"\u00e4": "\\u00E4"}, id="dotnet-hex"),
+        # The basic auth token (base64 of user:password, here with a +), echoed by a .NET gateway.
+        pytest.param("gw-pass->>0123456789", "token", {"+": "\\u002B"}, id="dotnet-token"),
+    ],
+)
+async def test_a_base_url_password_echoed_as_go_or_dotnet_escape_it_never_reaches_the_client(
+    make_proxy: ProxyFactory, upstream: Upstream, password: str, what: str, escapes: dict[str, str]
+) -> None:
+    """A gateway written in Go or .NET echoing the password or its token in a JSON error: their
+    encoders escape characters Python's json does not (``&`` as ``\\u0026``, ``+`` as
+    ``\\u002B``), and non-ASCII ones in upper-case hex. The scrub sought the forms Python's json
+    writes only, and the client's SDK read the password (or the token) back whole."""
+    token = base64.b64encode(f"{GW_USER}:{password}".encode("latin1")).decode()  # as aiohttp sends it
+    secret = token if what == "token" else password
+    echoed = secret
+    for char, escape in escapes.items():
+        assert char in echoed
+        echoed = echoed.replace(char, escape)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=error_json(f"wrong credentials {echoed}"), status=400, content_type="application/json"
+        )
+
+    upstream.handler = handler
+    proxy = await make_proxy(upstreams=upstream.upstreams(in_url=True, password=password))
+    status, _headers, body = await request(proxy, CHAT, BODY)
+    assert status == 400, body
+    assert secret not in as_read(body), body
+    assert b"[REDACTED]" in body, body
+
+
 def test_short_base_url_credentials_are_the_operators_and_leave_answers_alone() -> None:
     """Credentials of a few characters (``x:y``) still make every call the operator's (its
     tenants' stored responses kept apart), but no form of them shorter than 8 characters is
@@ -439,7 +540,7 @@ def test_short_base_url_credentials_are_the_operators_and_leave_answers_alone() 
     upstream = UpstreamConfig(base_url="https://x:y@gw.example/v1")
     caller = Identity(tenant="team-a", tier="standard", key_name="a")
     assert not caller_key_sent(upstream, caller)  # the operator's account: every tenant's
-    assert operator_secrets(upstream, caller) == ()
+    assert not operator_secrets(upstream, caller)
     assert url_credentials("https://gw-user:s3cret-gateway@gw.example/v1")  # long ones are sought
 
 

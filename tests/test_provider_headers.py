@@ -104,16 +104,20 @@ ORG_LIMITED = dumps(
 )  # fmt: skip
 
 
+@pytest.mark.parametrize("escaped", [False, True], ids=["as-it-reads", "a-letter-escaped"])
 @pytest.mark.parametrize("header", [True, False], ids=["named-in-a-header", "no-header"])
 async def test_the_operators_organization_named_in_an_error_body_does_not_reach_a_tenant(
-    make_proxy: ProxyFactory, script: ScriptedUpstream, header: bool
+    make_proxy: ProxyFactory, script: ScriptedUpstream, header: bool, escaped: bool
 ) -> None:
     """The provider's organization header is dropped (the operator's account, with the proxy's
     key); OpenAI's 429 names it in its message too, which went out as it came (the secrets
-    hunt). Replaced there, and in a model list's error as well."""
+    hunt). Replaced there, and in a model list's error as well; spelled with a \\u escape (a
+    gateway's encoder) too, which the client's JSON decoder reads back (the scrub hunt)."""
     proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
     extra = {"openai-organization": ORG} if header else {}
-    script.plan = Plan(status=429, chunks=[ORG_LIMITED], extra_headers={"retry-after": "2", **extra})
+    body = ORG_LIMITED.replace(b"org-0p", b"\\u006Frg-0p") if escaped else ORG_LIMITED
+    assert (ORG.encode() in body) is not escaped
+    script.plan = Plan(status=429, chunks=[body], extra_headers={"retry-after": "2", **extra})
     async with aiohttp.ClientSession() as session:
         async with session.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=AUTH) as resp:
             assert resp.status == 429

@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 from proxy import relay
 from proxy.auth import Identity
 from proxy.config import UpstreamConfig
-from proxy.forward import operator_secrets, scrubbed, url_credentials
+from proxy.forward import operator_secrets, url_credentials
+from proxy.scrub import scrubbed
 from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory
 from tests.memory import MB, split
 from tests.outcome_helpers import run_headers, the_entry
@@ -151,7 +152,7 @@ def test_a_user_name_that_is_a_token_of_its_own_is_scrubbed() -> None:
 
 def test_a_password_of_eight_characters_is_sought_in_answers() -> None:
     # The shortest sought (``_MIN_SECRET``): one of 8 passed on as the gateway echoed it.
-    assert b"pw-12345" in url_credentials("https://gw-user:pw-12345@gw.example/v1")
+    assert "pw-12345" in url_credentials("https://gw-user:pw-12345@gw.example/v1")
 
 
 def test_a_password_echoed_by_an_encoder_that_keeps_non_ascii_is_scrubbed() -> None:
