@@ -80,6 +80,16 @@ def scrubbed(raw: bytes, secrets: Secrets) -> bytes:
     return raw
 
 
+def text_scrubbed(text: str, secrets: Secrets) -> str:
+    """``text`` (a string read out of an answer, its escapes read) with every one of ``secrets``
+    replaced."""
+    if not secrets:
+        return text
+    raw = text.encode("utf-8", "surrogatepass")
+    out = scrubbed(raw, secrets)
+    return text if out is raw else out.decode("utf-8", "surrogatepass")
+
+
 def _unicode_escape(raw: bytes) -> int:
     """Where ``raw`` may hold its first \\u escape (-1: it holds none). Its first backslashes
     looked at one by one (each found by a memchr; an event holds a few: a line break, a quote):

@@ -14,16 +14,25 @@ import orjson
 
 from proxy.call import Call
 from proxy.errors import StoreError
+from proxy.forward import operator_secrets
 from proxy.journal import Journal, Unsynced
 from proxy.journal_lines import OnApplied, PendingSettlement
 from proxy.outcome import NOTHING_BILLED, BilledUsage, Outcome, reserve_usage
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, cost_micros, tool_fees_exact, worst_rates
+from proxy.scrub import Secrets, text_scrubbed
 from proxy.service_tiers import dearest
 from proxy.store import ACTUAL_METERS, MARKER_TRUST, Store
 from proxy.tool_fees import ToolCalls, billed_tool_calls, tool_calls_field
 from proxy.values import value_class
 
 log = logging.getLogger("proxy.settle")
+
+# What of a string the upstream chose (a finish reason, the tier it says served the call) an entry
+# keeps, kept for good and read by the tenant: the names providers use are a few characters.
+LEDGER_TEXT_CHARS = 64
+# And of the finish reasons of every answer (``n``), each so cut: 128 "tool_calls" fit.
+LEDGER_REASONS_CHARS = 4096
+CUT = "..."
 
 
 @value_class(kw_only=True)
@@ -73,6 +82,24 @@ def utf8_text(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
+def ledger_text(text: str, secrets: Secrets) -> str:
+    """``text``, a string the upstream chose, as an entry keeps it: the operator's ``secrets``
+    replaced (an answer echoing its key: the answer's bytes are scrubbed, what the proxy read of
+    them is not), cut to ``LEDGER_TEXT_CHARS``, as UTF-8 holds it."""
+    # Scrubbed first: the start of a key cut short would not be found.
+    return utf8_text(_cut(text_scrubbed(text, secrets), LEDGER_TEXT_CHARS))
+
+
+def ledger_reasons(finish_reasons: dict[int, str], secrets: Secrets) -> str:
+    """The entry's ``finish_reasons``: each answer's, in order, as ``ledger_text`` keeps it."""
+    reasons = ",".join(ledger_text(finish_reasons[i], secrets) for i in sorted(finish_reasons))
+    return _cut(reasons, LEDGER_REASONS_CHARS)  # an upstream naming answers never asked for
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - len(CUT)] + CUT
+
+
 def entry_fields(
     call: Call,
     outcome: Outcome,
@@ -118,7 +145,7 @@ def entry_fields(
     # prices when the operator set them (``Call.rates_served``).
     tier = call.served_tier or call.service_tier
     if tier is not None and tier != "default":
-        entry["service_tier"] = utf8_text(tier)
+        entry["service_tier"] = ledger_text(tier, operator_secrets(call.upstream, call.identity))
     # Kinds most calls have none of: only when there are some (an entry is kept for good).
     for kind, count in usage.by_kind():
         if count and f"{kind}_tokens" not in entry:
@@ -150,7 +177,7 @@ async def settle(
     assert reservation is not None, "settle without reserve"
     tool_calls = _tool_calls(call, usage)
     cost = _cost(call, usage, tool_calls)
-    reasons = ",".join(finish_reasons[i] for i in sorted(finish_reasons))
+    reasons = ledger_reasons(finish_reasons, operator_secrets(call.upstream, call.identity))
     entry = entry_fields(call, outcome, usage, cost, reasons, tool_calls)
     actual = _actual(usage, cost)
     pending = PendingSettlement(

@@ -4,6 +4,7 @@ of the suite let live: each pins a figure the ledger, a meter, a release or a bi
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -19,10 +20,22 @@ from proxy.reaper import lease_entry, reap_tenant
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
 from proxy.reserve import _refusal_error
-from proxy.settle import Settlement, _actual, _cost, _release, billing_comment, entry_fields
+from proxy.scrub import NO_SECRETS
+from proxy.settle import (
+    LEDGER_REASONS_CHARS,
+    Settlement,
+    _actual,
+    _cost,
+    _release,
+    billing_comment,
+    entry_fields,
+    ledger_reasons,
+)
 from proxy.store import ExpiredLease, Refusal, Reservation, Scope
-from tests.conftest import KEY_A, ProxyFactory, until_upstream_received, upstream_timing_out
+from tests.conftest import KEY_A, UPSTREAM_KEY, ProxyFactory, until_upstream_received, upstream_timing_out
 from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import ledger_entries
+from tests.test_bad_input import Plan, ScriptedUpstream, dumps, scripted_upstreams
 from tests.test_billed_usage import chat, planned
 from tests.test_billing_edges import _reserved
 from tests.test_budgets import call as budget_call
@@ -57,6 +70,71 @@ def test_an_answer_served_at_the_default_tier_names_no_tier_in_the_ledger() -> N
     assert "service_tier" not in entry_fields(call, Outcome("ok"), NOTHING_BILLED, 0, "stop")
     call.served_tier = "priority"
     assert entry_fields(call, Outcome("ok"), NOTHING_BILLED, 0, "stop")["service_tier"] == "priority"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_key_echoed_in_a_finish_reason_is_not_kept_in_the_ledger(
+    make_proxy: ProxyFactory, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    """The answer's bytes are scrubbed on their way to the client, not what the proxy read of
+    them: a finish reason echoing the operator's key (a gateway's ``"error: ..."``) went out
+    ``[REDACTED]`` and into the ledger entry as it came, kept in Redis for good and read back by
+    the tenant from ``GET /v1/billing/runs/{run}/ledger`` (the scrub hunt)."""
+    proxy = await make_proxy()
+    fake = {"finish_reasons": [f"error: invalid key {UPSTREAM_KEY}"]}
+    body = {**chat(max_tokens=50), "stream": stream, "fake": fake}
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "fr-run"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            answer = await resp.read()
+    assert UPSTREAM_KEY.encode() not in answer and b"[REDACTED]" in answer, answer
+    await proxy.recorded()
+    (entry,) = await ledger_entries(proxy, "fr-run")
+    assert entry["finish_reasons"] == "error: invalid key [REDACTED]", entry
+    assert UPSTREAM_KEY not in json.dumps(await _ledger(redis_client))
+
+
+async def test_a_key_echoed_as_the_service_tier_is_not_kept_in_the_ledger(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, redis_client: aioredis.Redis
+) -> None:
+    """The served tier an answer names went into the entry (``service_tier``) as the answer
+    wrote it, as a finish reason did: the operator's key, or a megabyte, kept for good."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    for run, tier in (("tier-key", f"tier-of-{UPSTREAM_KEY}"), ("tier-long", "x" * 1_000_000)):
+        answer = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "gpt-4o-mini",
+            "service_tier": tier,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
+        }
+        script.plan = Plan(chunks=[dumps(answer)])
+        headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": run}
+        async with aiohttp.ClientSession() as session:
+            url = proxy.url + "/v1/chat/completions"
+            async with session.post(url, json=chat(max_tokens=50), headers=headers) as resp:
+                assert resp.status == 200
+                assert UPSTREAM_KEY.encode() not in await resp.read()
+        await proxy.recorded()
+        (entry,) = await ledger_entries(proxy, run)
+        assert entry["service_tier"] in ("tier-of-[REDACTED]", "x" * 61 + "..."), entry
+    assert UPSTREAM_KEY not in json.dumps(await _ledger(redis_client))
+
+
+def test_an_upstreams_finish_reasons_are_cut_in_the_entry() -> None:
+    """Each to 64 characters (a megabyte was kept whole, in every entry), and all of them to
+    ``LEDGER_REASONS_CHARS`` (an upstream naming answers by the thousand)."""
+    assert ledger_reasons({1: "stop", 0: "y" * 1_000_000}, NO_SECRETS) == "y" * 61 + "...,stop"
+    many = ledger_reasons(dict.fromkeys(range(10_000), "tool_calls"), NO_SECRETS)
+    assert len(many) == LEDGER_REASONS_CHARS and many.endswith("...")
+    assert ledger_reasons(dict.fromkeys(range(128), "tool_calls"), NO_SECRETS) == ",".join(
+        ["tool_calls"] * 128
+    )
 
 
 def test_a_ledger_entry_names_a_kind_of_token_only_when_it_has_some() -> None:
