@@ -380,6 +380,7 @@ def test_anthropic_mcp_servers_add_the_tool_use_system_prompt_and_an_empty_list_
         ({}, 1),  # no tools: one pass
         ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 1),  # the client runs it
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, 1),  # Anthropic's, the client runs it
+        ({"tools": [{"type": "memory_20250818", "name": "memory"}]}, 1),  # its memory tool: alike
         ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]}, 4),
         # Priced or not, bounded or not (the default's 7): every server tool's calls, and the last.
         ({"tools": [{"type": "web_fetch_20250910", "name": "web_fetch"}]}, 8),

@@ -49,6 +49,7 @@ from tests.conftest import (
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
+from tests.test_request_body_limits import answer_to, chunked_head
 from tests.test_security import Reply, assert_openai_error, call, serve_everything_with
 from tests.test_thread_pools import until_held
 
@@ -573,6 +574,18 @@ async def test_a_body_of_many_values_or_bytes_is_parsed_and_planned_off_the_even
     assert threads == [expected, expected]
 
 
+def test_a_small_flat_array_of_many_values_is_planned_off_the_loop() -> None:
+    """The values a body holds are counted by the ``[``, ``{`` and ``,`` before them: a flat
+    list of thousands of numbers (a batch of token ids) under 64 KiB has few brackets and a
+    comma before each value, and is walked long enough to be planned off the loop."""
+    many = (
+        b'{"model":"m","input":[' + b",".join(b"1" for _ in range(planning.PLAN_ON_LOOP_VALUES + 10)) + b"]}"
+    )
+    assert len(many) <= planning.PLAN_ON_LOOP_BYTES
+    assert not planning.plans_on_loop(many)
+    assert planning.plans_on_loop(b'{"model":"m","input":[' + b",".join(b"1" for _ in range(100)) + b"]}")
+
+
 async def test_a_call_planned_off_the_loop_is_judged_by_a_config_reloaded_meanwhile(
     make_proxy: ProxyFactory,
     fake: FakeUpstream,
@@ -980,6 +993,18 @@ async def test_trailers_past_the_head_bound_after_the_answer_end_the_connection_
 async def test_a_chunked_body_in_one_byte_chunks_or_with_a_small_trailer_is_served(proxy: Proxy) -> None:
     """What is counted is what comes after the body's data, not its framing."""
     await assert_chunked_calls_are_served(proxy.url)
+
+
+async def test_a_large_chunked_body_in_many_reads_is_not_taken_for_trailers(proxy: Proxy) -> None:
+    """A chunked body of 320 KB, past the head bound twice over, sent a 32 KB chunk a read, each
+    read bringing data: none counts towards the trailers' bound, and the call is answered."""
+    content = "x " * 160_000
+    body = dumps({**CHAT_BODY, "messages": [{"role": "user", "content": content}]})
+    pieces = [body[at : at + 32_000] for at in range(0, len(body), 32_000)]
+    assert len(body) > 2 * HEAD_BOUND_BYTES
+    parts = [chunked_head(), *(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces), b"0\r\n\r\n"]
+    answer = await answer_to(proxy, *parts, pause_s=0.02)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
 
 async def test_a_chunked_bodys_trailers_are_bounded_under_the_pure_python_parser(

@@ -696,12 +696,14 @@ async def test_a_replay_sends_the_settles_of_a_window_together(
     assert await redis_client.xlen(LEDGER) == len(ids)
 
 
+@pytest.mark.parametrize("descriptor", ["spared", "none to spare"])
 async def test_a_new_journal_file_has_its_name_synced_before_its_first_line_is_told_durable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, descriptor: str
 ) -> None:
     """A line's sync makes the file's data durable, not its name in the directory: made during
     an outage (or again after its removal) and never synced there, a host crash could lose the
-    file with every line its callers were told was journaled."""
+    file with every line its callers were told was journaled. Alike when no descriptor is left
+    for the sync thread and the line is synced on the loop, as ``append`` does."""
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -709,7 +711,12 @@ async def test_a_new_journal_file_has_its_name_synced_before_its_first_line_is_t
         synced.append("directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
         real_fsync(fd)
 
+    def no_descriptor(fd: int) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
     monkeypatch.setattr(os, "fsync", fsync)
+    if descriptor == "none to spare":
+        monkeypatch.setattr(os, "dup", no_descriptor)
     journal = Journal(tmp_path / "journal")
     await journal.append_off_loop(_line("first"))
     assert synced[:2] == ["directory", "file"]

@@ -20,7 +20,7 @@ from proxy.journal import Journal
 from proxy.journal_lines import DEAD_LETTERS, REPLAY_WINDOW, PendingSettlement, marks_line, reaper_line
 from proxy.redis_server import RedisServerProcess
 from proxy.redis_store import RedisStore
-from proxy.store import MAX_SETTLED_MARKER_TTL_S, Reservation, Scope
+from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MAX_SETTLED_MARKER_TTL_S, Reservation, Scope
 from tests.test_journal import _line
 from tests.test_store_faults import LEDGER, _settlement_line, held_reservations, replaying
 
@@ -310,6 +310,38 @@ async def test_a_replay_by_a_process_set_to_a_shorter_marker_keeps_it_for_the_li
     finally:
         await store.close()
     assert await redis_client.xlen(LEDGER) == 1
+
+
+async def test_a_replayed_settle_keeps_its_marker_a_second_past_its_whole_window(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A journaled settle's window left (7,200.5 s, past the store's own hour) is kept on its
+    marker in whole seconds rounded up, and a second more for the clocks' offsets: 7,202 s."""
+    await held_reservations(redis_client, "windowed")
+    store = RedisStore.from_url(redis_server.url)
+    try:
+        until_ms = int(await store.synced_now() * 1000) + 7_200_500
+        line = PendingSettlement(**{**_settlement_line("windowed"), "bill_if_lost_until_ms": until_ms})
+        assert await line.apply(store) is not None
+    finally:
+        await store.close()
+    assert await redis_client.pttl("lbp:{team-a}:resv:windowed") > 7_201_000
+
+
+async def test_a_replayed_settle_past_its_window_keeps_the_stores_own_marker(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A journaled settle whose window has passed asks for no marker of its own: the store's
+    hour, by the store's clock in milliseconds."""
+    await held_reservations(redis_client, "late")
+    store = RedisStore.from_url(redis_server.url)
+    try:
+        until_ms = int(await store.synced_now() * 1000) - 1000
+        line = PendingSettlement(**{**_settlement_line("late"), "bill_if_lost_until_ms": until_ms})
+        assert await line.apply(store) is not None
+    finally:
+        await store.close()
+    assert 0 < await redis_client.ttl("lbp:{team-a}:resv:late") <= DEFAULT_SETTLED_MARKER_TTL_S
 
 
 async def test_a_damaged_line_s_window_of_centuries_keeps_its_marker_no_longer_than_the_config_may(

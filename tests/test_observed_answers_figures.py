@@ -19,7 +19,7 @@ from proxy.observe_responses import responses_body, responses_event
 from proxy.outcome import classify_answer
 from proxy.payload import Endpoint
 from tests.conftest import base_config
-from tests.test_billed_usage import TOKENIZER, plan_of
+from tests.test_billed_usage import TOKENIZER, answered, plan_of
 
 MESSAGES = [{"role": "user", "content": "a prompt of some forty characters, about"}]
 
@@ -150,6 +150,16 @@ def test_a_count_above_what_the_provider_told_is_sourced_as_the_count() -> None:
     obs.take_usage(ProviderUsage(12, 2, 0, 0, output_known=False))
     billed = billed_usage(chat(max_tokens=500), obs, TOKENIZER, complete=True)
     assert (billed.input_tokens, billed.output_tokens, billed.source) == (12, 20, "chars")
+
+
+def test_a_server_tool_loops_answer_counted_without_figures_is_held_to_every_pass_cap() -> None:
+    """A Messages call with a server tool (2 searches: 3 passes of max_tokens 10) whose answer
+    came without figures: its count (100 characters, 25 tokens) is held to all its passes'
+    caps (30), not one pass's (10)."""
+    call = claude(max_tokens=10, tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 2}])
+    assert (call.estimate.output_passes, call.reserved_output_tokens) == (3, 30)
+    usage = billed_usage(call, answered("x" * 100), TOKENIZER, complete=True)
+    assert (usage.source, usage.output_tokens) == ("chars", 25)
 
 
 # -- outcome ------------------------------------------------------------------------------------

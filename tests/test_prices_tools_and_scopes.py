@@ -102,6 +102,25 @@ def test_audio_input_comes_out_of_what_cache_writes_left() -> None:
     assert cost == 6 * 5 + 4 * 11
 
 
+def test_image_input_comes_out_of_what_cache_and_audio_left() -> None:
+    """Input 10: 4 audio leave 6 for images (told 8), none for text."""
+    cost = cost_micros(RATES, input_tokens=10, audio_input_tokens=4, image_input_tokens=8, output_tokens=0)
+    assert cost == 4 * 11 + 6 * 23
+
+
+def test_image_output_comes_out_of_what_reasoning_and_audio_left() -> None:
+    """Output 10: 2 reasoning and 5 audio leave 3 for images (told 6), none for text."""
+    cost = cost_micros(
+        RATES,
+        input_tokens=0,
+        output_tokens=10,
+        reasoning_tokens=2,
+        audio_output_tokens=5,
+        image_output_tokens=6,
+    )
+    assert cost == 2 * 17 + 5 * 19 + 3 * 29
+
+
 def test_the_exact_cost_is_rounded_up_once_to_a_whole_micro_unit() -> None:
     one = {kind: 1 for kind in RATES}  # one micro-unit per million tokens
     assert cost_micros(one, input_tokens=1, output_tokens=0) == 1
@@ -355,6 +374,21 @@ def test_search_items_are_billed_as_the_preview_when_it_is_enabled_and_not_cheap
     dearer = {"web_search": 30_000_000, "web_search_preview": 25_000_000}
     assert counted_as(_responses(tools=BOTH), dearer) == ()
     assert counted_as(_responses(tools=[{"type": "web_search"}]), PREVIEW) == ()
+
+
+def _interpreter(memory: str) -> dict[str, Any]:
+    return {"type": "code_interpreter", "container": {"type": "auto", "memory_limit": memory}}
+
+
+def test_calls_of_interpreters_of_several_sizes_are_billed_at_the_dearest_size_asked() -> None:
+    """A request asking containers of 4g and 16g: its calls (an item does not say which container
+    ran it) are billed at 16g's price; where the operator priced a larger size below the least
+    asked, at the least's."""
+    prices = {"code_interpreter": 30_000, "code_interpreter_4g": 120_000, "code_interpreter_16g": 480_000}
+    tools = [_interpreter("4g"), _interpreter("16g")]
+    assert counted_as(_responses(tools=tools), prices) == (("code_interpreter", "code_interpreter_16g"),)
+    odd = {"code_interpreter": 200_000, "code_interpreter_4g": 120_000}
+    assert counted_as(_responses(tools=[_interpreter("1g"), _interpreter("4g")]), odd) == ()
 
 
 def test_billed_tool_calls_count_every_report_under_its_billed_name() -> None:

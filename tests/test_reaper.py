@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.errors import StoreError
+from proxy.errors import StoreError, StoreRejected
 from proxy.journal import Journal
 from proxy.reaper import BATCH, Unsure, reap_tenant, run_reaper
 from proxy.redis_server import RedisServerProcess
@@ -609,6 +609,190 @@ async def test_a_reapers_try_from_memory_cut_during_its_lines_sync_is_counted_by
         await store.close()
     assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
     assert [e["reservation_id"] for e in counted] == ["dead-instance"]
+
+
+async def test_an_unsure_reaper_settle_the_store_then_rejects_is_dropped(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A reaper's try kept in memory (reply lost, no journal), which the store rejects when sent
+    again: logged and dropped, not sent again every round for good (its tenant never idle)."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    store.settle = lost  # type: ignore[method-assign]
+    unsure: Unsure = {}
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        await asyncio.sleep(0.01)
+        with pytest.raises(StoreError):
+            await reap_tenant(store, "team-a", unsure=unsure)
+        assert list(unsure) == ["dead-instance"]
+
+        async def rejects(**how: Any) -> str | None:
+            raise StoreRejected("settle: ERR damaged")
+
+        store.settle = rejects  # type: ignore[method-assign]
+        assert await reap_tenant(store, "team-a", unsure=unsure) == []
+        assert unsure == {}
+    finally:
+        await store.close()
+
+
+async def test_a_reaper_cancelled_mid_settle_keeps_its_try(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """A reaper stopped while its settle is in flight (the settle may have run: the lease left
+    the index with it) keeps the try, so that sending it again counts the entry it wrote."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    real = store.settle
+    sent = asyncio.Event()
+
+    async def runs_then_hangs(**how: Any) -> str | None:
+        await real(**how)
+        sent.set()
+        await asyncio.sleep(30)
+        raise AssertionError("not cancelled")
+
+    store.settle = runs_then_hangs  # type: ignore[method-assign]
+    unsure: Unsure = {}
+    counted: list[Mapping[str, str]] = []
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        await asyncio.sleep(0.01)
+        round_ = asyncio.ensure_future(reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure))
+        await asyncio.wait_for(sent.wait(), 10)
+        round_.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await round_
+        assert list(unsure) == ["dead-instance"]
+        store.settle = real  # type: ignore[method-assign]
+        await reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure)
+    finally:
+        await store.close()
+    assert [e["reservation_id"] for e in counted] == ["dead-instance"]
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
+
+
+async def test_a_stopping_reaper_whose_store_is_still_away_stops_quietly(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis
+) -> None:
+    """The reaper's last tries (no journal) fail, the store still away: logged, and the reaper
+    stops as cancelled, not with the store's error."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    store.settle = lost  # type: ignore[method-assign]
+    reaper = asyncio.create_task(run_reaper(store, 0.05, lambda e: None, known=lambda: ["team-a"]))
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        for _ in range(200):
+            if len(lost.tries) >= 2:
+                break
+            await asyncio.sleep(0.02)
+        reaper.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reaper
+    finally:
+        reaper.cancel()
+        await store.close()
+
+
+async def test_a_reapers_try_journaled_is_not_kept_in_memory_too(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A reaper's settle whose reply was lost, journaled (its sync fine): the journal's alone.
+    Kept in memory as well, the reaper's next round and the replay would each count its entry."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    lost.down = False
+    store.settle = lost  # type: ignore[method-assign]
+    journal = Journal(tmp_path / "journal")
+    counted: list[Mapping[str, str]] = []
+    unsure: Unsure = {}
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        await asyncio.sleep(0.01)
+        with pytest.raises(StoreError):
+            await reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure, journal=journal)
+        assert (journal.pending_lines, unsure) == (1, {})
+        await reap_tenant(store, "team-a", on_settled=counted.append, unsure=unsure, journal=journal)
+        await journal.replay(store, counted.append)
+    finally:
+        journal.close()
+        await store.close()
+    assert await redis_client.xlen("lbp:{team-a}:ledger") == 1
+    assert [e["reservation_id"] for e in counted] == ["dead-instance"]
+
+
+async def test_a_running_reapers_rounds_journal_their_lost_tries(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """``run_reaper``'s journal takes a round's try whose reply was lost while the reaper runs
+    (a host crash before it stops loses nothing), not only the tries left when it stops."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    store.settle = lost  # type: ignore[method-assign]
+    journal = Journal(tmp_path / "journal")
+    reaper = asyncio.create_task(
+        run_reaper(store, 0.05, lambda e: None, known=lambda: ["team-a"], journal=journal)
+    )
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        for _ in range(200):
+            if lost.tries:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # a few more rounds
+        assert journal.pending_lines == 1
+    finally:
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        journal.close()
+        await store.close()
+
+
+async def test_a_stopping_reaper_journals_the_tries_its_disk_refused_before(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tries the journal's full disk kept in memory, the store still away as the reaper stops:
+    its last tries fail and go to the journal (its disk back), not with the process."""
+    store = RedisStore.from_url(redis_server.url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    store.settle = lost  # type: ignore[method-assign]
+    journal = Journal(tmp_path / "journal")
+
+    def disk_full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    reaper = asyncio.create_task(
+        run_reaper(store, 0.05, lambda e: None, known=lambda: ["team-a"], journal=journal)
+    )
+    try:
+        await run_lease(store, "team-a", "dead-instance", "r-dead")
+        monkeypatch.setattr(os, "write", disk_full)
+        for _ in range(200):
+            if len(lost.tries) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        assert journal.pending_lines == 0
+        monkeypatch.undo()
+        reaper.cancel()  # no await between: no round runs with the disk back
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        assert journal.pending_lines == 1
+    finally:
+        monkeypatch.undo()
+        reaper.cancel()
+        journal.close()
+        await store.close()
 
 
 async def test_a_reapers_try_sent_again_gets_its_entry_and_no_other_settle_does(

@@ -23,6 +23,15 @@ async def until_held(pool: TenantPool | None, held: int) -> None:
     raise AssertionError(f"{pool.held} jobs held, not {held}")
 
 
+async def until_started(started: threading.Event) -> None:
+    """Until a job on a thread has set ``started``."""
+    for _ in range(1000):
+        if started.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the job never started")
+
+
 async def test_a_tenants_jobs_past_its_own_bound_are_refused_never_another_tenants_first() -> None:
     """Tenant a at its bound (one job running, the others waiting a's turn): a's next is refused,
     b's first is taken and runs before a's waiting ones; a third tenant's first is refused only
@@ -100,8 +109,7 @@ async def test_a_cancelled_running_job_keeps_its_tenants_turn_until_it_ends() ->
 
     try:
         a1 = asyncio.ensure_future(pool.run("a", first))
-        while not started.is_set():
-            await asyncio.sleep(0.01)
+        await until_started(started)
         a1.cancel()  # the settle drops the count: it runs on all the same
         await asyncio.wait((a1,))
         assert (pool.held, pool.tenants) == (1, 1)  # still a's, on its thread
@@ -117,3 +125,101 @@ async def test_a_cancelled_running_job_keeps_its_tenants_turn_until_it_ends() ->
     finally:
         gate.set()
         pool.shutdown()
+
+
+async def test_a_failed_job_gives_its_tenants_turn_and_place_back() -> None:
+    """A job that raises (a count's error) ends its tenant's turn: else the tenant held a place
+    for good, its next job waiting forever on the turn, and tenants_most refused every other."""
+    pool = TenantPool("test", threads=1, per_tenant=1, tenants_most=1)
+
+    def fails() -> None:
+        raise ValueError("boom")
+
+    try:
+        with pytest.raises(ValueError):
+            await pool.run("a", fails)
+        assert (pool.held, pool.tenants) == (0, 0)
+        assert await asyncio.wait_for(pool.run("b", lambda: "b"), 10) == "b"
+        assert await asyncio.wait_for(pool.run("a", lambda: "a"), 10) == "a"
+    finally:
+        pool.shutdown()
+
+
+async def test_a_job_cancelled_while_waiting_its_tenants_turn_leaves_nothing_held() -> None:
+    """A call gone (client disconnect) while its job waits behind its tenant's running one: the
+    job is no longer counted, and the tenant's place goes once its running job ends."""
+    pool = TenantPool("test", threads=1, per_tenant=1, a_tenant_holds_most=2)
+    gate, started = threading.Event(), threading.Event()
+
+    def first() -> str:
+        started.set()
+        assert gate.wait(10)
+        return "a1"
+
+    try:
+        a1 = asyncio.ensure_future(pool.run("a", first))
+        await until_started(started)
+        a2 = asyncio.ensure_future(pool.run("a", lambda: "a2"))
+        await until_held(pool, 2)
+        a2.cancel()
+        await asyncio.wait((a2,))
+        assert pool.held == 1
+        gate.set()
+        assert await asyncio.wait_for(a1, 10) == "a1"
+        assert (pool.held, pool.tenants) == (0, 0)
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+async def test_a_job_cancelled_while_queued_for_a_thread_never_runs_and_holds_nothing() -> None:
+    """b's job queued behind a's on the one thread, cancelled: it is taken off the queue (it
+    never runs) and b holds nothing at once, its turn given back."""
+    pool = TenantPool("test", threads=1, per_tenant=1)
+    gate, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def first() -> str:
+        started.set()
+        assert gate.wait(10)
+        return "a1"
+
+    try:
+        a1 = asyncio.ensure_future(pool.run("a", first))
+        await until_started(started)
+        b1 = asyncio.ensure_future(pool.run("b", lambda: ran.append("b1")))
+        await until_held(pool, 2)
+        b1.cancel()
+        await asyncio.wait((b1,))
+        assert (pool.held, pool.tenants) == (1, 1)  # a's alone
+        gate.set()
+        await asyncio.wait_for(a1, 10)
+        assert await asyncio.wait_for(pool.run("b", lambda: "b2"), 10) == "b2"
+        assert ran == []
+        assert (pool.held, pool.tenants) == (0, 0)
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+async def test_shutdown_drops_the_jobs_still_queued_for_a_thread() -> None:
+    """At shutdown a job queued for the threads (a count behind another tenant's) is dropped,
+    not run after the loop has gone (the process's exit would wait for it)."""
+    pool = TenantPool("test", threads=1, per_tenant=1)
+    gate, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        started.set()
+        assert gate.wait(10)
+
+    a1 = asyncio.ensure_future(pool.run("a", first))
+    await until_started(started)
+    b1 = asyncio.ensure_future(pool.run("b", lambda: ran.append("b1")))
+    await until_held(pool, 2)
+    pool.shutdown()
+    gate.set()
+    await asyncio.wait_for(a1, 10)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(b1, 10)
+    assert ran == []
