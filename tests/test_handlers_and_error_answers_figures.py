@@ -49,7 +49,7 @@ from tests.conftest import (
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 from tests.test_bad_input import Plan, ScriptedUpstream, _raw, dumps, scripted_upstreams
-from tests.test_request_body_limits import answer_to, chunked_head
+from tests.test_request_body_limits import answer_to, chunked_head, read_answer
 from tests.test_security import Reply, assert_openai_error, call, serve_everything_with
 from tests.test_thread_pools import until_held
 
@@ -887,6 +887,28 @@ async def test_a_head_past_what_the_parser_may_hold_is_refused_as_it_arrives(
     assert (error["type"], error["code"]) == ("invalid_request_error", "headers_too_large"), error
     assert error["message"] == "The request line and headers exceed 136192 bytes.", error  # 133 KiB
     assert headers["x-request-id"].startswith("req_"), headers
+
+
+async def test_the_head_count_starts_again_with_each_request_on_a_kept_connection(proxy: Proxy) -> None:
+    """The bytes counted against the head bound are those of one head: on a kept connection
+    (an SDK's pool), 24 requests whose heads of 12 KB each come in three reads, 290 KB in all,
+    twice the bound, are all answered, none refused with 431."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    pad = b"X-Pad: " + b"p" * 4000 + b"\r\n"
+    parts = [b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + pad, pad, pad + b"\r\n"]
+    try:
+        for _ in range(24):
+            for part in parts:
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0.01)  # a read of its own: what ends no head is counted
+            head, body = await read_answer(reader)
+            assert head.startswith(b"http/1.1 200"), (head, body)
+            assert b"\r\nconnection: close\r\n" not in head, head
+    finally:
+        writer.close()
+    assert 24 * sum(map(len, parts)) > 2 * HEAD_BOUND_BYTES
 
 
 # A chunked body's trailer section is header fields too, held by the same parser (C: as bytes and
