@@ -13,7 +13,7 @@ from proxy.billed_usage import billed_usage
 from proxy.call import Call
 from proxy.config import PolicyConfig
 from proxy.config_load import parse_config
-from proxy.observe import Observation, ProviderUsage
+from proxy.observe import Observation, ProviderUsage, parse_usage
 from proxy.observe_anthropic import anthropic_body, anthropic_event, anthropic_usage
 from proxy.observe_responses import responses_body, responses_event
 from proxy.outcome import classify_answer
@@ -160,6 +160,49 @@ def test_a_server_tool_loops_answer_counted_without_figures_is_held_to_every_pas
     assert (call.estimate.output_passes, call.reserved_output_tokens) == (3, 30)
     usage = billed_usage(call, answered("x" * 100), TOKENIZER, complete=True)
     assert (usage.source, usage.output_tokens) == ("chars", 25)
+
+
+def test_parts_the_provider_leaves_untold_never_add_up_past_their_whole() -> None:
+    """Writes no TTL split tells, on a request keeping writes an hour, are billed as kept an hour
+    up to the writes told (never more, even where the counts handed over overlap); an image
+    call's output that tells no image count is images but for what reasoning and audio take of
+    it (never the whole beside them). The ledger's parts stay within their whole."""
+    hour_block = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    hourly = claude(messages=[{"role": "user", "content": [hour_block]}])
+    gateway = anthropic_usage({"input_tokens": 50, "cache_creation_input_tokens": 300, "output_tokens": 10})
+    # Untold writes overlapping the hour's told: no observer counts so, the cap holds all the same.
+    overlapping = ProviderUsage(
+        650,
+        10,
+        0,
+        0,
+        cache_creation_input_tokens=300,
+        cache_creation_1h_input_tokens=100,
+        cache_creation_untold_input_tokens=250,
+    )
+    images = chat(modalities=["image", "text"])
+    details = {"reasoning_tokens": 30, "audio_tokens": 20}
+    told = parse_usage({"prompt_tokens": 10, "completion_tokens": 100, "completion_tokens_details": details})
+    past = ProviderUsage(10, 100, 0, 80, audio_output_tokens=40)  # parts past the whole: none left
+    cases = [
+        (hourly, gateway, 300, 0),
+        (hourly, overlapping, 300, 0),
+        (images, told, 0, 50),
+        (images, past, 0, 0),
+    ]
+    for call, usage, hour, image_output in cases:
+        assert usage is not None
+        obs = Observation()
+        obs.take_usage(usage)
+        billed = billed_usage(call, obs, TOKENIZER, complete=True)
+        assert (billed.cache_creation_1h_input_tokens, billed.image_output_tokens) == (hour, image_output), (
+            usage
+        )
+        assert (
+            billed.cache_creation_1h_input_tokens <= billed.cache_creation_input_tokens <= billed.input_tokens
+        )
+        left = billed.output_tokens - billed.reasoning_tokens - billed.audio_output_tokens
+        assert 0 <= billed.image_output_tokens <= max(left, 0), billed
 
 
 # -- outcome ------------------------------------------------------------------------------------
