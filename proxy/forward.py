@@ -245,12 +245,15 @@ def provider_headers(upstream: aiohttp.ClientResponse, secrets: Secrets = NO_SEC
 # min"). OpenAI's ids (24 letters and digits after the prefix) also where it sends no header.
 # Never in an answer: the organization's name is part of its fine-tuned models' ids.
 ACCOUNT_HEADERS = ("openai-organization", "openai-project", "anthropic-organization-id")
-ACCOUNT_IDS = re.compile(rb"(?<![A-Za-z0-9_-])(?:org-|proj_)[A-Za-z0-9]{24}(?![A-Za-z0-9])")
+# Sought wherever they start, not only after a character no id holds: the raw bytes before an
+# id may end an escape (the ``n`` of ``\n``, a ``\u00a0``), which reads as a letter or a digit.
+# Its cost, an id-shaped tail of some longer word replaced in an error body, is none.
+ACCOUNT_IDS = re.compile(rb"(?:org-|proj_)[A-Za-z0-9]{24}(?![A-Za-z0-9])")
 # The same ids however a JSON string spells them (a letter as \u0061), sought in a body holding a
 # \u escape: its client's JSON decoder reads the id back.
 _ALNUM = rb"(?:[A-Za-z0-9]|\\u00(?:3[0-9]|[46][1-9a-fA-F]|[57][0-9aA]))"
 _PREFIXES = spelled("org-") + b"|" + spelled("proj_")
-ACCOUNT_IDS_SPELLED = re.compile(rb"(?<![A-Za-z0-9_-])(?:%s)%s{24}(?!%s)" % (_PREFIXES, _ALNUM, _ALNUM))
+ACCOUNT_IDS_SPELLED = re.compile(rb"(?:%s)%s{24}(?!%s)" % (_PREFIXES, _ALNUM, _ALNUM))
 
 
 def account_scrubbed(

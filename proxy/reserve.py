@@ -33,8 +33,9 @@ from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative, Wi
 from proxy.tool_fees import billed_tool_calls, tool_calls_field
 
 # How many times a reserve script is sent, its windows picked again each time it ran after one of
-# them ended: picked again by the store's clock as it ran, a window ends before the next send only
-# if the store is that slow again, for as long as the shortest window (a minute).
+# them ended or before one began: picked again by the store's clock as it ran, a window ends
+# before the next send only if the store is that slow again, for as long as the shortest window
+# (a minute), and begins after it only if that clock steps back again.
 WINDOW_PICKS = 3
 
 

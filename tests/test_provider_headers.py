@@ -390,3 +390,21 @@ def test_only_openais_own_account_ids_are_sought_in_an_error_body() -> None:
         b"model my-org-Llama3FineTunedInstructV2Abc or org-TooShort or org-0peratorsOwnOrg42xYz12345"
     )
     assert found == [b"org-0peratorsOwnOrg42xYz1234", b"proj_AbCdEfGhIjKlMnOpQrStUvWx"]
+
+
+@pytest.mark.parametrize("before", ["\n", "\t", "\u00a0"], ids=["line-break", "tab", "nbsp"])
+async def test_an_organization_after_an_escaped_character_in_an_error_body_does_not_reach_a_tenant(
+    make_proxy: ProxyFactory, script: ScriptedUpstream, before: str
+) -> None:
+    """The id after a line break, a tab, a non-breaking space, no header naming it: the ids were
+    sought after a character no id holds, read on the raw bytes, where an escape's last byte
+    (``\\n``'s "n", ``\\u00a0``'s "0") reads as a letter or a digit (a review)."""
+    proxy = await make_proxy(upstreams=scripted_upstreams(script.base_url))
+    message = f"Rate limit reached for gpt-4o-mini in organization:{before}{ORG} on tokens per min"
+    error = {"message": message, "type": "tokens", "param": None, "code": "rate_limit_exceeded"}
+    script.plan = Plan(status=429, chunks=[dumps({"error": error})], extra_headers={"retry-after": "2"})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=AUTH) as resp:
+            assert resp.status == 429
+            told = await resp.json()
+    assert ORG not in told["error"]["message"], told
