@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from proxy.report import Totals
 
 log = logging.getLogger("proxy.cli")
+# More serving processes than this per CPU only share the same cores, each its own memory.
+WORKERS_PER_CPU = 4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,6 +144,14 @@ def store_url(
             log.info("stopped embedded redis-server")
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's or a taskset's, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until a worker's reloader takes it
     early = EarlyStop()  # until the serving process (or the supervisor) takes the stop signals
@@ -153,6 +163,12 @@ def serve(args: argparse.Namespace) -> int:
     log_warnings(warnings)
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
+    if args.workers > (most := WORKERS_PER_CPU * _cpus()):
+        # Each is a process of ~110 MiB serving on the same cores: a typo (1000 for 10) took a
+        # small host's memory and its other processes down with it.
+        raise ConfigError(
+            f"--workers {args.workers}: at most {most} ({WORKERS_PER_CPU} per CPU this process may use)"
+        )
     metrics = config.metrics.listen
     if args.workers > 1 and metrics is not None and not 0 < metrics.port <= 65536 - args.workers:
         # Worker i listens on port + i: each must be a port of its own (0 would make it i).

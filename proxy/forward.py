@@ -7,7 +7,9 @@ import base64
 import contextlib
 import functools
 import logging
+import os
 import re
+import socket
 import time
 from collections.abc import Coroutine
 from contextvars import ContextVar
@@ -376,7 +378,7 @@ async def _post(
         async with asyncio.timeout(call.upstream.sending.headers_within_s):
             return await posting
     except aiohttp.ClientConnectorError as err:
-        return TransportFailure("connect", f"cannot connect to upstream: {err.os_error.strerror or err}")
+        return TransportFailure("connect", f"cannot connect to upstream: {_connect_refusal(err.os_error)}")
     except ValueError as err:
         # aiohttp (or yarl, for a query's URL) refused to build the request (a header value it
         # cannot send, a host with no IDNA form, a base_url password outside latin-1): nothing
@@ -401,6 +403,15 @@ async def _post(
         return TransportFailure("timeout", "upstream did not answer in time")
     except aiohttp.ClientError as err:
         return TransportFailure("transport", f"upstream connection failed: {type(err).__name__}")
+
+
+def _connect_refusal(err: OSError) -> str:
+    """What the client is told of a connection its upstream did not take: the system's words for
+    it, never asyncio's or aiohttp's, which name the upstream's address (the operator's network;
+    "Connect call failed ('10.0.3.7', 8000)")."""
+    if isinstance(err, socket.gaierror):
+        return err.strerror or "its host name did not resolve"
+    return os.strerror(err.errno) if err.errno else "the connection failed"
 
 
 class BodyTooLarge(ValueError):

@@ -294,6 +294,12 @@ def test_host_port_and_redis_url_on_the_command_line_override_the_files(tmp_path
         ),
         (["serve", "--config", "{config}", "--workers", "0"], "--workers must be at least 1"),
         (
+            # A typo (1000 for 10) took a 2-CPU host's memory and every process on it down.
+            ["serve", "--config", "{config}", "--workers", str(4 * len(os.sched_getaffinity(0)) + 1)],
+            f"--workers {4 * len(os.sched_getaffinity(0)) + 1}: at most {4 * len(os.sched_getaffinity(0))} "
+            "(4 per CPU this process may use)",
+        ),
+        (
             ["serve", "--config", "{metrics_0}", "--workers", "2"],
             "metrics.listen.port 0 with --workers 2: worker i uses port + i, so the port must be 1 to 65534",
         ),

@@ -434,6 +434,11 @@ async def test_upstream_connection_refused(make_proxy: ProxyFactory, fake: FakeU
             await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
     assert caught.value.status_code == 502
     assert_no_secret(caught.value.response.headers, caught.value.response.content)
+    # In the system's words, without the upstream's address (the operator's network, not the
+    # client's business: asyncio's own words were "Connect call failed ('127.0.0.1', port)").
+    message = caught.value.response.json()["error"]["message"]
+    assert message.endswith("cannot connect to upstream: Connection refused"), message
+    assert "127.0.0.1" not in caught.value.response.text
     # Not a request made: a requests ceiling (a window of calls) is not spent on it.
     entry = await the_entry(proxy, "r1", requests=0)
     assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "none")
