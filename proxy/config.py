@@ -473,6 +473,10 @@ class Config(Frozen):
         too_short = self.settled_marker_too_short(self.limits.settled_marker_ttl_s)
         if too_short is not None:
             raise ValueError(too_short)
+        too_long = self.socket_timeout_too_long(self.redis.socket_timeout_s)
+        if too_long is not None:
+            raise ValueError(too_long)
+        self._grace_outlasts_a_stuck_settle()
         for pattern, model in self.models.items():
             self._output_cap_fits_the_store(pattern, model)
         return self
@@ -519,6 +523,47 @@ class Config(Frozen):
             f"and one taking longer than {MARKER_TRUST:.0%} of the marker's life, its reservation "
             "lost in a store failover, goes unbilled; raise it, or lower those"
         )
+
+    def socket_timeout_too_long(self, socket_timeout_s: float) -> str | None:
+        """Why a store whose commands wait up to ``socket_timeout_s`` lets this config's calls be
+        reaped alive (None: it does not). A stream renews its lease every third of it
+        (``lease.LeaseRenewal``). A Redis that stalls for less than the socket timeout (a fork, a
+        slow disk, a long script) fails no command, so no outage is seen (nothing journaled, no
+        reaper's grace started again): a renewal it holds lands when the stall ends, up to a socket
+        timeout after it was sent, and past the two thirds of the lease left it lands after the
+        lease ran out, which renew.lua refuses; a reaper then bills the live call at its reserve."""
+        shortest = min(self.upstreams.items(), key=lambda named: named[1].timeout_s, default=None)
+        if shortest is None:
+            return None
+        name, upstream = shortest
+        lease_s = upstream.timeout_s + self.limits.lease_margin_s
+        if 3 * socket_timeout_s < 2 * lease_s:  # not socket_timeout_s < lease_s * 2 / 3: no rounding
+            return None
+        return (
+            f"redis.socket_timeout_s ({socket_timeout_s:g}) must be below two thirds of the shortest "
+            f"lease: upstreams.{name}.timeout_s plus limits.lease_margin_s ({lease_s:g} s) gives "
+            f"{lease_s * 2 / 3:g} s. A stream renews its lease every third of it, and a Redis that "
+            "stalls for less than the socket timeout (a fork, a slow disk) fails no command: the "
+            "renewals it holds land after the lease ran out, and a reaper bills the live call at its "
+            f"reserve; lower redis.socket_timeout_s below {lease_s * 2 / 3:g} s, or raise those to "
+            f"more than {socket_timeout_s * 3 / 2:g} s"
+        )
+
+    def _grace_outlasts_a_stuck_settle(self) -> None:
+        """A settle sent as the store went away (a host gone, a partition) fails only after the
+        socket timeout, and is journaled then; the journal applies it at its next replay. A
+        reaper's grace runs from the store's first answer, which may come at once: shorter than
+        both, it bills at its reserve a call the journal holds."""
+        limits = self.limits
+        worst_s = limits.journal_replay_s + self.redis.socket_timeout_s
+        if 0 < limits.reap_grace_s <= worst_s:
+            raise ValueError(
+                f"limits.reap_grace_s ({limits.reap_grace_s:g}) must be longer than "
+                f"limits.journal_replay_s plus redis.socket_timeout_s ({worst_s:g} s), or 0: a settle "
+                "the store stopped answering is journaled only after the socket timeout and applied "
+                "at the journal's next replay, and a reaper whose grace ran out first bills the call "
+                f"at its reserve; raise reap_grace_s above {worst_s:g} s, or lower those"
+            )
 
     @cached_property
     def longest_lease_s(self) -> float:

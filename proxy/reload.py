@@ -85,19 +85,24 @@ class ConfigReloader:
             )
             self._counted("refused")
             return False
-        # Timeouts reload, the marker's TTL does not: the running one must outlast the new leases.
+        # Timeouts reload, the marker's TTL and the store's socket timeout do not: the running
+        # ones must fit the new leases (the new file was checked against its own).
         running_ttl_s = old.limits.settled_marker_ttl_s
-        too_short = new.settled_marker_too_short(running_ttl_s)
-        if too_short is not None:
-            log.error(
-                "config reload refused; the old config stays in force",
-                extra={
-                    "reason": reason,
-                    "error": f"{too_short} (the running {running_ttl_s} s changes only on restart)",
-                },
-            )
-            self._counted("refused")
-            return False
+        running_timeout_s = old.redis.socket_timeout_s
+        for why, kept in (
+            (new.settled_marker_too_short(running_ttl_s), f"{running_ttl_s}"),
+            (new.socket_timeout_too_long(running_timeout_s), f"{running_timeout_s:g}"),
+        ):
+            if why is not None:
+                log.error(
+                    "config reload refused; the old config stays in force",
+                    extra={
+                        "reason": reason,
+                        "error": f"{why} (the running {kept} s changes only on restart)",
+                    },
+                )
+                self._counted("refused")
+                return False
         baseline = self._started_from or old
         running = _start_only(baseline)
         changed = sorted(name for name, value in _start_only(new).items() if value != running[name])

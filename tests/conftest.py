@@ -127,6 +127,9 @@ def base_config(upstream_url: str, redis_url: str, **overrides: Any) -> dict[str
     }
     for key, value in overrides.items():
         raw[key] = value
+    # The tests' Redis unless a test names its own: ``redis={"socket_timeout_s": 1}`` alone is
+    # the tests' Redis with that timeout (one coherent with a test's short leases).
+    raw["redis"] = {"url": redis_url, **raw["redis"]}
     # Leases reaped as soon as they run out, as the tests of reapers expect (a test of the grace
     # sets it).
     raw["limits"] = {"reap_grace_s": 0, **raw.get("limits", {})}

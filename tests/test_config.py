@@ -257,6 +257,40 @@ def test_a_reload_raising_a_timeout_past_the_running_settled_markers_bound_is_re
     assert applied[0].limits.settled_marker_ttl_s == 3600
 
 
+def test_a_reload_shortening_a_lease_past_the_running_socket_timeout_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store's socket timeout changes only on restart (``redis``), a timeout and the lease
+    margin on reload: a file lowering both to a lease of 3 s with a socket timeout of 1.9 s is
+    valid alone, and in force with the running 5 s a Redis stalled for 4 s would hold every
+    renewal past the lease (the slow-Redis hunt). Refused, naming them; a lease past 7.5 s is
+    taken, the running socket timeout kept."""
+    raw, path, env, started = _started_from_file(tmp_path)
+    assert started.redis.socket_timeout_s == 5
+    applied: list[Config] = []
+    raw["upstreams"]["openai"]["timeout_s"] = 2
+    raw["redis"] = {**raw["redis"], "socket_timeout_s": 1.9}
+    raw["limits"] = {**raw.get("limits", {}), "lease_margin_s": 1}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        reloader = ConfigReloader(path, lambda: started, applied.append)
+        assert not reloader.reload("test")
+        assert applied == []
+        (refusal,) = [r for r in caplog.records if "reload refused" in r.getMessage()]
+        for named in (
+            "redis.socket_timeout_s (5)",
+            "upstreams.openai.timeout_s plus limits.lease_margin_s (3 s)",
+            "the running 5 s changes only on restart",
+        ):
+            assert named in refusal.error, refusal.error  # type: ignore[attr-defined]
+        raw["limits"]["lease_margin_s"] = 6  # a lease of 8 s: renewals wait 5 s at most
+        path.write_text(yaml.safe_dump(raw))
+        assert reloader.reload("test")
+    assert applied[0].limits.lease_margin_s == 6
+    assert applied[0].redis.socket_timeout_s == 5
+
+
 def test_a_reload_that_drops_redis_url_says_the_store_does_not_change(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -703,6 +737,81 @@ def test_reaping_at_once_stays_possible() -> None:
     )
 
 
+def _stalled(timeout_s: float = 2, redis: dict[str, Any] | None = None, **limits: Any) -> dict[str, Any]:
+    """The slow-Redis hunt's config (tests/test_hunt_slow_redis.py, 506b14d): an upstream timing
+    out after ``timeout_s``, a lease margin of 1 s, a short grace and quick loops."""
+    upstream = {"base_url": "https://api.example.com/v1", "timeout_s": timeout_s}
+    hunt = {"lease_margin_s": 1, "reap_grace_s": 1, "reaper_interval_s": 0.2, "journal_replay_s": 0.1}
+    return {
+        "upstreams": {"openai": upstream},
+        "redis": {"url": "redis://127.0.0.1:6379/0", **(redis or {})},
+        "limits": {**hunt, **limits},
+    }
+
+
+def test_a_socket_timeout_a_lease_renewal_can_wait_past_the_lease_is_refused() -> None:
+    """A stream renews its lease (timeout_s 2 + lease_margin_s 1: 3 s) every second. Redis
+    stalled for 4 s (DEBUG SLEEP: a fork, a slow disk) within the default socket timeout (5 s):
+    no command failed, so the proxy saw no outage (nothing journaled, no reaper's grace started
+    again), and every renewal sent in the stall landed after the lease ran out, which renew.lua
+    refuses. A reaper billed the live stream ``lease_expired`` at its reserve (1,000 output
+    tokens) while the provider billed 30, for a call that went out and finished normally. Refused
+    now, naming the settings, what they give and what would do."""
+    error = error_of(_stalled())
+    for said in (
+        "redis.socket_timeout_s (5) must be below two thirds of the shortest lease",
+        "upstreams.openai.timeout_s plus limits.lease_margin_s (3 s) gives 2 s",
+        "lower redis.socket_timeout_s below 2 s",
+        "or raise those to more than 7.5 s",
+    ):
+        assert said in error, error
+    # Two thirds of the lease exactly: a renewal a third in may land as it runs out.
+    assert "redis.socket_timeout_s (2)" in error_of(_stalled(redis={"socket_timeout_s": 2}, reap_grace_s=0))
+    # What the message says would do: a shorter socket timeout (the grace past it and a replay),
+    # or a longer lease.
+    taken = parse_config(_stalled(redis={"socket_timeout_s": 1.9}, reap_grace_s=2.5), {})
+    assert taken.redis.socket_timeout_s == 1.9
+    assert parse_config(_stalled(lease_margin_s=5.6, reap_grace_s=6), {}).limits.lease_margin_s == 5.6
+
+
+def test_the_socket_timeout_is_checked_against_the_shortest_lease() -> None:
+    raw = _stalled(reap_grace_s=0)
+    raw["upstreams"]["slow"] = {"base_url": "https://slow.example/v1", "timeout_s": 600}
+    assert "upstreams.openai.timeout_s plus limits.lease_margin_s (3 s)" in error_of(raw)
+    raw["upstreams"]["openai"]["timeout_s"] = 7  # a lease of 8 s: renewals wait 5 s at most
+    assert parse_config(raw, {}).upstreams["openai"].timeout_s == 7
+
+
+@pytest.mark.parametrize(
+    ("redis", "limits", "taken"),
+    [
+        ({}, {"reap_grace_s": 6, "journal_replay_s": 1}, False),  # a replay and 5 s: 6 s
+        ({}, {"reap_grace_s": 6.5, "journal_replay_s": 1}, True),
+        ({"socket_timeout_s": 1}, {"reap_grace_s": 2, "journal_replay_s": 1}, False),
+        ({"socket_timeout_s": 1}, {"reap_grace_s": 2.5, "journal_replay_s": 1}, True),
+        ({"socket_timeout_s": 30}, {"reap_grace_s": 0}, True),  # reaped at once: nothing waited for
+    ],
+)
+def test_a_reap_grace_a_settle_stuck_for_a_socket_timeout_outlasts_is_refused(
+    redis: dict[str, Any], limits: dict[str, Any], taken: bool
+) -> None:
+    """A settle sent as the store went away (a host gone, a partition) fails only after the
+    socket timeout, is journaled then and applied at the journal's next replay, while a reaper's
+    grace may start at the store's first answer: the grace must outlast both (README), else the
+    reaper bills at its reserve a call the journal holds."""
+    raw = {**UP, "redis": redis, "limits": {**limits, "reaper_interval_s": 0.5}}
+    if taken:
+        assert parse_config(raw, {}).limits.reap_grace_s == limits["reap_grace_s"]
+    else:
+        error = error_of(raw)
+        grace, worst = limits["reap_grace_s"], limits["journal_replay_s"] + redis.get("socket_timeout_s", 5)
+        said = (
+            f"limits.reap_grace_s ({grace:g}) must be longer than limits.journal_replay_s plus "
+            f"redis.socket_timeout_s ({worst:g} s), or 0"
+        )
+        assert said in error, error
+
+
 def test_the_event_loop_is_auto_uvloop_or_asyncio() -> None:
     assert parse_config(UP, {}).event_loop == "auto"
     assert parse_config({**UP, "event_loop": "asyncio"}, {}).event_loop == "asyncio"
@@ -960,7 +1069,7 @@ START_ONLY_LIMITS = {
     "token_count_cache_chars": 1234,
     "reaper_interval_s": 1.5,
     "journal_replay_s": 0.5,
-    "reap_grace_s": 2.0,
+    "reap_grace_s": 6.0,  # past the replay and the socket timeout (5 s) it starts with
 }
 
 

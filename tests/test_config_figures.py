@@ -450,7 +450,11 @@ def test_run_ttl_must_outlast_every_upstreams_timeout_plus_the_lease_margin() ->
 
 def test_reap_grace_must_be_0_or_longer_than_a_journal_replay() -> None:
     assert "reap_grace_s must be longer" in error_of(with_limits(reap_grace_s=2, journal_replay_s=2))
-    taken_limits = with_limits(reap_grace_s="2.5", journal_replay_s=2, reaper_interval_s=0.5)
+    # A store timeout of 0.4 s: the grace must outlast a replay and a settle stuck that long.
+    taken_limits = {
+        **with_limits(reap_grace_s="2.5", journal_replay_s=2, reaper_interval_s=0.5),
+        "redis": {"socket_timeout_s": 0.4},
+    }
     assert taken(taken_limits).limits.reap_grace_s == 2.5
     assert taken(with_limits(reap_grace_s=0)).limits.reap_grace_s == 0
 

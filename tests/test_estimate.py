@@ -871,7 +871,8 @@ async def test_a_call_a_reaper_billed_at_its_quick_bound_is_told_that_bound(
     gate = threading.Event()
     enc = QuarterEncoding(gate)
     timeout_s, margin_s = 4, REAP_MARGIN_S
-    proxy = await reaped_quick_proxy(make_proxy, fake, enc, timeout_s)
+    # A store timeout below two thirds of the lease (4.1 s).
+    proxy = await reaped_quick_proxy(make_proxy, fake, enc, timeout_s, redis={"socket_timeout_s": 2})
     leases = "lbp:{team-a}:leases"
     headers = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "quick-reaped"}
     # Answered once the count landed and past half the lease, well within the upstream's

@@ -194,8 +194,9 @@ async def test_a_live_stream_renews_its_lease_and_is_not_reaped(
 ) -> None:
     raw = base_config(fake.base_url, redis_server.url)
     raw["upstreams"]["openai"]["timeout_s"] = 1
-    # lease 1.5 s, stream ~4 s
+    # lease 1.5 s, stream ~4 s; the store's timeout below two thirds of the lease
     raw["limits"] = {**raw["limits"], "lease_margin_s": 0.5, "reaper_interval_s": 0.1}
+    raw["redis"]["socket_timeout_s"] = 0.9
     await stream_beside_a_reaper(raw, tmp_path, redis_client, {"reply_tokens": 40, "chunk_delay_s": 0.1})
 
 
@@ -207,6 +208,7 @@ async def test_a_live_stream_keeps_its_run_key_alive(
     raw = base_config(fake.base_url, redis_server.url)
     raw["upstreams"]["openai"]["timeout_s"] = 1
     raw["limits"] = {"lease_margin_s": 0.5}  # lease 1.5 s: renewed every 0.5 s
+    raw["redis"]["socket_timeout_s"] = 0.9  # below two thirds of the lease
     proc = ProxyProcess(raw, tmp_path).start()
     run_key = "lbp:{team-a}:run:long-stream"
     try:

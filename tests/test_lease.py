@@ -36,6 +36,7 @@ async def test_a_stream_renews_its_lease_on_a_loop_whose_clock_is_not_monotonics
     reserve."""
     proxy = await make_proxy(
         upstreams={"openai": {"base_url": fake.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 1}},
+        redis={"socket_timeout_s": 0.9},  # below two thirds of the lease
         limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1, "reap_grace_s": 0},  # lease 1.5 s
     )
     body = _stream(chunk_delay_s=0.1)  # about 3 s: two lease lengths
@@ -68,6 +69,7 @@ async def test_a_stream_call_answered_by_a_slow_json_body_keeps_its_lease(
                 "connect_timeout_s": 1,
             }
         },
+        redis={"socket_timeout_s": 0.9},  # below two thirds of the lease
         limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1},
     )
     # 12 pieces 0.3 s apart: 3.3 s in all, never 1 s of silence; the lease is 1.5 s.
@@ -167,6 +169,7 @@ async def test_a_stream_whose_connection_outlasts_its_lease_keeps_it(
         upstream = {"base_url": door.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 1}
         proxy = await make_proxy(
             upstreams={"openai": {**upstream, "connect_timeout_s": 10}},
+            redis={"socket_timeout_s": 0.9},  # below two thirds of the lease
             limits={"lease_margin_s": 0.5, "reaper_interval_s": 0.1, "reap_grace_s": 0},  # lease 1.5 s
         )
         body = _stream()

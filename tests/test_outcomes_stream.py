@@ -538,7 +538,7 @@ async def test_a_client_that_stops_reading_is_settled_after_the_write_timeout(
     make_proxy: ProxyFactory, fake: FakeUpstream
 ) -> None:
     # Lease 6 s (upstream timeout 5 + margin 1): renewed every 2 s, writes time out after 2 s.
-    proxy = await make_proxy(limits={"lease_margin_s": 1})
+    proxy = await make_proxy(redis={"socket_timeout_s": 3}, limits={"lease_margin_s": 1})
     sock = await stalled_reader(proxy, "r1", 60_000)
     try:
         # Held open and unread: without a bound on every blocking write, the stream stays in
@@ -571,7 +571,8 @@ async def test_a_connection_left_paused_with_little_buffered_still_bounds_the_wr
     socket open unread, its lease renewed, its reserve never settled (a hunt, on uvloop, 0 of
     such states on asyncio's loop). Here the connection is paused so by hand (nothing resumes
     it) once the client has its first event and stops reading."""
-    proxy = await make_proxy(limits={"lease_margin_s": 1})  # writes time out after 2 s
+    # Writes time out after 2 s (a lease of 6 s; the store's timeout below two thirds of it).
+    proxy = await make_proxy(redis={"socket_timeout_s": 3}, limits={"lease_margin_s": 1})
     body = orjson.dumps(
         {
             "model": "gpt-4o",

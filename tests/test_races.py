@@ -72,6 +72,7 @@ async def test_kill_9_mid_stream_is_settled_at_reserve_by_the_other_instance(
     raw = base_config(fake.base_url, redis_server.url)
     raw["upstreams"]["openai"]["timeout_s"] = 2
     raw["limits"] = {**raw["limits"], "lease_margin_s": 1, "reaper_interval_s": 0.2}
+    raw["redis"]["socket_timeout_s"] = 1.5  # below two thirds of the lease (3 s)
     victim = ProxyProcess(raw, tmp_path).start()
     survivor = ProxyProcess(raw, tmp_path).start()
     try:

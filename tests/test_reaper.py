@@ -132,6 +132,7 @@ async def test_a_live_call_a_reaper_billed_first_is_told_what_the_ledger_holds(
     ceiling = 100_000
     timeout_s, margin_s = 4, 0.1
     proxy = await make_proxy(
+        redis={"socket_timeout_s": 2},  # below two thirds of the lease
         upstreams=upstream_timing_out(fake.base_url, timeout_s),
         limits={"reaper_interval_s": 0.05, "reap_grace_s": 0, "lease_margin_s": margin_s},
         tiers={"standard": {"run": {"total_tokens": ceiling}}},

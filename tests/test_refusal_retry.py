@@ -157,6 +157,7 @@ async def test_a_reaped_priority_call_names_its_tier(
             "openai": {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 1}
         },
         models={"gpt-5": GPT5},
+        redis={"socket_timeout_s": 0.7},  # below two thirds of the lease
         limits={"lease_margin_s": 0.2, "reaper_interval_s": 0.1},
     )
     script.plan = _chat_answer("gpt-5", {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12})

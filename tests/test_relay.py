@@ -149,7 +149,7 @@ HOLDING = (
     "local function now() local t = redis.call('TIME') return t[1] * 1e6 + t[2] end "
     f"local t0 = now() while now() - t0 < {HOLD_S} * 1e6 do end return redis.call('TIME')"
 )
-# The fake upstream answers no sooner than this after it has the call (past half a 2.1 s lease).
+# The fake upstream answers no sooner than this after it has the call (past half a 2.9 s lease).
 UPSTREAM_DELAY_S = 1.5
 
 
@@ -237,9 +237,11 @@ async def test_an_answer_whose_lease_is_old_waits_for_its_settle(
     """Past half its lease a reaper may be billing the call (its headers would then say
     lease_expired, at the reserve): the answer waits for what the store says."""
     proxy = await make_proxy(
-        redis={"url": own_redis.url, "socket_timeout_s": 10},
-        upstreams=upstream_timing_out(fake.base_url, 2),  # lease 2.1 s: half gone at the answer
-        limits={"lease_margin_s": 0.1, "reaper_interval_s": 60},
+        # The settle waits out the rest of the hold (HOLD_S - UPSTREAM_DELAY_S) within the socket
+        # timeout, which stays below two thirds of the lease.
+        redis={"url": own_redis.url, "socket_timeout_s": 1.9},
+        upstreams=upstream_timing_out(fake.base_url, 2),  # lease 2.9 s: half gone at the answer
+        limits={"lease_margin_s": 0.9, "reaper_interval_s": 60},
     )
     early, raw = await _held_chat(proxy, own_redis, fake)
     assert not early, "the answer did not wait for its settle"
@@ -812,7 +814,11 @@ async def test_a_stream_the_proxy_fails_once_started_still_ends_and_is_billed(
         monkeypatch.setattr("proxy.relay.relay_stream", broken_relay)
     # A short lease: a call no settle billed is reaped within the test.
     limits = {"lease_margin_s": 0.2, "reaper_interval_s": 0.1}
-    proxy = await make_proxy(upstreams=upstream_override(fake.base_url, timeout_s=1), limits=limits)
+    proxy = await make_proxy(
+        redis={"socket_timeout_s": 0.7},  # below two thirds of the lease (1.2 s)
+        upstreams=upstream_override(fake.base_url, timeout_s=1),
+        limits=limits,
+    )
     status, _, body, ended = await _chat(proxy, True, "failed")
     assert (status, ended) == (200, "dropped" if fails == "its_relay" else "whole"), body[-300:]
     if fails != "its_relay":

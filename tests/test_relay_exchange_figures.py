@@ -406,7 +406,10 @@ async def test_a_stream_call_answered_whole_stops_renewing_its_lease_once_answer
     # third of the lease for as long as the process lives, one timer more for each such call.
     upstream = {"base_url": script.base_url, "api_key_env": "TEST_UPSTREAM_KEY", "timeout_s": 0.5}
     proxy = await make_proxy(
-        redis={"url": own_redis.url}, upstreams={"openai": upstream}, limits={"lease_margin_s": 0.1}
+        # The store's timeout below two thirds of the lease (0.6 s).
+        redis={"url": own_redis.url, "socket_timeout_s": 0.3},
+        upstreams={"openai": upstream},
+        limits={"lease_margin_s": 0.1},
     )
     renew_sha = read_scripts()["renew"][1]
     path, request = CHAT

@@ -76,7 +76,9 @@ async def test_a_streams_lease_is_no_longer_renewed_once_it_ended(
     upstream = {**scripted_upstreams(script.base_url)["openai"], "timeout_s": 0.6}
     # A lease of 0.9 s, renewed every 0.3 s; no reaper runs while the test watches the store.
     proxy = await make_proxy(
-        upstreams={"openai": upstream}, limits={"lease_margin_s": 0.3, "reaper_interval_s": 3600}
+        redis={"socket_timeout_s": 0.5},  # below two thirds of the lease
+        upstreams={"openai": upstream},
+        limits={"lease_margin_s": 0.3, "reaper_interval_s": 3600},
     )
     script.plan = Plan(content_type="text/event-stream", chunks=WHOLE)
     reply = await send(proxy, lambda: script.received, redis_client, CHAT_PATH, dumps(CHAT))

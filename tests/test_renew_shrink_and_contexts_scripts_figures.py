@@ -73,6 +73,7 @@ async def test_a_streams_renewal_leases_it_anew_and_gives_its_run_key_its_ttl_ag
     # not less, and its scopes, so a run key late in its life (a stream longer than what the run
     # had left) keeps the reserve it holds.
     proxy = await make_proxy(
+        redis={"socket_timeout_s": 2},  # below two thirds of the lease
         upstreams=upstream_timing_out(fake.base_url, 3),
         limits={"lease_margin_s": 0.5, "reaper_interval_s": 60},
     )

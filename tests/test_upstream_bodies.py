@@ -254,7 +254,9 @@ async def _trickled_headers(
             "connect_timeout_s": connect_timeout_s,
         }
         proxy = await make_proxy(
-            upstreams={"openai": upstream}, limits={"lease_margin_s": 1.5, "reaper_interval_s": 0.1}
+            redis={"socket_timeout_s": 1},  # below two thirds of the lease
+            upstreams={"openai": upstream},
+            limits={"lease_margin_s": 1.5, "reaper_interval_s": 0.1},
         )
         path, request = CHAT
         return await send(proxy, lambda: served, redis_client, path, dumps({**request, "stream": True}))

@@ -29,6 +29,9 @@ from tests.test_tool_fees import SEARCH_ITEM, _proxy, _response
 from tests.test_upstream_bodies import CHAT, chat_body, dumps, proxy_before, send_to_raw
 
 CALLER = Identity(tenant="team-a", tier="standard", key_name="a")
+# A lease of 4 s (the upstream's 3 s and a margin of 1 s): writes time out after a third of it;
+# the store's socket timeout below two thirds of it.
+A_LEASE_OF_4_S: dict[str, Any] = {"limits": {"lease_margin_s": 1}, "redis": {"socket_timeout_s": 2}}
 
 
 async def answer(
@@ -332,7 +335,7 @@ async def test_a_client_that_stops_reading_a_whole_answer_is_dropped_and_billed_
     n = 16 * MB
     body = dumps(chat_body("x" * n))
     script.plan = Plan(chunks=split(body))
-    proxy = await proxy_before(make_proxy, script.base_url, limits={"lease_margin_s": 1})
+    proxy = await proxy_before(make_proxy, script.base_url, **A_LEASE_OF_4_S)
     loop = asyncio.get_running_loop()
     gc.collect()
     tracemalloc.start()
@@ -369,7 +372,7 @@ async def test_a_client_that_keeps_reading_a_whole_answer_slower_than_the_write_
     not the time the whole answer takes: a 24 MiB answer read at about 6 MB/s comes whole."""
     body = dumps(chat_body("x" * 24 * MB))
     script.plan = Plan(chunks=split(body))
-    proxy = await proxy_before(make_proxy, script.base_url, limits={"lease_margin_s": 1})
+    proxy = await proxy_before(make_proxy, script.base_url, **A_LEASE_OF_4_S)
     loop = asyncio.get_running_loop()
     client = await _raw_chat_call(proxy, receive_buffer=None)
     started, got = loop.time(), bytearray()
