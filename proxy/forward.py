@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import socket
+import ssl
 import time
 from collections.abc import Coroutine
 from contextvars import ContextVar
@@ -409,6 +410,8 @@ def _connect_refusal(err: OSError) -> str:
     """What the client is told of a connection its upstream did not take: the system's words for
     it, never asyncio's or aiohttp's, which name the upstream's address (the operator's network;
     "Connect call failed ('10.0.3.7', 8000)")."""
+    if isinstance(err, ssl.SSLError):  # its number is OpenSSL's, not the system's
+        return f"the TLS handshake failed ({getattr(err, 'reason', None) or type(err).__name__})"
     if isinstance(err, socket.gaierror):
         return err.strerror or "its host name did not resolve"
     return os.strerror(err.errno) if err.errno else "the connection failed"

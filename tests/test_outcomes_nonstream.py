@@ -3,12 +3,14 @@ provider's figures; rejected answers are 422s that are billed and not retried.""
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import openai
 import pytest
 import tiktoken
 
+from proxy.forward import _connect_refusal
 from proxy.observe import Observation
 from proxy.tokenizer import Tokenizer
 from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, ProxyFactory, refused_port
@@ -794,3 +796,35 @@ async def test_a_prewarm_an_upstream_answered_all_the_same_is_judged_as_its_answ
     assert caught.value.status_code == 422
     entry = await the_entry(proxy, "prewarm-ignored")
     assert entry["outcome"].startswith(label), entry
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"),
+        ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"),
+        ssl.SSLEOFError(8, "[SSL: UNEXPECTED_EOF_WHILE_READING] EOF occurred in violation of protocol"),
+    ],
+)
+def test_a_tls_failure_is_not_told_as_an_unrelated_system_error(err: OSError) -> None:
+    """A TLS error's number is OpenSSL's: read as the system's, a handshake that failed was told
+    "Operation not permitted" (a review)."""
+    told = _connect_refusal(err)
+    assert told.startswith("the TLS handshake failed"), told
+    assert told not in ("Operation not permitted", "Exec format error"), told
+
+
+async def test_an_https_upstream_that_speaks_plain_http_is_told_as_a_tls_failure(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    """base_url https:// on a port that speaks HTTP (a common slip): the handshake fails with
+    WRONG_VERSION_NUMBER, which the client (and the operator reading its 502) is told."""
+    tls_to_plain = fake.base_url.replace("http://", "https://", 1)
+    proxy = await make_proxy(upstreams=upstream_override(tls_to_plain))
+    async with proxy.client() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
+    assert caught.value.status_code == 502
+    message = caught.value.response.json()["error"]["message"]
+    assert "Operation not permitted" not in message and "WRONG_VERSION_NUMBER" in message, message
+    assert "127.0.0.1" not in caught.value.response.text
