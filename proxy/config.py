@@ -70,6 +70,26 @@ class RedisConfig(Frozen):
     pool_size: int = Field(default=64, ge=1)
     socket_timeout_s: float = Field(default=5.0, gt=0)
 
+    @property
+    def effective_socket_timeout_s(self) -> float:
+        """What the store's commands wait: redis-py takes a ``socket_timeout`` in the URL's query
+        over the ``socket_timeout_s`` the proxy passes it (over rediss:// and on a Cluster every
+        command, lease renewals included, goes through redis-py)."""
+        in_url = self._url_socket_timeout_s()
+        return self.socket_timeout_s if in_url is None else in_url
+
+    @property
+    def socket_timeout_named(self) -> str:
+        """Where ``effective_socket_timeout_s`` comes from, as an error names it."""
+        if self._url_socket_timeout_s() is None:
+            return "redis.socket_timeout_s"
+        return "the Redis URL's socket_timeout"
+
+    def _url_socket_timeout_s(self) -> float | None:
+        # As redis-py reads it: a float (the URL's check refused one that is not a time).
+        timeout = parse_url(self.url).get("socket_timeout") if self.url is not None else None
+        return float(timeout) if isinstance(timeout, int | float) else None
+
     @field_validator("data_dir")
     @classmethod
     def _data_dir_usable(cls, value: Path) -> Path:
@@ -473,7 +493,9 @@ class Config(Frozen):
         too_short = self.settled_marker_too_short(self.limits.settled_marker_ttl_s)
         if too_short is not None:
             raise ValueError(too_short)
-        too_long = self.socket_timeout_too_long(self.redis.socket_timeout_s)
+        too_long = self.socket_timeout_too_long(
+            self.redis.effective_socket_timeout_s, named=self.redis.socket_timeout_named
+        )
         if too_long is not None:
             raise ValueError(too_long)
         self._grace_outlasts_a_stuck_settle()
@@ -524,7 +546,9 @@ class Config(Frozen):
             "lost in a store failover, goes unbilled; raise it, or lower those"
         )
 
-    def socket_timeout_too_long(self, socket_timeout_s: float) -> str | None:
+    def socket_timeout_too_long(
+        self, socket_timeout_s: float, *, named: str = "redis.socket_timeout_s"
+    ) -> str | None:
         """Why a store whose commands wait up to ``socket_timeout_s`` lets this config's calls be
         reaped alive (None: it does not). A stream renews its lease every third of it
         (``lease.LeaseRenewal``). A Redis that stalls for less than the socket timeout (a fork, a
@@ -540,12 +564,12 @@ class Config(Frozen):
         if 3 * socket_timeout_s < 2 * lease_s:  # not socket_timeout_s < lease_s * 2 / 3: no rounding
             return None
         return (
-            f"redis.socket_timeout_s ({socket_timeout_s:g}) must be below two thirds of the shortest "
+            f"{named} ({socket_timeout_s:g}) must be below two thirds of the shortest "
             f"lease: upstreams.{name}.timeout_s plus limits.lease_margin_s ({lease_s:g} s) gives "
             f"{lease_s * 2 / 3:g} s. A stream renews its lease every third of it, and a Redis that "
             "stalls for less than the socket timeout (a fork, a slow disk) fails no command: the "
             "renewals it holds land after the lease ran out, and a reaper bills the live call at its "
-            f"reserve; lower redis.socket_timeout_s below {lease_s * 2 / 3:g} s, or raise those to "
+            f"reserve; lower {named} below {lease_s * 2 / 3:g} s, or raise those to "
             f"more than {socket_timeout_s * 3 / 2:g} s"
         )
 
@@ -555,12 +579,12 @@ class Config(Frozen):
         reaper's grace runs from the store's first answer, which may come at once: shorter than
         both, it bills at its reserve a call the journal holds."""
         limits = self.limits
-        worst_s = limits.journal_replay_s + self.redis.socket_timeout_s
+        worst_s = limits.journal_replay_s + self.redis.effective_socket_timeout_s
         if 0 < limits.reap_grace_s <= worst_s:
             raise ValueError(
                 f"limits.reap_grace_s ({limits.reap_grace_s:g}) must be longer than "
-                f"limits.journal_replay_s plus redis.socket_timeout_s ({worst_s:g} s), or 0: a settle "
-                "the store stopped answering is journaled only after the socket timeout and applied "
+                f"limits.journal_replay_s plus {self.redis.socket_timeout_named} ({worst_s:g} s), or 0: "
+                "a settle the store stopped answering is journaled only after the socket timeout and applied "
                 "at the journal's next replay, and a reaper whose grace ran out first bills the call "
                 f"at its reserve; raise reap_grace_s above {worst_s:g} s, or lower those"
             )

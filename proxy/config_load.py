@@ -150,6 +150,8 @@ def parse_config(
             redis = RedisConfig.model_validate({**redis.model_dump(), "url": environ[redis.url_env]})
         except ValidationError as err:
             raise ConfigError(f"redis.url_env ({redis.url_env}): " + _format_validation_error(err)) from None
+        # The Config's checks ran on the file's url: the one in force may name a socket_timeout.
+        config = cross_checked(config.model_copy(update={"redis": redis}), f"redis.url_env ({redis.url_env})")
     upstreams = {}
     for name, upstream in config.upstreams.items():
         key = _secret(f"upstreams.{name}.api_key_env", upstream.api_key_env, environ)

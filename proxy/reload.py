@@ -88,10 +88,13 @@ class ConfigReloader:
         # Timeouts reload, the marker's TTL and the store's socket timeout do not: the running
         # ones must fit the new leases (the new file was checked against its own).
         running_ttl_s = old.limits.settled_marker_ttl_s
-        running_timeout_s = old.redis.socket_timeout_s
+        running_timeout_s = old.redis.effective_socket_timeout_s
         for why, kept in (
             (new.settled_marker_too_short(running_ttl_s), f"{running_ttl_s}"),
-            (new.socket_timeout_too_long(running_timeout_s), f"{running_timeout_s:g}"),
+            (
+                new.socket_timeout_too_long(running_timeout_s, named=old.redis.socket_timeout_named),
+                f"{running_timeout_s:g}",
+            ),
         ):
             if why is not None:
                 log.error(

@@ -422,6 +422,22 @@ def test_metrics_on_the_main_port_by_the_command_line_is_a_config_error(tmp_path
     assert f"metrics.listen: port {port + (way == '--workers')} is the main listen port" in result.stderr
 
 
+def test_a_redis_url_flag_whose_socket_timeout_outlasts_the_lease_is_a_config_error(tmp_path: Path) -> None:
+    """redis-py waits the URL's socket_timeout, not redis.socket_timeout_s: --redis-url is put
+    in after the file's checks, and its 30 s over a lease of 3 s was served (26f30f1)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        BAD_FLAG_CONFIG.replace("9/v1'}", "9/v1', timeout_s: 2}").replace("1'}", "1', socket_timeout_s: 1}")
+        + "limits: {lease_margin_s: 1, reap_grace_s: 0}\n"
+    )
+    assert run_cli("check-config", str(config)).returncode == 0
+    result = run_cli(
+        "serve", "--config", str(config), "--redis-url", "redis://127.0.0.1:1/0?socket_timeout=30"
+    )
+    assert result.returncode == 2, result.stderr[-300:]
+    assert "command line: the Redis URL's socket_timeout (30) must be below two thirds" in result.stderr
+
+
 def test_metrics_on_the_main_port_as_localhost_in_capitals_is_a_config_error(tmp_path: Path) -> None:
     """Host names are read in any case: LOCALHOST is localhost. serve bound the metrics, then
     failed its own port (exit 4, address in use), where a config error (exit 2) is promised."""

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from proxy.config import Config
-from proxy.config_load import load_config, parse_config
+from proxy.config_load import load_config, parse_config, with_flags
 from proxy.config_tiers import TierConfig
 from proxy.errors import ConfigError
 from proxy.reload import ConfigReloader
@@ -810,6 +810,66 @@ def test_a_reap_grace_a_settle_stuck_for_a_socket_timeout_outlasts_is_refused(
             f"redis.socket_timeout_s ({worst:g} s), or 0"
         )
         assert said in error, error
+
+
+# redis-py takes a Redis URL's socket_timeout over the socket_timeout_s the proxy gives it: over
+# rediss:// and on a Cluster every command, lease renewals included, waits the URL's 30 s.
+TLS_URL = "rediss://cache.example:6380/0?socket_timeout=30"
+CLUSTER_URL = "redis://node.example:7000/0?socket_timeout=30"
+
+
+@pytest.mark.parametrize(("url", "cluster"), [(TLS_URL, False), (CLUSTER_URL, True)])
+def test_a_socket_timeout_in_the_url_past_two_thirds_of_the_lease_is_refused(url: str, cluster: bool) -> None:
+    """A lease of 3 s with redis.socket_timeout_s 1 passed, the URL's 30 s unread (26f30f1)."""
+    error = error_of(_stalled(redis={"url": url, "cluster": cluster, "socket_timeout_s": 1}, reap_grace_s=0))
+    said = "the Redis URL's socket_timeout (30) must be below two thirds of the shortest lease"
+    assert said in error, error
+
+
+def test_a_socket_timeout_in_the_url_from_url_env_is_refused() -> None:
+    """redis.url_env's URL is put in after the Config's own checks ran (``parse_config``)."""
+    raw = _stalled(redis={"socket_timeout_s": 1, "url_env": "REDIS_URL"}, reap_grace_s=0)
+    del raw["redis"]["url"]
+    error = error_of(raw, {"REDIS_URL": TLS_URL})
+    assert error.startswith("redis.url_env (REDIS_URL): the Redis URL's socket_timeout (30)"), error
+    taken = parse_config(raw, {"REDIS_URL": TLS_URL.replace("30", "1.5")})
+    assert taken.redis.effective_socket_timeout_s == 1.5
+
+
+def test_a_socket_timeout_in_the_redis_url_flag_is_refused() -> None:
+    """serve --redis-url URL (``with_flags``) over a file that is coherent alone."""
+    config = parse_config(_stalled(redis={"socket_timeout_s": 1}, reap_grace_s=0), {})
+    with pytest.raises(ConfigError, match="command line: the Redis URL's socket_timeout \\(30\\)"):
+        with_flags(config, redis_url=TLS_URL)
+
+
+def test_a_reap_grace_a_url_socket_timeout_outlasts_is_refused() -> None:
+    """A long lease, so only the grace check is in play: a settle over TLS waits the URL's 30 s
+    before it is journaled, and the grace of 10 s runs out first."""
+    raw = _stalled(600, redis={"url": TLS_URL, "socket_timeout_s": 1}, reap_grace_s=10, journal_replay_s=1)
+    error = error_of(raw)
+    assert "limits.journal_replay_s plus the Redis URL's socket_timeout (31 s)" in error, error
+
+
+def test_a_reload_shortening_a_lease_past_the_running_urls_socket_timeout_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The running store waits its URL's 5 s (the URL changes only on restart): a file dropping
+    it and shortening the lease to 3 s is valid alone, not with the store in force."""
+    raw, path, env, _ = _started_from_file(tmp_path)
+    raw["redis"] = {**raw["redis"], "url": "redis://127.0.0.1:6379/0?socket_timeout=5", "socket_timeout_s": 1}
+    path.write_text(yaml.safe_dump(raw))
+    started = load_config(path, env)
+    raw["redis"]["url"] = "redis://127.0.0.1:6379/0"
+    raw["upstreams"]["openai"]["timeout_s"] = 2
+    raw["limits"] = {**raw.get("limits", {}), "lease_margin_s": 1}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("proxy.reload.os.environ", env)
+        assert not ConfigReloader(path, lambda: started, lambda _: None).reload("test")
+    (refusal,) = [r for r in caplog.records if "reload refused" in r.getMessage()]
+    for named in ("the Redis URL's socket_timeout (5)", "the running 5 s changes only on restart"):
+        assert named in refusal.error, refusal.error  # type: ignore[attr-defined]
 
 
 def test_the_event_loop_is_auto_uvloop_or_asyncio() -> None:
