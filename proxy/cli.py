@@ -145,7 +145,8 @@ def store_url(
 
 
 def _cpus() -> int:
-    """The CPUs this process may run on (a container's or a taskset's, not the host's)."""
+    """The CPUs this process may run on (a cpuset's or a taskset's; a CFS quota, ``docker
+    --cpus``, leaves them the host's)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
