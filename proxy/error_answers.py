@@ -324,7 +324,9 @@ def _answer_to(request: web.Request, err: Exception) -> web.StreamResponse:
             headers=err.headers,
         )
     if isinstance(err, StoreError):
-        down = StoreUnavailable()
+        # Not a billed call's (their handlers answer their own): a view's read, where "not
+        # forwarded" would say nothing true.
+        down = StoreUnavailable("The billing store is unavailable; nothing could be read from it.")
         return _error(
             request, down.status, down.message, down.error_type, code=down.code, headers=down.headers
         )

@@ -138,11 +138,10 @@ class StoreUnavailable(ApiError):
     error_type = "service_unavailable"
     code = "store_unavailable"
 
-    def __init__(self) -> None:
-        super().__init__(
-            "The billing store is unavailable; the call was not forwarded.",
-            headers={"x-should-retry": "true", "retry-after": "1"},
-        )
+    def __init__(
+        self, message: str = "The billing store is unavailable; the call was not forwarded."
+    ) -> None:
+        super().__init__(message, headers={"x-should-retry": "true", "retry-after": "1"})
 
 
 class Busy(ApiError):

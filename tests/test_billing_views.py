@@ -271,4 +271,7 @@ async def test_a_view_while_the_store_is_unreachable_is_a_503_in_openais_format(
         session.get(proxy.url + "/v1/billing/keys/self") as resp,
     ):
         assert resp.status == 503, await resp.text()
-        assert (await resp.json())["error"]["code"] == "store_unavailable"
+        error = (await resp.json())["error"]
+        assert error["code"] == "store_unavailable"
+        # A read: nothing was to be forwarded (it said "the call was not forwarded").
+        assert error["message"] == "The billing store is unavailable; nothing could be read from it."
