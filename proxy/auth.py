@@ -98,6 +98,10 @@ def authenticate(request: web.Request, config: Config, *, passthrough: bool) -> 
         )
     match = config.key_for_digest(digest)
     if match is None:
+        if digest in config.admin_digests:  # right, but not for this: "incorrect" would mislead
+            raise Unauthorized(
+                "An admin key reads /metrics only: billed calls and the billing views take a tenant's key."
+            )
         raise Unauthorized("Incorrect API key provided.")
     if match.tier not in config.tiers:
         raise Forbidden(

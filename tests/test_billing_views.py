@@ -275,3 +275,16 @@ async def test_a_view_while_the_store_is_unreachable_is_a_503_in_openais_format(
         assert error["code"] == "store_unavailable"
         # A read: nothing was to be forwarded (it said "the call was not forwarded").
         assert error["message"] == "The billing store is unavailable; nothing could be read from it."
+
+
+async def test_an_admin_key_on_a_billing_view_is_told_what_it_reads(make_proxy: ProxyFactory) -> None:
+    """The admin key was refused on the billing views as "Incorrect API key provided.", though
+    it was right: only not a tenant's (the operator walkthrough)."""
+    proxy = await make_proxy(admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}])
+    async with (
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as session,
+        session.get(proxy.url + "/v1/billing/keys/self") as resp,
+    ):
+        assert resp.status == 401
+        message = (await resp.json())["error"]["message"]
+    assert message.startswith("An admin key reads /metrics only"), message
