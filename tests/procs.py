@@ -79,11 +79,21 @@ class ProxyProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0, *, ready: bool = True) -> ProxyProcess:
-        env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
+    def start(
+        self,
+        timeout_s: float = 20.0,
+        *,
+        ready: bool = True,
+        script: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> ProxyProcess:
+        """``script``: Python run in place of ``-m proxy`` (``serve`` and the args follow it), a
+        test's way to patch the process before the command line runs."""
+        env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT), **(extra_env or {})}
+        entry = ["-m", "proxy"] if script is None else ["-c", script]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "serve", *self.args],
+                [sys.executable, *entry, "serve", *self.args],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,

@@ -473,17 +473,8 @@ def test_a_ctrl_c_while_the_supervisor_starts_its_workers_stops_serve(
     window was dropped by every process of the group, and ``serve --workers 2`` served on for
     good (the workers hunt). Held (blocked) instead, it is taken once the handlers are in place."""
     proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
-    env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
-    with proxy.log_path.open("ab") as log:
-        proxy.process = subprocess.Popen(
-            [sys.executable, "-c", _CTRL_C_AS_THE_WORKERS_START, "serve", *proxy.args],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=str(ROOT),
-            start_new_session=True,  # its own group: the Ctrl-C reaches it and its workers only
-        )
+    # In a session of its own: the Ctrl-C reaches it and its workers only.
+    proxy.start(ready=False, script=_CTRL_C_AS_THE_WORKERS_START)
     try:
         try:
             code: int | None = proxy.wait(30)
@@ -535,18 +526,7 @@ def test_every_worker_is_spawned_with_ctrl_c_and_sighup_held(
     KeyboardInterrupt traceback (the review of 6d9600c)."""
     masks = tmp_path / "spawn-masks.txt"
     proxy = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
-    env = {**os.environ, "TEST_UPSTREAM_KEY": UPSTREAM_KEY, "PYTHONPATH": str(ROOT)}
-    env["SPAWN_MASKS"] = str(masks)
-    with proxy.log_path.open("ab") as log:
-        proxy.process = subprocess.Popen(
-            [sys.executable, "-c", _RECORD_SPAWN_MASKS, "serve", *proxy.args],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=str(ROOT),
-            start_new_session=True,
-        )
+    proxy.start(ready=False, script=_RECORD_SPAWN_MASKS, extra_env={"SPAWN_MASKS": str(masks)})
     try:
         proxy.wait(60)
     finally:
