@@ -78,6 +78,9 @@ class Call:
     # (``forward.UpstreamConnector``).
     connecting: bool = False
     first_token_at: float | None = None
+    # A whole answer sent with its settle on its way (``Exchange.settle_early``): when it went,
+    # the end of the client's wait (the call's recorded duration), before the store's reply.
+    answered_at: float | None = None
     clamped: bool = False
     # A quick reserve being lowered to the exact count (``refine.refine``); the settle cancels
     # what it has not done yet.

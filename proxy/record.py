@@ -43,7 +43,7 @@ def record_call(
         )
     if usage.source == "provider" and usage.input_tokens > 0:
         metrics.reserve_error.observe(call.reserved_input_tokens / usage.input_tokens)
-    elapsed = time.monotonic() - call.started_at
+    elapsed = (call.answered_at or time.monotonic()) - call.started_at
     metrics.duration.labels(call.endpoint).observe(elapsed)
     if call.first_token_at is not None:
         metrics.ttft.labels(model).observe(call.first_token_at - call.started_at)

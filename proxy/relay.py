@@ -75,8 +75,9 @@ class Services:
     settle_counts: TenantPool
 
 
-def _tell(early: asyncio.Future[Settlement], settlement: Settlement) -> None:
+def _tell(early: asyncio.Future[Settlement], call: Call, settlement: Settlement) -> None:
     if not early.done():
+        call.answered_at = time.monotonic()  # the client's wait ends now, not at the store's reply
         early.set_result(settlement)
 
 
@@ -224,7 +225,8 @@ class Exchange:
         # A failure reaches ``settled`` in _settled.
         settlement = await self._settle(outcome, usage, early)
         settled.set_result(settlement)
-        overhead = time.monotonic() - self.call.started_at - self.upstream_s
+        ended_at = self.call.answered_at or time.monotonic()
+        overhead = ended_at - self.call.started_at - self.upstream_s
         # Recorded once the answer has gone (its headers or last event carry the settlement):
         # the client does not wait for the metrics and the call's log line. Two turns of the
         # loop: the handler's wait, through a shield, wakes on the second and answers in it
@@ -286,7 +288,7 @@ class Exchange:
             waits.append(self.keeping)  # a stream's early write, still waiting on the store
         told = None
         if early is not None and not waits and self._lease_fresh():
-            told = functools.partial(_tell, early)
+            told = functools.partial(_tell, early, self.call)
         settling = settle(
             self.services.store,
             self.services.journal,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import openai
@@ -15,16 +16,26 @@ import redis.asyncio as aioredis
 from proxy.redis_scripts import read_scripts
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
-from tests.conftest import UPSTREAM_KEY, Proxy, ProxyFactory, unreachable_port, unreachable_upstream
+from tests.conftest import (
+    UPSTREAM_KEY,
+    Proxy,
+    ProxyFactory,
+    unreachable_port,
+    unreachable_upstream,
+    until_upstream_received,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import MODEL, MSGS, run_headers
 from tests.test_bad_input import LEDGER_A, Plan, ScriptedUpstream, scripted_upstreams, send
+from tests.test_estimate import until_script_parked
 from tests.test_stream_dialects import chunk
 from tests.test_upstream_bodies import CHAT, USAGE, chat_body, dumps, proxy_before
 from tests.test_whole_answers_as_sent import answer
 
 # The upstream's own wait in the overhead tests: the proxy's own share of a call is far below it.
 UPSTREAM_WAIT_S = 1.0
+# How long the store holds a settle back, in the duration test: far above a call's own time.
+SETTLE_HELD_S = 1.0
 
 
 def sample(proxy: Proxy, name: str, labels: dict[str, str] | None = None) -> float:
@@ -70,6 +81,43 @@ async def test_the_overhead_leaves_out_an_upstream_slow_to_answer(proxy: Proxy) 
         )
     overhead, duration = await overhead_of(proxy)
     assert duration >= UPSTREAM_WAIT_S > overhead
+
+
+async def test_a_whole_answers_duration_ends_when_it_went_out_not_when_its_settle_came_back(
+    make_proxy: ProxyFactory, fake: FakeUpstream, own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """A whole answer goes out with its settle on its way (``settle_early``): the client's wait
+    ends then. A store slow to reply to the settle (writes paused here) is not the client's time,
+    in the duration it is shown as nor in the proxy's overhead."""
+    # No reaper round in the pause (its script, in flight, would hold the settle behind it).
+    proxy = await make_proxy(redis={"url": own_redis.url}, limits={"reaper_interval_s": 9})
+    async with proxy.client() as client:
+        # The settle script run once on the store's connection: a first EVALSHA may be refused
+        # (NOSCRIPT), and its answer waits for the reply.
+        await client.chat.completions.create(model=MODEL, messages=MSGS)
+    await proxy.recorded()
+    proxy.app[STATE].metrics.duration.clear()
+    proxy.app[STATE].metrics.overhead.clear()
+    call = asyncio.ensure_future(
+        proxy.client().chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            extra_body={"fake": {"hold": True}},
+            extra_headers=run_headers("paused"),
+        )
+    )
+    await until_upstream_received(fake, 1)
+    await own_client.execute_command("CLIENT", "PAUSE", "10000", "WRITE")  # the settle waits
+    sent_at = time.monotonic()
+    fake.release()
+    await call
+    client_waited_s = time.monotonic() - sent_at
+    await until_script_parked(own_client)  # the settle, sent and not yet run
+    await asyncio.sleep(SETTLE_HELD_S)
+    await own_client.execute_command("CLIENT", "UNPAUSE")
+    overhead, duration = await overhead_of(proxy)
+    assert client_waited_s < SETTLE_HELD_S  # the answer did not wait for the store
+    assert overhead < SETTLE_HELD_S and duration < SETTLE_HELD_S, (overhead, duration)
 
 
 async def slow_body(make_proxy: ProxyFactory, script: ScriptedUpstream, status: int, body: bytes) -> Proxy:
