@@ -72,18 +72,29 @@ class RedisConfig(Frozen):
 
     @property
     def effective_socket_timeout_s(self) -> float:
-        """What the store's commands wait: redis-py takes a ``socket_timeout`` in the URL's query
-        over the ``socket_timeout_s`` the proxy passes it (over rediss:// and on a Cluster every
-        command, lease renewals included, goes through redis-py)."""
+        """The longest a store command waits. redis-py takes a ``socket_timeout`` in the URL's
+        query over the ``socket_timeout_s`` the proxy passes it: over rediss:// and on a Cluster
+        every command, lease renewals included, goes through redis-py. Over redis:// and unix://
+        the proxy's own pipelined client runs the scripts (reserves, renewals, settles, the
+        reaper's reads) and waits ``socket_timeout_s`` whatever the URL says, redis-py the rest:
+        the longer of the two is in force (a shorter one in the URL hid the scripts' wait)."""
         in_url = self._url_socket_timeout_s()
-        return self.socket_timeout_s if in_url is None else in_url
+        if in_url is None:
+            return self.socket_timeout_s
+        return in_url if self._redis_py_alone else max(in_url, self.socket_timeout_s)
 
     @property
     def socket_timeout_named(self) -> str:
         """Where ``effective_socket_timeout_s`` comes from, as an error names it."""
-        if self._url_socket_timeout_s() is None:
+        in_url = self._url_socket_timeout_s()
+        if in_url is None or (not self._redis_py_alone and in_url <= self.socket_timeout_s):
             return "redis.socket_timeout_s"
         return "the Redis URL's socket_timeout"
+
+    @property
+    def _redis_py_alone(self) -> bool:
+        # As ``RedisStore.from_url`` chooses: no pipelined connection on a Cluster or over TLS.
+        return self.cluster or (self.url is not None and self.url.startswith("rediss://"))
 
     def _url_socket_timeout_s(self) -> float | None:
         # As redis-py reads it: a float (the URL's check refused one that is not a time).

@@ -826,6 +826,31 @@ def test_a_socket_timeout_in_the_url_past_two_thirds_of_the_lease_is_refused(url
     assert said in error, error
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:6379/0?socket_timeout=1", "unix:///run/redis/redis.sock?db=0&socket_timeout=1"],
+)
+def test_a_shorter_socket_timeout_in_a_plain_url_leaves_the_proxys_own_in_force(url: str) -> None:
+    """Over redis:// and unix:// the proxy's own pipelined client runs the scripts (reserves,
+    renewals, settles, the reaper's reads) and waits redis.socket_timeout_s whatever the URL
+    says; redis-py, the URL's timeout, only the other commands. The URL's 1 s was the one
+    checked: a lease of 3 s passed beside renewals that wait 5 s, and a grace of 2.5 s beside
+    settles journaled after 5 s."""
+    error = error_of(_stalled(redis={"url": url}, reap_grace_s=0))
+    assert "redis.socket_timeout_s (5) must be below two thirds of the shortest lease" in error, error
+    error = error_of(_stalled(600, redis={"url": url}, reap_grace_s=2.5, journal_replay_s=1))
+    assert "limits.journal_replay_s plus redis.socket_timeout_s (6 s)" in error, error
+    # The longer of the two is the one in force: the URL's, past the proxy's own.
+    longer = url.replace("socket_timeout=1", "socket_timeout=30")
+    error = error_of(_stalled(redis={"url": longer, "socket_timeout_s": 1}, reap_grace_s=0))
+    assert "the Redis URL's socket_timeout (30) must be below two thirds" in error, error
+    taken = parse_config(_stalled(redis={"url": url, "socket_timeout_s": 1.5}, reap_grace_s=2.6), {})
+    assert taken.redis.effective_socket_timeout_s == 1.5
+    # Over TLS every command goes through redis-py: the URL's 1 s is the one in force.
+    tls = parse_config(_stalled(redis={"url": TLS_URL.replace("=30", "=1")}, reap_grace_s=1.2), {})
+    assert tls.redis.effective_socket_timeout_s == 1
+
+
 def test_a_socket_timeout_in_the_url_from_url_env_is_refused() -> None:
     """redis.url_env's URL is put in after the Config's own checks ran (``parse_config``)."""
     raw = _stalled(redis={"socket_timeout_s": 1, "url_env": "REDIS_URL"}, reap_grace_s=0)
