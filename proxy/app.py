@@ -325,6 +325,7 @@ def build_app(
                 grace_s=config.limits.reap_grace_s,
                 kept_s=registration_s(config),
                 journal=state.journal,
+                stall_s=config.limits.journal_replay_s / 2,
             )
         )
         yield

@@ -24,6 +24,26 @@ log = logging.getLogger("proxy.reaper")
 BATCH = 100
 
 
+class _Stalled(StoreError):
+    """A read of the reaper's the store answered, but only ``stall_s`` or more after it was sent:
+    the store was not answering meanwhile. A stall no read of ours outlasted may have outlasted
+    another process's settle, journaled now and landing a replay after the stall: reaped at once,
+    its call would be billed at its reserve instead of its figures."""
+
+
+def _answered_in_time(loop: asyncio.AbstractEventLoop, asked_at: float, stall_s: float | None) -> None:
+    if stall_s is not None and (waited_s := loop.time() - asked_at) >= stall_s:
+        raise _Stalled(f"the store took {waited_s:.2f} s to answer a read of the reaper's")
+
+
+def _told_away(err: StoreError, tenant: str | None = None) -> None:
+    extra = {"error": str(err)} if tenant is None else {"tenant": tenant, "error": str(err)}
+    if isinstance(err, _Stalled):
+        log.warning("the store was slow to answer the reaper: leases' grace starts again", extra=extra)
+    else:
+        log.error("reaper could not reach the store", extra=extra)
+
+
 def _record(lease: ExpiredLease) -> dict[str, Any]:
     """What the call's reserve kept for a reaper (``reserve``'s record): {} when unreadable."""
     try:
@@ -183,6 +203,7 @@ async def reap_tenant(
     on_settled: Callable[[Mapping[str, str]], None] = lambda entry: None,
     unsure: Unsure | None = None,
     journal: Journal | None = None,
+    stall_s: float | None = None,
 ) -> list[dict[str, str]]:
     """Settle every lease of one tenant that ran out ``grace_s`` ago or more; returns the ledger
     entries this call wrote, each given to ``on_settled`` as soon as it is written: a store error
@@ -195,7 +216,11 @@ async def reap_tenant(
     counted once, as a lease settled now is.
 
     A batch's leases are settled at once: their settles share round trips (one at a time, the
-    leases a dead instance left held their budgets' room a round trip each longer)."""
+    leases a dead instance left held their budgets' room a round trip each longer).
+
+    ``stall_s``: a batch the store took that long to list raises ``StoreError`` before any of it
+    is settled (see ``run_reaper``)."""
+    loop = asyncio.get_running_loop()
     tries = _Tries(store, {} if unsure is None else unsure, journal, on_settled)
     await tries.again(tenant)
 
@@ -232,9 +257,11 @@ async def reap_tenant(
     # or a batch's worth of them at its head hid every lease after them, round after round.
     left = 0
     while True:
+        asked_at = loop.time()
         leases = await store.expired_leases(
             tenant=tenant, limit=BATCH, grace_ms=int(grace_s * 1000), skip=left
         )
+        _answered_in_time(loop, asked_at, stall_s)
         # Every settle of the batch runs to its end (and is counted) before a store error raises.
         outcomes = await asyncio.gather(*(reap(lease) for lease in leases), return_exceptions=True)
         failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
@@ -272,6 +299,7 @@ async def run_reaper(
     grace_s: float = 0.0,
     kept_s: float = REGISTRATION_S,
     journal: Journal | None = None,
+    stall_s: float | None = None,
 ) -> None:
     """Loop until cancelled; a store outage only delays reaping.
 
@@ -281,6 +309,14 @@ async def run_reaper(
     journals the call's real figures and applies them once the store answers again
     (``journal_replay_s``): reaped first, the call would be billed at its reserve instead; and
     after a long outage every lease that ran out during it is past its own grace.
+
+    An outage is a read that failed, or one the store answered ``stall_s`` or more after it was
+    sent (``limits.journal_replay_s`` halved): a Redis that stalls without failing a command of
+    the reaper's may have failed a settle sent earlier in the stall, whose journal replays it a
+    replay interval after the stall at most. With ``reaper_interval_s`` at most ``reap_grace_s -
+    journal_replay_s``, a stall long enough for its leases to be past their grace when it ends
+    leaves a read of the reaper's waiting half a replay or more. On one Redis any outage is every
+    tenant's: each one's grace starts again.
 
     ``known``: the tenants this process knows (its config's, those it has registered lately).
     Should the registry lose one (evicted, deleted) its leases would go unreaped, those of a
@@ -294,7 +330,7 @@ async def run_reaper(
     stops, the store back by then maybe."""
     unsure: Unsure = {}  # settles whose reply was lost no journal took, retried first each round
     try:
-        await _rounds(store, interval_s, on_settled, known, grace_s, kept_s, journal, unsure)
+        await _rounds(store, interval_s, on_settled, known, grace_s, kept_s, journal, unsure, stall_s)
     finally:
         if unsure:
             await _last_tries(store, unsure, on_settled, journal)
@@ -309,6 +345,7 @@ async def _rounds(
     kept_s: float,
     journal: Journal | None,
     unsure: Unsure,
+    stall_s: float | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     # Since when each tenant's keys have answered without a break. Per tenant, not per store: on
@@ -326,6 +363,7 @@ async def _rounds(
         # it could not be read: nothing is dropped from a registry not read.
         registered: dict[str, int] = {}
         mine: set[str] = set()
+        asked_at = loop.time()
         try:
             mine = set(known())
             registered = await store.tenants()
@@ -337,8 +375,9 @@ async def _rounds(
                 )
             tenants = set(registered)
             last_read = set(tenants)
+            _answered_in_time(loop, asked_at, stall_s)
         except StoreError as err:
-            log.error("reaper could not reach the store", extra={"error": str(err)})
+            _told_away(err)
             registered = {}
             if store.spans_masters:
                 # The registry's master down says nothing of the others': each tenant's own
@@ -359,12 +398,20 @@ async def _rounds(
                 if grace_s > 0 and (since is None or loop.time() - since < grace_s):
                     # Its keys' node is asked all the same during its grace (a read that changes
                     # nothing): one down meanwhile starts the grace again, from its first answer.
+                    asked_at = loop.time()
                     await store.expired_leases(tenant=tenant, limit=0)
+                    _answered_in_time(loop, asked_at, stall_s)
                 if since is None:
                     answering[tenant] = since = loop.time()
                 if loop.time() - since >= grace_s:
                     await reap_tenant(
-                        store, tenant, grace_s=grace_s, on_settled=on_settled, unsure=unsure, journal=journal
+                        store,
+                        tenant,
+                        grace_s=grace_s,
+                        on_settled=on_settled,
+                        unsure=unsure,
+                        journal=journal,
+                        stall_s=stall_s,
                     )
                 until_ms = registered.get(tenant)
                 if (
@@ -376,8 +423,12 @@ async def _rounds(
                 ):
                     idle[tenant] = until_ms
             except StoreError as err:
-                answering.pop(tenant, None)
-                log.error("reaper could not reach the store", extra={"tenant": tenant, "error": str(err)})
+                _told_away(err, tenant)
+                if store.spans_masters:
+                    answering.pop(tenant, None)
+                else:
+                    # One Redis: what failed this tenant's read failed every process's settles.
+                    answering.clear()
             except Exception:
                 log.exception("reaper round failed", extra={"tenant": tenant})
         if idle:

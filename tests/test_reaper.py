@@ -1056,3 +1056,105 @@ async def test_a_reaper_s_settle_of_a_pass_through_call_expires_its_ledger_and_k
     for key in (ledger, lifetime):
         left = await redis_client.ttl(key)
         assert left == -1 if kept_s < 0 else 3000 < left <= kept_s, (key, left)
+
+
+# -- a store that stalls without failing ----------------------------------------------------------
+
+# The reaper of these tests: a grace of a second, a round every 50 ms, a read that waits 0.2 s or
+# more counted as the store away (``stall_s``), a pause of the store's longer than that.
+STALL_GRACE_S = 1.0
+STALL_S = 0.2
+PAUSE_S = 0.6
+
+
+async def lease_past_its_grace_in(store: RedisStore, tenant: str, rid: str, after_s: float) -> None:
+    """A lease of ``tenant`` whose grace ends ``after_s`` from now by the store's clock."""
+    await run_lease(store, tenant, rid, f"run-{rid}", lease_ms=60_000)
+    ran_out_ms = int((await store.synced_now() + after_s - STALL_GRACE_S) * 1000)
+    await store.client.zadd(f"lbp:{{{tenant}}}:leases", {rid: ran_out_ms})
+
+
+async def stall_reaper(
+    store: RedisStore, tenants: list[str], interval_s: float = 0.05
+) -> asyncio.Future[None]:
+    """A reaper on ``store`` whose grace has run (the store answered it that long)."""
+    reaper = asyncio.ensure_future(
+        run_reaper(
+            store, interval_s, lambda entry: None, lambda: tenants, grace_s=STALL_GRACE_S, stall_s=STALL_S
+        )
+    )
+    await asyncio.sleep(STALL_GRACE_S + 0.3)
+    return reaper
+
+
+async def test_a_lease_past_its_grace_when_the_store_stalled_waits_a_grace_after_the_stall(
+    own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """The store stalls (paused) for less than a socket timeout: no read of the reaper's fails,
+    yet a settle sent before the stall may have failed in it, and its journal lands a replay
+    after it. A lease past its grace when the stall ends is reaped only a grace later, as after
+    an outage: reaped as the stall ended, its call was billed at its reserve, not its figures."""
+    store = RedisStore.from_url(own_redis.url, socket_timeout_s=5.0)
+    try:
+        reaper = await stall_reaper(store, ["team-a"])
+        await lease_past_its_grace_in(store, "team-a", "stalled", after_s=PAUSE_S / 2)
+        await own_client.execute_command("CLIENT", "PAUSE", str(int(PAUSE_S * 1000)), "ALL")
+        await asyncio.sleep(PAUSE_S + STALL_GRACE_S / 2)
+        assert await own_client.zscore("lbp:{team-a}:leases", "stalled") is not None
+        async with asyncio.timeout(10):  # the grace after the stall over: reaped all the same
+            while await own_client.zscore("lbp:{team-a}:leases", "stalled") is not None:
+                await asyncio.sleep(0.05)
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+    finally:
+        await store.close()
+
+
+class PausingAfter(RedisStore):
+    """A real store that, once a read of ``tenant``'s leases has been answered, makes the lease
+    ``rid`` of that tenant due for reaping as a pause of its Redis (``pause_s``) ends, and pauses
+    it: the next tenant's read, in the same round, fails in the pause."""
+
+    tenant = ""
+    rid = ""
+    pause_s = 0.0
+    paused = False
+
+    async def expired_leases(self, **kwargs: Any) -> Any:
+        leases = await super().expired_leases(**kwargs)
+        if kwargs.get("tenant") == self.tenant and self.pause_s and not self.paused:
+            self.paused = True
+            due_ms = int((await self.synced_now() + self.pause_s - STALL_GRACE_S) * 1000)
+            await self.client.zadd(f"lbp:{{{self.tenant}}}:leases", {self.rid: due_ms})
+            await self.client.execute_command("CLIENT", "PAUSE", str(int(self.pause_s * 1000)), "ALL")
+        return leases
+
+
+async def test_one_tenants_read_failing_on_one_redis_starts_every_tenants_grace_again(
+    own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """On one Redis, a read of team-b's that fails (the store away past a socket timeout) says
+    the store was away for every process: team-a's settles failed in it too and are journaled.
+    Its lease past its grace when the store is back is reaped a grace later, not in the next
+    round (which reads after the store is back: no read of it waits)."""
+    pause_s = 0.5  # past the store's socket timeout (0.3 s), over before the next round (0.3 s on)
+    store = PausingAfter.from_url(own_redis.url, socket_timeout_s=0.3)
+    assert isinstance(store, PausingAfter)
+    try:
+        reaper = await stall_reaper(store, ["team-a", "team-b"], interval_s=0.3)
+        await run_lease(store, "team-a", "graced", "run-graced", lease_ms=60_000)
+        store.tenant, store.rid, store.pause_s = "team-a", "graced", pause_s
+        async with asyncio.timeout(10):
+            while not store.paused:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(pause_s + STALL_GRACE_S / 2)
+        assert await own_client.zscore("lbp:{team-a}:leases", "graced") is not None
+        async with asyncio.timeout(10):
+            while await own_client.zscore("lbp:{team-a}:leases", "graced") is not None:
+                await asyncio.sleep(0.05)
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+    finally:
+        await store.close()
