@@ -20,13 +20,19 @@ TOKEN_FIELDS = tuple(f"{kind}_tokens" for kind in TOKEN_KINDS)
 
 @dataclass
 class Totals:
+    """``calls``: those that went out, as the ``requests`` meter counts them; ``outcomes``: every
+    entry, as ``llm_proxy_requests_total`` does, those that never went out among them."""
+
     calls: int = 0
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_FIELDS, 0))
     cost_micros: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
 
     def add(self, entry: Mapping[str, str]) -> None:
-        self.calls += 1
+        # Billed nothing because nothing went out (``not_forwarded``, a connection refused, a
+        # client gone first): the meters count no request (settle's ``requests``), nor does this.
+        if entry.get("usage_source") != "none":
+            self.calls += 1
         for name in TOKEN_FIELDS:
             self.tokens[name] += int(entry.get(name) or 0)
         self.cost_micros += int(entry.get("cost_micros") or 0)

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -25,7 +27,7 @@ import redis.asyncio as aioredis
 from proxy.cli import main
 from proxy.config import RedisConfig
 from proxy.redis_server import RedisServerProcess, free_port
-from tests.conftest import ProxyFactory, base_config
+from tests.conftest import KEY_A, ProxyFactory, base_config, digest, refused_port, upstream_timing_out
 from tests.fake_upstream import FakeUpstream
 from tests.procs import ProxyProcess
 
@@ -953,3 +955,62 @@ def test_the_documented_check_of_the_example_config_passes_on_a_fresh_machine(wh
     )
     assert done.returncode == 0, done.stderr
     assert "config/example.yaml: ok" in done.stdout and done.stderr == "", done
+
+
+async def test_a_reports_calls_are_those_that_went_out_as_the_meters_count_them(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    redis_client: aioredis.Redis,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A call that never went out (the upstream refused the connection; a ``not_forwarded``
+    release) leaves an entry billed nothing (``usage_source: none``): the report counted it in
+    its calls, which then exceeded the run's ``requests`` meter for the same traffic. Its
+    outcomes still count every entry, as ``llm_proxy_requests_total`` does."""
+    from tests.test_metrics import ADMIN, scrape, total
+
+    dead = {"base_url": f"http://127.0.0.1:{refused_port()}/v1", "api_key_env": "TEST_UPSTREAM_KEY"}
+    proxy = await make_proxy(
+        upstreams={**upstream_timing_out(fake.base_url, 5), "dead": dead},
+        models={"gpt-4o-mini": {"upstream": "openai"}, "gpt-dead": {"upstream": "dead"}},
+        admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}],
+    )
+    client = proxy.client()
+    run = {"X-Run-Id": "went-out"}
+    await client.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], extra_headers=run
+    )
+    with pytest.raises(openai.APIStatusError):
+        await client.chat.completions.create(
+            model="gpt-dead", messages=[{"role": "user", "content": "hi"}], extra_headers=run
+        )
+    await proxy.recorded()
+    ledger = "lbp:{team-a}:ledger"
+    # A reserve released because its call never went out, as settle.release_now writes it.
+    await redis_client.xadd(
+        ledger,
+        {
+            **LEDGER_ENTRY,
+            "run_id": "went-out",
+            "outcome": "not_forwarded",
+            "usage_source": "none",
+            "input_tokens": "0",
+            "output_tokens": "0",
+            "total_tokens": "0",
+            "cost_micros": "0",
+        },
+    )
+    args = ["report", "--redis-url", proxy.config.redis.url or "", "--tenant", "team-a", "--by", "run"]
+    assert await asyncio.to_thread(main, [*args, "--format", "jsonl"]) == 0
+    (row,) = map(json.loads, capsys.readouterr().out.splitlines())
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"{proxy.url}/v1/billing/runs/went-out", headers={"Authorization": f"Bearer {KEY_A}"}
+        ) as resp,
+    ):
+        meters = (await resp.json())["meters"]
+    assert row["calls"] == str(meters["requests"]["used"]) == "1"
+    assert row["outcomes"] == "not_forwarded=1 ok=1 upstream_error=1"
+    # The counter counts the two entries this proxy wrote, as the outcomes column does.
+    assert total(await scrape(proxy), "llm_proxy_requests_total", tenant="team-a") == 2
