@@ -243,6 +243,18 @@ def _open_store(config: Config) -> Store:
     return RedisStore.from_url(config.redis.url, cluster=config.redis.cluster)
 
 
+async def _known(config: Config, store: Store, tenant: str) -> None:
+    """A tenant the config's keys name, or the store knows (a ledger, a registration: a tenant a
+    reload removed whose ledger Redis keeps, a pass-through caller's): else a ``ConfigError``
+    (exit 2), an operator's typo read as a tenant that made no call otherwise."""
+    if tenant in config.tenants or await store.knows_tenant(tenant):
+        return
+    raise ConfigError(
+        f"no tenant {tenant[:200]!r}: neither the config's keys nor the store's ledgers and tenant "
+        "registry name it"
+    )
+
+
 async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> None:
     """Written page by page as it is read (a ledger may hold millions of entries). A CSV's
     columns, which entries differ in, are read first: the entries then, and only those."""
@@ -250,6 +262,7 @@ async def _export(config: Config, tenant: str, run: str | None, fmt: str) -> Non
 
     store = _open_store(config)
     try:
+        await _known(config, store, tenant)
         if fmt == "jsonl":
             async for entries in _ledger_pages(store, tenant, run):
                 sys.stdout.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in entries))
@@ -324,6 +337,7 @@ async def _totals(config: Config, tenant: str, start: str, by: str) -> dict[str,
     store = _open_store(config)
     totals: dict[str, Totals] = {}
     try:
+        await _known(config, store, tenant)
         async for page in _ledger_pages(store, tenant, None, start):
             add_up(page, by, totals)
     finally:

@@ -81,3 +81,16 @@ class TenantCommands(ScriptRunner):
         except STORE_FAILURES as err:
             raise StoreError(f"leases held: {err}") from err
         return int(held)
+
+    async def knows_tenant(self, tenant: str) -> bool:
+        # One key each, read apart: on a Cluster the ledger is in the tenant's slot, the
+        # registries outside any.
+        try:
+            if await self._client.exists(f"{key_prefix(tenant)}ledger"):
+                return True
+            if await self._client.zscore(TENANTS_KEY, tenant) is not None:
+                return True
+            found: Any = await self._client.sismember(OLD_TENANTS_KEY, tenant)
+        except STORE_FAILURES as err:
+            raise StoreError(f"tenant: {err}") from err
+        return bool(found)

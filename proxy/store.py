@@ -375,4 +375,9 @@ class Store(Protocol):
         """How many leases ``tenant`` holds, run out or not (settled ones gone)."""
         ...
 
+    async def knows_tenant(self, tenant: str) -> bool:
+        """Whether the store keeps a ledger of ``tenant`` or its tenant registry names it (either
+        registry: the one written before too)."""
+        ...
+
     async def close(self) -> None: ...

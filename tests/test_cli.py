@@ -1014,3 +1014,39 @@ async def test_a_reports_calls_are_those_that_went_out_as_the_meters_count_them(
     assert row["outcomes"] == "not_forwarded=1 ok=1 upstream_error=1"
     # The counter counts the two entries this proxy wrote, as the outcomes column does.
     assert total(await scrape(proxy), "llm_proxy_requests_total", tenant="team-a") == 2
+
+
+async def test_a_tenant_neither_configured_nor_in_the_store_is_an_error_not_an_idle_tenant(
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``ledger --tenant team-aa`` (a typo for team-a) exited 0 with nothing, ``report`` with
+    "no ledger entries": a typo read as a tenant that made no call. A tenant a reload removed
+    from the config whose ledger Redis keeps is still read, and a configured one with no call
+    yet is an empty ledger."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "upstreams: {openai: {base_url: 'http://127.0.0.1:9/v1'}}\n"
+        "models: {'*': {upstream: openai}}\n"
+        f"redis: {{url: '{redis_server.url}'}}\n"
+        "keys: [{name: a, sha256: '" + "0" * 64 + "', tenant: team-a}]\n"
+    )
+    await redis_client.xadd("lbp:{team-gone}:ledger", dict(LEDGER_ENTRY))
+    await redis_client.zadd("lbp:tenants:until", {"team-idle": 1})  # registered, no entry yet
+    for command in ("ledger", "report"):
+        for where in (["--config", str(config)], ["--redis-url", redis_server.url]):
+            args = [command, *where, "--format", "jsonl"]
+            assert await asyncio.to_thread(main, [*args, "--tenant", "team-aa"]) == 2
+            out = capsys.readouterr()
+            assert out.out == ""
+            assert out.err == (
+                "llm-billing-proxy: no tenant 'team-aa': neither the config's keys nor the store's "
+                "ledgers and tenant registry name it\n"
+            )
+            assert await asyncio.to_thread(main, [*args, "--tenant", "team-gone"]) == 0
+            assert "gpt-4o-mini" in capsys.readouterr().out
+            assert await asyncio.to_thread(main, [*args, "--tenant", "team-idle"]) == 0
+            assert capsys.readouterr().out == ""
+        assert await asyncio.to_thread(main, [command, "--config", str(config), "--tenant", "team-a"]) == 0

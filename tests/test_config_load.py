@@ -341,6 +341,7 @@ def test_a_cluster_url_given_on_the_command_line_is_taken(
         "redis: {cluster: true}\n"
         "upstreams: {openai: {base_url: 'http://127.0.0.1:9/v1'}}\n"
         f"journal_dir: {tmp_path / 'journal'}\n"
+        "keys: [{name: a, sha256: '" + "0" * 64 + "', tenant: team-a}]\n"  # a tenant it knows
     )
     args = ["report", "--config", str(path), "--redis-url", cluster.url, "--tenant", "team-a"]
     assert main(args) == 0, capsys.readouterr().err

@@ -65,3 +65,13 @@ async def test_the_leases_a_tenant_holds_are_counted_run_out_or_not(store: Redis
         )
         assert isinstance(reserved, Reservation)
     assert await store.leases_held(tenant="team-a") == 2
+
+
+async def test_a_tenant_is_known_by_its_ledger_or_either_registry(store: RedisStore) -> None:
+    """``ledger`` and ``report`` tell an unknown tenant (a typo) from one that made no call."""
+    await store.client.xadd("lbp:{team-ledger}:ledger", {"outcome": "ok"})
+    await store.register_tenant("team-registered", kept_s=60)
+    await store.client.sadd(OLD_TENANTS_KEY, "team-old")
+    for tenant in ("team-ledger", "team-registered", "team-old"):
+        assert await store.knows_tenant(tenant), tenant
+    assert not await store.knows_tenant("team-typo")
