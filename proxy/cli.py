@@ -64,7 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--config", type=Path)
     report.add_argument("--redis-url", default=None)
     report.add_argument("--tenant", required=True)
-    report.add_argument("--since", default=None, help="UTC date or time, e.g. 2026-11-01")
+    report.add_argument(
+        "--since",
+        default=None,
+        help="only the calls made since this UTC date or time, e.g. 2026-11-01 (when a call "
+        "started, not when its entry was written)",
+    )
     report.add_argument("--by", choices=("model", "run", "key"), default="model")
     report.add_argument("--format", choices=("table", "csv", "jsonl"), default="table")
     return parser
@@ -312,11 +317,15 @@ def ledger(args: argparse.Namespace) -> int:
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# An entry is written once its call ended, by Redis's clock; ``time_ms``, when it started, is the
+# proxy host's. A call made since a moment is read from this long before it: a host's clock
+# ahead of Redis's by more would hide its calls of the first moments.
+READ_BACK_MS = 3_600_000
 
 
-def _since_ms(value: str | None) -> str:
+def _since_ms(value: str | None) -> int | None:
     if value is None:
-        return "-"
+        return None
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:
@@ -326,19 +335,31 @@ def _since_ms(value: str | None) -> str:
     # A ledger id is milliseconds since 1970: nothing is older. In whole milliseconds: a float's
     # product lands below the whole number for some moments (2038-08-29T17:04:47.186), and the
     # millisecond before would be counted.
-    return str(max(0, (moment - _EPOCH) // timedelta(milliseconds=1)))
+    return max(0, (moment - _EPOCH) // timedelta(milliseconds=1))
 
 
-async def _totals(config: Config, tenant: str, start: str, by: str) -> dict[str, Totals]:
-    """The ledger's totals per group, sorted: added up page by page, never every entry in
-    memory at once."""
+def _made_ms(entry: dict[str, str]) -> int:
+    """When the entry's call was made: its ``time_ms``, else (an entry without one) when it was
+    written, its id's time."""
+    made = entry.get("time_ms", "")
+    return int(made) if made.isdigit() else int(entry["id"].partition("-")[0])
+
+
+async def _totals(config: Config, tenant: str, since_ms: int | None, by: str) -> dict[str, Totals]:
+    """The ledger's totals per group, of the calls made since ``since_ms`` (all: None), sorted:
+    added up page by page, never every entry in memory at once."""
     from proxy.report import add_up
 
     store = _open_store(config)
     totals: dict[str, Totals] = {}
+    start = "-" if since_ms is None else str(max(0, since_ms - READ_BACK_MS))
     try:
         await _known(config, store, tenant)
         async for page in _ledger_pages(store, tenant, None, start):
+            if since_ms is not None:
+                # A call made before, written after (a long stream, a journal replayed days on)
+                # is the earlier period's, as its meters counted it in its reserve's window.
+                page = [entry for entry in page if _made_ms(entry) >= since_ms]
             add_up(page, by, totals)
     finally:
         await store.close()
@@ -348,9 +369,9 @@ async def _totals(config: Config, tenant: str, start: str, by: str) -> dict[str,
 def report_command(args: argparse.Namespace) -> int:
     from proxy.report import render, rows
 
-    start = _since_ms(args.since)
+    since_ms = _since_ms(args.since)
     with store_url(_store_config(args), purpose="report", create=False) as config:
-        totals = asyncio.run(_totals(config, args.tenant, start, args.by))
+        totals = asyncio.run(_totals(config, args.tenant, since_ms, args.by))
         table = rows(totals, args.by, config.currency)
     sys.stdout.write(render(table, args.format))
     return 0

@@ -804,7 +804,8 @@ async def test_a_report_since_a_moment_does_not_count_the_millisecond_before(
     millisecond before ``--since`` (the CLI hunt)."""
     since, since_ms = "2038-08-29T17:04:47.186", 2_166_714_287_186
     for ms in (since_ms - 1, since_ms):
-        await redis_client.xadd("lbp:{team-s}:ledger", dict(LEDGER_ENTRY), id=f"{ms}-0")
+        entry = {**LEDGER_ENTRY, "time_ms": str(ms)}  # made, and written, that millisecond
+        await redis_client.xadd("lbp:{team-s}:ledger", entry, id=f"{ms}-0")
     args = ["report", "--redis-url", redis_server.url, "--tenant", "team-s", "--since", since]
     assert await asyncio.to_thread(main, [*args, "--format", "jsonl"]) == 0
     (row,) = map(json.loads, capsys.readouterr().out.splitlines())
@@ -1050,3 +1051,30 @@ async def test_a_tenant_neither_configured_nor_in_the_store_is_an_error_not_an_i
             assert await asyncio.to_thread(main, [*args, "--tenant", "team-idle"]) == 0
             assert capsys.readouterr().out == ""
         assert await asyncio.to_thread(main, [command, "--config", str(config), "--tenant", "team-a"]) == 0
+
+
+async def test_a_report_since_a_moment_counts_the_calls_made_since_not_the_entries_written_since(
+    redis_server: RedisServerProcess, redis_client: aioredis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--since 2026-11-01`` (--help: a UTC date or time) read the entries written since then,
+    by their stream ids: a call of October 31st settled after midnight, or replayed from a
+    journal days later, was November's, where its meters counted it in October (the window of
+    its reserve). It counts the calls made since (``time_ms``); an entry without one by its id."""
+    since_ms = 1_793_491_200_000  # 2026-11-01T00:00:00Z
+    ledger = "lbp:{team-t}:ledger"
+    entries: list[tuple[int, int | None]] = [
+        (since_ms - 30 * 60_000, since_ms - 40 * 60_000),  # made and written in October
+        (since_ms + 1_000, since_ms - 60_000),  # made in October, settled in November
+        (since_ms + 3 * 86_400_000, since_ms - 1),  # replayed from a journal three days on
+        (since_ms - 1, since_ms),  # made at midnight, written by a clock a moment behind
+        (since_ms + 2_000, since_ms + 1_000),  # made and written in November
+        (since_ms + 5_000, None),  # no time_ms: by its id, November
+    ]
+    without = {k: v for k, v in LEDGER_ENTRY.items() if k != "time_ms"}
+    for written_ms, made_ms in sorted(entries, key=lambda e: e[0]):  # a stream's ids only grow
+        made = {} if made_ms is None else {"time_ms": str(made_ms)}
+        await redis_client.xadd(ledger, {**without, **made}, id=f"{written_ms}-0")
+    args = ["report", "--redis-url", redis_server.url, "--tenant", "team-t", "--format", "jsonl"]
+    assert await asyncio.to_thread(main, [*args, "--since", "2026-11-01"]) == 0
+    (row,) = map(json.loads, capsys.readouterr().out.splitlines())
+    assert row["calls"] == "3"

@@ -424,11 +424,11 @@ async def test_a_report_by_key_adds_up_each_keys_calls_in_the_keys_order(
 async def test_a_report_since_a_moment_counts_the_calls_from_that_millisecond(
     redis_server: RedisServerProcess, redis_client: aioredis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A ledger id is the call's millisecond: ``--since`` with milliseconds starts there, not at a
-    whole second."""
+    """An entry's ``time_ms`` is its call's millisecond: ``--since`` with milliseconds starts there,
+    not at a whole second."""
     first_ms = 1_796_193_352_174
     for ms in (first_ms, first_ms + 1, first_ms + 2):
-        fields: dict[Any, Any] = dict(LEDGER_ENTRY)
+        fields: dict[Any, Any] = {**LEDGER_ENTRY, "time_ms": str(ms)}
         await redis_client.xadd("lbp:{team-s}:ledger", fields, id=f"{ms}-0")
     since = datetime.fromtimestamp((first_ms + 1) / 1000, UTC).isoformat(timespec="milliseconds")
     args = ["report", "--redis-url", redis_server.url, "--tenant", "team-s", "--since", since]
