@@ -1087,6 +1087,21 @@ async def stall_reaper(
     return reaper
 
 
+async def reaped_a_grace_after(
+    client: aioredis.Redis, reaper: asyncio.Future[None], rid: str, pause_s: float
+) -> None:
+    """team-a's lease ``rid`` still held half a grace after a pause of ``pause_s`` begun now, then
+    reaped all the same (the grace over); ``reaper`` stopped."""
+    await asyncio.sleep(pause_s + STALL_GRACE_S / 2)
+    assert await client.zscore("lbp:{team-a}:leases", rid) is not None
+    async with asyncio.timeout(10):
+        while await client.zscore("lbp:{team-a}:leases", rid) is not None:
+            await asyncio.sleep(0.05)
+    reaper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reaper
+
+
 async def test_a_lease_past_its_grace_when_the_store_stalled_waits_a_grace_after_the_stall(
     own_redis: RedisServerProcess, own_client: aioredis.Redis
 ) -> None:
@@ -1099,14 +1114,7 @@ async def test_a_lease_past_its_grace_when_the_store_stalled_waits_a_grace_after
         reaper = await stall_reaper(store, ["team-a"])
         await lease_past_its_grace_in(store, "team-a", "stalled", after_s=PAUSE_S / 2)
         await own_client.execute_command("CLIENT", "PAUSE", str(int(PAUSE_S * 1000)), "ALL")
-        await asyncio.sleep(PAUSE_S + STALL_GRACE_S / 2)
-        assert await own_client.zscore("lbp:{team-a}:leases", "stalled") is not None
-        async with asyncio.timeout(10):  # the grace after the stall over: reaped all the same
-            while await own_client.zscore("lbp:{team-a}:leases", "stalled") is not None:
-                await asyncio.sleep(0.05)
-        reaper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reaper
+        await reaped_a_grace_after(own_client, reaper, "stalled", PAUSE_S)
     finally:
         await store.close()
 
@@ -1148,13 +1156,6 @@ async def test_one_tenants_read_failing_on_one_redis_starts_every_tenants_grace_
         async with asyncio.timeout(10):
             while not store.paused:
                 await asyncio.sleep(0.01)
-        await asyncio.sleep(pause_s + STALL_GRACE_S / 2)
-        assert await own_client.zscore("lbp:{team-a}:leases", "graced") is not None
-        async with asyncio.timeout(10):
-            while await own_client.zscore("lbp:{team-a}:leases", "graced") is not None:
-                await asyncio.sleep(0.05)
-        reaper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reaper
+        await reaped_a_grace_after(own_client, reaper, "graced", pause_s)
     finally:
         await store.close()
