@@ -4,7 +4,8 @@ latest registration keeps it there (one key, outside any tenant's slot).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from proxy.errors import StoreError
@@ -33,14 +34,21 @@ class TenantCommands(ScriptRunner):
             until_ms = int(await self._script("register", [TENANTS_KEY], [kept_ms, *chunk]))
         return until_ms
 
-    async def tenants(self) -> dict[str, int]:
+    async def tenants(self, *, waited: Callable[[float], None] | None = None) -> dict[str, int]:
         try:
             found: dict[str, int] = {}
-            async for member, score in self._client.zscan_iter(TENANTS_KEY, count=TENANTS_A_COMMAND):
-                found[str(member)] = int(score)
+            cursor: Any = 0
+            while True:
+                asked_at = time.monotonic()
+                cursor, page = await self._client.zscan(TENANTS_KEY, cursor, count=TENANTS_A_COMMAND)
+                if waited is not None:
+                    waited(time.monotonic() - asked_at)
+                for member, score in page:
+                    found[str(member)] = int(score)
+                if not int(cursor):
+                    return found
         except STORE_FAILURES as err:
             raise StoreError(f"tenants: {err}") from err
-        return found
 
     async def adopt_old_tenants(self, *, kept_s: float = REGISTRATION_S) -> dict[str, int]:
         """Move the tenants of the registry as written before (a set, ``OLD_TENANTS_KEY``) into

@@ -356,8 +356,9 @@ class Store(Protocol):
         registry's clock."""
         ...
 
-    async def tenants(self) -> dict[str, int]:
-        """Each tenant of the registry and until when (ms, the registry's clock) it is kept."""
+    async def tenants(self, *, waited: Callable[[float], None] | None = None) -> dict[str, int]:
+        """Each tenant of the registry and until when (ms, the registry's clock) it is kept;
+        ``waited`` is told how long each of its round trips took (a reaper's stall check)."""
         ...
 
     async def adopt_old_tenants(self, *, kept_s: float = REGISTRATION_S) -> dict[str, int]:

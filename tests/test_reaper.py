@@ -1159,3 +1159,33 @@ async def test_one_tenants_read_failing_on_one_redis_starts_every_tenants_grace_
         await reaped_a_grace_after(own_client, reaper, "graced", pause_s)
     finally:
         await store.close()
+
+
+async def test_a_large_registry_is_no_stall_and_its_idle_tenants_are_still_forgotten(
+    own_redis: RedisServerProcess, own_client: aioredis.Redis
+) -> None:
+    """The registry's read is a ZSCAN page per 1,000 tenants: their sum is no round trip of a
+    stalled store. Timed as one read, a registry a key spray grew (here 30,000 tenants against a
+    20 ms threshold) read as a stall every round: no lease was reaped, no idle tenant forgotten,
+    and the registry never shrank again (the second review's test)."""
+    store = RedisStore.from_url(own_redis.url, socket_timeout_s=5.0)
+    reaper: asyncio.Future[None] | None = None
+    try:
+        sprayed = [f"pt-{i:06d}" for i in range(30_000)]
+        await store.register_tenants(sprayed, kept_s=0.001)  # ran out at once, no lease held
+        await lease_past_its_grace_in(store, "team-a", "dead-instance", after_s=-10 * STALL_GRACE_S)
+        reaper = asyncio.ensure_future(
+            run_reaper(
+                store, 0.3, lambda entry: None, lambda: ["team-a"], grace_s=STALL_GRACE_S, stall_s=0.02
+            )
+        )
+        async with asyncio.timeout(40):
+            while await own_client.zscore("lbp:{team-a}:leases", "dead-instance") is not None:
+                await asyncio.sleep(0.05)
+        assert await own_client.zcard(TENANTS_KEY) < len(sprayed)
+    finally:
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await store.close()
