@@ -352,13 +352,25 @@ def build_app(
             config_path, lambda: state.config, apply, counted=counted, started_from=started_from
         )
         if reloader.changed():
-            reloader.reload("file changed while starting")
+            await reloader.reload_off_loop("file changed while starting")
+        reloads: set[asyncio.Task[None]] = set()
+
+        def hung_up() -> None:
+            # The load runs on a thread, the signal handler returns at once: held here until
+            # it ends (the loop keeps only a weak reference to a task).
+            asked = asyncio.create_task(reloader.asked("SIGHUP"))
+            reloads.add(asked)
+            asked.add_done_callback(reloads.discard)
+
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+        loop.add_signal_handler(signal.SIGHUP, hung_up)
         task = asyncio.create_task(reloader.watch(RELOAD_POLL_S))
         yield
         loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # removed means the default: terminate
+        reloader.close()
+        for reload in list(reloads):
+            await _stopped(reload)
         await _stopped(task)
 
     async def metrics_site_ctx(app: web.Application) -> AsyncIterator[None]:

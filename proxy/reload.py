@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from proxy.config import Config
-from proxy.config_load import load_config
+from proxy.config_load import load_config, log_warnings
 from proxy.errors import ConfigError
 
 log = logging.getLogger("proxy.reload")
@@ -72,19 +72,45 @@ class ConfigReloader:
             # The file changed after the config in force was read from it: saved while the
             # proxy started (its SIGHUP ignored until now). ``changed`` says so at once.
             self._stamp = None
+        self._turn = asyncio.Lock()
+        self._closed = False
 
     def reload(self, reason: str) -> bool:
+        """Load the file and apply it, here and now (on the event loop, it stands still for the
+        load: ``reload_off_loop`` is the serving proxy's)."""
         self._stamp = _stamp(self.path)
-        old = self._current()
-        try:
-            new = load_config(self.path, os.environ)
-        except ConfigError as err:
+        return self._applied(_loaded(self.path), reason)
+
+    async def reload_off_loop(self, reason: str) -> bool:
+        """``reload``, the file read and validated on a thread: a file of thousands of keys
+        takes seconds to load, for which every call in flight would stand still. Applied on the
+        loop, as the config in force is only ever swapped there."""
+        self._stamp = _stamp(self.path)
+        # One at a time, in the order asked: two loads side by side could end in either order,
+        # and the older file applied after the newer one would stay in force.
+        async with self._turn:
+            if self._closed:
+                return False
+            loaded = await asyncio.to_thread(_loaded, self.path)
+            if self._closed:  # shutdown began while it loaded: the config in force is done with
+                return False
+            return self._applied(loaded, reason)
+
+    def close(self) -> None:
+        """No reload applies from now on (shutdown): one loading still is dropped."""
+        self._closed = True
+
+    def _applied(self, loaded: tuple[Config, list[str]] | ConfigError, reason: str) -> bool:
+        if isinstance(loaded, ConfigError):
             log.error(
                 "config reload refused; the old config stays in force",
-                extra={"reason": reason, "error": str(err)},
+                extra={"reason": reason, "error": str(loaded)},
             )
             self._counted("refused")
             return False
+        new, warnings = loaded
+        log_warnings(warnings)
+        old = self._current()
         # Timeouts reload, the marker's TTL and the store's socket timeout do not: the running
         # ones must fit the new leases (the new file was checked against its own).
         running_ttl_s = old.limits.settled_marker_ttl_s
@@ -143,15 +169,31 @@ class ConfigReloader:
     def changed(self) -> bool:
         return _stamp(self.path) != self._stamp
 
+    async def asked(self, reason: str) -> None:
+        """``reload_off_loop`` for the watch and the signal, which nobody awaits to hear how it
+        went: the log says."""
+        try:
+            await self.reload_off_loop(reason)
+        except Exception:
+            # Whatever a file did to one reload, the next saves are still watched, the next
+            # signals still heard.
+            log.exception("config reload failed; the old config stays in force")
+
     async def watch(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
             if self.changed():
-                try:
-                    self.reload("file changed")
-                except Exception:
-                    # Whatever a file did to one reload, the next saves are still watched.
-                    log.exception("config reload failed; the old config stays in force")
+                await self.asked("file changed")
+
+
+def _loaded(path: Path) -> tuple[Config, list[str]] | ConfigError:
+    """The file's config and the warnings its load said (logged by whoever applies it, on the
+    loop), or why it was refused."""
+    warnings: list[str] = []
+    try:
+        return load_config(path, os.environ, warnings=warnings), warnings
+    except ConfigError as err:
+        return err
 
 
 def _start_only(config: Config) -> dict[str, object]:

@@ -136,6 +136,93 @@ def base_config(upstream_url: str, redis_url: str, **overrides: Any) -> dict[str
     return raw
 
 
+def big_config(
+    upstream_url: str,
+    redis_url: str,
+    *,
+    keys: int = 5000,
+    models: int = 300,
+    upstreams: int = 20,
+    tenants: int = 1000,
+    tier_count: int = 10,
+) -> dict[str, Any]:
+    """A production-sized config: ``keys`` keys (``key-<i>``, secret ``big_config_secret(i)``)
+    over ``tenants`` tenants and ``tier_count`` tiers (run, key and windowed key and tenant
+    ceilings), ``models`` models over ``upstreams`` upstreams, a third with service tiers and
+    long-context prices, a fifth of them globs."""
+    ups = {
+        f"up{i}": {
+            "base_url": upstream_url,
+            "api_key_env": "TEST_UPSTREAM_KEY",
+            "timeout_s": 5,
+            "connect_timeout_s": 2,
+        }
+        for i in range(upstreams)
+    }
+    entries: dict[str, Any] = {
+        "gpt-4o-mini": {
+            "upstream": "up0",
+            "max_output_tokens": 1000,
+            "price_per_million": {"input": "1", "output": "1"},
+        }
+    }
+    for i in range(models):
+        entry: dict[str, Any] = {
+            "upstream": f"up{i % upstreams}",
+            "max_output_tokens": 1000,
+            "price_per_million": {"input": "1.25", "output": "10", "cached_input": "0.125"},
+        }
+        if i % 3 == 0:
+            entry["service_tiers"] = {
+                "flex": {"input": "0.625", "output": "5"},
+                "priority": {"input": "2.5", "output": "20"},
+            }
+            entry["long_context"] = {
+                "above_input_tokens": 200000,
+                "price_per_million": {"input": "2.5", "output": "15"},
+                "service_tiers": {
+                    "flex": {"input": "1.25", "output": "7.5"},
+                    "priority": {"input": "5", "output": "30"},
+                },
+            }
+        entries[f"family-{i}-*" if i % 5 == 0 else f"model-{i}"] = entry
+    tiers = {
+        f"tier{t}": {
+            "run": {"requests": 1000, "cost_usd": 10},
+            "key": {"concurrent": 50},
+            "windows": [{"period": "minute", "requests": 600}, {"period": "day", "cost_usd": 100}],
+            "tenant": [
+                {"period": "hour", "total_tokens": 10_000_000},
+                {"period": "month", "cost_usd": 5000},
+            ],
+        }
+        for t in range(tier_count)
+    }
+    key_list = [
+        {
+            "name": f"key-{i}",
+            "sha256": digest(big_config_secret(i)),
+            "tenant": f"tenant-{i % tenants}",
+            "tier": f"tier{i % tier_count}",
+        }
+        for i in range(keys)
+    ]
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "redis": {"url": redis_url},
+        "upstreams": ups,
+        "models": entries,
+        "keys": key_list,
+        "tiers": tiers,
+        "limits": {"reap_grace_s": 0},
+    }
+
+
+def big_config_secret(index: int) -> str:
+    """The secret of ``big_config``'s key ``key-<index>``."""
+    return f"sk-scale-key-{index}"
+
+
 def upstream_timing_out(base_url: str, timeout_s: float) -> dict[str, Any]:
     """The tests' upstream with a timeout of its own: a call's lease is that plus
     ``limits.lease_margin_s``."""

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,14 +18,18 @@ import tiktoken
 import yaml
 from aiohttp import web
 
+import proxy.app as app_module
 import proxy.handlers as handlers
+import proxy.reload
+from proxy import config_load
 from proxy.app import build_app
+from proxy.config import Config
 from proxy.config_load import load_config
 from proxy.redis_server import RedisServerProcess
 from proxy.scopes import run_key
 from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config, until_upstream_received
+from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config, big_config, until_upstream_received
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 from tests.test_budgets import _proxy_from_file, _reload_to
@@ -538,3 +543,176 @@ async def test_a_handler_cancelled_while_a_reloaded_reserve_is_released_leaves_n
         )
     finally:
         await proxy.runner.cleanup()
+
+
+async def _reload_watched(
+    served: Proxy, raw: dict[str, Any], path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> tuple[tuple[float, float], list[float]]:
+    """Reload ``served`` (SIGHUP, or the file watch) to ``raw`` saved at ``path``, with a task
+    ticking every 5 ms: (when the reload's load of the file began and ended, the ticks)."""
+    state = served.app[STATE]
+    loads: list[tuple[float, float]] = []
+
+    def timed_load(*args: Any, **kwargs: Any) -> Config:
+        began = time.perf_counter()
+        try:
+            return config_load.load_config(*args, **kwargs)
+        finally:
+            loads.append((began, time.perf_counter()))
+
+    # Wherever the reloader runs it (the loop's thread, or another): the times are the clock's.
+    monkeypatch.setattr(proxy.reload, "load_config", timed_load)
+    ticks: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            ticks.append(time.perf_counter())
+
+    ticking = asyncio.create_task(ticker())
+    before = state.config
+    path.write_text(yaml.safe_dump(raw))
+    if how == "SIGHUP":
+        os.kill(os.getpid(), signal.SIGHUP)
+    deadline = time.perf_counter() + 60
+    while state.config is before:
+        assert time.perf_counter() < deadline, "not reloaded"
+        await asyncio.sleep(0.01)
+    stop.set()
+    await ticking
+    assert loads, "the reload did not load the file"
+    return loads[-1], ticks
+
+
+@pytest.mark.parametrize("how", ["SIGHUP", "file changed"])
+async def test_a_reload_of_a_big_config_leaves_the_event_loop_running_while_it_loads(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    """A reload read and validated the whole file on the event loop, so every call in flight
+    stood still for as long as the load took: about 0.3 ms a key, 1.2 to 2.7 s of a stopped loop
+    for 5,000 keys and 300 models, once per worker, on every SIGHUP (the config-scale hunt).
+    Asserted by counts, not by times: a 5 ms ticker ticks while the file is loaded."""
+    raw = big_config(fake.base_url, redis_server.url, keys=3000, tenants=600)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    path = tmp_path / "config.yaml"
+    served = await _proxy_from_file(raw, path)
+    try:
+        raw["tiers"]["tier0"]["run"]["requests"] = 999
+        (began, ended), ticks = await _reload_watched(served, raw, path, monkeypatch, how)
+        during = [t for t in ticks if began < t < ended]
+        assert ended - began > 0.05, f"the load took {ended - began:.3f} s: too small a config to tell"
+        assert during, (
+            f"the event loop ran nothing for the {ended - began:.2f} s the reload's load of the file "
+            f"took ({len(ticks)} ticks, none inside it): every call stood still"
+        )
+        assert served.app[STATE].config.tiers["tier0"].run is not None
+        assert served.app[STATE].config.tiers["tier0"].run.requests == 999
+    finally:
+        await served.runner.cleanup()
+
+
+class HeldLoads:
+    """``load_config`` for the reloader, a load of the file whose run ceiling is ``held`` kept
+    from returning (on its thread) until ``go_on``."""
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+        self.loaded = threading.Event()
+        self.go_on = threading.Event()
+        self.returned = threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Config:
+        config = config_load.load_config(*args, **kwargs)
+        run = config.tiers["standard"].run
+        if run is not None and run.requests == self.held:
+            self.loaded.set()
+            self.go_on.wait(10)
+            self.returned.set()
+        return config
+
+
+async def _proxy_reloaded_by_sighup_only(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Proxy, dict[str, Any], Path]:
+    monkeypatch.setattr(app_module, "RELOAD_POLL_S", 600.0)  # no reload of the watch's besides
+    raw: dict[str, Any] = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    raw["tiers"] = {"standard": {"run": {"requests": 3}}}
+    path = tmp_path / "config.yaml"
+    return await _proxy_from_file(raw, path), raw, path
+
+
+async def _sighup_with_run_ceiling(raw: dict[str, Any], path: Path, requests: int) -> None:
+    raw["tiers"]["standard"]["run"]["requests"] = requests
+    path.write_text(yaml.safe_dump(raw))
+    os.kill(os.getpid(), signal.SIGHUP)
+
+
+async def test_two_reloads_in_quick_succession_apply_in_order_the_later_file_winning(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The file is loaded off the event loop: a second SIGHUP's load, of the newer file, must not
+    be applied before the first's, which would then put the older file in force for good."""
+    served, raw, path = await _proxy_reloaded_by_sighup_only(fake, redis_server, tmp_path, monkeypatch)
+    state = served.app[STATE]
+    loads = HeldLoads(held=2)
+    monkeypatch.setattr(proxy.reload, "load_config", loads)
+
+    def applied() -> float:
+        return {labels[0]: value.value for labels, value in state.metrics.config_reloads.items()}["applied"]
+
+    try:
+        await _sighup_with_run_ceiling(raw, path, 2)
+        assert await asyncio.to_thread(loads.loaded.wait, 10), "the first reload did not load"
+        await _sighup_with_run_ceiling(raw, path, 1)
+        await asyncio.sleep(0.3)  # the second's load, were it not behind the first's, ends here
+        loads.go_on.set()
+        deadline = time.monotonic() + 10
+        while applied() < 2:
+            assert time.monotonic() < deadline, f"{applied()} reloads applied, not 2"
+            await asyncio.sleep(0.01)
+        run = state.config.tiers["standard"].run
+        assert run is not None and run.requests == 1, "the older file applied after the newer"
+    finally:
+        loads.go_on.set()
+        await served.runner.cleanup()
+
+
+async def test_a_reload_still_loading_when_the_proxy_shuts_down_is_not_applied(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload's load ends on its thread whenever it ends: once shutdown is under way, the
+    config it loaded is not put in force (nor the reload counted)."""
+    served, raw, path = await _proxy_reloaded_by_sighup_only(fake, redis_server, tmp_path, monkeypatch)
+    state = served.app[STATE]
+    in_force = state.config
+    loads = HeldLoads(held=2)
+    monkeypatch.setattr(proxy.reload, "load_config", loads)
+    try:
+        await _sighup_with_run_ceiling(raw, path, 2)
+        assert await asyncio.to_thread(loads.loaded.wait, 10), "the reload did not load"
+        await served.runner.cleanup()
+        loads.go_on.set()
+        assert await asyncio.to_thread(loads.returned.wait, 10)
+        for _ in range(20):  # whatever the load's end set going on the loop, let it run
+            await asyncio.sleep(0.01)
+        assert state.config is in_force
+        assert {labels[0]: value.value for labels, value in state.metrics.config_reloads.items()} == {
+            "applied": 0,
+            "refused": 0,
+        }
+    finally:
+        loads.go_on.set()
