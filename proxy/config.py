@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 # limits.ledger_retention_s, when set. At most ten years, as the other TTLs.
 MIN_LEDGER_RETENTION_S = 24 * 3600
 MAX_LEDGER_RETENTION_S = 10 * 366 * 24 * 3600
+# Repeated key names a refusal names: a file of thousands pasted twice would say them all.
+_NAMED_MOST = 5
 
 USERINFO_CUT = (
     "its user name or password holds '/', '?', '#' or '@' (percent-encode them: %2F, %3F, %23, %40)"
@@ -280,6 +282,10 @@ class UpstreamConfig(Frozen):
         return UpstreamSending.of(self)
 
 
+def _tenants(names: list[str]) -> str:
+    return f"tenant {names[0]}" if len(names) == 1 else f"tenants {', '.join(names)}"
+
+
 _ANYWHERE = frozenset({"0.0.0.0", "::", ""})
 _LOOPBACK = {"localhost": frozenset({"127.0.0.1", "::1"})}
 
@@ -477,9 +483,19 @@ class Config(Frozen):
                 f"models.{OTHER_MODEL}: the name is reserved (the metrics' label for models the config "
                 "does not name): route it with a pattern or name the model otherwise"
             )
-        names = [key.name for key in self.keys]
-        if len(names) != len(set(names)):
-            raise ValueError("keys: names must be unique")
+        tenants_of: dict[str, list[str]] = {}
+        for key in self.keys:
+            tenants_of.setdefault(key.name, []).append(key.tenant)
+        repeated = [(name, tenants) for name, tenants in tenants_of.items() if len(tenants) > 1]
+        if repeated:
+            # Which, else the operator searches thousands of keys for it, and its tenants, to
+            # tell the entries apart; never a key's secret or digest (a refusal goes to the log).
+            said = "; ".join(
+                f"{name} names {len(tenants)} keys ({_tenants(list(dict.fromkeys(tenants)))})"
+                for name, tenants in repeated[:_NAMED_MOST]
+            )
+            more = f"; and {len(repeated) - _NAMED_MOST} names more" if len(repeated) > _NAMED_MOST else ""
+            raise ValueError(f"keys: names must be unique: {said}{more}")
         for key in self.keys:
             if key.tier not in self.tiers:
                 # Else every call of the key is refused (403 unknown_tier), found only by its

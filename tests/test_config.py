@@ -18,7 +18,7 @@ from proxy.config_load import load_config, parse_config, with_flags
 from proxy.config_tiers import TierConfig
 from proxy.errors import ConfigError
 from proxy.reload import ConfigReloader
-from tests.conftest import base_config
+from tests.conftest import UPSTREAM_KEY, base_config, big_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = {"upstreams": {"openai": {"base_url": "https://api.example.com/v1"}}}
@@ -1255,3 +1255,18 @@ def test_a_key_naming_a_tier_the_file_does_not_define_is_refused_at_load(
     path.write_text(yaml.safe_dump({**UP, "tiers": {"gold": {}}, "keys": [key]}))
     assert main(["check-config", str(path)]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_a_key_name_written_twice_among_thousands_is_named_in_the_refusal() -> None:
+    """Among 5,000 keys, two named alike were refused with ``keys: names must be unique`` and no
+    name: the operator was left to search the file for which, while two keys of one secret, or
+    a key of an unknown tier, are named (the config-scale hunt). Its secret is not said."""
+    raw = big_config("http://127.0.0.1:1/v1", "redis://127.0.0.1:1/0", keys=5000)
+    raw["keys"][4321]["name"] = "key-17"  # the same name as keys[17], another tenant's
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+    message = str(caught.value)
+    assert "names must be unique" in message
+    assert "key-17" in message and "tenant-17" in message and "tenant-321" in message, message
+    assert raw["keys"][4321]["sha256"] not in message and raw["keys"][17]["sha256"] not in message
+    assert "key-4321" not in message and "key-170" not in message, message  # only the one repeated
