@@ -95,6 +95,7 @@ async def key_self(request: web.Request) -> web.Response:
         datetime.fromtimestamp(await store.synced_now(), UTC),  # the windows the reserves pick
         run_ttl_s=config.limits.run_ttl_s,
         tenant_periods=config.tenant_periods(identity.tenant),
+        key_scopes=config.key_scopes,
     )
     found = await store.scope_meters(tenant=identity.tenant, keys=[s.key for s in scopes[1:]])
     for scope in scopes[1:]:  # all but the run

@@ -39,6 +39,7 @@ from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MARKER_TRUST, MAX_SETTLED_
 
 if TYPE_CHECKING:
     from proxy.forward import UpstreamSending
+    from proxy.scopes import KeyScopes
 
 # limits.ledger_retention_s, when set. At most ten years, as the other TTLs.
 MIN_LEDGER_RETENTION_S = 24 * 3600
@@ -637,6 +638,14 @@ class Config(Frozen):
             named.setdefault(key.tenant, set()).update(w.period for w in windows)
             limited.setdefault(key.tenant, set()).update(w.period for w in windows if w.meters)
         return {tenant: (frozenset(named[tenant]), frozenset(limited[tenant])) for tenant in named}
+
+    @cached_property
+    def key_scopes(self) -> KeyScopes:
+        """Where the scopes of this config's keys are kept, with room for each of them: a
+        reload's config starts its own, its tiers' ceilings in them."""
+        from proxy.scopes import KeyScopes  # scopes reads this module: imported when first used
+
+        return KeyScopes(len(self.keys))
 
     def tenant_periods(self, tenant: str) -> tuple[frozenset[Period], frozenset[Period]]:
         """The periods of this tenant's windows that the tier of one of its keys names, and

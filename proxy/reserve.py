@@ -160,6 +160,7 @@ async def reserve(
             datetime.fromtimestamp(now_s, UTC),
             run_ttl_s=run_ttl_s,
             tenant_periods=config.tenant_periods(call.identity.tenant),
+            key_scopes=config.key_scopes,
         )
 
     scopes = windows_at(await store.synced_now())

@@ -12,7 +12,9 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.auth import Identity
+from proxy.config import Config
 from proxy.config_base import Period
+from proxy.config_load import parse_config, passthrough_config
 from proxy.config_models import ModelConfig
 from proxy.config_tiers import Ceilings, TierConfig, WindowCeilings
 from proxy.errors import BadRequest
@@ -27,10 +29,11 @@ from proxy.pricing import (
     tool_fees_exact,
     worst_rates,
 )
-from proxy.scopes import scopes_for, window_bounds
+from proxy.scopes import PASSTHROUGH_CALLERS_KEPT, scopes_for, window_bounds
 from proxy.service_tiers import dearest, rates_for, tier_rates
 from proxy.store import Scope
 from proxy.tool_fees import billed_tool_calls, counted_as, pools_tool_calls, reserved_tool_calls
+from tests.conftest import big_config
 from tests.test_tool_fees import _config
 
 # -- cost_micros: each part out of what is left of its whole, at its own price ------------------
@@ -646,3 +649,47 @@ def test_a_named_runs_scope_is_built_once_and_a_run_of_one_call_is_not_kept() ->
     one = scopes_for(who, made, None, now, run_ttl_s=3600)[0]
     assert one.key.endswith(made) and scopes_for(who, made, None, now, run_ttl_s=3600)[0] is not one
     assert _run_scope.cache_info().currsize == held
+
+
+def _calls_in_turn(config: Config, callers: list[Identity], now: datetime) -> None:
+    for identity in callers:
+        scopes_for(
+            identity,
+            "agent-7",
+            config.tiers[identity.tier],
+            now,
+            run_ttl_s=config.limits.run_ttl_s,
+            tenant_periods=config.tenant_periods(identity.tenant),
+            key_scopes=config.key_scopes,
+        )
+
+
+def test_the_keys_of_a_big_config_calling_in_turn_find_their_scopes_kept() -> None:
+    """The key scopes were kept in one cache of 4,096 whatever the config: 5,000 keys calling in
+    turn never found theirs, and every call built them again, about 55 us (the config-scale
+    hunt). The cache has room for every key the config names."""
+    config = parse_config(big_config("http://127.0.0.1:1/v1", "redis://127.0.0.1:1/0", keys=5000), {})
+    callers = [Identity(tenant=key.tenant, tier=key.tier, key_name=key.name) for key in config.keys]
+    now = datetime(2026, 12, 5, 12, 0, 10, tzinfo=UTC)
+    _calls_in_turn(config, callers, now)
+    hits = config.key_scopes.hits
+    _calls_in_turn(config, callers, now.replace(second=50))  # the same minute: the same scopes
+    assert config.key_scopes.hits - hits == 5000
+    assert config.key_scopes.held == 5000
+    # The next minute's take the places of the last's, one a key.
+    _calls_in_turn(config, callers, now.replace(minute=1))
+    assert config.key_scopes.held == 5000
+    # A reload's config keeps its own (its tiers' ceilings in its scopes).
+    assert config.model_copy().key_scopes is not config.key_scopes
+
+
+def test_the_key_scopes_kept_for_pass_through_callers_are_bounded() -> None:
+    """Every bearer token sent in pass-through is a caller of its own: their scopes are kept for
+    a bounded number of them, whatever they send."""
+    config = passthrough_config("http://127.0.0.1:1/v1", host="127.0.0.1", port=0, redis_url=None)
+    callers = [
+        Identity(tenant=f"pt-{i:032x}", tier="standard", key_name=f"pt-{i:032x}")
+        for i in range(PASSTHROUGH_CALLERS_KEPT + 100)
+    ]
+    _calls_in_turn(config, callers, datetime(2026, 12, 5, 12, 0, 10, tzinfo=UTC))
+    assert config.key_scopes.held == PASSTHROUGH_CALLERS_KEPT
