@@ -8,6 +8,7 @@ key in a label.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
@@ -82,6 +83,10 @@ class _Family(Generic[V]):
     all run on one event loop thread. Here an update is a dict lookup and an addition; the
     exposition (names, ``_total``/``_bucket``/``_sum``/``_count`` samples, ``le`` labels) is the
     same, built at scrape time, without ``_created`` samples.
+
+    The scrape builds it on another thread (so the loop keeps serving calls), while the loop adds
+    label sets: the lock keeps the dict from changing size under the scrape's walk. Only a new
+    label set takes it, not an update, and the scrape holds it for a copy, not the formatting.
     """
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
@@ -89,13 +94,16 @@ class _Family(Generic[V]):
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._values: dict[tuple[str, ...], V] = {}
+        self._lock = threading.Lock()
 
     def labels(self, *values: str) -> V:
         found = self._values.get(values)
         if found is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: labels {self.labelnames}, given {values}")
-            found = self._values[values] = self._new()
+            with self._lock:
+                # setdefault: a scrape may have added the label-less one meanwhile (``items``).
+                found = self._values.setdefault(values, self._new())
         return found
 
     def _new(self) -> V:
@@ -103,12 +111,15 @@ class _Family(Generic[V]):
 
     def clear(self) -> None:
         """Drop every label set (a state read again: the old one is no longer true)."""
-        self._values.clear()
+        with self._lock:
+            self._values.clear()
 
     def items(self) -> list[tuple[list[str], V]]:
         if not self.labelnames and not self._values:
             self.labels()  # a metric without labels is exported from the start, at zero
-        return [(list(labels), value) for labels, value in self._values.items()]
+        with self._lock:
+            current = self._values.copy()
+        return [(list(labels), value) for labels, value in current.items()]
 
 
 class Counter(_Family[CounterValue]):
@@ -174,7 +185,9 @@ class Histogram(_Family[HistogramValue]):
 class Metrics:
     """Every metric of the proxy, exported through one collector registered in ``registry``.
 
-    Not thread-safe, by design: updates and scrapes all run on the app's event loop."""
+    Updates run on the app's event loop, unlocked; a scrape collects on another thread, and reads
+    each value whole (an attribute or a list slot: a histogram's sum and buckets may disagree by
+    an observation made meanwhile, until the next scrape)."""
 
     def __init__(self, registry: CollectorRegistry, *, currency: str = "USD") -> None:
         self.registry = registry
