@@ -472,3 +472,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterPr
     nodes = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
     yield nodes
     nodes.stop()
+
+
+@contextlib.asynccontextmanager
+async def loop_ticks(every_s: float = 0.005) -> AsyncIterator[list[float]]:
+    """The times (``time.perf_counter``) a task on the event loop woke, every ``every_s``, while
+    the block ran: none inside a span means the loop stood still for it."""
+    ticks: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(every_s)
+            ticks.append(time.perf_counter())
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        yield ticks
+    finally:
+        stop.set()
+        await ticking

@@ -22,7 +22,7 @@ from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, Metrics
 from proxy.record import record_entry
 from proxy.redis_server import free_port
 from proxy.state import STATE
-from tests.conftest import KEY_A, ProxyFactory, base_config, digest
+from tests.conftest import KEY_A, ProxyFactory, base_config, digest, loop_ticks
 from tests.fake_upstream import FakeUpstream
 from tests.test_bad_input import GOOD_BODY, Plan, ScriptedUpstream, dumps, scripted_upstreams, send
 
@@ -466,26 +466,14 @@ async def test_the_event_loop_keeps_running_while_a_scrape_of_many_series_is_bui
             built.append((began, time.perf_counter()))
 
     monkeypatch.setattr("proxy.handlers.generate_latest", timed_exposition)
-    ticks: list[float] = []
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            ticks.append(time.perf_counter())
-
-    ticking = asyncio.create_task(ticker())
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp,
-        ):
-            assert resp.status == 200, await resp.text()
-            assert resp.headers["Content-Type"] == prometheus_client.CONTENT_TYPE_LATEST
-            body = await resp.read()
-    finally:
-        stop.set()
-        await ticking
+    async with (
+        loop_ticks() as ticks,
+        aiohttp.ClientSession() as session,
+        session.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"] == prometheus_client.CONTENT_TYPE_LATEST
+        body = await resp.read()
     assert built, "the scrape built no exposition"
     began, ended = built[-1]
     assert ended - began > 0.05, f"the exposition took {ended - began:.3f} s: too few series to tell"

@@ -29,7 +29,15 @@ from proxy.redis_server import RedisServerProcess
 from proxy.scopes import run_key
 from proxy.state import STATE
 from proxy.tokenizer import Tokenizer
-from tests.conftest import KEY_A, UPSTREAM_KEY, Proxy, base_config, big_config, until_upstream_received
+from tests.conftest import (
+    KEY_A,
+    UPSTREAM_KEY,
+    Proxy,
+    base_config,
+    big_config,
+    loop_ticks,
+    until_upstream_received,
+)
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
 from tests.test_budgets import _proxy_from_file, _reload_to
@@ -562,25 +570,15 @@ async def _reload_watched(
 
     # Wherever the reloader runs it (the loop's thread, or another): the times are the clock's.
     monkeypatch.setattr(proxy.reload, "load_config", timed_load)
-    ticks: list[float] = []
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            ticks.append(time.perf_counter())
-
-    ticking = asyncio.create_task(ticker())
-    before = state.config
-    path.write_text(yaml.safe_dump(raw))
-    if how == "SIGHUP":
-        os.kill(os.getpid(), signal.SIGHUP)
-    deadline = time.perf_counter() + 60
-    while state.config is before:
-        assert time.perf_counter() < deadline, "not reloaded"
-        await asyncio.sleep(0.01)
-    stop.set()
-    await ticking
+    async with loop_ticks() as ticks:
+        before = state.config
+        path.write_text(yaml.safe_dump(raw))
+        if how == "SIGHUP":
+            os.kill(os.getpid(), signal.SIGHUP)
+        deadline = time.perf_counter() + 60
+        while state.config is before:
+            assert time.perf_counter() < deadline, "not reloaded"
+            await asyncio.sleep(0.01)
     assert loads, "the reload did not load the file"
     return loads[-1], ticks
 
