@@ -247,7 +247,8 @@ def build_app(
         await asyncio.sleep(0)
         # A settle makes one script call: a pool wait, a connect and a read at most, then a
         # second call when the script had to be loaded (NOSCRIPT); each is bounded by the timeout.
-        bound_s = 4 * config.redis.socket_timeout_s + 1
+        # The timeout in force: on a Cluster or over TLS redis-py takes the URL's over the field.
+        bound_s = 4 * config.redis.effective_socket_timeout_s + 1
         deadline = asyncio.get_running_loop().time() + bound_s
         while state.settling and asyncio.get_running_loop().time() < deadline:
             await asyncio.wait(set(state.settling), timeout=deadline - asyncio.get_running_loop().time())

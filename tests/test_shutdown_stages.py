@@ -22,6 +22,7 @@ from proxy.app import build_app, server_options
 from proxy.config_load import parse_config
 from proxy.redis_server import RedisServerProcess
 from proxy.tokenizer import Tokenizer
+from tests.cluster import RedisClusterProcesses
 from tests.conftest import (
     KEY_A,
     UPSTREAM_KEY,
@@ -210,3 +211,41 @@ async def test_each_try_of_an_sdk_that_times_out_is_billed_once(
     assert {e["outcome"] for e in entries} == {"client_disconnected"}
     assert sum(int(e["output_tokens"]) for e in entries) == fake.billed_completion_tokens
     assert sum(int(e["input_tokens"]) for e in entries) == fake.billed_prompt_tokens
+
+
+async def test_shutdown_waits_for_a_settle_as_long_as_the_store_timeout_in_force(
+    fake: FakeUpstream, cluster: RedisClusterProcesses, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a Cluster (and over rediss://) redis-py runs every command with the URL's
+    ``socket_timeout`` over ``redis.socket_timeout_s``. Shutdown waited for the settles under
+    way a bound made of the field's timeout (4 x 0.25 + 1 s here), not the one in force (4 s): a
+    settle the store held 3 s was given up on at 2 s ("settlements still under way at exit")
+    and the store closed under it, though it would have landed."""
+    url = f"{cluster.url}?socket_timeout=4"
+    raw = base_config(fake.base_url, url, journal_dir=str(tmp_path / "journal"))
+    raw["redis"] = {"url": url, "cluster": True, "socket_timeout_s": 0.25}
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+    runner = web.AppRunner(build_app(config, tokenizer=Tokenizer({})), shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url_of_proxy = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    master = aioredis.Redis.from_url(cluster.master_of("team-a").url, decode_responses=True)
+    body = {"model": "gpt-4o-mini", "messages": MSGS, "max_tokens": 50, "fake": {"hold": True}}
+    try:
+        async with aiohttp.ClientSession() as session:
+            call = asyncio.ensure_future(
+                session.post(url_of_proxy, json=body, headers={**AUTH, "X-Run-Id": "held"})
+            )
+            await until_upstream_received(fake, 1)
+            await master.execute_command("CLIENT", "PAUSE", "3000", "ALL")  # the settle waits 3 s
+            fake.release()
+            await asyncio.sleep(0.3)  # the answer read, its settle sent
+            with caplog.at_level("ERROR", logger="proxy"):
+                await runner.cleanup()
+            with contextlib.suppress(aiohttp.ClientError):
+                (await call).release()
+        assert "settlements still under way at exit" not in caplog.text
+        entries = [dict(f) for _, f in await master.xrange(LEDGER)]
+        assert [e["usage_source"] for e in entries if e["run_id"] == "held"] == ["provider"], entries
+    finally:
+        await master.aclose()
