@@ -666,14 +666,20 @@ class Config(Frozen):
 
     def route(self, model: str) -> tuple[str, ModelConfig] | None:
         """The config entry for a model: an exact name first, then globs in file order."""
-        models = self.models
-        entry = models.get(model)
+        entry = self.models.get(model)
         if entry is not None:
             return model, entry
-        for pattern, entry in models.items():
+        for pattern, entry in self._globs:
             if fnmatch.fnmatchcase(model, pattern):
                 return pattern, entry
         return None
+
+    @cached_property
+    def _globs(self) -> tuple[tuple[str, ModelConfig], ...]:
+        """The model entries whose names are patterns, in file order: a name without ``*?[``
+        matches only itself, which the exact lookup found first. Walked on every call to a model
+        no entry names (hundreds of fnmatch calls a call, in a config of hundreds of models)."""
+        return tuple((name, entry) for name, entry in self.models.items() if any(c in name for c in "*?["))
 
     def policy_for(self, tier: str) -> PolicyConfig:
         found = self._tier_policies.get(tier)
