@@ -106,7 +106,7 @@ async def test_a_whole_answers_duration_ends_when_it_went_out_not_when_its_settl
             extra_headers=run_headers("paused"),
         )
     )
-    await until_upstream_received(fake, 1)
+    await until_upstream_received(fake, 2)  # the warm-up call, then this one: reserved
     await own_client.execute_command("CLIENT", "PAUSE", "10000", "WRITE")  # the settle waits
     sent_at = time.monotonic()
     fake.release()
