@@ -74,8 +74,7 @@ async def check_eviction(store: Store, metrics: Metrics, known: Eviction | None)
         log.warning("could not read the store's eviction policy", exc_info=True)
         return known
     policy = found.policy or "unknown"
-    metrics.store_drops_keys.clear()
-    metrics.store_drops_keys.labels(policy).set(1 if found.drops_keys else 0)
+    metrics.store_drops_keys.set_only((policy,), 1 if found.drops_keys else 0)
     if found.drops_keys and found != known:
         said = (
             f"its maxmemory-policy is {policy} (maxmemory {found.maxmemory} bytes)"
@@ -339,6 +338,9 @@ def build_app(
             # Encodings are loaded at start for the models of the file then: a model the reload
             # adds with another one would be reserved at its prompt's bytes for good.
             added = encodings_in(new) - encodings_in(state.config)
+            # The config replaced may live on (this factory's cleanups, the reloader's start
+            # config hold the first one): its key scopes, room for every key, need not.
+            vars(state.config).pop("key_scopes", None)
             state.config = new
             if added:
                 state.tokenizer.load_more(added)

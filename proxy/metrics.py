@@ -141,6 +141,17 @@ class Gauge(_Family[GaugeValue]):
     def _new(self) -> GaugeValue:
         return GaugeValue()
 
+    def set_only(self, labels: tuple[str, ...], value: int | float) -> None:
+        """Set the series of ``labels`` to ``value``, every other series of the gauge dropped, in
+        one step: a scrape, on its thread, never sees the gauge with no series (a ``clear`` and
+        a ``labels(...).set`` apart would let it)."""
+        if len(labels) != len(self.labelnames):
+            raise ValueError(f"{self.name}: labels {self.labelnames}, given {labels}")
+        only = GaugeValue()
+        only.set(value)
+        with self._lock:
+            self._values = {labels: only}
+
     def family(self) -> Metric:
         return _scalar_family(GaugeMetricFamily, self)
 

@@ -17,10 +17,12 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.app import check_eviction
 from proxy.config_load import parse_config
 from proxy.metrics import LATENCY_BUCKETS, OVERHEAD_BUCKETS, Metrics
 from proxy.record import record_entry
 from proxy.redis_server import free_port
+from proxy.redis_store import RedisStore
 from proxy.state import STATE
 from tests.conftest import KEY_A, ProxyFactory, base_config, digest, loop_ticks
 from tests.fake_upstream import FakeUpstream
@@ -526,3 +528,44 @@ def test_the_requests_counter_counts_calls_that_never_went_out_and_its_help_says
     text = generate_latest(registry).decode()
     assert total(samples(text), "llm_proxy_requests_total", outcome="not_forwarded") == 1
     assert f"# HELP llm_proxy_requests_total {REQUESTS_HELP}\n" in text
+
+
+async def test_a_scrape_on_its_thread_never_sees_the_store_drops_keys_gauge_without_its_series(
+    store: RedisStore,
+) -> None:
+    """``check_eviction`` (every 30 s) cleared ``llm_proxy_store_drops_keys`` and added its one
+    series back in two steps, each taking the family's lock apart: a scrape on its thread
+    that copies the label sets in between exports the family with no series at all, which an
+    ``absent()`` or ``== 0`` alert reads as the gauge gone. On the loop, as before, no scrape
+    could come in between."""
+    metrics = Metrics(CollectorRegistry())
+    known = await check_eviction(store, metrics, None)
+    empty: list[int] = []
+    scrapes = 0
+    stop = threading.Event()
+
+    def scrape() -> None:
+        nonlocal scrapes
+        while not stop.is_set():
+            family = metrics.store_drops_keys.family()
+            if not family.samples:
+                empty.append(scrapes)
+            scrapes += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    scraper = threading.Thread(target=scrape)
+    try:
+        scraper.start()
+        for _ in range(3000):
+            known = await check_eviction(store, metrics, known)
+            if empty:
+                break
+    finally:
+        stop.set()
+        scraper.join()
+        sys.setswitchinterval(interval)
+    assert not empty, (
+        f"{len(empty)} of {scrapes} scrapes exported llm_proxy_store_drops_keys with no series "
+        "(taken between check_eviction's clear and its labels)"
+    )
