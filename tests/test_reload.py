@@ -4,10 +4,12 @@ at start is."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,7 +42,7 @@ from tests.conftest import (
 )
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import ledger_entries
-from tests.test_budgets import _proxy_from_file, _reload_to
+from tests.test_budgets import _proxy_from_file, _reload_to, call, tiers
 from tests.test_estimate import TEXT, QuarterEncoding
 
 
@@ -714,3 +716,60 @@ async def test_a_reload_still_loading_when_the_proxy_shuts_down_is_not_applied(
         }
     finally:
         loads.go_on.set()
+
+
+async def test_the_config_served_from_start_is_not_kept_with_its_key_scopes_after_a_reload(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each config carries its own key-scope cache (``Config.key_scopes``, room for
+    every key: about 18 MB at 5,000 keys). The config ``build_app`` was given stays referenced
+    for the life of the process (the cleanup contexts' closures over ``config``: store_ctx,
+    journal_ctx, settling_ctx, reaper_ctx; and ``ConfigReloader._started_from`` when serve passes
+    the same object, one worker and no flags): after the first reload its full cache is pinned
+    beside the new config's. The module-level cache it replaced was one for all, its old entries
+    pushed out by the new config's."""
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["models"] = {
+        "gpt-4o-mini": {"upstream": "openai", "price_per_million": {"input": "1", "output": "1"}}
+    }
+    raw["tiers"] = tiers(run={"requests": 10})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    read = load_config(path)  # as serve's _config_for: the file's config, its flags none
+    app = build_app(read, tokenizer=Tokenizer({}), config_path=path, started_from=read)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    proxy = Proxy(
+        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
+    )
+    try:
+        await call(proxy, "scopes")
+        first = app[STATE].config.key_scopes
+        assert first.held >= 1, "the call kept no key scopes"
+        kept = weakref.ref(first)
+        url = proxy.url
+        del first, read, proxy
+        raw["tiers"] = tiers(run={"requests": 9})
+        before = app[STATE].config
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(500):
+            if app[STATE].config is not before:
+                break
+            await asyncio.sleep(0.01)
+        assert app[STATE].config is not before, "not reloaded"
+        del before
+        await call(Proxy(url=url, app=app, config=app[STATE].config, runner=runner), "after")
+        gc.collect()
+        assert kept() is None, (
+            f"the config served from start is still alive after a reload and a call under the new "
+            f"one, its {kept().held} key scopes with it (build_app's closures over config)"
+        )
+    finally:
+        await runner.cleanup()
