@@ -1112,8 +1112,13 @@ async def test_a_lease_past_its_grace_when_the_store_stalled_waits_a_grace_after
     store = RedisStore.from_url(own_redis.url, socket_timeout_s=5.0)
     try:
         reaper = await stall_reaper(store, ["team-a"])
-        await lease_past_its_grace_in(store, "team-a", "stalled", after_s=PAUSE_S / 2)
-        await own_client.execute_command("CLIENT", "PAUSE", str(int(PAUSE_S * 1000)), "ALL")
+        await run_lease(store, "team-a", "stalled", "run-stalled", lease_ms=60_000)
+        due_ms = int((await store.synced_now() + PAUSE_S / 2 - STALL_GRACE_S) * 1000)
+        # Due within the pause, made so in its transaction: no read of the reaper's comes between.
+        async with own_client.pipeline(transaction=True) as both:
+            both.zadd("lbp:{team-a}:leases", {"stalled": due_ms})
+            both.execute_command("CLIENT", "PAUSE", str(int(PAUSE_S * 1000)), "ALL")
+            await both.execute()
         await reaped_a_grace_after(own_client, reaper, "stalled", PAUSE_S)
     finally:
         await store.close()
