@@ -284,7 +284,11 @@ class UpstreamConfig(Frozen):
 
 
 def _tenants(names: list[str]) -> str:
-    return f"tenant {names[0]}" if len(names) == 1 else f"tenants {', '.join(names)}"
+    if len(names) == 1:
+        return f"tenant {names[0]}"
+    # A name reused across a thousand tenants is told by its first few, not a line of them all.
+    more = f" and {len(names) - _NAMED_MOST} more" if len(names) > _NAMED_MOST else ""
+    return f"tenants {', '.join(names[:_NAMED_MOST])}{more}"
 
 
 _ANYWHERE = frozenset({"0.0.0.0", "::", ""})

@@ -1270,3 +1270,16 @@ def test_a_key_name_written_twice_among_thousands_is_named_in_the_refusal() -> N
     assert "key-17" in message and "tenant-17" in message and "tenant-321" in message, message
     assert raw["keys"][4321]["sha256"] not in message and raw["keys"][17]["sha256"] not in message
     assert "key-4321" not in message and "key-170" not in message, message  # only the one repeated
+
+
+def test_a_key_name_reused_across_many_tenants_names_a_few_of_them() -> None:
+    """One name written in a thousand tenants' keys was refused with all thousand tenants in one
+    line (the third review): the first five are named, and how many more."""
+    raw = big_config("http://127.0.0.1:1/v1", "redis://127.0.0.1:1/0", keys=1000, tenants=1000)
+    for key in raw["keys"]:
+        key["name"] = "ci"
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, {"TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+    message = str(caught.value)
+    assert "ci names 1000 keys" in message and "and 995 more" in message, message
+    assert len(message) < 400, message
