@@ -422,6 +422,12 @@ class RedisStore(ContextCommands, TenantCommands, ReadCommands, ScriptRunner):
         args.append(reservation_id)
         return int(await self._script("shrink", keys, args)) == 1
 
+    async def uncount_refusal(self, refusal: Refusal) -> None:
+        try:
+            await self._client.hincrby(refusal.scope.key, f"refused:{refusal.meter}", -1)
+        except STORE_FAILURES as err:
+            raise StoreError(f"uncount refusal: {err}") from err
+
     async def renew(
         self, *, tenant: str, reservation_id: str, lease_ms: int, scopes: Sequence[Scope] = ()
     ) -> bool:

@@ -7,6 +7,7 @@ lowers its output cap to what fits instead. The settle after the call is ``settl
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,6 +33,7 @@ from proxy.settle import release_now, release_unforwarded, release_unforwarded_o
 from proxy.store import Clamp, Refusal, Reservation, Scope, Store, Tentative, WindowEnded
 from proxy.tool_fees import billed_tool_calls, tool_calls_field
 
+log = logging.getLogger("proxy.reserve")
 # How many times a reserve script is sent, its windows picked again each time it ran after one of
 # them ended or before one began: picked again by the store's clock as it ran, a window ends
 # before the next send only if the store is that slow again, for as long as the shortest window
@@ -286,6 +288,17 @@ async def reserve(
                 # no await), not left held for a reaper to bill a call that never went out.
                 release_unforwarded(call, journal, keys, run_ttl_s)
                 raise
+        elif isinstance(result, Refusal):
+            # Counted on its scope by the script, and the call, planned again, is counted again
+            # if refused again (one 429, two refusals in the views), or served (a refusal never
+            # told). A count, not a bill: one the store cannot take back is logged, not retried.
+            try:
+                await store.uncount_refusal(result)
+            except StoreError as err:
+                log.warning(
+                    "a refusal under a replaced config stays counted",
+                    extra={"request_id": call.request_id, "error": str(err)},
+                )
         raise Reloaded
     if isinstance(result, Refusal):
         # Its reset counted from the time its windows were picked at: picked again at the store's

@@ -243,6 +243,11 @@ class Store(Protocol):
         self, *, tenant: str, reservation_id: str, scope_keys: Sequence[str], amounts: Mapping[str, int]
     ) -> bool: ...
 
+    async def uncount_refusal(self, refusal: Refusal) -> None:
+        """Take back the refusal ``reserve`` counted on its scope (``refused:<meter>``): it ran
+        under a config a reload replaced, and the call is judged again under the new one."""
+        ...
+
     async def settle(
         self,
         *,

@@ -365,15 +365,22 @@ async def test_a_call_planned_again_after_a_reload_is_counted_once_in_the_metric
 
 
 async def _call_while_the_store_reconnects(
-    proxy: Proxy, raw: dict[str, Any], path: Path, redis_client: aioredis.Redis, run: str
+    proxy: Proxy,
+    raw: dict[str, Any],
+    path: Path,
+    redis_client: aioredis.Redis,
+    run: str,
+    max_tokens: int = 5,
 ) -> tuple[int, str]:
     """A call whose reserve waits for the store's connection to be made again (Redis restarted,
     then slow to answer the new connection's SELECT: loading, a failover), and a reload of
-    ``raw`` (changed by the caller) while it waits. Its status and body."""
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    ``raw`` (changed by the caller) while it waits. Its status and body. The call asks for
+    ``max_tokens``, the warm-up call before it for 5."""
+    warm_body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    body = {**warm_body, "max_tokens": max_tokens}
     async with aiohttp.ClientSession() as session:
         warm = {"Authorization": f"Bearer {KEY_A}", "X-Run-Id": "warm"}
-        async with session.post(proxy.url + "/v1/chat/completions", json=body, headers=warm) as r:
+        async with session.post(proxy.url + "/v1/chat/completions", json=warm_body, headers=warm) as r:
             assert r.status == 200, await r.text()
         pipe = proxy.app[STATE].store._pipe  # type: ignore[union-attr]
         assert pipe is not None and pipe._protocol is not None
@@ -773,3 +780,71 @@ async def test_the_config_served_from_start_is_not_kept_with_its_key_scopes_afte
         )
     finally:
         await runner.cleanup()
+
+
+async def _run_view(proxy: Proxy, run: str) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{proxy.url}/v1/billing/runs/{run}", headers={"Authorization": f"Bearer {KEY_A}"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        view: dict[str, Any] = await r.json()
+        return view
+
+
+async def test_a_refusal_under_a_config_a_reload_replaced_is_not_counted_for_a_call_then_served(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's output ceiling of 100 raised to 1,000 while the call's reserve script waits for
+    the store's connection: the script runs under the old config and refuses (counting
+    refused:output_tokens in the run's hash), the call is planned again under the new one and
+    served (200). The run view said its ceiling refused a call no 429 was ever answered for (the
+    day-2 hunt): the count is taken back."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
+    raw["tiers"] = {"standard": {"run": {"output_tokens": 100}}}
+    path = tmp_path / "c.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    try:
+        raw["tiers"] = {"standard": {"run": {"output_tokens": 1000}}}
+        status, text = await _call_while_the_store_reconnects(
+            proxy, raw, path, redis_client, "raised", max_tokens=500
+        )
+        assert status == 200, text[:300]
+        view = await _run_view(proxy, "raised")
+        assert view["meters"]["requests"]["used"] == 1, view
+        # No call of the run was refused (no 429 was answered): the view says one was.
+        assert view["meters"]["output_tokens"]["refused"] == 0, view["meters"]["output_tokens"]
+    finally:
+        await proxy.runner.cleanup()
+
+
+async def test_a_call_refused_once_after_a_reload_is_counted_as_one_refusal(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same wait, the ceiling changed from 100 to 200 (still below the call's 500): the old
+    config's script refuses and counts, the call is planned again and refused again, counted
+    again. The client got one 429; the run view said its ceiling refused two calls."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
+    raw["tiers"] = {"standard": {"run": {"output_tokens": 100}}}
+    path = tmp_path / "c.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    try:
+        raw["tiers"] = {"standard": {"run": {"output_tokens": 200}}}
+        status, text = await _call_while_the_store_reconnects(
+            proxy, raw, path, redis_client, "twice", max_tokens=500
+        )
+        assert status == 429, text[:300]
+        view = await _run_view(proxy, "twice")
+        assert view["meters"]["output_tokens"]["refused"] == 1, view["meters"]["output_tokens"]
+    finally:
+        await proxy.runner.cleanup()
