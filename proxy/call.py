@@ -78,8 +78,9 @@ class Call:
     # (``forward.UpstreamConnector``).
     connecting: bool = False
     first_token_at: float | None = None
-    # A whole answer sent with its settle on its way (``Exchange.settle_early``): when it went,
-    # the end of the client's wait (the call's recorded duration), before the store's reply.
+    # A whole answer sent with its settle on its way (``Exchange.settle_early``): when the settle
+    # was written, the answer written in the same turn of the loop (or none, its client gone):
+    # the end of the call's recorded duration, not the store's reply a round trip later.
     answered_at: float | None = None
     clamped: bool = False
     # A quick reserve being lowered to the exact count (``refine.refine``); the settle cancels
