@@ -5,7 +5,9 @@ Runs for a fixed ``--duration`` (seconds) or a fixed ``--requests`` count, after
 
   requests, ok, errors, status_counts, error_kinds, duration_s, rps (completed requests per
   second, errors included), latency_ms {p50, p90, p99, mean, max} (request sent -> body fully
-  read), ttfb_ms {p50, p99} (request sent -> first body byte; streams only), bytes_in.
+  read), ttfb_ms {p50, p99} (request sent -> first body byte; streams only), bytes_in. The
+  latencies and TTFBs are those of the calls that succeeded (ok) alone, null when none did: a
+  fast error answer (a 502 in a millisecond) would otherwise pass for a fast call.
 
 ``--sync``: after the warm-up, write ``warm`` on stderr and wait for a line on stdin before the
 measured phase starts, so a driver can sample the server's CPU counters exactly around it.
@@ -184,14 +186,10 @@ class LoadGen:
         except (aiohttp.ClientError, TimeoutError) as err:
             stats.errors += 1
             stats.error_kinds[type(err).__name__] += 1
-            stats.latencies.append((time.perf_counter() - started) * 1000)
             return
         elapsed = time.perf_counter() - started
         stats.statuses[status] += 1
         stats.bytes_in += size
-        stats.latencies.append(elapsed * 1000)
-        if ttfb is not None:
-            stats.ttfbs.append(ttfb * 1000)
         if status != args.expect_status:
             stats.errors += 1
             stats.error_kinds[f"status_{status}"] += 1
@@ -200,6 +198,10 @@ class LoadGen:
             stats.error_kinds["stream_without_done"] += 1
         else:
             stats.ok += 1
+            # Successful calls' times alone: a failed call's is how fast it failed.
+            stats.latencies.append(elapsed * 1000)
+            if ttfb is not None:
+                stats.ttfbs.append(ttfb * 1000)
 
     async def client(
         self, session: aiohttp.ClientSession, client: int, deadline: float, stats: Stats, counted: bool

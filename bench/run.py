@@ -376,6 +376,8 @@ def measure(
         "mean_ms": result["latency_ms"]["mean"],
         "ttfb_p50_ms": (result["ttfb_ms"] or {}).get("p50"),
         "ttfb_p99_ms": (result["ttfb_ms"] or {}).get("p99"),
+        # Per completed call, failed ones included: a row with errors is flagged in the table, and
+        # one whose every call failed (its CPU an error answer's) is compared with nothing.
         "cpu_ms_per_req": round((after - before) * 1000 / requests, 4),
         "cpu_util": round((after - before) / wall, 3) if wall > 0 else None,
         "upstream_cpu_ms_per_req": round((after_up - before_up) * 1000 / requests, 4),
@@ -807,8 +809,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cores; foreign_cpu_util in latest.jsonl): their throughput and latency are noisy; CPU "
             "ms/req is per process and less affected."
         )
-    if any(r["errors"] for r in rows.values()):
-        notes.append("some arms had errors: see the errors column and error_kinds in latest.jsonl.")
+    errored = [key for key in sorted(rows) if rows[key]["errors"]]
+    if errored:
+        notes.append(
+            "some arms had errors (in bold in the errors column; error_kinds in latest.jsonl): an arm "
+            "whose every call failed gets no ratio and meets no target, and the run exits with status 1."
+        )
     notes.append(f"total wall time {time.monotonic() - started:.0f}s")
     table = markdown(rows, settings, notes)
     with (args.out / "latest.jsonl").open("w") as out:
@@ -821,6 +827,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out.write(json.dumps({**record, **extra, "git": settings.extra["git"]}) + "\n")
     (args.out / "latest.md").write_text(table)
     print(table)
+    if errored:
+        # Last, where a reader (or a CI log's tail) sees it: these figures count failed calls.
+        named = ", ".join(
+            f"{name} c={conc} {arm} ({rows[(name, conc, arm)]['errors']})" for name, conc, arm in errored
+        )
+        print(f"bench: {len(errored)} arm(s) had errors: {named}; exit status 1", file=sys.stderr)
+        return 1
     return 0
 
 

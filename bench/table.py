@@ -49,6 +49,7 @@ def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in records if r.get(key) is not None]
         out[key] = round(statistics.median(values), 4) if values else None
     out["requests"] = sum(r["requests"] for r in records)
+    out["ok"] = sum(r["ok"] for r in records)
     out["errors"] = sum(r["errors"] for r in records)
     out["rounds"] = len(records)
     return out
@@ -56,6 +57,35 @@ def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _ratio(a: float | None, b: float | None, digits: int = 2) -> float | None:
     return round(a / b, digits) if a and b else None
+
+
+def failed(row: Mapping[str, Any]) -> bool:
+    """No call of the arm succeeded (a proxy answering every call with a fast 502, say): its CPU
+    per request is an error answer's, its req/s how fast it fails, so it is compared with nothing
+    and meets no target."""
+    return not row.get("ok")
+
+
+def _met(ratio: float | None, met: bool, *arms: Mapping[str, Any] | None) -> str:
+    """A target table's "met" cell for a ratio of these arms: an arm whose calls all failed meets
+    none (its ratio is not worked out), one with some errors is flagged beside the verdict."""
+    present = [arm for arm in arms if arm is not None]
+    if any(failed(arm) for arm in present):
+        return "**no: every call failed**"
+    if ratio is None:
+        return "-"
+    verdict = "yes" if met else "**no**"
+    if any(arm.get("errors") for arm in present):
+        verdict += " (**errors**)"
+    return verdict
+
+
+def _errors_cell(row: Mapping[str, Any]) -> str:
+    """Bold and flagged when there are any: that row's figures count failed calls too."""
+    errors = row.get("errors") or 0
+    if failed(row):
+        return f"**⚠ {errors} (all)**"
+    return f"**⚠ {errors}**" if errors else "0"
 
 
 def add_comparisons(rows: Rows, scenarios: Sequence[Scenario]) -> None:
@@ -66,6 +96,11 @@ def add_comparisons(rows: Rows, scenarios: Sequence[Scenario]) -> None:
         direct = rows.get((base_name, conc, "direct"))
         relay = rows.get((base_name, conc, "relay"))
         row["baseline_scenario"] = base_name
+        # No ratio with an arm whose every call failed, on either side: it did not do the work.
+        if failed(row):
+            continue
+        direct = None if direct is None or failed(direct) else direct
+        relay = None if relay is None or failed(relay) else relay
         if direct is not None and arm != "direct":
             for key in ("p50_ms", "p99_ms"):
                 if row.get(key) is not None and direct.get(key) is not None:
@@ -76,13 +111,13 @@ def add_comparisons(rows: Rows, scenarios: Sequence[Scenario]) -> None:
             row["cpu_ratio_vs_relay"] = _ratio(row.get("cpu_ms_per_req"), relay.get("cpu_ms_per_req"))
             row["rps_ratio_vs_relay"] = _ratio(row.get("rps"), relay.get("rps"))
         litellm = rows.get((name, conc, "litellm"))
-        if arm == "proxy" and litellm is not None:
+        if arm == "proxy" and litellm is not None and not failed(litellm):
             # Throughput multiple (the issue's figure) and the per-request CPU multiple.
             row["rps_ratio_vs_litellm"] = _ratio(row.get("rps"), litellm.get("rps"), 1)
             row["litellm_cpu_ratio"] = _ratio(litellm.get("cpu_ms_per_req"), row.get("cpu_ms_per_req"), 1)
         if arm == "proxy" and by_name[name].background is not None:
             alone = rows.get((base_name, conc, "proxy"))
-            if alone is not None:
+            if alone is not None and not failed(alone):
                 for key in ("p50_ms", "p99_ms"):
                     if row.get(key) is not None and alone.get(key) is not None:
                         row[f"alone_{key}"] = alone[key]
@@ -119,7 +154,7 @@ def _main_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
             _fmt(r["cpu_ms_per_req"], 3),
             _fmt(r.get("redis_cpu_ms_per_req"), 3),
             _fmt(r["peak_rss_mib"], 1),
-            str(r["errors"]),
+            _errors_cell(r),
             _fmt(r.get("rps_ratio_vs_direct")),
             _fmt(r.get("p50_ratio_vs_direct")),
             _fmt(r.get("cpu_ratio_vs_relay")),
@@ -146,7 +181,7 @@ def _targets_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
         if len(floor_rounds) > 1:
             floor_spread = f" ({min(floor_rounds):.2f} to {max(floor_rounds):.2f})"
         ratio = r.get("cpu_ratio_vs_relay")
-        met = "-" if ratio is None else ("yes" if ratio <= TARGETS[name] else "**no**")
+        met = _met(ratio, ratio is not None and ratio <= TARGETS[name], r, relay)
         rounds = r.get("cpu_ratio_rounds") or []
         spread = f"{min(rounds):.2f} to {max(rounds):.2f}" if len(rounds) > 1 else "-"
         lines.append(
@@ -168,7 +203,7 @@ def add_round_ratios(rows: Rows, raw: Mapping[tuple[str, int, str], list[dict[st
         row["cpu_ratio_rounds"] = [
             round(p["cpu_ms_per_req"] / q["cpu_ms_per_req"], 2)
             for p, q in zip(proxy, relay, strict=False)
-            if p.get("cpu_ms_per_req") and q.get("cpu_ms_per_req")
+            if p.get("cpu_ms_per_req") and q.get("cpu_ms_per_req") and not failed(p) and not failed(q)
         ]
 
 
@@ -189,13 +224,13 @@ def _litellm_table(rows: Rows, order: Mapping[str, int]) -> list[str]:
     lines += ["|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (name, conc, _arm), lite, proxy in sorted(pairs, key=lambda p: (p[0][1], order[p[0][0]])):
         ratio = proxy.get("rps_ratio_vs_litellm")
-        met = "-" if ratio is None else ("yes" if ratio >= LITELLM_TARGET else "**no**")
+        met = _met(ratio, ratio is not None and ratio >= LITELLM_TARGET, proxy, lite)
         lines.append(
             f"| {name} | {conc} | {_fmt(proxy['rps'], 0)} | {_fmt(lite['rps'], 0)} | {_fmt(ratio, 1)} "
             f"| ≥{LITELLM_TARGET:.0f} | {met} | {_fmt(proxy['cpu_ms_per_req'], 3)} "
             f"| {_fmt(lite['cpu_ms_per_req'], 3)} | {_fmt(proxy.get('litellm_cpu_ratio'), 1)} "
             f"| {_fmt(lite['p50_ms'])} | {_fmt(lite['p99_ms'])} | {_fmt(lite['peak_rss_mib'], 1)} "
-            f"| {lite['errors']} |"
+            f"| {_errors_cell(lite)} |"
         )
     return lines
 
@@ -234,6 +269,9 @@ def markdown(rows: Rows, settings: Settings, notes: list[str]) -> str:
         "Proxy and relay+redis rows also show Redis CPU ms/req. Ratios are arm / relay (same "
         "scenario's relay, or "
         "the baseline scenario's for the proxy-only scenarios).",
+        "- Errors in bold (⚠): that row's req/s and CPU ms/req count its failed calls too, its "
+        "latencies only the calls that succeeded; a row whose every call failed (all) gets no ratio "
+        "and meets no target.",
         *[f"- {note}" for note in notes],
         "",
     ]

@@ -1,0 +1,128 @@
+"""The benchmark (bench/): what its report makes of failed calls, how long the servers it starts
+live, and what a SIGTERM to its drivers leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from bench import loadgen, run, table
+from bench.scenarios import SCENARIOS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _row(
+    name: str, arm: str, *, rps: float, p50: float, cpu: float, requests: int, errors: int
+) -> dict[str, Any]:
+    return {
+        "scenario": name,
+        "concurrency": 16,
+        "arm": arm,
+        "requests": requests,
+        "ok": requests - errors,
+        "errors": errors,
+        "rps": rps,
+        "p50_ms": p50,
+        "p99_ms": p50 * 2,
+        "ttfb_p50_ms": None,
+        "cpu_ms_per_req": cpu,
+        "redis_cpu_ms_per_req": 0.01,
+        "peak_rss_mib": 100.0,
+    }
+
+
+def test_an_arm_whose_every_call_failed_is_compared_with_nothing_and_meets_no_target() -> None:
+    """A proxy that answers every call with a fast 502 (an upstream key it lacks, say) does not
+    come out as 'met: yes' at a fine ratio: its CPU per 'request' is that of an error answer."""
+    rows: table.Rows = {
+        ("nonstream-small", 16, "direct"): _row(
+            "nonstream-small", "direct", rps=5000, p50=3, cpu=0.09, requests=5000, errors=0
+        ),
+        ("nonstream-small", 16, "relay"): _row(
+            "nonstream-small", "relay", rps=2500, p50=6, cpu=0.17, requests=2500, errors=0
+        ),
+        ("nonstream-small", 16, "proxy"): _row(
+            "nonstream-small", "proxy", rps=6000, p50=2, cpu=0.2, requests=6000, errors=6000
+        ),
+    }
+    scenarios = [s for s in SCENARIOS if s.name == "nonstream-small"]
+    table.add_comparisons(rows, scenarios)
+    proxy = rows[("nonstream-small", 16, "proxy")]
+    assert proxy.get("cpu_ratio_vs_relay") is None, proxy
+    assert proxy.get("rps_ratio_vs_direct") is None, proxy
+    assert proxy.get("p50_ratio_vs_direct") is None, proxy
+    targets = "\n".join(table._targets_table(rows, {"nonstream-small": 0}))
+    assert "| yes |" not in targets, targets
+    assert "every call failed" in targets, targets
+    main = table._main_table(rows, {"nonstream-small": 0})
+    assert "**⚠ 6000 (all)**" in next(line for line in main if "| proxy |" in line)
+
+
+class _Fake:
+    """What ``run.main`` reads of a started stack, without starting one."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+def test_a_run_where_an_arm_had_errors_exits_non_zero_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose proxy failed a call or more exited 0, a CI job reading only its status none
+    the wiser: it exits 1 and names the arms in error last."""
+    server = _Fake(url="http://127.0.0.1:1", process=_Fake(pid=1), log_head=lambda _chars: "")
+    stack = _Fake(
+        upstream=server, relay=server, proxy=server, redis=server, litellm=None, arms=lambda s: s.arms
+    )
+
+    @contextlib.contextmanager
+    def stack_running(*_: Any) -> Iterator[_Fake]:
+        yield stack
+
+    def measure(_stack: Any, scenario: Any, arm: str, concurrency: int, _settings: Any) -> dict[str, Any]:
+        errors = 7 if arm == "proxy" else 0
+        record = _row(scenario.name, arm, rps=1000, p50=3, cpu=0.2, requests=1000, errors=errors)
+        return {**record, "concurrency": concurrency, "foreign_cpu_util": 0.0}
+
+    monkeypatch.setattr(run, "stack_running", stack_running)
+    monkeypatch.setattr(run, "measure", measure)
+    status = run.main(["--quick", "--scenarios", "nonstream-small", "--out", str(tmp_path)])
+    assert status == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "nonstream-small c=16 proxy (7)" in err[-1] and "exit status 1" in err[-1], err[-1]
+    assert "**⚠ 7**" in (tmp_path / "latest.md").read_text()
+
+
+async def test_loadgen_latencies_are_those_of_the_calls_that_succeeded() -> None:
+    """Two calls in three failed fast (a 502 at once) and one succeeded slowly: the p50 was a
+    failure's millisecond; it is now the successful calls' own."""
+    calls = itertools.count()
+
+    async def answer(_request: web.Request) -> web.Response:
+        if next(calls) % 3:
+            return web.json_response({"error": "bad gateway"}, status=502)
+        await asyncio.sleep(0.05)
+        return web.json_response({"choices": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with TestServer(app, host="127.0.0.1") as server:
+        url = str(server.make_url("/v1/chat/completions"))
+        result = await loadgen.LoadGen(loadgen.parse_args(["--url", url, "-c", "2", "-d", "0.5"])).run()
+        assert result["ok"] and result["errors"] > result["ok"], result
+        assert result["latency_ms"]["p50"] >= 50, result
+        assert result["latency_ms"]["mean"] >= 50, result
+
+        failing = loadgen.parse_args(["--url", url, "-c", "2", "-d", "0.3", "--expect-status", "201"])
+        result = await loadgen.LoadGen(failing).run()
+        assert result["ok"] == 0 and result["errors"], result
+        assert result["latency_ms"] == {"p50": None, "p90": None, "p99": None, "mean": None, "max": None}
