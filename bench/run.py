@@ -71,6 +71,16 @@ from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
 PYTHON = sys.executable
 
 
+# How long measure() lets an arm's load generator run beyond its warm-up and measured phase (its
+# start, the calls in flight at the end finishing) before it gives up on it.
+ARM_SLACK_S = 60.0
+# How long stop_background() waits for a background load generator's figures.
+BACKGROUND_STOP_S = 40.0
+# The stack's start after the upstream's: both relays (20 s each), Redis, the proxy's readiness
+# (60 s), with room to spare.
+START_S = 180.0
+
+
 def start_upstream(
     workdir: Path, max_seconds: float, *, chunk_delay_ms: float = 0.0, obfuscation: bool = False
 ) -> Server:
@@ -180,6 +190,32 @@ class Settings:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def planned_seconds(
+    settings: Settings, *, litellm: bool = False, profiled: Sequence[str] = (), profile_seconds: float = 0.0
+) -> float:
+    """The longest a run of this plan takes with every step at its own time limit: the upstream
+    and relays exit by themselves after it (should run.py die without stopping them), so they
+    outlive any run that is still going (a fixed 1,800 s ended a full ``--rounds 5`` midway)."""
+    total = START_S
+    if litellm:
+        total += litellm_arm.INSTALL_TIMEOUT_S + litellm_arm.START_TIMEOUT_S + 60  # + its smoke call
+    per_round = 0.0
+    for scenario in settings.scenarios:
+        arms = len(scenario.arms) + (1 if litellm and scenario.litellm else 0)
+        arm_s = settings.warmup_s + settings.duration_s + ARM_SLACK_S
+        if scenario.background is not None:
+            arm_s += BACKGROUND_STOP_S
+        per_round += arms * arm_s
+    total += settings.rounds * len(settings.concurrencies) * per_round
+    by_name = {s.name: s for s in SCENARIOS}
+    for name in profiled:
+        # Two passes (collapsed stacks, then speedscope): 1.5 s of load, then py-spy and the wait
+        # for the load generator, each bounded by profile_seconds + 60.
+        background = BACKGROUND_STOP_S if by_name[name].background is not None else 0.0
+        total += 2 * (1.5 + 2 * (profile_seconds + 60) + background)
+    return total
+
+
 def paced_rates(values: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, float]:
     """``--paced 800 stream-200=300``: requests/s per scenario name, ``*`` for the rest."""
     rates: dict[str, float] = {}
@@ -269,7 +305,7 @@ def stop_background(proc: subprocess.Popen[bytes], label: str) -> dict[str, Any]
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGTERM)  # loadgen ends its phase and prints its JSON
     try:
-        out, err = proc.communicate(timeout=40)
+        out, err = proc.communicate(timeout=BACKGROUND_STOP_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
@@ -302,7 +338,7 @@ def measure(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT)
     )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    bound = settings.warmup_s + settings.duration_s + 60
+    bound = settings.warmup_s + settings.duration_s + ARM_SLACK_S
     deadline = time.monotonic() + bound
     stderr_lines: list[str] = []
     try:
@@ -405,8 +441,14 @@ def measure(
 
 @contextlib.contextmanager
 def stack_running(
-    workdir: Path, settings: Settings, log_level: str, litellm_venv: Path | None, notes: list[str]
+    workdir: Path,
+    settings: Settings,
+    log_level: str,
+    litellm_venv: Path | None,
+    notes: list[str],
+    max_seconds: float,
 ) -> Iterator[Stack]:
+    """The servers of a run; the upstream and relays exit by themselves after ``max_seconds``."""
     servers: list[Server] = []
     # appendonly, as the proxy runs it; on loopback TCP (a Redis of its own host) unless
     # --redis-unix (the embedded default's unix socket)
@@ -415,13 +457,13 @@ def stack_running(
     try:
         upstream = start_upstream(
             workdir,
-            1800,
+            max_seconds,
             chunk_delay_ms=settings.extra.get("chunk_delay_ms", 0.0),
             obfuscation=settings.extra.get("obfuscation", False),
         )
         servers.append(upstream)
         relay_argv = [PYTHON, str(BENCH / "relay.py"), "--upstream", upstream.url, "--port", "0"]
-        relay_argv += ["--max-seconds", "1800"]
+        relay_argv += ["--max-seconds", str(int(max_seconds))]
         if settings.extra.get("relay_uvloop"):
             relay_argv.append("--uvloop")
         relay = start_ready_line("relay", relay_argv, workdir)
@@ -745,7 +787,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     try:
         litellm_venv = args.litellm_venv.resolve() if args.litellm else None
-        with stack_running(workdir, settings, args.proxy_log_level, litellm_venv, notes) as stack:
+        profiled = (args.profile or ["budgets-on"]) if args.profile is not None else []
+        max_seconds = planned_seconds(
+            settings, litellm=args.litellm, profiled=profiled, profile_seconds=args.profile_seconds
+        )
+        with stack_running(
+            workdir, settings, args.proxy_log_level, litellm_venv, notes, max_seconds
+        ) as stack:
             print(
                 f"bench: upstream {stack.upstream.url}, relay {stack.relay.url}, proxy {stack.proxy.url} "
                 f"(pid {stack.proxy.process.pid}), redis {stack.redis.url}; workdir {workdir}",
@@ -779,7 +827,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"LiteLLM exited during the run (code {stack.litellm.process.returncode}): its later "
                     f"arms were skipped. Log tail: {stack.litellm.log_tail(300)!r}"
                 )
-            for name in (args.profile or ["budgets-on"]) if args.profile is not None else []:
+            for name in profiled:
                 for path in profile(stack, settings, name, args.profile_seconds, args.out):
                     print(f"bench: profile written to {path}", file=sys.stderr)
                     if path.name.endswith(".collapsed.txt"):

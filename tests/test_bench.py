@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bench import loadgen, run, table
-from bench.scenarios import SCENARIOS
+from bench.procstats import Server
+from bench.scenarios import SCENARIOS, encoding_installed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,3 +128,38 @@ async def test_loadgen_latencies_are_those_of_the_calls_that_succeeded() -> None
         result = await loadgen.LoadGen(failing).run()
         assert result["ok"] == 0 and result["errors"], result
         assert result["latency_ms"] == {"p50": None, "p90": None, "p99": None, "mean": None, "max": None}
+
+
+class _Abort(Exception):
+    pass
+
+
+def test_the_upstream_and_relays_outlive_a_full_run_of_five_rounds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``bench/run.py --rounds 5`` (what the README advises) measures for longer than the 1,800 s
+    after which the upstream and both relays exited by themselves: the run died midway with
+    'bench: upstream died'. Their bound follows the planned run, and stays a bound."""
+    seen: dict[str, float] = {}
+
+    def fake_upstream(workdir: Path, max_seconds: float, **_: Any) -> Server:
+        seen["upstream"] = max_seconds
+        gone = types.SimpleNamespace(poll=lambda: 0, pid=0)  # already ended: stop() leaves it
+        return Server("upstream", gone, "http://127.0.0.1:1/v1", workdir / "u.log")  # type: ignore[arg-type]
+
+    def fake_ready_line(name: str, argv: list[str], workdir: Path, timeout_s: float = 20.0) -> Server:
+        seen[name] = float(argv[argv.index("--max-seconds") + 1])
+        raise _Abort
+
+    monkeypatch.setattr(run, "start_upstream", fake_upstream)
+    monkeypatch.setattr(run, "start_ready_line", fake_ready_line)
+    with pytest.raises(_Abort):
+        run.main(["--rounds", "5", "--out", str(tmp_path)])
+    # The measured arms alone, no start-up, no loadgen start, no LiteLLM: a lower bound.
+    arms = sum(
+        len(s.arms) for s in SCENARIOS if s.needs_encoding is None or encoding_installed(s.needs_encoding)
+    )
+    planned = 5 * 3 * arms * (1.5 + 5.0)
+    assert planned > 1800
+    assert planned <= seen["upstream"] < 24 * 3600, (seen, planned)
+    assert planned <= seen["relay"] < 24 * 3600, (seen, planned)
