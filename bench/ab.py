@@ -33,7 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.procstats import Server, cpu_seconds  # noqa: E402
+from bench.procstats import Server, cpu_seconds, sigterm_exits  # noqa: E402
 from bench.run import Settings, loadgen_argv, start_proxy, start_upstream  # noqa: E402
 from bench.scenarios import SCENARIOS, proxy_config  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
@@ -136,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         {"paced": {"*": args.rate}},
     )
     servers: list[Server] = []
-    with tempfile.TemporaryDirectory(prefix="ab-") as scratch, worktree(args.base) as base_root:
+    # SIGTERM runs the cleanups below: servers stopped, work dir and worktree removed.
+    with (
+        sigterm_exits(),
+        tempfile.TemporaryDirectory(prefix="ab-") as scratch,
+        worktree(args.base) as base_root,
+    ):
         workdir = Path(scratch)
         redis = RedisServerProcess(workdir / "redis", port=free_port())
         try:

@@ -187,13 +187,16 @@ def start(venv: Path, workdir: Path, upstream_url: str, upstream_key: str, worke
     url = f"http://127.0.0.1:{port}"
     server = Server("litellm", process, url, log_path)
     started = time.monotonic()
-    wait_http_ok(url + "/health/liveliness", server, timeout_s=START_TIMEOUT_S)
     try:
+        wait_http_ok(url + "/health/liveliness", server, timeout_s=START_TIMEOUT_S)
         if process.poll() is not None:
             raise OSError(f"exited with code {process.returncode}")
         _smoke(url)
     except (OSError, urllib.error.URLError, ValueError) as err:
         server.stop()
         raise Unavailable(f"the LiteLLM proxy did not start ({err}): {server.log_tail(1500)}") from None
+    except BaseException:
+        server.stop()  # a SIGTERM's SystemExit while it starts: no caller holds it yet to stop it
+        raise
     _say(f"LiteLLM {LITELLM_VERSION} ready at {url} (pid {process.pid}) in {time.monotonic() - started:.0f}s")
     return server

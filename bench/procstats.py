@@ -12,9 +12,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -129,6 +130,28 @@ class Server:
             return ""
 
 
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While this holds, SIGTERM (``kill``, a CI job's timeout) raises SystemExit(143) in the main
+    thread, as Ctrl-C raises KeyboardInterrupt: a driver's ``finally`` blocks then stop the
+    servers it started and remove its work dir, where Python's default action would end it at
+    once and leave them (the proxy and Redis for good). Only the first SIGTERM raises, so that a
+    second one does not cut that cleanup short."""
+    raised = False
+
+    def on_sigterm(signum: int, _frame: FrameType | None) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def start_ready_line(name: str, argv: list[str], workdir: Path, timeout_s: float = 20.0) -> Server:
     """Start a bench helper that prints ``READY <url>`` on stdout when it listens."""
     log_path = workdir / f"{name}.log"
@@ -138,16 +161,22 @@ def start_ready_line(name: str, argv: list[str], workdir: Path, timeout_s: float
     )
     assert process.stdout is not None
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 0.2)
-        if ready:
-            line = process.stdout.readline().decode().strip()
-            if line.startswith("READY "):
-                return Server(name, process, line.split(" ", 1)[1], log_path)
-            if not line and process.poll() is not None:
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([process.stdout], [], [], 0.2)
+            if ready:
+                line = process.stdout.readline().decode().strip()
+                if line.startswith("READY "):
+                    return Server(name, process, line.split(" ", 1)[1], log_path)
+                if not line and process.poll() is not None:
+                    break
+            elif process.poll() is not None:
                 break
-        elif process.poll() is not None:
-            break
+    except BaseException:
+        # A SIGTERM's SystemExit while it starts: no caller holds it yet to stop it.
+        process.kill()
+        process.wait()
+        raise
     process.kill()
     process.wait()
     raise SystemExit(f"bench: {name} did not start: {log_path.read_text(errors='replace')[-2000:]}")

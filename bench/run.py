@@ -48,6 +48,7 @@ from bench.procstats import (  # noqa: E402
     cpu_seconds,
     peak_rss_mib,
     reset_peak_rss,
+    sigterm_exits,
     start_ready_line,
     system_busy_seconds,
     wait_http_ok,
@@ -119,7 +120,11 @@ def start_proxy(
     config = yaml.safe_load(config_path.read_text())
     url = f"http://127.0.0.1:{config['listen']['port']}"
     server = Server("proxy", process, url, log_path)
-    wait_http_ok(url + "/readyz", server, timeout_s=ready_timeout_s)
+    try:
+        wait_http_ok(url + "/readyz", server, timeout_s=ready_timeout_s)
+    except BaseException:
+        server.stop()  # a SIGTERM's SystemExit while it starts: no caller holds it yet to stop it
+        raise
     if process.poll() is not None:
         tail = server.log_tail()
         hint = ""
@@ -584,6 +589,9 @@ def profile(stack: Stack, settings: Settings, name: str, seconds: float, out_dir
             written.append(path)
         except subprocess.CalledProcessError as err:
             print(f"bench: py-spy failed: {err.stderr.decode(errors='replace')[-1000:]}", file=sys.stderr)
+        except BaseException:
+            load.kill()  # a SIGTERM's SystemExit: its load is not waited out
+            raise
         finally:
             load.wait(timeout=seconds + 60)
             if background is not None:
@@ -782,69 +790,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     settings.extra["pin"] = sorted(pinning[0]) if pinning else None
     args.out.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
-    started = time.monotonic()
-    raw: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    try:
-        litellm_venv = args.litellm_venv.resolve() if args.litellm else None
-        profiled = (args.profile or ["budgets-on"]) if args.profile is not None else []
-        max_seconds = planned_seconds(
-            settings, litellm=args.litellm, profiled=profiled, profile_seconds=args.profile_seconds
-        )
-        with stack_running(
-            workdir, settings, args.proxy_log_level, litellm_venv, notes, max_seconds
-        ) as stack:
-            print(
-                f"bench: upstream {stack.upstream.url}, relay {stack.relay.url}, proxy {stack.proxy.url} "
-                f"(pid {stack.proxy.process.pid}), redis {stack.redis.url}; workdir {workdir}",
-                file=sys.stderr,
+    # SIGTERM runs the finally blocks below: servers stopped, work dir removed.
+    with sigterm_exits():
+        workdir = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
+        started = time.monotonic()
+        raw: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+        try:
+            litellm_venv = args.litellm_venv.resolve() if args.litellm else None
+            profiled = (args.profile or ["budgets-on"]) if args.profile is not None else []
+            max_seconds = planned_seconds(
+                settings, litellm=args.litellm, profiled=profiled, profile_seconds=args.profile_seconds
             )
-            if pinning is not None:
-                pin_servers(stack, pinning[0])
-            for round_no in range(settings.rounds):
-                for concurrency in settings.concurrencies:
-                    for scenario in scenarios:
-                        # direct, relay, relay+redis, proxy (and litellm) in alternation; every
-                        # other round in reverse, so a machine speeding up or slowing down over a
-                        # round does not always favour the same arm
-                        arms = stack.arms(scenario)
-                        for arm in arms[::-1] if round_no % 2 else arms:
-                            record = measure(stack, scenario, arm, concurrency, settings)
-                            record["round"] = round_no
-                            raw.setdefault((scenario.name, concurrency, arm), []).append(record)
-                            cpu = record["cpu_ms_per_req"]
-                            cpu_text = "-" if cpu is None else f"{cpu:.3f}"
-                            print(
-                                f"bench: {scenario.name:20} c={concurrency:<3} {arm:11} "
-                                f"{record['rps']:8.0f} req/s  p50 {record['p50_ms'] or 0:7.2f} ms  "
-                                f"p99 {record['p99_ms'] or 0:7.2f} ms  "
-                                f"CPU {cpu_text} ms/req  errors {record['errors']}",
-                                file=sys.stderr,
-                            )
-            notes += encoding_notes(stack.proxy.log_head(200_000))
-            if stack.litellm is not None and stack.litellm.process.poll() is not None:
-                notes.append(
-                    f"LiteLLM exited during the run (code {stack.litellm.process.returncode}): its later "
-                    f"arms were skipped. Log tail: {stack.litellm.log_tail(300)!r}"
+            with stack_running(
+                workdir, settings, args.proxy_log_level, litellm_venv, notes, max_seconds
+            ) as stack:
+                print(
+                    f"bench: upstream {stack.upstream.url}, relay {stack.relay.url}, proxy {stack.proxy.url} "
+                    f"(pid {stack.proxy.process.pid}), redis {stack.redis.url}; workdir {workdir}",
+                    file=sys.stderr,
                 )
-            for name in profiled:
-                for path in profile(stack, settings, name, args.profile_seconds, args.out):
-                    print(f"bench: profile written to {path}", file=sys.stderr)
-                    if path.name.endswith(".collapsed.txt"):
-                        summary = subprocess.run(
-                            [PYTHON, str(BENCH / "profile_report.py"), str(path)],
-                            capture_output=True,
-                            text=True,
-                            timeout=60,
-                        ).stdout
-                        summary_path = path.with_name(path.name.replace(".collapsed.txt", ".md"))
-                        summary_path.write_text(summary)
-                        print(f"bench: profile summary in {summary_path}", file=sys.stderr)
-    finally:
-        if args.keep_workdir:
-            print(f"bench: workdir kept: {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+                if pinning is not None:
+                    pin_servers(stack, pinning[0])
+                for round_no in range(settings.rounds):
+                    for concurrency in settings.concurrencies:
+                        for scenario in scenarios:
+                            # direct, relay, relay+redis, proxy (and litellm) in alternation; every
+                            # other round in reverse, so a machine speeding up or slowing down over a
+                            # round does not always favour the same arm
+                            arms = stack.arms(scenario)
+                            for arm in arms[::-1] if round_no % 2 else arms:
+                                record = measure(stack, scenario, arm, concurrency, settings)
+                                record["round"] = round_no
+                                raw.setdefault((scenario.name, concurrency, arm), []).append(record)
+                                cpu = record["cpu_ms_per_req"]
+                                cpu_text = "-" if cpu is None else f"{cpu:.3f}"
+                                print(
+                                    f"bench: {scenario.name:20} c={concurrency:<3} {arm:11} "
+                                    f"{record['rps']:8.0f} req/s  p50 {record['p50_ms'] or 0:7.2f} ms  "
+                                    f"p99 {record['p99_ms'] or 0:7.2f} ms  "
+                                    f"CPU {cpu_text} ms/req  errors {record['errors']}",
+                                    file=sys.stderr,
+                                )
+                notes += encoding_notes(stack.proxy.log_head(200_000))
+                if stack.litellm is not None and stack.litellm.process.poll() is not None:
+                    notes.append(
+                        f"LiteLLM exited during the run (code {stack.litellm.process.returncode}): its later "
+                        f"arms were skipped. Log tail: {stack.litellm.log_tail(300)!r}"
+                    )
+                for name in profiled:
+                    for path in profile(stack, settings, name, args.profile_seconds, args.out):
+                        print(f"bench: profile written to {path}", file=sys.stderr)
+                        if path.name.endswith(".collapsed.txt"):
+                            summary = subprocess.run(
+                                [PYTHON, str(BENCH / "profile_report.py"), str(path)],
+                                capture_output=True,
+                                text=True,
+                                timeout=60,
+                            ).stdout
+                            summary_path = path.with_name(path.name.replace(".collapsed.txt", ".md"))
+                            summary_path.write_text(summary)
+                            print(f"bench: profile summary in {summary_path}", file=sys.stderr)
+        finally:
+            if args.keep_workdir:
+                print(f"bench: workdir kept: {workdir}", file=sys.stderr)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
 
     rows = {key: median_record(records) for key, records in raw.items()}
     add_comparisons(rows, scenarios)

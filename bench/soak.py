@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
-from bench.procstats import Server, cpu_seconds, process_tree  # noqa: E402
+from bench.procstats import Server, cpu_seconds, process_tree, sigterm_exits  # noqa: E402
 from bench.run import RESULTS, git_revision, start_proxy, start_upstream  # noqa: E402
 from bench.scenarios import KEYS, SMALL_PROMPT, proxy_config  # noqa: E402
 from proxy.redis_server import RedisServerProcess, free_port  # noqa: E402
@@ -300,24 +300,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.batches = min(args.batches, args.calls)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="llm-proxy-soak-"))
     started = time.monotonic()
-    try:
-        with soak_stack(workdir, args.proxy_log_level, args.max_seconds) as stack, args.out.open("w") as out:
-            print(
-                f"soak: upstream {stack.upstream.url}, proxy {stack.proxy.url} (pid "
-                f"{stack.proxy.process.pid}), redis {stack.redis.url}; workdir {workdir}\n"
-                f"soak: {args.calls} calls, concurrency {args.concurrency}, every "
-                f"{args.stream_every or '-'}th a {args.chunks}-chunk stream; tenant {TENANT!r}, tier "
-                f"{TIER!r}, run ids {RUN_ID_PREFIX}-0..{RUN_ID_PREFIX}-{args.concurrency - 1}",
-                file=sys.stderr,
-            )
-            summary = asyncio.run(drive(stack, args, out))
-    finally:
-        if args.keep_workdir:
-            print(f"soak: workdir kept: {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    # SIGTERM runs the finally blocks below: servers stopped, work dir removed.
+    with sigterm_exits():
+        workdir = Path(tempfile.mkdtemp(prefix="llm-proxy-soak-"))
+        try:
+            with (
+                soak_stack(workdir, args.proxy_log_level, args.max_seconds) as stack,
+                args.out.open("w") as out,
+            ):
+                print(
+                    f"soak: upstream {stack.upstream.url}, proxy {stack.proxy.url} (pid "
+                    f"{stack.proxy.process.pid}), redis {stack.redis.url}; workdir {workdir}\n"
+                    f"soak: {args.calls} calls, concurrency {args.concurrency}, every "
+                    f"{args.stream_every or '-'}th a {args.chunks}-chunk stream; tenant {TENANT!r}, tier "
+                    f"{TIER!r}, run ids {RUN_ID_PREFIX}-0..{RUN_ID_PREFIX}-{args.concurrency - 1}",
+                    file=sys.stderr,
+                )
+                summary = asyncio.run(drive(stack, args, out))
+        finally:
+            if args.keep_workdir:
+                print(f"soak: workdir kept: {workdir}", file=sys.stderr)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
 
     s = summary
     print()

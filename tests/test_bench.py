@@ -6,6 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bench import loadgen, run, table
-from bench.procstats import Server
+from bench.procstats import Server, process_tree
 from bench.scenarios import SCENARIOS, encoding_installed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,3 +169,85 @@ def test_the_upstream_and_relays_outlive_a_full_run_of_five_rounds(
     assert planned > 1800
     assert planned <= seen["upstream"] < 24 * 3600, (seen, planned)
     assert planned <= seen["relay"] < 24 * 3600, (seen, planned)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []
+
+
+# Each driver with a long run, and what shows it is under way: run.py's and ab.py's first arm's
+# load generator in its process tree, soak.py's line before it drives its calls (in-process).
+DRIVERS = {
+    "run": (
+        ["--quick", "--scenarios", "nonstream-small", "--duration", "30", "--warmup", "0.5"],
+        "loadgen.py",
+    ),
+    "soak": (["--calls", "1000000", "--max-seconds", "60"], "soak: 1000000 calls"),
+    "ab": (["--rounds", "1", "--duration", "30", "--warmup", "0.5"], "loadgen.py"),
+}
+
+
+@pytest.mark.parametrize("driver", sorted(DRIVERS))
+def test_sigterm_to_a_benchmark_driver_stops_its_servers_and_removes_its_workdirs(
+    driver: str, tmp_path: Path
+) -> None:
+    """``kill <run.py>`` (a CI job's timeout, a supervisor) left the upstream, relays, proxy, Redis
+    and load generator running (the proxy and Redis for ever) and the work dir in /tmp, as did
+    soak.py and ab.py (its git worktree too): SIGTERM now runs their cleanup."""
+    args, under_way = DRIVERS[driver]
+    out = {"run": ["--out", str(tmp_path)], "soak": ["--out", str(tmp_path / "soak.jsonl")], "ab": []}[driver]
+    argv = [sys.executable, str(ROOT / "bench" / f"{driver}.py"), *args, *out]
+    stderr = tmp_path / "stderr"
+    with stderr.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, cwd=str(ROOT))
+    tree: list[int] = []
+    dirs: set[Path] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while under_way not in stderr.read_text() and not any(
+            under_way in " ".join(_cmdline(pid)) for pid in tree
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-2000:]
+            time.sleep(0.2)
+            tree = [pid for pid in process_tree(proc.pid) if pid != proc.pid]
+        time.sleep(0.5)  # into the calls
+        tree = [pid for pid in process_tree(proc.pid) if pid != proc.pid]
+        for pid in tree:
+            cmdline = _cmdline(pid)
+            if "serve" in cmdline:  # a proxy: its config is in the driver's work dir
+                config = Path(cmdline[cmdline.index("--config") + 1])
+                dirs.add(config.parent if config.parent.name not in ("A", "B") else config.parent.parent)
+                cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+                if cwd != ROOT:
+                    dirs.add(cwd.parent)  # ab.py's worktree of --base is in a temporary dir of its own
+        assert dirs, tree
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 5
+        while (left := [pid for pid in tree if _alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, [" ".join(_cmdline(pid))[:120] for pid in left]
+        assert not [path for path in dirs if path.exists()], dirs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in tree:
+            if _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        for path in dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        if driver == "ab":
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
