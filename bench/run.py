@@ -128,7 +128,8 @@ def start_proxy(
     if process.poll() is not None:
         tail = server.log_tail()
         hint = ""
-        if workers is not None and "--workers" in tail:
+        # argparse's refusal of an option it does not know; not the proxy refusing a value of it.
+        if workers is not None and re.search(r"unrecognized arguments:.*--workers", tail):
             hint = "\nbench: this proxy does not accept --workers yet (run without --workers)."
         raise SystemExit(
             f"bench: the proxy exited at start (code {process.returncode}): {' '.join(argv)}\n{tail}{hint}"

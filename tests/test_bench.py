@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bench import loadgen, run, table
 from bench.procstats import Server, process_tree
-from bench.scenarios import SCENARIOS, encoding_installed
+from bench.scenarios import SCENARIOS, encoding_installed, proxy_config
+from proxy.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -251,3 +253,26 @@ def test_sigterm_to_a_benchmark_driver_stops_its_servers_and_removes_its_workdir
             shutil.rmtree(path, ignore_errors=True)
         if driver == "ab":
             subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+
+
+def test_a_proxy_refusing_a_workers_value_is_not_said_to_lack_the_option(tmp_path: Path) -> None:
+    """``run.py --workers 0``: the proxy refuses the value ('--workers must be at least 1') and
+    the benchmark said it did not accept --workers at all; that hint is for an option unknown."""
+    config_path = tmp_path / "proxy.yaml"
+    config = proxy_config(free_port(), "http://127.0.0.1:1/v1", "redis://127.0.0.1:1", "info")
+    config_path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as refused:
+        run.start_proxy(config_path, tmp_path, 0)
+    assert "--workers must be at least 1" in str(refused.value)
+    assert "does not accept --workers" not in str(refused.value)
+
+    # A proxy of before --workers: its argparse knows no such option.
+    older = tmp_path / "older"
+    (older / "proxy").mkdir(parents=True)
+    parser = (
+        "import argparse; p = argparse.ArgumentParser(); p.add_argument('serve'); p.add_argument('--config')"
+    )
+    (older / "proxy" / "__main__.py").write_text(parser + "\np.parse_args()\n")
+    with pytest.raises(SystemExit) as unknown:
+        run.start_proxy(config_path, tmp_path, 2, root=older)
+    assert "does not accept --workers yet" in str(unknown.value)
