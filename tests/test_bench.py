@@ -276,3 +276,10 @@ def test_a_proxy_refusing_a_workers_value_is_not_said_to_lack_the_option(tmp_pat
     with pytest.raises(SystemExit) as unknown:
         run.start_proxy(config_path, tmp_path, 2, root=older)
     assert "does not accept --workers yet" in str(unknown.value)
+
+
+def test_loadgen_runs_the_duration_asked_beyond_its_requests_mode_bound() -> None:
+    """``run.py --duration 300`` had its load generators measure 120 s, cut to the --max-seconds
+    bound of --requests mode without a word, while the report said 300."""
+    args = loadgen.parse_args(["--url", "http://127.0.0.1:1/v1/chat/completions", "--duration", "300"])
+    assert args.duration == 300
