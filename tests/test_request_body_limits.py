@@ -188,6 +188,11 @@ async def longest_stall(answer: Awaitable[T]) -> tuple[T, float]:
     return result, max(gaps)
 
 
+# Decoding the bomb whole stalls the loop 1.5 s and more; a loaded machine (CI beside other work)
+# has stalled it 0.7 s without decoding anything.
+DECODED_STALL_S = 1.0
+
+
 @pytest.mark.parametrize(
     ("path", "key", "status"),
     [
@@ -206,7 +211,7 @@ async def test_a_compressed_body_refused_unread_is_not_decoded_after_its_answer(
         send(proxy, lambda: fake.received, redis_client, path, body, headers=headers)
     )
     assert_refused(reply, status)  # the answer arrives whole before the connection ends
-    assert stall < 0.5, f"the event loop froze {stall:.2f} s for one {len(body)}-byte request"
+    assert stall < DECODED_STALL_S, f"the event loop froze {stall:.2f} s for one {len(body)}-byte request"
     assert reply.headers.get("Connection", "").lower() == "close", reply.describe()
 
 
@@ -219,7 +224,7 @@ async def test_a_compressed_body_sent_despite_its_refused_expectation_is_not_dec
     answer, stall = await longest_stall(answer_to(proxy, head + body))
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
     assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:300]
-    assert stall < 0.5, f"the event loop froze {stall:.2f} s for one {len(body)}-byte request"
+    assert stall < DECODED_STALL_S, f"the event loop froze {stall:.2f} s for one {len(body)}-byte request"
 
 
 # -- a chunked body's trailer and the connection's next request ----------------------------------
