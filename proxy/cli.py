@@ -304,7 +304,9 @@ def _store_config(args: argparse.Namespace) -> Config:
     else:
         # --redis-url, or the embedded default of this directory: where ``serve --upstream``
         # (zero config) keeps its ledger. No store there is an error (``store_url``).
-        config = passthrough_config("http://unused.invalid", host="127.0.0.1", port=0, redis_url=None)
+        config = passthrough_config(
+            "http://unused.invalid", host="127.0.0.1", port=0, redis_url=None, environ={}
+        )
     config = with_flags(config, redis_url=args.redis_url or None)
     setup_logging("warning", "text")
     return config

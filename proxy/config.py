@@ -29,7 +29,16 @@ from pydantic import (
 from redis.asyncio.connection import parse_url
 from yarl import URL
 
-from proxy.config_base import OTHER_MODEL, Frozen, Period, a_path_the_system_takes, not_a_bool
+from proxy.config_base import (
+    OTHER_MODEL,
+    USERINFO_CUT,
+    Frozen,
+    Period,
+    a_path_the_system_takes,
+    not_a_bool,
+    userinfo_cut,
+)
+from proxy.config_egress import EgressProxy, proxy_url_parts
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
@@ -46,16 +55,6 @@ MIN_LEDGER_RETENTION_S = 24 * 3600
 MAX_LEDGER_RETENTION_S = 10 * 366 * 24 * 3600
 # Repeated key names a refusal names: a file of thousands pasted twice would say them all.
 _NAMED_MOST = 5
-
-USERINFO_CUT = (
-    "its user name or password holds '/', '?', '#' or '@' (percent-encode them: %2F, %3F, %23, %40)"
-)
-
-
-def _userinfo_cut(url: str) -> bool:
-    """Whether a '@' after the address's start is not where the address ends: a password with an
-    unescaped '/', '?' or '#' ends it early, and what follows reads as port, path or query."""
-    return "@" in url.partition("://")[2] and "@" not in urlsplit(url).netloc
 
 
 class ListenConfig(Frozen):
@@ -121,7 +120,7 @@ class RedisConfig(Frozen):
         except ValueError:
             # A password with an unescaped '/', '?' or '#' ends the address early: the rest of it
             # reads as the port, the database or an option, which the messages below quote.
-            if _userinfo_cut(value):
+            if userinfo_cut(value):
                 raise ValueError(f"invalid Redis URL: {USERINFO_CUT}") from None
             raise
 
@@ -218,13 +217,38 @@ class UpstreamConfig(Frozen):
     # server that refuses the field (Mistral's API: 422, every stream failed) and tells its usage
     # unasked; a stream that then tells none is billed on a count of its text.
     stream_usage_option: bool = True
+    # The egress proxy (http://HOST:PORT) its calls go through. Unset: the environment's
+    # (HTTPS_PROXY...: ``config_egress``); null or "": none, whatever the environment says.
+    proxy: str | None = None
+    # The variable holding the proxy's USER:PASSWORD: its password out of the file.
+    proxy_auth_env: str | None = None
+    # The proxy in force, resolved at load (``config_load``) from the file and the environment.
+    egress: EgressProxy | None = Field(default=None, exclude=True)
+
+    @field_validator("proxy")
+    @classmethod
+    def _http_proxy(cls, value: str | None) -> str | None:
+        if value:
+            proxy_url_parts(value)
+        return value
+
+    @model_validator(mode="after")
+    def _proxy_credentials(self) -> Self:
+        if self.proxy_auth_env and not self.proxy:
+            raise ValueError(
+                "proxy_auth_env: names the credentials of the upstream's own proxy: give proxy too "
+                "(an environment's proxy carries its credentials in its URL)"
+            )
+        if self.proxy_auth_env and self.proxy and urlsplit(self.proxy).netloc.count("@"):
+            raise ValueError("proxy: credentials in the URL and proxy_auth_env cannot go together")
+        return self
 
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
         if not re.match(r"^https?://[^\s/]+", value):
             raise ValueError("invalid URL")
-        if _userinfo_cut(value):
+        if userinfo_cut(value):
             # Never quoted (the rest of the password would read as the port), nor taken as it
             # reads: a numeric start of the password as the port, the call (and its key) to the
             # host named by the user name.

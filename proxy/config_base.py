@@ -11,6 +11,7 @@ from decimal import Decimal
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self, get_args
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -26,6 +27,15 @@ Period = Literal["minute", "hour", "day", "month"]
 PASSTHROUGH_TENANT = "passthrough"
 PASSTHROUGH_TENANT_ID = re.compile(r"pt-[0-9a-f]{12}(?:[0-9a-f]{20})?")
 OTHER_MODEL = "other"
+USERINFO_CUT = (
+    "its user name or password holds '/', '?', '#' or '@' (percent-encode them: %2F, %3F, %23, %40)"
+)
+
+
+def userinfo_cut(url: str) -> bool:
+    """Whether a '@' after the address's start is not where the address ends: a password with an
+    unescaped '/', '?' or '#' ends it early, and what follows reads as port, path or query."""
+    return "@" in url.partition("://")[2] and "@" not in urlsplit(url).netloc
 
 
 def past_six_places(value: Decimal) -> bool:

@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, ValidationError
 
-from proxy.config import Config, ListenConfig, RedisConfig
+from proxy.config import Config, ListenConfig, RedisConfig, UpstreamConfig
+from proxy.config_egress import EgressProxy, from_environment, latin1, proxy_url_parts
 from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.errors import ConfigError
 
@@ -179,7 +180,10 @@ def parse_config(
                 log.warning(said)
             else:
                 warnings.append(said)
-        upstreams[name] = upstream.model_copy(update={"api_key": SecretStr(key) if key else None})
+        update: dict[str, object] = {"api_key": SecretStr(key) if key else None}
+        if key_secrets:  # the ledger and report commands call no upstream
+            update["egress"] = _egress(name, upstream, environ, warnings)
+        upstreams[name] = upstream.model_copy(update=update)
     if not key_secrets:
         return config.model_copy(update={"redis": redis, "upstreams": upstreams})
     digests = [(_digest("keys", key, environ), key) for key in config.keys]
@@ -196,6 +200,54 @@ def parse_config(
             raise ConfigError(f"admin_keys.{admin_key.name}: the same secret as keys.{named[digest]}")
     return config.model_copy(
         update={"redis": redis, "upstreams": upstreams, "key_digests": tuple(digests), "admin_digests": admin}
+    )
+
+
+def _egress(
+    name: str, upstream: UpstreamConfig, environ: Mapping[str, str], warnings: list[str] | None
+) -> EgressProxy | None:
+    """The egress proxy ``upstream``'s calls go through: its own ``proxy`` (null or "": none),
+    else the one the environment names for it (``config_egress.from_environment``)."""
+    if "proxy" in upstream.model_fields_set:
+        if not upstream.proxy:
+            return None
+        url, user, password = proxy_url_parts(upstream.proxy)  # checked with the file
+        field = f"upstreams.{name}.proxy_auth_env"
+        credentials = _secret(field, upstream.proxy_auth_env, environ)
+        if upstream.proxy_auth_env and not credentials:
+            # As an unset api_key_env: said, not refused; the proxy's 407 then fails each call
+            # before it goes out (nothing billed).
+            said = f"{field}: {upstream.proxy_auth_env} is not set: calls go to the proxy without credentials"
+            if warnings is None:
+                log.warning(said)
+            else:
+                warnings.append(said)
+        elif credentials:
+            user, colon, password = credentials.partition(":")
+            if not colon:
+                raise ConfigError(
+                    f"{field}: environment variable {upstream.proxy_auth_env} must hold USER:PASSWORD"
+                )
+            if not (latin1(user) and latin1(password)):
+                raise ConfigError(
+                    f"{field}: environment variable {upstream.proxy_auth_env} has a character outside "
+                    "latin-1, which HTTP basic auth cannot carry"
+                )
+        source = f"upstreams.{name}.proxy"
+    else:
+        named = from_environment(upstream.base_url, environ)
+        if named is None:
+            return None
+        source, value = named
+        try:
+            url, user, password = proxy_url_parts(value)
+        except ValueError as err:
+            raise ConfigError(
+                f"upstreams.{name}: the egress proxy {source} names: {err}; or give the upstream "
+                'proxy: "" to reach it directly'
+            ) from None
+    return EgressProxy(
+        url=url, user=user, password=None if password is None else SecretStr(password), source=source
     )
 
 
@@ -300,8 +352,16 @@ def load_config(
     )
 
 
-def passthrough_config(upstream_url: str, *, host: str, port: int, redis_url: str | None) -> Config:
-    """Zero-config mode: every model goes to one upstream with the caller's own key."""
+def passthrough_config(
+    upstream_url: str,
+    *,
+    host: str,
+    port: int,
+    redis_url: str | None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Zero-config mode: every model goes to one upstream with the caller's own key, through the
+    egress proxy ``environ`` names (HTTPS_PROXY...; None: the process's environment)."""
     raw = {
         "listen": {"host": host, "port": port},
         "redis": {"url": redis_url},
@@ -309,7 +369,7 @@ def passthrough_config(upstream_url: str, *, host: str, port: int, redis_url: st
         "models": {"*": {"upstream": "default"}},
     }
     try:
-        return parse_config(raw, {})
+        return parse_config(raw, os.environ if environ is None else environ)
     except ConfigError as err:
         # No file: the fields are the flags' (a passthrough upstream sends the caller's key).
         message = str(err)

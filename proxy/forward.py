@@ -45,6 +45,9 @@ class TransportFailure:
 
     kind: FailureKind
     detail: str
+    # The client's x-should-retry, where the proxy knows better than the SDK's default (a 407:
+    # the same credentials are refused again).
+    retry: bool | None = None
 
     @property
     def went_out(self) -> bool:
@@ -71,12 +74,24 @@ class UpstreamSending:
     whole_timeout: aiohttp.ClientTimeout
     stream_timeout: aiohttp.ClientTimeout
     headers_within_s: float  # a stream's headers, from the start of its connection
+    # The egress proxy every request to the upstream goes through (None: none), and the
+    # Proxy-Authorization of its credentials: in the CONNECT of an https upstream
+    # (``proxy_headers``: never inside the tunnel, which the provider reads), on each request of
+    # an http one, which the proxy reads (in ``operator_headers`` and ``_headers``' copies).
+    proxy: URL | None
+    proxy_headers: dict[str, str] | None
 
     @classmethod
     def of(cls, upstream: UpstreamConfig) -> UpstreamSending:
         key = upstream.api_key.get_secret_value() if upstream.api_key is not None else None
-        in_url = url_credentials(upstream.base_url)
+        # The proxy's credentials are the operator's whoever's key goes: a proxy that passes its
+        # Proxy-Authorization on (an http upstream) to an upstream echoing it, or that quotes it
+        # in an error page it answers, must not show them to a caller.
+        egress = upstream.egress
+        proxy_auth = proxy_authorization(upstream)
+        in_url = (*url_credentials(upstream.base_url), *proxy_credentials(upstream))
         sought = (key,) if key is not None and len(key) >= _MIN_SECRET else ()
+        tunnelled = upstream.base_url.startswith("https:")
         return cls(
             base_url=upstream.base_url,
             kind=upstream.kind,
@@ -91,6 +106,8 @@ class UpstreamSending:
                 total=None, connect=upstream.connect_timeout_s, sock_read=upstream.timeout_s
             ),
             headers_within_s=upstream.connect_timeout_s + upstream.timeout_s,
+            proxy=None if egress is None else URL(egress.url),
+            proxy_headers={PROXY_AUTHORIZATION: proxy_auth} if proxy_auth and tunnelled else None,
         )
 
 
@@ -108,6 +125,9 @@ def _headers(upstream: UpstreamConfig, key: str | None, scope: tuple[tuple[str, 
     """A call's headers with ``key`` (None: none) and, beside a pass-through upstream's bearer
     key, the caller's ``scope``."""
     headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    proxy_auth = proxy_authorization(upstream)
+    if proxy_auth is not None and not upstream.base_url.startswith("https:"):
+        headers[PROXY_AUTHORIZATION] = proxy_auth  # see ``UpstreamSending.proxy_headers``
     if upstream.kind == "anthropic":
         headers["anthropic-version"] = upstream.anthropic_version
         if key:
@@ -206,6 +226,43 @@ def url_credentials(base_url: str) -> tuple[str, ...]:
     if len(part) >= _MIN_SECRET:
         out.append(part)
     return tuple(out)
+
+
+PROXY_AUTHORIZATION = "Proxy-Authorization"
+
+
+def proxy_authorization(upstream: UpstreamConfig) -> str | None:
+    """The Proxy-Authorization of ``upstream``'s egress proxy (None: no proxy, or none without
+    credentials)."""
+    egress = upstream.egress
+    if egress is None or (egress.user is None and egress.password is None):
+        return None
+    password = "" if egress.password is None else egress.password.get_secret_value()
+    # latin-1, as the config checked it and as servers read basic auth.
+    return aiohttp.encode_basic_auth(egress.user or "", password, encoding="latin1")
+
+
+def proxy_credentials(upstream: UpstreamConfig) -> tuple[str, ...]:
+    """An egress proxy's credentials sought in answers: the basic auth token it is sent, and the
+    password (or a user name that is a token of its own), as ``url_credentials``."""
+    authorization = proxy_authorization(upstream)
+    egress = upstream.egress
+    if authorization is None or egress is None:
+        return ()
+    password = "" if egress.password is None else egress.password.get_secret_value()
+    texts = (authorization.removeprefix("Basic "), password or egress.user or "")
+    return tuple(text for text in texts if len(text) >= _MIN_SECRET)
+
+
+# An egress proxy's refusal, as the client is told it: never its words (its reason phrase, its
+# page), which may name its address or quote what it was sent.
+PROXY_AUTH_REFUSED = "the egress proxy refused the proxy's credentials (HTTP 407)"
+
+
+def proxy_refusal(status: int) -> str:
+    if status == 407:
+        return PROXY_AUTH_REFUSED
+    return f"the egress proxy could not connect to the upstream (HTTP {status} to its CONNECT)"
 
 
 # What of the provider's response headers reaches the client: what its SDK acts on (when and
@@ -371,15 +428,35 @@ async def _post(
         # alone starts again at every byte, so headers that trickled in held the call for as
         # long as they came. Never first in the connect: that is connect_timeout_s's, and a call
         # never connected is billed nothing.
+        sending = call.upstream.sending
         posting = session.post(
-            url, data=data, headers=headers, timeout=timeout_for(call), allow_redirects=False
+            url,
+            data=data,
+            headers=headers,
+            timeout=timeout_for(call),
+            allow_redirects=False,
+            proxy=sending.proxy,
+            proxy_headers=sending.proxy_headers,
         )
         if not call.stream:  # bounded by its own ClientTimeout; a timeout of None costs 2 us
-            return await posting
-        async with asyncio.timeout(call.upstream.sending.headers_within_s):
-            return await posting
+            response = await posting
+        else:
+            async with asyncio.timeout(sending.headers_within_s):
+                response = await posting
+    except aiohttp.ClientProxyConnectionError as err:
+        # The proxy itself not reached (refused, its name not resolved): nothing went out.
+        return TransportFailure(
+            "connect", f"cannot connect to the egress proxy: {_connect_refusal(err.os_error)}"
+        )
     except aiohttp.ClientConnectorError as err:
         return TransportFailure("connect", f"cannot connect to upstream: {_connect_refusal(err.os_error)}")
+    except aiohttp.ClientHttpProxyError as err:
+        # The proxy refused the CONNECT of an https upstream (407: its credentials; 403: its
+        # rules; 502, 503: it could not reach the upstream). The tunnel never opened: no byte of
+        # the request left the proxy's side, so nothing is billed, as for a connection refused.
+        return TransportFailure(
+            "connect", proxy_refusal(err.status), retry=False if err.status == 407 else None
+        )
     except ValueError as err:
         # aiohttp (or yarl, for a query's URL) refused to build the request (a header value it
         # cannot send, a host with no IDNA form, a base_url password outside latin-1): nothing
@@ -403,7 +480,17 @@ async def _post(
             return TransportFailure("connect_timeout", "cannot connect to upstream: timed out connecting")
         return TransportFailure("timeout", "upstream did not answer in time")
     except aiohttp.ClientError as err:
+        if call.connecting:
+            # Failed before its connection was made (a tunnel the proxy closed during the TLS
+            # handshake, say): the request was never written.
+            return TransportFailure("connect", f"cannot connect to upstream: {type(err).__name__}")
         return TransportFailure("transport", f"upstream connection failed: {type(err).__name__}")
+    if response.status == 407 and sending.proxy is not None:
+        # An http upstream's request went to the proxy, which refused it: 407 is a proxy's answer,
+        # never a server's (RFC 9110), so the request went no further.
+        response.close()
+        return TransportFailure("connect", PROXY_AUTH_REFUSED, retry=False)
+    return response
 
 
 def _connect_refusal(err: OSError) -> str:

@@ -41,6 +41,7 @@ from proxy.forward import (
     operator_key_unset,
     operator_secrets,
     provider_headers,
+    proxy_refusal,
     read_limited,
     upstream_headers,
     upstream_url,
@@ -252,6 +253,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     if operator_key_unset(upstream, identity):
         raise UpstreamKeyUnset()
     assert state.session is not None
+    sending = upstream.sending
     try:
         async with state.session.get(
             upstream_url(upstream, "/models", request.rel_url.raw_query_string),
@@ -260,12 +262,18 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             # Never followed: the upstream's key would go to whatever host a redirect names
             # (aiohttp drops Authorization on another origin, not Anthropic's x-api-key).
             allow_redirects=False,
+            proxy=sending.proxy,
+            proxy_headers=sending.proxy_headers,
         ) as resp:
             body = await read_limited(resp, MODELS_LIST_LIMIT_BYTES)
+    except aiohttp.ClientHttpProxyError as err:  # the egress proxy refused the CONNECT
+        return _proxy_refused(dialect, err.status)
     except (TimeoutError, ValueError, aiohttp.ClientError):
         return dialect.error_response(
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
+    if resp.status == 407 and sending.proxy is not None:  # an http upstream's proxy refused it
+        return _proxy_refused(dialect, 407)
     secrets = operator_secrets(upstream, identity)
     body = scrubbed(body, secrets)
     passed = provider_headers(resp, secrets)
@@ -304,6 +312,17 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             headers=passed,
         )
     return web.Response(status=200, body=body, content_type="application/json", headers=passed)
+
+
+def _proxy_refused(dialect: Dialect, status: int) -> web.Response:
+    # In the proxy's words for it, never the egress proxy's (its page may quote what it was sent).
+    return dialect.error_response(
+        502,
+        f"The upstream could not list models: {proxy_refusal(status)}.",
+        "upstream_error",
+        code="upstream_error",
+        headers={"x-should-retry": "false"} if status == 407 else None,
+    )
 
 
 def _is_error_object(body: bytes) -> bool:

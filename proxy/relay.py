@@ -472,7 +472,7 @@ class Exchange:
             # tagged as its stream's or body's would be once answered, the bill the same.
             tag = "client_disconnected"
         usage = self.reserve_usage() if failure.went_out else NOTHING_BILLED
-        return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage)
+        return await self.failed(tag, 504 if timed_out else 502, failure.detail, usage, retry=failure.retry)
 
     async def failed(
         self,

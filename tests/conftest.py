@@ -277,11 +277,13 @@ async def make_proxy(
         tokenizer: Tokenizer | None = None,
         passthrough: bool = False,
         upstream_key: str = UPSTREAM_KEY,
+        environ: dict[str, str] | None = None,
         **overrides: Any,
     ) -> Proxy:
         overrides.setdefault("journal_dir", str(tmp_path / "journal"))
         raw = base_config(fake.base_url, redis_server.url, **overrides)
-        config = parse_config(raw, {"TEST_UPSTREAM_KEY": upstream_key})
+        # ``environ``: the rest of the environment the config is read with (HTTPS_PROXY...).
+        config = parse_config(raw, {**(environ or {}), "TEST_UPSTREAM_KEY": upstream_key})
         app = build_app(config, passthrough=passthrough, tokenizer=tokenizer or Tokenizer({}))
         runner = web.AppRunner(app, **server_options(config))
         await runner.setup()

@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import signal
+import ssl
 import time
 from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
@@ -183,6 +184,14 @@ class FakeUpstream:
         self.port = int(self._runner.addresses[0][1])
         self.base_url = f"http://{self.host}:{self.port}/v1"
         return self.base_url
+
+    async def start_tls(self, context: ssl.SSLContext) -> str:
+        """The same upstream on a port of its own over TLS (once ``start``-ed): its https base URL."""
+        assert self._runner is not None
+        site = web.TCPSite(self._runner, self.host, 0, ssl_context=context)
+        await site.start()
+        port = int(self._runner.addresses[-1][1])
+        return f"https://{self.host}:{port}/v1"
 
     def release(self) -> None:
         """Answer the calls held (``"hold": true``), and any that ask to be held from now on."""

@@ -1,0 +1,130 @@
+"""The egress proxy's config: the file's ``proxy`` and ``proxy_auth_env``, the environment's
+HTTPS_PROXY / HTTP_PROXY and NO_PROXY as curl and requests read them, and what is refused at load
+(in words that never quote a password)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy.config_egress import bypassed, from_environment
+from proxy.config_load import parse_config
+from proxy.errors import ConfigError
+from tests.conftest import base_config
+
+SECRET = "hunter2-proxy-pw"
+
+
+def loaded(upstream: dict[str, Any], environ: dict[str, str] | None = None) -> Any:
+    raw = base_config("https://api.example.com/v1", "redis://127.0.0.1:1/0")
+    raw["upstreams"]["openai"] |= upstream
+    return parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-k", **(environ or {})}).upstreams["openai"]
+
+
+def refusal(upstream: dict[str, Any], environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        loaded(upstream, environ)
+    assert SECRET not in str(caught.value)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("proxy", "said"),
+    [
+        (f"socks5://u:{SECRET}@squid:1080", "only http:// proxies are supported, not socks5://"),
+        ("https://squid:3128", "only http:// proxies are supported, not https://"),
+        ("squid:3128", "write it as http://HOST:PORT"),
+        (f"http://u:{SECRET}@squid:3128/path", "with no path, query or fragment"),
+        ("http://squid:99999", "is not a port"),
+        (f"http://u:a/{SECRET}@squid:3128", "percent-encode them"),
+        ("http://u%3Ax:pw@squid:3128", "its user name holds ':'"),
+        ("http://u:p\u0101ss@squid:3128", "outside latin-1"),
+    ],
+)
+def test_a_proxy_url_that_cannot_be_used_is_refused_at_load(proxy: str, said: str) -> None:
+    message = refusal({"proxy": proxy})
+    assert message.startswith("upstreams.openai.proxy: ") and said in message, message
+
+
+def test_proxy_credentials_come_from_the_url_or_proxy_auth_env_not_both() -> None:
+    egress = loaded({"proxy": "http://squid:3128", "proxy_auth_env": "P"}, {"P": f" gw:{SECRET}\n"}).egress
+    assert (egress.url, egress.user, egress.password.get_secret_value()) == (
+        "http://squid:3128",
+        "gw",
+        SECRET,
+    )
+    assert "credentials in the URL and proxy_auth_env" in refusal(
+        {"proxy": f"http://gw:{SECRET}@squid:3128", "proxy_auth_env": "P"}
+    )
+    assert "give proxy too" in refusal({"proxy_auth_env": "P"})
+    assert "must hold USER:PASSWORD" in refusal(
+        {"proxy": "http://squid:3128", "proxy_auth_env": "P"}, {"P": SECRET}
+    )
+
+
+def test_an_unset_proxy_auth_env_is_a_warning_and_no_credentials() -> None:
+    raw = base_config("https://api.example.com/v1", "redis://127.0.0.1:1/0")
+    raw["upstreams"]["openai"] |= {"proxy": "http://squid:3128", "proxy_auth_env": "P"}
+    warnings: list[str] = []
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-k"}, warnings=warnings)
+    assert warnings == [
+        "upstreams.openai.proxy_auth_env: P is not set: calls go to the proxy without credentials"
+    ]
+    egress = config.upstreams["openai"].egress
+    assert egress is not None and egress.user is None and egress.password is None
+
+
+def test_the_environments_proxy_is_checked_as_the_files_naming_its_variable() -> None:
+    message = refusal({}, {"HTTPS_PROXY": f"socks5h://u:{SECRET}@corp:1080"})
+    assert message.startswith("upstreams.openai: the egress proxy HTTPS_PROXY names: invalid proxy URL"), (
+        message
+    )
+    assert 'proxy: ""' in message
+    # Not for an upstream that goes direct: its own ``proxy: ""``, or NO_PROXY.
+    assert loaded({"proxy": ""}, {"HTTPS_PROXY": "socks5://corp:1080"}).egress is None
+    assert loaded({}, {"HTTPS_PROXY": "socks5://corp:1080", "NO_PROXY": ".example.com"}).egress is None
+
+
+def test_the_environments_proxy_as_curl_and_requests_read_it() -> None:
+    # Lower case first; a blank value is none; no scheme is http://; credentials in the URL.
+    egress = loaded({}, {"https_proxy": f"gw:{SECRET}@squid:3128", "HTTPS_PROXY": "http://other:1"}).egress
+    assert (egress.url, egress.user, egress.source) == ("http://squid:3128", "gw", "https_proxy")
+    assert loaded({}, {"https_proxy": " ", "HTTPS_PROXY": "http://other:1"}).egress.url == "http://other:1"
+    # An https upstream reads HTTPS_PROXY alone (not HTTP_PROXY), an http one HTTP_PROXY alone.
+    assert loaded({}, {"HTTP_PROXY": "http://squid:3128"}).egress is None
+    assert from_environment("http://10.0.0.5:8000/v1", {"HTTP_PROXY": "squid:3128"}) == (
+        "HTTP_PROXY",
+        "http://squid:3128",
+    )
+    assert from_environment("http://10.0.0.5:8000/v1", {"HTTPS_PROXY": "squid:3128"}) is None
+
+
+@pytest.mark.parametrize(
+    ("no_proxy", "host", "port", "bypass"),
+    [
+        ("*", "api.openai.com", 443, True),
+        ("openai.com", "api.openai.com", 443, True),
+        ("openai.com", "openai.com", 443, True),
+        (".openai.com", "openai.com", 443, True),
+        ("*.openai.com", "api.openai.com", 443, True),
+        ("openai.com", "notopenai.com", 443, False),
+        ("OPENAI.COM", "Api.OpenAI.com.", 443, True),
+        ("a.com,  openai.com", "api.openai.com", 443, True),
+        ("a.com openai.com", "api.openai.com", 443, True),
+        ("api.openai.com:443", "api.openai.com", 443, True),
+        ("api.openai.com:8443", "api.openai.com", 443, False),
+        ("10.0.0.0/8", "10.1.2.3", 80, True),
+        ("10.0.0.0/8", "11.1.2.3", 80, False),
+        ("10.0.0.0/33", "10.1.2.3", 80, False),  # no block: skipped
+        ("127.0.0.1", "127.0.0.1", 80, True),
+        ("::1", "::1", 80, True),
+        ("[::1]:8000", "[::1]", 8000, True),
+        ("[::1]:8000", "::1", 80, False),
+        ("", "localhost", 80, False),  # loopback is proxied unless named, as curl and requests do
+        ("localhost", "127.0.0.1", 80, False),  # a name is not its address
+        ("*", "", 80, True),
+    ],
+)
+def test_no_proxy(no_proxy: str, host: str, port: int, bypass: bool) -> None:
+    assert bypassed(no_proxy, host, port) is bypass

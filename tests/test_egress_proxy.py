@@ -1,0 +1,505 @@
+"""An egress proxy between the gateway and its upstreams: calls (whole and streamed) and the model
+list go through it, an https upstream tunnelled by CONNECT, an http one in absolute form; billed as
+usual; a proxy that refuses (its connection, its credentials, the CONNECT) fails the call before
+it goes out, billed nothing and told without the proxy's password; a tunnel cut after the request
+went out bills the reserve; NO_PROXY; a reload changes it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.auth import Identity
+from proxy.config_load import parse_config
+from proxy.forward import operator_secrets
+from proxy.redis_server import RedisServerProcess
+from proxy.scrub import scrubbed
+from proxy.state import STATE
+from tests.conftest import Proxy, ProxyFactory, base_config, refused_port
+from tests.fake_upstream import FakeUpstream
+from tests.outcome_helpers import (
+    assert_zero_usage,
+    raw_post,
+    run_headers,
+    the_entry,
+    upstream_override,
+)
+from tests.test_budgets import _proxy_from_file, _reload_to
+
+MODEL = "gpt-4o-mini"
+MSGS: list[Any] = [{"role": "user", "content": "hi"}]
+PROXY_USER = "gateway"
+PROXY_PASSWORD = "pr0xy-s3cret-pw"
+
+
+class ForwardProxy:
+    """A small forward proxy: CONNECT tunnels (``connects``) and absolute-form requests
+    (``forwarded``, each on a connection of its own to the origin, its Proxy-* headers taken off).
+    ``password``: Proxy-Authorization demanded (407 without it); ``connect_status``: every
+    CONNECT answered so; ``close_after_connect``: the tunnel accepted, then closed."""
+
+    def __init__(self, *, password: str | None = None, connect_status: int | None = None) -> None:
+        self.password = password
+        self.connect_status = connect_status
+        self.close_after_connect = False
+        self.connects: list[str] = []
+        self.forwarded: list[str] = []
+        self.authorizations: list[str | None] = []
+        self.refused = 0
+        self.tunnelled_bytes = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    def url(self, credentials: str = "") -> str:
+        return f"http://{credentials}127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    def cut(self) -> None:
+        """Every connection through it closed at once."""
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            await self._one(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        request_line, *lines = head.split("\r\n")[:-2]
+        method, target, _ = request_line.split(" ")
+        headers = [line.split(":", 1) for line in lines]
+        found = {name.strip().lower(): value.strip() for name, value in headers}
+        authorization = found.get("proxy-authorization")
+        self.authorizations.append(authorization)
+        if self.password is not None and authorization != aiohttp.encode_basic_auth(
+            PROXY_USER, self.password
+        ):
+            self.refused += 1
+            # A page quoting what it was sent, as some proxies' do: never to reach a client.
+            page = f"<html>407: {authorization} is not {PROXY_USER}</html>".encode()
+            writer.write(
+                b"HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic realm=x\r\n"
+                b"Content-Type: text/html\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                % (len(page), page)
+            )
+            await writer.drain()
+            return
+        if method == "CONNECT":
+            self.connects.append(target)
+            if self.connect_status is not None:
+                writer.write(b"HTTP/1.1 %d Refused\r\nContent-Length: 0\r\n\r\n" % self.connect_status)
+                await writer.drain()
+                return
+            host, _, port = target.rpartition(":")
+            origin_reader, origin_writer = await asyncio.open_connection(host, int(port))
+            self._writers.add(origin_writer)
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await writer.drain()
+            if self.close_after_connect:
+                origin_writer.close()
+                return
+            await self._splice(reader, writer, origin_reader, origin_writer)
+            return
+        self.forwarded.append(target)
+        url = urlsplit(target)
+        length = int(found.get("content-length", "0"))
+        body = await reader.readexactly(length) if length else b""
+        kept = [
+            f"{name}:{value}"
+            for name, value in headers
+            if not name.lower().startswith(("proxy-", "connection"))
+        ]
+        path = url.path + (f"?{url.query}" if url.query else "")
+        sent = "\r\n".join([f"{method} {path} HTTP/1.1", *kept, "Connection: close", "", ""]).encode(
+            "latin-1"
+        )
+        origin_reader, origin_writer = await asyncio.open_connection(url.hostname, url.port)
+        self._writers.add(origin_writer)
+        origin_writer.write(sent + body)
+        await origin_writer.drain()
+        await self._copy(origin_reader, writer)
+        origin_writer.close()
+
+    async def _splice(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        origin_reader: asyncio.StreamReader,
+        origin_writer: asyncio.StreamWriter,
+    ) -> None:
+        both = [
+            asyncio.ensure_future(self._copy(reader, origin_writer)),
+            asyncio.ensure_future(self._copy(origin_reader, writer)),
+        ]
+        await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        for task in both:
+            task.cancel()
+        origin_writer.close()
+
+    async def _copy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                self.tunnelled_bytes += len(data)
+                writer.write(data)
+                await writer.drain()
+
+
+@pytest.fixture
+async def egress() -> AsyncIterator[ForwardProxy]:
+    server = ForwardProxy()
+    await server.start()
+    yield server
+    await server.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.fixture
+async def https_upstream(fake: FakeUpstream, tls_files: tuple[Path, Path]) -> str:
+    """The fake upstream's https base URL."""
+    cert, key = tls_files
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return await fake.start_tls(context)
+
+
+def trust_test_tls(proxy: Proxy, tls_files: tuple[Path, Path]) -> None:
+    """The gateway's upstream session trusting the test's certificate (as it trusts a provider's
+    by the system's CAs)."""
+    session = proxy.app[STATE].session
+    assert session is not None
+    session.connector._ssl = ssl.create_default_context(cafile=str(tls_files[0]))  # type: ignore[union-attr]
+
+
+async def chat_and_stream(proxy: Proxy) -> None:
+    async with proxy.client() as client:
+        answer = await client.chat.completions.create(
+            model=MODEL, messages=MSGS, extra_headers=run_headers("r1")
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MSGS, stream=True, extra_headers=run_headers("r2")
+        )
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        assert text
+    await proxy.recorded()
+    for run in ("r1", "r2"):
+        entry = await the_entry(proxy, run)
+        assert (entry["outcome"], entry["usage_source"]) == ("ok", "provider"), entry
+
+
+async def test_an_https_upstream_is_reached_through_the_proxy_by_connect_billed_as_usual(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    egress: ForwardProxy,
+    https_upstream: str,
+    tls_files: tuple[Path, Path],
+) -> None:
+    egress.password = PROXY_PASSWORD
+    proxy = await make_proxy(
+        upstreams=upstream_override(https_upstream, proxy=egress.url(), proxy_auth_env="EGRESS_AUTH"),
+        environ={"EGRESS_AUTH": f"{PROXY_USER}:{PROXY_PASSWORD}"},
+    )
+    trust_test_tls(proxy, tls_files)
+    await chat_and_stream(proxy)
+    port = urlsplit(https_upstream).port
+    # One tunnel, kept for the second call (the connection pooled through the proxy).
+    assert egress.connects == [f"127.0.0.1:{port}"]
+    assert egress.authorizations == [aiohttp.encode_basic_auth(PROXY_USER, PROXY_PASSWORD)]
+    assert egress.tunnelled_bytes > 0
+    assert len(fake.received) == 2
+    # The proxy's credentials went in the CONNECT alone, never inside the tunnel.
+    assert all("Proxy-Authorization" not in received.headers for received in fake.received)
+
+
+async def test_an_http_upstream_and_its_model_list_go_through_the_proxy_in_absolute_form(
+    make_proxy: ProxyFactory, fake: FakeUpstream, egress: ForwardProxy
+) -> None:
+    egress.password = PROXY_PASSWORD
+    proxy = await make_proxy(
+        upstreams=upstream_override(fake.base_url, proxy=egress.url(f"{PROXY_USER}:{PROXY_PASSWORD}@"))
+    )
+    await chat_and_stream(proxy)
+    async with proxy.client() as client:
+        models = await client.models.list()
+    assert models.data
+    assert egress.forwarded == [
+        f"{fake.base_url}/chat/completions",
+        f"{fake.base_url}/chat/completions",
+        f"{fake.base_url}/models",
+    ]
+    assert egress.refused == 0 and egress.connects == []
+    assert len(fake.received) == 3
+    assert all("Proxy-Authorization" not in received.headers for received in fake.received)
+
+
+@pytest.mark.parametrize("scheme", ["https", "http"])
+async def test_a_proxy_refusing_the_credentials_bills_nothing_and_says_so_without_the_password(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    egress: ForwardProxy,
+    https_upstream: str,
+    tls_files: tuple[Path, Path],
+    scheme: str,
+) -> None:
+    egress.password = "another-password"
+    base_url = https_upstream if scheme == "https" else fake.base_url
+    proxy = await make_proxy(
+        upstreams=upstream_override(base_url, proxy=egress.url(f"{PROXY_USER}:{PROXY_PASSWORD}@"))
+    )
+    trust_test_tls(proxy, tls_files)
+    async with proxy.client() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
+        with pytest.raises(openai.InternalServerError) as listed:
+            await client.models.list()
+    response = caught.value.response
+    assert response.status_code == 502
+    assert response.headers["x-should-retry"] == "false"
+    error = response.json()["error"]
+    assert error["message"].endswith("the egress proxy refused the proxy's credentials (HTTP 407)"), error
+    assert error["code"] == "upstream_error"
+    assert "proxy's credentials (HTTP 407)" in listed.value.response.json()["error"]["message"]
+    for told in (response, listed.value.response):
+        assert PROXY_PASSWORD not in told.text and str(egress.port) not in told.text
+        assert "gateway" not in told.text.replace("the egress proxy", "")
+    entry = await the_entry(proxy, "r1", requests=0)
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "none")
+    assert_zero_usage(entry)
+    assert egress.refused == 2 and fake.received == []
+
+
+async def test_a_proxy_refusing_the_connection_bills_nothing_and_is_told_in_openais_format(
+    make_proxy: ProxyFactory, fake: FakeUpstream, https_upstream: str
+) -> None:
+    closed = f"http://{PROXY_USER}:{PROXY_PASSWORD}@127.0.0.1:{refused_port()}"
+    proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=closed))
+    async with proxy.client() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
+    response = caught.value.response
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert message.endswith("cannot connect to the egress proxy: Connection refused"), message
+    assert PROXY_PASSWORD not in response.text and "127.0.0.1" not in response.text
+    entry = await the_entry(proxy, "r1", requests=0)
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "none")
+    assert_zero_usage(entry)
+    assert fake.received == []
+
+
+@pytest.mark.parametrize("status", [502, 503, 403])
+async def test_a_connect_the_proxy_refuses_never_reached_the_provider_and_bills_nothing(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    egress: ForwardProxy,
+    https_upstream: str,
+    tls_files: tuple[Path, Path],
+    status: int,
+) -> None:
+    egress.connect_status = status
+    proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=egress.url()))
+    trust_test_tls(proxy, tls_files)
+    result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
+    assert result.status == 502
+    message = result.json()["error"]["message"]
+    assert message.endswith(
+        f"the egress proxy could not connect to the upstream (HTTP {status} to its CONNECT)"
+    )
+    entry = await the_entry(proxy, "r1", requests=0)
+    assert_zero_usage(entry)
+    assert len(egress.connects) == 1 and fake.received == []
+
+
+async def test_a_tunnel_closed_before_the_tls_handshake_ends_bills_nothing(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    egress: ForwardProxy,
+    https_upstream: str,
+    tls_files: tuple[Path, Path],
+) -> None:
+    # The proxy took the CONNECT (200), then closed: the connection was never made, the request
+    # never written.
+    egress.close_after_connect = True
+    proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=egress.url()))
+    trust_test_tls(proxy, tls_files)
+    result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
+    assert result.status == 502
+    entry = await the_entry(proxy, "r1", requests=0)
+    assert_zero_usage(entry)
+    assert fake.received == []
+
+
+async def test_a_tunnel_cut_after_the_request_went_out_bills_the_reserve(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    egress: ForwardProxy,
+    https_upstream: str,
+    tls_files: tuple[Path, Path],
+) -> None:
+    proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=egress.url()))
+    trust_test_tls(proxy, tls_files)
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 50, "fake": {"hold": True}}
+    posting = asyncio.ensure_future(raw_post(proxy, body, "r1"))
+    for _ in range(500):
+        if fake.received:
+            break
+        await asyncio.sleep(0.01)
+    egress.cut()
+    result = await posting
+    assert result.status == 502
+    entry = await the_entry(proxy, "r1")  # a request made: it reached the provider
+    assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "reserve"), entry
+    assert int(entry["output_tokens"]) == 50
+    fake.release()
+
+
+async def test_a_messages_call_refused_by_the_proxy_is_told_in_anthropics_format(
+    make_proxy: ProxyFactory, fake: FakeUpstream, egress: ForwardProxy
+) -> None:
+    egress.password = PROXY_PASSWORD
+    upstreams = upstream_override(fake.base_url, kind="anthropic", proxy=egress.url())
+    proxy = await make_proxy(upstreams=upstreams, models={"claude-sonnet-4": {"upstream": "openai"}})
+    body = {"model": "claude-sonnet-4", "max_tokens": 20, "messages": MSGS}
+    result = await raw_post(proxy, body, "r1", path="/v1/messages")
+    assert result.status == 502
+    told = result.json()
+    assert told["type"] == "error" and "HTTP 407" in told["error"]["message"], told
+    entry = await the_entry(proxy, "r1", requests=0)
+    assert_zero_usage(entry)
+
+
+@pytest.mark.parametrize(
+    ("environ", "through"),
+    [
+        ({"HTTP_PROXY": "{proxy}"}, True),  # a loopback upstream is proxied unless named, as curl's
+        ({"http_proxy": "{proxy}", "NO_PROXY": "example.com, 127.0.0.1"}, False),
+        ({"HTTP_PROXY": "{proxy}", "no_proxy": "*"}, False),
+        ({"HTTP_PROXY": "{proxy}", "NO_PROXY": "127.0.0.1:{port}"}, False),
+        ({"HTTP_PROXY": "{proxy}", "NO_PROXY": "127.0.0.1:1"}, True),
+        ({"HTTP_PROXY": "{proxy}", "NO_PROXY": "127.0.0.0/8"}, False),
+        ({"HTTPS_PROXY": "{proxy}"}, False),  # an http upstream reads HTTP_PROXY
+    ],
+)
+async def test_the_environments_proxy_and_no_proxy(
+    make_proxy: ProxyFactory, fake: FakeUpstream, egress: ForwardProxy, environ: dict[str, str], through: bool
+) -> None:
+    port = str(urlsplit(fake.base_url).port)
+    filled = {name: value.format(proxy=egress.url(), port=port) for name, value in environ.items()}
+    proxy = await make_proxy(environ=filled)
+    result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
+    assert result.status == 200
+    assert len(egress.forwarded) == (1 if through else 0)
+    assert len(fake.received) == 1
+
+
+@pytest.mark.parametrize("off", [None, ""])
+async def test_an_upstreams_own_proxy_null_or_empty_turns_the_environments_off(
+    make_proxy: ProxyFactory, fake: FakeUpstream, egress: ForwardProxy, off: str | None
+) -> None:
+    proxy = await make_proxy(
+        upstreams=upstream_override(fake.base_url, proxy=off), environ={"HTTP_PROXY": egress.url()}
+    )
+    assert proxy.config.upstreams["openai"].egress is None
+    result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
+    assert result.status == 200 and egress.forwarded == []
+
+
+def test_the_proxys_password_is_among_the_operators_secrets_scrubbed(fake: FakeUpstream) -> None:
+    raw = base_config("https://api.example.com/v1", "redis://127.0.0.1:1/0")
+    raw["upstreams"]["openai"] |= {
+        "proxy": "http://squid:3128",
+        "proxy_auth_env": "EGRESS_AUTH",
+        "passthrough_auth": True,
+    }
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-k", "EGRESS_AUTH": f"{PROXY_USER}:{PROXY_PASSWORD}"})
+    upstream = config.upstreams["openai"]
+    token = aiohttp.encode_basic_auth(PROXY_USER, PROXY_PASSWORD).removeprefix("Basic ")
+    for identity in (
+        Identity(tenant="t", key_name="k", tier="standard"),
+        Identity(tenant="t", key_name="k", tier="standard", upstream_key="sk-caller-own"),
+    ):
+        secrets = operator_secrets(upstream, identity)
+        echoed = f'{{"error": "bad {PROXY_PASSWORD} and {token}"}}'.encode()
+        assert PROXY_PASSWORD.encode() not in scrubbed(echoed, secrets)
+        assert token.encode() not in scrubbed(echoed, secrets)
+    # Nor in what a dump of the config shows (a log line, check-config).
+    assert PROXY_PASSWORD not in repr(config) and PROXY_PASSWORD not in str(config.model_dump())
+
+
+async def test_a_reload_changes_the_upstreams_proxy(
+    fake: FakeUpstream,
+    egress: ForwardProxy,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+) -> None:
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    raw["upstreams"]["openai"]["proxy"] = ""
+    path = tmp_path / "config.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    try:
+        assert (await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")).status == 200
+        assert egress.forwarded == []
+        raw["upstreams"]["openai"]["proxy"] = egress.url()
+        await _reload_to(proxy, raw, path)
+        assert (await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r2")).status == 200
+        assert egress.forwarded == [f"{fake.base_url}/chat/completions"]
+    finally:
+        await proxy.runner.cleanup()
