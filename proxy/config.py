@@ -15,6 +15,7 @@ import importlib.util
 import math
 import re
 import socket
+import ssl
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -22,6 +23,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import (
     Field,
+    InstanceOf,
     SecretStr,
     field_validator,
     model_validator,
@@ -224,6 +226,33 @@ class UpstreamConfig(Frozen):
     proxy_auth_env: str | None = None
     # The proxy in force, resolved at load (``config_load``) from the file and the environment.
     egress: EgressProxy | None = Field(default=None, exclude=True)
+    # A PEM file of the CAs its TLS certificate is verified against, instead of the system's
+    # (``config_tls``): a private CA's, or an egress proxy's that re-signs what it tunnels.
+    ca_file: Path | None = None
+    # That file's context, built at load (``config_load``): once per config, never per call (a
+    # context built costs a blocked loop the time of reading its CAs).
+    ca_context: InstanceOf[ssl.SSLContext] | None = Field(default=None, exclude=True)
+
+    @field_validator("ca_file", mode="before")
+    @classmethod
+    def _a_file_named(cls, value: Any) -> Any:
+        if value == "":
+            # Path("") is the working directory: said as what it is, not as a directory unread.
+            raise ValueError("an empty path: name a PEM file, or leave ca_file out for the system's CAs")
+        return value
+
+    @field_validator("ca_file")
+    @classmethod
+    def _a_path(cls, value: Path | None) -> Path | None:
+        return None if value is None else a_path_the_system_takes(value)
+
+    @model_validator(mode="after")
+    def _ca_file_for_tls(self) -> Self:
+        if self.ca_file is not None and not self.base_url.lower().startswith("https:"):
+            # Nothing would be verified against it: a base_url written http:// by mistake sends
+            # the key in clear to whatever answers, which a CA named here must not seem to guard.
+            raise ValueError("ca_file: the CAs of an https:// upstream; its base_url is http://")
+        return self
 
     @field_validator("proxy")
     @classmethod

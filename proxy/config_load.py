@@ -21,6 +21,7 @@ from pydantic import SecretStr, ValidationError
 from proxy.config import Config, ListenConfig, RedisConfig, UpstreamConfig
 from proxy.config_egress import EgressProxy, from_environment, latin1, proxy_url_parts
 from proxy.config_keys import AdminKeyConfig, KeyConfig
+from proxy.config_tls import trust_context
 from proxy.errors import ConfigError
 
 log = logging.getLogger("proxy.config")
@@ -183,6 +184,12 @@ def parse_config(
         update: dict[str, object] = {"api_key": SecretStr(key) if key else None}
         if key_secrets:  # the ledger and report commands call no upstream
             update["egress"] = _egress(name, upstream, environ, warnings)
+            if upstream.ca_file is not None:
+                # Read at every load: a reload with the same path takes the file as it is now.
+                try:
+                    update["ca_context"] = trust_context(upstream.ca_file)
+                except ValueError as err:
+                    raise ConfigError(f"upstreams.{name}.ca_file: {upstream.ca_file}: {err}") from None
         upstreams[name] = upstream.model_copy(update=update)
     if not key_secrets:
         return config.model_copy(update={"redis": redis, "upstreams": upstreams})

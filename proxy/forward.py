@@ -80,6 +80,10 @@ class UpstreamSending:
     # an http one, which the proxy reads (in ``operator_headers`` and ``_headers``' copies).
     proxy: URL | None
     proxy_headers: dict[str, str] | None
+    # What its TLS certificate is verified against: the context of its ``ca_file`` (built at
+    # load), else True, the connector's default (the system's CAs). Also the pool's key: a
+    # connection verified under one upstream's CAs is never handed to another's call.
+    tls: ssl.SSLContext | Literal[True]
 
     @classmethod
     def of(cls, upstream: UpstreamConfig) -> UpstreamSending:
@@ -108,6 +112,7 @@ class UpstreamSending:
             headers_within_s=upstream.connect_timeout_s + upstream.timeout_s,
             proxy=None if egress is None else URL(egress.url),
             proxy_headers={PROXY_AUTHORIZATION: proxy_auth} if proxy_auth and tunnelled else None,
+            tls=True if upstream.ca_context is None else upstream.ca_context,
         )
 
 
@@ -437,6 +442,7 @@ async def _post(
             allow_redirects=False,
             proxy=sending.proxy,
             proxy_headers=sending.proxy_headers,
+            ssl=sending.tls,
         )
         if not call.stream:  # bounded by its own ClientTimeout; a timeout of None costs 2 us
             response = await posting
@@ -449,6 +455,13 @@ async def _post(
             "connect", f"cannot connect to the egress proxy: {_connect_refusal(err.os_error)}"
         )
     except aiohttp.ClientConnectorError as err:
+        if isinstance(err.os_error, ssl.SSLCertVerificationError):
+            # The operator's to mend (the upstream's CA, or an intercepting proxy's, not trusted):
+            # said where they look, the field to set named. The request was never written.
+            log.warning(
+                "the upstream's TLS certificate is not trusted: its CA goes in ca_file",
+                extra={"upstream": call.upstream_name, "reason": _untrusted(err.os_error)},
+            )
         return TransportFailure("connect", f"cannot connect to upstream: {_connect_refusal(err.os_error)}")
     except aiohttp.ClientHttpProxyError as err:
         # The proxy refused the CONNECT of an https upstream (407: its credentials; 403: its
@@ -497,11 +510,26 @@ def _connect_refusal(err: OSError) -> str:
     """What the client is told of a connection its upstream did not take: the system's words for
     it, never asyncio's or aiohttp's, which name the upstream's address (the operator's network;
     "Connect call failed ('10.0.3.7', 8000)")."""
+    if isinstance(err, ssl.SSLCertVerificationError):
+        return f"its TLS certificate is not trusted ({_untrusted(err)})"
     if isinstance(err, ssl.SSLError):  # its number is OpenSSL's, not the system's
         return f"the TLS handshake failed ({getattr(err, 'reason', None) or type(err).__name__})"
     if isinstance(err, socket.gaierror):
         return err.strerror or "its host name did not resolve"
     return os.strerror(err.errno) if err.errno else "the connection failed"
+
+
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH: Python's words for
+# them quote the host or address, the operator's network.
+_NAMES_THE_HOST = frozenset({62, 64})
+
+
+def _untrusted(err: ssl.SSLCertVerificationError) -> str:
+    """Why a certificate was refused, in OpenSSL's fixed words for it ("self-signed certificate in
+    certificate chain", "unable to get local issuer certificate", "certificate has expired")."""
+    if err.verify_code in _NAMES_THE_HOST:
+        return "it does not name the upstream's host"
+    return str(err.verify_message or "certificate verify failed")
 
 
 class BodyTooLarge(ValueError):

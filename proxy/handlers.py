@@ -264,6 +264,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
             allow_redirects=False,
             proxy=sending.proxy,
             proxy_headers=sending.proxy_headers,
+            ssl=sending.tls,
         ) as resp:
             body = await read_limited(resp, MODELS_LIST_LIMIT_BYTES)
     except aiohttp.ClientHttpProxyError as err:  # the egress proxy refused the CONNECT

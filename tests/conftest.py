@@ -9,6 +9,7 @@ import hashlib
 import os
 import socket
 import ssl
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -89,6 +90,61 @@ async def fake() -> AsyncIterator[FakeUpstream]:
     await upstream.start()
     yield upstream
     await upstream.close()
+
+
+@dataclass(frozen=True)
+class PrivateCA:
+    """A CA of the tests' own (``ca``, an upstream's ``ca_file``), the certificate it signed for
+    127.0.0.1 (``server``, ``server_key``), and another CA's certificate, which signed nothing."""
+
+    ca: Path
+    server: Path
+    server_key: Path
+    other_ca: Path
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.server, self.server_key)
+        return context
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _new_ca(where: Path, name: str) -> tuple[Path, Path]:
+    cert, key = where / f"{name}.pem", where / f"{name}.key"
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-days", "2", "-subj", f"/CN=Test {name}", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-keyout", str(key), "-out", str(cert),
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture(scope="session")
+def private_ca(tmp_path_factory: pytest.TempPathFactory) -> PrivateCA:
+    where = tmp_path_factory.mktemp("private-ca")
+    ca, ca_key = _new_ca(where, "private-ca")
+    other_ca, _ = _new_ca(where, "other-ca")
+    server, server_key, request = where / "server.pem", where / "server.key", where / "server.csr"
+    _openssl(
+        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-subj", "/CN=127.0.0.1", "-keyout", str(server_key), "-out", str(request),
+    )  # fmt: skip
+    extensions = where / "server.ext"
+    extensions.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    _openssl(
+        "x509", "-req", "-in", str(request), "-CA", str(ca), "-CAkey", str(ca_key), "-set_serial", "2",
+        "-days", "2", "-extfile", str(extensions), "-out", str(server),
+    )  # fmt: skip
+    return PrivateCA(ca=ca, server=server, server_key=server_key, other_ca=other_ca)
+
+
+@pytest.fixture
+async def https_upstream(fake: FakeUpstream, private_ca: PrivateCA) -> str:
+    """The fake upstream's https base URL, its certificate signed by ``private_ca``."""
+    return await fake.start_tls(private_ca.server_context())
 
 
 def slow_stream(run: str, chunks: int = 30, delay_s: float = 0.1) -> tuple[dict[str, Any], dict[str, str]]:

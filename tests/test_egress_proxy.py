@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +23,7 @@ from proxy.config_load import parse_config
 from proxy.forward import operator_secrets
 from proxy.redis_server import RedisServerProcess
 from proxy.scrub import scrubbed
-from proxy.state import STATE
-from tests.conftest import Proxy, ProxyFactory, base_config, refused_port
+from tests.conftest import PrivateCA, Proxy, ProxyFactory, base_config, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import (
     assert_zero_usage,
@@ -179,53 +176,6 @@ async def egress() -> AsyncIterator[ForwardProxy]:
     await server.close()
 
 
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and its key."""
-    where = tmp_path_factory.mktemp("tls")
-    cert, key = where / "cert.pem", where / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
-@pytest.fixture
-async def https_upstream(fake: FakeUpstream, tls_files: tuple[Path, Path]) -> str:
-    """The fake upstream's https base URL."""
-    cert, key = tls_files
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    return await fake.start_tls(context)
-
-
-def trust_test_tls(proxy: Proxy, tls_files: tuple[Path, Path]) -> None:
-    """The gateway's upstream session trusting the test's certificate (as it trusts a provider's
-    by the system's CAs)."""
-    session = proxy.app[STATE].session
-    assert session is not None
-    session.connector._ssl = ssl.create_default_context(cafile=str(tls_files[0]))  # type: ignore[union-attr]
-
-
 async def chat_and_stream(proxy: Proxy) -> None:
     async with proxy.client() as client:
         answer = await client.chat.completions.create(
@@ -248,14 +198,15 @@ async def test_an_https_upstream_is_reached_through_the_proxy_by_connect_billed_
     fake: FakeUpstream,
     egress: ForwardProxy,
     https_upstream: str,
-    tls_files: tuple[Path, Path],
+    private_ca: PrivateCA,
 ) -> None:
     egress.password = PROXY_PASSWORD
     proxy = await make_proxy(
-        upstreams=upstream_override(https_upstream, proxy=egress.url(), proxy_auth_env="EGRESS_AUTH"),
+        upstreams=upstream_override(
+            https_upstream, proxy=egress.url(), proxy_auth_env="EGRESS_AUTH", ca_file=str(private_ca.ca)
+        ),
         environ={"EGRESS_AUTH": f"{PROXY_USER}:{PROXY_PASSWORD}"},
     )
-    trust_test_tls(proxy, tls_files)
     await chat_and_stream(proxy)
     port = urlsplit(https_upstream).port
     # One tunnel, kept for the second call (the connection pooled through the proxy).
@@ -294,15 +245,18 @@ async def test_a_proxy_refusing_the_credentials_bills_nothing_and_says_so_withou
     fake: FakeUpstream,
     egress: ForwardProxy,
     https_upstream: str,
-    tls_files: tuple[Path, Path],
+    private_ca: PrivateCA,
     scheme: str,
 ) -> None:
     egress.password = "another-password"
     base_url = https_upstream if scheme == "https" else fake.base_url
     proxy = await make_proxy(
-        upstreams=upstream_override(base_url, proxy=egress.url(f"{PROXY_USER}:{PROXY_PASSWORD}@"))
+        upstreams=upstream_override(
+            base_url,
+            proxy=egress.url(f"{PROXY_USER}:{PROXY_PASSWORD}@"),
+            **({"ca_file": str(private_ca.ca)} if scheme == "https" else {}),
+        )
     )
-    trust_test_tls(proxy, tls_files)
     async with proxy.client() as client:
         with pytest.raises(openai.InternalServerError) as caught:
             await client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers=run_headers("r1"))
@@ -349,12 +303,13 @@ async def test_a_connect_the_proxy_refuses_never_reached_the_provider_and_bills_
     fake: FakeUpstream,
     egress: ForwardProxy,
     https_upstream: str,
-    tls_files: tuple[Path, Path],
+    private_ca: PrivateCA,
     status: int,
 ) -> None:
     egress.connect_status = status
-    proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=egress.url()))
-    trust_test_tls(proxy, tls_files)
+    proxy = await make_proxy(
+        upstreams=upstream_override(https_upstream, proxy=egress.url(), ca_file=str(private_ca.ca))
+    )
     result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
     assert result.status == 502
     message = result.json()["error"]["message"]
@@ -366,18 +321,45 @@ async def test_a_connect_the_proxy_refuses_never_reached_the_provider_and_bills_
     assert len(egress.connects) == 1 and fake.received == []
 
 
+async def test_a_certificate_re_signed_by_a_ca_not_trusted_is_refused_in_the_tunnel_billed_nothing(
+    make_proxy: ProxyFactory,
+    fake: FakeUpstream,
+    egress: ForwardProxy,
+    https_upstream: str,
+    private_ca: PrivateCA,
+) -> None:
+    # An intercepting proxy (Squid's ssl-bump) shows a certificate its own CA signed: trusted by
+    # ca_file through the tunnel (above), refused without it (the system's CAs) or with another
+    # CA's, before the request is written.
+    for run, extra in (("r1", {}), ("r2", {"ca_file": str(private_ca.other_ca)})):
+        proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=egress.url(), **extra))
+        result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, run)
+        assert result.status == 502
+        error = result.json()["error"]
+        assert error["code"] == "upstream_error"
+        assert error["message"].startswith(
+            "cannot connect to upstream: its TLS certificate is not trusted ("
+        ), error
+        assert b"127.0.0.1" not in result.body and str(egress.port).encode() not in result.body
+        entry = await the_entry(proxy, run, requests=0)
+        assert (entry["outcome"], entry["usage_source"]) == ("upstream_error", "none")
+        assert_zero_usage(entry)
+    assert len(egress.connects) == 2 and fake.received == []
+
+
 async def test_a_tunnel_closed_before_the_tls_handshake_ends_bills_nothing(
     make_proxy: ProxyFactory,
     fake: FakeUpstream,
     egress: ForwardProxy,
     https_upstream: str,
-    tls_files: tuple[Path, Path],
+    private_ca: PrivateCA,
 ) -> None:
     # The proxy took the CONNECT (200), then closed: the connection was never made, the request
     # never written.
     egress.close_after_connect = True
-    proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=egress.url()))
-    trust_test_tls(proxy, tls_files)
+    proxy = await make_proxy(
+        upstreams=upstream_override(https_upstream, proxy=egress.url(), ca_file=str(private_ca.ca))
+    )
     result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
     assert result.status == 502
     entry = await the_entry(proxy, "r1", requests=0)
@@ -390,10 +372,11 @@ async def test_a_tunnel_cut_after_the_request_went_out_bills_the_reserve(
     fake: FakeUpstream,
     egress: ForwardProxy,
     https_upstream: str,
-    tls_files: tuple[Path, Path],
+    private_ca: PrivateCA,
 ) -> None:
-    proxy = await make_proxy(upstreams=upstream_override(https_upstream, proxy=egress.url()))
-    trust_test_tls(proxy, tls_files)
+    proxy = await make_proxy(
+        upstreams=upstream_override(https_upstream, proxy=egress.url(), ca_file=str(private_ca.ca))
+    )
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 50, "fake": {"hold": True}}
     posting = asyncio.ensure_future(raw_post(proxy, body, "r1"))
     for _ in range(500):

@@ -1,0 +1,48 @@
+"""The CAs an upstream's TLS certificate is verified against: its own ``ca_file`` (a PEM file of
+CA certificates), which replaces the system's as curl's ``--cacert`` and requests'
+``verify=PATH`` do, for a private CA (an in-house server) or an egress proxy that re-signs the
+providers' certificates with its own (Squid's ssl-bump).
+
+Read here, once per load (``config_load.parse_config``, at start and at each reload: a file
+changed under the same path is read again), into the ``ssl.SSLContext`` the upstream's calls and
+its model list are sent with (``forward.UpstreamSending.tls``).
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+from pathlib import Path
+
+# A PEM certificate block. Taken out of the file rather than the file handed to OpenSSL whole: a
+# bundle's comments may hold any text (certifi's name issuers in UTF-8), which ``cadata`` (ASCII
+# PEM) refuses, and the refusals are then the proxy's words, not OpenSSL's for a path.
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL)
+_SSL_SOURCE = re.compile(r"\s*\(_ssl\.c:\d+\)$")
+
+
+def trust_context(path: Path) -> ssl.SSLContext:
+    """The client context trusting the certificates of ``path`` and no other CA; ValueError in
+    words naming neither the upstream nor the path (the caller's message does) when it cannot."""
+    try:
+        pem = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"cannot read it ({err.strerror or type(err).__name__})") from None
+    blocks = _PEM_CERTIFICATE.findall(pem)
+    if not blocks:
+        raise ValueError(
+            "it holds no PEM certificate (-----BEGIN CERTIFICATE-----); a DER file converts with "
+            "openssl x509 -inform der -in FILE -out FILE.pem"
+        )
+    try:
+        cadata = b"\n".join(blocks).decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError("a certificate in it holds a byte that is not PEM's (not ASCII)") from None
+    # As aiohttp's own default context (``_make_ssl_context``): verified, the host checked
+    # against the certificate, HTTP/1.1 offered by ALPN. No default paths: the file replaces them.
+    try:
+        context = ssl.create_default_context(cadata=cadata)
+    except ssl.SSLError as err:
+        raise ValueError(f"a certificate in it cannot be read ({_SSL_SOURCE.sub('', str(err))})") from None
+    context.set_alpn_protocols(("http/1.1",))
+    return context
