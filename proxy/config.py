@@ -23,7 +23,6 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import (
     Field,
-    InstanceOf,
     SecretStr,
     field_validator,
     model_validator,
@@ -45,6 +44,7 @@ from proxy.config_keys import AdminKeyConfig, KeyConfig
 from proxy.config_models import ModelConfig
 from proxy.config_redis import DB_INDEX_MAX, bad_value, not_for_a_cluster, unknown_option
 from proxy.config_tiers import TierConfig
+from proxy.config_tls import trust_context
 from proxy.pricing import MAX_AMOUNT, OUTPUT_RATES, TOKENS_PER_MILLION
 from proxy.store import DEFAULT_SETTLED_MARKER_TTL_S, MARKER_TRUST, MAX_SETTLED_MARKER_TTL_S
 
@@ -229,9 +229,16 @@ class UpstreamConfig(Frozen):
     # A PEM file of the CAs its TLS certificate is verified against, instead of the system's
     # (``config_tls``): a private CA's, or an egress proxy's that re-signs what it tunnels.
     ca_file: Path | None = None
-    # That file's context, built at load (``config_load``): once per config, never per call (a
-    # context built costs a blocked loop the time of reading its CAs).
-    ca_context: InstanceOf[ssl.SSLContext] | None = Field(default=None, exclude=True)
+    # That file's certificates, read and checked at load (``config_load``); their context is
+    # ``ca_context``.
+    ca_pem: str | None = Field(default=None, exclude=True, repr=False)
+
+    @cached_property
+    def ca_context(self) -> ssl.SSLContext | None:
+        """The context of ``ca_file``'s CAs: built once per config in each process (never per
+        call: a context built blocks the loop while it reads its CAs), never pickled
+        (``Frozen.__getstate__``: a worker builds its own)."""
+        return None if self.ca_pem is None else trust_context(self.ca_pem)
 
     @field_validator("ca_file", mode="before")
     @classmethod

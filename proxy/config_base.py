@@ -103,6 +103,18 @@ class Frozen(BaseModel):
                 raise ValueError("a number, not true or false")
         return value
 
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled (``serve --workers N`` sends each worker its config) without the values
+        derived from fields: computed again where it is read, as ``model_copy``'s are, and some
+        cannot be pickled (an upstream's TLS context)."""
+        state = super().__getstate__()
+        state["__dict__"] = {
+            name: value
+            for name, value in state["__dict__"].items()
+            if not isinstance(getattr(type(self), name, None), cached_property)
+        }
+        return state
+
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy whose values derived from fields (the ``cached_property``s, kept in the
         instance's ``__dict__``, which pydantic copies) are computed again from its own."""

@@ -21,7 +21,7 @@ from pydantic import SecretStr, ValidationError
 from proxy.config import Config, ListenConfig, RedisConfig, UpstreamConfig
 from proxy.config_egress import EgressProxy, from_environment, latin1, proxy_url_parts
 from proxy.config_keys import AdminKeyConfig, KeyConfig
-from proxy.config_tls import trust_context
+from proxy.config_tls import trusted_pem
 from proxy.errors import ConfigError
 
 log = logging.getLogger("proxy.config")
@@ -187,7 +187,7 @@ def parse_config(
             if upstream.ca_file is not None:
                 # Read at every load: a reload with the same path takes the file as it is now.
                 try:
-                    update["ca_context"] = trust_context(upstream.ca_file)
+                    update["ca_pem"] = trusted_pem(upstream.ca_file)
                 except ValueError as err:
                     raise ConfigError(f"upstreams.{name}.ca_file: {upstream.ca_file}: {err}") from None
         upstreams[name] = upstream.model_copy(update=update)

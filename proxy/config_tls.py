@@ -4,8 +4,10 @@ CA certificates), which replaces the system's as curl's ``--cacert`` and request
 providers' certificates with its own (Squid's ssl-bump).
 
 Read here, once per load (``config_load.parse_config``, at start and at each reload: a file
-changed under the same path is read again), into the ``ssl.SSLContext`` the upstream's calls and
-its model list are sent with (``forward.UpstreamSending.tls``).
+changed under the same path is read again), its certificates kept in the config as PEM text, from
+which the ``ssl.SSLContext`` the upstream's calls and its model list are sent with is built once
+per config in each process (``UpstreamConfig.ca_context``, ``forward.UpstreamSending.tls``): a
+context cannot be pickled, and ``serve --workers N`` sends each worker its config pickled.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ _PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CER
 _SSL_SOURCE = re.compile(r"\s*\(_ssl\.c:\d+\)$")
 
 
-def trust_context(path: Path) -> ssl.SSLContext:
-    """The client context trusting the certificates of ``path`` and no other CA; ValueError in
-    words naming neither the upstream nor the path (the caller's message does) when it cannot."""
+def trusted_pem(path: Path) -> str:
+    """The certificates of ``path``, as PEM text a context can be built of (``trust_context``);
+    ValueError in words naming neither the upstream nor the path (the caller's message does) when
+    it cannot serve."""
     try:
         pem = path.read_bytes()
     except OSError as err:
@@ -38,6 +41,12 @@ def trust_context(path: Path) -> ssl.SSLContext:
         cadata = b"\n".join(blocks).decode("ascii")
     except UnicodeDecodeError:
         raise ValueError("a certificate in it holds a byte that is not PEM's (not ASCII)") from None
+    trust_context(cadata)  # a certificate OpenSSL cannot read refuses the file here, at load
+    return cadata
+
+
+def trust_context(cadata: str) -> ssl.SSLContext:
+    """The client context trusting the PEM certificates ``cadata`` and no other CA."""
     # As aiohttp's own default context (``_make_ssl_context``): verified, the host checked
     # against the certificate, HTTP/1.1 offered by ALPN. No default paths: the file replaces them.
     try:

@@ -4,6 +4,7 @@ naming the upstream and the path."""
 
 from __future__ import annotations
 
+import pickle
 import ssl
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,23 @@ def test_the_ca_file_is_read_at_load_into_the_context_the_calls_are_sent_with(pr
     # Its CAs instead of the system's, as curl's --cacert and requests' verify=PATH.
     assert [ca["subject"] for ca in context.get_ca_certs()] == [((("commonName", "Test private-ca"),),)]
     assert loaded({}).sending.tls is True  # none: the connector's, the system's CAs
+
+
+def test_a_config_with_a_ca_file_is_sent_to_a_worker_and_builds_its_own_context(
+    private_ca: PrivateCA, tmp_path: Path
+) -> None:
+    """``serve --workers N`` sends each worker its config pickled (a spawned process): a config
+    holding its ca_file's SSLContext could not be (``cannot pickle 'SSLContext' object``), and no
+    worker started. The certificates travel as PEM text; each process builds its own context."""
+    raw = base_config("https://vllm.internal:8443/v1", "redis://127.0.0.1:1/0")
+    raw["upstreams"]["openai"]["ca_file"] = str(private_ca.ca)
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-k"})
+    assert config.upstreams["openai"].sending.tls is config.upstreams["openai"].ca_context  # built here
+    received = pickle.loads(pickle.dumps(config))
+    context = received.upstreams["openai"].ca_context
+    assert isinstance(context, ssl.SSLContext) and context is not config.upstreams["openai"].ca_context
+    assert [ca["subject"] for ca in context.get_ca_certs()] == [((("commonName", "Test private-ca"),),)]
+    assert received == config
 
 
 def test_a_bundle_with_comments_in_utf8_is_read_whole(private_ca: PrivateCA, tmp_path: Path) -> None:
