@@ -221,7 +221,8 @@ class UpstreamConfig(Frozen):
     stream_usage_option: bool = True
     # The egress proxy (http://HOST:PORT) its calls go through. Unset: the environment's
     # (HTTPS_PROXY...: ``config_egress``); null or "": none, whatever the environment says.
-    proxy: str | None = None
+    # Neither shown nor dumped: its URL may hold the proxy's password (``egress`` keeps it secret).
+    proxy: str | None = Field(default=None, repr=False, exclude=True)
     # The variable holding the proxy's USER:PASSWORD: its password out of the file.
     proxy_auth_env: str | None = None
     # The proxy in force, resolved at load (``config_load``) from the file and the environment.

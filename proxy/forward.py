@@ -80,6 +80,9 @@ class UpstreamSending:
     # an http one, which the proxy reads (in ``operator_headers`` and ``_headers``' copies).
     proxy: URL | None
     proxy_headers: dict[str, str] | None
+    # A proxy that is sent the upstream's requests themselves (an http upstream: no tunnel), and
+    # may answer them itself (``proxy_answered``).
+    plain_proxy: bool
     # What its TLS certificate is verified against: the context of its ``ca_file`` (built at
     # load), else True, the connector's default (the system's CAs). Also the pool's key: a
     # connection verified under one upstream's CAs is never handed to another's call.
@@ -112,6 +115,7 @@ class UpstreamSending:
             headers_within_s=upstream.connect_timeout_s + upstream.timeout_s,
             proxy=None if egress is None else URL(egress.url),
             proxy_headers={PROXY_AUTHORIZATION: proxy_auth} if proxy_auth and tunnelled else None,
+            plain_proxy=egress is not None and not tunnelled,
             tls=True if upstream.ca_context is None else upstream.ca_context,
         )
 
@@ -268,6 +272,48 @@ def proxy_refusal(status: int) -> str:
     if status == 407:
         return PROXY_AUTH_REFUSED
     return f"the egress proxy could not connect to the upstream (HTTP {status} to its CONNECT)"
+
+
+# RFC 9209's Proxy-Status errors that say the proxy never reached the origin (so the request went
+# no further), and Squid's own X-Squid-Error names for the same.
+_NEVER_REACHED = frozenset(
+    {
+        "dns_error",
+        "dns_timeout",
+        "destination_not_found",
+        "destination_unavailable",
+        "destination_ip_prohibited",
+        "destination_ip_unroutable",
+        "connection_refused",
+        "connection_terminated",
+        "connection_timeout",
+        "http_request_denied",
+    }
+)
+_SQUID_NEVER_REACHED = {
+    "ERR_CONNECT_FAIL": "connection_refused",
+    "ERR_DNS_FAIL": "dns_error",
+    "ERR_ACCESS_DENIED": "http_request_denied",
+    "ERR_CANNOT_FORWARD": "destination_unavailable",
+}
+_PROXY_STATUS_ERROR = re.compile(r";\s*error\s*=\s*\"?([A-Za-z0-9_]+)")
+
+
+def proxy_answered(status: int, headers: CIMultiDictProxy[str]) -> str | None:
+    """Why an http upstream's egress proxy answered its request itself, having never reached the
+    provider (None: the answer may be the provider's). A 407 is a proxy's alone (RFC 9110); a
+    403 or a 5xx is the proxy's when it says so: RFC 9209's ``Proxy-Status`` naming an error of
+    reaching the origin, or Squid's ``X-Squid-Error``. In fixed words, never the proxy's own."""
+    if status == 407:
+        return PROXY_AUTH_REFUSED
+    if status != 403 and status < 500:
+        return None
+    named = _PROXY_STATUS_ERROR.findall(",".join(headers.getall("Proxy-Status", [])).lower())
+    squid = headers.get("X-Squid-Error", "").split(" ", 1)[0]
+    why = next((error for error in named if error in _NEVER_REACHED), _SQUID_NEVER_REACHED.get(squid))
+    if why is None:
+        return None
+    return f"the egress proxy could not reach the upstream (HTTP {status}, {why})"
 
 
 # What of the provider's response headers reaches the client: what its SDK acts on (when and
@@ -468,7 +514,7 @@ async def _post(
         # rules; 502, 503: it could not reach the upstream). The tunnel never opened: no byte of
         # the request left the proxy's side, so nothing is billed, as for a connection refused.
         return TransportFailure(
-            "connect", proxy_refusal(err.status), retry=False if err.status == 407 else None
+            "connect", proxy_refusal(err.status), retry=False if err.status in (403, 407) else None
         )
     except ValueError as err:
         # aiohttp (or yarl, for a query's URL) refused to build the request (a header value it
@@ -498,11 +544,11 @@ async def _post(
             # handshake, say): the request was never written.
             return TransportFailure("connect", f"cannot connect to upstream: {type(err).__name__}")
         return TransportFailure("transport", f"upstream connection failed: {type(err).__name__}")
-    if response.status == 407 and sending.proxy is not None:
-        # An http upstream's request went to the proxy, which refused it: 407 is a proxy's answer,
-        # never a server's (RFC 9110), so the request went no further.
+    if sending.plain_proxy and (refused := proxy_answered(response.status, response.headers)):
+        # An http upstream's request, sent to the proxy, answered by the proxy itself: the
+        # request went no further. (Inside an https upstream's tunnel only the provider answers.)
         response.close()
-        return TransportFailure("connect", PROXY_AUTH_REFUSED, retry=False)
+        return TransportFailure("connect", refused, retry=False if response.status in (403, 407) else None)
     return response
 
 

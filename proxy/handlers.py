@@ -41,6 +41,7 @@ from proxy.forward import (
     operator_key_unset,
     operator_secrets,
     provider_headers,
+    proxy_answered,
     proxy_refusal,
     read_limited,
     upstream_headers,
@@ -268,13 +269,13 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         ) as resp:
             body = await read_limited(resp, MODELS_LIST_LIMIT_BYTES)
     except aiohttp.ClientHttpProxyError as err:  # the egress proxy refused the CONNECT
-        return _proxy_refused(dialect, err.status)
+        return _proxy_refused(dialect, proxy_refusal(err.status), err.status)
     except (TimeoutError, ValueError, aiohttp.ClientError):
         return dialect.error_response(
             502, "The upstream could not list models.", "upstream_error", code="upstream_error"
         )
-    if resp.status == 407 and sending.proxy is not None:  # an http upstream's proxy refused it
-        return _proxy_refused(dialect, 407)
+    if sending.plain_proxy and (refused := proxy_answered(resp.status, resp.headers)):
+        return _proxy_refused(dialect, refused, resp.status)
     secrets = operator_secrets(upstream, identity)
     body = scrubbed(body, secrets)
     passed = provider_headers(resp, secrets)
@@ -315,14 +316,14 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     return web.Response(status=200, body=body, content_type="application/json", headers=passed)
 
 
-def _proxy_refused(dialect: Dialect, status: int) -> web.Response:
+def _proxy_refused(dialect: Dialect, why: str, status: int) -> web.Response:
     # In the proxy's words for it, never the egress proxy's (its page may quote what it was sent).
     return dialect.error_response(
         502,
-        f"The upstream could not list models: {proxy_refusal(status)}.",
+        f"The upstream could not list models: {why}.",
         "upstream_error",
         code="upstream_error",
-        headers={"x-should-retry": "false"} if status == 407 else None,
+        headers={"x-should-retry": "false"} if status in (403, 407) else None,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from proxy.config_load import parse_config
 from proxy.forward import operator_secrets
 from proxy.redis_server import RedisServerProcess
 from proxy.scrub import scrubbed
-from tests.conftest import PrivateCA, Proxy, ProxyFactory, base_config, refused_port
+from tests.conftest import KEY_A, PrivateCA, Proxy, ProxyFactory, base_config, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import (
     assert_zero_usage,
@@ -32,6 +33,7 @@ from tests.outcome_helpers import (
     the_entry,
     upstream_override,
 )
+from tests.procs import ProxyProcess
 from tests.test_budgets import _proxy_from_file, _reload_to
 
 MODEL = "gpt-4o-mini"
@@ -486,3 +488,190 @@ async def test_a_reload_changes_the_upstreams_proxy(
         assert egress.forwarded == [f"{fake.base_url}/chat/completions"]
     finally:
         await proxy.runner.cleanup()
+
+
+class SlowConnectProxy(ForwardProxy):
+    """Answers every CONNECT only after ``delay_s``."""
+
+    delay_s = 3.0
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(self.delay_s)
+        await super()._one(reader, writer)
+
+
+class ProxyAnsweringFor(ForwardProxy):
+    """An http upstream's request answered by the proxy itself, as Squid or Envoy do when they
+    cannot reach the origin: a 502, an HTML page, and RFC 9209's Proxy-Status naming why."""
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
+        await reader.readexactly(length)
+        self.forwarded.append(head.split(b" ")[1].decode())
+        page = b"<html><body>ERR_CONNECT_FAIL: the origin refused the connection</body></html>"
+        writer.write(
+            b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\n"
+            b"Proxy-Status: squid; error=connection_refused\r\n"
+            b"X-Squid-Error: ERR_CONNECT_FAIL 111\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+        )
+        await writer.drain()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_proxy_slow_to_answer_the_connect_is_a_connect_timeout_billed_nothing(
+    make_proxy: ProxyFactory, fake: FakeUpstream, https_upstream: str, private_ca: PrivateCA, stream: bool
+) -> None:
+    egress = SlowConnectProxy()
+    await egress.start()
+    try:
+        proxy = await make_proxy(
+            upstreams=upstream_override(
+                https_upstream,
+                proxy=egress.url(),
+                ca_file=str(private_ca.ca),
+                connect_timeout_s=0.5,
+                timeout_s=30,
+            )
+        )
+        started = time.monotonic()
+        result = await raw_post(proxy, {"model": MODEL, "messages": MSGS, "stream": stream}, "r1")
+        took = time.monotonic() - started
+    finally:
+        await egress.close()
+    assert result.status == 504, result.body
+    assert took < 2.5, took
+    entry = await the_entry(proxy, "r1", requests=0)
+    assert entry["outcome"] == "upstream_timeout"
+    assert_zero_usage(entry)
+    assert fake.received == []
+
+
+async def test_a_407_the_provider_answers_inside_the_tunnel_is_not_the_egress_proxys_refusal(
+    make_proxy: ProxyFactory, fake: FakeUpstream, https_upstream: str, private_ca: PrivateCA
+) -> None:
+    # The CONNECT went through (200, the proxy's credentials taken): whatever answers inside the
+    # tunnel is the provider (or its gateway), whose answer the call reached. Told as the egress
+    # proxy refusing its credentials, the operator mends credentials that were accepted.
+    egress = ForwardProxy(password=PROXY_PASSWORD)
+    await egress.start()
+    try:
+        proxy = await make_proxy(
+            upstreams=upstream_override(
+                https_upstream,
+                proxy=egress.url(f"{PROXY_USER}:{PROXY_PASSWORD}@"),
+                ca_file=str(private_ca.ca),
+            )
+        )
+        body = {"model": MODEL, "messages": MSGS, "fake": {"mode": "error", "status": 407}}
+        result = await raw_post(proxy, body, "r1")
+    finally:
+        await egress.close()
+    assert len(fake.received) == 1 and egress.refused == 0
+    assert "egress proxy refused" not in result.body.decode(), result.body
+    await the_entry(proxy, "r1", requests=1)  # the call reached the provider: a request made
+
+
+async def test_an_http_upstreams_proxy_saying_it_never_reached_the_origin_bills_nothing(
+    make_proxy: ProxyFactory, fake: FakeUpstream
+) -> None:
+    # RFC 9209: Proxy-Status error=connection_refused (dns_error, connection_timeout,
+    # destination_unavailable...) says the proxy never reached the origin. The call never went
+    # to the provider, yet it bills its whole reserve (a 5xx with no error body in its format).
+    egress = ProxyAnsweringFor()
+    await egress.start()
+    try:
+        proxy = await make_proxy(upstreams=upstream_override(fake.base_url, proxy=egress.url()))
+        result = await raw_post(proxy, {"model": MODEL, "messages": MSGS, "max_tokens": 500}, "r1")
+    finally:
+        await egress.close()
+    assert result.status == 502
+    assert len(egress.forwarded) == 1 and fake.received == []
+    entry = await the_entry(proxy, "r1", requests=0)
+    assert_zero_usage(entry)
+
+
+def test_the_proxys_password_in_its_url_is_not_in_the_configs_repr() -> None:
+    # test_egress_proxy checks the repr for proxy_auth_env's password; the URL's own (as the
+    # README offers it: http://USER:PASSWORD@HOST:PORT) is shown whole by repr and model_dump.
+    raw = base_config("https://api.example.com/v1", "redis://127.0.0.1:1/0")
+    raw["upstreams"]["openai"]["proxy"] = f"http://{PROXY_USER}:{PROXY_PASSWORD}@squid:3128"
+    config = parse_config(raw, {"TEST_UPSTREAM_KEY": "sk-k"})
+    assert PROXY_PASSWORD not in repr(config)
+    assert PROXY_PASSWORD not in str(config.model_dump())
+
+
+async def test_a_reload_changing_the_proxys_credentials_opens_a_new_tunnel(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    https_upstream: str,
+    private_ca: PrivateCA,
+) -> None:
+    egress = ForwardProxy()
+    await egress.start()
+    raw = base_config(fake.base_url, redis_server.url)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    raw["upstreams"]["openai"] |= {
+        "base_url": https_upstream,
+        "ca_file": str(private_ca.ca),
+        "proxy": egress.url("a:old-password@"),
+    }
+    path = tmp_path / "config.yaml"
+    proxy = await _proxy_from_file(raw, path)
+    try:
+        assert (await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")).status == 200
+        raw["upstreams"]["openai"]["proxy"] = egress.url("a:new-password@")
+        await _reload_to(proxy, raw, path)
+        assert (await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r2")).status == 200
+    finally:
+        await proxy.runner.cleanup()
+        await egress.close()
+    assert egress.authorizations == [
+        aiohttp.encode_basic_auth("a", "old-password"),
+        aiohttp.encode_basic_auth("a", "new-password"),
+    ]
+
+
+async def test_two_workers_serve_through_a_proxy_with_credentials_and_a_ca_file(
+    fake: FakeUpstream,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    tmp_path: Path,
+    https_upstream: str,
+    private_ca: PrivateCA,
+) -> None:
+    egress = ForwardProxy(password=PROXY_PASSWORD)
+    await egress.start()
+    raw = base_config(https_upstream, redis_server.url)
+    raw["upstreams"]["openai"] |= {
+        "ca_file": str(private_ca.ca),
+        "proxy": egress.url(),
+        "proxy_auth_env": "EGRESS_AUTH",
+    }
+    served = ProxyProcess(raw, tmp_path, args=("--workers", "2"))
+    try:
+        await asyncio.to_thread(
+            served.start, 40.0, extra_env={"EGRESS_AUTH": f"{PROXY_USER}:{PROXY_PASSWORD}"}
+        )
+        async with aiohttp.ClientSession() as session:
+            for n in range(6):
+                async with session.post(
+                    served.url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": MSGS},
+                    headers={"Authorization": f"Bearer {KEY_A}", "X-Run-Id": f"w{n}"},
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+    finally:
+        served.stop()
+        await egress.close()
+    assert egress.refused == 0 and len(fake.received) == 6
