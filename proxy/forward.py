@@ -573,9 +573,10 @@ _NAMES_THE_HOST = frozenset({62, 64})
 def _untrusted(err: ssl.SSLCertVerificationError) -> str:
     """Why a certificate was refused, in OpenSSL's fixed words for it ("self-signed certificate in
     certificate chain", "unable to get local issuer certificate", "certificate has expired")."""
-    if err.verify_code in _NAMES_THE_HOST:
+    # Set by OpenSSL's handshake; an error raised otherwise (a library's own) has neither.
+    if getattr(err, "verify_code", None) in _NAMES_THE_HOST:
         return "it does not name the upstream's host"
-    return str(err.verify_message or "certificate verify failed")
+    return str(getattr(err, "verify_message", None) or "certificate verify failed")
 
 
 class BodyTooLarge(ValueError):
