@@ -1195,3 +1195,69 @@ async def test_a_large_registry_is_no_stall_and_its_idle_tenants_are_still_forgo
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
         await store.close()
+
+
+class StallingRead(RedisStore):
+    """A real store that pauses its Redis for ``pause_s`` (``CLIENT PAUSE``) just before sending
+    team-a's ``nth`` read of its leases made with ``limit`` (0: a grace read, ``BATCH``: a read of
+    leases to settle); each read after that one is logged with its limit and whether the lease
+    ``rid`` was still held as it was sent."""
+
+    limit = 0
+    nth = 1
+    pause_s = 0.0
+    rid = ""
+    seen = 0
+    stalled = False
+    after: list[tuple[int, bool]]
+
+    async def expired_leases(self, **kwargs: Any) -> Any:
+        if kwargs.get("tenant") == "team-a":
+            if self.stalled:
+                held = await self.client.zscore("lbp:{team-a}:leases", self.rid) is not None
+                self.after.append((kwargs["limit"], held))
+            elif kwargs["limit"] == self.limit:
+                self.seen += 1
+                if self.seen == self.nth:
+                    await self.client.execute_command("CLIENT", "PAUSE", str(int(self.pause_s * 1000)), "ALL")
+                    try:
+                        return await super().expired_leases(**kwargs)
+                    finally:
+                        self.stalled = True
+        return await super().expired_leases(**kwargs)
+
+
+@pytest.mark.parametrize(("limit", "nth"), [(0, 3), (BATCH, 1)], ids=["grace read", "batch read"])
+async def test_each_read_of_a_tenants_leases_that_stalls_starts_its_grace_again(
+    own_redis: RedisServerProcess, limit: int, nth: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read of team-a's leases answered ``STALL_S`` or more late, its grace read or its read of
+    the leases to settle, is an outage: nothing it listed is settled, and the next round reads in
+    a grace again (the lease still held) before settling. Without that check a grace read's stall
+    longer than the grace, or a stalled read of the leases to settle, settled the lease as the
+    stall ended; a stall is logged as one (a warning), not as the store unreachable."""
+    store = StallingRead.from_url(own_redis.url, socket_timeout_s=5.0)
+    assert isinstance(store, StallingRead)
+    store.limit, store.nth, store.pause_s, store.rid, store.after = limit, nth, 1.5, "stalled", []
+    caplog.set_level("WARNING", logger="proxy.reaper")
+    reaper: asyncio.Future[None] | None = None
+    try:
+        await lease_past_its_grace_in(store, "team-a", "stalled", after_s=-10 * STALL_GRACE_S)
+        reaper = asyncio.ensure_future(
+            run_reaper(
+                store, 0.05, lambda entry: None, lambda: ["team-a"], grace_s=STALL_GRACE_S, stall_s=STALL_S
+            )
+        )
+        async with asyncio.timeout(20):
+            while await store.client.zscore("lbp:{team-a}:leases", "stalled") is not None:
+                await asyncio.sleep(0.05)
+        assert store.after[0] == (0, True)  # a grace read first, the lease still held
+        told = [r for r in caplog.records if r.name == "proxy.reaper"]
+        assert any(r.levelname == "WARNING" and "slow to answer" in r.getMessage() for r in told)
+        assert not any("could not reach" in r.getMessage() for r in told)
+    finally:
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await store.close()
