@@ -3,10 +3,14 @@ Cluster (the registry is one key, outside any tenant's slot)."""
 
 from __future__ import annotations
 
+import pytest
+
+from proxy.errors import StoreError
 from proxy.redis_store import RedisStore
 from proxy.redis_tenants import TENANTS_A_COMMAND
 from proxy.store import OLD_TENANTS_KEY, TENANTS_KEY, Reservation, Scope
 from tests import test_redis_store
+from tests.conftest import refused_port
 
 store = test_redis_store.store  # the fixture: one Redis, and a Cluster
 
@@ -75,3 +79,25 @@ async def test_a_tenant_is_known_by_its_ledger_or_either_registry(store: RedisSt
     for tenant in ("team-ledger", "team-registered", "team-old"):
         assert await store.knows_tenant(tenant), tenant
     assert not await store.knows_tenant("team-typo")
+
+
+async def test_a_large_registry_is_read_a_command_s_worth_of_tenants_a_round_trip(store: RedisStore) -> None:
+    """``waited`` is told each round trip of the read (the reaper's stall check takes the longest):
+    a page of about ``TENANTS_A_COMMAND`` tenants each, not ZSCAN's default of about ten (a
+    registry of thousands read in hundreds of round trips, every reaper round)."""
+    sprayed = [f"pt-{i:05d}" for i in range(TENANTS_A_COMMAND * 5 // 2)]
+    await store.register_tenants(sprayed, kept_s=60)
+    waits: list[float] = []
+    assert set(await store.tenants(waited=waits.append)) == set(sprayed)
+    assert 2 <= len(waits) <= 10
+    assert all(wait >= 0 for wait in waits)
+
+
+async def test_asking_a_store_that_cannot_be_reached_whether_it_knows_a_tenant_is_a_store_error() -> None:
+    # ``ledger`` and ``report`` say a StoreError in a line; anything else is a traceback.
+    store = RedisStore.from_url(f"redis://127.0.0.1:{refused_port()}/0")
+    try:
+        with pytest.raises(StoreError):
+            await store.knows_tenant("team-a")
+    finally:
+        await store.close()
