@@ -38,6 +38,7 @@ from tests.conftest import (
     base_config,
     big_config,
     loop_ticks,
+    refused_port,
     until_upstream_received,
 )
 from tests.fake_upstream import FakeUpstream
@@ -848,3 +849,87 @@ async def test_a_call_refused_once_after_a_reload_is_counted_as_one_refusal(
         assert view["meters"]["output_tokens"]["refused"] == 1, view["meters"]["output_tokens"]
     finally:
         await proxy.runner.cleanup()
+
+
+def _unit_reloader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[proxy.reload.ConfigReloader, dict[str, Any], Path, list[Config]]:
+    """A ``ConfigReloader`` of a file, no proxy around it: (it, the file's raw config, the file,
+    the configs it applied)."""
+    raw = base_config("http://127.0.0.1:9/v1", f"redis://127.0.0.1:{refused_port()}/0")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "x")
+    started = load_config(path)
+    applied: list[Config] = []
+    return proxy.reload.ConfigReloader(path, lambda: started, applied.append), raw, path, applied
+
+
+async def test_a_closed_reloader_applies_no_reload_the_one_loading_as_it_closed_included(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close`` (shutdown): a reload whose load was under way is dropped when the load ends,
+    and one asked after it does not even load the file."""
+    reloader, raw, path, applied = _unit_reloader(tmp_path, monkeypatch)
+    loading, go_on = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Config:
+        loading.set()
+        go_on.wait(10)
+        return config_load.load_config(*args, **kwargs)
+
+    monkeypatch.setattr(proxy.reload, "load_config", held)
+    raw["limits"] = {"default_max_output_tokens": 77}
+    path.write_text(yaml.safe_dump(raw))
+    reloading = asyncio.ensure_future(reloader.reload_off_loop("test"))
+    try:
+        assert await asyncio.to_thread(loading.wait, 10), "the reload did not load"
+        reloader.close()
+    finally:
+        go_on.set()
+    assert await reloading is False
+    loading.clear()
+    assert await reloader.reload_off_loop("test") is False
+    assert not loading.is_set(), "a reload asked once closed loaded the file"
+    assert applied == []
+
+
+async def test_a_reloads_warnings_are_logged_as_it_is_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file is loaded on a thread, its warnings kept and said by the loop as the reload is
+    applied: an upstream's key variable unset since start is told, not applied unseen."""
+    reloader, raw, path, applied = _unit_reloader(tmp_path, monkeypatch)
+    monkeypatch.delenv("TEST_UPSTREAM_KEY")
+    raw["limits"] = {"default_max_output_tokens": 77}
+    path.write_text(yaml.safe_dump(raw))
+    caplog.set_level("WARNING")
+    assert await reloader.reload_off_loop("test")
+    assert [new.limits.default_max_output_tokens for new in applied] == [77]
+    assert any("TEST_UPSTREAM_KEY is not set" in r.getMessage() for r in caplog.records), caplog.text
+
+
+async def test_a_file_saved_while_the_proxy_started_is_in_force_once_it_has_started(
+    fake: FakeUpstream,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The file serve read, saved again before the app started: the reload it calls for is done
+    as the app starts, not a watch's poll later (its SIGHUP, were one sent, was ignored then)."""
+    monkeypatch.setattr(app_module, "RELOAD_POLL_S", 600.0)
+    raw = base_config(fake.base_url, redis_server.url, journal_dir=str(tmp_path / "journal"))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    read = load_config(path)
+    raw["limits"] = {"default_max_output_tokens": 77}
+    path.write_text(yaml.safe_dump(raw))
+    app = build_app(read, tokenizer=Tokenizer({}), config_path=path, started_from=read)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        assert app[STATE].config.limits.default_max_output_tokens == 77
+    finally:
+        await runner.cleanup()
