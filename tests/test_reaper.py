@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+import proxy.app as app_module
 from proxy.errors import StoreError, StoreRejected
 from proxy.journal import Journal
 from proxy.reaper import BATCH, Unsure, reap_tenant, run_reaper
@@ -1261,3 +1262,19 @@ async def test_each_read_of_a_tenants_leases_that_stalls_starts_its_grace_again(
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
         await store.close()
+
+
+async def test_the_proxys_reaper_counts_a_read_half_a_replay_interval_late_as_an_outage(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app's reaper is given ``limits.journal_replay_s`` halved as its ``stall_s``: without
+    it no stall of the store's short of a failed read restarts the leases' grace."""
+    asked: list[dict[str, Any]] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Awaitable[None]:
+        asked.append(kwargs)
+        return run_reaper(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "run_reaper", recorded)
+    proxy = await make_proxy()
+    assert [kwargs.get("stall_s") for kwargs in asked] == [proxy.config.limits.journal_replay_s / 2]
