@@ -569,3 +569,49 @@ async def test_a_scrape_on_its_thread_never_sees_the_store_drops_keys_gauge_with
         f"{len(empty)} of {scrapes} scrapes exported llm_proxy_store_drops_keys with no series "
         "(taken between check_eviction's clear and its labels)"
     )
+
+
+class WatchedLock:
+    """A family's lock noting, each time it is released, how many series the family holds: a
+    scrape on its thread may copy the family at any of those moments, and at no other."""
+
+    def __init__(self, family: Any) -> None:
+        self.family = family
+        self.lock = threading.Lock()
+        self.series_at_release: list[int] = []
+
+    def __enter__(self) -> WatchedLock:
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.series_at_release.append(len(self.family._values))
+        self.lock.release()
+
+
+async def test_no_moment_of_check_eviction_leaves_the_store_drops_keys_gauge_without_its_series(
+    store: RedisStore,
+) -> None:
+    """The deterministic side of the test above: every release of the gauge's lock during a
+    check (the only moments a scrape on its thread can copy it) finds its one series there; a
+    ``clear`` then a ``labels(...).set`` released it once with none."""
+    metrics = Metrics(CollectorRegistry())
+    known = await check_eviction(store, metrics, None)
+    watched = WatchedLock(metrics.store_drops_keys)
+    setattr(metrics.store_drops_keys, "_lock", watched)  # noqa: B010  # its type is threading.Lock's
+    await check_eviction(store, metrics, known)
+    assert watched.series_at_release, "the check did not change the gauge under its lock"
+    assert set(watched.series_at_release) == {1}, watched.series_at_release
+
+
+def test_a_gauge_set_only_keeps_the_one_series_at_its_value_and_checks_its_labels() -> None:
+    metrics = Metrics(CollectorRegistry())
+    gauge = metrics.store_drops_keys
+    gauge.labels("allkeys-lru").set(1)
+    gauge.set_only(("noeviction",), 0)
+    assert [(labels, value.value) for labels, value in gauge.items()] == [(["noeviction"], 0)]
+    gauge.set_only(("volatile-lru",), 1)
+    assert [(labels, value.value) for labels, value in gauge.items()] == [(["volatile-lru"], 1)]
+    with pytest.raises(ValueError, match="llm_proxy_store_drops_keys"):
+        gauge.set_only(("a", "b"), 1)
+    assert [labels for labels, _ in gauge.items()] == [["volatile-lru"]]
