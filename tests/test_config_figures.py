@@ -686,3 +686,52 @@ def test_figures_of_six_places_with_trailing_zeros_or_an_exponent_are_still_take
     rates = config.models["*"].price_per_million.rates  # type: ignore[union-attr]
     assert (rates["input"], rates["output"]) == (10**15 - 1, 100_000_000)
     assert config.tiers["standard"].run.meters == {"cost_micros": 12_500_000}
+
+
+def _keys_named(tenants_by_name: dict[str, list[str]]) -> list[dict[str, str]]:
+    """A key for each (name, tenant), each of its own digest."""
+    pairs = [(name, tenant) for name, tenants in tenants_by_name.items() for tenant in tenants]
+    return [
+        {"name": name, "sha256": hashlib.sha256(f"{i}".encode()).hexdigest(), "tenant": tenant}
+        for i, (name, tenant) in enumerate(pairs)
+    ]
+
+
+def test_a_repeated_key_names_its_tenants_once_each_and_the_first_five_at_most() -> None:
+    def said(tenants_by_name: dict[str, list[str]]) -> str:
+        return error_of({**UP, "keys": _keys_named(tenants_by_name)}).partition("names must be unique: ")[2]
+
+    assert said({"k": ["t", "t"]}) == "k names 2 keys (tenant t)"
+    assert said({"k": ["t", "u", "t"]}) == "k names 3 keys (tenants t, u)"
+    five = [f"t{i}" for i in range(5)]
+    assert said({"k": five}) == "k names 5 keys (tenants t0, t1, t2, t3, t4)"
+    assert said({"k": [*five, "t5"]}) == "k names 6 keys (tenants t0, t1, t2, t3, t4 and 1 more)"
+
+
+def test_repeated_key_names_are_named_five_at_most_and_how_many_more() -> None:
+    def said(names: int) -> str:
+        return error_of({**UP, "keys": _keys_named({f"k{i}": ["t", "t"] for i in range(names)})})
+
+    assert said(5).endswith("k4 names 2 keys (tenant t)")
+    assert said(6).endswith("k4 names 2 keys (tenant t); and 1 names more")
+    assert "k5" not in said(6)
+
+
+def test_a_model_entry_with_a_bracket_set_is_a_glob() -> None:
+    raw = {**UP, "models": {"gpt-[45]o": {"upstream": "openai"}}}
+    assert taken(raw).route("gpt-4o")[0] == "gpt-[45]o"  # type: ignore[index]
+    assert taken(raw).route("gpt-3o") is None
+
+
+def test_the_socket_timeout_in_force_is_named_where_it_comes_from() -> None:
+    def named(url: str, **redis: Any) -> tuple[float, str]:
+        config = taken({**UP, "redis": {"url": url, "socket_timeout_s": 5, **redis}})
+        return config.redis.effective_socket_timeout_s, config.redis.socket_timeout_named
+
+    field, in_url = "redis.socket_timeout_s", "the Redis URL's socket_timeout"
+    # The proxy's own client runs the scripts over redis:// and waits the field's: a tie is its.
+    assert named("redis://127.0.0.1:1/0?socket_timeout=5") == (5, field)
+    assert named("redis://127.0.0.1:1/0?socket_timeout=3") == (5, field)
+    assert named("redis://127.0.0.1:1/0?socket_timeout=7") == (7, in_url)
+    assert named("rediss://127.0.0.1:1/0?socket_timeout=3") == (3, in_url)
+    assert named("rediss://127.0.0.1:1/0?socket_timeout=5") == (5, in_url)
