@@ -29,7 +29,7 @@ from proxy.pricing import (
     tool_fees_exact,
     worst_rates,
 )
-from proxy.scopes import PASSTHROUGH_CALLERS_KEPT, scopes_for, window_bounds
+from proxy.scopes import PASSTHROUGH_CALLERS_KEPT, KeyScopes, scopes_for, window_bounds
 from proxy.service_tiers import dearest, rates_for, tier_rates
 from proxy.store import Scope
 from proxy.tool_fees import billed_tool_calls, counted_as, pools_tool_calls, reserved_tool_calls
@@ -693,3 +693,9 @@ def test_the_key_scopes_kept_for_pass_through_callers_are_bounded() -> None:
     ]
     _calls_in_turn(config, callers, datetime(2026, 12, 5, 12, 0, 10, tzinfo=UTC))
     assert config.key_scopes.held == PASSTHROUGH_CALLERS_KEPT
+
+
+def test_a_configs_key_scopes_have_room_for_its_keys_and_at_least_4096_pass_through_callers() -> None:
+    assert PASSTHROUGH_CALLERS_KEPT == 4096
+    assert KeyScopes(0).most == KeyScopes(4096).most == 4096
+    assert KeyScopes(5000).most == 5000
