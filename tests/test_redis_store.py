@@ -19,13 +19,21 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from proxy.auth import Identity
 from proxy.config_tiers import TierConfig
+from proxy.errors import StoreError
 from proxy.reaper import reap_tenant
 from proxy.redis_server import RedisServerProcess, free_port
 from proxy.redis_store import RedisStore
 from proxy.scopes import scopes_for, window_bounds
 from proxy.store import ACTUAL_METERS, Clamp, Eviction, Refusal, Reservation, Scope, Tentative, WindowEnded
 from tests.cluster import RedisClusterProcesses
-from tests.conftest import KEY_A, ProxyFactory, busy_script, until_redis_busy, until_upstream_received
+from tests.conftest import (
+    KEY_A,
+    ProxyFactory,
+    busy_script,
+    refused_port,
+    until_redis_busy,
+    until_upstream_received,
+)
 from tests.fake_upstream import FakeUpstream
 
 AMOUNTS = {
@@ -1390,5 +1398,23 @@ async def test_a_reapers_settle_trims_the_ledger_as_a_calls_does(
         assert len(await reap_tenant(store, "team-a")) == 1
         ids = [i for i, _ in await redis_client.xrange("lbp:{team-a}:ledger")]
         assert len(set(ids) & set(old)) < 100 and ids[-11:-1] == recent
+    finally:
+        await store.close()
+
+
+async def test_a_refusal_taken_back_on_a_store_that_cannot_be_reached_is_a_store_error() -> None:
+    # ``reserve`` logs a StoreError and goes on planning the call again; anything else is a 500.
+    store = RedisStore.from_url(f"redis://127.0.0.1:{refused_port()}/0")
+    refusal = Refusal(
+        scope=Scope(name="run", key="lbp:{team-a}:run:r1"),
+        meter="requests",
+        ceiling=1,
+        used=1,
+        reserved=0,
+        amount=1,
+    )
+    try:
+        with pytest.raises(StoreError):
+            await store.uncount_refusal(refusal)
     finally:
         await store.close()
