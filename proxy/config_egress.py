@@ -119,8 +119,9 @@ def bypassed(no_proxy: str, host: str, port: int) -> bool:
     """Whether ``no_proxy`` names ``host`` (at ``port``), as curl reads it: entries apart by
     commas or spaces, ``*`` alone for every host, a name for itself and every name under it (a
     leading ``.`` or ``*.`` changes nothing), an IP address for itself, a CIDR block for the
-    addresses in it (curl 7.86 and requests); with ``:PORT`` (Python's and Go's reading), at that
-    port only. A loopback host is proxied unless named, as curl and requests do."""
+    addresses in it (an IPv6 one bracketed or not: ``[fd00::]/8`` is ``fd00::/8``); with
+    ``:PORT`` (Python's and Go's reading), at that port only. A loopback host is proxied unless
+    named, as curl and requests do."""
     host = host.lower().strip("[]").rstrip(".")
     address = _ip(host)
     for entry in re.split(r"[,\s]+", no_proxy.lower()):
@@ -152,8 +153,12 @@ def bypassed(no_proxy: str, host: str, port: int) -> bool:
 
 def _entry_parts(entry: str) -> tuple[str, int | None]:
     """A ``no_proxy`` entry as its host (or block) and its port, if it names one."""
-    if entry.startswith("["):  # [::1] or [::1]:8080
+    if entry.startswith("["):  # [::1], [::1]:8080 or [fd00::]/8
         inside, _, rest = entry[1:].partition("]")
+        if rest.startswith("/"):
+            # A block written as a URL writes its address: read as the address alone, the rest
+            # of the block went through the proxy.
+            return inside + rest, None
         return inside, _port(rest[1:]) if rest.startswith(":") else None
     if entry.count(":") == 1:  # a name or an IPv4 address with a port (an IPv6 address has more)
         name, _, port = entry.partition(":")

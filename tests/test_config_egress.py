@@ -121,6 +121,9 @@ def test_the_environments_proxy_as_curl_and_requests_read_it() -> None:
         ("::1", "::1", 80, True),
         ("[::1]:8000", "[::1]", 8000, True),
         ("[::1]:8000", "::1", 80, False),
+        ("fd00::/8", "fd12::1", 443, True),
+        ("[fd00::]/8", "fd12::1", 443, True),  # the block, not fd00:: alone
+        ("[fd00::]/8", "fe80::1", 443, False),
         ("", "localhost", 80, False),  # loopback is proxied unless named, as curl and requests do
         ("localhost", "127.0.0.1", 80, False),  # a name is not its address
         ("*", "", 80, True),
