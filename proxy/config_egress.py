@@ -118,11 +118,11 @@ def from_environment(base_url: str, environ: Mapping[str, str]) -> tuple[str, st
 def bypassed(no_proxy: str, host: str, port: int) -> bool:
     """Whether ``no_proxy`` names ``host`` (at ``port``), as curl reads it: entries apart by
     commas or spaces, ``*`` alone for every host, a name for itself and every name under it (a
-    leading ``.`` or ``*.`` changes nothing), an IP address for itself, a CIDR block for the
-    addresses in it (an IPv6 one bracketed or not: ``[fd00::]/8`` is ``fd00::/8``); with
-    ``:PORT`` (Python's and Go's reading), at that port only. A loopback host is proxied unless
-    named, as curl and requests do."""
-    host = host.lower().strip("[]").rstrip(".")
+    leading ``.`` or ``*.`` changes nothing; a Unicode name is its punycode), an IP address for
+    itself, a CIDR block for the addresses in it (an IPv6 one bracketed or not: ``[fd00::]/8`` is
+    ``fd00::/8``); with ``:PORT`` (Python's and Go's reading), at that port only. A loopback host
+    is proxied unless named, as curl and requests do."""
+    host = _idna(host.lower().strip("[]").rstrip("."))
     address = _ip(host)
     for entry in re.split(r"[,\s]+", no_proxy.lower()):
         if not entry:
@@ -145,7 +145,7 @@ def bypassed(no_proxy: str, host: str, port: int) -> bool:
             if address == named_address:
                 return True
             continue
-        name = name.removeprefix("*").lstrip(".").rstrip(".")
+        name = _idna(name.removeprefix("*").lstrip(".").rstrip("."))
         if name and (host == name or host.endswith("." + name)):
             return True
     return False
@@ -164,6 +164,18 @@ def _entry_parts(entry: str) -> tuple[str, int | None]:
         name, _, port = entry.partition(":")
         return name, _port(port)
     return entry, None
+
+
+def _idna(name: str) -> str:
+    """``name`` as its host is sent (yarl's IDNA, aiohttp's): a Unicode name (``bücher.de``) and
+    its punycode (``xn--bcher-kva.de``) are one host, whichever form the URL or NO_PROXY wrote;
+    as written when it has no such form."""
+    if name.isascii():  # already the form sent: most names, left without the encoder's cost
+        return name
+    try:
+        return URL.build(scheme="http", host=name).raw_host or name
+    except (ValueError, UnicodeError):
+        return name
 
 
 def _port(text: str) -> int | None:

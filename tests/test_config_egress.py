@@ -127,6 +127,11 @@ def test_the_environments_proxy_as_curl_and_requests_read_it() -> None:
         ("", "localhost", 80, False),  # loopback is proxied unless named, as curl and requests do
         ("localhost", "127.0.0.1", 80, False),  # a name is not its address
         ("*", "", 80, True),
+        # A Unicode name and its punycode are one host, in either place.
+        ("xn--bcher-kva.de", "api.bücher.de", 443, True),
+        ("Bücher.de", "api.xn--bcher-kva.de", 443, True),
+        (".bücher.de", "bücher.de", 443, True),
+        ("bücher.de", "xn--bcher-kva.com", 443, False),
     ],
 )
 def test_no_proxy(no_proxy: str, host: str, port: int, bypass: bool) -> None:
