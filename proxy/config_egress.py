@@ -1,7 +1,7 @@
 """The egress proxy an upstream's calls go through: its own ``proxy``, else the one the
 environment names (``https_proxy`` / ``HTTPS_PROXY`` for an https upstream, ``http_proxy`` /
-``HTTP_PROXY`` for an http one, unless ``no_proxy`` / ``NO_PROXY`` names its host), read as curl
-and requests read them.
+``HTTP_PROXY`` for an http one, unless ``no_proxy`` / ``NO_PROXY`` names its host), read as
+Python's urllib reads them.
 
 Checked here; ``config_load.parse_config`` resolves it once per load into
 ``UpstreamConfig.egress`` (the environment is read there and nowhere else), and ``forward`` sends
@@ -20,8 +20,10 @@ from yarl import URL
 
 from proxy.config_base import USERINFO_CUT, Frozen, userinfo_cut
 
-# Lower case first, as curl and requests read them (an https upstream: https_proxy, then
-# HTTPS_PROXY). A blank value is none.
+# Lower case first (an https upstream: https_proxy, then HTTPS_PROXY); the first set decides,
+# even blank (``_first_set``). HTTP_PROXY is read, as Python's urllib and requests read it: curl
+# ignores it, lest a CGI script take a request's ``Proxy:`` header for it ("httpoxy"), but this
+# process's environment is its operator's, not a request's.
 PROXY_VARIABLES = {"https": ("https_proxy", "HTTPS_PROXY"), "http": ("http_proxy", "HTTP_PROXY")}
 NO_PROXY_VARIABLES = ("no_proxy", "NO_PROXY")
 _DEFAULT_PORTS = {"https": 443, "http": 80}
@@ -97,22 +99,23 @@ def from_environment(base_url: str, environ: Mapping[str, str]) -> tuple[str, st
     None: none named, or ``no_proxy`` names the upstream."""
     parts = urlsplit(base_url)
     scheme = parts.scheme.lower()
-    named = next(
-        (
-            (name, environ[name].strip())
-            for name in PROXY_VARIABLES.get(scheme, ())
-            if environ.get(name, "").strip()
-        ),
-        None,
-    )
-    if named is None:
+    named = _first_set(PROXY_VARIABLES.get(scheme, ()), environ)
+    if named is None or not named[1]:
         return None
-    no_proxy = next((environ[name] for name in NO_PROXY_VARIABLES if environ.get(name, "").strip()), "")
+    no_proxy = (_first_set(NO_PROXY_VARIABLES, environ) or ("", ""))[1]
     port = parts.port or _DEFAULT_PORTS.get(scheme, 80)
     if bypassed(no_proxy, parts.hostname or "", port):
         return None
     name, value = named
     return name, value if "://" in value else f"http://{value}"
+
+
+def _first_set(names: tuple[str, ...], environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """The first of ``names`` (lower case first) the environment sets, even blank, and its value
+    stripped (blank: none), as Python's urllib reads them (``getproxies_environment``, which
+    requests, aiohttp and httpx take): ``https_proxy=""`` is how an environment says no proxy
+    over an ``HTTPS_PROXY`` it inherited (curl takes a blank variable as unset)."""
+    return next(((name, environ[name].strip()) for name in names if name in environ), None)
 
 
 def bypassed(no_proxy: str, host: str, port: int) -> bool:

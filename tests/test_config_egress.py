@@ -1,5 +1,5 @@
 """The egress proxy's config: the file's ``proxy`` and ``proxy_auth_env``, the environment's
-HTTPS_PROXY / HTTP_PROXY and NO_PROXY as curl and requests read them, and what is refused at load
+HTTPS_PROXY / HTTP_PROXY and NO_PROXY as Python's urllib reads them, and what is refused at load
 (in words that never quote a password)."""
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ def test_the_environments_proxy_is_checked_as_the_files_naming_its_variable() ->
 
 
 def test_the_environments_proxy_as_curl_and_requests_read_it() -> None:
-    # Lower case first; a blank value is none; no scheme is http://; credentials in the URL.
+    # Lower case first; no scheme is http://; credentials in the URL.
     egress = loaded({}, {"https_proxy": f"gw:{SECRET}@squid:3128", "HTTPS_PROXY": "http://other:1"}).egress
     assert (egress.url, egress.user, egress.source) == ("http://squid:3128", "gw", "https_proxy")
-    assert loaded({}, {"https_proxy": " ", "HTTPS_PROXY": "http://other:1"}).egress.url == "http://other:1"
+    assert loaded({}, {"HTTPS_PROXY": " http://other:1 "}).egress.url == "http://other:1"
+    assert loaded({}, {"HTTPS_PROXY": " "}).egress is None  # a blank value is none
     # An https upstream reads HTTPS_PROXY alone (not HTTP_PROXY), an http one HTTP_PROXY alone.
     assert loaded({}, {"HTTP_PROXY": "http://squid:3128"}).egress is None
     assert from_environment("http://10.0.0.5:8000/v1", {"HTTP_PROXY": "squid:3128"}) == (
@@ -136,3 +137,12 @@ def test_the_environments_proxy_as_curl_and_requests_read_it() -> None:
 )
 def test_no_proxy(no_proxy: str, host: str, port: int, bypass: bool) -> None:
     assert bypassed(no_proxy, host, port) is bypass
+
+
+def test_a_lower_case_variable_set_blank_decides_as_pythons_urllib_reads_it() -> None:
+    # urllib.request.getproxies_environment (requests' and aiohttp's): the lower-case variable,
+    # once set, even blank, is the one read; curl would take the upper-case one.
+    for blank in ("", " "):
+        assert loaded({}, {"https_proxy": blank, "HTTPS_PROXY": "http://squid:3128"}).egress is None
+        environ = {"HTTPS_PROXY": "http://squid:3128", "no_proxy": blank, "NO_PROXY": "api.example.com"}
+        assert loaded({}, environ).egress.url == "http://squid:3128"
