@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy.config import Config
-from proxy.config_load import cross_checked, load_config, log_warnings, passthrough_config, with_flags
+from proxy.config_load import (
+    cross_checked,
+    load_config,
+    log_egress,
+    log_warnings,
+    passthrough_config,
+    with_flags,
+)
 from proxy.errors import ConfigError, StoreError
 from proxy.logs import setup_logging
 from proxy.redis_server import EmbeddedKeeper, RedisServerProcess, StartCancelled
@@ -167,6 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     config, started_from = _config_for(args, warnings)
     setup_logging(config.log.level, config.log.format)
     log_warnings(warnings)
+    log_egress(config)
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
     if args.workers > (most := WORKERS_PER_CPU * _cpus()):

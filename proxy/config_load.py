@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import SecretStr, ValidationError
@@ -262,6 +263,40 @@ def log_warnings(warnings: list[str]) -> None:
     """The warnings a load collected (``parse_config``), logged as its own would have been."""
     for said in warnings:
         log.warning(said)
+
+
+def log_egress(config: Config, before: Config | None = None) -> None:
+    """An info line for each upstream whose calls go through an egress proxy (its host:port and
+    where it was named, never its credentials): at start (``before`` None), and at a reload for
+    each upstream whose proxy ``before`` (the config in force) did not have, or had and lost.
+
+    Said because an upgrade from a version that read no environment sends an upstream that went
+    direct through the ``HTTPS_PROXY`` / ``HTTP_PROXY`` its container inherited: an internal
+    http upstream's key then goes to that proxy in clear, which an operator must be able to see.
+    Logged by whoever applies the config (``serve``, the reloader), once logging is set up."""
+    for name, upstream in config.upstreams.items():
+        egress = upstream.egress
+        was = None if before is None or name not in before.upstreams else before.upstreams[name].egress
+        if before is not None and _egress_seen(egress) == _egress_seen(was):
+            continue
+        if egress is not None:
+            log.info(
+                "upstream goes through an egress proxy",
+                extra={"upstream": name, "egress_proxy": _host_port(egress.url), "named_by": egress.source},
+            )
+        elif was is not None:
+            log.info("upstream goes direct, through no egress proxy now", extra={"upstream": name})
+
+
+def _egress_seen(egress: EgressProxy | None) -> tuple[str, str] | None:
+    return None if egress is None else (egress.url, egress.source)
+
+
+def _host_port(url: str) -> str:
+    """An egress proxy's ``http://HOST[:PORT]`` as ``HOST:PORT`` (80 where it names none)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"[{host}]:{parts.port or 80}" if ":" in host else f"{host}:{parts.port or 80}"
 
 
 def with_flags(

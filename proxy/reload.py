@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from proxy.config import Config
-from proxy.config_load import load_config, log_warnings
+from proxy.config_load import load_config, log_egress, log_warnings
 from proxy.errors import ConfigError
 
 log = logging.getLogger("proxy.reload")
@@ -155,6 +155,7 @@ class ConfigReloader:
         new = _keep_start_only(new, old)
         self._apply(new)
         self._counted("applied")
+        log_egress(new, old)
         log.info(
             "config reloaded",
             extra={

@@ -922,6 +922,26 @@ def test_serve_with_json_logs_warns_of_an_unset_upstream_key_once_as_a_json_line
     assert json.loads(warned[0])["level"] == "warning"
 
 
+def test_serve_says_which_upstreams_go_through_the_environments_egress_proxy(
+    fake: FakeUpstream, redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
+    """An upgrade reads HTTP_PROXY where a version before went direct: ``serve`` says so at
+    start, once, naming the upstream, the proxy's host:port and the variable (not its password)."""
+    proc = ProxyProcess(base_config(fake.base_url, redis_server.url), tmp_path, args=("--workers", "2"))
+    # Lower case, which wins over whatever the machine's environment says; no_proxy set blank
+    # names no host, the fake's 127.0.0.1 included.
+    proc.start(extra_env={"http_proxy": "http://gw:hunter2-proxy-pw@corp-proxy:3128", "no_proxy": ""})
+    try:
+        log = proc.log()
+    finally:
+        proc.stop()
+    assert "hunter2-proxy-pw" not in log
+    said = [json.loads(line) for line in log.splitlines() if "egress proxy" in line]
+    assert [(s["level"], s["upstream"], s["egress_proxy"], s["named_by"]) for s in said] == [
+        ("info", "openai", "corp-proxy:3128", "http_proxy")
+    ], log
+
+
 def _readme_config_commands() -> list[str]:
     """The README's commands for a config file (the sh block after "With a config file"),
     ``serve`` left out: it would run until stopped."""

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.config_egress import bypassed, from_environment
-from proxy.config_load import parse_config
+from proxy.config_load import log_egress, parse_config
 from proxy.errors import ConfigError
 from tests.conftest import base_config
 
@@ -146,3 +146,44 @@ def test_a_lower_case_variable_set_blank_decides_as_pythons_urllib_reads_it() ->
         assert loaded({}, {"https_proxy": blank, "HTTPS_PROXY": "http://squid:3128"}).egress is None
         environ = {"HTTPS_PROXY": "http://squid:3128", "no_proxy": blank, "NO_PROXY": "api.example.com"}
         assert loaded({}, environ).egress.url == "http://squid:3128"
+
+
+def test_each_upstream_through_an_egress_proxy_is_logged_at_load_and_at_a_reload_changing_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An upgrade reads the environment's proxy where a version before went direct: each upstream
+    it sends through one is said (its host:port and the variable or field, no credentials)."""
+    raw = base_config("http://vllm.internal:8000/v1", "redis://127.0.0.1:1/0")
+    raw["upstreams"]["local"] = {"base_url": "http://127.0.0.1:8001/v1", "proxy": "http://squid:3128"}
+    environ = {"TEST_UPSTREAM_KEY": "sk-k", "HTTP_PROXY": f"gw:{SECRET}@corp-proxy", "NO_PROXY": "127.0.0.1"}
+    first = parse_config(raw, environ)
+    caplog.set_level("INFO", logger="proxy.config")
+
+    def said(config: Any, before: Any = None) -> list[dict[str, Any]]:
+        caplog.clear()
+        log_egress(config, before)
+        assert SECRET not in caplog.text and "gw" not in caplog.text
+        keys = ("upstream", "egress_proxy", "named_by")
+        return [{k: getattr(r, k, None) for k in keys} | {"message": r.getMessage()} for r in caplog.records]
+
+    through = "upstream goes through an egress proxy"
+    assert said(first) == [
+        {"upstream": "openai", "egress_proxy": "corp-proxy:80", "named_by": "HTTP_PROXY", "message": through},
+        {
+            "upstream": "local",
+            "egress_proxy": "squid:3128",
+            "named_by": "upstreams.local.proxy",
+            "message": through,
+        },
+    ]
+    # A reload: only what changed (the environment's proxy gone from openai; local's unchanged).
+    second = parse_config(raw, {**environ, "http_proxy": ""})
+    assert said(second, first) == [
+        {
+            "upstream": "openai",
+            "egress_proxy": None,
+            "named_by": None,
+            "message": "upstream goes direct, through no egress proxy now",
+        }
+    ]
+    assert said(second, second) == []

@@ -933,3 +933,21 @@ async def test_a_file_saved_while_the_proxy_started_is_in_force_once_it_has_star
         assert app[STATE].config.limits.default_max_output_tokens == 77
     finally:
         await runner.cleanup()
+
+
+async def test_a_reload_that_sends_an_upstream_through_an_egress_proxy_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The environment's proxy, read at each reload: an upstream it sends through one from now is
+    told as the reload is applied (an http upstream's key would go to it in clear)."""
+    reloader, _, _, applied = _unit_reloader(tmp_path, monkeypatch)
+    for name in ("http_proxy", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://gw:pw@corp-proxy:3128")
+    caplog.set_level("INFO", logger="proxy.config")
+    assert await reloader.reload_off_loop("test")
+    said = [r for r in caplog.records if r.getMessage() == "upstream goes through an egress proxy"]
+    assert [(r.__dict__["upstream"], r.__dict__["egress_proxy"], r.__dict__["named_by"]) for r in said] == [
+        ("openai", "corp-proxy:3128", "HTTP_PROXY")
+    ], caplog.text
+    assert applied[-1].upstreams["openai"].egress is not None
