@@ -20,6 +20,10 @@ from pathlib import Path
 # bundle's comments may hold any text (certifi's name issuers in UTF-8), which ``cadata`` (ASCII
 # PEM) refuses, and the refusals are then the proxy's words, not OpenSSL's for a path.
 _PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL)
+# OpenSSL's trusted certificate (a certificate followed by trust settings: the purposes it is
+# trusted or distrusted for), as RHEL's ca-bundle.trust.crt holds them. ``cadata`` reads none, and
+# one read as its certificate alone would trust a CA its settings distrust.
+_PEM_TRUSTED = b"-----BEGIN TRUSTED CERTIFICATE-----"
 _SSL_SOURCE = re.compile(r"\s*\(_ssl\.c:\d+\)$")
 
 
@@ -31,6 +35,15 @@ def trusted_pem(path: Path) -> str:
         pem = path.read_bytes()
     except OSError as err:
         raise ValueError(f"cannot read it ({err.strerror or type(err).__name__})") from None
+    if trusted := pem.count(_PEM_TRUSTED):
+        # Refused rather than dropped: the file's CAs in those blocks were missing from the
+        # context unsaid, each call to a server they signed failing as untrusted.
+        raise ValueError(
+            f"it holds {trusted} OpenSSL trusted certificate(s) (-----BEGIN TRUSTED CERTIFICATE-----, "
+            "as RHEL's ca-bundle.trust.crt), whose trust settings cannot be honoured here: give a "
+            "bundle of plain certificates (RHEL's /etc/pki/tls/certs/ca-bundle.crt), or convert "
+            "each with openssl x509 -in FILE -out FILE.pem (which drops its trust settings)"
+        )
     blocks = _PEM_CERTIFICATE.findall(pem)
     if not blocks:
         raise ValueError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import ssl
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,34 @@ def test_check_config_says_a_missing_ca_file_without_a_traceback(
     assert err == (
         f"llm-billing-proxy: upstreams.vllm.ca_file: {missing}: cannot read it (No such file or directory)\n"
     )
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_ca_file_holding_openssl_trusted_certificates_is_refused_at_load(
+    private_ca: PrivateCA, tmp_path: Path, mixed: bool
+) -> None:
+    """RHEL's ca-bundle.trust.crt form (a certificate and its trust settings), which Python's
+    ``cadata`` cannot read: beside plain certificates, its CAs were dropped unsaid."""
+    trusted = tmp_path / "trusted.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-in",
+            str(private_ca.ca),
+            "-trustout",
+            "-addtrust",
+            "serverAuth",
+            "-out",
+            str(trusted),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    bundle = tmp_path / "ca-bundle.trust.crt"
+    bundle.write_bytes((private_ca.other_ca.read_bytes() if mixed else b"") + trusted.read_bytes())
+    message = refusal({"ca_file": str(bundle)})
+    assert message.startswith(
+        f"upstreams.openai.ca_file: {bundle}: it holds 1 OpenSSL trusted certificate(s)"
+    ), message
+    assert "ca-bundle.crt" in message
