@@ -27,6 +27,7 @@ from proxy.scrub import scrubbed
 from tests.conftest import KEY_A, PrivateCA, Proxy, ProxyFactory, base_config, refused_port
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import (
+    JsonDict,
     assert_zero_usage,
     raw_post,
     run_headers,
@@ -170,6 +171,22 @@ class ForwardProxy:
                 await writer.drain()
 
 
+async def tunnelled(
+    make_proxy: ProxyFactory, https_upstream: str, egress: ForwardProxy, private_ca: PrivateCA
+) -> Proxy:
+    """A gateway whose https upstream is reached through ``egress``, its certificate trusted."""
+    return await make_proxy(
+        upstreams=upstream_override(https_upstream, proxy=egress.url(), ca_file=str(private_ca.ca))
+    )
+
+
+async def billed_nothing(proxy: Proxy, run: str = "r1") -> JsonDict:
+    """The run's one entry, which counts no request and bills no token."""
+    entry = await the_entry(proxy, run, requests=0)
+    assert_zero_usage(entry)
+    return entry
+
+
 @pytest.fixture
 async def egress() -> AsyncIterator[ForwardProxy]:
     server = ForwardProxy()
@@ -309,17 +326,14 @@ async def test_a_connect_the_proxy_refuses_never_reached_the_provider_and_bills_
     status: int,
 ) -> None:
     egress.connect_status = status
-    proxy = await make_proxy(
-        upstreams=upstream_override(https_upstream, proxy=egress.url(), ca_file=str(private_ca.ca))
-    )
+    proxy = await tunnelled(make_proxy, https_upstream, egress, private_ca)
     result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
     assert result.status == 502
     message = result.json()["error"]["message"]
     assert message.endswith(
         f"the egress proxy could not connect to the upstream (HTTP {status} to its CONNECT)"
     )
-    entry = await the_entry(proxy, "r1", requests=0)
-    assert_zero_usage(entry)
+    await billed_nothing(proxy)
     assert len(egress.connects) == 1 and fake.received == []
 
 
@@ -359,13 +373,10 @@ async def test_a_tunnel_closed_before_the_tls_handshake_ends_bills_nothing(
     # The proxy took the CONNECT (200), then closed: the connection was never made, the request
     # never written.
     egress.close_after_connect = True
-    proxy = await make_proxy(
-        upstreams=upstream_override(https_upstream, proxy=egress.url(), ca_file=str(private_ca.ca))
-    )
+    proxy = await tunnelled(make_proxy, https_upstream, egress, private_ca)
     result = await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")
     assert result.status == 502
-    entry = await the_entry(proxy, "r1", requests=0)
-    assert_zero_usage(entry)
+    await billed_nothing(proxy)
     assert fake.received == []
 
 
@@ -376,9 +387,7 @@ async def test_a_tunnel_cut_after_the_request_went_out_bills_the_reserve(
     https_upstream: str,
     private_ca: PrivateCA,
 ) -> None:
-    proxy = await make_proxy(
-        upstreams=upstream_override(https_upstream, proxy=egress.url(), ca_file=str(private_ca.ca))
-    )
+    proxy = await tunnelled(make_proxy, https_upstream, egress, private_ca)
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 50, "fake": {"hold": True}}
     posting = asyncio.ensure_future(raw_post(proxy, body, "r1"))
     for _ in range(500):
@@ -405,8 +414,7 @@ async def test_a_messages_call_refused_by_the_proxy_is_told_in_anthropics_format
     assert result.status == 502
     told = result.json()
     assert told["type"] == "error" and "HTTP 407" in told["error"]["message"], told
-    entry = await the_entry(proxy, "r1", requests=0)
-    assert_zero_usage(entry)
+    await billed_nothing(proxy)
 
 
 @pytest.mark.parametrize(
@@ -595,8 +603,7 @@ async def test_an_http_upstreams_proxy_saying_it_never_reached_the_origin_bills_
         await egress.close()
     assert result.status == 502
     assert len(egress.forwarded) == 1 and fake.received == []
-    entry = await the_entry(proxy, "r1", requests=0)
-    assert_zero_usage(entry)
+    await billed_nothing(proxy)
 
 
 def test_the_proxys_password_in_its_url_is_not_in_the_configs_repr() -> None:

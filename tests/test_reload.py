@@ -793,60 +793,39 @@ async def _run_view(proxy: Proxy, run: str) -> dict[str, Any]:
         return view
 
 
-async def test_a_refusal_under_a_config_a_reload_replaced_is_not_counted_for_a_call_then_served(
+@pytest.mark.parametrize(
+    ("raised_to", "status", "refused"),
+    [(1000, 200, 0), (200, 429, 1)],
+    ids=["then-served", "refused-again"],
+)
+async def test_a_refusal_under_a_config_a_reload_replaced_is_counted_once_if_at_all(
     fake: FakeUpstream,
     tmp_path: Path,
     redis_server: RedisServerProcess,
     redis_client: aioredis.Redis,
     monkeypatch: pytest.MonkeyPatch,
+    raised_to: int,
+    status: int,
+    refused: int,
 ) -> None:
-    """A run's output ceiling of 100 raised to 1,000 while the call's reserve script waits for
-    the store's connection: the script runs under the old config and refuses (counting
-    refused:output_tokens in the run's hash), the call is planned again under the new one and
-    served (200). The run view said its ceiling refused a call no 429 was ever answered for (the
-    day-2 hunt): the count is taken back."""
+    """A run's output ceiling of 100 raised while the call's reserve script waits for the
+    store's connection: the script runs under the old config and refuses (counting
+    refused:output_tokens in the run's hash), and the call is planned again under the new one.
+    Served (a ceiling of 1,000), the run view said its ceiling refused a call no 429 was ever
+    answered for; refused again (200, still below the call's 500), it said two refusals for the
+    one 429 the client got (the day-2 hunt): the old config's count is taken back."""
     monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
     raw["tiers"] = {"standard": {"run": {"output_tokens": 100}}}
     path = tmp_path / "c.yaml"
     proxy = await _proxy_from_file(raw, path)
     try:
-        raw["tiers"] = {"standard": {"run": {"output_tokens": 1000}}}
-        status, text = await _call_while_the_store_reconnects(
-            proxy, raw, path, redis_client, "raised", max_tokens=500
-        )
-        assert status == 200, text[:300]
-        view = await _run_view(proxy, "raised")
-        assert view["meters"]["requests"]["used"] == 1, view
-        # No call of the run was refused (no 429 was answered): the view says one was.
-        assert view["meters"]["output_tokens"]["refused"] == 0, view["meters"]["output_tokens"]
-    finally:
-        await proxy.runner.cleanup()
-
-
-async def test_a_call_refused_once_after_a_reload_is_counted_as_one_refusal(
-    fake: FakeUpstream,
-    tmp_path: Path,
-    redis_server: RedisServerProcess,
-    redis_client: aioredis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The same wait, the ceiling changed from 100 to 200 (still below the call's 500): the old
-    config's script refuses and counts, the call is planned again and refused again, counted
-    again. The client got one 429; the run view said its ceiling refused two calls."""
-    monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
-    raw = base_config(fake.base_url, _on_db_1(redis_server.url), journal_dir=str(tmp_path / "j"))
-    raw["tiers"] = {"standard": {"run": {"output_tokens": 100}}}
-    path = tmp_path / "c.yaml"
-    proxy = await _proxy_from_file(raw, path)
-    try:
-        raw["tiers"] = {"standard": {"run": {"output_tokens": 200}}}
-        status, text = await _call_while_the_store_reconnects(
-            proxy, raw, path, redis_client, "twice", max_tokens=500
-        )
-        assert status == 429, text[:300]
-        view = await _run_view(proxy, "twice")
-        assert view["meters"]["output_tokens"]["refused"] == 1, view["meters"]["output_tokens"]
+        raw["tiers"] = {"standard": {"run": {"output_tokens": raised_to}}}
+        calling = _call_while_the_store_reconnects(proxy, raw, path, redis_client, "r", max_tokens=500)
+        got, text = await calling
+        assert got == status, text[:300]
+        view = await _run_view(proxy, "r")
+        assert view["meters"]["output_tokens"]["refused"] == refused, view["meters"]["output_tokens"]
     finally:
         await proxy.runner.cleanup()
 
