@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config
 from proxy.error_answers import answer_parser_errors_as_json, bound_request_heads, error_middleware
 from proxy.errors import StoreError
+from proxy.exposition import Expositions
 from proxy.forward import UpstreamConnector
 from proxy.handlers import add_routes, metrics_handler
 from proxy.journal import Journal
@@ -376,11 +377,16 @@ def build_app(
             await _stopped(reload)
         await _stopped(task)
 
+    async def expositions_ctx(app: web.Application) -> AsyncIterator[None]:
+        state.expositions = Expositions(state.metrics.registry)
+        yield
+        state.expositions.shutdown()
+
     async def metrics_site_ctx(app: web.Application) -> AsyncIterator[None]:
         listen = config.metrics.listen
         assert listen is not None
         metrics_app = web.Application()
-        metrics_app.router.add_get("/metrics", metrics_handler(state.metrics))
+        metrics_app.router.add_get("/metrics", metrics_handler(state))
         runner = web.AppRunner(metrics_app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, listen.host, listen.port).start()
@@ -394,6 +400,7 @@ def build_app(
     app.cleanup_ctx.append(estimator_ctx)
     app.cleanup_ctx.append(settling_ctx)  # cleaned up before the estimate thread, journal, store
     app.cleanup_ctx.append(session_ctx)
+    app.cleanup_ctx.append(expositions_ctx)  # before the metrics site: its thread outlives it
     if run_reaper_task:
         app.cleanup_ctx.append(reaper_ctx)
     if config_path is not None:

@@ -15,7 +15,7 @@ import orjson
 from aiohttp import HttpVersion11, hdrs, web, web_urldispatcher
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import Identity, authenticate, presented_key
 from proxy.billing_views import key_self, run_ledger, run_meters
@@ -48,7 +48,6 @@ from proxy.forward import (
     upstream_url,
 )
 from proxy.ids import REQUEST_ID, request_id_for, run_id_for
-from proxy.metrics import Metrics
 from proxy.payload import Endpoint
 from proxy.planning import count_later, count_now, planned
 from proxy.reaper import registration_s
@@ -335,11 +334,12 @@ def _is_error_object(body: bytes) -> bool:
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
 
 
-def metrics_handler(metrics: Metrics) -> Callable[[web.Request], Awaitable[web.Response]]:
+def metrics_handler(state: State) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handler(request: web.Request) -> web.Response:
         # Off the loop: its cost is the series' (tenants x models x endpoints x outcomes...), a
         # second and more at a thousand tenants, which every call and stream would stand still for.
-        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        assert state.expositions is not None, "opened with the app (app.expositions_ctx)"
+        body = await state.expositions.latest()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return handler
@@ -362,7 +362,7 @@ async def metrics(request: web.Request) -> web.StreamResponse:
             f"With {state.workers} workers each keeps its own metrics: scrape each worker on "
             "metrics.listen (its port + the worker's index), not the shared port."
         )
-    return await metrics_handler(state.metrics)(request)
+    return await metrics_handler(state)(request)
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import Config
+from proxy.exposition import Expositions
 from proxy.ids import IdSource
 from proxy.journal import Journal
 from proxy.logs import Throttle
@@ -42,6 +43,9 @@ class State:
     # so that no tenant's prompts, refused after their count at no cost to it, hold a settle.
     reserve_counts: TenantPool | None = None
     settle_counts: TenantPool | None = None
+    # /metrics' builds, on their own thread, one shared by the scrapes that come while it runs
+    # (both ports': ``handlers.metrics_handler``).
+    expositions: Expositions | None = None
     # Tenants this process has registered for the reapers, each until when (ms, the registry's
     # clock): registered again once half of it is gone (``handlers.registered``), dropped once
     # it ran out (``reaper.known_tenants``).
