@@ -73,6 +73,9 @@ class ConfigReloader:
             # proxy started (its SIGHUP ignored until now). ``changed`` says so at once.
             self._stamp = None
         self._turn = asyncio.Lock()
+        # Reloads asked of ``reload_off_loop`` so far: one still waiting its turn when a later
+        # one is asked is merged into it (``reload_off_loop``).
+        self._asked = 0
         self._closed = False
 
     def reload(self, reason: str) -> bool:
@@ -84,12 +87,25 @@ class ConfigReloader:
     async def reload_off_loop(self, reason: str) -> bool:
         """``reload``, the file read and validated on a thread: a file of thousands of keys
         takes seconds to load, for which every call in flight would stand still. Applied on the
-        loop, as the config in force is only ever swapped there."""
+        loop, as the config in force is only ever swapped there.
+
+        False when not applied: refused, closed, or merged into a reload asked after it while it
+        waited for the one loading (neither applied nor refused, and not counted: that later one
+        reads the file as it is then, which is this one's file or newer, and is counted)."""
         self._stamp = _stamp(self.path)
+        self._asked += 1
+        ticket = self._asked
         # One at a time, in the order asked: two loads side by side could end in either order,
         # and the older file applied after the newer one would stay in force.
         async with self._turn:
             if self._closed:
+                return False
+            if ticket != self._asked:
+                # A burst of SIGHUPs or saves loaded the file once each, seconds apiece at
+                # thousands of keys, each load taking the GIL from the loop, for configs in force
+                # only until the next was applied. The one loading when asked is not merged: the
+                # file may have changed during its load, and the next reload reads it again.
+                log.info("config reload merged into a later one", extra={"reason": reason})
                 return False
             loaded = await asyncio.to_thread(_loaded, self.path)
             if self._closed:  # shutdown began while it loaded: the config in force is done with

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -831,17 +832,22 @@ async def test_a_refusal_under_a_config_a_reload_replaced_is_counted_once_if_at_
 
 
 def _unit_reloader(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted: Callable[[str], None] = lambda result: None
 ) -> tuple[proxy.reload.ConfigReloader, dict[str, Any], Path, list[Config]]:
     """A ``ConfigReloader`` of a file, no proxy around it: (it, the file's raw config, the file,
-    the configs it applied)."""
+    the configs it applied); ``counted`` told each reload's result."""
     raw = base_config("http://127.0.0.1:9/v1", f"redis://127.0.0.1:{refused_port()}/0")
     path = tmp_path / "proxy.yaml"
     path.write_text(yaml.safe_dump(raw))
     monkeypatch.setenv("TEST_UPSTREAM_KEY", "x")
     started = load_config(path)
     applied: list[Config] = []
-    return proxy.reload.ConfigReloader(path, lambda: started, applied.append), raw, path, applied
+    return (
+        proxy.reload.ConfigReloader(path, lambda: started, applied.append, counted=counted),
+        raw,
+        path,
+        applied,
+    )
 
 
 async def test_a_closed_reloader_applies_no_reload_the_one_loading_as_it_closed_included(
@@ -871,6 +877,50 @@ async def test_a_closed_reloader_applies_no_reload_the_one_loading_as_it_closed_
     assert await reloader.reload_off_loop("test") is False
     assert not loading.is_set(), "a reload asked once closed loaded the file"
     assert applied == []
+
+
+async def test_reloads_asked_while_one_loads_are_merged_into_the_last_which_loads_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of SIGHUPs (or saves) loaded the file once each, one after the other, seconds
+    apiece at thousands of keys. Those asked while one loads are merged into the last of them,
+    which still loads after it (the file may have changed during that load): two loads, the
+    later file in force, and only the two counted (a merged reload is neither applied nor
+    refused)."""
+    counted: list[str] = []
+    reloader, raw, path, applied = _unit_reloader(tmp_path, monkeypatch, counted.append)
+    loads: list[int] = []
+    loading, go_on = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Config:
+        config = config_load.load_config(*args, **kwargs)
+        loads.append(config.limits.default_max_output_tokens)
+        if len(loads) == 1:
+            loading.set()
+            go_on.wait(10)
+        return config
+
+    def saved(tokens: int) -> None:
+        raw["limits"] = {"default_max_output_tokens": tokens}
+        path.write_text(yaml.safe_dump(raw))
+
+    monkeypatch.setattr(proxy.reload, "load_config", held)
+    saved(11)
+    first = asyncio.ensure_future(reloader.reload_off_loop("test"))
+    later: list[asyncio.Future[bool]] = []
+    try:
+        assert await asyncio.to_thread(loading.wait, 10), "the first reload did not load"
+        for tokens in (12, 13, 14):
+            saved(tokens)
+            later.append(asyncio.ensure_future(reloader.reload_off_loop("test")))
+            await asyncio.sleep(0)  # asked in turn, as signals come
+    finally:
+        go_on.set()
+    assert await first is True
+    assert [await reload for reload in later] == [False, False, True]
+    assert loads == [11, 14]
+    assert [new.limits.default_max_output_tokens for new in applied] == [11, 14]
+    assert counted == ["applied", "applied"]
 
 
 async def test_a_reloads_warnings_are_logged_as_it_is_applied(
