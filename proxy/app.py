@@ -257,6 +257,10 @@ def build_app(
             log.error("settlements still under way at exit", extra={"count": len(state.settling)})
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        # Before serving, off the loop: else each upstream's first call would build its
+        # ca_file's context on it (``Config.build_ca_contexts``), in each worker (a pickled
+        # config comes without).
+        await asyncio.to_thread(state.config.build_ca_contexts)
         connector = UpstreamConnector(limit=0, ttl_dns_cache=300)
         # No cookie jar: a provider's (or its gateway's) cookies set on one caller's call would go
         # upstream with every later caller's, their own keys beside them.

@@ -682,6 +682,14 @@ class Config(Frozen):
                 f"at its reserve; raise reap_grace_s above {worst_s:g} s, or lower those"
             )
 
+    def build_ca_contexts(self) -> None:
+        """Each upstream's ``ca_context`` built here, on the thread calling (a reload's, which
+        loaded the file; at start, one before serving), not at the upstream's first call on the
+        event loop: a context of the system's bundle blocks the thread building it for about
+        17 ms. Not built at load and kept as a field: the config would not pickle (``Frozen``)."""
+        for upstream in self.upstreams.values():
+            _ = upstream.ca_context
+
     @cached_property
     def longest_lease_s(self) -> float:
         """The longest lease a call of this config writes: its slowest upstream's ``timeout_s``

@@ -208,9 +208,14 @@ def _loaded(path: Path) -> tuple[Config, list[str]] | ConfigError:
     loop), or why it was refused."""
     warnings: list[str] = []
     try:
-        return load_config(path, os.environ, warnings=warnings), warnings
+        config = load_config(path, os.environ, warnings=warnings)
     except ConfigError as err:
         return err
+    # Here, on the load's thread: on the loop, the first call to each upstream with a ca_file
+    # would stop it while its context is built. ``_keep_start_only`` copies the Config alone:
+    # its upstreams, and the contexts cached on them, are the ones applied.
+    config.build_ca_contexts()
+    return config, warnings
 
 
 def _start_only(config: Config) -> dict[str, object]:
