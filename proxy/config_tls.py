@@ -18,8 +18,12 @@ from pathlib import Path
 
 # A PEM certificate block. Taken out of the file rather than the file handed to OpenSSL whole: a
 # bundle's comments may hold any text (certifi's name issuers in UTF-8), which ``cadata`` (ASCII
-# PEM) refuses, and the refusals are then the proxy's words, not OpenSSL's for a path.
-_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL)
+# PEM) refuses, and the refusals are then the proxy's words, not OpenSSL's for a path. The older
+# label ``X509 CERTIFICATE`` too, which OpenSSL (curl's --cacert, cadata) reads as a certificate:
+# a bundle holding some had their CAs dropped unsaid, each call to a server they signed failing.
+_PEM_CERTIFICATE = re.compile(
+    rb"-----BEGIN (?:X509 )?CERTIFICATE-----\r?\n.*?-----END (?:X509 )?CERTIFICATE-----", re.DOTALL
+)
 # OpenSSL's trusted certificate (a certificate followed by trust settings: the purposes it is
 # trusted or distrusted for), as RHEL's ca-bundle.trust.crt holds them. ``cadata`` reads none, and
 # one read as its certificate alone would trust a CA its settings distrust.

@@ -73,6 +73,24 @@ def test_a_bundle_with_comments_in_utf8_is_read_whole(private_ca: PrivateCA, tmp
     assert context is not None and context.cert_store_stats()["x509_ca"] == 2
 
 
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_certificate_under_the_older_x509_certificate_label_is_read(
+    private_ca: PrivateCA, tmp_path: Path, beside: bool
+) -> None:
+    """``-----BEGIN X509 CERTIFICATE-----``, a label OpenSSL (curl's --cacert, Python's cadata)
+    reads as a certificate: alone, the file was refused as holding none; beside plain ones, its
+    CA was dropped unsaid and each call to a server it signed failed as untrusted."""
+    old = private_ca.ca.read_bytes().replace(b" CERTIFICATE-----", b" X509 CERTIFICATE-----")
+    assert old.count(b"X509 CERTIFICATE") == 2
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes((private_ca.other_ca.read_bytes() if beside else b"") + old)
+    context = loaded({"ca_file": str(bundle)}).ca_context
+    assert context is not None
+    subjects = [ca["subject"] for ca in context.get_ca_certs()]
+    assert ((("commonName", "Test private-ca"),),) in subjects
+    assert len(subjects) == (2 if beside else 1)
+
+
 def test_a_ca_file_that_cannot_serve_is_refused_at_load_naming_the_upstream_and_the_path(
     private_ca: PrivateCA, tmp_path: Path
 ) -> None:
