@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 import proxy.config
 from proxy.redis_server import RedisServerProcess
 from proxy.state import STATE
-from tests.conftest import PrivateCA, ProxyFactory, base_config
+from tests.conftest import PrivateCA, Proxy, ProxyFactory, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.outcome_helpers import assert_zero_usage, raw_post, run_headers, the_entry, upstream_override
 from tests.test_budgets import _proxy_from_file, _reload_to
@@ -106,6 +106,18 @@ async def test_two_upstreams_on_one_host_never_share_a_connection_verified_under
     assert_zero_usage(await the_entry(proxy, "r2", requests=0))
 
 
+async def served_trusting(
+    https_upstream: str, redis_url: str, tmp_path: Path, ca_file: Path
+) -> tuple[Proxy, dict[str, Any], Path]:
+    """A proxy served from a config file (reloadable) whose upstream trusts ``ca_file``; the
+    file's config and path, for a reload."""
+    raw = base_config(https_upstream, redis_url)
+    raw["journal_dir"] = str(tmp_path / "journal")
+    raw["upstreams"]["openai"]["ca_file"] = str(ca_file)
+    path = tmp_path / "config.yaml"
+    return await _proxy_from_file(raw, path), raw, path
+
+
 async def test_a_reload_reads_the_ca_file_again_under_the_same_path(
     fake: FakeUpstream,
     https_upstream: str,
@@ -116,11 +128,7 @@ async def test_a_reload_reads_the_ca_file_again_under_the_same_path(
 ) -> None:
     ca_file = tmp_path / "upstream-ca.pem"
     ca_file.write_bytes(private_ca.other_ca.read_bytes())
-    raw = base_config(https_upstream, redis_server.url)
-    raw["journal_dir"] = str(tmp_path / "journal")
-    raw["upstreams"]["openai"]["ca_file"] = str(ca_file)
-    path = tmp_path / "config.yaml"
-    proxy = await _proxy_from_file(raw, path)
+    proxy, raw, path = await served_trusting(https_upstream, redis_server.url, tmp_path, ca_file)
     try:
         assert (await raw_post(proxy, {"model": MODEL, "messages": MSGS}, "r1")).status == 502
         # The upstream's CA replaced in the file (a renewed bundle), the config unchanged.
@@ -156,11 +164,7 @@ async def test_each_ca_context_is_built_off_the_event_loop_at_start_and_at_a_rel
         return trust_context(cadata)
 
     monkeypatch.setattr(proxy.config, "trust_context", recorded)
-    raw = base_config(https_upstream, redis_server.url)
-    raw["journal_dir"] = str(tmp_path / "journal")
-    raw["upstreams"]["openai"]["ca_file"] = str(private_ca.ca)
-    path = tmp_path / "config.yaml"
-    served = await _proxy_from_file(raw, path)
+    served, raw, path = await served_trusting(https_upstream, redis_server.url, tmp_path, private_ca.ca)
     try:
         state = served.app[STATE]
         assert "ca_context" in vars(state.config.upstreams["openai"]), "not built at start"
