@@ -389,7 +389,9 @@ def build_app(
     async def metrics_site_ctx(app: web.Application) -> AsyncIterator[None]:
         listen = config.metrics.listen
         assert listen is not None
-        metrics_app = web.Application()
+        # Its errors in the proxy's format too (a build that failed), not aiohttp's text page.
+        metrics_app = web.Application(middlewares=[error_middleware])
+        metrics_app[STATE] = state
         metrics_app.router.add_get("/metrics", metrics_handler(state))
         runner = web.AppRunner(metrics_app, access_log=None)
         await runner.setup()

@@ -667,3 +667,52 @@ def test_a_gauge_set_only_keeps_the_one_series_at_its_value_and_checks_its_label
     with pytest.raises(ValueError, match="llm_proxy_store_drops_keys"):
         gauge.set_only(("a", "b"), 1)
     assert [labels for labels, _ in gauge.items()] == [["volatile-lru"]]
+
+
+async def test_a_failed_build_answers_each_waiting_scrape_a_500_in_the_proxys_format_on_both_ports(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that raised: both ports' waiters get a 500 and the next scrape builds again, each
+    500 in the proxy's JSON format: metrics.listen's was aiohttp's own text/plain "Server got
+    itself in trouble", its app without the proxy's error middleware (the fifth review)."""
+    port = free_port()
+    proxy = await make_proxy(
+        admin_keys=[{"name": "ops", "sha256": digest(ADMIN)}],
+        metrics={"listen": {"host": "127.0.0.1", "port": port}},
+    )
+    state = proxy.app[STATE]
+    release = threading.Event()
+    builds: list[int] = []
+
+    def failing(registry: CollectorRegistry) -> bytes:
+        builds.append(1)
+        release.wait(30)
+        raise RuntimeError("a collector broke")
+
+    monkeypatch.setattr("proxy.exposition.generate_latest", failing)
+
+    async def scraped(
+        session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+    ) -> tuple[int, str, str]:
+        async with session.get(url, headers=headers) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), await resp.text()
+
+    main = (proxy.url + "/metrics", {"Authorization": f"Bearer {ADMIN}"})
+    own = (f"http://127.0.0.1:{port}/metrics", {})
+    async with aiohttp.ClientSession() as session:
+        try:
+            scrapes = [asyncio.create_task(scraped(session, *where)) for where in [main, own]]
+            for _ in range(1000):
+                if state.expositions is not None and state.expositions.waiting == len(scrapes):
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            release.set()
+        answers = await asyncio.gather(*scrapes)
+        assert len(builds) == 1
+        for status, _, _ in answers:
+            assert status == 500
+        again = await scraped(session, *own)
+    assert len(builds) == 2, "the next scrape did not build again"
+    assert again[0] == 500
+    assert [a[1].split(";")[0] for a in answers] == ["application/json"] * 2, answers
