@@ -22,7 +22,7 @@ from pathlib import Path
 # label ``X509 CERTIFICATE`` too, which OpenSSL (curl's --cacert, cadata) reads as a certificate:
 # a bundle holding some had their CAs dropped unsaid, each call to a server they signed failing.
 _PEM_CERTIFICATE = re.compile(
-    rb"-----BEGIN (?:X509 )?CERTIFICATE-----\r?\n.*?-----END (?:X509 )?CERTIFICATE-----", re.DOTALL
+    rb"-----BEGIN ((?:X509 )?CERTIFICATE)-----\r?\n.*?-----END ((?:X509 )?CERTIFICATE)-----", re.DOTALL
 )
 # OpenSSL's trusted certificate (a certificate followed by trust settings: the purposes it is
 # trusted or distrusted for), as RHEL's ca-bundle.trust.crt holds them. ``cadata`` reads none, and
@@ -48,7 +48,15 @@ def trusted_pem(path: Path) -> str:
             "bundle of plain certificates (RHEL's /etc/pki/tls/certs/ca-bundle.crt), or convert "
             "each with openssl x509 -in FILE -out FILE.pem (which drops its trust settings)"
         )
-    blocks = _PEM_CERTIFICATE.findall(pem)
+    found = list(_PEM_CERTIFICATE.finditer(pem))
+    for block in found:
+        if block[1] != block[2]:
+            # OpenSSL would refuse it in its own words ("no start line"), naming neither.
+            raise ValueError(
+                f"a certificate's -----BEGIN {block[1].decode()}----- is closed by "
+                f"-----END {block[2].decode()}-----: the two labels must be the same"
+            )
+    blocks = [block[0] for block in found]
     if not blocks:
         raise ValueError(
             "it holds no PEM certificate (-----BEGIN CERTIFICATE-----); a DER file converts with "

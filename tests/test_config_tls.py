@@ -181,3 +181,23 @@ def test_a_ca_file_holding_openssl_trusted_certificates_is_refused_at_load(
         f"upstreams.openai.ca_file: {bundle}: it holds 1 OpenSSL trusted certificate(s)"
     ), message
     assert "ca-bundle.crt" in message
+
+
+@pytest.mark.parametrize(
+    ("begin", "end"), [(b"X509 CERTIFICATE", b"CERTIFICATE"), (b"CERTIFICATE", b"X509 CERTIFICATE")]
+)
+def test_a_certificate_whose_begin_and_end_labels_differ_is_refused_naming_the_mismatch(
+    private_ca: PrivateCA, tmp_path: Path, begin: bytes, end: bytes
+) -> None:
+    """BEGIN X509 CERTIFICATE ... END CERTIFICATE (or the reverse) was taken as one block, which
+    OpenSSL refused in words naming neither ("no start line: cadata does not contain a
+    certificate"): the mismatch is named (the fifth review)."""
+    pem = private_ca.ca.read_bytes()
+    pem = pem.replace(b"BEGIN CERTIFICATE", b"BEGIN " + begin).replace(b"END CERTIFICATE", b"END " + end)
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(pem)
+    with pytest.raises(ConfigError) as refused:
+        loaded({"ca_file": str(bundle)})
+    message = str(refused.value)
+    assert "cadata" not in message and "no start line" not in message, message
+    assert "-----END " in message, message
