@@ -550,3 +550,12 @@ async def loop_ticks(every_s: float = 0.005) -> AsyncIterator[list[float]]:
     finally:
         stop.set()
         await ticking
+
+
+async def serving(app: web.Application) -> Proxy:
+    """``app`` served on a free loopback port (its runner for the test to clean up)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    return Proxy(url=url, app=app, config=app[STATE].config, runner=runner)

@@ -31,6 +31,7 @@ from tests.conftest import (
     ProxyFactory,
     base_config,
     digest,
+    serving,
     until_upstream_received,
 )
 from tests.fake_upstream import FakeUpstream
@@ -404,21 +405,13 @@ async def test_a_tenant_window_named_without_a_ceiling_counts_every_key_and_hold
 
 async def _proxy_from_file(raw: dict[str, Any], path: Path) -> Proxy:
     """A proxy serving the config file ``path`` (written from ``raw``), reloaded on SIGHUP."""
-    from aiohttp import web
-
     from proxy.app import build_app
     from proxy.config_load import load_config
     from proxy.tokenizer import Tokenizer
 
     path.write_text(yaml.safe_dump(raw))
     os.environ["TEST_UPSTREAM_KEY"] = UPSTREAM_KEY
-    app = build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return Proxy(
-        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
-    )
+    return await serving(build_app(load_config(path), tokenizer=Tokenizer({}), config_path=path))
 
 
 async def test_reload_applies_new_prices_and_ceilings_and_keeps_usage(

@@ -437,6 +437,17 @@ class LostThenDown:
         return await self.settle(**how)
 
 
+async def losing_store(url: str, *, down: bool = True) -> tuple[RedisStore, LostThenDown]:
+    """A store on ``url`` whose reaper tries go through ``LostThenDown`` (``down``: the tries
+    after the first fail unsent)."""
+    store = RedisStore.from_url(url)
+    await store.load_scripts()
+    lost = LostThenDown(store.settle)
+    lost.down = down
+    store.settle = lost  # type: ignore[method-assign]
+    return store, lost
+
+
 async def test_a_reapers_settle_whose_reply_was_lost_is_counted_after_its_instance_stopped(
     make_proxy: ProxyFactory, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -479,10 +490,7 @@ async def test_a_reaper_without_a_journal_sends_its_unsure_settles_once_more_as_
 ) -> None:
     """A reaper given no journal (or whose disk refuses the line) keeps its settle whose reply
     was lost in memory: one more try as it stops, the store back by then, counts the entry."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    store.settle = lost  # type: ignore[method-assign]
+    store, lost = await losing_store(redis_server.url)
     counted: list[Mapping[str, str]] = []
     reaper = asyncio.create_task(run_reaper(store, 0.05, counted.append, known=lambda: ["team-a"]))
     try:
@@ -518,11 +526,7 @@ async def test_a_reapers_line_written_whose_sync_failed_is_counted_by_the_replay
     reads the line in the file, sent it again and counted the same entry again. One
     ``lease_expired`` entry, two in the metrics (the review's
     test_a_reaper_line_whose_sync_failed_is_not_counted_twice)."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    lost.down = False
-    store.settle = lost  # type: ignore[method-assign]
+    store, _ = await losing_store(redis_server.url, down=False)
     journal = Journal(tmp_path / "journal")
     counted: list[Mapping[str, str]] = []
     unsure: Unsure = {}
@@ -564,10 +568,7 @@ async def test_a_reapers_try_from_memory_cut_during_its_lines_sync_is_counted_by
     cancelled (a shutdown) while the line's sync runs. The line was in the file and the try
     left in memory all the same: sent once more as the reaper stopped, its entry counted, and
     counted again by the replay."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    store.settle = lost  # type: ignore[method-assign]
+    store, lost = await losing_store(redis_server.url)
     journal = Journal(tmp_path / "journal")
     counted: list[Mapping[str, str]] = []
     unsure: Unsure = {}
@@ -618,10 +619,7 @@ async def test_an_unsure_reaper_settle_the_store_then_rejects_is_dropped(
 ) -> None:
     """A reaper's try kept in memory (reply lost, no journal), which the store rejects when sent
     again: logged and dropped, not sent again every round for good (its tenant never idle)."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    store.settle = lost  # type: ignore[method-assign]
+    store, _ = await losing_store(redis_server.url)
     unsure: Unsure = {}
     try:
         await run_lease(store, "team-a", "dead-instance", "r-dead")
@@ -681,10 +679,7 @@ async def test_a_stopping_reaper_whose_store_is_still_away_stops_quietly(
 ) -> None:
     """The reaper's last tries (no journal) fail, the store still away: logged, and the reaper
     stops as cancelled, not with the store's error."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    store.settle = lost  # type: ignore[method-assign]
+    store, lost = await losing_store(redis_server.url)
     reaper = asyncio.create_task(run_reaper(store, 0.05, lambda e: None, known=lambda: ["team-a"]))
     try:
         await run_lease(store, "team-a", "dead-instance", "r-dead")
@@ -705,11 +700,7 @@ async def test_a_reapers_try_journaled_is_not_kept_in_memory_too(
 ) -> None:
     """A reaper's settle whose reply was lost, journaled (its sync fine): the journal's alone.
     Kept in memory as well, the reaper's next round and the replay would each count its entry."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    lost.down = False
-    store.settle = lost  # type: ignore[method-assign]
+    store, _ = await losing_store(redis_server.url, down=False)
     journal = Journal(tmp_path / "journal")
     counted: list[Mapping[str, str]] = []
     unsure: Unsure = {}
@@ -733,10 +724,7 @@ async def test_a_running_reapers_rounds_journal_their_lost_tries(
 ) -> None:
     """``run_reaper``'s journal takes a round's try whose reply was lost while the reaper runs
     (a host crash before it stops loses nothing), not only the tries left when it stops."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    store.settle = lost  # type: ignore[method-assign]
+    store, lost = await losing_store(redis_server.url)
     journal = Journal(tmp_path / "journal")
     reaper = asyncio.create_task(
         run_reaper(store, 0.05, lambda e: None, known=lambda: ["team-a"], journal=journal)
@@ -765,10 +753,7 @@ async def test_a_stopping_reaper_journals_the_tries_its_disk_refused_before(
 ) -> None:
     """Tries the journal's full disk kept in memory, the store still away as the reaper stops:
     its last tries fail and go to the journal (its disk back), not with the process."""
-    store = RedisStore.from_url(redis_server.url)
-    await store.load_scripts()
-    lost = LostThenDown(store.settle)
-    store.settle = lost  # type: ignore[method-assign]
+    store, lost = await losing_store(redis_server.url)
     journal = Journal(tmp_path / "journal")
 
     def disk_full(fd: int, data: bytes) -> int:

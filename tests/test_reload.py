@@ -40,6 +40,7 @@ from tests.conftest import (
     big_config,
     loop_ticks,
     refused_port,
+    serving,
     until_upstream_received,
 )
 from tests.fake_upstream import FakeUpstream
@@ -72,12 +73,8 @@ async def test_a_model_a_reload_adds_is_counted_with_its_encoding(
     path.write_text(yaml.safe_dump(raw))
     monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     app = build_app(load_config(path), config_path=path)  # the tokenizer loaded as serve loads it
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    proxy = Proxy(
-        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
-    )
+    proxy = await serving(app)
+    runner = proxy.runner
     try:
         raw["models"]["legacy-model"] = {"upstream": "openai", "encoding": "p50k_base"}
         path.write_text(yaml.safe_dump(raw))
@@ -751,12 +748,8 @@ async def test_the_config_served_from_start_is_not_kept_with_its_key_scopes_afte
     monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     read = load_config(path)  # as serve's _config_for: the file's config, its flags none
     app = build_app(read, tokenizer=Tokenizer({}), config_path=path, started_from=read)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    proxy = Proxy(
-        url=f"http://127.0.0.1:{runner.addresses[0][1]}", app=app, config=app[STATE].config, runner=runner
-    )
+    proxy = await serving(app)
+    runner = proxy.runner
     try:
         await call(proxy, "scopes")
         first = app[STATE].config.key_scopes
